@@ -1,0 +1,3 @@
+from paddle_cluster.cli import main
+
+main()

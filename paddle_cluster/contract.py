@@ -1,0 +1,233 @@
+"""The environment-variable contract between the launcher and every process it starts.
+
+This module is the only place that knows the variable names, in both directions: the launcher builds a
+``JobEnv`` and calls ``to_environ()``; a pserver or trainer calls ``JobEnv.from_environ()``. It speaks
+three dialects at once so seed scripts run unchanged: Fluid (``PADDLE_TRAINING_ROLE`` ...), v2
+(``PADDLE_INIT_*``) and the job's own (``PADDLE_JOB_*``). Standard library only: it runs on every node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+PSERVER = "PSERVER"
+TRAINER = "TRAINER"
+ROLES = (PSERVER, TRAINER)
+
+# Name of the owner-only file in ``<job dir>/.paddle_cluster/`` that holds the job-wide part of the
+# contract (never passed on a command line, where ``ps`` would show the secret).
+ENV_FILE = "env"
+
+
+class ContractError(ValueError):
+    """A variable of the contract is missing or malformed; the message names it."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One pserver: the address it binds to and the first of its ports."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Endpoint":
+        host, sep, port = text.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ContractError(f"bad pserver endpoint {text!r}: expected HOST:PORT")
+        return cls(host, int(port))
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """Everything a pserver or trainer needs to know about its job.
+
+    Pserver *k* listens on ``ports_num + ports_num_for_sparse`` consecutive ports starting at
+    ``pservers[k].port``: the first ``ports_num`` carry dense traffic, the rest sparse-table traffic.
+    """
+
+    job_id: str
+    pservers: Tuple[Endpoint, ...]
+    trainers: int
+    ports_num: int = 1
+    ports_num_for_sparse: int = 1
+    secret: str = ""
+    job_dir: str = ""
+    workspace: str = ""
+    barrier_timeout: float = 120.0
+    # Per process; None in the job-wide part the launcher writes to the env file.
+    role: Optional[str] = None
+    trainer_id: Optional[int] = None
+    pserver_id: Optional[int] = None
+    current_ip: Optional[str] = None
+    extra: Dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.role is not None and self.role not in ROLES:
+            raise ContractError(f"PADDLE_TRAINING_ROLE={self.role!r}: expected one of {', '.join(ROLES)}")
+        if self.trainers < 1:
+            raise ContractError(f"PADDLE_TRAINERS={self.trainers}: must be at least 1")
+        if self.trainer_id is not None and not 0 <= self.trainer_id < self.trainers:
+            raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be in [0, {self.trainers})")
+        if self.pserver_id is not None and not 0 <= self.pserver_id < len(self.pservers):
+            raise ContractError(f"PADDLE_PSERVER_ID={self.pserver_id}: must be in [0, {len(self.pservers)})")
+        if self.ports_num < 1 or self.ports_num_for_sparse < 0:
+            raise ContractError("PADDLE_INIT_PORTS_NUM must be >= 1 and PADDLE_INIT_PORTS_NUM_FOR_SPARSE >= 0")
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def ports_per_pserver(self) -> int:
+        return self.ports_num + self.ports_num_for_sparse
+
+    def dense_ports(self, k: int) -> Tuple[int, ...]:
+        base = self.pservers[k].port
+        return tuple(range(base, base + self.ports_num))
+
+    def sparse_ports(self, k: int) -> Tuple[int, ...]:
+        """Ports for sparse traffic; with no sparse ports configured, sparse shares the dense ones."""
+        base = self.pservers[k].port + self.ports_num
+        return tuple(range(base, base + self.ports_num_for_sparse)) or self.dense_ports(k)
+
+    def all_ports(self, k: int) -> Tuple[int, ...]:
+        base = self.pservers[k].port
+        return tuple(range(base, base + self.ports_per_pserver))
+
+    @property
+    def current_endpoint(self) -> Optional[Endpoint]:
+        return None if self.pserver_id is None else self.pservers[self.pserver_id]
+
+    def for_process(self, role: str, index: int, current_ip: str) -> "JobEnv":
+        """The contract of one process: trainer ``index`` or pserver ``index`` on ``current_ip``."""
+        if role == TRAINER:
+            return dataclasses.replace(self, role=role, trainer_id=index, pserver_id=None, current_ip=current_ip)
+        return dataclasses.replace(self, role=role, pserver_id=index, trainer_id=None, current_ip=current_ip)
+
+    # -- to and from the environment -----------------------------------------------------------
+    def to_environ(self) -> Dict[str, str]:
+        eps = ",".join(str(e) for e in self.pservers)
+        ips = ",".join(e.host for e in self.pservers)
+        first_port = str(self.pservers[0].port) if self.pservers else ""
+        env = {
+            # Fluid names (seed 003)
+            "PADDLE_PSERVER_IPS": ips,
+            "PADDLE_PSERVER_PORT": first_port,
+            "PADDLE_TRAINERS": str(self.trainers),
+            # v2 names (seed 000)
+            "PADDLE_INIT_PSERVERS": ips,
+            "PADDLE_INIT_PORT": first_port,
+            "PADDLE_INIT_PORTS_NUM": str(self.ports_num),
+            "PADDLE_INIT_PORTS_NUM_FOR_SPARSE": str(self.ports_num_for_sparse),
+            "PADDLE_INIT_NUM_GRADIENT_SERVERS": str(self.trainers),
+            "PADDLE_INIT_TRAINER_COUNT": "1",
+            "PADDLE_INIT_USE_GPU": "0",
+            # the job's own
+            "PADDLE_JOB_ID": self.job_id,
+            "PADDLE_PSERVER_ENDPOINTS": eps,
+            "PADDLE_JOB_SECRET": self.secret,
+            "PADDLE_JOB_DIR": self.job_dir,
+            "PADDLE_WORKSPACE": self.workspace,
+            "PADDLE_BARRIER_TIMEOUT": repr(float(self.barrier_timeout)),
+            # Unbuffered output so the launcher streams lines as they are printed.
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.role is not None:
+            env["PADDLE_TRAINING_ROLE"] = self.role
+        if self.current_ip is not None:
+            env["PADDLE_CURRENT_IP"] = self.current_ip
+        if self.trainer_id is not None:
+            env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
+            env["PADDLE_INIT_TRAINER_ID"] = str(self.trainer_id)
+        if self.pserver_id is not None:
+            env["PADDLE_PSERVER_ID"] = str(self.pserver_id)
+            env["PADDLE_CURRENT_ENDPOINT"] = str(self.pservers[self.pserver_id])
+        env.update(self.extra)
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["JobEnv"]:
+        """The contract from ``environ`` (default ``os.environ``); None when not started by a launcher."""
+        env = os.environ if environ is None else environ
+        eps_text = env.get("PADDLE_PSERVER_ENDPOINTS", "")
+        if not eps_text:
+            # A seed-style launch (Fluid names only): one pserver per IP, all on the same port.
+            ips = env.get("PADDLE_PSERVER_IPS") or env.get("PADDLE_INIT_PSERVERS") or ""
+            port = env.get("PADDLE_PSERVER_PORT") or env.get("PADDLE_INIT_PORT") or ""
+            if not ips:
+                return None
+            if not port:
+                raise ContractError("PADDLE_PSERVER_IPS is set but PADDLE_PSERVER_PORT is not")
+            eps_text = ",".join(f"{ip}:{port}" for ip in ips.split(",") if ip)
+        pservers = tuple(Endpoint.parse(t) for t in eps_text.split(",") if t.strip())
+        if not pservers:
+            raise ContractError(f"PADDLE_PSERVER_ENDPOINTS={eps_text!r} names no pserver")
+        role = env.get("PADDLE_TRAINING_ROLE") or None
+        pserver_id = _int(env, "PADDLE_PSERVER_ID")
+        current_ip = env.get("PADDLE_CURRENT_IP") or None
+        if role == PSERVER and pserver_id is None and current_ip:
+            # Seed scripts identify a pserver by its address alone.
+            matches = [k for k, e in enumerate(pservers) if e.host == current_ip]
+            if len(matches) != 1:
+                raise ContractError(
+                    f"PADDLE_CURRENT_IP={current_ip} matches {len(matches)} pservers in "
+                    f"{eps_text}; set PADDLE_PSERVER_ID to say which one this is"
+                )
+            pserver_id = matches[0]
+        trainers = _int(env, "PADDLE_TRAINERS")
+        if trainers is None:
+            trainers = _int(env, "PADDLE_INIT_NUM_GRADIENT_SERVERS")
+        trainer_id = _int(env, "PADDLE_TRAINER_ID")
+        if trainer_id is None:
+            trainer_id = _int(env, "PADDLE_INIT_TRAINER_ID")
+        return cls(
+            job_id=env.get("PADDLE_JOB_ID", "local"),
+            pservers=pservers,
+            trainers=1 if trainers is None else trainers,
+            ports_num=_int(env, "PADDLE_INIT_PORTS_NUM") or 1,
+            ports_num_for_sparse=_int(env, "PADDLE_INIT_PORTS_NUM_FOR_SPARSE") or 0,
+            secret=env.get("PADDLE_JOB_SECRET", ""),
+            job_dir=env.get("PADDLE_JOB_DIR", ""),
+            workspace=env.get("PADDLE_WORKSPACE", ""),
+            barrier_timeout=float(env.get("PADDLE_BARRIER_TIMEOUT", "120")),
+            role=role,
+            trainer_id=trainer_id if role != PSERVER else None,
+            pserver_id=pserver_id if role != TRAINER else None,
+            current_ip=current_ip,
+        )
+
+
+def _int(env: Mapping[str, str], name: str) -> Optional[int]:
+    text = env.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ContractError(f"{name}={text!r}: expected an integer") from None
+
+
+def write_env_file(path: str, environ: Mapping[str, str]) -> None:
+    """Write ``KEY=VALUE`` lines readable by the owner only (the secret is in them)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        for key, value in sorted(environ.items()):
+            if "\n" in key or "\n" in value or "=" in key:
+                raise ContractError(f"environment variable {key!r} cannot be written to an env file")
+            f.write(f"{key}={value}\n")
+    os.chmod(path, 0o600)
+
+
+def read_env_file(path: str) -> Dict[str, str]:
+    env: Dict[str, str] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                env[key] = value
+    return env
