@@ -12,6 +12,11 @@ def _write(path, text):
         f.write(text)
 
 
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def test_file_list_relative_to_list_dir_glob_and_dir(tmp_path, monkeypatch):
     (tmp_path / "d").mkdir()
     for n in ("a.txt", "b.txt", "c.dat"):
@@ -46,7 +51,7 @@ def test_split_file(tmp_path, mode, n_lines):
     _write(src, "\n".join(lines))  # no trailing newline on the last line
     parts = D.split_file(str(src), 3, str(tmp_path / "out" / "part"), mode=mode)
     assert [os.path.basename(p) for p in parts] == ["part-00000", "part-00001", "part-00002"]
-    texts = [open(p).read() for p in parts]
+    texts = [_read(p) for p in parts]
     assert all(t.endswith("\n") or not t for t in texts)
     got = [t.splitlines() for t in texts]
     sizes = [len(g) for g in got]
