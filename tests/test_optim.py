@@ -154,3 +154,9 @@ def test_sparse_shape_errors():
         opt.apply(table, opt.new_state(4), np.array([0, 1]), np.zeros((3, 3), np.float32))
     with pytest.raises(ValueError):
         opt.apply(np.zeros((4, 2), np.float32), opt.new_state(4), np.array([0]), np.zeros((1, 2), np.float32))
+    for bad in ([1, 1], [-1, 0], [0, 4]):
+        with pytest.raises(ValueError):
+            opt.apply(table, opt.new_state(4), np.array(bad), np.ones((2, 3), np.float32))
+    assert not table.any()
+    # An empty push is fine.
+    opt.apply(table, opt.new_state(4), np.zeros(0, np.int64), np.zeros((0, 3), np.float32))

@@ -212,6 +212,12 @@ class SparseOptimizer:
             raise ValueError(f"table shape {table.shape} does not have width {self.width}")
         if grad.shape != (idx.shape[0], self.width):
             raise ValueError(f"grad shape {grad.shape}, expected {(idx.shape[0], self.width)}")
+        if len(idx):
+            # Negative positions would wrap around and duplicates would drop updates, both silently.
+            if idx.min() < 0 or idx.max() >= table.shape[0]:
+                raise ValueError(f"row positions must be in [0, {table.shape[0]})")
+            if len(idx) > 1 and len(np.unique(idx)) != len(idx):
+                raise ValueError("row positions must be unique (sum duplicate rows' gradients first)")
         return idx, grad
 
     def _grad(self, rows: np.ndarray, grad: np.ndarray) -> np.ndarray:
@@ -222,7 +228,7 @@ class SparseOptimizer:
     def apply(
         self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray
     ) -> None:
-        """Update ``table[idx]`` (idx unique: duplicate rows would lose all but one update) and its state."""
+        """Update ``table[idx]`` and its state rows; ``idx`` must be unique, in-range row positions."""
         raise NotImplementedError
 
 
