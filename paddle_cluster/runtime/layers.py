@@ -235,7 +235,6 @@ class Embedding(Layer):
         self.sparse_grad: Optional[SparseGrad] = None
         self._uniq: Optional[np.ndarray] = None
         self._inverse: Optional[np.ndarray] = None
-        self._shape: Tuple[int, ...] = ()
 
     @staticmethod
     def unique(ids: np.ndarray) -> np.ndarray:
@@ -252,7 +251,7 @@ class Embedding(Layer):
         elif rows.shape != (len(uniq), self.dim):
             want = (len(uniq), self.dim)
             raise ValueError(f"rows shape {rows.shape}, expected {want} (the rows of np.unique(ids))")
-        self._uniq, self._inverse, self._shape = uniq, inverse, ids.shape
+        self._uniq, self._inverse = uniq, inverse
         return rows[inverse].reshape(*ids.shape, self.dim)
 
     def backward(self, dout: np.ndarray) -> SparseGrad:
