@@ -37,7 +37,7 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
     @classmethod
-    def parse(cls, text: str) -> "Endpoint":
+    def parse(cls, text: str) -> Endpoint:
         host, sep, port = text.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ContractError(f"bad pserver endpoint {text!r}: expected HOST:PORT")
@@ -102,7 +102,7 @@ class JobEnv:
     def current_endpoint(self) -> Optional[Endpoint]:
         return None if self.pserver_id is None else self.pservers[self.pserver_id]
 
-    def for_process(self, role: str, index: int, current_ip: str) -> "JobEnv":
+    def for_process(self, role: str, index: int, current_ip: str) -> JobEnv:
         """The contract of one process: trainer ``index`` or pserver ``index`` on ``current_ip``."""
         if role == TRAINER:
             return dataclasses.replace(self, role=role, trainer_id=index, pserver_id=None, current_ip=current_ip)
@@ -150,7 +150,7 @@ class JobEnv:
         return env
 
     @classmethod
-    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["JobEnv"]:
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> Optional[JobEnv]:
         """The contract from ``environ`` (default ``os.environ``); None when not started by a launcher."""
         env = os.environ if environ is None else environ
         eps_text = env.get("PADDLE_PSERVER_ENDPOINTS", "")

@@ -1,0 +1,166 @@
+"""``paddle-cluster``: parse the command line, call one function of ``launch``, turn errors into messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import warnings
+from typing import Optional, Tuple
+
+import click
+
+from .launch import job as jobs
+from .launch import ops
+from .launch.config import ClusterConfig, load_config
+from .launch.errors import ClusterError
+
+
+def _say(msg: str) -> None:
+    click.echo(f"paddle-cluster: {msg}", err=True)
+
+
+def _out(line: str) -> None:
+    click.echo(line)
+
+
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    click.echo(f"paddle-cluster: warning: {message}", err=True)
+
+
+def _handled(fn):
+    """Every ClusterError becomes one clean message and its exit code; never a bare traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        warnings.showwarning = _warn
+        try:
+            return fn(*args, **kwargs)
+        except ClusterError as e:
+            click.echo(f"paddle-cluster: error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("paddle-cluster: interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+def _config(ctx: click.Context) -> ClusterConfig:
+    cfg = load_config(ctx.obj["conf"])
+    if ctx.obj["accept_new_host_keys"]:
+        cfg = dataclasses.replace(cfg, ssh_accept_new_host_keys=True)
+    return cfg
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--conf", metavar="FILE", help="conf.py or cluster.yaml (default: $PADDLE_CLUSTER_CONF, ./conf.py, "
+              "./cluster.yaml, else a local two-pserver/two-trainer cluster on this machine).")
+@click.option("--accept-new-host-keys", is_flag=True, help="Trust and remember SSH host keys not yet known "
+              "(known keys are still checked).")
+@click.version_option(package_name="paddle-cluster")
+@click.pass_context
+def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool) -> None:
+    """Launch parameter-server training jobs on the hosts of conf.py over SSH."""
+    ctx.obj = {"conf": conf, "accept_new_host_keys": accept_new_host_keys}
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every node.")
+@click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every node.")
+@click.option("--job_name", metavar="NAME", help="Job directory name under ROOT_DIR (default JOB<yyyymmddHHMMSS>).")
+@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+@_handled
+def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
+        trainer_args: Tuple[str, ...]) -> None:
+    """Start a job: pservers first, trainers once every pserver listens. Arguments after -- go to train.py."""
+    if bool(dispatch_dir) == bool(workspace):
+        raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
+    cfg = _config(ctx)
+    if cfg.is_builtin_default:
+        _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
+             f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
+    spec = jobs.JobSpec(cfg, job_name or jobs.default_job_name(), dispatch_dir, workspace, tuple(trainer_args))
+    jobs.run_job(spec, _out, _say)
+
+
+def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
+    return name or jobs.latest_job(cfg)
+
+
+@main.command()
+@click.option("--job_name", metavar="NAME", help="Job to stop (default: the latest started with this config).")
+@click.pass_context
+@_handled
+def kill(ctx: click.Context, job_name: Optional[str]) -> None:
+    """Stop a job on every node (only the processes recorded for that job)."""
+    cfg = _config(ctx)
+    name = _job_name(cfg, job_name)
+    for r in ops.kill_job(cfg, name):
+        what = ", ".join(r.stopped) if r.stopped else "nothing running"
+        _out(f"{r.node}: {what if r.found else f'no job {name} here'}")
+
+
+@main.command()
+@click.argument("node")
+@click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "lines", type=int, default=50, show_default=True, help="How many last lines to show.")
+@click.option("--job_name", metavar="NAME")
+@click.pass_context
+@_handled
+def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
+    """Show a node's logs; NODE is node0, 0, or a host from HOSTS."""
+    cfg = _config(ctx)
+    ops.stream_logs(cfg, _job_name(cfg, job_name), node, role, lines, follow, _out)
+
+
+@main.command()
+@click.option("--job_name", metavar="NAME")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@_handled
+def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
+    """A table of every process of a job: node, host, address, role, pid, state, last log line."""
+    cfg = _config(ctx)
+    rows = ops.job_status(cfg, _job_name(cfg, job_name))
+    if as_json:
+        _out(ops.as_json(rows))
+        return
+    _table(["node", "host", "address", "process", "pid", "state", "last log line"],
+           [[r.node, r.host, r.address, r.name, str(r.pid), r.state, r.last_line[-60:]] for r in rows])
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+@_handled
+def check(ctx: click.Context, as_json: bool) -> None:
+    """Preflight every host: SSH without prompts, Python+numpy, NIC, ports, ROOT_DIR, disk."""
+    cfg = _config(ctx)
+    rows = ops.check_cluster(cfg)
+    if as_json:
+        _out(ops.as_json(rows))
+    else:
+        _table(["node", "host", "ssh", "python", "numpy", "nic", "ports", "ROOT_DIR", "disk free", "problem"],
+               [[r.node, r.host, r.ssh, r.python, r.numpy, r.nic, r.ports, r.root_dir, r.disk_free, r.problem]
+                for r in rows])
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check: "
+                           + "; ".join(f"{r.node}: {r.problem}" for r in bad))
+
+
+def _table(headers, rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(*headers)
+    for r in rows:
+        t.add_row(*r)
+    Console(width=200 if not sys.stdout.isatty() else None).print(t)
+
+
+if __name__ == "__main__":
+    main()

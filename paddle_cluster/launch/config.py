@@ -1,0 +1,287 @@
+"""Cluster configuration: ``conf.py`` (executed as Python) or YAML, validated into a typed ``ClusterConfig``.
+
+Lookup order: ``--conf FILE``, then ``$PADDLE_CLUSTER_CONF``, then ``./conf.py``, then ``./cluster.yaml``;
+with none of them, a built-in local default (two pservers and two trainers on this machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import yaml
+
+from .errors import ConfigError
+
+LOCAL_HOSTS = ("localhost",)
+_HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One entry of ``HOSTS``: ``user@host[:port]``, an alias from ``~/.ssh/config``, or ``localhost``."""
+
+    text: str
+    host: str
+    user: Optional[str] = None
+    port: Optional[int] = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.host in LOCAL_HOSTS and self.port is None
+
+    @classmethod
+    def parse(cls, text: object, source: str = "") -> HostSpec:
+        if not isinstance(text, str):
+            raise ConfigError("HOSTS", text, 'each host must be a string like "user@host" or "user@host:2222"',
+                              source)
+        m = _HOST_RE.match(text.strip())
+        if not m:
+            raise ConfigError("HOSTS", text, 'cannot parse this host; write it as "host", "user@host", '
+                              '"user@host:port" or an alias from ~/.ssh/config', source)
+        port = m.group("port")
+        if port is not None and not 1 <= int(port) <= 65535:
+            raise ConfigError("HOSTS", text, "the SSH port must be between 1 and 65535", source)
+        return cls(text.strip(), m.group("host").strip("[]"), m.group("user"), int(port) if port else None)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Every setting, with the seed's keys first. Field names are the config keys in lower case."""
+
+    hosts: Tuple[HostSpec, ...]
+    root_dir: str = "/home/paddle"
+    paddle_nic: str = "eth0"
+    paddle_port: int = 7164
+    paddle_ports_num: int = 2
+    paddle_ports_num_for_sparse: int = 2
+    ld_library_path: str = ""
+    # Beyond the seed.
+    pservers_per_node: int = 1
+    trainers_per_node: int = 1
+    python: str = "python3"
+    pserver_command: str = "{python} -m paddle_cluster.pserver"
+    trainer_command: str = "{python} train.py"
+    env: Dict[str, str] = field(default_factory=dict)
+    ssh_identity_file: Optional[str] = None
+    ssh_config_file: Optional[str] = None
+    ssh_known_hosts: Optional[str] = None
+    ssh_accept_new_host_keys: bool = False
+    ssh_connect_timeout: float = 10.0
+    start_timeout: float = 60.0
+    barrier_timeout: float = 120.0
+    orphan_timeout: float = 20.0
+    kill_grace: float = 5.0
+    source: str = "<built-in local default>"
+
+    @property
+    def is_builtin_default(self) -> bool:
+        return self.source == BUILTIN_SOURCE
+
+    @property
+    def ports_per_pserver(self) -> int:
+        return self.paddle_ports_num + self.paddle_ports_num_for_sparse
+
+    def pserver_ports(self, local_index: int) -> Tuple[int, ...]:
+        """Ports of the ``local_index``-th pserver on a node."""
+        base = self.paddle_port + local_index * self.ports_per_pserver
+        return tuple(range(base, base + self.ports_per_pserver))
+
+    def node_ports(self) -> Tuple[int, ...]:
+        return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
+
+
+BUILTIN_SOURCE = "<built-in local default>"
+KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
+_REQUIRED = ("HOSTS",)
+
+
+def builtin_default() -> ClusterConfig:
+    """Two pservers and two trainers on this machine over loopback; no SSH needed."""
+    return ClusterConfig(
+        hosts=(HostSpec("localhost", "localhost"),),
+        root_dir=str(Path.home() / "paddle_cluster_jobs"),
+        paddle_nic="lo",
+        paddle_ports_num=1,
+        paddle_ports_num_for_sparse=1,
+        pservers_per_node=2,
+        trainers_per_node=2,
+        python=os.environ.get("PADDLE_CLUSTER_PYTHON", "") or _this_python(),
+        source=BUILTIN_SOURCE,
+    )
+
+
+def _this_python() -> str:
+    import sys
+
+    return sys.executable or "python3"
+
+
+def find_config_file(explicit: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+    """The file to read, by the documented order; None means the built-in default."""
+    if explicit:
+        p = Path(explicit)
+        if not p.is_file():
+            raise ConfigError("--conf", explicit, "no such file; give the path of a conf.py or cluster.yaml")
+        return p
+    env_path = environ.get("PADDLE_CLUSTER_CONF")
+    if env_path:
+        p = Path(env_path)
+        if not p.is_file():
+            raise ConfigError("PADDLE_CLUSTER_CONF", env_path, "no such file; fix or unset the variable")
+        return p
+    for name in ("conf.py", "cluster.yaml"):
+        if Path(name).is_file():
+            return Path(name)
+    return None
+
+
+def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> ClusterConfig:
+    path = find_config_file(explicit, environ)
+    if path is None:
+        return builtin_default()
+    raw = _read_yaml(path) if path.suffix in (".yaml", ".yml") else _read_python(path)
+    return parse_config(raw, str(path))
+
+
+def _read_python(path: Path) -> Dict[str, Any]:
+    text = path.read_text()
+    try:
+        code = compile(text, str(path), "exec")
+    except SyntaxError as e:
+        raise ConfigError("conf.py", str(path), f"syntax error at line {e.lineno}: {e.msg}; "
+                          f"the file is Python, e.g. HOSTS = [\"root@10.0.0.1\"]", str(path)) from None
+    namespace: Dict[str, Any] = {"__file__": str(path), "__name__": "paddle_cluster_conf"}
+    try:
+        exec(code, namespace)  # noqa: S102 - conf.py is the user's own Python, as in the seed
+    except Exception as e:
+        raise ConfigError("conf.py", str(path), f"running it raised {type(e).__name__}: {e}", str(path)) from None
+    return {k: v for k, v in namespace.items()
+            if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
+
+
+def _read_yaml(path: Path) -> Dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("YAML", str(path), f"cannot parse{line}: {getattr(e, 'problem', e)}", str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("YAML", str(path), "the file must be a mapping of KEY: value", str(path))
+    return {str(k).upper(): v for k, v in data.items()}
+
+
+def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
+    """Validate ``raw`` (upper-case keys) into a ``ClusterConfig``; wrong values raise ``ConfigError``."""
+    for key in raw:
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
+            warnings.warn(f"{source}: unknown key {key}{hint}", ConfigWarning, stacklevel=2)
+    for key in _REQUIRED:
+        if key not in raw:
+            raise ConfigError(key, None, 'missing; list your machines, e.g. HOSTS = ["root@192.168.1.10"]', source)
+
+    base = ClusterConfig(hosts=())
+    values: Dict[str, Any] = {"source": source}
+    for f in dataclasses.fields(ClusterConfig):
+        key = f.name.upper()
+        if key in raw and f.name != "source":
+            values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
+    values["hosts"] = _hosts(raw["HOSTS"], source)
+    cfg = ClusterConfig(**values)
+    _validate(cfg, source)
+    return cfg
+
+
+class ConfigWarning(UserWarning):
+    """A config problem that does not stop the job (e.g. an unknown key)."""
+
+
+def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
+    if key == "HOSTS":
+        return value
+    if key == "ENV":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(key, value, 'must be a mapping of variable names to values, e.g. {"OMP_NUM_THREADS": "1"}',
+                              source)
+        return {k: str(v) for k, v in value.items()}
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "must be True or False", source)
+        return value
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, str) and value.strip().isdigit():
+                return int(value)
+            raise ConfigError(key, value, "must be a whole number", source)
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(key, value, "must be a positive number of seconds", source)
+        return float(value)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(key, value, "must be a string", source)
+    return value
+
+
+def _hosts(value: Any, source: str) -> Tuple[HostSpec, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError("HOSTS", value, 'must be a non-empty list, e.g. HOSTS = ["root@10.0.0.1", "root@10.0.0.2"]',
+                          source)
+    hosts = tuple(HostSpec.parse(v, source) for v in value)
+    seen: Dict[Tuple[str, Optional[int]], str] = {}
+    for h in hosts:
+        ident = (h.host, h.port)
+        if ident in seen:
+            raise ConfigError("HOSTS", h.text, f"lists the same machine as {seen[ident]!r}: their pservers' ports "
+                              "would overlap; list each machine once and raise PSERVERS_PER_NODE / "
+                              "TRAINERS_PER_NODE instead", source)
+        seen[ident] = h.text
+    return hosts
+
+
+def _validate(cfg: ClusterConfig, source: str) -> None:
+    if not os.path.isabs(cfg.root_dir):
+        raise ConfigError("ROOT_DIR", cfg.root_dir, "must be an absolute path on every host, e.g. /home/paddle", source)
+    if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):
+        raise ConfigError("PADDLE_NIC", cfg.paddle_nic, "must be an interface name such as eth0, ib0 or lo", source)
+    if cfg.paddle_ports_num < 1:
+        raise ConfigError("PADDLE_PORTS_NUM", cfg.paddle_ports_num, "must be at least 1", source)
+    if cfg.paddle_ports_num_for_sparse < 0:
+        raise ConfigError("PADDLE_PORTS_NUM_FOR_SPARSE", cfg.paddle_ports_num_for_sparse, "must be 0 or more", source)
+    for key in ("pservers_per_node", "trainers_per_node"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(key.upper(), getattr(cfg, key), "must be 0 or more", source)
+    if cfg.pservers_per_node * len(cfg.hosts) < 1:
+        raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
+    if cfg.trainers_per_node * len(cfg.hosts) < 1:
+        raise ConfigError("TRAINERS_PER_NODE", cfg.trainers_per_node, "the job needs at least one trainer", source)
+    last = cfg.paddle_port + cfg.pservers_per_node * cfg.ports_per_pserver - 1
+    if not 1024 <= cfg.paddle_port or last > 65535:
+        raise ConfigError("PADDLE_PORT", cfg.paddle_port,
+                          f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie within "
+                          "1024..65535; choose a PADDLE_PORT such as 7164", source)
+    for key in ("pserver_command", "trainer_command"):
+        try:
+            getattr(cfg, key).format(python="python3")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} is "
+                              "substituted (write {{ and }} for literal braces)", source) from None
+
+
+def describe(cfg: ClusterConfig) -> List[str]:
+    """One line per setting, for ``paddle-cluster config``-style output and the built-in default notice."""
+    return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name != "source"]

@@ -1,0 +1,182 @@
+"""Getting code onto the nodes: the node-side library, and a job's workspace.
+
+Both travel as tar archives named by their SHA-256 under ``ROOT_DIR/.paddle_cluster/``; a node that
+already holds an archive with that hash is not sent it again. The workspace archive is unpacked on the
+node by the agent, which refuses absolute paths, ``..`` and links that leave the job directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import secrets
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import paddle_cluster
+
+from .errors import ClusterError, HostError
+from .hosts import Node
+
+SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
+SKIP_TOP = {"log", "output"}
+# The parts of paddle_cluster a node needs; the launcher (launch/, cli.py) stays behind.
+NODE_SIDE = ("__init__.py", "contract.py", "pserver.py", "node", "runtime")
+
+
+@dataclass(frozen=True)
+class Package:
+    path: str
+    sha256: str
+    size: int
+    files: int
+
+
+def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_ANYWHERE
+                             and not (rel_dir == "." and d in top_skip))
+        for name in sorted(filenames):
+            if name.endswith((".pyc", ".pyo")):
+                continue
+            full = Path(dirpath) / name
+            yield full, posixpath.normpath(posixpath.join(rel_dir.replace(os.sep, "/"), name))
+
+
+def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str) -> Package:
+    """A deterministic tar (sorted, no owner names), so an unchanged tree has an unchanged hash."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tar", dir=out_dir)
+    os.close(fd)
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for full, arc in entries:
+            info = tar.gettarinfo(str(full), arcname=arc)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if info.isfile():
+                with open(full, "rb") as f:
+                    tar.addfile(info, f)
+            elif info.issym():
+                tar.addfile(info)
+    h = hashlib.sha256()
+    with open(tmp, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return Package(tmp, h.hexdigest(), os.path.getsize(tmp), len(entries))
+
+
+def pack_workspace(directory: str, out_dir: str) -> Package:
+    root = Path(directory)
+    if not root.is_dir():
+        raise ClusterError(f"--job_dispatch_package {directory}: no such directory")
+    entries = list(_walk(root, SKIP_TOP))
+    if not entries:
+        raise ClusterError(f"--job_dispatch_package {directory}: the directory is empty")
+    return _tar(entries, out_dir, "workspace-")
+
+
+def pack_library(out_dir: str) -> Package:
+    pkg = Path(paddle_cluster.__file__).parent
+    entries: List[Tuple[Path, str]] = []
+    for part in NODE_SIDE:
+        p = pkg / part
+        if p.is_file():
+            entries.append((p, f"paddle_cluster/{part}"))
+        else:
+            entries.extend((full, f"paddle_cluster/{part}/{arc}") for full, arc in _walk(p, set()))
+    return _tar(entries, out_dir, "lib-")
+
+
+# Runs on the node with nothing but Python: is the archive there, and if asked, verify and install it.
+_REMOTE = r"""
+import hashlib, json, os, sys, tarfile
+op, root, sha = sys.argv[1], sys.argv[2], sys.argv[3]
+cache = os.path.join(root, ".paddle_cluster")
+os.makedirs(os.path.join(cache, "packages"), mode=0o700, exist_ok=True)
+final = os.path.join(cache, "packages", sha + ".tar")
+lib = os.path.join(cache, "lib", sha)
+if op == "has":
+    print(json.dumps({"has": os.path.exists(final), "lib": os.path.isdir(lib), "part": final + ".part"}))
+    sys.exit(0)
+part = sys.argv[4]
+h = hashlib.sha256()
+with open(part, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
+if h.hexdigest() != sha:
+    os.unlink(part)
+    print(json.dumps({"ok": False, "error": "checksum mismatch after upload"}))
+    sys.exit(1)
+os.replace(part, final)
+if op == "lib":
+    tmp = lib + ".tmp-%d" % os.getpid()
+    with tarfile.open(final) as t:
+        for m in t:  # our own archive, but stay inside tmp regardless
+            if m.name.startswith("/") or ".." in m.name.split("/") or not (m.isfile() or m.isdir()):
+                sys.exit("bad member " + m.name)
+            t.extract(m, tmp)
+    os.makedirs(os.path.dirname(lib), exist_ok=True)
+    try:
+        os.rename(tmp, lib)
+    except OSError:
+        pass  # another launcher installed the same library concurrently
+print(json.dumps({"ok": True}))
+"""
+
+
+def _remote(node: Node, *args: str, what: str) -> dict:
+    out = node.check([node.cfg.python, "-c", _REMOTE, *args], what=what, timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ensure_package(node: Node, pkg: Package, kind: str,
+                   progress: Optional[Callable[[int, int], None]] = None) -> Tuple[str, bool]:
+    """Make ``pkg`` present on ``node``; returns (its path there, whether it had to be sent)."""
+    root = node.cfg.root_dir
+    state = _remote(node, "has", root, pkg.sha256, what=f"looking for the {kind} archive under {root}")
+    final = f"{root}/.paddle_cluster/packages/{pkg.sha256}.tar"
+    if state["has"] and (kind != "lib" or state["lib"]):
+        if progress:
+            progress(pkg.size, pkg.size)
+        return final, False
+    part = f"{state['part']}-{secrets.token_hex(4)}"
+    node.put(pkg.path, part, progress)
+    res = _remote(node, kind, root, pkg.sha256, part, what=f"installing the {kind} archive")
+    if not res.get("ok"):
+        raise HostError(node.label, f"{kind} archive: {res.get('error')}")
+    return final, True
+
+
+def lib_dir(node: Node, lib: Package) -> str:
+    return f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}"
+
+
+def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
+    """The command line that runs the node agent from the installed library."""
+    code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "from paddle_cluster.node.agent import main; sys.exit(main())")
+    return [node.cfg.python, "-c", code, lib_dir(node, lib), *args]
+
+
+def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120) -> dict:
+    out = node.check(agent_argv(node, lib, *args), what=what, timeout=timeout)
+    try:
+        return json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise HostError(node.label, f"{what}: unexpected answer {out[-200:]!r}") from None
+
+
+def unpack(node: Node, lib: Package, archive: str, dest: str) -> None:
+    res = node.run(agent_argv(node, lib, "unpack", "--archive", archive, "--dest", dest), timeout=600)
+    try:
+        doc = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        doc = {"ok": False, "error": (res.stderr or res.stdout).strip()[-300:]}
+    if not doc.get("ok"):
+        raise HostError(node.label, f"unpacking the workspace into {dest} refused: {doc.get('error')}")
+

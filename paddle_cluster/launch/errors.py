@@ -1,0 +1,54 @@
+"""The launcher's errors. Every one carries a message a user can act on; the CLI prints it and exits."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+
+class ClusterError(Exception):
+    """Base class: ``str(err)`` is the whole message shown to the user; ``exit_code`` is the CLI's."""
+
+    exit_code = 1
+
+
+class ConfigError(ClusterError):
+    """A wrong configuration value: names the key, the value and the fix."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, value: object, fix: str, source: str = "") -> None:
+        where = f" in {source}" if source else ""
+        super().__init__(f"{key} = {value!r}{where}: {fix}")
+        self.key, self.value, self.fix = key, value, fix
+
+
+class HostError(ClusterError):
+    """Something went wrong on one host; the message starts with that host."""
+
+    def __init__(self, host: str, message: str) -> None:
+        super().__init__(f"{host}: {message}")
+        self.host, self.message = host, message
+
+
+class HostsFailed(ClusterError):
+    """A fan-out over hosts in which one or more hosts failed; lists every failure, not just the first."""
+
+    def __init__(self, what: str, failures: Dict[str, BaseException]) -> None:
+        lines = [f"{what} failed on {len(failures)} host(s):"]
+        for host, err in failures.items():
+            msg = err.message if isinstance(err, HostError) else f"{type(err).__name__}: {err}"
+            if not isinstance(err, ClusterError):
+                msg = f"unexpected error: {msg}"
+            lines.append(f"  {host}: {msg}")
+        super().__init__("\n".join(lines))
+        self.what, self.failures = what, failures
+
+
+class JobFailed(ClusterError):
+    """The job ran and failed: the report says which process, how, and its last log lines."""
+
+
+class Interrupted(ClusterError):
+    """Ctrl+C or SIGTERM stopped the job."""
+
+    exit_code = 130

@@ -1,0 +1,307 @@
+"""Nodes of the cluster and the one fan-out primitive over them.
+
+A ``Node`` runs commands, copies files and opens a long-lived command stream on one host. ``localhost``
+is a ``LocalNode`` (subprocess, no SSH); every other host is an ``SSHNode`` (Fabric ``Connection``). Both
+speak the same interface, so everything above this module is one code path.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
+
+import paramiko
+
+from .config import ClusterConfig, HostSpec
+from .errors import HostError, HostsFailed
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    stdout: str
+    stderr: str
+    exit_code: int
+
+
+class Stream:
+    """A long-running remote command: write lines to its stdin, read lines from its stdout+stderr."""
+
+    def write_line(self, text: str) -> None:
+        raise NotImplementedError
+
+    def lines(self) -> Iterator[str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Node:
+    """One host of the cluster; ``index`` is its node id (its position in ``HOSTS``)."""
+
+    def __init__(self, index: int, spec: HostSpec, cfg: ClusterConfig) -> None:
+        self.index, self.spec, self.cfg = index, spec, cfg
+
+    @property
+    def name(self) -> str:
+        return f"node{self.index}"
+
+    @property
+    def label(self) -> str:
+        return f"node{self.index} ({self.spec.text})"
+
+    def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
+        raise NotImplementedError
+
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        raise NotImplementedError
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def check(self, argv: Sequence[str], what: str, timeout: Optional[float] = None, stdin: str = "") -> str:
+        """Run ``argv``; a non-zero exit becomes a ``HostError`` quoting its output."""
+        res = self.run(argv, timeout=timeout, stdin=stdin)
+        if res.exit_code != 0:
+            detail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-5:]
+            raise HostError(self.label, f"{what} failed (exit {res.exit_code}): " + " | ".join(detail))
+        return res.stdout
+
+
+class _PopenStream(Stream):
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+        self._lock = threading.Lock()
+
+    def write_line(self, text: str) -> None:
+        with self._lock:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(text.encode() + b"\n")
+
+    def lines(self) -> Iterator[str]:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            yield raw.decode(errors="replace").rstrip("\n")
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class LocalNode(Node):
+    """``localhost``: commands run as subprocesses, files are copied, no SSH."""
+
+    def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
+        try:
+            p = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise HostError(self.label, f"{shlex.join(argv)} did not finish within {timeout:.0f} s") from None
+        except FileNotFoundError as e:
+            raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
+        return CommandResult(p.stdout, p.stderr, p.returncode)
+
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        shutil.copyfile(local, remote)
+        if progress:
+            size = os.path.getsize(remote)
+            progress(size, size)
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        return _PopenStream(argv)
+
+
+class _ChannelStream(Stream):
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()
+
+    def write_line(self, text: str) -> None:
+        with self._lock:
+            self.channel.sendall(text.encode() + b"\n")
+
+    def lines(self) -> Iterator[str]:
+        f = self.channel.makefile("rb")
+        try:
+            for raw in iter(f.readline, b""):
+                yield raw.decode(errors="replace").rstrip("\n")
+        except (OSError, EOFError, paramiko.SSHException):
+            return
+
+    def close(self) -> None:
+        try:
+            self.channel.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+
+class SSHNode(Node):
+    """A remote host over SSH (Fabric). Unknown host keys are refused unless the config says otherwise."""
+
+    def __init__(self, index: int, spec: HostSpec, cfg: ClusterConfig) -> None:
+        super().__init__(index, spec, cfg)
+        self._conn = None
+        self._lock = threading.Lock()
+
+    def _connection(self):
+        with self._lock:
+            if self._conn is None:
+                self._conn = self._open()
+            return self._conn
+
+    def _open(self):
+        import fabric  # imported here so the local-only path never pays for it
+
+        cfg = self.cfg
+        fconf = fabric.Config(runtime_ssh_path=cfg.ssh_config_file) if cfg.ssh_config_file else fabric.Config()
+        kwargs = {"allow_agent": True, "look_for_keys": cfg.ssh_identity_file is None,
+                  "banner_timeout": cfg.ssh_connect_timeout, "auth_timeout": cfg.ssh_connect_timeout}
+        if cfg.ssh_identity_file:
+            kwargs["key_filename"] = os.path.expanduser(cfg.ssh_identity_file)
+        conn = fabric.Connection(self.spec.host, user=self.spec.user, port=self.spec.port, config=fconf,
+                                 connect_timeout=int(max(1, cfg.ssh_connect_timeout)), connect_kwargs=kwargs)
+        hop = conn
+        while isinstance(hop, fabric.Connection):  # the gateways of a ProxyJump chain need the same policy
+            self._harden(hop.client)
+            hop = hop.gateway
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException as e:
+            raise HostError(self.label, f"host key MISMATCH for {e.hostname}: the key in known_hosts differs "
+                            "from what the host presents. If the host was reinstalled, remove the old entry with "
+                            f"`ssh-keygen -R {e.hostname}`; otherwise do not connect") from None
+        except paramiko.AuthenticationException:
+            who = f"{conn.user}@{conn.host}:{conn.port}"
+            key = cfg.ssh_identity_file or "your default keys / ssh-agent"
+            raise HostError(self.label, f"SSH login to {who} was refused (tried {key}; passwords are never "
+                            "prompted for). Install your public key in that user's ~/.ssh/authorized_keys, or "
+                            "set SSH_IDENTITY_FILE") from None
+        except paramiko.SSHException as e:
+            if "not found in known_hosts" in str(e):
+                raise HostError(self.label, f"host key of {conn.host} is unknown. Check it and add it with "
+                                f"`ssh-keyscan -p {conn.port} {conn.host} >> ~/.ssh/known_hosts` (or the file in "
+                                "SSH_KNOWN_HOSTS), or trust new keys once with --accept-new-host-keys") from None
+            raise HostError(self.label, f"SSH error: {e}") from None
+        except (socket.timeout, TimeoutError):
+            raise HostError(self.label, f"no answer from {conn.host}:{conn.port} within "
+                            f"{cfg.ssh_connect_timeout:.0f} s (SSH_CONNECT_TIMEOUT); is the host up and "
+                            "reachable from here?") from None
+        except (OSError, paramiko.ssh_exception.NoValidConnectionsError) as e:
+            raise HostError(self.label, f"cannot connect to {conn.host}:{conn.port}: {e}") from None
+        return conn
+
+    def _harden(self, client: paramiko.SSHClient) -> None:
+        known = self.cfg.ssh_known_hosts
+        if known:
+            path = os.path.expanduser(known)
+            if self.cfg.ssh_accept_new_host_keys and not os.path.exists(path):
+                open(path, "a").close()
+            if os.path.exists(path):
+                client.load_host_keys(path)
+        else:
+            client.load_system_host_keys()
+            default = os.path.expanduser("~/.ssh/known_hosts")
+            if self.cfg.ssh_accept_new_host_keys:
+                os.makedirs(os.path.dirname(default), mode=0o700, exist_ok=True)
+                open(default, "a").close()
+                client.load_host_keys(default)  # so AutoAddPolicy saves what it accepts
+        policy = paramiko.AutoAddPolicy() if self.cfg.ssh_accept_new_host_keys else paramiko.RejectPolicy()
+        client.set_missing_host_key_policy(policy)
+
+    def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
+        conn = self._connection()
+        try:
+            chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
+            if timeout:
+                chan.settimeout(timeout)
+            chan.exec_command(shlex.join(argv))
+            if stdin:
+                chan.sendall(stdin.encode())
+            chan.shutdown_write()
+            out, err = chan.makefile("rb").read(), chan.makefile_stderr("rb").read()
+            code = chan.recv_exit_status()
+        except (socket.timeout, TimeoutError):
+            raise HostError(self.label, f"{shlex.join(argv)[:120]} did not finish within {timeout:.0f} s") from None
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostError(self.label, f"SSH connection lost: {e}") from None
+        return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), code)
+
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
+        conn = self._connection()
+        try:
+            sftp = conn.client.open_sftp()
+            try:
+                sftp.put(local, remote, callback=progress, confirm=True)
+            finally:
+                sftp.close()
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} failed: {e}") from None
+
+    def stream(self, argv: Sequence[str]) -> Stream:
+        conn = self._connection()
+        chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
+        chan.set_combine_stderr(True)
+        chan.exec_command(shlex.join(argv))
+        return _ChannelStream(chan)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def make_nodes(cfg: ClusterConfig) -> List[Node]:
+    return [(LocalNode if h.is_local else SSHNode)(i, h, cfg) for i, h in enumerate(cfg.hosts)]
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class FanoutResult(Generic[T]):
+    """Every node's value or exception, in node order. Nothing is dropped."""
+
+    values: Dict[int, T]
+    errors: Dict[int, BaseException]
+    labels: Dict[int, str]
+
+    def ok(self, what: str) -> List[T]:
+        """The values in node order, or ``HostsFailed`` listing every failed host."""
+        if self.errors:
+            raise HostsFailed(what, {self.labels[i]: e for i, e in sorted(self.errors.items())})
+        return [self.values[i] for i in sorted(self.values)]
+
+
+def fanout(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32) -> FanoutResult[T]:
+    """Run ``fn(node)`` on every node concurrently; collect each value or exception."""
+    values: Dict[int, T] = {}
+    errors: Dict[int, BaseException] = {}
+    if not nodes:
+        return FanoutResult(values, errors, {})
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="fanout") as pool:
+        futures = {n.index: pool.submit(fn, n) for n in nodes}
+        for i, fut in futures.items():
+            try:
+                values[i] = fut.result()
+            except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
+                errors[i] = e
+    return FanoutResult(values, errors, {n.index: n.label for n in nodes})
+

@@ -1,0 +1,187 @@
+"""The commands around a job: ``kill``, ``status``, ``logs`` and the ``check`` preflight."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from . import dispatch
+from .config import ClusterConfig
+from .errors import ClusterError, HostError
+from .hosts import Node, fanout, make_nodes
+
+
+def _nodes_with_lib(cfg: ClusterConfig) -> tuple:
+    nodes = make_nodes(cfg)
+    lib = dispatch.pack_library(tempfile.mkdtemp(prefix="paddle-cluster-"))
+    fanout(nodes, lambda n: dispatch.ensure_package(n, lib, "lib")).ok("reaching the nodes")
+    return nodes, lib
+
+
+@dataclass(frozen=True)
+class NodeKill:
+    node: str
+    found: bool
+    stopped: List[str]
+
+
+def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
+    """Stop every process recorded for ``job_name`` on every node; nothing else is touched."""
+    nodes, lib = _nodes_with_lib(cfg)
+    job_dir = f"{cfg.root_dir}/{job_name}"
+
+    def kill(n: Node) -> NodeKill:
+        doc = dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
+                                  what=f"stopping job {job_name}", timeout=cfg.kill_grace + 60)
+        return NodeKill(n.label, doc["found"], doc["stopped"])
+    try:
+        return fanout(nodes, kill).ok(f"kill {job_name}")
+    finally:
+        fanout(nodes, lambda n: n.close())
+
+
+@dataclass(frozen=True)
+class ProcRow:
+    node: str
+    host: str
+    address: str
+    name: str
+    role: str
+    pid: int
+    state: str
+    last_line: str
+
+
+def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
+    nodes, lib = _nodes_with_lib(cfg)
+    job_dir = f"{cfg.root_dir}/{job_name}"
+
+    def status(n: Node) -> List[ProcRow]:
+        doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what="reading job status")
+        probe = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--root", cfg.root_dir,
+                                    what="probing the node")
+        addr = probe.get("address") or "?"
+        return [ProcRow(n.name, n.spec.text, addr, p["name"], p["role"], p["pid"], p["state"], p["last_line"])
+                for p in doc["procs"]]
+    try:
+        rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
+    finally:
+        fanout(nodes, lambda n: n.close())
+    if not rows:
+        raise ClusterError(f"job {job_name} has no recorded processes under {job_dir} on any node")
+    return rows
+
+
+def resolve_node(cfg: ClusterConfig, text: str) -> int:
+    """``node0``, ``0`` or a host as written in HOSTS (or its bare host name)."""
+    t = text.strip()
+    idx: Optional[int] = None
+    if t.startswith("node") and t[4:].isdigit():
+        idx = int(t[4:])
+    elif t.isdigit():
+        idx = int(t)
+    else:
+        for i, h in enumerate(cfg.hosts):
+            if t in (h.text, h.host):
+                idx = i
+    if idx is None or not 0 <= idx < len(cfg.hosts):
+        names = ", ".join(f"node{i} ({h.text})" for i, h in enumerate(cfg.hosts))
+        raise ClusterError(f"unknown node {text!r}; this cluster has {names}")
+    return idx
+
+
+def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n: int, follow: bool,
+                out: Callable[[str], None]) -> int:
+    idx = resolve_node(cfg, node_text)
+    nodes, lib = _nodes_with_lib(cfg)
+    node = nodes[idx]
+    args = ["logs", "--job-dir", f"{cfg.root_dir}/{job_name}", "--role", role, "-n", str(n)]
+    try:
+        if not follow:
+            res = node.run(dispatch.agent_argv(node, lib, *args), timeout=120)
+            if res.exit_code != 0:
+                raise HostError(node.label, res.stderr.strip() or f"no logs for job {job_name}")
+            for line in res.stdout.splitlines():
+                out(line)
+            return 0
+        stream = node.stream(dispatch.agent_argv(node, lib, *args, "-f"))
+        try:
+            for line in stream.lines():
+                out(line)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            stream.close()
+        return 0
+    finally:
+        for nd in nodes:
+            nd.close()
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    node: str
+    host: str
+    ok: bool
+    ssh: str
+    python: str
+    numpy: str
+    nic: str
+    ports: str
+    root_dir: str
+    disk_free: str
+    problem: str = ""
+
+
+def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
+    """Preflight every host in parallel; never prompts, never hangs past the connect timeout."""
+    nodes = make_nodes(cfg)
+    lib = dispatch.pack_library(tempfile.mkdtemp(prefix="paddle-cluster-"))
+    ports = ",".join(map(str, cfg.node_ports()))
+
+    def check(n: Node) -> CheckRow:
+        try:
+            dispatch.ensure_package(n, lib, "lib")
+        except HostError as e:
+            return CheckRow(n.name, n.spec.text, False, "FAIL", "-", "-", "-", "-", "-", "-", e.message)
+        doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports,
+                                  "--root", cfg.root_dir, what="probing")
+        problems = []
+        if doc["numpy"] is None:
+            problems.append(f"numpy missing for {cfg.python}")
+        if not doc["address"]:
+            problems.append(f"{cfg.paddle_nic} has no IPv4 (interfaces: {', '.join(doc['interfaces'])})")
+        if doc["ports_taken"]:
+            problems.append(f"ports in use: {', '.join(map(str, doc['ports_taken']))}")
+        root = doc["root"]
+        if not root.get("writable"):
+            problems.append(f"ROOT_DIR not writable: {root.get('error')}")
+        free = root.get("free_bytes")
+        if free is not None and free < 1 << 30:
+            problems.append(f"only {free / 2**30:.2f} GiB free under ROOT_DIR")
+        return CheckRow(
+            n.name, n.spec.text, not problems, "ok", doc["python"], doc["numpy"] or "MISSING",
+            f"{cfg.paddle_nic}={doc['address'] or 'MISSING'}",
+            "taken: " + ",".join(map(str, doc["ports_taken"])) if doc["ports_taken"] else "free",
+            "writable" if root.get("writable") else "NOT WRITABLE",
+            f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems))
+
+    res = fanout(nodes, check)
+    fanout(nodes, lambda n: n.close())
+    os.unlink(lib.path)
+    rows = []
+    for n in nodes:
+        if n.index in res.values:
+            rows.append(res.values[n.index])
+        else:
+            err = res.errors[n.index]
+            msg = err.message if isinstance(err, HostError) else f"{type(err).__name__}: {err}"
+            rows.append(CheckRow(n.name, n.spec.text, False, "FAIL", "-", "-", "-", "-", "-", "-", msg))
+    return rows
+
+
+def as_json(rows: list) -> str:
+    return json.dumps([r.__dict__ for r in rows], indent=1)
