@@ -21,7 +21,8 @@ import yaml
 from .errors import ConfigError
 
 LOCAL_HOSTS = ("localhost",)
-_HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
+_HOST_RE = re.compile(
+    r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,8 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
         return value
     if key == "ENV":
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(key, value, 'must be a mapping of variable names to values, e.g. {"OMP_NUM_THREADS": "1"}',
-                              source)
+            raise ConfigError(key, value, "must be a mapping of variable names to values, "
+                              'e.g. {"OMP_NUM_THREADS": "1"}', source)
         return {k: str(v) for k, v in value.items()}
     if isinstance(default, bool):
         if not isinstance(value, bool):
