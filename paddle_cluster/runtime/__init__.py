@@ -1,0 +1,36 @@
+"""The numpy parameter-server runtime (node side: stdlib + numpy only).
+
+Native API::
+
+    from paddle_cluster.runtime import connect, OptimizerSpec
+    ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
+    params = ps.register_dense({"w": w0})
+    ps.register_sparse("emb", width=32, init_scale=0.05, seed=1)
+    for batch in data:
+        params = ps.pull()
+        rows = ps.pull_sparse("emb", ids)
+        ps.push_sparse("emb", ids, row_grads)
+        ps.push({"w": gw})
+    ps.close()
+"""
+
+from .client import CheckpointInfo, PSClient, PushHandle, connect, load_dense
+from .errors import (
+    AuthError,
+    BarrierTimeout,
+    CheckpointError,
+    ConfigMismatch,
+    ConnectionLost,
+    ProtocolError,
+    PSError,
+    RemoteError,
+    UnknownKey,
+)
+from .optim import OptimizerSpec
+from .placement import init_rows
+
+__all__ = [
+    "AuthError", "BarrierTimeout", "CheckpointError", "CheckpointInfo", "ConfigMismatch", "ConnectionLost",
+    "OptimizerSpec", "PSClient", "PSError", "ProtocolError", "PushHandle", "RemoteError", "UnknownKey", "connect",
+    "init_rows", "load_dense",
+]

@@ -1,0 +1,308 @@
+"""Per-shard atomic checkpoints.
+
+Layout: ``<root>/step-%08d/pserver-%d/{shard.npz,manifest.json}``. Each pserver writes only its own
+shard: the arrays go to a temporary file that is fsynced and renamed; the manifest (step, block ranges,
+shapes, dtypes, sha256 of the shard file) is written the same way and LAST, so a shard without a
+manifest is by definition incomplete. Loading verifies the manifest and the checksum before touching
+any state, so a torn or corrupt checkpoint is refused whole, never half-loaded.
+
+Arrays are stored with ``np.savez`` and loaded with ``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from .errors import CheckpointError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+SHARD = "shard.npz"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+log = logging.getLogger("paddle_cluster.pserver")
+
+
+@dataclass
+class BlockState:
+    key: int
+    name: str
+    lo: int
+    hi: int
+    dtype: str
+    spec: Dict[str, Any]
+    step: int
+    param: np.ndarray
+    opt_state: Dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class TableState:
+    key: int
+    name: str
+    width: int
+    dtype: str
+    init_scale: float
+    seed: int
+    spec: Dict[str, Any]
+    step: int
+    ids: np.ndarray  # int64, sorted
+    rows: np.ndarray  # (len(ids), width), row i belongs to ids[i]
+    slots: Dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class ShardState:
+    """Everything one pserver holds."""
+
+    step: int
+    pserver_id: int
+    n_pservers: int
+    mode: Optional[str]
+    optimizer: Optional[Dict[str, Any]]
+    blocks: List[BlockState] = field(default_factory=list)
+    tables: List[TableState] = field(default_factory=list)
+    path: str = ""
+
+
+def default_root(job_dir: str = "") -> str:
+    return os.path.join(job_dir or os.getcwd(), "checkpoints")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def shard_dir(step_path: str, pserver_id: int) -> str:
+    return os.path.join(step_path, f"pserver-{pserver_id}")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, write: Any) -> str:
+    """Call ``write(fileobj)`` on a temporary file, fsync it, rename it to ``path``; returns sha256."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
+    return h.hexdigest()
+
+
+def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> str:
+    """``np.savez`` to ``path`` atomically; returns the file's sha256."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return write_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def load_npz(path: str) -> Dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _arr_meta(a: np.ndarray) -> Dict[str, Any]:
+    return {"shape": list(a.shape), "dtype": a.dtype.str}
+
+
+def save_shard(step_path: str, shard: ShardState) -> str:
+    """Write ``shard`` under ``step_path/pserver-<id>/``; returns that directory."""
+    d = shard_dir(step_path, shard.pserver_id)
+    os.makedirs(d, exist_ok=True)
+    manifest_path = os.path.join(d, MANIFEST)
+    # Re-saving the same step: drop the old manifest first so a crash mid-write leaves "incomplete".
+    if os.path.exists(manifest_path):
+        os.unlink(manifest_path)
+        _fsync_dir(d)
+    arrays: Dict[str, np.ndarray] = {}
+    blocks_meta, tables_meta = [], []
+    for b in shard.blocks:
+        arrays[f"d{b.key}.param"] = b.param
+        for name, a in b.opt_state.items():
+            arrays[f"d{b.key}.opt.{name}"] = a
+        blocks_meta.append({
+            "key": b.key, "name": b.name, "lo": b.lo, "hi": b.hi, "dtype": b.dtype, "spec": b.spec,
+            "step": b.step, "param": _arr_meta(b.param),
+            "opt": {n: _arr_meta(a) for n, a in b.opt_state.items()},
+        })
+    for t in shard.tables:
+        arrays[f"s{t.key}.ids"] = t.ids
+        arrays[f"s{t.key}.rows"] = t.rows
+        for name, a in t.slots.items():
+            arrays[f"s{t.key}.slot.{name}"] = a
+        tables_meta.append({
+            "key": t.key, "name": t.name, "width": t.width, "dtype": t.dtype, "init_scale": t.init_scale,
+            "seed": t.seed, "spec": t.spec, "step": t.step, "rows": len(t.ids),
+            "slots": {n: _arr_meta(a) for n, a in t.slots.items()},
+        })
+    sha = save_npz_atomic(os.path.join(d, SHARD), arrays)
+    manifest = {
+        "format": FORMAT, "step": shard.step, "pserver_id": shard.pserver_id, "n_pservers": shard.n_pservers,
+        "mode": shard.mode, "optimizer": shard.optimizer, "blocks": blocks_meta, "tables": tables_meta,
+        "files": {SHARD: {"sha256": sha, "bytes": os.path.getsize(os.path.join(d, SHARD))}},
+    }
+    body = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+    write_atomic(manifest_path, lambda f: f.write(body))
+    return d
+
+
+def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
+    """Load and verify this pserver's shard of the checkpoint in ``step_path``."""
+    d = shard_dir(step_path, pserver_id)
+    manifest_path = os.path.join(d, MANIFEST)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})")
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"checkpoint {d}: manifest.json missing (the save did not finish); refusing it")
+    try:
+        with open(manifest_path, "rb") as f:
+            m = json.loads(f.read().decode("utf-8"))
+        files = m["files"]
+        step = int(m["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {d}: unreadable manifest ({e}); refusing it") from None
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {d}: format {m.get('format')!r}, this runtime reads {FORMAT}")
+    if m.get("pserver_id") != pserver_id or m.get("n_pservers") != n_pservers:
+        raise CheckpointError(
+            f"checkpoint {d}: written by pserver {m.get('pserver_id')} of {m.get('n_pservers')}, "
+            f"but this is pserver {pserver_id} of {n_pservers}")
+    for fname, info in files.items():
+        p = os.path.join(d, fname)
+        if not os.path.exists(p):
+            raise CheckpointError(f"checkpoint {d}: {fname} missing; refusing it")
+        actual = _sha256(p)
+        if actual != info.get("sha256"):
+            raise CheckpointError(f"checkpoint {d}: {fname} checksum mismatch (sha256 {actual[:12]}..., "
+                                  f"manifest says {str(info.get('sha256'))[:12]}...): corrupt; refusing it")
+    try:
+        arrays = load_npz(os.path.join(d, SHARD))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
+
+    def get(name: str, meta: Mapping[str, Any]) -> np.ndarray:
+        a = arrays.get(name)
+        if a is None:
+            raise CheckpointError(f"checkpoint {d}: array {name} missing")
+        if list(a.shape) != list(meta["shape"]) or a.dtype.str != meta["dtype"]:
+            raise CheckpointError(f"checkpoint {d}: array {name} is {a.dtype}{a.shape}, manifest says "
+                                  f"{meta['dtype']}{tuple(meta['shape'])}")
+        return a
+
+    try:
+        blocks = [
+            BlockState(int(b["key"]), b["name"], int(b["lo"]), int(b["hi"]), b["dtype"], b["spec"], int(b["step"]),
+                       get(f"d{b['key']}.param", b["param"]),
+                       {n: get(f"d{b['key']}.opt.{n}", am) for n, am in b["opt"].items()})
+            for b in m["blocks"]
+        ]
+        tables = []
+        for t in m["tables"]:
+            ids = arrays.get(f"s{t['key']}.ids")
+            rows = arrays.get(f"s{t['key']}.rows")
+            if ids is None or rows is None or len(ids) != t["rows"] or rows.shape != (t["rows"], t["width"]):
+                raise CheckpointError(f"checkpoint {d}: table {t['name']!r} rows do not match the manifest")
+            tables.append(TableState(int(t["key"]), t["name"], int(t["width"]), t["dtype"], float(t["init_scale"]),
+                                     int(t["seed"]), t["spec"], int(t["step"]), ids, rows,
+                                     {n: get(f"s{t['key']}.slot.{n}", am) for n, am in t["slots"].items()}))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {d}: manifest does not describe the shard ({e!r})") from None
+    return ShardState(step, pserver_id, n_pservers, m.get("mode"), m.get("optimizer"), blocks, tables, path=d)
+
+
+def list_steps(root: str) -> List[str]:
+    """Step directories under ``root``, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(mt.group(1)), n) for n in names if (mt := _STEP_RE.match(n))]
+    return [os.path.join(root, n) for _, n in sorted(found, reverse=True)]
+
+
+def _siblings_complete(step_path: str) -> Optional[str]:
+    """On a shared file system, a step is only complete if every pserver dir present has its manifest."""
+    try:
+        names = os.listdir(step_path)
+    except OSError:
+        return f"cannot list {step_path}"
+    for n in sorted(names):
+        if n.startswith("pserver-") and not os.path.exists(os.path.join(step_path, n, MANIFEST)):
+            return f"{n}/{MANIFEST} missing"
+    return None
+
+
+def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardState]:
+    """The newest complete, verified checkpoint under ``root``; None if there is none at all.
+
+    Incomplete or corrupt ones are skipped with a log line; if checkpoints exist but none is usable,
+    that is an error rather than a silent fresh start.
+    """
+    steps = list_steps(root)
+    reasons = []
+    for sp in steps:
+        why = _siblings_complete(sp)
+        if why is None:
+            try:
+                return load_shard(sp, pserver_id, n_pservers)
+            except CheckpointError as e:
+                why = str(e)
+        log.warning("pserver %d: skipping checkpoint %s: %s", pserver_id, sp, why)
+        reasons.append(f"{os.path.basename(sp)}: {why}")
+    if steps:
+        raise CheckpointError(f"no usable checkpoint under {root}: " + "; ".join(reasons))
+    return None
+
+
+def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> Optional[ShardState]:
+    """``resume`` is "" (fresh start), "latest", a step number, or a step directory path."""
+    resume = resume.strip()
+    if not resume:
+        return None
+    if resume == "latest":
+        return load_latest(root, pserver_id, n_pservers)
+    path = step_dir(root, int(resume)) if resume.isdigit() else resume
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    why = _siblings_complete(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} is incomplete ({why}); refusing it")
+    return load_shard(path, pserver_id, n_pservers)

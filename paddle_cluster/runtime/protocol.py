@@ -1,0 +1,298 @@
+"""Versioned binary wire protocol between trainers and pservers.
+
+A frame is a fixed 40-byte little-endian header followed by ``length`` payload bytes. Array payloads are
+the raw bytes of a C-contiguous numpy array (sent with one ``sendmsg`` of header + memoryview, received
+with ``recv_into`` straight into a preallocated array); small control messages carry JSON. Nothing is
+ever pickled.
+
+Header fields (``HEADER``): magic ``b"PDPS"``, version, op, dtype code, status (error code in ERROR
+replies, flags otherwise), trainer id, key (dense block or sparse table id), step, payload length, aux
+(op-specific: row count for sparse frames).
+
+Authentication (first thing on every connection, both directions, secret never sent):
+
+1. pserver -> trainer ``AUTH_CHALLENGE`` with a fresh 32-byte nonce ``sn``;
+2. trainer -> pserver ``AUTH_RESPONSE``: ``HMAC(secret, "c2s" | sn | cn | context)`` followed by its own
+   fresh nonce ``cn``; the context binds the job id and the trainer id;
+3. pserver -> trainer ``AUTH_OK``: ``HMAC(secret, "s2c" | cn | sn | context)``.
+
+Fresh nonces on both sides make a recorded answer useless on a new connection; the direction labels stop
+a peer from reflecting one side's answer back as the other's.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from .errors import AuthError, ConnectionLost, ProtocolError
+
+MAGIC = b"PDPS"
+VERSION = 1
+HEADER = struct.Struct("<4sHBBHhIqQQ")
+HEADER_SIZE = HEADER.size  # 40
+NONCE_SIZE = 32
+MAC_SIZE = 32
+# JSON control messages are small; a bigger one is an attack or a bug.
+MAX_JSON_BYTES = 1 << 20
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+NO_TRAINER = -1
+
+
+class Op(enum.IntEnum):
+    AUTH_CHALLENGE = 1
+    AUTH_RESPONSE = 2
+    AUTH_OK = 3
+    DECLARE = 10  # JSON: mode + default optimizer; trainer 0 declares, others must agree
+    DEF_DENSE = 11  # JSON: one dense block's definition
+    INIT_DENSE = 12  # raw: a block's initial value (first writer wins)
+    DEF_SPARSE = 13  # JSON: one sparse table's definition
+    PUSH_DENSE = 20  # raw gradient of one block for ``step``
+    PULL_DENSE = 21  # -> DATA: the block's value for ``step``
+    PUSH_SPARSE = 22  # aux=n: n int64 ids then n rows of gradients
+    PULL_SPARSE = 23  # aux=n: n int64 ids -> DATA: n rows
+    SET_HYPER = 30  # JSON: optimizer hyper-parameters from a step on
+    SAVE = 31  # JSON: write this pserver's shard of a checkpoint
+    CLOSE = 32  # this trainer is done
+    STATUS = 33  # -> JSON: steps, active trainers, table sizes
+    OK = 40  # reply, optional JSON payload
+    DATA = 41  # reply, raw payload
+    ERROR = 42  # reply, JSON {"message": ...}; status = errors.PSError.code
+
+
+REQUEST_OPS = frozenset(op for op in Op if 10 <= op < 40)
+
+_DTYPES = {
+    1: np.dtype(np.float32),
+    2: np.dtype(np.float64),
+    3: np.dtype(np.int64),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.float16),
+    6: np.dtype(np.uint8),
+}
+_CODES = {dt: code for code, dt in _DTYPES.items()}
+DTYPE_NONE = 0
+DTYPE_JSON = 6  # JSON payloads travel as uint8
+
+
+def dtype_code(dtype: Any) -> int:
+    dt = np.dtype(dtype)
+    try:
+        return _CODES[dt]
+    except KeyError:
+        raise ValueError(f"dtype {dt} is not supported on the wire: use one of {sorted(map(str, _CODES))}") from None
+
+
+def code_dtype(code: int) -> np.dtype:
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype code {code}") from None
+
+
+@dataclass(frozen=True)
+class Header:
+    """One decoded frame header."""
+
+    op: int
+    dtype: int = DTYPE_NONE
+    status: int = 0
+    trainer: int = NO_TRAINER
+    key: int = 0
+    step: int = 0
+    length: int = 0
+    aux: int = 0
+
+    def pack(self) -> bytes:
+        return pack_header(self.op, self.dtype, self.status, self.trainer, self.key, self.step, self.length,
+                           self.aux)
+
+    def op_name(self) -> str:
+        try:
+            return Op(self.op).name
+        except ValueError:
+            return f"op {self.op}"
+
+
+def pack_header(op: int, dtype: int = DTYPE_NONE, status: int = 0, trainer: int = NO_TRAINER, key: int = 0,
+                step: int = 0, length: int = 0, aux: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, dtype, status, trainer, key, step, length, aux)
+
+
+def unpack_header(buf: Any, max_frame: int = DEFAULT_MAX_FRAME_BYTES) -> Header:
+    """Decode and sanity-check a header; ``ProtocolError`` says what is wrong."""
+    magic, version, op, dtype, status, trainer, key, step, length, aux = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {max_frame}-byte cap")
+    return Header(op, dtype, status, trainer, key, step, length, aux)
+
+
+# -- socket I/O --------------------------------------------------------------------------------------------
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Small request/response frames must not wait for Nagle (44 ms vs 77 us per round trip)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def byte_view(arr: Any) -> memoryview:
+    """A flat byte view of a C-contiguous array or bytes-like object, without copying."""
+    if isinstance(arr, np.ndarray):
+        if arr.nbytes == 0:
+            return memoryview(b"")
+        if not arr.flags.c_contiguous:
+            raise ValueError("array payloads must be C-contiguous")
+        return memoryview(arr.reshape(-1).view(np.uint8))
+    view = memoryview(arr)
+    if view.nbytes == 0:
+        return memoryview(b"")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def send_frame(sock: socket.socket, header: bytes, *payload: Any) -> None:
+    """Send header and payload buffers with as few ``sendmsg`` calls as the kernel allows."""
+    views = [memoryview(header)]
+    for p in payload:
+        v = byte_view(p)
+        if len(v):
+            views.append(v)
+    try:
+        while views:
+            sent = sock.sendmsg(views)
+            while sent:
+                first = len(views[0])
+                if sent >= first:
+                    sent -= first
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise ConnectionLost(f"connection broke while sending: {e}") from None
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` completely from the socket; a peer that closes early raises ``ConnectionLost``."""
+    got, n = 0, len(view)
+    try:
+        while got < n:
+            r = sock.recv_into(view[got:], n - got)
+            if r == 0:
+                raise ConnectionLost(f"connection closed after {got} of {n} bytes")
+            got += r
+    except ConnectionResetError as e:
+        raise ConnectionLost(f"connection reset: {e}") from None
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return buf
+
+
+def discard(sock: socket.socket, n: int, scratch: Optional[bytearray] = None) -> None:
+    """Read and drop ``n`` payload bytes so the stream stays in sync."""
+    buf = scratch if scratch is not None else bytearray(min(n, 1 << 20) or 1)
+    view = memoryview(buf)
+    while n > 0:
+        k = min(n, len(view))
+        recv_into(sock, view[:k])
+        n -= k
+
+
+def recv_header(sock: socket.socket, buf: bytearray, max_frame: int = DEFAULT_MAX_FRAME_BYTES) -> Header:
+    recv_into(sock, memoryview(buf)[:HEADER_SIZE])
+    return unpack_header(buf, max_frame)
+
+
+# -- JSON control messages --------------------------------------------------------------------------------
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def decode_json(data: Any) -> Dict[str, Any]:
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"bad JSON payload: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON payload is not an object")
+    return obj
+
+
+def json_frame(op: int, obj: Any, *, trainer: int = NO_TRAINER, key: int = 0, step: int = 0,
+               status: int = 0) -> bytes:
+    body = encode_json(obj)
+    return pack_header(op, DTYPE_JSON, status, trainer, key, step, len(body)) + body
+
+
+def recv_json(sock: socket.socket, h: Header) -> Dict[str, Any]:
+    if h.length > MAX_JSON_BYTES:
+        raise ProtocolError(f"JSON payload of {h.length} bytes exceeds {MAX_JSON_BYTES}")
+    return decode_json(recv_exact(sock, h.length))
+
+
+# -- authentication -----------------------------------------------------------------------------------------
+
+
+def _mac(secret: str, label: bytes, first: bytes, second: bytes, job_id: str, trainer: int) -> bytes:
+    context = b"|" + job_id.encode("utf-8") + b"|" + str(trainer).encode("ascii")
+    return hmac.new(secret.encode("utf-8"), label + first + second + context, hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, secret: str, job_id: str, n_trainers: int) -> int:
+    """Authenticate a new connection; returns the trainer id it proved. Raises AuthError/ProtocolError."""
+    sn = os.urandom(NONCE_SIZE)
+    send_frame(sock, pack_header(Op.AUTH_CHALLENGE, DTYPE_NONE, length=NONCE_SIZE), sn)
+    buf = bytearray(HEADER_SIZE)
+    h = recv_header(sock, buf, max_frame=MAC_SIZE + NONCE_SIZE)
+    if h.op != Op.AUTH_RESPONSE or h.length != MAC_SIZE + NONCE_SIZE:
+        raise AuthError(f"expected AUTH_RESPONSE of {MAC_SIZE + NONCE_SIZE} bytes, got {h.op_name()} "
+                        f"of {h.length} bytes")
+    if not 0 <= h.trainer < n_trainers:
+        raise AuthError(f"trainer id {h.trainer} is outside [0, {n_trainers})")
+    body = bytes(recv_exact(sock, h.length))
+    answer, cn = body[:MAC_SIZE], body[MAC_SIZE:]
+    if not hmac.compare_digest(answer, _mac(secret, b"c2s", sn, cn, job_id, h.trainer)):
+        raise AuthError(f"trainer {h.trainer}: wrong answer to the challenge (bad secret or replay)")
+    proof = _mac(secret, b"s2c", cn, sn, job_id, h.trainer)
+    send_frame(sock, pack_header(Op.AUTH_OK, DTYPE_NONE, trainer=h.trainer, length=MAC_SIZE), proof)
+    return h.trainer
+
+
+def client_handshake(sock: socket.socket, secret: str, job_id: str, trainer: int) -> None:
+    """Answer the pserver's challenge and check that it, too, knows the secret."""
+    buf = bytearray(HEADER_SIZE)
+    h = recv_header(sock, buf, max_frame=NONCE_SIZE)
+    if h.op != Op.AUTH_CHALLENGE or h.length != NONCE_SIZE:
+        raise AuthError(f"expected AUTH_CHALLENGE from the pserver, got {h.op_name()}")
+    sn = bytes(recv_exact(sock, NONCE_SIZE))
+    cn = os.urandom(NONCE_SIZE)
+    answer = _mac(secret, b"c2s", sn, cn, job_id, trainer)
+    send_frame(sock, pack_header(Op.AUTH_RESPONSE, DTYPE_NONE, trainer=trainer, length=MAC_SIZE + NONCE_SIZE),
+               answer + cn)
+    try:
+        h = recv_header(sock, buf, max_frame=MAC_SIZE)
+    except ConnectionLost:
+        raise AuthError("the pserver refused our answer (is PADDLE_JOB_SECRET the same on both sides?)") from None
+    if h.op != Op.AUTH_OK or h.length != MAC_SIZE:
+        raise AuthError(f"expected AUTH_OK from the pserver, got {h.op_name()}")
+    proof = bytes(recv_exact(sock, MAC_SIZE))
+    if not hmac.compare_digest(proof, _mac(secret, b"s2c", cn, sn, job_id, trainer)):
+        raise AuthError("the pserver failed to prove it knows the job secret")
+
