@@ -152,6 +152,21 @@ class _ChannelStream(Stream):
             pass
 
 
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Trust an unknown host key and append it to ``path``; a lock keeps parallel connections from
+    clobbering each other's entries (paramiko's AutoAddPolicy rewrites the whole file per client)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        with self._lock, open(self.path, "a") as f:
+            f.write(paramiko.hostkeys.HostKeyEntry([hostname], key).to_line())
+
+
 class SSHNode(Node):
     """A remote host over SSH (Fabric). Unknown host keys are refused unless the config says otherwise."""
 
@@ -208,22 +223,14 @@ class SSHNode(Node):
         return conn
 
     def _harden(self, client: paramiko.SSHClient) -> None:
-        known = self.cfg.ssh_known_hosts
-        if known:
-            path = os.path.expanduser(known)
-            if self.cfg.ssh_accept_new_host_keys and not os.path.exists(path):
-                open(path, "a").close()
-            if os.path.exists(path):
-                client.load_host_keys(path)
+        path = os.path.expanduser(self.cfg.ssh_known_hosts or "~/.ssh/known_hosts")
+        if os.path.exists(path):
+            client.load_host_keys(path)
+        if self.cfg.ssh_accept_new_host_keys:
+            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            client.set_missing_host_key_policy(_AcceptNew(path))
         else:
-            client.load_system_host_keys()
-            default = os.path.expanduser("~/.ssh/known_hosts")
-            if self.cfg.ssh_accept_new_host_keys:
-                os.makedirs(os.path.dirname(default), mode=0o700, exist_ok=True)
-                open(default, "a").close()
-                client.load_host_keys(default)  # so AutoAddPolicy saves what it accepts
-        policy = paramiko.AutoAddPolicy() if self.cfg.ssh_accept_new_host_keys else paramiko.RejectPolicy()
-        client.set_missing_host_key_policy(policy)
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
     def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
         conn = self._connection()

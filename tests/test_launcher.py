@@ -1,0 +1,365 @@
+"""The launcher against real sshd hosts (network namespaces, see sshcluster.py): run, logs, status, check,
+kill, Ctrl+C, a killed launcher, a crashing trainer, and the errors for unreachable hosts and wrong NICs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = "/home/paddle"
+
+# A workspace whose trainer checks the whole environment contract and whose pserver stand-in just listens
+# (the runtime's own pserver is exercised by the runtime and example tests).
+TRAIN_PY = r'''
+import os, sys, time
+e = os.environ
+n = int(e["PADDLE_TRAINERS"])
+tid = int(e["PADDLE_TRAINER_ID"])
+assert e["PADDLE_TRAINING_ROLE"] == "TRAINER"
+assert e["PADDLE_INIT_TRAINER_ID"] == str(tid) and 0 <= tid < n
+assert e["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == str(n)
+ips = e["PADDLE_PSERVER_IPS"].split(",")
+assert e["PADDLE_INIT_PSERVERS"] == e["PADDLE_PSERVER_IPS"]
+assert e["PADDLE_CURRENT_IP"] in ips, (e["PADDLE_CURRENT_IP"], ips)
+assert e["PADDLE_INIT_PORT"] == e["PADDLE_PSERVER_PORT"]
+assert e["PADDLE_INIT_PORTS_NUM"] and e["PADDLE_INIT_PORTS_NUM_FOR_SPARSE"]
+assert len(e["PADDLE_JOB_SECRET"]) == 64 and e["PADDLE_JOB_ID"]
+assert e["PADDLE_PSERVER_ENDPOINTS"].count(":") == len(ips)
+assert "/extra/lib" in e["LD_LIBRARY_PATH"].split(":")[0], e["LD_LIBRARY_PATH"]
+assert e["MY_SETTING"] == "42"
+node = int(open(os.path.join(e["PADDLE_JOB_DIR"], "nodefile")).read())
+assert e["PADDLE_CURRENT_IP"] == ips[node]
+print(f"ENV OK trainer {tid} of {n} on node {node} args {sys.argv[1:]}")
+if e.get("SLEEP_FOREVER"):
+    print("sleeping", flush=True)
+    time.sleep(3600)
+if os.path.exists("crash-" + str(tid)):
+    print("about to crash", flush=True)
+    sys.exit(3)
+'''
+
+PS_PY = r'''
+import os, socket, time
+from paddle_cluster.contract import JobEnv
+env = JobEnv.from_environ()
+socks = []
+for port in env.all_ports(env.pserver_id):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((env.current_ip, port))
+    s.listen()
+    socks.append(s)
+print(f"pserver {env.pserver_id} listening on {env.current_ip}:{env.all_ports(env.pserver_id)}", flush=True)
+time.sleep(3600)
+'''
+
+
+def make_workspace(path: Path, sleep_forever: bool = False) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.py").write_text(TRAIN_PY)
+    (path / "ps.py").write_text(PS_PY)
+    (path / "data").mkdir(exist_ok=True)
+    (path / "data" / "part-0").write_text("1 2 3\n")
+    (path / "log").mkdir(exist_ok=True)
+    (path / "log" / "old.log").write_text("must not be shipped\n")
+    return path
+
+
+def write_conf(tmp: Path, cluster, name: str = "conf.py", hosts=None, **over) -> Path:
+    settings = {
+        "HOSTS": hosts if hosts is not None else cluster.hosts,
+        "ROOT_DIR": ROOT,
+        "PADDLE_NIC": "eth0",
+        "PADDLE_PORT": 7164,
+        "PADDLE_PORTS_NUM": 2,
+        "PADDLE_PORTS_NUM_FOR_SPARSE": 1,
+        "LD_LIBRARY_PATH": "/extra/lib",
+        "PYTHON": cluster.python,
+        "PSERVER_COMMAND": "{python} ps.py",
+        "ENV": {"MY_SETTING": "42"},
+        "SSH_IDENTITY_FILE": str(cluster.key_path),
+        "SSH_KNOWN_HOSTS": str(cluster.known_hosts),
+        "SSH_CONNECT_TIMEOUT": 4.0,
+        "START_TIMEOUT": 30.0,
+        "ORPHAN_TIMEOUT": 6.0,
+        "KILL_GRACE": 2.0,
+    }
+    settings.update(over)
+    path = tmp / name
+    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    return path
+
+
+def cli(conf: Path, *args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def start_cli(conf: Path, *args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+
+
+def assert_nothing_left(cluster, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    left = {}
+    while time.monotonic() < deadline:
+        left = {i: cluster.pids(i) for i in range(len(cluster.hosts))}
+        if not any(left.values()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes left on the nodes: {left}")
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def no_traceback(res: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
+
+
+@pytest.fixture
+def cluster(ssh_cluster):
+    yield ssh_cluster
+    for i in range(len(ssh_cluster.hosts)):
+        ssh_cluster.kill_all(i)
+
+
+def test_run_dispatch_three_hosts(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    conf = write_conf(tmp_path, cluster)
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "disp1", "--", "--epochs", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for i in range(3):
+        assert f"[trainer.{i}@node{i}] ENV OK trainer {i} of 3 on node {i} args ['--epochs', '2']" in res.stdout
+        assert f"[pserver.{i}@node{i}] pserver {i} listening on {cluster.ips[i]}" in res.stdout
+        job = cluster.root_dir(i) / "disp1"
+        assert (job / "nodefile").read_text().strip() == str(i)
+        assert "ENV OK" in (job / "log" / "train.log").read_text()
+        assert "listening" in (job / "log" / "server.log").read_text()
+        assert (job / "data" / "part-0").read_text() == "1 2 3\n"
+        assert not (job / "log" / "old.log").exists(), "log/ of the workspace must not be shipped"
+        env_file = job / ".paddle_cluster" / "env"
+        assert env_file.stat().st_mode & 0o777 == 0o600
+        secret = [ln for ln in env_file.read_text().splitlines() if ln.startswith("PADDLE_JOB_SECRET=")][0]
+        assert secret.split("=", 1)[1] not in res.stdout + res.stderr
+    # The package is cached by hash: an unchanged workspace is not sent again.
+    again = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "disp2")
+    assert again.returncode == 0, again.stderr
+    assert "node0, node1, node2 already held this package: not sent again" in again.stderr
+    assert_nothing_left(cluster)
+
+
+def test_run_job_workspace(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    for i in range(3):
+        shutil.copytree(ws, cluster.root_dir(i) / "wsA", dirs_exist_ok=True)
+    conf = write_conf(tmp_path, cluster)
+    res = cli(conf, "run", "--job_workspace", f"{ROOT}/wsA", "--job_name", "wsjob")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert all(f"ENV OK trainer {i} of 3" in res.stdout for i in range(3))
+    assert (cluster.root_dir(1) / "wsjob" / "log" / "train.log").exists()
+    # Missing on one node: named, nothing started.
+    shutil.rmtree(cluster.root_dir(2) / "wsA")
+    res = cli(conf, "run", "--job_workspace", f"{ROOT}/wsA", "--job_name", "wsjob2")
+    assert res.returncode == 1
+    assert f"node2 ({cluster.hosts[2]})" in res.stderr and f"{ROOT}/wsA does not exist" in res.stderr
+    assert "node0" not in res.stderr.split("failed on")[1]
+    no_traceback(res)
+    assert_nothing_left(cluster)
+
+
+def test_status_logs_and_ctrl_c(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    chk = cli(conf, "check")
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    for i in range(3):
+        assert f"eth0={cluster.ips[i]}" in chk.stdout
+    proc = start_cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "live")
+    try:
+        wait_for(lambda: all(b"sleeping" in _read(cluster.root_dir(i) / "live/log/train.log") for i in range(3)),
+                 60, "trainers to start")
+        st = cli(conf, "status")  # default: the latest job of this config
+        assert st.returncode == 0, st.stderr
+        for i in range(3):
+            assert f"trainer.{i}" in st.stdout and f"pserver.{i}" in st.stdout
+        assert st.stdout.count("running") == 6
+        lg = cli(conf, "logs", "node1", "--role", "trainer")
+        assert lg.returncode == 0 and "ENV OK trainer 1 of 3 on node 1" in lg.stdout
+        lg = cli(conf, "logs", cluster.hosts[2], "--role", "pserver", "-n", "1")
+        assert "pserver 2 listening" in lg.stdout
+        busy = cli(conf, "check")
+        assert busy.returncode == 1 and "ports in use: 7164" in busy.stdout + busy.stderr
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert_nothing_left(cluster, within=5)
+    st = cli(conf, "status")
+    assert "running" not in st.stdout
+
+
+def _read(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_kill_one_job_leaves_the_other(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    conf_a = write_conf(tmp_path, cluster, "a.py", ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    conf_b = write_conf(tmp_path, cluster, "b.py", PADDLE_PORT=7264, ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    a = start_cli(conf_a, "run", "--job_dispatch_package", str(ws), "--job_name", "jobA")
+    b = start_cli(conf_b, "run", "--job_dispatch_package", str(ws), "--job_name", "jobB")
+    try:
+        for name in ("jobA", "jobB"):
+            wait_for(lambda n=name: all(b"sleeping" in _read(cluster.root_dir(i) / n / "log/train.log")
+                                        for i in range(3)), 60, f"{name} to start")
+        before = {i: len(cluster.pids(i)) for i in range(3)}
+        k = cli(conf_a, "kill", "--job_name", "jobA")
+        assert k.returncode == 0, k.stderr
+        for i in range(3):
+            assert f"node{i} ({cluster.hosts[i]}): " in k.stdout and "trainer" in k.stdout
+        a.communicate(timeout=30)
+        assert a.returncode != 0
+        st = cli(conf_b, "status", "--job_name", "jobB")
+        assert st.stdout.count("running") == 6, st.stdout
+        assert all(len(cluster.pids(i)) < before[i] for i in range(3))
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        b.communicate(timeout=60)
+    assert_nothing_left(cluster)
+
+
+def test_sigkill_of_the_launcher_leaves_nothing(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    proc = start_cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "orphan")
+    wait_for(lambda: all(b"sleeping" in _read(cluster.root_dir(i) / "orphan/log/train.log") for i in range(3)),
+             60, "trainers to start")
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    assert_nothing_left(cluster, within=6 + 2 + 10)  # ORPHAN_TIMEOUT + KILL_GRACE + margin
+    print(f"remote processes gone {time.monotonic() - t0:.1f} s after SIGKILL of the launcher")
+
+
+def test_trainer_crash_fails_fast_with_a_report(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "crash-1").write_text("")
+    conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42"})
+    t0 = time.monotonic()
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "crash")
+    assert res.returncode == 1
+    assert f"trainer.1 on node1 ({cluster.hosts[1]}) exited with code 3" in res.stderr
+    assert "| about to crash" in res.stderr
+    assert time.monotonic() - t0 < 60
+    no_traceback(res)
+    assert_nothing_left(cluster)
+
+
+def test_unreachable_host_is_named_within_the_timeout(cluster, tmp_path):
+    conf = write_conf(tmp_path, cluster, SSH_CONNECT_TIMEOUT=3.0)
+    cluster.link_down(2)
+    try:
+        t0 = time.monotonic()
+        res = cli(conf, "run", "--job_dispatch_package", str(make_workspace(tmp_path / "ws")), timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        cluster.link_up(2)
+    assert res.returncode == 1
+    assert f"node2 ({cluster.hosts[2]})" in res.stderr and "within 3 s" in res.stderr, res.stderr
+    assert took < 20
+    no_traceback(res)
+    assert_nothing_left(cluster)
+
+
+def test_wrong_nic_lists_the_interfaces(cluster, tmp_path):
+    conf = write_conf(tmp_path, cluster, PADDLE_NIC="eth7")
+    res = cli(conf, "run", "--job_dispatch_package", str(make_workspace(tmp_path / "ws")))
+    assert res.returncode == 1
+    for i in range(3):
+        assert f"node{i} ({cluster.hosts[i]}): PADDLE_NIC = 'eth7'" in res.stderr
+    assert "(no such interface)" in res.stderr and f"eth0 ({cluster.ips[0]})" in res.stderr
+    assert "lo (127.0.0.1)" in res.stderr
+    no_traceback(res)
+
+
+def test_port_in_use_is_named(cluster, tmp_path):
+    blocker = cluster.popen(0, [cluster.python, "-c", textwrap.dedent(f"""
+        import socket, time
+        s = socket.socket(); s.bind(("{cluster.ips[0]}", 7165)); s.listen(); time.sleep(60)""")])
+    try:
+        wait_for(lambda: cluster.exec(0, ["ss", "-ltn"]).stdout.count(":7165") > 0, 10, "blocker")
+        conf = write_conf(tmp_path, cluster)
+        res = cli(conf, "run", "--job_dispatch_package", str(make_workspace(tmp_path / "ws")))
+    finally:
+        blocker.kill()
+        blocker.wait()
+    assert res.returncode == 1
+    assert f"node0 ({cluster.hosts[0]}): port(s) 7165 on {cluster.ips[0]} are already in use" in res.stderr
+    no_traceback(res)
+
+
+def test_unknown_host_keys_are_refused_unless_accepted(cluster, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    conf = write_conf(tmp_path, cluster, SSH_KNOWN_HOSTS=str(known))
+    res = cli(conf, "check", timeout=60)
+    assert res.returncode == 1
+    assert "host key of" in res.stdout + res.stderr and "--accept-new-host-keys" in res.stdout + res.stderr
+    assert known.read_text() == ""
+    ok = cli(conf, "--accept-new-host-keys", "check", timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert all(ip in known.read_text() for ip in cluster.ips)
+    again = cli(conf, "check")  # now known: accepted without the flag
+    assert again.returncode == 0, again.stderr
+
+
+def test_local_host_runs_without_ssh(tmp_path):
+    """``localhost`` needs no sshd: the same agent runs as a subprocess."""
+    ws = make_workspace(tmp_path / "ws")
+    root = tmp_path / "root"
+    conf = tmp_path / "conf.py"
+    conf.write_text(textwrap.dedent(f"""
+        HOSTS = ["localhost"]
+        ROOT_DIR = {str(root)!r}
+        PADDLE_NIC = "lo"
+        PADDLE_PORT = 33164
+        PSERVERS_PER_NODE = 2
+        TRAINERS_PER_NODE = 2
+        PYTHON = {sys.executable!r}
+        PSERVER_COMMAND = "{{python}} ps.py"
+        LD_LIBRARY_PATH = "/extra/lib"
+        ENV = {{"MY_SETTING": "42"}}
+        KILL_GRACE = 2.0
+        """))
+    env = dict(os.environ, HOME=str(tmp_path))
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "loc", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[trainer.1@node0] ENV OK trainer 1 of 2 on node 0" in res.stdout
+    assert sorted(p.name for p in (root / "loc" / "log").iterdir()) == [
+        "server.0.log", "server.1.log", "train.0.log", "train.1.log"]
