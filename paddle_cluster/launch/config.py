@@ -18,9 +18,21 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
+from .. import contract
 from .errors import ConfigError
 
 LOCAL_HOSTS = ("localhost",)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _contract_names() -> frozenset:
+    """Every variable the launcher sets itself; ENV must not override them (the job would disagree with itself)."""
+    job = contract.JobEnv("x", (contract.Endpoint("h", 1),), 1)
+    return frozenset(n for role in contract.ROLES for n in job.for_process(role, 0, "h").to_environ()
+                     if n.startswith("PADDLE_"))
+
+
+_RESERVED_ENV = _contract_names()
 _HOST_RE = re.compile(
     r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
 
@@ -152,17 +164,29 @@ def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.
     return parse_config(raw, str(path))
 
 
+def _read_text(path: Path, key: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(key, str(path), f"not UTF-8 text (byte {e.start}); save the file as UTF-8",
+                          str(path)) from None
+    except OSError as e:
+        raise ConfigError(key, str(path), f"cannot read it: {e.strerror or e}; check the path and its permissions",
+                          str(path)) from None
+
+
 def _read_python(path: Path) -> Dict[str, Any]:
-    text = path.read_text()
+    text = _read_text(path, "conf.py")
     try:
         code = compile(text, str(path), "exec")
-    except SyntaxError as e:
-        raise ConfigError("conf.py", str(path), f"syntax error at line {e.lineno}: {e.msg}; "
+    except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes, on older Pythons
+        where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise ConfigError("conf.py", str(path), f"syntax error{where}: {getattr(e, 'msg', e)}; "
                           f"the file is Python, e.g. HOSTS = [\"root@10.0.0.1\"]", str(path)) from None
     namespace: Dict[str, Any] = {"__file__": str(path), "__name__": "paddle_cluster_conf"}
     try:
         exec(code, namespace)  # noqa: S102 - conf.py is the user's own Python, as in the seed
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a conf.py calling sys.exit() must not end the launcher silently
         raise ConfigError("conf.py", str(path), f"running it raised {type(e).__name__}: {e}", str(path)) from None
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
@@ -170,7 +194,7 @@ def _read_python(path: Path) -> Dict[str, Any]:
 
 def _read_yaml(path: Path) -> Dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(_read_text(path, "YAML"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
@@ -216,6 +240,16 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(key, value, "must be a mapping of variable names to values, "
                               'e.g. {"OMP_NUM_THREADS": "1"}', source)
+        for name, v in value.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise ConfigError(key, value, f"{name!r} is not a variable name: use letters, digits and _, "
+                                  "not starting with a digit", source)
+            if name in _RESERVED_ENV:
+                raise ConfigError(key, value, f"{name} is set by paddle-cluster for every process (see "
+                                  "docs/environment.md); remove it from ENV", source)
+            if any(c in str(v) for c in "\n\r\0"):
+                raise ConfigError(key, value, f"the value of {name} contains a newline or NUL byte, which an "
+                                  "environment variable cannot carry", source)
         return {k: str(v) for k, v in value.items()}
     if isinstance(default, bool):
         if not isinstance(value, bool):
@@ -223,12 +257,12 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
         return value
     if isinstance(default, int) and not isinstance(default, bool):
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and value.strip().isdigit():
+            if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
                 return int(value)
             raise ConfigError(key, value, "must be a whole number", source)
         return value
     if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(key, value, "must be a positive number of seconds", source)
         return float(value)
     if value is None and default is None:
@@ -245,7 +279,7 @@ def _hosts(value: Any, source: str) -> Tuple[HostSpec, ...]:
     hosts = tuple(HostSpec.parse(v, source) for v in value)
     seen: Dict[Tuple[str, Optional[int]], str] = {}
     for h in hosts:
-        ident = (h.host, h.port)
+        ident = (h.host.lower(), h.port)  # host names are case-insensitive
         if ident in seen:
             raise ConfigError("HOSTS", h.text, f"lists the same machine as {seen[ident]!r}: their pservers' ports "
                               "would overlap; list each machine once and raise PSERVERS_PER_NODE / "
@@ -278,7 +312,7 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
     for key in ("pserver_command", "trainer_command"):
         try:
             getattr(cfg, key).format(python="python3")
-        except (KeyError, IndexError, ValueError) as e:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
             raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} is "
                               "substituted (write {{ and }} for literal braces)", source) from None
 
