@@ -258,15 +258,32 @@ def list_steps(root: str) -> List[str]:
     return [os.path.join(root, n) for _, n in sorted(found, reverse=True)]
 
 
-def _siblings_complete(step_path: str) -> Optional[str]:
-    """On a shared file system, a step is only complete if every pserver dir present has its manifest."""
+def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
+    """Why the other pservers' shards visible in ``step_path`` are unusable (None: all fine).
+
+    With a shared file system every pserver sees every shard, and all of them must agree on which step
+    is the latest complete one, so each verifies its siblings too (manifest present, checksums match).
+    With per-host directories a pserver sees only its own; the trainers then check at connect time that
+    every pserver resumed from the same step.
+    """
     try:
         names = os.listdir(step_path)
     except OSError:
         return f"cannot list {step_path}"
     for n in sorted(names):
-        if n.startswith("pserver-") and not os.path.exists(os.path.join(step_path, n, MANIFEST)):
-            return f"{n}/{MANIFEST} missing"
+        if not n.startswith("pserver-") or n == f"pserver-{pserver_id}":
+            continue
+        d = os.path.join(step_path, n)
+        try:
+            with open(os.path.join(d, MANIFEST), "rb") as f:
+                files = json.loads(f.read().decode("utf-8"))["files"]
+            for fname, info in files.items():
+                if _sha256(os.path.join(d, fname)) != info["sha256"]:
+                    return f"{n}/{fname} checksum mismatch"
+        except FileNotFoundError as e:
+            return f"{n}: {os.path.basename(str(e.filename))} missing (save did not finish)"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{n}: unreadable manifest ({e})"
     return None
 
 
@@ -279,12 +296,13 @@ def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardSt
     steps = list_steps(root)
     reasons = []
     for sp in steps:
-        why = _siblings_complete(sp)
-        if why is None:
-            try:
-                return load_shard(sp, pserver_id, n_pservers)
-            except CheckpointError as e:
-                why = str(e)
+        try:
+            shard = load_shard(sp, pserver_id, n_pservers)
+            why = _siblings_complete(sp, pserver_id)
+            if why is None:
+                return shard
+        except CheckpointError as e:
+            why = str(e)
         log.warning("pserver %d: skipping checkpoint %s: %s", pserver_id, sp, why)
         reasons.append(f"{os.path.basename(sp)}: {why}")
     if steps:
@@ -302,7 +320,8 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
     path = step_dir(root, int(resume)) if resume.isdigit() else resume
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    why = _siblings_complete(path)
+    shard = load_shard(path, pserver_id, n_pservers)
+    why = _siblings_complete(path, pserver_id)
     if why is not None:
-        raise CheckpointError(f"checkpoint {path} is incomplete ({why}); refusing it")
-    return load_shard(path, pserver_id, n_pservers)
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt ({why}); refusing it")
+    return shard
