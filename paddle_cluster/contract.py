@@ -39,8 +39,8 @@ class Endpoint:
     @classmethod
     def parse(cls, text: str) -> Endpoint:
         host, sep, port = text.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ContractError(f"bad pserver endpoint {text!r}: expected HOST:PORT")
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            raise ContractError(f"bad pserver endpoint {text!r}: expected HOST:PORT with a port in 1..65535")
         return cls(host, int(port))
 
 
@@ -154,6 +154,7 @@ class JobEnv:
         """The contract from ``environ`` (default ``os.environ``); None when not started by a launcher."""
         env = os.environ if environ is None else environ
         eps_text = env.get("PADDLE_PSERVER_ENDPOINTS", "")
+        eps_var = "PADDLE_PSERVER_ENDPOINTS"
         if not eps_text:
             # A seed-style launch (Fluid names only): one pserver per IP, all on the same port.
             ips = env.get("PADDLE_PSERVER_IPS") or env.get("PADDLE_INIT_PSERVERS") or ""
@@ -163,7 +164,12 @@ class JobEnv:
             if not port:
                 raise ContractError("PADDLE_PSERVER_IPS is set but PADDLE_PSERVER_PORT is not")
             eps_text = ",".join(f"{ip}:{port}" for ip in ips.split(",") if ip)
-        pservers = tuple(Endpoint.parse(t) for t in eps_text.split(",") if t.strip())
+            eps_var = "PADDLE_PSERVER_IPS/PADDLE_PSERVER_PORT" if env.get("PADDLE_PSERVER_IPS") else \
+                "PADDLE_INIT_PSERVERS/PADDLE_INIT_PORT"
+        try:
+            pservers = tuple(Endpoint.parse(t) for t in eps_text.split(",") if t.strip())
+        except ContractError as e:
+            raise ContractError(f"{eps_var}: {e}") from None
         if not pservers:
             raise ContractError(f"PADDLE_PSERVER_ENDPOINTS={eps_text!r} names no pserver")
         role = env.get("PADDLE_TRAINING_ROLE") or None
@@ -193,7 +199,7 @@ class JobEnv:
             secret=env.get("PADDLE_JOB_SECRET", ""),
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
-            barrier_timeout=float(env.get("PADDLE_BARRIER_TIMEOUT", "120")),
+            barrier_timeout=_float(env, "PADDLE_BARRIER_TIMEOUT", 120.0),
             role=role,
             trainer_id=trainer_id if role != PSERVER else None,
             pserver_id=pserver_id if role != TRAINER else None,
@@ -211,20 +217,35 @@ def _int(env: Mapping[str, str], name: str) -> Optional[int]:
         raise ContractError(f"{name}={text!r}: expected an integer") from None
 
 
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ContractError(f"{name}={text!r}: expected a positive number of seconds")
+    return value
+
+
 def write_env_file(path: str, environ: Mapping[str, str]) -> None:
     """Write ``KEY=VALUE`` lines readable by the owner only (the secret is in them)."""
+    for key, value in environ.items():  # check first, so a bad entry leaves no half-written file
+        if not key or key.startswith("#") or "=" in key or any(c in key for c in "\n\r\0") \
+                or any(c in value for c in "\n\0"):
+            raise ContractError(f"environment variable {key!r} cannot be written to an env file")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+    os.fchmod(fd, 0o600)  # before the secret goes in, also when the file already existed with a wider mode
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         for key, value in sorted(environ.items()):
-            if "\n" in key or "\n" in value or "=" in key:
-                raise ContractError(f"environment variable {key!r} cannot be written to an env file")
             f.write(f"{key}={value}\n")
-    os.chmod(path, 0o600)
 
 
 def read_env_file(path: str) -> Dict[str, str]:
     env: Dict[str, str] = {}
-    with open(path) as f:
+    with open(path, encoding="utf-8", newline="\n") as f:  # only \n ends a line: a \r in a value survives
         for line in f:
             line = line.rstrip("\n")
             if line and not line.startswith("#"):
