@@ -1,0 +1,270 @@
+"""The environment-variable contract (paddle_cluster/contract.py): both directions, all three dialects."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paddle_cluster.contract import (
+    ENV_FILE,
+    PSERVER,
+    TRAINER,
+    ContractError,
+    Endpoint,
+    JobEnv,
+    read_env_file,
+    write_env_file,
+)
+from paddle_cluster.launch.config import ClusterConfig, HostSpec
+
+FLUID = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "PADDLE_TRAINERS",
+         "PADDLE_TRAINER_ID", "PADDLE_CURRENT_IP")
+V2 = ("PADDLE_INIT_PSERVERS", "PADDLE_INIT_PORT", "PADDLE_INIT_PORTS_NUM", "PADDLE_INIT_PORTS_NUM_FOR_SPARSE",
+      "PADDLE_INIT_NUM_GRADIENT_SERVERS", "PADDLE_INIT_TRAINER_ID")
+JOB = ("PADDLE_JOB_ID", "PADDLE_PSERVER_ENDPOINTS", "PADDLE_JOB_SECRET", "PADDLE_JOB_DIR", "PADDLE_WORKSPACE",
+       "PADDLE_BARRIER_TIMEOUT")
+
+
+def job(**kw) -> JobEnv:
+    """Two nodes, two pservers each (consecutive port ranges on a node), four trainers."""
+    base = dict(job_id="JOB20240101-ab12", trainers=4, ports_num=2, ports_num_for_sparse=3,
+                pservers=(Endpoint("10.0.0.1", 7164), Endpoint("10.0.0.1", 7169),
+                          Endpoint("10.0.0.2", 7164), Endpoint("10.0.0.2", 7169)),
+                secret="s3cr3t" * 8, job_dir="/home/paddle/JOB1", workspace="/home/paddle/JOB1/ws",
+                barrier_timeout=30.5)
+    base.update(kw)
+    return JobEnv(**base)
+
+
+# -- round trips -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["job", "trainer", "pserver"])
+def test_round_trip(form):
+    env = job()
+    if form == "trainer":
+        env = env.for_process(TRAINER, 3, "10.0.0.2")
+    elif form == "pserver":
+        env = env.for_process(PSERVER, 1, "10.0.0.1")
+    back = JobEnv.from_environ(env.to_environ())
+    assert back == env
+    assert back.role == env.role and back.trainer_id == env.trainer_id and back.pserver_id == env.pserver_id
+
+
+hosts = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,15}", fullmatch=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), n_ps=st.integers(1, 6), trainers=st.integers(1, 8), ports_num=st.integers(1, 4),
+       sparse=st.integers(0, 4), timeout=st.floats(0.001, 1e6, allow_nan=False))
+def test_round_trip_property(data, n_ps, trainers, ports_num, sparse, timeout):
+    eps = tuple(Endpoint(data.draw(hosts), data.draw(st.integers(1, 65535))) for _ in range(n_ps))
+    env = JobEnv(job_id=data.draw(st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True)), pservers=eps,
+                 trainers=trainers, ports_num=ports_num, ports_num_for_sparse=sparse, secret="x" * 64,
+                 job_dir="/j", workspace="/j/ws", barrier_timeout=timeout)
+    role = data.draw(st.sampled_from([None, TRAINER, PSERVER]))
+    if role == TRAINER:
+        env = env.for_process(TRAINER, data.draw(st.integers(0, trainers - 1)), data.draw(hosts))
+    elif role == PSERVER:
+        env = env.for_process(PSERVER, data.draw(st.integers(0, n_ps - 1)), data.draw(hosts))
+    assert JobEnv.from_environ(env.to_environ()) == env
+
+
+# -- the names and their values ----------------------------------------------------------------------
+def test_trainer_names_and_values():
+    e = job().for_process(TRAINER, 2, "10.0.0.2").to_environ()
+    for name in FLUID + V2 + JOB:
+        assert name in e, name
+    assert e["PADDLE_TRAINING_ROLE"] == "TRAINER"
+    assert e["PADDLE_PSERVER_IPS"] == "10.0.0.1,10.0.0.1,10.0.0.2,10.0.0.2"
+    assert e["PADDLE_PSERVER_PORT"] == "7164"
+    assert e["PADDLE_TRAINERS"] == "4"
+    assert e["PADDLE_TRAINER_ID"] == "2"
+    assert e["PADDLE_CURRENT_IP"] == "10.0.0.2"
+    assert e["PADDLE_INIT_PSERVERS"] == e["PADDLE_PSERVER_IPS"]
+    assert e["PADDLE_INIT_PORT"] == "7164"
+    assert e["PADDLE_INIT_PORTS_NUM"] == "2"
+    assert e["PADDLE_INIT_PORTS_NUM_FOR_SPARSE"] == "3"
+    assert e["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == "4"  # v2's name for the number of trainers
+    assert e["PADDLE_INIT_TRAINER_ID"] == "2"
+    assert e["PADDLE_JOB_ID"] == "JOB20240101-ab12"
+    assert e["PADDLE_PSERVER_ENDPOINTS"] == "10.0.0.1:7164,10.0.0.1:7169,10.0.0.2:7164,10.0.0.2:7169"
+    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8
+    assert e["PADDLE_JOB_DIR"] == "/home/paddle/JOB1"
+    assert e["PADDLE_WORKSPACE"] == "/home/paddle/JOB1/ws"
+    assert float(e["PADDLE_BARRIER_TIMEOUT"]) == 30.5
+    assert e["PYTHONUNBUFFERED"] == "1"
+    assert "PADDLE_PSERVER_ID" not in e
+    assert all(isinstance(v, str) for v in e.values())
+
+
+def test_pserver_names_and_values():
+    e = job().for_process(PSERVER, 3, "10.0.0.2").to_environ()
+    assert e["PADDLE_TRAINING_ROLE"] == "PSERVER"
+    assert e["PADDLE_CURRENT_IP"] == "10.0.0.2"
+    assert e["PADDLE_PSERVER_ID"] == "3"
+    assert e["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:7169"
+    assert "PADDLE_TRAINER_ID" not in e and "PADDLE_INIT_TRAINER_ID" not in e
+
+
+def test_job_wide_form_has_no_per_process_names():
+    e = job().to_environ()
+    for name in ("PADDLE_TRAINING_ROLE", "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID", "PADDLE_CURRENT_IP",
+                 "PADDLE_PSERVER_ID", "PADDLE_CURRENT_ENDPOINT"):
+        assert name not in e
+    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8
+
+
+def test_extra_variables_are_passed_through():
+    e = job(extra={"OMP_NUM_THREADS": "1"}).for_process(TRAINER, 0, "10.0.0.1").to_environ()
+    assert e["OMP_NUM_THREADS"] == "1"
+
+
+def test_not_launched():
+    assert JobEnv.from_environ({}) is None
+    assert JobEnv.from_environ({"HOME": "/root"}) is None
+
+
+# -- seed-style environments (seed 003's table: Fluid names only) --------------------------------------
+SEED_COMMON = {"PADDLE_PSERVER_IPS": "ps0.paddlepaddle.com,ps1.paddlepaddle.com", "PADDLE_TRAINERS": "2",
+               "PADDLE_PSERVER_PORT": "6174"}
+
+
+def test_seed_pserver_environment():
+    env = JobEnv.from_environ({"PADDLE_TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_IP": "ps1.paddlepaddle.com",
+                               **SEED_COMMON})
+    assert env.role == PSERVER
+    assert env.pservers == (Endpoint("ps0.paddlepaddle.com", 6174), Endpoint("ps1.paddlepaddle.com", 6174))
+    assert env.pserver_id == 1 and str(env.current_endpoint) == "ps1.paddlepaddle.com:6174"
+    assert env.trainers == 2 and env.trainer_id is None
+
+
+def test_seed_trainer_environment():
+    env = JobEnv.from_environ({"PADDLE_TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1", **SEED_COMMON})
+    assert env.role == TRAINER and env.trainer_id == 1 and env.trainers == 2
+    assert [str(e) for e in env.pservers] == ["ps0.paddlepaddle.com:6174", "ps1.paddlepaddle.com:6174"]
+    assert env.dense_ports(1) == (6174,)
+
+
+def test_v2_only_environment():
+    env = JobEnv.from_environ({"PADDLE_INIT_PSERVERS": "10.1.0.1,10.1.0.2", "PADDLE_INIT_PORT": "7164",
+                               "PADDLE_INIT_PORTS_NUM": "2", "PADDLE_INIT_PORTS_NUM_FOR_SPARSE": "2",
+                               "PADDLE_INIT_NUM_GRADIENT_SERVERS": "3", "PADDLE_INIT_TRAINER_ID": "2"})
+    assert env.trainers == 3 and env.trainer_id == 2
+    assert env.all_ports(1) == (7164, 7165, 7166, 7167)
+    assert env.pservers[1].host == "10.1.0.2"
+
+
+# -- bad values name the variable ----------------------------------------------------------------------
+GOOD = job().for_process(TRAINER, 1, "10.0.0.1").to_environ()
+
+
+@pytest.mark.parametrize("changes, name", [
+    ({"PADDLE_TRAINERS": "two"}, "PADDLE_TRAINERS"),
+    ({"PADDLE_TRAINERS": "0"}, "PADDLE_TRAINERS"),
+    ({"PADDLE_TRAINER_ID": "4"}, "PADDLE_TRAINER_ID"),
+    ({"PADDLE_TRAINER_ID": "-1"}, "PADDLE_TRAINER_ID"),
+    ({"PADDLE_TRAINER_ID": "first"}, "PADDLE_TRAINER_ID"),
+    ({"PADDLE_TRAINING_ROLE": "WORKER"}, "PADDLE_TRAINING_ROLE"),
+    ({"PADDLE_TRAINING_ROLE": "PSERVER", "PADDLE_PSERVER_ID": "9"}, "PADDLE_PSERVER_ID"),
+    ({"PADDLE_PSERVER_ENDPOINTS": "10.0.0.1"}, "PADDLE_PSERVER_ENDPOINTS"),
+    ({"PADDLE_PSERVER_ENDPOINTS": "10.0.0.1:http"}, "PADDLE_PSERVER_ENDPOINTS"),
+    ({"PADDLE_PSERVER_ENDPOINTS": "10.0.0.1:99999"}, "PADDLE_PSERVER_ENDPOINTS"),
+    ({"PADDLE_PSERVER_ENDPOINTS": ",,"}, "PADDLE_PSERVER_ENDPOINTS"),
+    ({"PADDLE_INIT_PORTS_NUM": "many"}, "PADDLE_INIT_PORTS_NUM"),
+    ({"PADDLE_INIT_PORTS_NUM_FOR_SPARSE": "-2"}, "PADDLE_INIT_PORTS_NUM_FOR_SPARSE"),
+    ({"PADDLE_BARRIER_TIMEOUT": "soon"}, "PADDLE_BARRIER_TIMEOUT"),
+    ({"PADDLE_BARRIER_TIMEOUT": "-5"}, "PADDLE_BARRIER_TIMEOUT"),
+])
+def test_bad_values_name_the_variable(changes, name):
+    with pytest.raises(ContractError, match=name):
+        JobEnv.from_environ({**GOOD, **changes})
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"PADDLE_PSERVER_IPS": "a,b", "PADDLE_TRAINERS": "2"}, "PADDLE_PSERVER_PORT"),
+    ({**SEED_COMMON, "PADDLE_PSERVER_PORT": "x"}, "PADDLE_PSERVER_PORT"),
+    ({**SEED_COMMON, "PADDLE_TRAINERS": "2.5"}, "PADDLE_TRAINERS"),
+    # a pserver that names an address no pserver has, or one several pservers share
+    ({**SEED_COMMON, "PADDLE_TRAINING_ROLE": "PSERVER", "PADDLE_CURRENT_IP": "ps9"}, "PADDLE_CURRENT_IP"),
+    ({**SEED_COMMON, "PADDLE_PSERVER_IPS": "ps0,ps0", "PADDLE_TRAINING_ROLE": "PSERVER",
+      "PADDLE_CURRENT_IP": "ps0"}, "PADDLE_CURRENT_IP"),
+])
+def test_bad_seed_style_values_name_the_variable(env, name):
+    with pytest.raises(ContractError, match=name):
+        JobEnv.from_environ(env)
+
+
+def test_constructor_refuses_inconsistent_contract():
+    with pytest.raises(ContractError, match="PADDLE_TRAINER_ID"):
+        job(role=TRAINER, trainer_id=4)
+    with pytest.raises(ContractError, match="PADDLE_INIT_PORTS_NUM"):
+        job(ports_num=0)
+
+
+# -- the env file --------------------------------------------------------------------------------------
+def test_env_file_is_owner_only_and_round_trips(tmp_path):
+    env = job(extra={"OMP_NUM_THREADS": "2", "WEIRD": "a=b c\rd"})
+    path = tmp_path / ENV_FILE
+    old = os.umask(0)
+    try:
+        path.write_text("stale\n")
+        os.chmod(path, 0o666)  # an old file with a wide mode must not keep it
+        write_env_file(str(path), env.to_environ())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    back = read_env_file(str(path))
+    assert back == env.to_environ()
+    assert back["WEIRD"] == "a=b c\rd"
+    assert JobEnv.from_environ(back) == env
+    assert "stale" not in path.read_text()
+
+
+@pytest.mark.parametrize("bad", [{"K": "line1\nline2"}, {"A=B": "1"}, {"": "x"}, {"#K": "1"}, {"K\n": "1"}])
+def test_env_file_refuses_unrepresentable_entries(tmp_path, bad):
+    path = tmp_path / "env"
+    with pytest.raises(ContractError):
+        write_env_file(str(path), {"GOOD": "1", **bad})
+    assert not path.exists()  # refused before anything was written
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(min_size=0, max_size=8), st.text(max_size=12), max_size=6))
+def test_env_file_round_trip_property(tmp_path_factory, environ):
+    path = tmp_path_factory.mktemp("envfile") / "env"
+    try:
+        write_env_file(str(path), environ)
+    except ContractError:
+        return
+    assert read_env_file(str(path)) == environ
+
+
+# -- ports -------------------------------------------------------------------------------------------
+def test_port_helpers():
+    env = job()
+    assert env.ports_per_pserver == 5
+    assert env.dense_ports(0) == (7164, 7165)
+    assert env.sparse_ports(0) == (7166, 7167, 7168)
+    assert env.all_ports(1) == (7169, 7170, 7171, 7172, 7173)
+    assert env.all_ports(1) == env.dense_ports(1) + env.sparse_ports(1)
+    # pservers on one node take consecutive, non-overlapping ranges
+    assert set(env.all_ports(0)).isdisjoint(env.all_ports(1))
+    assert env.all_ports(0)[-1] + 1 == env.all_ports(1)[0]
+
+
+def test_sparse_shares_dense_ports_when_none_configured():
+    env = job(ports_num_for_sparse=0)
+    assert env.sparse_ports(2) == env.dense_ports(2) == env.all_ports(2) == (7164, 7165)
+
+
+def test_config_and_contract_agree_on_the_port_layout():
+    cfg = ClusterConfig(hosts=(HostSpec("a", "a"),), paddle_port=9000, paddle_ports_num=2,
+                        paddle_ports_num_for_sparse=1, pservers_per_node=3)
+    env = JobEnv("j", tuple(Endpoint("a", cfg.pserver_ports(k)[0]) for k in range(3)), 1,
+                 ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse)
+    for k in range(3):
+        assert env.all_ports(k) == cfg.pserver_ports(k)
+    assert cfg.node_ports() == tuple(range(9000, 9009))
