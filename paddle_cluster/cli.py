@@ -152,6 +152,26 @@ def check(ctx: click.Context, as_json: bool) -> None:
                            + "; ".join(f"{r.node}: {r.problem}" for r in bad))
 
 
+@main.command()
+@click.option("--job_name", metavar="NAME")
+@click.option("-o", "--out", "out_path", metavar="FILE", help="PNG to write (default: <job name>.png here).")
+@click.pass_context
+@_handled
+def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -> None:
+    """Draw loss and every reported metric per trainer against step, as a PNG and in the terminal."""
+    from .launch import plot as plots
+
+    cfg = _config(ctx)
+    name = _job_name(cfg, job_name)
+    cs = plots.curves(plots.collect(cfg, name))
+    path = out_path or f"{name}.png"
+    plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
+    for c in cs:
+        _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
+             f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
+    _say(f"wrote {path}")
+
+
 def _table(headers, rows) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -14,7 +14,7 @@ from .errors import ClusterError, HostError
 from .hosts import Node, fanout, make_nodes
 
 
-def _nodes_with_lib(cfg: ClusterConfig) -> tuple:
+def nodes_with_lib(cfg: ClusterConfig) -> tuple:
     nodes = make_nodes(cfg)
     lib = dispatch.pack_library(tempfile.mkdtemp(prefix="paddle-cluster-"))
     fanout(nodes, lambda n: dispatch.ensure_package(n, lib, "lib")).ok("reaching the nodes")
@@ -30,7 +30,7 @@ class NodeKill:
 
 def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
     """Stop every process recorded for ``job_name`` on every node; nothing else is touched."""
-    nodes, lib = _nodes_with_lib(cfg)
+    nodes, lib = nodes_with_lib(cfg)
     job_dir = f"{cfg.root_dir}/{job_name}"
 
     def kill(n: Node) -> NodeKill:
@@ -56,7 +56,7 @@ class ProcRow:
 
 
 def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
-    nodes, lib = _nodes_with_lib(cfg)
+    nodes, lib = nodes_with_lib(cfg)
     job_dir = f"{cfg.root_dir}/{job_name}"
 
     def status(n: Node) -> List[ProcRow]:
@@ -96,7 +96,7 @@ def resolve_node(cfg: ClusterConfig, text: str) -> int:
 def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n: int, follow: bool,
                 out: Callable[[str], None]) -> int:
     idx = resolve_node(cfg, node_text)
-    nodes, lib = _nodes_with_lib(cfg)
+    nodes, lib = nodes_with_lib(cfg)
     node = nodes[idx]
     args = ["logs", "--job-dir", f"{cfg.root_dir}/{job_name}", "--role", role, "-n", str(n)]
     try:

@@ -577,6 +577,27 @@ def cmd_logs(args: argparse.Namespace) -> int:
             time.sleep(0.2)
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """Every trainer's metrics records on this node, as one JSON document (torn lines skipped)."""
+    log_dir = os.path.join(args.job_dir, "log")
+    out: Dict[str, List[Any]] = {}
+    names = sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []
+    for name in names:
+        if name.startswith("metrics.trainer") and name.endswith(".jsonl"):
+            recs = []
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict):
+                        recs.append(rec)
+            out[name[len("metrics."):-len(".jsonl")]] = recs
+    print(json.dumps(out))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="paddle_cluster.node.agent")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -591,7 +612,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--job-dir", required=True)
     p.add_argument("--orphan-timeout", type=float, default=20.0)
     p.add_argument("--grace", type=float, default=5.0)
-    for name in ("kill", "status"):
+    for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
         p.add_argument("--grace", type=float, default=5.0)
@@ -602,7 +623,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("-f", "--follow", action="store_true")
     args = ap.parse_args(argv)
     return {"probe": cmd_probe, "unpack": cmd_unpack, "supervise": cmd_supervise, "kill": cmd_kill,
-            "status": cmd_status, "logs": cmd_logs}[args.cmd](args)
+            "status": cmd_status, "logs": cmd_logs, "metrics": cmd_metrics}[args.cmd](args)
 
 
 if __name__ == "__main__":

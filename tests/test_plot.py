@@ -1,0 +1,60 @@
+"""``paddle-cluster plot`` draws the curves that the trainers' metrics files hold."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+TRAIN = r'''
+import os
+from paddle_cluster.runtime.metrics import MetricsWriter
+tid = int(os.environ["PADDLE_TRAINER_ID"])
+with MetricsWriter() as m:
+    for step in range(20):
+        m.log(0, step, loss=(tid + 1) * 10.0 / (step + 1), accuracy=step / 20.0)
+'''
+PS = "import time; from paddle_cluster.contract import JobEnv; import socket\n" \
+     "e = JobEnv.from_environ(); s = [socket.create_server((e.current_ip, p)) for p in e.all_ports(e.pserver_id)]\n" \
+     "time.sleep(600)\n"
+
+
+def test_plot_draws_the_metrics_files(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(TRAIN)
+    (ws / "ps.py").write_text(PS)
+    conf = tmp_path / "conf.py"
+    conf.write_text(textwrap.dedent(f"""
+        HOSTS = ["localhost"]
+        ROOT_DIR = {str(tmp_path / "root")!r}
+        PADDLE_NIC = "lo"
+        PADDLE_PORT = 33264
+        PADDLE_PORTS_NUM = 1
+        PADDLE_PORTS_NUM_FOR_SPARSE = 0
+        TRAINERS_PER_NODE = 2
+        PYTHON = {sys.executable!r}
+        PSERVER_COMMAND = "{{python}} ps.py"
+        KILL_GRACE = 1.0
+        """))
+    env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+    run = cli("run", "--job_dispatch_package", str(ws), "--job_name", "curves")
+    assert run.returncode == 0, run.stderr
+    res = cli("plot", "--out", str(tmp_path / "c.png"))  # default job: the latest of this config
+    assert res.returncode == 0, res.stderr
+    png = (tmp_path / "c.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    lines = res.stdout.splitlines()
+    # Each trainer's loss curve, first and last point exactly as written: (tid+1)*10/(step+1).
+    assert any("trainer0" in ln and "loss" in ln and "10 -> 0.5 (20 points, steps 0-19)" in ln for ln in lines)
+    assert any("trainer1" in ln and "loss" in ln and "20 -> 1 (20 points, steps 0-19)" in ln for ln in lines)
+    assert any("trainer1" in ln and "accuracy" in ln and "0 -> 0.95" in ln for ln in lines)
+    assert not any("samples_per_s" in ln and "trainer" in ln and "nan" in ln for ln in lines)
+    missing = cli("plot", "--job_name", "nosuchjob")
+    assert missing.returncode == 1 and "no metrics records" in missing.stderr
