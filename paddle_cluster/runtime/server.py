@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -117,6 +118,8 @@ class _DenseBlock(_Shard):
         self.initializing = False
         self.bufs: Dict[int, np.ndarray] = {}
         self.sum: Optional[np.ndarray] = None
+        self.applying = False
+        self.error: Optional[str] = None
 
     def describe(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
@@ -238,6 +241,8 @@ class PServer:
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
         self.rw = _RWLock()
+        self._apply_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                              thread_name_prefix=f"pserver{pserver_id}-apply")
         self._done = threading.Event()
         self._listeners: List[socket.socket] = []
         self._conns: Set[socket.socket] = set()
@@ -299,6 +304,7 @@ class PServer:
     def stop(self) -> None:
         self._done.set()
         self._close_listeners()
+        self._apply_pool.shutdown(wait=False)
         with self.lock:
             conns = list(self._conns)
             self.lock.notify_all()
@@ -472,6 +478,8 @@ class PServer:
         return lambda: set(self.active) - set(shard.pending) - shard.receiving
 
     def _wait_step(self, shard: _Shard, step: int, what: str) -> None:
+        if isinstance(shard, _DenseBlock) and shard.error:
+            raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
         if isinstance(shard, _DenseBlock) and not shard.initialized:
             self._wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
                        lambda: {0} - self.closed)
@@ -493,26 +501,42 @@ class PServer:
             shard.hyper_pos += 1
 
     def _complete_dense(self, b: _DenseBlock) -> None:
-        if not self._ready_to_apply(b):
+        """(Holding ``b.cv``.) Once every active trainer pushed, apply the averaged gradient.
+
+        The apply runs on the apply pool, not on the connection thread, so the connection can already
+        receive the next block while this one is being updated (the pull for the next step waits for it).
+        """
+        if b.applying or not self._ready_to_apply(b):
             return
-        contributors = sorted(b.pending)
-        if len(contributors) == 1:
-            g = b.pending[contributors[0]]
-        else:
-            # Sum in trainer order so the result does not depend on arrival order.
-            if b.sum is None:
-                b.sum = np.empty(b.shape, dtype=b.dtype)
-            g = b.sum
-            np.add(b.pending[contributors[0]], b.pending[contributors[1]], out=g)
-            for t in contributors[2:]:
-                g += b.pending[t]
-            g /= b.dtype.type(len(contributors))
-        with self.rw.shared():
-            self._apply_hyper(b, b.step)
-            b.opt.apply(b.param, g)
-            b.step += 1
-        b.pending.clear()
-        b.cv.notify_all()
+        b.applying = True
+        self._apply_pool.submit(self._apply_dense, b)
+
+    def _apply_dense(self, b: _DenseBlock) -> None:
+        with b.cv:
+            try:
+                contributors = sorted(b.pending)
+                if len(contributors) == 1:
+                    g = b.pending[contributors[0]]
+                else:
+                    # Sum in trainer order so the result does not depend on arrival order.
+                    if b.sum is None:
+                        b.sum = np.empty(b.shape, dtype=b.dtype)
+                    g = b.sum
+                    np.add(b.pending[contributors[0]], b.pending[contributors[1]], out=g)
+                    for t in contributors[2:]:
+                        g += b.pending[t]
+                    g /= b.dtype.type(len(contributors))
+                with self.rw.shared():
+                    self._apply_hyper(b, b.step)
+                    b.opt.apply(b.param, g)
+                    b.step += 1
+            except Exception as e:  # keep serving; the waiting pulls report it
+                log.exception("pserver %d: optimizer failed on %s", self.pserver_id, b.describe())
+                b.error = f"optimizer failed on {b.describe()} at step {b.step}: {e!r}"
+            finally:
+                b.pending.clear()
+                b.applying = False
+                b.cv.notify_all()
 
     def _complete_table(self, t: _TableShard) -> None:
         if not self._ready_to_apply(t):
@@ -646,7 +670,7 @@ class PServer:
         with b.cv:
             self._wait_step(b, h.step, "push")
             if self.mode == "sync":
-                dup = h.step < b.step or t in b.pending or t in b.receiving
+                dup = h.step < b.step or t in b.pending or t in b.receiving or b.applying
             else:
                 dup = t in b.receiving
             dest = None if dup else b.grad_buffer(t)

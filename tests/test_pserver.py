@@ -1,0 +1,178 @@
+"""Pserver behaviour over real TCP with real pserver processes: async convergence, barrier timeouts that
+name the dead trainer, close() and exit, SIGTERM, declarations that must agree, hyper-parameters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import rt_helpers as H
+
+from paddle_cluster.contract import TRAINER
+from paddle_cluster.runtime import BarrierTimeout, ConfigMismatch, OptimizerSpec, connect
+
+
+def trainer_env(env, i):
+    return env.for_process(TRAINER, i, "127.0.0.1")
+
+
+@pytest.mark.timeout(90)
+def test_async_training_converges(tmp_path):
+    env = H.make_env(2, 2, tmp_path)
+    with H.procs(tmp_path) as pr:
+        servers = [pr.pserver(env, k) for k in range(2)]
+        outs = [os.path.join(tmp_path, f"t{i}.npz") for i in range(2)]
+        trainers = [pr.trainer(env, i, "dense", outs[i], steps=60, lr=0.5, mode="async") for i in range(2)]
+        assert H.wait_all(pr, trainers, 60) == [0, 0], [pr.log(t) for t in trainers]
+        assert H.wait_all(pr, servers, 15) == [0, 0]
+    for out in outs:
+        losses = np.load(out)["losses"]
+        assert losses[-4:].mean() < 0.5 * losses[:4].mean(), losses
+
+
+@pytest.mark.timeout(60)
+def test_dead_trainer_barrier_timeout_names_it(tmp_path):
+    env = H.make_env(2, 2, tmp_path, barrier_timeout=2.0)
+    with H.procs(tmp_path) as pr:
+        for k in range(2):
+            pr.pserver(env, k)
+        victim = pr.trainer(env, 1, "die_after_step", os.path.join(tmp_path, "t1.npz"))
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            p = ps.register_dense(H.dense_init())
+            for t in range(2):  # step 0 with the victim; step 1 the victim never pushes
+                x, y = H.dense_batch(0, t)
+                _, gw, gb, _ = H.softmax_grad(x, y, p["w"], p["b"])
+                ps.push({"w": gw, "b": gb})
+                if t == 0:
+                    assert victim.stdout.readline().strip() == b"STEP0-DONE"
+                    os.killpg(victim.pid, signal.SIGKILL)
+                    victim.wait(10)
+                p = ps.pull() if t == 0 else None
+            t0 = time.monotonic()
+            with pytest.raises(BarrierTimeout) as ei:
+                ps.pull()
+            waited = time.monotonic() - t0
+        finally:
+            ps.close()
+    e = ei.value
+    assert e.missing_trainers == [1]
+    assert e.step == 2
+    msg = str(e)
+    assert "barrier timeout at step 2" in msg and "waiting for trainer 1 (last seen" in msg, msg
+    assert 1.5 < waited < 10, waited
+
+
+@pytest.mark.timeout(60)
+def test_close_releases_barrier_and_pserver_exits_zero(tmp_path):
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=20.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        a = connect(mode="sync", optimizer="sgd", env=trainer_env(env, 0))
+        b = connect(mode="sync", optimizer="sgd", env=trainer_env(env, 1))
+        init = {"v": np.arange(10, dtype=np.float32)}
+        a.register_dense(init)
+        np.testing.assert_array_equal(b.register_dense({"v": np.zeros(10, np.float32)})["v"], init["v"])
+        b.push({"v": np.ones(10, np.float32)})
+        result = {}
+        th = threading.Thread(target=lambda: result.update(b.pull()), daemon=True)
+        th.start()  # waits for trainer 0's gradient of step 0 ...
+        time.sleep(0.5)
+        assert th.is_alive()
+        a.close()  # ... until trainer 0 says it is gone
+        th.join(10)
+        assert not th.is_alive()
+        np.testing.assert_allclose(result["v"], init["v"] - 0.01)  # averaged over the one contributor
+        time.sleep(0.3)
+        assert server.poll() is None  # trainer 1 is still there
+        b.push({"v": np.ones(10, np.float32)})
+        np.testing.assert_allclose(b.pull()["v"], init["v"] - 0.02)
+        b.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_exits_cleanly(tmp_path):
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        server.send_signal(signal.SIGTERM)
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
+@pytest.mark.timeout(60)
+def test_trainers_must_agree_with_trainer_0(tmp_path):
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=3.0)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0)
+        a = connect(mode="sync", optimizer=OptimizerSpec("adam", lr=0.1), env=trainer_env(env, 0))
+        try:
+            with pytest.raises(ConfigMismatch, match="mode 'async'.*'sync'"):
+                connect(mode="async", optimizer=OptimizerSpec("adam", lr=0.1), env=trainer_env(env, 1))
+            with pytest.raises(ConfigMismatch, match="optimizer"):
+                connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 1))
+            a.register_dense({"w": np.zeros((4, 3), np.float32)})
+            b = connect(mode="sync", optimizer=OptimizerSpec("adam", lr=0.1), env=trainer_env(env, 1))
+            with pytest.raises(ConfigMismatch, match="shape"):
+                b.register_dense({"w": np.zeros((4, 5), np.float32)})
+            b.close()
+        finally:
+            a.close()
+
+
+@pytest.mark.timeout(30)
+def test_trainer_waits_for_trainer_0_and_times_out_naming_it(tmp_path):
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=1.5)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0)
+        with pytest.raises(BarrierTimeout, match="trainer 0 \\(never seen\\)") as ei:
+            connect(mode="sync", env=trainer_env(env, 1))
+        assert ei.value.missing_trainers == [0]
+
+
+@pytest.mark.timeout(30)
+def test_set_lr_from_trainer_and_local_mode(tmp_path, monkeypatch):
+    # No contract in the environment: connect() starts an in-process pserver on 127.0.0.1.
+    for k in list(os.environ):
+        if k.startswith("PADDLE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5))
+    try:
+        ps.register_dense({"x": np.zeros(3, np.float32)})
+        ps.push({"x": np.ones(3, np.float32)})
+        np.testing.assert_allclose(ps.pull()["x"], -0.5)
+        ps.set_lr(0.25)
+        ps.push({"x": np.ones(3, np.float32)})
+        np.testing.assert_allclose(ps.pull()["x"], -0.75)
+        assert ps.status()[0]["blocks"]["0"]["lr"] == 0.25
+        path = ps.save_dense(str(tmp_path / "output" / "pass-00001"))
+        from paddle_cluster.runtime import load_dense
+
+        np.testing.assert_allclose(load_dense(path)["x"], -0.75)
+    finally:
+        ps.close()
+
+
+@pytest.mark.timeout(60)
+def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
+    env = H.make_env(2, 1, tmp_path, ports_num=2, sparse_ports=1)
+    with H.procs(tmp_path) as pr:
+        servers = [pr.pserver(env, k) for k in range(2)]
+        ps = connect(mode="sync", optimizer="sgd", env=trainer_env(env, 0), max_block_bytes=64 * 1024)
+        try:
+            w = np.random.default_rng(0).standard_normal((512, 128)).astype(np.float32)  # 256 KB -> 4 blocks
+            np.testing.assert_array_equal(ps.register_dense({"w": w})["w"], w)
+            blocks = ps._blocks["w"]
+            assert len(blocks) == 4
+            assert sorted(b.pserver for b in blocks) == [0, 0, 1, 1]
+            assert {(b.pserver, b.conn) for b in blocks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+            st = ps.status()
+            assert [len(s["blocks"]) for s in st] == [2, 2]
+        finally:
+            ps.close()
+        assert H.wait_all(pr, servers, 10) == [0, 0]
