@@ -363,3 +363,17 @@ def test_local_host_runs_without_ssh(tmp_path):
     assert "[trainer.1@node0] ENV OK trainer 1 of 2 on node 0" in res.stdout
     assert sorted(p.name for p in (root / "loc" / "log").iterdir()) == [
         "server.0.log", "server.1.log", "train.0.log", "train.1.log"]
+
+
+def test_ssh_config_aliases_and_proxyjump(cluster, tmp_path):
+    """Hosts given as ~/.ssh/config aliases: user, key and a ProxyJump hop come from that file."""
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(Path(cluster.ssh_config).read_text()
+                   + f"Host behind2\n    HostName {cluster.ips[2]}\n    User root\n"
+                   f"    IdentityFile {cluster.key_path}\n    ProxyJump node0\n")
+    conf = write_conf(tmp_path, cluster, hosts=["node0", "node1", "behind2"], SSH_CONFIG_FILE=str(cfg),
+                      SSH_IDENTITY_FILE=None)
+    res = cli(conf, "check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for i, name in enumerate(["node0", "node1", "behind2"]):
+        assert name in res.stdout and f"eth0={cluster.ips[i]}" in res.stdout
