@@ -224,6 +224,9 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
         if key in raw and f.name != "source":
             values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
     values["hosts"] = _hosts(raw["HOSTS"], source)
+    for name in ("ssh_identity_file", "ssh_config_file", "ssh_known_hosts"):
+        if values.get(name):  # files on this machine: "~" is ours, and the SSH layer gets a usable path
+            values[name] = os.path.expanduser(values[name])
     cfg = ClusterConfig(**values)
     _validate(cfg, source)
     return cfg
@@ -309,6 +312,11 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
         raise ConfigError("PADDLE_PORT", cfg.paddle_port,
                           f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie within "
                           "1024..65535; choose a PADDLE_PORT such as 7164", source)
+    for key in ("ssh_identity_file", "ssh_config_file"):
+        path = getattr(cfg, key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(key.upper(), path, "no such file on this machine; give an existing file or None "
+                              "for the default", source)
     for key in ("pserver_command", "trainer_command"):
         try:
             getattr(cfg, key).format(python="python3")
