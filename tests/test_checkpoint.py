@@ -48,6 +48,7 @@ def _flip_byte(path, offset=None):
         f.write(data)
 
 
+@pytest.mark.timeout(30)
 def test_shard_roundtrip_exact(tmp_path):
     rng = np.random.default_rng(0)
     blocks = [ckpt.BlockState(0, "w", 0, 4, "float32", {"declared": {}, "current": {}}, 7,

@@ -12,6 +12,8 @@ from paddle_cluster.runtime import errors as E
 from paddle_cluster.runtime import protocol as P
 from paddle_cluster.runtime.placement import init_rows, place_dense, shard_of, split_rows
 
+pytestmark = pytest.mark.timeout(30)
+
 
 def test_header_roundtrip_and_checks():
     raw = P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), 0, 3, 17, -5, 4096, 9)

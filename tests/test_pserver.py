@@ -176,3 +176,28 @@ def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
         finally:
             ps.close()
         assert H.wait_all(pr, servers, 10) == [0, 0]
+
+
+@pytest.mark.timeout(30)
+def test_repeated_push_of_same_step_is_idempotent(tmp_path):
+    from paddle_cluster.runtime import protocol as P
+    from paddle_cluster.runtime.client import _expect_ok, _pipeline
+
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"v": np.zeros(5, np.float32)})
+            g = np.ones(5, np.float32)
+            ps.push({"v": g})
+            np.testing.assert_allclose(ps.pull()["v"], -1.0)
+            # A retransmission of the step-0 push (same trainer, key, step) is acknowledged and ignored.
+            ch = ps._dense_ch[0][0]
+            frame = P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=0, step=0, length=g.nbytes)
+            ch.submit(_pipeline, [(frame, (g,))], [_expect_ok]).result()
+            np.testing.assert_allclose(ps.pull()["v"], -1.0)
+            assert ps.status()[0]["blocks"]["0"]["step"] == 1
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
