@@ -1,0 +1,220 @@
+"""paddle_cluster.fluid: endpoint parsing, the transpiler against the contract, optimizers, local and in-process
+distributed training (real TCP to in-process pservers)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from paddle_cluster import fluid
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.runtime import layers, load_dense
+from paddle_cluster.runtime.server import PServer
+
+
+@pytest.fixture(autouse=True)
+def no_contract(monkeypatch):
+    """No launcher contract unless a test sets one."""
+    for name in list(os.environ):
+        if name.startswith("PADDLE_"):
+            monkeypatch.delenv(name)
+
+
+def regression(n=64, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype=np.float32) + 0.7).astype(np.float32)
+    return x, y
+
+
+def program(lr=0.05, opt=fluid.SGD):
+    prog = fluid.Program(layers.Linear("fc", 4, 1, seed=1), loss=layers.SquareError())
+    opt(learning_rate=lr).minimize(prog)
+    return prog
+
+
+# -- endpoints and the transpiler ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,item", [
+    ("127.0.0.1", "127.0.0.1"),
+    ("10.0.0.1:7164,10.0.0.2", "10.0.0.2"),
+    ("h:abc", "h:abc"),
+    ("h:0", "h:0"),
+    ("h:70000", "h:70000"),
+    ("a:1,,b:2", ""),
+    (":7164", ":7164"),
+])
+def test_bad_endpoint_is_named(bad, item):
+    with pytest.raises(fluid.FluidError) as e:
+        fluid.DistributeTranspiler().transpile(0, program=program(), pservers=bad, trainers=1)
+    assert repr(bad) in str(e.value) and f"bad endpoint {item!r}" in str(e.value)
+
+
+def test_empty_and_duplicate_endpoints():
+    with pytest.raises(fluid.FluidError, match="pservers=''"):
+        fluid.parse_endpoints("")
+    with pytest.raises(fluid.FluidError, match="'h:1' is listed twice"):
+        fluid.parse_endpoints("h:1,h:2,h:1")
+    assert fluid.parse_endpoints(" a:1, b:2 ") == (Endpoint("a", 1), Endpoint("b", 2))
+
+
+def test_transpile_argument_errors():
+    t = fluid.DistributeTranspiler()
+    with pytest.raises(fluid.FluidError, match="no pservers given"):
+        t.transpile(0, program=program())
+    with pytest.raises(fluid.FluidError, match=r"trainer_id=2: expected an integer in \[0, 2\)"):
+        t.transpile(2, program=program(), pservers="h:1", trainers=2)
+    with pytest.raises(fluid.FluidError, match="trainers=0"):
+        t.transpile(0, program=program(), pservers="h:1", trainers=0)
+    with pytest.raises(fluid.FluidError, match="call transpile"):
+        fluid.DistributeTranspiler().get_trainer_program()
+
+
+def test_pserver_program_endpoint_errors():
+    t = fluid.DistributeTranspiler()
+    t.transpile(0, program=program(), pservers="10.0.0.1:7164,10.0.0.1:7166", trainers=2)
+    assert t.get_pserver_program("10.0.0.1:7166").pserver_id == 1
+    with pytest.raises(fluid.FluidError, match=r"'10.0.0.1:7165' is not one of the pservers "
+                                               r"10.0.0.1:7164,10.0.0.1:7166"):
+        t.get_pserver_program("10.0.0.1:7165")
+    with pytest.raises(fluid.FluidError, match="'nonsense'"):
+        t.get_pserver_program("nonsense")
+
+
+def test_transpile_takes_the_launcher_contract(monkeypatch):
+    job = JobEnv("j1", (Endpoint("127.0.0.1", 7164), Endpoint("127.0.0.1", 7166)), trainers=3, ports_num=1,
+                 ports_num_for_sparse=1, secret="s3cret")
+    for k, v in job.for_process(TRAINER, 2, "127.0.0.1").to_environ().items():
+        monkeypatch.setenv(k, v)
+    t = fluid.DistributeTranspiler()
+    t.transpile(program=program(), sync_mode=False)
+    assert t.env.pservers == job.pservers and t.env.trainers == 3 and t.env.trainer_id == 2
+    assert t.env.secret == "s3cret" and t.mode == "async"
+    # The seed's own construction (one port for every IP) names one pserver twice: said plainly.
+    with pytest.raises(fluid.FluidError, match="listed twice"):
+        t.transpile(2, program=program(), pservers="127.0.0.1:7164,127.0.0.1:7164", trainers=3)
+
+
+def test_pserver_endpoint_must_match_the_launchers_pserver_id(monkeypatch):
+    job = JobEnv("j1", (Endpoint("127.0.0.1", 7164), Endpoint("127.0.0.1", 7166)), trainers=2)
+    for k, v in job.for_process(PSERVER, 1, "127.0.0.1").to_environ().items():
+        monkeypatch.setenv(k, v)
+    t = fluid.DistributeTranspiler()
+    t.transpile(0, program=program())
+    assert t.get_pserver_program().pserver_id == 1
+    with pytest.raises(fluid.FluidError, match="launcher started this process as pserver 1"):
+        t.get_pserver_program("127.0.0.1:7164")
+
+
+def test_optimizer_mapping():
+    assert fluid.optimizer.SGD(0.1).spec.to_dict()["name"] == "sgd"
+    m = fluid.Momentum(0.2, momentum=0.5).spec
+    assert (m.name, m.lr, m.momentum) == ("momentum", 0.2, 0.5)
+    a = fluid.Adagrad(0.3, epsilon=1e-4).spec
+    assert (a.name, a.eps) == ("adagrad", 1e-4)
+    d = fluid.Adam(beta1=0.8, regularization=0.01).spec
+    assert (d.name, d.lr, d.beta1, d.weight_decay) == ("adam", 0.001, 0.8, 0.01)
+    with pytest.raises(fluid.FluidError, match="minimize"):
+        fluid.SGD(0.1).minimize("avg_loss")
+    t = fluid.DistributeTranspiler()
+    t.transpile(0, program=fluid.Program(layers.Linear("f", 2, 1)), pservers="h:1", trainers=1)
+    with pytest.raises(fluid.FluidError, match="no optimizer"):
+        t.get_trainer_program()
+
+
+# -- running ---------------------------------------------------------------------------------------------
+
+
+def test_local_training_save_load_and_fetch(tmp_path):
+    x, y = regression()
+    prog = program(opt=fluid.Adam, lr=0.05)
+    test = prog.clone(for_test=True)
+    feeder = fluid.DataFeeder(feed_list=["x", "y"])
+    feed = feeder.feed(list(zip(x, y)))
+    assert feed["x"].shape == (64, 4) and feed["y"].shape == (64, 1)
+    exe = fluid.Executor(fluid.CPUPlace())
+    assert exe.run(fluid.default_startup_program()) == []
+    first, = exe.run(prog, feed=feed, fetch_list=["loss"])
+    for _ in range(300):
+        last, = exe.run(prog, feed=feed, fetch_list=["loss"])
+    assert last[0] < 0.01 * first[0]
+    with pytest.raises(fluid.FluidError, match=r"fetch_list \['acc'\]"):
+        exe.run(test, feed=feed, fetch_list=["acc"])
+    fluid.io.save_params(exe, str(tmp_path / "m"), prog)
+    mse, = exe.run(test, feed=feed, fetch_list=["loss"])
+    exe.close()
+
+    fresh = program().clone(for_test=True)
+    fluid.io.load_params(None, str(tmp_path / "m"), fresh)
+    pred, mse2 = fluid.Executor().run(fresh, feed={"x": feed["x"], "y": feed["y"]}, fetch_list=["prediction", "loss"])
+    assert pred.shape == (64, 1) and mse2[0] == pytest.approx(mse[0], rel=1e-6)
+    with pytest.raises(fluid.FluidError, match="closed"):
+        exe.run(prog, feed=feed)
+
+
+def _free_ports(n):
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _train_distributed(eps, trainers, batch, x, y, steps, out):
+    """``trainers`` threads, each a transpiled Program on its own shard; returns trainer 0's final params."""
+    errors = []
+
+    def trainer(tid):
+        try:
+            prog = program(lr=0.05)
+            t = fluid.DistributeTranspiler()
+            t.transpile(tid, program=prog, pservers=eps, trainers=trainers)
+            tp = t.get_trainer_program()
+            exe = fluid.Executor()
+            for s in range(steps):
+                rows = slice(s * batch * trainers, (s + 1) * batch * trainers)
+                exe.run(tp, feed={"x": x[rows][tid::trainers], "y": y[rows][tid::trainers]})
+            if tid == 0:
+                fluid.io.save_params(exe, out, tp)
+            exe.close()
+        except BaseException as e:  # noqa: B036 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(trainers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    return load_dense(os.path.join(out, "params.npz"))
+
+
+def test_two_trainers_two_pservers_sync_match_one_trainer(tmp_path):
+    """Sync with B per trainer on 2 trainers == 1 trainer with 2B: the same global batch every step."""
+    x, y = regression(n=96)
+    results = []
+    for trainers, n_ps, batch in ((1, 1, 16), (2, 2, 8)):
+        ports = _free_ports(n_ps)
+        env = JobEnv("fluid", tuple(Endpoint("127.0.0.1", p) for p in ports), trainers=trainers, ports_num=1,
+                     ports_num_for_sparse=0, job_dir=str(tmp_path))
+        servers = [PServer(env, k).start() for k in range(n_ps)]
+        try:
+            eps = ",".join(str(e) for e in env.pservers)
+            results.append(_train_distributed(eps, trainers, batch, x, y, 6, str(tmp_path / f"out{trainers}")))
+            for s in servers:
+                assert s.wait(10), "pserver still waiting for trainers after every exe.close()"
+        finally:
+            for s in servers:
+                s.stop()
+    one, two = results
+    assert sorted(one) == ["fc.b", "fc.w"]
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], rtol=1e-5, atol=1e-6)
