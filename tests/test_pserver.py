@@ -201,3 +201,21 @@ def test_repeated_push_of_same_step_is_idempotent(tmp_path):
         finally:
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]
+
+
+@pytest.mark.timeout(30)
+def test_async_bounded_staleness_drops_old_gradients(tmp_path):
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0)
+        ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=1.0), env=trainer_env(env, 0), staleness=1)
+        try:
+            ps.register_dense({"v": np.zeros(4, np.float32)})  # pulled at version 0
+            for _ in range(3):  # computed on version 0: applied at versions 0 and 1, dropped at 2
+                ps.wait(ps.push({"v": np.ones(4, np.float32)}))
+            np.testing.assert_allclose(ps.pull()["v"], -2.0)
+            assert ps.status()[0]["dropped_stale"] == 1
+            ps.wait(ps.push({"v": np.ones(4, np.float32)}))  # fresh again after the pull
+            np.testing.assert_allclose(ps.pull()["v"], -3.0)
+        finally:
+            ps.close()

@@ -12,6 +12,11 @@ Native API::
         ps.push_sparse("emb", ids, row_grads)
         ps.push({"w": gw})
     ps.close()
+
+``pull()`` returns the client's own buffers (valid until the next pull); ``pull_sparse`` returns one row
+per id in the shape ``ids.shape + (width,)``; ``push_sparse`` sums duplicate ids. In sync mode every step's
+``push`` is a barrier across trainers; errors are typed (``BarrierTimeout`` names the missing trainers).
+A pserver is ``python -m paddle_cluster.pserver`` (see its docstring for the variables it reads).
 """
 
 from .client import CheckpointInfo, PSClient, PushHandle, connect, load_dense

@@ -207,7 +207,7 @@ class PSClient:
 
     def __init__(self, env: JobEnv, *, mode: str = "sync", optimizer: OptimizerLike = None,
                  trainer_id: Optional[int] = None, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
-                 connect_timeout: float = 60.0, _local_server: Any = None) -> None:
+                 connect_timeout: float = 60.0, staleness: Optional[int] = None, _local_server: Any = None) -> None:
         if mode not in ("sync", "async"):
             raise ValueError(f"mode {mode!r}: expected 'sync' or 'async'")
         self.env = env
@@ -222,6 +222,7 @@ class PSClient:
         self._lock = threading.Lock()
         self._outstanding: List[PushHandle] = []
         self._dense: Dict[str, np.ndarray] = {}
+        self._versions: Dict[int, int] = {}  # block key -> pserver's update count at our last pull
         self._blocks: Dict[str, List[Block]] = {}
         self._tables: Dict[str, _Table] = {}
         self._sparse_pushed: set = set()
@@ -244,7 +245,7 @@ class PSClient:
                 self._dense_ch.append([chans[(k, p)] for p in env.dense_ports(k)])
                 self._sparse_ch.append([chans[(k, p)] for p in env.sparse_ports(k)])
             body = {"mode": mode, "optimizer": self.optimizer.to_dict(), "trainers": env.trainers,
-                    "n_pservers": self.n_pservers}
+                    "n_pservers": self.n_pservers, "staleness": staleness}
             replies = _gather([self._ctl(k).submit(_Channel.call_json, P.Op.DECLARE, body)
                                for k in range(self.n_pservers)])
         except BaseException:
@@ -385,6 +386,7 @@ class PSClient:
                     if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
                         raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
                     P.recv_into(ch.sock, P.byte_view(self._dense[b.name][b.lo:b.hi]))
+                    self._versions[b.key] = h.step
                 return cb
             _pipeline(ch, frames, [into(b) for b in blocks])
 
@@ -416,8 +418,8 @@ class PSClient:
         futures: List[Future] = []
 
         def push_blocks(ch: _Channel, blocks: List[Block]) -> None:
-            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes),
-                       (send[b.name][b.lo:b.hi],)) for b in blocks]
+            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
+                                     aux=self._versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],)) for b in blocks]
             _pipeline(ch, frames, [_expect_ok] * len(blocks))
 
         blocks = [b for n in sorted(send) for b in self._blocks[n]]
@@ -613,11 +615,12 @@ def load_dense(path: str) -> Dict[str, np.ndarray]:
 
 def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optional[JobEnv] = None,
             trainer_id: Optional[int] = None, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
-            connect_timeout: float = 60.0) -> PSClient:
+            connect_timeout: float = 60.0, staleness: Optional[int] = None) -> PSClient:
     """Connect this trainer to its job's pservers (from ``JobEnv.from_environ()`` unless ``env`` is given).
 
     With no contract in the environment, starts an in-process pserver on 127.0.0.1 (one trainer), so a
-    training script also runs unlaunched.
+    training script also runs unlaunched. ``staleness`` (async mode): a pserver drops a dense gradient
+    computed on values more than that many updates older than the block's current ones.
     """
     if env is None:
         env = JobEnv.from_environ()
@@ -634,7 +637,7 @@ def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optiona
         env = replace(local_env, pservers=(Endpoint("127.0.0.1", local.ports[0]),), trainer_id=0)
     try:
         return PSClient(env, mode=mode, optimizer=optimizer, trainer_id=trainer_id, max_block_bytes=max_block_bytes,
-                        connect_timeout=connect_timeout, _local_server=local)
+                        connect_timeout=connect_timeout, staleness=staleness, _local_server=local)
     except BaseException:
         if local is not None:
             local.stop()

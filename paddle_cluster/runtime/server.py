@@ -232,6 +232,8 @@ class PServer:
         self.lock = threading.Condition()
         self.mode: Optional[str] = None
         self.optimizer: Optional[Dict[str, Any]] = None
+        self.staleness: Optional[int] = None  # async: drop dense gradients computed on values this old
+        self.dropped_stale = 0
         self.base_step = 0
         self.resumed_from: Optional[str] = None
         self.blocks: Dict[int, _DenseBlock] = {}
@@ -576,15 +578,21 @@ class PServer:
                 f"trainer {conn.trainer} thinks the job has {body.get('trainers')} trainers and "
                 f"{body.get('n_pservers')} pservers; this pserver was started for {self.env.trainers} and "
                 f"{self.n_pservers}")
+        staleness = body.get("staleness")
+        if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
+            raise ConfigMismatch(f"staleness {staleness!r}: expected a non-negative integer or null")
         with self.lock:
             if conn.trainer == 0 and self.mode is None:
-                self.mode, self.optimizer = mode, opt
+                self.mode, self.optimizer, self.staleness = mode, opt, staleness
                 self.lock.notify_all()
             self._wait(self.lock, lambda: self.mode is not None, self.base_step, "waiting for trainer 0 to declare",
                        lambda: {0})
             if mode != self.mode:
                 raise ConfigMismatch(f"trainer {conn.trainer} asks for mode {mode!r} but the job runs in "
                                      f"{self.mode!r} mode (declared by trainer 0)")
+            if staleness != self.staleness:
+                raise ConfigMismatch(f"trainer {conn.trainer} asks for staleness bound {staleness} but trainer 0 "
+                                     f"declared {self.staleness}")
             if opt != self.optimizer:
                 raise ConfigMismatch(f"trainer {conn.trainer} declares optimizer {opt} but trainer 0 declared "
                                      f"{self.optimizer}")
@@ -686,7 +694,11 @@ class PServer:
                     b.receiving.discard(t)
             conn.consumed = True
             with b.cv:
-                if self.mode == "async":
+                if self.mode == "async" and self.staleness is not None and b.step - h.aux > self.staleness:
+                    # Bounded staleness: the trainer computed this on values older than allowed (aux carries
+                    # the block version it pulled).
+                    self.dropped_stale += 1
+                elif self.mode == "async":
                     with self.rw.shared():
                         self._apply_hyper(b, None)
                         b.opt.apply(b.param, dest)
@@ -854,6 +866,7 @@ class PServer:
         with self.lock:
             body = {
                 "pserver_id": self.pserver_id, "mode": self.mode, "base_step": self.base_step,
+                "staleness": self.staleness, "dropped_stale": self.dropped_stale,
                 "active": sorted(self.active), "closed": sorted(self.closed), "resumed_from": self.resumed_from,
                 "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in self.blocks.items()},
                 "tables": {str(k): {"name": t.name, "step": t.step, "rows": t.n, "lr": t.spec.lr}
