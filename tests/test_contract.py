@@ -268,3 +268,14 @@ def test_config_and_contract_agree_on_the_port_layout():
     for k in range(3):
         assert env.all_ports(k) == cfg.pserver_ports(k)
     assert cfg.node_ports() == tuple(range(9000, 9009))
+
+
+def test_environment_doc_lists_every_variable():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "environment.md").read_text()
+    env = job()
+    names = set(env.for_process(TRAINER, 0, "h").to_environ()) | set(env.for_process(PSERVER, 0, "h").to_environ())
+    for name in sorted(names):
+        assert f"| `{name}` |" in doc, name  # a row of the table
+    assert ".paddle_cluster/env" in doc and "0600" in doc and "JobEnv.from_environ()" in doc
