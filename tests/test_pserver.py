@@ -3,6 +3,7 @@ name the dead trainer, close() and exit, SIGTERM, declarations that must agree, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -147,6 +148,11 @@ def test_set_lr_from_trainer_and_local_mode(tmp_path, monkeypatch):
         ps.push({"x": np.ones(3, np.float32)})
         np.testing.assert_allclose(ps.pull()["x"], -0.5)
         ps.set_lr(0.25)
+        # A checkpoint taken right after set_lr records the lr the next update will use.
+        info = ps.save_checkpoint()
+        with open(os.path.join(info.paths[0], "manifest.json")) as f:
+            manifest = json.load(f)
+        assert info.step == 1 and manifest["blocks"][0]["spec"]["current"]["lr"] == 0.25
         ps.push({"x": np.ones(3, np.float32)})
         np.testing.assert_allclose(ps.pull()["x"], -0.75)
         assert ps.status()[0]["blocks"]["0"]["lr"] == 0.25

@@ -898,7 +898,7 @@ class PServer:
         with self.rw.exclusive():
             blocks = [
                 ckpt.BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
-                                {"declared": b.declared, "current": b.spec.to_dict()}, b.step, b.param.copy(),
+                                {"declared": b.declared, "current": self._spec_at(b, step)}, b.step, b.param.copy(),
                                 {k: v.copy() for k, v in b.opt.state.items()})
                 for b in self.blocks.values()
             ]
@@ -907,10 +907,19 @@ class PServer:
                 pos = t.pos
                 tables.append(ckpt.TableState(
                     t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
-                    {"declared": t.declared, "current": t.spec.to_dict()}, t.step, t.keys.copy(), t.table[pos],
+                    {"declared": t.declared, "current": self._spec_at(t, step)}, t.step, t.keys.copy(), t.table[pos],
                     {k: v[pos] for k, v in t.state.items()}))
             return ckpt.ShardState(step, self.pserver_id, self.n_pservers, self.mode, self.optimizer, blocks,
                                    tables)
+
+    def _spec_at(self, shard: _Shard, step: int) -> Dict[str, Any]:
+        """The spec the update of ``step`` will use: includes hyper-parameter changes not yet applied."""
+        spec = shard.spec.to_dict()
+        for from_step, values in self.hyper[shard.hyper_pos:]:
+            if self.mode == "sync" and from_step > step:
+                break
+            spec.update(values)
+        return spec
 
     def _load(self, shard: ckpt.ShardState) -> None:
         self.mode, self.optimizer, self.base_step = shard.mode, shard.optimizer, shard.step
