@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.passes < 1 or args.batch_size < 1:
+        ap.error("--passes and --batch-size must be at least 1")
 
     main_prog = build_program(args.seed)
     fluid.optimizer.SGD(learning_rate=args.lr).minimize(main_prog)
