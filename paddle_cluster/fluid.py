@@ -147,6 +147,7 @@ class Program:
         c.__dict__.update(self.__dict__)
         c.for_test = for_test
         c._origin = self._origin
+        c._trainer = None  # only the origin's counts
         return c
 
     def forward(self, feed: Mapping[str, Any]) -> Tuple[np.ndarray, Optional[float]]:
@@ -260,7 +261,6 @@ class DistributeTranspiler:
         self.env: Optional[JobEnv] = None
         self.program: Optional[Program] = None
         self.mode = "sync"
-        self._trainer: Optional[TrainerProgram] = None
 
     def transpile(self, trainer_id: Optional[int] = None, program: Optional[Program] = None,
                   pservers: Optional[str] = None, trainers: Optional[int] = None, sync_mode: bool = True,
@@ -287,6 +287,13 @@ class DistributeTranspiler:
             raise FluidError(f"transpile(pservers={pservers!r}, trainers={trainers!r}): {e}") from None
         self.program = program if program is not None else default_main_program()
         self.mode = "sync" if sync_mode else "async"
+        # Like Fluid, transpiling rewrites the main program in place: running it is now a PS step.
+        old = self.program._origin._trainer
+        if old is not None and old.client is not None and not old.closed:
+            raise FluidError("this program is already training against pservers; exe.close() before transpiling "
+                             "it again")
+        trainer_env = dataclasses.replace(self.env, role=None, pserver_id=None)
+        self.program._origin._trainer = TrainerProgram(self.program._origin, trainer_env, self.mode)
 
     def _env(self) -> JobEnv:
         if self.env is None:
@@ -295,12 +302,8 @@ class DistributeTranspiler:
 
     def get_trainer_program(self, wait_port: bool = True) -> Program:
         """The transpiled main program: running it is one PS step (``wait_port``: connecting retries anyway)."""
-        env = self._env()
+        self._env()
         assert self.program is not None
-        if self._trainer is None:
-            self._trainer = TrainerProgram(self.program, dataclasses.replace(env, role=None, pserver_id=None),
-                                           self.mode)
-            self.program._trainer = self._trainer
         return self.program
 
     def get_pserver_program(self, endpoint: Optional[str] = None) -> PServerProgram:

@@ -120,10 +120,9 @@ def test_optimizer_mapping():
     assert (d.name, d.lr, d.beta1, d.weight_decay) == ("adam", 0.001, 0.8, 0.01)
     with pytest.raises(fluid.FluidError, match="minimize"):
         fluid.SGD(0.1).minimize("avg_loss")
-    t = fluid.DistributeTranspiler()
-    t.transpile(0, program=fluid.Program(layers.Linear("f", 2, 1)), pservers="h:1", trainers=1)
     with pytest.raises(fluid.FluidError, match="no optimizer"):
-        t.get_trainer_program()
+        fluid.DistributeTranspiler().transpile(0, program=fluid.Program(layers.Linear("f", 2, 1)), pservers="h:1",
+                                               trainers=1)
 
 
 # -- running ---------------------------------------------------------------------------------------------
