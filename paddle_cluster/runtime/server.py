@@ -354,7 +354,11 @@ class PServer:
             P.tune_socket(sock)
             try:
                 conn.trainer = P.server_handshake(sock, self.env.secret, self.env.job_id, self.env.trainers)
-            except (AuthError, ProtocolError, ConnectionLost, OSError) as e:
+            except ConnectionLost as e:
+                # Closed before answering the challenge: a port probe (the launcher's readiness check), not news.
+                log.debug("pserver %d: %s closed before authenticating: %s", self.pserver_id, peer, e)
+                return
+            except (AuthError, ProtocolError, OSError) as e:
                 self._drop(conn, f"authentication failed: {e}")
                 return
             sock.settimeout(None)
