@@ -16,8 +16,6 @@ from movielens import N_AGE, N_GENDER, Dataset
 
 from paddle_cluster.runtime.layers import Concat, Embedding, Layer, Linear, Param, SeqPool, pack_sequences
 
-TABLES = ("user", "movie", "genre", "word")
-
 
 class Batch:
     """Model inputs for a list of (user, movie) pairs, built from the Dataset's feature dicts."""

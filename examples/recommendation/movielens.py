@@ -17,7 +17,7 @@ import tempfile
 import urllib.request
 import zipfile
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class Dataset:
 
 def age_bucket(age: int) -> int:
     """Index of the ml-1m age group holding ``age`` (1: under 18, 18: 18-24, ..., 56: 56+)."""
-    return int(np.searchsorted(AGE_BUCKETS, age, side="right") - 1) if age >= AGE_BUCKETS[1] else 0
+    return max(0, int(np.searchsorted(AGE_BUCKETS, age, side="right")) - 1)
 
 
 def title_words(title: str) -> List[str]:
@@ -207,11 +207,3 @@ def download_ml1m(cache: str, url: str = ML1M_URL, timeout: float = 60.0) -> str
         shutil.rmtree(tmpdir, ignore_errors=True)
     return target
 
-
-def packed(seqs: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
-    """Ragged id lists -> (flat int64 ids, offsets)."""
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    ids = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(offsets[-1]))
-    return ids, offsets
