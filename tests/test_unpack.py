@@ -135,6 +135,15 @@ def test_hardlink_to_missing_member(box):
     assert_refused(box, [member("h", "hard", link="not-there")])
 
 
+@pytest.mark.xfail(strict=True, raises=RecursionError, reason="BUG agent.check_member accepts a symlink with an "
+                   "empty target below the top level; os.symlink fails and tarfile's fallback recurses forever")
+def test_symlink_with_empty_target(box):
+    try:
+        assert_refused(box, [member("a", "dir"), member("a/l/.", "sym", link="")])  # its own dir: a loop
+    except RecursionError:
+        raise RecursionError("tarfile recursed without end") from None  # keep pytest from rendering 1000 frames
+
+
 def test_agent_unpack_command_reports_refusal_as_json(box):
     """The launcher runs ``agent unpack``; a refusal is one JSON line with the reason, exit status 1."""
     import json
@@ -244,7 +253,11 @@ def test_property_nothing_escapes(spec):
         try:
             safe_extract(str(archive), dest)
             ok = True
-        except (UnsafeArchive, tarfile.TarError, OSError, KeyError):  # KeyError: see test_hardlink_to_missing_member
+        except (UnsafeArchive, tarfile.TarError, OSError):
+            ok = False
+        except KeyError:  # known agent bug, see test_hardlink_to_missing_member
+            ok = False
+        except RecursionError:  # known agent bug, see test_symlink_with_empty_target
             ok = False
         assert os.listdir(outside) == []
         assert sorted(os.listdir(top)) == ["a.tar", "outside", "sandbox"]
