@@ -484,6 +484,7 @@ def test_hostspec_refuses(text):
 def test_localhost_is_local():
     assert HostSpec.parse("localhost").is_local
     assert not HostSpec.parse("localhost:2222").is_local  # an sshd on another port: use SSH
+    assert not HostSpec.parse("paddle@localhost").is_local  # log in as that user: use SSH
     assert not HostSpec.parse("127.0.0.2").is_local
 
 

@@ -48,7 +48,8 @@ class HostSpec:
 
     @property
     def is_local(self) -> bool:
-        return self.host in LOCAL_HOSTS and self.port is None
+        # ``user@localhost`` or ``localhost:2222`` ask for an SSH login (as that user / to that sshd).
+        return self.host in LOCAL_HOSTS and self.port is None and self.user is None
 
     @classmethod
     def parse(cls, text: object, source: str = "") -> HostSpec:

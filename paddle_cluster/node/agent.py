@@ -129,6 +129,8 @@ def check_member(m: tarfile.TarInfo, dest: str, max_bytes: int) -> None:
         raise UnsafeArchive(f"{name!r} resolves outside the job directory")
     if m.issym() or m.islnk():
         link = m.linkname
+        if not link.strip("/.") or link.endswith("/"):
+            raise UnsafeArchive(f"link {name!r} -> {link!r} has no real target")
         if os.path.isabs(link) or ".." in link.replace("\\", "/").split("/"):
             raise UnsafeArchive(f"link {name!r} -> {link!r} points outside the job directory")
         base = os.path.dirname(target) if m.issym() else dest
@@ -138,6 +140,10 @@ def check_member(m: tarfile.TarInfo, dest: str, max_bytes: int) -> None:
         raise UnsafeArchive(f"{name!r} is a device, fifo or other special file")
     if m.size > max_bytes:
         raise UnsafeArchive(f"{name!r} is {m.size} bytes, over the {max_bytes}-byte limit")
+
+
+# Our own checks ran; Python 3.12+ would otherwise warn that no extraction filter was chosen.
+_TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 def safe_extract(archive: str, dest: str, max_bytes: int = 1 << 36) -> int:
@@ -152,15 +158,21 @@ def safe_extract(archive: str, dest: str, max_bytes: int = 1 << 36) -> int:
         real_tmp = os.path.realpath(tmp)
         with tarfile.open(archive, "r:*") as tar:
             total = 0
+            files = set()
             for m in tar:
                 check_member(m, real_tmp, max_bytes)
+                if m.islnk() and m.linkname not in files:
+                    raise UnsafeArchive(f"hard link {m.name!r} -> {m.linkname!r}: no such file earlier in the archive")
                 total += m.size
                 if total > max_bytes:
                     raise UnsafeArchive(f"archive expands to more than {max_bytes} bytes")
-                m.mode = (m.mode | 0o600) & 0o777  # no setuid/setgid; owner can always read and write
+                # No setuid/setgid; the owner can always read and write (and enter directories).
+                m.mode = (m.mode | (0o700 if m.isdir() else 0o600)) & 0o777
                 m.uid = m.gid = os.getuid()
                 m.uname = m.gname = ""
-                tar.extract(m, real_tmp, set_attrs=not m.issym())
+                tar.extract(m, real_tmp, set_attrs=not m.issym(), **_TRUSTED)  # checked above
+                if m.isfile():
+                    files.add(m.name)
                 n += 1
         if os.path.isdir(dest):
             os.rmdir(dest)
@@ -176,6 +188,9 @@ def cmd_unpack(args: argparse.Namespace) -> int:
         n = safe_extract(args.archive, args.dest)
     except (UnsafeArchive, tarfile.TarError, OSError) as e:
         print(json.dumps({"ok": False, "error": str(e)}))
+        return 1
+    except Exception as e:  # noqa: BLE001 - whatever a hostile archive provokes, answer in JSON, not a traceback
+        print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
         return 1
     print(json.dumps({"ok": True, "members": n}))
     return 0

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -99,7 +100,7 @@ def _fsync_dir(path: str) -> None:
 
 def write_atomic(path: str, write: Any) -> str:
     """Call ``write(fileobj)`` on a temporary file, fsync it, rename it to ``path``; returns sha256."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer: concurrent saves never share one
     h = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:

@@ -546,6 +546,10 @@ class PSClient:
         With a step number or nothing: ``<job_dir>/checkpoints/step-%08d/``; with a directory, that
         directory (relative ones are resolved by each pserver under its checkpoint root).
         """
+        if isinstance(dirname_or_step, int) and dirname_or_step != self.step:
+            # A checkpoint is named by the step it holds; any other number would make resume pick the wrong one.
+            raise ValueError(f"save_checkpoint({dirname_or_step}): the state to save is that of step {self.step} "
+                             "(ps.step); pass nothing or ps.step")
         self.wait()
         path = None if dirname_or_step is None or isinstance(dirname_or_step, int) else str(dirname_or_step)
         body = {"step": self.step, "path": path}

@@ -8,7 +8,7 @@ named, so a trainer can move values and gradients to and from a pserver by name:
     emb_out = emb.forward(ids, rows=ps.pull_sparse("emb", uniq))
     ...; model.backward(...)
     g = emb.sparse_grad                          # SparseGrad(ids=uniq, rows=summed gradient rows)
-    ps.push_sparse("emb", g.ids, g.rows); ps.push_dense(dense_grads(model))
+    ps.push_sparse("emb", g.ids, g.rows); ps.push(dense_grads(model))
 
 Float32 by default; every layer keeps the dtype of its inputs and parameters, so gradient checks can run in
 float64. Ragged sequences are ``(ids, offsets)``: sequence ``i`` is ``ids[offsets[i]:offsets[i+1]]``.
