@@ -61,6 +61,10 @@ class JobEnv:
     job_dir: str = ""
     workspace: str = ""
     barrier_timeout: float = 120.0
+    # Where pservers resume from: "" (fresh), "latest", a step number or a step directory; and the
+    # checkpoint root ("" = <job_dir>/checkpoints). Set by ``run --resume_from``.
+    resume: str = ""
+    checkpoint_dir: str = ""
     # Per process; None in the job-wide part the launcher writes to the env file.
     role: Optional[str] = None
     trainer_id: Optional[int] = None
@@ -136,6 +140,10 @@ class JobEnv:
             # Unbuffered output so the launcher streams lines as they are printed.
             "PYTHONUNBUFFERED": "1",
         }
+        if self.resume:
+            env["PADDLE_RESUME"] = self.resume
+        if self.checkpoint_dir:
+            env["PADDLE_CHECKPOINT_DIR"] = self.checkpoint_dir
         if self.role is not None:
             env["PADDLE_TRAINING_ROLE"] = self.role
         if self.current_ip is not None:
@@ -200,6 +208,8 @@ class JobEnv:
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
             barrier_timeout=_float(env, "PADDLE_BARRIER_TIMEOUT", 120.0),
+            resume=env.get("PADDLE_RESUME", ""),
+            checkpoint_dir=env.get("PADDLE_CHECKPOINT_DIR", ""),
             role=role,
             trainer_id=trainer_id if role != PSERVER else None,
             pserver_id=pserver_id if role != TRAINER else None,

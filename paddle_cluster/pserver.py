@@ -34,8 +34,8 @@ log = logging.getLogger("paddle_cluster.pserver")
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.pserver", description=__doc__.split("\n")[0])
-    ap.add_argument("--resume", default=os.environ.get("PADDLE_RESUME", ""))
-    ap.add_argument("--checkpoint-dir", default=os.environ.get("PADDLE_CHECKPOINT_DIR", ""))
+    ap.add_argument("--resume", default=None, help="default: PADDLE_RESUME")
+    ap.add_argument("--checkpoint-dir", default=None, help="default: PADDLE_CHECKPOINT_DIR")
     ap.add_argument("--max-frame-bytes", type=int, default=int(os.environ.get("PADDLE_MAX_FRAME_BYTES") or (1 << 30)))
     ap.add_argument("--log-level", default=os.environ.get("PADDLE_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
@@ -57,13 +57,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .runtime.errors import CheckpointError
     from .runtime.server import PServer
 
-    root = args.checkpoint_dir or ckpt.default_root(env.job_dir)
+    resume = env.resume if args.resume is None else args.resume
+    root = env.checkpoint_dir if args.checkpoint_dir is None else args.checkpoint_dir
+    root = root or ckpt.default_root(env.job_dir)
     try:
-        shard = ckpt.resolve_resume(args.resume, root, k, len(env.pservers))
+        shard = ckpt.resolve_resume(resume, root, k, len(env.pservers))
     except (CheckpointError, ValueError) as e:
-        log.error("cannot resume (%s): %s", args.resume, e)
+        log.error("cannot resume (%s): %s", resume, e)
         return 3
-    if args.resume and shard is None:
+    if resume and shard is None:
         log.info("no checkpoint under %s; starting fresh", root)
     server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=args.max_frame_bytes)
     try:

@@ -43,6 +43,7 @@ class JobSpec:
     dispatch_dir: Optional[str] = None
     workspace: Optional[str] = None
     trainer_args: Tuple[str, ...] = ()
+    resume_from: Optional[str] = None  # an earlier job's name, or a checkpoint root directory
 
     @property
     def job_dir(self) -> str:
@@ -130,8 +131,17 @@ def plan(spec: JobSpec, addresses: Sequence[str]) -> Tuple[JobEnv, List[ProcSpec
                  trainers=n_nodes * cfg.trainers_per_node, ports_num=cfg.paddle_ports_num,
                  ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secrets.token_hex(32),
                  job_dir=spec.job_dir, workspace=spec.cwd, barrier_timeout=cfg.barrier_timeout,
+                 resume="latest" if spec.resume_from else "", checkpoint_dir=checkpoint_root(spec),
                  extra=dict(cfg.env))
     return env, procs
+
+
+def checkpoint_root(spec: JobSpec) -> str:
+    """Where ``--resume_from`` points pservers: a job name means that job's checkpoints under ROOT_DIR."""
+    r = spec.resume_from
+    if not r:
+        return ""
+    return r if r.startswith("/") else f"{spec.cfg.root_dir}/{r}/checkpoints"
 
 
 # -- preparing the nodes ------------------------------------------------------------------------------
