@@ -7,13 +7,13 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+from rt_helpers import free_port_range
 
 from paddle_cluster.launch.config import (
     BUILTIN_SOURCE,
@@ -45,27 +45,6 @@ def assert_clean_config_error(res: subprocess.CompletedProcess, *needles: str) -
         assert n in res.stderr, (n, res.stderr)
 
 
-def free_port_range(n: int) -> int:
-    """A base port with n free ports above it on loopback (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 # -- bad values: (id, conf.py body, substrings the message must contain: key, value, fix) ---------------
@@ -355,7 +334,7 @@ def test_conf_py_helpers_are_not_keys(tmp_path):
 
 def local_conf(root: Path, extra: str = "") -> str:
     return (f'HOSTS = ["localhost"]\nROOT_DIR = "{root}"\nPADDLE_NIC = "lo"\n'
-            f"PADDLE_PORT = {free_port_range(4)}\n{extra}")
+            f"PADDLE_PORT = {free_port_range(4, 38000, 39000)}\n{extra}")
 
 
 def check_json(res: subprocess.CompletedProcess) -> list:
@@ -411,7 +390,7 @@ def test_lookup_order_cli(tmp_path):
     write(cwd, local_conf(roots["env"]), "env.py")
     write(cwd, local_conf(roots["conf_py"]), "conf.py")
     write(cwd, f'HOSTS: [localhost]\nROOT_DIR: {roots["yaml"]}\nPADDLE_NIC: lo\n'
-               f"PADDLE_PORT: {free_port_range(4)}\n", "cluster.yaml")
+               f"PADDLE_PORT: {free_port_range(4, 38000, 39000)}\n", "cluster.yaml")
     env_var = clean_environ(PADDLE_CLUSTER_CONF=str(cwd / "env.py"), HOME=str(roots["home"]))
     no_var = clean_environ(HOME=str(roots["home"]))
 

@@ -7,9 +7,7 @@ import importlib.util
 import json
 import math
 import os
-import random
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rt_helpers import free_port_range
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "recommendation"
@@ -126,24 +125,6 @@ def test_split_is_deterministic_disjoint_and_sized():
 # -- end to end ------------------------------------------------------------------------------------------
 
 
-def free_port_block(n: int = 8) -> int:
-    """A base port in 34000-35000 with ``n`` consecutive free ports (we bind them all to check)."""
-    rnd = random.Random(os.getpid())
-    for _ in range(200):
-        base = rnd.randrange(34000, 35000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block in 34000-35000")
 
 
 def ml100k_slice(d: Path, n: int) -> Path:
@@ -162,7 +143,7 @@ def run_job(tmp_path: Path, name: str, data: Path, *trainer_args: str) -> subpro
         HOSTS = ["localhost"]
         ROOT_DIR = {str(root)!r}
         PADDLE_NIC = "lo"
-        PADDLE_PORT = {free_port_block()}
+        PADDLE_PORT = {free_port_range(8, 34000, 35000)}
         PSERVERS_PER_NODE = 2
         TRAINERS_PER_NODE = 2
         PYTHON = {sys.executable!r}
