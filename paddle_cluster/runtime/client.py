@@ -109,7 +109,7 @@ class _Channel:
         try:
             return fn(self, *args)
         except socket.timeout:
-            self.broken = f"no answer in {self.io_timeout:g} s"
+            self.broken = f"no answer in {self.io_timeout:g} s (pserver hung or unreachable)"
             raise ConnectionLost(f"{self.where}: {self.broken}") from None
         except ConnectionLost as e:
             self.broken = str(e)
@@ -144,6 +144,11 @@ class _Channel:
             self.sock.close()
         except OSError:
             pass
+
+
+def reply_timeout(barrier_timeout: float) -> float:
+    """How long a trainer waits for any one reply: the barrier timeout plus a margin for the work."""
+    return barrier_timeout + max(10.0, barrier_timeout / 2)
 
 
 def _connect(host: str, port: int, timeout: float, where: str) -> socket.socket:
@@ -229,7 +234,9 @@ class PSClient:
         self._next_key = 0
         self._next_table = 0
         self._loads: Optional[Tuple[int, ...]] = None
-        io_timeout = 2 * env.barrier_timeout + 60.0
+        # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
+        # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
+        io_timeout = reply_timeout(env.barrier_timeout)
         self._dense_ch: List[List[_Channel]] = []
         self._sparse_ch: List[List[_Channel]] = []
         self._all: List[_Channel] = []
