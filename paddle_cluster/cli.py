@@ -125,14 +125,14 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 @click.pass_context
 @_handled
 def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
-    """A table of every process of a job: node, host, address, role, pid, state, last log line."""
+    """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
     cfg = _config(ctx)
     rows = ops.job_status(cfg, _job_name(cfg, job_name))
     if as_json:
         _out(ops.as_json(rows))
         return
-    _table(["node", "host", "address", "process", "pid", "state", "last log line"],
-           [[r.node, r.host, r.address, r.name, str(r.pid), r.state, r.last_line[-60:]] for r in rows])
+    _table(["node", "host", "address", "process", "pid", "state", "progress", "last log line"],
+           [[r.node, r.host, r.address, r.name, str(r.pid), r.state, r.progress, r.last_line[-60:]] for r in rows])
 
 
 @main.command()

@@ -52,6 +52,7 @@ class ProcRow:
     role: str
     pid: int
     state: str
+    progress: str
     last_line: str
 
 
@@ -64,8 +65,8 @@ def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
         probe = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--root", cfg.root_dir,
                                     what="probing the node")
         addr = probe.get("address") or "?"
-        return [ProcRow(n.name, n.spec.text, addr, p["name"], p["role"], p["pid"], p["state"], p["last_line"])
-                for p in doc["procs"]]
+        return [ProcRow(n.name, n.spec.text, addr, p["name"], p["role"], p["pid"], p["state"], p.get("progress", ""),
+                        p["last_line"]) for p in doc["procs"]]
     try:
         rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
     finally:

@@ -532,6 +532,21 @@ def _last_line(path: str) -> str:
         return ""
 
 
+def _progress(job_dir: str, name: str) -> str:
+    """A trainer's latest metrics record, e.g. ``pass 2 step 340 loss 0.5312``; "" when it has none."""
+    role, _, idx = name.partition(".")
+    if role != "trainer":
+        return ""
+    line = _last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl"))
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return ""
+    parts = [f"{k} {rec[k]:.4g}" if isinstance(rec.get(k), float) else f"{k} {rec[k]}"
+             for k in ("pass", "step", "loss") if k in rec]
+    return " ".join(parts)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     state = load_state(args.job_dir)
     if state is None:
@@ -549,7 +564,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             st = "gone"
         out.append({"name": p["name"], "role": p["role"], "pid": p["pid"], "state": st,
-                    "last_line": _last_line(p["log"])})
+                    "last_line": _last_line(p["log"]), "progress": _progress(args.job_dir, p["name"])})
     print(json.dumps({"found": True, "procs": out}))
     return 0
 
