@@ -9,6 +9,7 @@ launcher disappears.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import queue
@@ -44,6 +45,8 @@ class JobSpec:
     workspace: Optional[str] = None
     trainer_args: Tuple[str, ...] = ()
     resume_from: Optional[str] = None  # an earlier job's name, or a checkpoint root directory
+    max_restarts: int = 0  # whole-job restarts from the latest complete checkpoint after a process dies
+    elastic: bool = False  # a dead trainer is reported and the others go on (async mode)
 
     @property
     def job_dir(self) -> str:
@@ -90,6 +93,14 @@ class ProcState:
         return f"exited with code {self.exit_code}"
 
 
+class ProcessFailed(JobFailed):
+    """A process of the job failed: what ``--max_restarts`` recovers from."""
+
+    def __init__(self, message: str, proc: ProcState, headline: str) -> None:
+        super().__init__(message)
+        self.proc, self.headline = proc, headline
+
+
 @dataclass(frozen=True)
 class JobResult:
     name: str
@@ -134,6 +145,65 @@ def plan(spec: JobSpec, addresses: Sequence[str]) -> Tuple[JobEnv, List[ProcSpec
                  resume="latest" if spec.resume_from else "", checkpoint_dir=checkpoint_root(spec),
                  extra=dict(cfg.env))
     return env, procs
+
+
+def job_checkpoint_root(spec: JobSpec) -> str:
+    """Where this job's pservers read and write checkpoints."""
+    return checkpoint_root(spec) or f"{spec.job_dir}/checkpoints"
+
+
+# Runs on a node with nothing but Python: the steps under ROOT (argv 1) whose shards of every pserver id in
+# argv 2 are complete (manifest present, every file's sha256 as recorded), ascending.
+_COMPLETE_STEPS = r"""
+import hashlib, json, os, re, sys
+root, ids = sys.argv[1], [int(x) for x in sys.argv[2].split(",") if x]
+def complete(d):
+    try:
+        with open(os.path.join(d, "manifest.json"), "rb") as f:
+            files = json.loads(f.read().decode("utf-8"))["files"]
+        for name, info in files.items():
+            h = hashlib.sha256()
+            with open(os.path.join(d, name), "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != info["sha256"]:
+                return False
+        return True
+    except Exception:
+        return False
+try:
+    names = os.listdir(root)
+except OSError:
+    names = []
+steps = []
+for n in names:
+    m = re.match(r"^step-([0-9]{8,})$", n)
+    if m and all(complete(os.path.join(root, n, "pserver-%d" % k)) for k in ids):
+        steps.append(int(m.group(1)))
+print(json.dumps(sorted(steps)))
+"""
+
+
+def latest_common_checkpoint(cluster: Cluster, procs: Sequence[ProcSpec], root: str) -> Optional[int]:
+    """The newest step whose checkpoint is complete for every pserver (on its own node); None if none is.
+
+    Pservers on different hosts see only their own shards, so each would pick its own "latest": the
+    launcher picks the one step all of them hold, which rolls every shard back to the same step.
+    """
+    by_node: Dict[int, List[int]] = {}
+    for p in procs:
+        if p.role == PSERVER:
+            by_node.setdefault(p.node, []).append(p.index)
+
+    def steps(n: Node) -> set:
+        ids = ",".join(map(str, by_node[n.index]))
+        out = n.check([n.cfg.python, "-c", _COMPLETE_STEPS, root, ids], what=f"listing checkpoints in {root}",
+                      timeout=300)
+        return set(json.loads(out.strip().splitlines()[-1]))
+
+    found = fanout([n for n in cluster.nodes if n.index in by_node], steps).ok("looking for the latest checkpoint")
+    common = set.intersection(*found) if found else set()
+    return max(common) if common else None
 
 
 def checkpoint_root(spec: JobSpec) -> str:
@@ -231,7 +301,9 @@ class Agents:
         cfg = self.spec.cfg
 
         def start(n: Node) -> Stream:
-            n.check(["mkdir", "-p", self.spec.job_dir], what=f"creating {self.spec.job_dir}", timeout=60)
+            # Owner-only: the job directory holds the secret (env file), logs and checkpoints.
+            n.check(["sh", "-c", 'mkdir -p "$1" && chmod 700 "$1"', "sh", self.spec.job_dir],
+                    what=f"creating {self.spec.job_dir}", timeout=60)
             return n.stream(dispatch.agent_argv(n, self.cluster.lib, "supervise", "--job-dir", self.spec.job_dir,
                                                 "--orphan-timeout", str(cfg.orphan_timeout),
                                                 "--grace", str(cfg.kill_grace)))
@@ -296,9 +368,15 @@ class Agents:
 
 
 class _Run:
-    def __init__(self, spec: JobSpec, cluster: Cluster, out: Callable[[str], None]) -> None:
-        self.spec, self.cluster, self.out = spec, cluster, out
+    def __init__(self, spec: JobSpec, cluster: Cluster, out: Callable[[str], None],
+                 say: Callable[[str], None] = lambda _m: None, env: Optional[JobEnv] = None,
+                 failed_at: Optional[float] = None) -> None:
+        self.spec, self.cluster, self.out, self.say = spec, cluster, out, say
         self.env, specs = plan(spec, cluster.addresses)
+        if env is not None:  # a restart: the same job (id, secret), resuming from a checkpoint
+            self.env = env
+        self.failed_at = failed_at
+        self.abandoned: List[str] = []  # trainers that died under --elastic
         self.procs: Dict[str, ProcState] = {p.name: ProcState(p) for p in specs}
         self.agents = Agents(spec, cluster)
         self.ready: Dict[int, Optional[str]] = {}
@@ -367,17 +445,45 @@ class _Run:
             lines.extend("  | " + t for t in p.tail)
         return "\n".join(lines)
 
+    def headline(self, p: ProcState) -> str:
+        line = f"{p.spec.name} on {self.cluster.nodes[p.spec.node].label} {p.how()}"
+        if p.spec.role == TRAINER and p.exit_code is not None and p.tail:
+            line += f" ({p.tail[-1].strip()[:200]})"  # a trainer's last words usually name the pserver it lost
+        return line
+
     def check_failures(self) -> None:
         trainers = [p for p in self.procs.values() if p.spec.role == TRAINER]
         for p in trainers:
             if p.finished and p.exit_code != 0:
-                raise JobFailed(self.failure_report(p, ""))
+                if not self.spec.elastic:
+                    raise ProcessFailed(self.failure_report(p, ""), p, self.headline(p))
+                if p.spec.name not in self.abandoned:
+                    self.abandoned.append(p.spec.name)
+                    left = len(trainers) - len(self.abandoned)
+                    if not left:
+                        raise ProcessFailed(self.failure_report(p, " (the last trainer left)"), p, self.headline(p))
+                    self.say(f"{self.headline(p)}; --elastic: continuing with the other {left} trainer(s)")
         if all(p.finished for p in trainers):
             return
         for p in self.procs.values():
             # A pserver exits 0 by itself once every trainer has closed; anything else is a failure.
             if p.spec.role == PSERVER and p.finished and p.exit_code != 0:
-                raise JobFailed(self.failure_report(p, " while trainers were still running"))
+                raise ProcessFailed(self.failure_report(p, " while trainers were still running"), p,
+                                    self.headline(p))
+
+    def _cause(self, failed: ProcessFailed) -> ProcessFailed:
+        """A trainer failing right after a pserver died is a symptom: wait a moment and blame the pserver."""
+        if failed.proc.spec.role != TRAINER:
+            return failed
+        try:
+            self.pump(lambda: False, timeout=1.0)
+        except (TimeoutError, JobFailed):
+            pass
+        for p in self.procs.values():
+            if p.spec.role == PSERVER and p.finished and p.exit_code != 0:
+                return ProcessFailed(self.failure_report(p, " while trainers were still running"), p,
+                                     self.headline(p))
+        return failed
 
     def run(self) -> None:
         cfg = self.spec.cfg
@@ -416,9 +522,30 @@ class _Run:
             raise JobFailed("\n".join(lines))
         self.out(f"all {len(self.env.pservers)} pserver(s) listening; starting {self.env.trainers} trainer(s)")
         self.start(TRAINER)
+        if self.failed_at is not None:
+            self.say(f"job running again {time.monotonic() - self.failed_at:.1f} s after the failure")
         trainers = [p for p in self.procs.values() if p.spec.role == TRAINER]
-        self.pump(lambda: all(p.finished for p in trainers), check=self.check_failures)
-        self.check_failures()
+        try:
+            self.pump(lambda: all(p.finished for p in trainers), check=self.check_failures)
+            self.check_failures()
+        except ProcessFailed as e:
+            raise self._cause(e) from None
+
+
+def _restart(spec: JobSpec, cluster: Cluster, run: _Run, failure: ProcessFailed, n: int,
+             out: Callable[[str], None], say: Callable[[str], None]) -> _Run:
+    """Stop every process of the job, then a new run resuming from the newest checkpoint every pserver holds."""
+    run.agents.stop(spec.cfg.kill_grace, wait=spec.cfg.kill_grace + 15)
+    lost = [cluster.nodes[i].label for i in run.agents.streams if i not in run.agents.stopped]
+    if lost:
+        raise JobFailed(f"{failure}\ncannot restart: no stop confirmation from {', '.join(lost)}")
+    root = job_checkpoint_root(spec)
+    step = latest_common_checkpoint(cluster, [p.spec for p in run.procs.values()], root)
+    where = f"checkpoint step {step}" if step is not None else "scratch (no complete checkpoint yet)"
+    say(f"{failure.headline}; restarting the job from {where} (restart {n} of {spec.max_restarts})")
+    env = dataclasses.replace(run.env, resume="" if step is None else str(step),
+                              checkpoint_dir=root if step is not None else run.env.checkpoint_dir)
+    return _Run(spec, cluster, out, say, env=env)
 
 
 def _process_env(env: JobEnv, p: ProcSpec, addr: str) -> Dict[str, str]:
@@ -450,10 +577,30 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
     try:
         deliver(spec, cluster, say)
         _remember(spec)
-        run = _Run(spec, cluster, out)
+        if spec.elastic:
+            say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode the "
+                "next barrier still waits for it and fails after BARRIER_TIMEOUT)")
+        run = _Run(spec, cluster, out, say)
         say(f"job {spec.name}: {len(run.env.pservers)} pserver(s), {run.env.trainers} trainer(s) in {spec.job_dir}")
-        run.run()
-        say(f"job {spec.name} finished: all {run.env.trainers} trainer(s) exited 0")
+        restarts = 0
+        while True:
+            try:
+                run.run()
+                break
+            except ProcessFailed as e:
+                if restarts >= spec.max_restarts:
+                    if spec.max_restarts:
+                        raise ProcessFailed(f"{e}\n(no restarts left: all {spec.max_restarts} used)", e.proc,
+                                            e.headline) from None
+                    raise
+                failed_at = time.monotonic()
+                run = _restart(spec, cluster, run, e, restarts + 1, out, say)
+                run.failed_at = failed_at
+                restarts += 1
+        what = f"all {run.env.trainers - len(run.abandoned)} remaining" if run.abandoned else \
+            f"all {run.env.trainers}"
+        say(f"job {spec.name} finished: {what} trainer(s) exited 0"
+            + (f" after {restarts} restart(s)" if restarts else ""))
         return JobResult(spec.name, 0, "ok")
     except KeyboardInterrupt:
         say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
