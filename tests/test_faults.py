@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher import assert_nothing_left, no_traceback, wait_for, write_conf
+from test_launcher import ROOT, assert_nothing_left, no_traceback, wait_for, write_conf
 
 TRAIN_PY = r'''
 import os, sys, time
@@ -211,3 +211,199 @@ def test_sigkill_pserver_without_restarts_fails_fast(cluster, tmp_path):
         in run.stderr, run.stderr
     assert_nothing_left(cluster)
     report("SIGKILL pserver, no --max_restarts", "failed cleanly", exit_s=f"{took:.1f}")
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_trainer_restarts_from_checkpoint(cluster, tmp_path):
+    run = Launch(conf(tmp_path, cluster), *_run_args(workspace(tmp_path), "f_kill_tr", "--max_restarts", "1"))
+    run.wait_line(r"checkpoint step=20")
+    os.kill(proc_pid(cluster, 2, "f_kill_tr", "trainer.2"), signal.SIGKILL)
+    t_kill = time.monotonic()
+    t_det, line = run.wait_line(r"restarting the job from", 30)
+    assert f"trainer.2 on node2 ({cluster.hosts[2]}) killed by SIGKILL; restarting the job from checkpoint" in line
+    step = int(re.search(r"checkpoint step (\d+)", line).group(1))
+    t_back, _ = run.wait_line(rf"\[trainer\.2@node2\] start step={step} ", 60, after=t_det)
+    assert run.finish(120) == 0, run.text()[-3000:]
+    w = final_w(run)
+    assert w == -0.5 * TOTAL
+    assert_nothing_left(cluster)
+    report("SIGKILL trainer", "recovered", resumed_step=step, detect_s=f"{t_det - t_kill:.1f}",
+           recover_s=f"{t_back - t_kill:.1f}", final_w=w)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_trainer_elastic_async_continues(cluster, tmp_path):
+    run = Launch(conf(tmp_path, cluster), *_run_args(workspace(tmp_path), "f_elastic", "--elastic", mode="async"))
+    run.wait_line(r"\[trainer\.0@node0\] checkpoint step=20")
+    os.kill(proc_pid(cluster, 1, "f_elastic", "trainer.1"), signal.SIGKILL)
+    t_kill = time.monotonic()
+    t_det, line = run.wait_line(r"--elastic: continuing", 30)
+    assert f"trainer.1 on node1 ({cluster.hosts[1]}) killed by SIGKILL; --elastic: continuing with the other 2 " \
+        "trainer(s)" in line
+    assert run.finish(120) == 0, run.text()[-3000:]
+    assert "finished: all 2 remaining trainer(s) exited 0" in run.stderr
+    ends = sorted((run.find(rf"\[trainer\.{t}@node{t}\] end step={TOTAL} ") for t in (0, 2)), key=lambda e: e[0])
+    w = float(re.search(r"w0=(\S+)", ends[-1][1]).group(1))
+    # Async: every push is applied; the last trainer to finish sees both survivors' pushes and some of the dead one's.
+    assert -0.5 * 3 * TOTAL < w <= -0.5 * 2 * TOTAL, w
+    assert_nothing_left(cluster)
+    report("SIGKILL trainer, async --elastic", "continued with 2 trainers", detect_s=f"{t_det - t_kill:.1f}",
+           final_w=w)
+
+
+@pytest.mark.timeout(150)
+def test_sigstop_pserver_is_a_hang_that_times_out_and_restarts(cluster, tmp_path):
+    run = Launch(conf(tmp_path, cluster), *_run_args(workspace(tmp_path), "f_stop_ps", "--max_restarts", "1"))
+    run.wait_line(r"checkpoint step=20")
+    pid = proc_pid(cluster, 1, "f_stop_ps", "pserver.1")
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        t_det, line = run.wait_line(r"restarting the job from", 60)
+        # The client's reply timeout: BARRIER_TIMEOUT 5 + 10 s margin (or the sync barrier on another pserver).
+        assert "restarting the job from checkpoint step" in line, line
+        assert re.search(r"ConnectionLost|BarrierTimeout|no answer", run.stderr + run.stdout)
+        step = int(re.search(r"checkpoint step (\d+)", line).group(1))
+        t_back, _ = run.wait_line(rf"\[trainer\.0@node0\] start step={step} ", 60, after=t_det)
+        assert run.finish(120) == 0, run.text()[-3000:]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    w = final_w(run)
+    assert w == -0.5 * TOTAL
+    assert_nothing_left(cluster)
+    report("SIGSTOP pserver", "recovered", resumed_step=step, detect_s=f"{t_det - t_stop:.1f}",
+           recover_s=f"{t_back - t_stop:.1f}", final_w=w)
+
+
+@pytest.mark.timeout(150)
+def test_link_down_fails_cleanly_and_leaves_nothing(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(3)
+    run = Launch(conf(tmp_path, c), *_run_args(workspace(tmp_path), "f_link", total=100000))
+    run.wait_line(r"checkpoint step=10")
+    c.link_down(2)
+    t_down = time.monotonic()
+    try:
+        rc = run.finish(60)
+        t_exit = time.monotonic()
+        assert rc == 1, run.text()[-3000:]
+        assert f"lost contact with node2 ({c.hosts[2]})" in run.stderr, run.stderr
+        assert t_exit - t_down < 5 + 10, t_exit - t_down  # ORPHAN_TIMEOUT + teardown
+        assert not c.pids(0) and not c.pids(1), "processes left on the reachable nodes"
+        # Cut off, node2's agent stops its processes after ORPHAN_TIMEOUT of silence.
+        wait_for(lambda: not c.pids(2), 5 + 1 + 10, "node2's processes to stop while cut off")
+        t_clean = time.monotonic()
+    finally:
+        c.link_up(2)
+    time.sleep(2)  # anything stale would now get the network back
+    assert_nothing_left(c, within=5)
+    no_traceback(subprocess.CompletedProcess([], 0, run.stdout, run.stderr))
+    report("link down on node2, then up", "failed cleanly", launcher_exit_s=f"{t_exit - t_down:.1f}",
+           node2_clean_s=f"{t_clean - t_down:.1f}")
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_launcher_then_resume(cluster, tmp_path):
+    cfg = conf(tmp_path, cluster)
+    ws = workspace(tmp_path)
+    run = Launch(cfg, *_run_args(ws, "f_launcher", total=100000))
+    run.wait_line(r"checkpoint step=20")
+    run.proc.kill()
+    t_kill = time.monotonic()
+    run.finish(10)
+    assert_nothing_left(cluster, within=5 + 1 + 10)
+    t_clean = time.monotonic()
+    # Every node's agent stopped the job; its checkpoints remain, and a new job continues from them.
+    again = Launch(cfg, *_run_args(ws, "f_launcher2", "--resume_from", "f_launcher"))
+    assert again.finish(120) == 0, again.text()[-3000:]
+    start = again.find(r"\[trainer\.0@node0\] start step=(\d+)")
+    resumed = int(re.search(r"step=(\d+)", start[1]).group(1))
+    assert resumed >= 20 and resumed % EVERY == 0
+    w = final_w(again)
+    assert w == -0.5 * TOTAL
+    assert_nothing_left(cluster)
+    report("SIGKILL launcher", "failed cleanly; resumed by a second run", clean_s=f"{t_clean - t_kill:.1f}",
+           resumed_step=resumed, final_w=w)
+
+
+@pytest.mark.timeout(150)
+def test_kill_during_checkpoint_write_uses_previous_checkpoint(cluster, tmp_path):
+    cfg = conf(tmp_path, cluster, PSERVER_COMMAND="{python} slow_ps.py", ENV={"SLOW_SAVE_STEP": "30"})
+    ws = workspace(tmp_path)
+    (ws / "slow_ps.py").write_text(SLOW_PS_PY.replace('stall = os.environ.get("SLOW_SAVE_STEP")',
+                                                      'stall = os.environ.get("SLOW_SAVE_STEP") if os.environ['
+                                                      '"PADDLE_PSERVER_ID"] == "1" and not os.environ.get('
+                                                      '"PADDLE_RESUME") else None'))
+    run = Launch(cfg, *_run_args(ws, "f_ckpt", "--max_restarts", "1"))
+    run.wait_line(r"\[pserver\.1@node1\] WRITING .*step-00000030", 60)
+    os.kill(proc_pid(cluster, 1, "f_ckpt", "pserver.1"), signal.SIGKILL)
+    t_kill = time.monotonic()
+    t_det, line = run.wait_line(r"restarting the job from", 30)
+    # The other pservers finished step 30; pserver 1 did not: every shard rolls back to step 20.
+    assert "restarting the job from checkpoint step 20 (restart 1 of 1)" in line, line
+    shard = cluster.root_dir(1) / "f_ckpt/checkpoints/step-00000030/pserver-1"
+    assert not (shard / "manifest.json").exists()
+    assert (cluster.root_dir(0) / "f_ckpt/checkpoints/step-00000030/pserver-0/manifest.json").exists()
+    t_back, _ = run.wait_line(r"\[trainer\.0@node0\] start step=20 w0=-10$", 60, after=t_det)
+    assert run.finish(120) == 0, run.text()[-3000:]
+    w = final_w(run)
+    assert w == -0.5 * TOTAL
+    assert (shard / "manifest.json").exists()  # step 30 written again, completely, after the restart
+    assert_nothing_left(cluster)
+    report("SIGKILL pserver mid checkpoint write", "recovered from the previous checkpoint", resumed_step=20,
+           recover_s=f"{t_back - t_kill:.1f}", final_w=w)
+
+
+@pytest.mark.timeout(180)
+def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(2)
+    c.exec(1, ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", ROOT])
+    try:
+        cfg = conf(tmp_path, c, ENV={"STEP_DELAY": "0.2", "PARAM_SIZE": "400000"})
+        ws = workspace(tmp_path)
+        run = Launch(cfg, *_run_args(ws, "f_disk", "--max_restarts", "1", total=40))
+        run.wait_line(r"checkpoint step=10", 60)
+        free = int(c.exec(1, ["df", "-B1", "--output=avail", ROOT]).stdout.split()[-1])
+        c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={(free - 256 * 1024) // 4096}"],
+               check=False)
+        t_det, line = run.wait_line(r"restarting the job from", 60)
+        assert "restarting the job from checkpoint step 10" in line, line
+        assert "No space left on device" in line, line  # trainer 0's last words: pserver 1's CheckpointError
+        c.exec(1, ["rm", "-f", f"{ROOT}/filler"])
+        assert run.finish(120) == 0, run.text()[-3000:]
+        w = final_w(run, trainers=2)
+        assert w == -0.5 * 40
+        assert_nothing_left(c)
+
+        # A workspace unpacked onto a full disk: the package is already there, unpacking fails, named.
+        free = int(c.exec(1, ["df", "-B1", "--output=avail", ROOT]).stdout.split()[-1])
+        c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={free // 4096}"], check=False)
+        full = Launch(cfg, *_run_args(ws, "f_disk2"))
+        assert full.finish(60) == 1
+        assert f"node1 ({c.hosts[1]})" in full.stderr and "No space left on device" in full.stderr, full.stderr
+        no_traceback(subprocess.CompletedProcess([], 0, full.stdout, full.stderr))
+        assert_nothing_left(c)
+    finally:
+        c.exec(1, ["umount", "-l", ROOT], check=False)
+    report("disk full on node1's ROOT_DIR", "recovered after space returned; unpack refused with ENOSPC",
+           final_w=w)
+
+
+@pytest.mark.timeout(150)
+def test_second_job_on_the_same_ports_is_refused(cluster, tmp_path):
+    cfg = conf(tmp_path, cluster, ENV={"STEP_DELAY": "0.1"})
+    ws = workspace(tmp_path)
+    first = Launch(cfg, *_run_args(ws, "f_ports1"))
+    first.wait_line(r"checkpoint step=10", 60)
+    second = Launch(cfg, *_run_args(ws, "f_ports2"))
+    assert second.finish(60) == 1
+    for i in range(3):
+        assert f"node{i} ({cluster.hosts[i]}): port(s) 7164 on {cluster.ips[i]} are already in use" in second.stderr
+    assert not (cluster.root_dir(0) / "f_ports2" / "log").exists()  # refused before anything started
+    assert first.finish(120) == 0, first.text()[-3000:]
+    w = final_w(first)
+    assert w == -0.5 * TOTAL
+    assert_nothing_left(cluster)
+    report("second job on the same ports", "refused by the preflight; first job unaffected", final_w=w)

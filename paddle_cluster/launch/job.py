@@ -356,8 +356,11 @@ class Agents:
                     s.write_line(json.dumps({"op": "stop", "grace": grace}))
                 except Exception:  # noqa: BLE001 - that agent stops on its own when the stream closes
                     pass
+        # An agent silent for ORPHAN_TIMEOUT is cut off (it stops on its own): waiting for it would only stall.
+        reachable = [i for i in self.streams
+                     if time.monotonic() - self.last_heard.get(i, 0.0) < self.spec.cfg.orphan_timeout]
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and len(self.stopped) < len(self.streams):
+        while time.monotonic() < deadline and any(i not in self.stopped for i in reachable):
             time.sleep(0.05)
         self._pinger.set()
         for s in self.streams.values():
