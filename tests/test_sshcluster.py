@@ -98,8 +98,11 @@ def test_pids_empty_at_rest_and_sees_remote_processes(ssh_cluster):
         assert ssh_cluster.pids(i) == [], f"node{i} not at rest"
     with ssh_cluster.connection(0) as c0:
         c0.run("setsid sleep 60 </dev/null >/dev/null 2>&1 &", hide=True)
-        pids = _wait_for(lambda: ssh_cluster.pids(0), what="the sleep on node0")
-        assert [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids] == [b"sleep\x0060\x00"]
+        # setsid shows its own command line until it has exec'd sleep: wait for that, not just for a pid.
+        def sleeping():
+            pids = ssh_cluster.pids(0)
+            return pids if [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids] == [b"sleep\x0060\x00"] else None
+        pids = _wait_for(sleeping, what="the sleep on node0")
         # The open connection's sshd session processes are not counted unless asked for.
         assert len(ssh_cluster.pids(0, include_ssh_sessions=True)) > len(pids)
     assert ssh_cluster.pids(1) == [] and ssh_cluster.pids(2) == []
