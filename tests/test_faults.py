@@ -29,7 +29,8 @@ from paddle_cluster.runtime import OptimizerSpec, connect
 total, every, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 delay = float(os.environ.get("STEP_DELAY", "0.05"))
 n = int(os.environ.get("PARAM_SIZE", "40000"))
-ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=0.5))
+# Small blocks, so every pserver holds a part of w (and of every checkpoint).
+ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=0.5), max_block_bytes=max(1 << 15, n * 4 // 8))
 w = ps.register_dense({"w": np.zeros(n, np.float32)})["w"]
 print(f"start step={ps.step} w0={w[0]:g}", flush=True)   # a resumed job starts at the checkpoint's step
 g = np.ones(n, np.float32)
