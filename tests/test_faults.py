@@ -408,3 +408,100 @@ def test_second_job_on_the_same_ports_is_refused(cluster, tmp_path):
     assert w == -0.5 * TOTAL
     assert_nothing_left(cluster)
     report("second job on the same ports", "refused by the preflight; first job unaffected", final_w=w)
+
+
+LOAD_PY = r'''
+import json, sys, time
+import numpy as np
+from paddle_cluster.runtime import OptimizerSpec, connect
+steps, vocab = int(sys.argv[1]), int(sys.argv[2])
+ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
+tid, n = ps.trainer_id, ps.env.trainers
+ps.register_dense({"w": np.zeros((256, 64), np.float32)})
+ps.register_sparse("emb", 16, init_scale=0.0)
+g = {"w": np.ones((256, 64), np.float32)}
+rows = np.full((4, 16), -2.0, np.float32)  # lr 0.5: +1 per push of an id
+for s in range(steps):
+    ids = np.array([s, s + 1, 7 * s + tid, 13 * s + 3 * tid]) % vocab
+    ps.pull_sparse("emb", ids)
+    ps.push_sparse("emb", ids, rows)
+    ps.pull()
+    ps.push(g)
+    if s % (steps // 4) == 0:
+        print(f"progress {s}", flush=True)
+ps.wait()
+if tid == 0:
+    while not all(set(st["closed"]) >= set(range(1, n)) for st in ps.status()):
+        time.sleep(0.05)
+    w = ps.pull()["w"]
+    emb = ps.pull_sparse("emb", np.arange(vocab))
+    print("FINAL " + json.dumps({"w": float(w[0, 0]), "w_equal": bool((w == w[0, 0]).all()),
+                                 "rows_equal": bool((emb == emb[:, :1]).all()),
+                                 "counts": emb[:, 0].astype(int).tolist()}), flush=True)
+ps.close()
+'''
+
+
+def _free_base_port(count: int) -> int:
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range on 127.0.0.1")
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_load_8_trainers_4_pservers_sparse(tmp_path):
+    steps, vocab = 2000, 5000
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(LOAD_PY)
+    root = tmp_path / "root"
+    cfg = tmp_path / "conf.py"
+    cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
+        "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo", "PADDLE_PORT": _free_base_port(8),
+        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PSERVERS_PER_NODE": 4, "TRAINERS_PER_NODE": 8,
+        "PYTHON": sys.executable, "KILL_GRACE": 1.0, "BARRIER_TIMEOUT": 20.0}.items()))
+    t0 = time.monotonic()
+    run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "load", "--", str(steps), str(vocab))
+    procs = root / "load" / ".paddle_cluster" / "procs.json"
+    run.wait_line(rf"\[trainer\.0@node0\] progress {steps // 4}$", 90)
+    pids = [p["pid"] for p in json.loads(procs.read_text())["procs"] if p["role"] == "PSERVER"]
+    early = [_rss_kb(p) for p in pids]
+    run.wait_line(rf"\[trainer\.0@node0\] progress {3 * steps // 4}$", 90)
+    late = [_rss_kb(p) for p in pids]
+    assert run.finish(90) == 0, run.text()[-3000:]
+    took = time.monotonic() - t0
+    final = json.loads(run.find(r"\[trainer\.0@node0\] FINAL ")[1].split("FINAL ", 1)[1])
+    # No request lost: every dense push (8 x steps, lr 0.5) and every sparse row push is in the values.
+    assert final["w"] == -0.5 * 8 * steps and final["w_equal"] and final["rows_equal"]
+    want = [0] * vocab
+    for tid in range(8):
+        for s in range(steps):
+            for i in (s, s + 1, 7 * s + tid, 13 * s + 3 * tid):
+                want[i % vocab] += 1
+    assert final["counts"] == want
+    growth = [b - a for a, b in zip(early, late)]
+    assert max(growth) < 8 * 1024, f"pserver RSS grew by {growth} kB between 25% and 75% of the run"
+    report("load 8 trainers x 4 pservers, sparse", "ok", steps=steps, seconds=f"{took:.1f}",
+           pserver_rss_kb=early, rss_growth_kb=growth, requests=8 * steps * 4)
