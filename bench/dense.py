@@ -1,0 +1,56 @@
+"""Dense push/pull (and the pserver memory it takes): pservers and trainers as separate processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_json
+
+
+def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
+        phases: Sequence[str] = ("pushpull",), n_pservers: int = 2, hosts: Optional[List[str]] = None,
+        prefix_ps=None, prefix_tr=None, trainer_ip: str = "127.0.0.1", workdir: Optional[str] = None
+        ) -> Dict[str, Any]:
+    """Start ``n_pservers`` pservers and ``trainers`` trainers, run the worker, return its timings.
+
+    ``prefix_ps(k)`` / ``prefix_tr(i)``: command prefixes (e.g. entering a namespace) per process.
+    Also returns every pserver's memory (idle before registration, and at the end).
+    """
+    hosts = hosts or ["127.0.0.1"] * n_pservers
+    tmp = workdir or tempfile.mkdtemp(prefix="bench-dense-")
+    env = make_env(hosts, trainers, tmp)
+    procs = Procs(os.path.join(tmp, "logs"))
+    try:
+        ps = [procs.pserver(env, k, prefix_ps(k) if prefix_ps else ()) for k in range(len(hosts))]
+        time.sleep(0.2)
+        idle = [proc_mem(p.pid) for p in ps]
+        done = os.path.join(tmp, "done")
+        os.makedirs(done, exist_ok=True)
+        args = json.dumps({"mode": mode, "size": size, "max_block": max_block, "warmup": warmup, "reps": reps,
+                           "phases": list(phases), "done_dir": done, "hold": True})
+        tr = [procs.trainer(env, i, ["dense", args], trainer_ip, prefix_tr(i) if prefix_tr else ())
+              for i in range(trainers)]
+        results = [read_json_line(p) for p in tr]
+        end = [proc_mem(p.pid) for p in ps]
+        for p in tr:
+            wait_json(p)
+        for p in ps:
+            p.wait(20)
+    finally:
+        procs.close()
+    return {"trainers": results, "idle_mem": idle, "end_mem": end}
+
+
+def step_stats(res: Dict[str, Any], phase: str) -> Stats:
+    """Per-step time: the slowest trainer of each step (steps are lock-step in sync mode)."""
+    per = [r["times"][phase] for r in res["trainers"]]
+    return Stats([max(ts) for ts in zip(*per)])
+
+
+def check(res: Dict[str, Any]) -> str:
+    bad = [r["check"] for r in res["trainers"] if r["check"] != "ok"]
+    return "ok" if not bad else bad[0]

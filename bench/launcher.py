@@ -1,0 +1,145 @@
+"""The launcher on real sshd hosts: time to all processes ready, workspace dispatch, unchanged re-dispatch.
+
+Needs root (``tests/sshcluster.py``). ``run`` is driven through the CLI exactly as a user would; every
+trainer prints its wall-clock start time, so "ready" is when the last trainer of the job started (the
+launcher starts trainers only after every pserver listens). Dispatch is timed through the launcher's own
+``deliver`` (the step of ``run`` that ships ``--job_dispatch_package``), against ``scp`` of the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from .common import REPO, Stats, sshcluster_module
+
+TRAIN_PY = "import time, os\nprint('BENCH_READY %.6f %s' % (time.time(), os.environ['PADDLE_TRAINER_ID']), flush=True)\n"
+PS_PY = r'''
+import socket, time
+from paddle_cluster.contract import JobEnv
+env = JobEnv.from_environ()
+socks = []
+for port in env.all_ports(env.pserver_id):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((env.current_ip, port))
+    s.listen()
+    socks.append(s)
+time.sleep(3600)
+'''
+
+
+def write_conf(path: Path, cl, hosts: List[str]) -> Path:
+    settings = {
+        "HOSTS": hosts, "ROOT_DIR": "/home/paddle", "PADDLE_NIC": "eth0", "PADDLE_PORT": 7164,
+        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PYTHON": cl.python,
+        "PSERVER_COMMAND": "{python} ps.py", "SSH_IDENTITY_FILE": str(cl.key_path),
+        "SSH_KNOWN_HOSTS": str(cl.known_hosts), "SSH_CONNECT_TIMEOUT": 10.0, "START_TIMEOUT": 60.0,
+        "KILL_GRACE": 2.0,
+    }
+    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    return path
+
+
+def _run_cli(conf: Path, ws: Path, n: int) -> float:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",
+                          "--job_dispatch_package", str(ws)], capture_output=True, text=True, timeout=300, env=env,
+                         stdin=subprocess.DEVNULL, cwd=REPO)
+    if res.returncode != 0:
+        raise RuntimeError(f"run failed ({res.returncode}): {res.stderr[-2000:]}")
+    stamps = {m.group(2): float(m.group(1)) for m in re.finditer(r"BENCH_READY (\d+\.\d+) (\d+)", res.stdout)}
+    if len(stamps) != n:
+        raise RuntimeError(f"expected {n} trainers to report, got {sorted(stamps)}: {res.stdout[-1000:]}")
+    return max(stamps.values()) - t0
+
+
+def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hosts: int = 3,
+        dispatch_reps: int = 3) -> Dict[str, Any]:
+    sc = sshcluster_module()
+    out: Dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
+    ws = work / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(TRAIN_PY)
+    (ws / "ps.py").write_text(PS_PY)
+    with sc.SSHCluster(max(counts + (dispatch_hosts,)), work / "cluster") as cl:
+        # -- run -> all processes ready ---------------------------------------------------------------
+        _run_cli(write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # installs lib
+        for n in counts:
+            conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
+            out[f"launch_{n}"] = Stats([_run_cli(conf, ws, n) for _ in range(reps)])
+        # -- dispatch of a big workspace -------------------------------------------------------------------
+        big = work / "big"
+        big.mkdir()
+        blob = big / "data.bin"
+        with open(blob, "wb") as f:
+            for _ in range(dispatch_mb):
+                f.write(os.urandom(1 << 20))
+        (big / "train.py").write_text(TRAIN_PY)
+        out.update(_dispatch(cl, work, big, blob, dispatch_hosts, dispatch_reps))
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[str, Any]:
+    sys.path.insert(0, REPO)
+    from paddle_cluster.launch import job
+    from paddle_cluster.launch.config import load_config
+
+    cfg = load_config(str(write_conf(work / "conf-dispatch.py", cl, cl.hosts[:n])))
+    quiet = lambda _msg: None  # noqa: E731
+    cluster = job.connect(cfg, quiet, check_ports=False)
+    want = hashlib.sha256(blob.read_bytes()).hexdigest()
+
+    def clear() -> None:
+        for i in range(n):
+            shutil.rmtree(cl.root_dir(i) / ".paddle_cluster" / "packages", ignore_errors=True)
+            for d in cl.root_dir(i).glob("BENCHJOB*"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def verify(name: str) -> bool:
+        return all(hashlib.sha256((cl.root_dir(i) / name / "data.bin").read_bytes()).hexdigest() == want
+                   for i in range(n))
+
+    full, again, ok = [], [], True
+    try:
+        for r in range(reps + 1):
+            clear()
+            spec = job.JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
+            t0 = time.perf_counter()
+            job.deliver(spec, cluster, quiet)
+            t1 = time.perf_counter()
+            ok = ok and verify(spec.name)
+            spec2 = job.JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
+            t2 = time.perf_counter()
+            job.deliver(spec2, cluster, quiet)
+            t3 = time.perf_counter()
+            ok = ok and verify(spec2.name)
+            if r:  # the first round is the warm-up
+                full.append(t1 - t0)
+                again.append(t3 - t2)
+    finally:
+        for nd in cluster.nodes:
+            nd.close()
+    scp = []
+    for r in range(reps + 1):
+        t0 = time.perf_counter()
+        subprocess.run(["scp", "-q", "-i", cl.key_path, "-o", f"UserKnownHostsFile={cl.known_hosts}",
+                        "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", str(blob),
+                        f"root@{cl.ips[0]}:/home/paddle/scp-data.bin"], check=True, stdin=subprocess.DEVNULL)
+        if r:
+            scp.append(time.perf_counter() - t0)
+    scp_ok = hashlib.sha256((cl.root_dir(0) / "scp-data.bin").read_bytes()).hexdigest() == want
+    clear()
+    return {"dispatch_full": Stats(full), "dispatch_again": Stats(again), "dispatch_ok": ok,
+            "scp": Stats(scp), "scp_ok": scp_ok}

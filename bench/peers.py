@@ -1,0 +1,202 @@
+"""Peers on the same work: a pyzmq PS, a Ray-actor PS and torch.distributed gloo all-reduce.
+
+All optional: each returns ``None`` (with the reason) when its package is not installed. The PS peers
+hold the same model (``size`` bytes of float32 over 2 servers, SGD applied on the server) and run the
+same loop as the dense benchmark's single trainer: push the gradient, pull the parameters. The check:
+the parameters pulled after the run equal ``-lr * value * steps``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .common import Stats, free_port_range
+
+LR = np.float32(0.5)
+_CTX = mp.get_context("fork")
+
+
+def _missing(mod: str) -> Optional[str]:
+    import importlib.util
+
+    return None if importlib.util.find_spec(mod) else f"{mod} is not installed (pip install {mod})"
+
+
+# -- pyzmq ---------------------------------------------------------------------------------------------------
+
+
+def _zmq_server(port: int, n: int) -> None:
+    import zmq
+
+    ctx = zmq.Context(io_threads=1)
+    s = ctx.socket(zmq.REP)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    param = np.zeros(n, dtype=np.float32)
+    buf = np.empty_like(param)
+    while True:
+        op, *rest = s.recv_multipart(copy=False)
+        op = op.bytes
+        if op == b"push":
+            g = np.frombuffer(rest[0].buffer, dtype=np.float32)
+            np.multiply(g, LR, out=buf)
+            param -= buf
+            s.send(b"ok")
+        elif op == b"pull":
+            s.send(param, copy=False)
+        else:
+            s.send(b"bye")
+            return
+
+
+def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str]:
+    why = _missing("zmq")
+    if why:
+        return None, why
+    import zmq
+
+    n = size // 4 // n_servers
+    base = free_port_range(n_servers)
+    procs = [_CTX.Process(target=_zmq_server, args=(base + k, n), daemon=True) for k in range(n_servers)]
+    for p in procs:
+        p.start()
+    ctx = zmq.Context(io_threads=2)
+    socks = []
+    try:
+        for k in range(n_servers):
+            s = ctx.socket(zmq.REQ)
+            s.connect(f"tcp://127.0.0.1:{base + k}")
+            socks.append(s)
+        g = np.full(n * n_servers, 1.0, dtype=np.float32)
+        shards = [g[k * n:(k + 1) * n] for k in range(n_servers)]
+        pulled = [None] * n_servers
+
+        def step() -> None:
+            for s, sh in zip(socks, shards):
+                s.send_multipart([b"push", sh], copy=False)
+            for s in socks:
+                s.recv()
+            for s in socks:
+                s.send(b"pull")
+            for k, s in enumerate(socks):
+                pulled[k] = np.frombuffer(s.recv(copy=False).buffer, dtype=np.float32)
+
+        times = []
+        for i in range(warmup + reps):
+            t0 = time.perf_counter()
+            step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        want = -LR * np.float32(warmup + reps)
+        ok = all(np.all(p == want) for p in pulled)
+        for s in socks:
+            s.send(b"stop")
+            s.recv()
+    finally:
+        for s in socks:
+            s.close(linger=0)
+        ctx.term()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps"
+
+
+# -- Ray actors ---------------------------------------------------------------------------------------------
+
+
+def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str]:
+    why = _missing("ray")
+    if why:
+        return None, why
+    import ray
+
+    @ray.remote
+    class Shard:
+        def __init__(self, n: int) -> None:
+            self.param = np.zeros(n, dtype=np.float32)
+            self.buf = np.empty_like(self.param)
+
+        def push(self, g: np.ndarray) -> bool:
+            np.multiply(g, LR, out=self.buf)
+            self.param -= self.buf
+            return True
+
+        def pull(self) -> np.ndarray:
+            return self.param
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=1 << 30, logging_level="ERROR")
+    try:
+        n = size // 4 // n_servers
+        actors = [Shard.remote(n) for _ in range(n_servers)]
+        g = np.full(n * n_servers, 1.0, dtype=np.float32)
+        shards = [g[k * n:(k + 1) * n] for k in range(n_servers)]
+        pulled = []
+        times = []
+        for i in range(warmup + reps):
+            t0 = time.perf_counter()
+            ray.get([a.push.remote(sh) for a, sh in zip(actors, shards)])
+            pulled = ray.get([a.pull.remote() for a in actors])
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        want = -LR * np.float32(warmup + reps)
+        ok = all(np.all(p == want) for p in pulled)
+    finally:
+        ray.shutdown()
+    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps"
+
+
+# -- torch.distributed gloo ---------------------------------------------------------------------------------
+
+
+def _gloo_worker(rank: int, world: int, port: int, size: int, warmup: int, reps: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = torch.empty(size // 4, dtype=torch.float32)
+    times, ok = [], True
+    for i in range(warmup + reps):
+        t.fill_(rank + 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        dt = time.perf_counter() - t0
+        ok = ok and float(t[0]) == world * (world + 1) / 2 and float(t[-1]) == world * (world + 1) / 2
+        if i >= warmup:
+            times.append(dt)
+    dist.destroy_process_group()
+    q.put((rank, times, ok))
+
+
+def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2) -> Tuple[Optional[Stats], str]:
+    why = _missing("torch")
+    if why:
+        return None, why
+    port = free_port_range(1)
+    ctx = mp.get_context("spawn")  # torch must not be forked with threads running
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, size, warmup, reps, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res: Dict[int, Any] = {}
+        for _ in range(world):
+            r, times, ok = q.get(timeout=300)
+            res[r] = (times, ok)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    per_step = [max(ts) for ts in zip(*(res[r][0] for r in range(world)))]
+    ok = all(res[r][1] for r in range(world))
+    return Stats(per_step), "ok" if ok else "FAILED: all-reduce sum is wrong"

@@ -1,0 +1,43 @@
+"""Across the test cluster's bridge: raw TCP (the bridge's limit) and dense push+pull on 1 Gbit/s links.
+
+Needs root (``tests/sshcluster.py`` builds the hosts). Trainer 0 runs on node 0, the pservers on the
+other nodes; with ``tbf`` on every link the trainer's own link (1 Gbit/s each way) is the bottleneck, and
+one push+pull step moves ``2 * size`` bytes over it, one direction after the other.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Dict, Optional
+
+from . import dense, rawtcp
+from .common import sshcluster_module
+
+LINE_RATE = 1e9 / 8  # bytes/s of a 1 Gbit/s link
+
+
+def unavailable() -> Optional[str]:
+    return sshcluster_module().unavailable_reason()
+
+
+def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3)) -> Dict[str, Any]:
+    sc = sshcluster_module()
+    out: Dict[str, Any] = {}
+    work = tempfile.mkdtemp(prefix="bench-cluster-")
+    with sc.SSHCluster(max(node_counts), work) as cl:
+        ns = [cl.netns(i) for i in range(cl.n)]
+        # the bridge, unshaped
+        for streams in (1, 2):
+            st, ok = rawtcp.measure(streams, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
+            out[f"raw_bridge_{streams}"] = (st, ok)
+        for i in range(cl.n):
+            cl.shape(i, "1gbit")
+        st, ok = rawtcp.measure(1, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
+        out["raw_shaped_1"] = (st, ok)
+        for n in node_counts:
+            hosts = [cl.ips[k] for k in range(1, n)]
+            res = dense.run(size, 1, max_block=4 << 20, warmup=warmup, reps=reps, hosts=hosts,
+                            prefix_ps=lambda k: cl._enter(k + 1), prefix_tr=lambda i: cl._enter(0),
+                            trainer_ip=cl.ips[0], workdir=tempfile.mkdtemp(prefix="bench-shaped-"))
+            out[f"shaped_{n}"] = res
+    return out
