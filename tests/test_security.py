@@ -1,0 +1,265 @@
+"""Security pass: the job secret stays private, job files are owner-only, pservers bind to PADDLE_NIC only,
+``kill`` touches only the job's recorded processes, SSH never prompts; property-based fuzzing of the
+wire decoder and handshake, and of config / env-file / contract loading (bounded case counts).
+
+The live-wire checks (no request served before authentication, replayed answers refused) are in
+test_security_wire.py; archive unpacking (absolute paths, ``..``, links out, huge members) in test_unpack.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_faults import EVERY, Launch, conf, final_w, proc_pid, workspace
+from test_launcher import assert_nothing_left, cli
+
+from paddle_cluster import contract
+from paddle_cluster.launch.config import KEYS, ClusterConfig, ConfigWarning, load_config
+from paddle_cluster.launch.errors import ConfigError
+from paddle_cluster.runtime import protocol as P
+from paddle_cluster.runtime.errors import AuthError, ConnectionLost, ProtocolError
+
+FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+# -- on the cluster ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster(ssh_cluster):
+    yield ssh_cluster
+    for i in range(len(ssh_cluster.hosts)):
+        ssh_cluster.kill_all(i)
+
+
+def _files(top: Path):
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            yield Path(dirpath) / name
+
+
+@pytest.mark.timeout(150)
+def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
+    job = "sec1"
+    cfg = conf(tmp_path, cluster, ENV={"STEP_DELAY": "0.05"})
+    run = Launch(cfg, "--job_dispatch_package", str(workspace(tmp_path)), "--job_name", job, "--", "100000",
+                 str(EVERY), "sync")
+    decoy = None
+    try:
+        run.wait_line(r"checkpoint step=10", 60)
+        env_file = cluster.root_dir(0) / job / ".paddle_cluster" / "env"
+        env = contract.read_env_file(str(env_file))
+        secret, job_id = env["PADDLE_JOB_SECRET"], env["PADDLE_JOB_ID"]
+        assert len(secret) == 64
+
+        # ps: no command line carries it; another user cannot read the processes' environment.
+        ps_all = subprocess.run(["ps", "-eo", "pid,args", "ww"], capture_output=True, text=True).stdout
+        assert "paddle_cluster.pserver" in ps_all and secret not in ps_all
+        as_nobody = subprocess.run(["runuser", "-u", "nobody", "--", "ps", "auxeww"], capture_output=True,
+                                   text=True)
+        assert as_nobody.returncode == 0 and "train.py" in as_nobody.stdout
+        assert secret not in as_nobody.stdout
+
+        # Files: the job directory is owner-only; whatever holds the secret is 0600; no log has it.
+        for i in range(3):
+            jd = cluster.root_dir(i) / job
+            assert stat.S_IMODE(jd.stat().st_mode) == 0o700, oct(jd.stat().st_mode)
+            assert stat.S_IMODE((jd / ".paddle_cluster").stat().st_mode) == 0o700
+            for name in ("env", "procs.json"):
+                assert stat.S_IMODE((jd / ".paddle_cluster" / name).stat().st_mode) == 0o600
+            for f in _files(cluster.root_dir(i)):
+                if f.is_file() and not f.is_symlink() and secret.encode() in f.read_bytes():
+                    assert f == jd / ".paddle_cluster" / "env", f
+                    assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0
+            # Pservers listen on the node's PADDLE_NIC address only, not on every interface.
+            listen = cluster.exec(i, ["ss", "-ltnH"]).stdout.split("\n")
+            ours = [ln.split()[3] for ln in listen if ln.strip() and ln.split()[3].endswith(":7164")]
+            assert ours == [f"{cluster.ips[i]}:7164"], ours
+
+        # kill: only the processes recorded for this job, not one that merely looks like them.
+        decoy = cluster.popen(1, [cluster.python, "-c", "import time; time.sleep(120)", "-m",
+                                  "paddle_cluster.pserver", job],
+                              env=dict(os.environ, PADDLE_JOB_ID=job_id), start_new_session=True)
+        pid = proc_pid(cluster, 1, job, "trainer.1")
+        k = cli(cfg, "kill", "--job_name", job)
+        assert k.returncode == 0, k.stderr
+        assert run.finish(60) != 0
+        assert not Path(f"/proc/{pid}").exists()
+        assert decoy.poll() is None, "kill touched a process that is not recorded for the job"
+    finally:
+        if decoy is not None:
+            decoy.kill()
+            decoy.wait()
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.finish(10)
+    # The terminal and the launcher's own state never show the secret.
+    assert secret not in run.stdout + run.stderr + k.stdout + k.stderr
+    state = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "paddle-cluster"
+    for f in state.glob("*.json"):
+        assert secret not in f.read_text()
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(60)
+def test_ssh_never_prompts_for_a_password(cluster, tmp_path):
+    key = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    cfg = conf(tmp_path, cluster, SSH_IDENTITY_FILE=str(key))
+    res = cli(cfg, "check", timeout=40)  # stdin is /dev/null: a prompt would hang or fail differently
+    assert res.returncode == 1
+    out = res.stdout + res.stderr
+    assert "was refused" in out and "passwords are never prompted for" in out, out
+    assert "Traceback" not in out
+
+
+@pytest.mark.timeout(150)
+def test_restarted_job_keeps_its_secret_private(cluster, tmp_path):
+    """A restart reuses the job's secret; it still never reaches the terminal."""
+    job = "sec2"
+    run = Launch(conf(tmp_path, cluster), "--job_dispatch_package", str(workspace(tmp_path)), "--job_name", job,
+                 "--max_restarts", "1", "--", "40", str(EVERY), "sync")
+    run.wait_line(r"checkpoint step=10", 60)
+    os.kill(proc_pid(cluster, 0, job, "trainer.0"), signal.SIGKILL)
+    assert run.finish(120) == 0, run.text()[-2000:]
+    assert final_w(run) == -20.0
+    secret = contract.read_env_file(str(cluster.root_dir(0) / job / ".paddle_cluster" / "env"))["PADDLE_JOB_SECRET"]
+    assert secret not in run.stdout + run.stderr
+    for i in range(3):
+        for f in (cluster.root_dir(i) / job / "log").iterdir():
+            assert secret.encode() not in f.read_bytes(), f
+    assert_nothing_left(cluster)
+
+
+# -- wire decoder and handshake (pure, no pserver) -------------------------------------------------------
+
+
+@FUZZ
+@given(st.binary(min_size=P.HEADER_SIZE, max_size=P.HEADER_SIZE), st.integers(0, 1 << 40))
+def test_fuzz_header_decoder(data, max_frame):
+    try:
+        h = P.unpack_header(data, max_frame)
+    except ProtocolError:
+        return
+    assert h.length <= max_frame
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_fuzz_json_decoder(data):
+    try:
+        assert isinstance(P.decode_json(data), dict)
+    except ProtocolError:
+        pass
+
+
+def _valid_response_prefix():
+    return P.pack_header(P.Op.AUTH_RESPONSE, P.DTYPE_NONE, trainer=0, length=P.MAC_SIZE + P.NONCE_SIZE)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), st.binary(max_size=P.MAC_SIZE + P.NONCE_SIZE).map(
+    lambda b: _valid_response_prefix() + b)))
+def test_fuzz_server_handshake_refuses_anything_forged(data):
+    """Whatever an unauthenticated peer sends, the handshake ends in a refusal, never a trainer id."""
+    a, b = socket.socketpair()
+    a.settimeout(2)
+    b.settimeout(2)
+    try:
+        t = threading.Thread(target=lambda: (b.recv(P.HEADER_SIZE + P.NONCE_SIZE), b.sendall(data),
+                                             b.shutdown(socket.SHUT_WR)), daemon=True)
+        t.start()
+        with pytest.raises((AuthError, ProtocolError, ConnectionLost, OSError)):
+            P.server_handshake(a, "s" * 64, "job-1", 4)
+        t.join(5)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- config loading ------------------------------------------------------------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
+_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+                       max_leaves=10)
+_hosts = st.one_of(_values, st.lists(st.one_of(st.sampled_from(["localhost", "root@10.0.0.1", "a@b:22", "h:0",
+                                                                 "x@[::1]:2222", "@", "a b"]),
+                                               st.text(max_size=20)), max_size=4))
+
+
+def _load_in_sandbox(name: str, text: str) -> None:
+    """Load ``text`` as config file ``name``; only a ClusterConfig or a ConfigError may come out, and
+    nothing may be written next to it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        before = sorted(os.listdir(d))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            try:
+                cfg = load_config(str(path), environ={})
+                assert isinstance(cfg, ClusterConfig) and cfg.hosts
+                assert os.path.isabs(cfg.root_dir)
+            except ConfigError as e:
+                assert str(e)
+        assert sorted(os.listdir(d)) == before
+
+
+@FUZZ
+@given(st.dictionaries(st.one_of(st.sampled_from(KEYS), st.from_regex(r"[A-Z][A-Z_]{0,12}", fullmatch=True)),
+                       _values, max_size=8), _hosts)
+def test_fuzz_conf_py_values(settings_, hosts):
+    body = {"HOSTS": hosts, **settings_}
+    _load_in_sandbox("conf.py", "".join(f"{k} = {v!r}\n" for k, v in body.items()))
+
+
+@FUZZ
+@given(st.one_of(st.text(max_size=300),
+                 st.dictionaries(st.sampled_from(KEYS).map(str.lower), _values, max_size=8).map(json.dumps)))
+def test_fuzz_cluster_yaml(text):
+    _load_in_sandbox("cluster.yaml", text)
+
+
+_names = st.sampled_from(sorted(contract.JobEnv("x", (contract.Endpoint("h", 1),), 1)
+                                .for_process(contract.PSERVER, 0, "h").to_environ()) + ["PADDLE_TRAINER_ID"])
+
+
+@FUZZ
+@given(st.dictionaries(_names, st.text(max_size=30), max_size=12))
+def test_fuzz_contract_from_environ(environ):
+    try:
+        env = contract.JobEnv.from_environ(environ)
+    except contract.ContractError:
+        return
+    if env is not None:
+        assert env.trainers >= 1 and env.pservers
+
+
+@FUZZ
+@given(st.dictionaries(st.text(max_size=20), st.text(max_size=40), max_size=8))
+def test_fuzz_env_file_round_trip(environ):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "env")
+        try:
+            contract.write_env_file(path, environ)
+        except (contract.ContractError, UnicodeEncodeError):
+            assert not os.path.exists(path)  # refused whole, nothing half-written
+            return
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert contract.read_env_file(path) == {k: v for k, v in environ.items()}
+
