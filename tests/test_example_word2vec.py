@@ -162,43 +162,56 @@ def unigram_ppl(train: list, valid: list, vocab: dict) -> float:
     return float(np.exp(-logp[imikolov.ngrams(valid, vocab)[:, -1]].mean()))
 
 
-@need_ptb
-def test_two_by_two_sync_job(tmp_path):
-    """2 pservers + 2 trainers on localhost, sync, on a 2,000-sentence slice prepared into 2 shards."""
-    ws = tmp_path / "ws"
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A copy of the example with a 2,000-sentence slice of PTB prepared into 2 shards under data/."""
+    tmp = tmp_path_factory.mktemp("w2v")
+    ws = tmp / "ws"
     ws.mkdir()
     for f in ("train.py", "model.py", "imikolov.py", "infer.py", "prepare.py"):
         shutil.copy(EXAMPLE / f, ws / f)
-    src = tmp_path / "slice"
+    src = tmp / "slice"
     src.mkdir()
     sizes = {"ptb.train.txt": 2000, "ptb.valid.txt": 200, "ptb.test.txt": 200}
     for name, n in sizes.items():
-        (src / name).write_text("".join(imikolov.read_lines(str(PTB / name))[:n][i] + "\n" for i in range(n)))
+        (src / name).write_text("".join(line + "\n" for line in imikolov.read_lines(str(PTB / name))[:n]))
     assert prepare.main(["--data", str(src), "--out", str(ws / "data"), "--split-count", "2"]) == 0
+    return ws, src
 
-    conf = tmp_path / "conf.py"
+
+def run_job(tmp: Path, ws: Path, job: str, *args: str):
+    """2 pservers + 2 trainers on localhost through the CLI; returns (result, job dir, final valid ppl)."""
+    conf = tmp / "conf.py"
     conf.write_text("\n".join([
-        'HOSTS = ["localhost"]', 'PADDLE_NIC = "lo"', f"ROOT_DIR = {str(tmp_path / 'root')!r}",
+        'HOSTS = ["localhost"]', 'PADDLE_NIC = "lo"', f"ROOT_DIR = {str(tmp / 'root')!r}",
         f"PADDLE_PORT = {_free_base(4)}", "PADDLE_PORTS_NUM = 1", "PADDLE_PORTS_NUM_FOR_SPARSE = 1",
         "PSERVERS_PER_NODE = 2", "TRAINERS_PER_NODE = 2", f"PYTHON = {sys.executable!r}",
         'ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}']) + "\n")
     cmd = [sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", "--job_dispatch_package", str(ws),
-           "--job_name", "w2v", "--", "--data", "data", "--passes", "2", "--batch-size", "128",
-           "--emb-size", "16", "--hidden-size", "32", "--log-every", "1000"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=150)
+           "--job_name", job, "--", "--data", "data", "--batch-size", "128", "--emb-size", "16",
+           "--hidden-size", "32", "--log-every", "1000", *args]
+    res = subprocess.run(cmd, cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = re.search(r"^\[trainer\.0@node0\] final valid_ppl=(\S+)$", res.stdout, re.M)
     assert m, res.stdout[-3000:]
-    ppl = float(m.group(1))
-    assert re.search(r"^\[trainer\.0@node0\] final test_ppl=\S+$", res.stdout, re.M)
+    return res, tmp / "root" / job, float(m.group(1))
 
+
+def slice_baseline(src: Path):
     train = imikolov.read_lines(str(src / "ptb.train.txt"))
-    valid = imikolov.read_lines(str(src / "ptb.valid.txt"))
     vocab = imikolov.build_dict(train)
-    uni = unigram_ppl(train, valid, vocab)
-    assert math.isfinite(ppl) and ppl < 0.75 * uni and ppl < len(vocab) / 10, (ppl, uni, len(vocab))
+    return train, vocab, unigram_ppl(train, imikolov.read_lines(str(src / "ptb.valid.txt")), vocab)
 
-    job = tmp_path / "root" / "w2v"
+
+@need_ptb
+def test_two_by_two_sync_job(tmp_path, workspace):
+    """Sync, 2 passes: perplexity well below the slice's unigram, outputs per pass, infer.py agrees."""
+    ws, src = workspace
+    res, job, ppl = run_job(tmp_path, ws, "w2v", "--passes", "2")
+    assert re.search(r"^\[trainer\.0@node0\] final test_ppl=\S+$", res.stdout, re.M)
+    train, vocab, uni = slice_baseline(src)
+    print(f"valid_ppl={ppl} unigram_ppl={uni:.1f} vocabulary={len(vocab)}")
+    assert math.isfinite(ppl) and ppl < 0.75 * uni and ppl < len(vocab) / 10, (ppl, uni, len(vocab))
     final = json.loads((job / "output" / "metrics.json").read_text())
     assert final["valid_ppl"] == ppl and math.isfinite(final["test_ppl"])
     for p in ("pass-00000", "pass-00001"):
@@ -216,3 +229,14 @@ def test_two_by_two_sync_job(tmp_path):
     assert inf.returncode == 0, inf.stderr
     assert float(re.search(r"^ppl=(\S+)$", inf.stdout, re.M).group(1)) == pytest.approx(ppl, rel=1e-6)
     assert re.search(r"^'the company said it' -> \S+ 0\.\d+", inf.stdout, re.M), inf.stdout
+
+
+@need_ptb
+def test_two_by_two_async_job(tmp_path, workspace):
+    """Async, 1 pass: trainer 0 waits for the other trainer, then evaluates the final model."""
+    ws, src = workspace
+    res, job, ppl = run_job(tmp_path, ws, "w2v-async", "--passes", "1", "--mode", "async")
+    _, vocab, uni = slice_baseline(src)
+    assert math.isfinite(ppl) and ppl < 0.9 * uni, (ppl, uni)
+    assert json.loads((job / "output" / "metrics.json").read_text())["valid_ppl"] == ppl
+    assert "mode async" in res.stdout and "all 2 trainer(s) exited 0" in res.stderr
