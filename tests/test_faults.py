@@ -505,3 +505,30 @@ def test_load_8_trainers_4_pservers_sparse(tmp_path):
     assert max(growth) < 8 * 1024, f"pserver RSS grew by {growth} kB between 25% and 75% of the run"
     report("load 8 trainers x 4 pservers, sparse", "ok", steps=steps, seconds=f"{took:.1f}",
            pserver_rss_kb=early, rss_growth_kb=growth, requests=8 * steps * 4)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs as ROOT_DIR")
+def test_logs_on_a_full_disk_do_not_hang_the_job(tmp_path):
+    """Found by the disk-full row: a log write failing with ENOSPC used to kill the agent's output pump, so the
+    trainer blocked on a full pipe and its exit was never reported: the job hung forever."""
+    root = tmp_path / "root"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    try:
+        ws = tmp_path / "ws"
+        ws.mkdir()
+        (ws / "train.py").write_text('for i in range(20000):\n    print(f"line {i} " + "x" * 100)\nprint("DONE")\n')
+        cfg = tmp_path / "conf.py"
+        cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
+            "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo", "PADDLE_PORT": _free_base_port(1),
+            "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "PSERVERS_PER_NODE": 1, "TRAINERS_PER_NODE": 1,
+            "PYTHON": sys.executable, "KILL_GRACE": 1.0}.items()))
+        run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "full")
+        assert run.finish(60) == 0, run.text()[-2000:]
+        assert run.find(r"\[trainer\.0@node0\] DONE$")
+        assert run.find(r"\[agent@node0\] cannot write .*train\.log \(No space left on device\)")
+        assert "finished: all 1 trainer(s) exited 0" in run.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+    report("disk full under the logs", "job finished; output streamed, log file given up")

@@ -393,16 +393,45 @@ class Supervisor:
 
     def _pump(self, name: str, proc: subprocess.Popen, log_path: str, rec: Dict[str, Any]) -> None:
         assert proc.stdout is not None
-        with open(log_path, "ab") as log:
-            for raw in iter(proc.stdout.readline, b""):
-                log.write(raw)
-                log.flush()
-                _emit({"ev": "log", "proc": name, "line": raw.decode(errors="replace").rstrip("\n")})
+        # A full disk must not stop the streaming: the process would block on a full pipe and its exit
+        # would never be reported (the job would hang). The log file is given up on, the stream goes on.
+        log: Optional[Any] = None
+        try:
+            log = open(log_path, "ab")
+        except OSError as e:
+            self._log_lost(name, log_path, e)
+        for raw in iter(proc.stdout.readline, b""):
+            if log is not None:
+                try:
+                    log.write(raw)
+                    log.flush()
+                except OSError as e:
+                    self._log_lost(name, log_path, e)
+                    log = self._close_quietly(log)
+            _emit({"ev": "log", "proc": name, "line": raw.decode(errors="replace").rstrip("\n")})
+        self._close_quietly(log)
         code = proc.wait()
         rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
         assert self.state is not None
-        self.state.save()
+        try:
+            self.state.save()
+        except OSError as e:
+            _emit({"ev": "agent_output", "line": f"cannot record the exit of {name} in procs.json: {e}"})
         _emit({"ev": "exit", "proc": name, "code": rec["exit_code"], "signal": rec["signal"]})
+
+    @staticmethod
+    def _log_lost(name: str, log_path: str, e: OSError) -> None:
+        _emit({"ev": "agent_output", "line": f"cannot write {log_path} ({e.strerror or e}); the output of {name} "
+                                             "is only streamed to the launcher from here on"})
+
+    @staticmethod
+    def _close_quietly(f: Optional[Any]) -> None:
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+        return None
 
     def on_wait_ports(self, msg: Dict[str, Any]) -> None:
         deadline = time.monotonic() + msg["timeout"]
