@@ -20,7 +20,7 @@ import glob
 import json
 import os
 from collections import Counter
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -179,10 +179,3 @@ def eval_path(data_dir: str, name: str) -> Optional[str]:
     p = os.path.join(data_dir, name)
     return p if os.path.isfile(p) else None
 
-
-def cap_samples(samples: np.ndarray, cap: Optional[int]) -> np.ndarray:
-    return samples if cap is None else samples[:cap]
-
-
-def describe_counts(parts: Sequence[int]) -> str:
-    return "+".join(str(p) for p in parts)
