@@ -7,7 +7,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rt_helpers import free_port_range
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "word2vec"
@@ -137,23 +137,6 @@ def test_prepare_split_count_from_env(tmp_path, monkeypatch):
 # -- a real job -----------------------------------------------------------------------------------------
 
 
-def _free_base(n: int) -> int:
-    for base in range(36000, 37000 - n, 7):
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports in 36000-37000")
-
-
 def unigram_ppl(train: list, valid: list, vocab: dict) -> float:
     """Add-one unigram perplexity over the same events train.py scores (words and sentence ends)."""
     targets = imikolov.ngrams(train, vocab)[:, -1]
@@ -184,7 +167,7 @@ def run_job(tmp: Path, ws: Path, job: str, *args: str):
     conf = tmp / "conf.py"
     conf.write_text("\n".join([
         'HOSTS = ["localhost"]', 'PADDLE_NIC = "lo"', f"ROOT_DIR = {str(tmp / 'root')!r}",
-        f"PADDLE_PORT = {_free_base(4)}", "PADDLE_PORTS_NUM = 1", "PADDLE_PORTS_NUM_FOR_SPARSE = 1",
+        f"PADDLE_PORT = {free_port_range(4, 36000, 37000)}", "PADDLE_PORTS_NUM = 1", "PADDLE_PORTS_NUM_FOR_SPARSE = 1",
         "PSERVERS_PER_NODE = 2", "TRAINERS_PER_NODE = 2", f"PYTHON = {sys.executable!r}",
         'ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}']) + "\n")
     cmd = [sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", "--job_dispatch_package", str(ws),
