@@ -46,6 +46,8 @@ from .placement import init_rows
 log = logging.getLogger("paddle_cluster.pserver")
 MODES = ("sync", "async")
 _HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"name"}
+# Optimizer passes run over chunks of this many bytes, so a chunk is still in cache for the next pass.
+_CHUNK_ELEMS = (256 << 10) // 4
 
 
 class _RWLock:
@@ -114,21 +116,24 @@ class _DenseBlock(_Shard):
         self.param = np.zeros(self.shape, dtype=self.dtype)
         self.nbytes = self.param.nbytes
         self.opt = make_dense(spec, self.param)
+        self.flat = self.param.reshape(-1)  # a view: updates of flat ranges change param
         self.initialized = False
         self.initializing = False
-        self.bufs: Dict[int, np.ndarray] = {}
-        self.sum: Optional[np.ndarray] = None
+        # Sync mode with several trainers: their gradients of the current step, summed in trainer order
+        # (see PServer._op_push_dense). One buffer per block, allocated on first use.
+        self._acc: Optional[np.ndarray] = None
+        self.acc_busy = False  # a push is being received straight into acc
         self.applying = False
         self.error: Optional[str] = None
 
     def describe(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
 
-    def grad_buffer(self, trainer: int) -> np.ndarray:
-        buf = self.bufs.get(trainer)
-        if buf is None:
-            buf = self.bufs[trainer] = np.empty(self.shape, dtype=self.dtype)
-        return buf
+    @property
+    def acc(self) -> np.ndarray:
+        if self._acc is None:
+            self._acc = np.empty(self.shape, dtype=self.dtype)
+        return self._acc
 
 
 class _TableShard(_Shard):
@@ -200,11 +205,18 @@ class _Conn:
         self.hbuf = bytearray(P.HEADER_SIZE)
         self.consumed = True
         self.scratch: Optional[bytearray] = None
+        self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
 
     def discard(self, n: int) -> None:
         if self.scratch is None:
             self.scratch = bytearray(1 << 20)
         P.discard(self.sock, n, self.scratch)
+
+    def grad_buffer(self, b: _DenseBlock) -> np.ndarray:
+        """This connection's receive buffer as an array shaped like block ``b`` (reused by every push)."""
+        if self.rbuf.nbytes < b.nbytes:
+            self.rbuf = np.empty(b.nbytes, dtype=np.uint8)
+        return self.rbuf[: b.nbytes].view(b.dtype).reshape(b.shape)
 
 
 class PServer:
@@ -520,21 +532,10 @@ class PServer:
     def _apply_dense(self, b: _DenseBlock) -> None:
         with b.cv:
             try:
-                contributors = sorted(b.pending)
-                if len(contributors) == 1:
-                    g = b.pending[contributors[0]]
-                else:
-                    # Sum in trainer order so the result does not depend on arrival order.
-                    if b.sum is None:
-                        b.sum = np.empty(b.shape, dtype=b.dtype)
-                    g = b.sum
-                    np.add(b.pending[contributors[0]], b.pending[contributors[1]], out=g)
-                    for t in contributors[2:]:
-                        g += b.pending[t]
-                    g /= b.dtype.type(len(contributors))
+                # b.acc holds the contributors' gradients, summed in trainer order by _op_push_dense.
                 with self.rw.shared():
                     self._apply_hyper(b, b.step)
-                    b.opt.apply(b.param, g)
+                    self._apply_grad(b, b.acc, len(b.pending))
                     b.step += 1
             except Exception as e:  # keep serving; the waiting pulls report it
                 log.exception("pserver %d: optimizer failed on %s", self.pserver_id, b.describe())
@@ -675,44 +676,139 @@ class PServer:
         self._reply_ok(conn, key=h.key, step=b.step)
 
     def _op_push_dense(self, conn: _Conn, h: P.Header) -> None:
+        """Receive one block's gradient and fold it in.
+
+        Memory: a gradient is received whole into this connection's buffer (or, for the first of several
+        sync trainers, straight into the block's sum), so a frame cut short changes nothing. Sync mode
+        with several trainers keeps one sum per block, added in trainer order (the first two in either
+        order: float addition commutes), so the result never depends on arrival order. The last
+        contribution of a step is folded and, for plain SGD, applied in one cache-sized pass.
+        """
         b = self._block(h)
         if h.length != b.nbytes:
             raise ProtocolError(f"{b.describe()} expects {b.nbytes} payload bytes, frame has {h.length}")
         t = conn.trainer
+        sync = self.mode == "sync"
         with b.cv:
             self._wait_step(b, h.step, "push")
-            if self.mode == "sync":
+            if sync:
                 dup = h.step < b.step or t in b.pending or t in b.receiving or b.applying
             else:
                 dup = t in b.receiving
-            dest = None if dup else b.grad_buffer(t)
-            if dest is not None:
+            direct = (sync and not dup and not b.pending and not b.acc_busy and self.active != {t}
+                      and t in sorted(self.active)[:2])
+            if not dup:
                 b.receiving.add(t)
-        if dest is None:
+                b.acc_busy = b.acc_busy or direct
+        if dup:
             conn.discard(h.length)  # an idempotent repeat of a push already counted
-        else:
-            try:
-                P.recv_into(conn.sock, P.byte_view(dest))
-            finally:
-                with b.cv:
-                    b.receiving.discard(t)
             conn.consumed = True
+            self._reply_ok(conn, key=h.key, step=b.step)
+            return
+        dest = b.acc if direct else conn.grad_buffer(b)
+        try:
+            P.recv_into(conn.sock, P.byte_view(dest))
+        except BaseException:
             with b.cv:
-                if self.mode == "async" and self.staleness is not None and b.step - h.aux > self.staleness:
-                    # Bounded staleness: the trainer computed this on values older than allowed (aux carries
-                    # the block version it pulled).
-                    self.dropped_stale += 1
-                elif self.mode == "async":
-                    with self.rw.shared():
-                        self._apply_hyper(b, None)
-                        b.opt.apply(b.param, dest)
-                        b.step += 1
-                elif b.step == h.step:
-                    b.pending[t] = dest
-                    self._complete_dense(b)
+                b.receiving.discard(t)
+                b.acc_busy = b.acc_busy and not direct
                 b.cv.notify_all()
+            raise
         conn.consumed = True
+        with b.cv:
+            try:
+                if not sync:
+                    if self.staleness is not None and b.step - h.aux > self.staleness:
+                        # Bounded staleness: the trainer computed this on values older than allowed (aux
+                        # carries the block version it pulled).
+                        self.dropped_stale += 1
+                    else:
+                        with self.rw.shared():
+                            self._apply_hyper(b, None)
+                            self._apply_grad(b, dest, 1)
+                            b.step += 1
+                elif b.step == h.step:
+                    if direct:
+                        b.acc_busy = False
+                        b.pending[t] = True
+                        self._complete_dense(b)
+                    else:
+                        self._wait(b.cv, lambda: b.step != h.step or self._may_fold(b, t), h.step,
+                                   f"push {b.describe()}: summing in trainer order",
+                                   lambda: {u for u in self.active if u < t} - set(b.pending))
+                        if b.step == h.step:
+                            self._fold(b, t, dest)
+            finally:
+                b.receiving.discard(t)
+                if direct:
+                    b.acc_busy = False
+                b.cv.notify_all()
         self._reply_ok(conn, key=h.key, step=b.step)
+
+    def _may_fold(self, b: _DenseBlock, t: int) -> bool:
+        """(Holding ``b.cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
+        if b.acc_busy or b.applying:
+            return False
+        order = sorted(self.active | {t})
+        first_two = set(order[:2])
+        return all(u in b.pending for u in order if u < t) or (t in first_two and set(b.pending) <= first_two)
+
+    def _fold(self, b: _DenseBlock, t: int, g: np.ndarray) -> None:
+        """(Holding ``b.cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to step ``b.step``."""
+        first = not b.pending
+        b.pending[t] = True
+        last = self._ready_to_apply(b)
+        if first and last:  # the only contributor: apply straight from the receive buffer
+            with self.rw.shared():
+                self._apply_hyper(b, b.step)
+                self._apply_grad(b, g, 1)
+                b.step += 1
+            b.pending.clear()
+            return
+        if not last or not self._plain_sgd(b):
+            if first:
+                np.copyto(b.acc, g)
+            else:
+                b.acc += g
+            self._complete_dense(b)
+            return
+        # Last of several with plain SGD: add, average and apply chunk by chunk while the chunk is in cache
+        # (the same operations, in the same order, as summing first and applying after).
+        with self.rw.shared():
+            self._apply_hyper(b, b.step)
+            n = b.dtype.type(len(b.pending))
+            lr = b.dtype.type(b.spec.lr)
+            acc, gf = b.acc.reshape(-1), g.reshape(-1)
+            for lo in range(0, b.flat.size, _CHUNK_ELEMS):
+                hi = lo + _CHUNK_ELEMS
+                a = acc[lo:hi]
+                a += gf[lo:hi]
+                a /= n
+                a *= lr
+                b.flat[lo:hi] -= a
+            b.step += 1
+        b.pending.clear()
+
+    @staticmethod
+    def _plain_sgd(b: _DenseBlock) -> bool:
+        return b.spec.name == "sgd" and b.spec.weight_decay == 0
+
+    def _apply_grad(self, b: _DenseBlock, g: np.ndarray, n: int) -> None:
+        """Apply the mean gradient ``g / n`` to block ``b``; ``g`` is scratch (it may be overwritten)."""
+        if n > 1:
+            g /= b.dtype.type(n)
+        if self._plain_sgd(b):
+            # ``param -= lr * g`` in one pass per cache-sized chunk, reusing g's memory: no buffer of the
+            # block's size is touched besides param and g (same rounding as the optimizer's own apply).
+            lr = b.dtype.type(b.spec.lr)
+            gf = g.reshape(-1)
+            for lo in range(0, b.flat.size, _CHUNK_ELEMS):
+                hi = lo + _CHUNK_ELEMS
+                c = gf[lo:hi]
+                c *= lr
+                b.flat[lo:hi] -= c
+        else:
+            b.opt.apply(b.param, g)
 
     def _op_pull_dense(self, conn: _Conn, h: P.Header) -> None:
         b = self._block(h, 0)
