@@ -71,15 +71,15 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool) ->
 @click.option("--job_name", metavar="NAME", help="Job directory name under ROOT_DIR (default JOB<yyyymmddHHMMSS>).")
 @click.option("--resume_from", metavar="JOB|DIR", help="Pservers resume from the latest complete checkpoint of an "
               "earlier job (its name) or of a checkpoint directory on every node.")
-@click.option("--max_restarts", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+@click.option("--max_restarts", type=click.IntRange(min=0), default=None, metavar="N",
               help="When a pserver or trainer dies, restart the whole job from its latest complete checkpoint, "
-              "up to N times.")
+              "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
-        resume_from: Optional[str], max_restarts: int, elastic: bool, trainer_args: Tuple[str, ...]) -> None:
+        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, trainer_args: Tuple[str, ...]) -> None:
     """Start a job: pservers first, trainers once every pserver listens. Arguments after -- go to train.py."""
     if bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
@@ -88,7 +88,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
     spec = jobs.JobSpec(cfg, job_name or jobs.default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
-                        resume_from, max_restarts, elastic)
+                        resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic)
     jobs.run_job(spec, _out, _say)
 
 

@@ -93,6 +93,7 @@ class ClusterConfig:
     barrier_timeout: float = 120.0
     orphan_timeout: float = 20.0
     kill_grace: float = 5.0
+    max_restarts: int = 0
     source: str = "<built-in local default>"
 
     @property
@@ -304,6 +305,8 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
     for key in ("pservers_per_node", "trainers_per_node"):
         if getattr(cfg, key) < 0:
             raise ConfigError(key.upper(), getattr(cfg, key), "must be 0 or more", source)
+    if cfg.max_restarts < 0:
+        raise ConfigError("MAX_RESTARTS", cfg.max_restarts, "must be 0 (fail fast) or more", source)
     if cfg.pservers_per_node * len(cfg.hosts) < 1:
         raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
     if cfg.trainers_per_node * len(cfg.hosts) < 1:
