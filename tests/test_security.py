@@ -263,3 +263,35 @@ def test_fuzz_env_file_round_trip(environ):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert contract.read_env_file(path) == {k: v for k, v in environ.items()}
 
+
+
+# -- archive unpacking: member and total sizes (names and links: test_unpack.py) -------------------------
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "d/c", "d/e/f"]), st.integers(0, 3000)), min_size=1,
+                max_size=5, unique_by=lambda m: m[0]), st.integers(0, 6000))
+def test_fuzz_unpack_sizes_are_capped(members, cap):
+    import io
+    import tarfile
+
+    from paddle_cluster.node.agent import UnsafeArchive, safe_extract
+
+    with tempfile.TemporaryDirectory() as top:
+        archive, dest = os.path.join(top, "a.tar"), os.path.join(top, "job")
+        with tarfile.open(archive, "w") as tar:
+            for name, size in members:
+                info = tarfile.TarInfo(name)
+                info.size = size
+                tar.addfile(info, io.BytesIO(b"x" * size))
+        too_big = any(s > cap for _, s in members) or sum(s for _, s in members) > cap
+        try:
+            safe_extract(archive, dest, max_bytes=cap)
+        except UnsafeArchive as e:
+            assert too_big, e
+            assert not os.path.exists(dest)
+        else:
+            assert not too_big
+            for name, size in members:
+                assert os.path.getsize(os.path.join(dest, name)) == size
+        assert sorted(os.listdir(top)) == sorted(["a.tar"] + (["job"] if not too_big else []))
