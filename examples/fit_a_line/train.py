@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("sync", "async"), default="sync")
     ap.add_argument("--passes", type=int, default=20)
-    ap.add_argument("--batch-size", type=int, default=8, help="per trainer")
+    ap.add_argument("--batch-size", "--batch_size", type=int, default=8, help="per trainer")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

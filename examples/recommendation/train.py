@@ -30,16 +30,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--data", help="ml-1m or ml-100k directory (default $MOVIELENS_DIR, else download ml-1m)")
     ap.add_argument("--mode", choices=("sync", "async"), default="sync")
     ap.add_argument("--passes", type=int, default=6)
-    ap.add_argument("--batch_size", type=int, default=256, help="per trainer and step")
-    ap.add_argument("--emb_size", type=int, default=16, help="embedding and tower output width")
+    ap.add_argument("--batch-size", "--batch_size", type=int, default=256, help="per trainer and step")
+    ap.add_argument("--emb-size", "--emb_size", type=int, default=16, help="embedding and tower output width")
     ap.add_argument("--lr", type=float, default=0.002, help="Adam learning rate of the dense parameters")
-    ap.add_argument("--sparse_lr", type=float, default=0.01, help="SGD learning rate of the embedding rows")
+    ap.add_argument("--sparse-lr", "--sparse_lr", type=float, default=0.01,
+                    help="SGD learning rate of the embedding rows")
     ap.add_argument("--l2", type=float, default=0.05, help="L2 (weight decay) of the dense parameters")
-    ap.add_argument("--sparse_l2", type=float, default=0.1, help="L2 of an embedding row, per update of it")
-    ap.add_argument("--lr_decay", type=float, default=0.6, help="learning rates are multiplied by this each pass")
-    ap.add_argument("--init_scale", type=float, default=0.05, help="embedding rows start uniform in +-this")
-    ap.add_argument("--test_fraction", type=float, default=0.1)
-    ap.add_argument("--split_seed", type=int, default=0, help="seed of the train/test split")
+    ap.add_argument("--sparse-l2", "--sparse_l2", type=float, default=0.1,
+                    help="L2 of an embedding row, per update of it")
+    ap.add_argument("--lr-decay", "--lr_decay", type=float, default=0.6,
+                    help="learning rates are multiplied by this each pass")
+    ap.add_argument("--init-scale", "--init_scale", type=float, default=0.05,
+                    help="embedding rows start uniform in +-this")
+    ap.add_argument("--test-fraction", "--test_fraction", type=float, default=0.1)
+    ap.add_argument("--split-seed", "--split_seed", type=int, default=0, help="seed of the train/test split")
     ap.add_argument("--seed", type=int, default=1, help="seed of initialisation and shuffling")
     ap.add_argument("--output", default="output")
     args = ap.parse_args(argv)
