@@ -21,7 +21,8 @@ from typing import Any, Dict, List
 
 from .common import REPO, Stats, sshcluster_module
 
-TRAIN_PY = "import time, os\nprint('BENCH_READY %.6f %s' % (time.time(), os.environ['PADDLE_TRAINER_ID']), flush=True)\n"
+TRAIN_PY = ("import time, os\n"
+            "print('BENCH_READY %.6f %s' % (time.time(), os.environ['PADDLE_TRAINER_ID']), flush=True)\n")
 PS_PY = r'''
 import socket, time
 from paddle_cluster.contract import JobEnv

@@ -1,0 +1,348 @@
+"""``python -m bench``: the paddle-cluster benchmark suite. See docs/benchmarks.md.
+
+Prints a table and the issue's targets, writes ``bench/results/latest.json`` (and the block-size plot).
+Sections: raw, dense, sparse, peers, shaped, launcher (``--only a,b``); ``--quick`` for small sizes,
+``--smoke`` for tiny ones (the test suite's check that the suite runs). ``shaped`` and ``launcher`` need
+root and are skipped with a note otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+from .common import MB, REPO, Row, Target, loadavg
+
+SECTIONS = ("raw", "dense", "sparse", "peers", "shaped", "launcher")
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "full": {"size": 64 * MB, "warmup": 2, "reps": 7, "raw_reps": 5,
+             "blocks": [256 << 10, MB, 4 * MB, 16 * MB, 32 * MB],
+             "tiny": 4096, "tiny_reps": 500, "sparse": (1_000_000, 64, 100_000), "sparse_reps": 5,
+             "shaped_size": 64 * MB, "shaped_reps": 4, "launch_counts": (1, 2, 4, 8), "launch_reps": 3,
+             "dispatch_mb": 200, "dispatch_reps": 2},
+    "quick": {"size": 16 * MB, "warmup": 1, "reps": 4, "raw_reps": 3, "blocks": [256 << 10, 4 * MB, 16 * MB],
+              "tiny": 4096, "tiny_reps": 200, "sparse": (200_000, 64, 20_000), "sparse_reps": 3,
+              "shaped_size": 16 * MB, "shaped_reps": 3, "launch_counts": (1, 2), "launch_reps": 2,
+              "dispatch_mb": 20, "dispatch_reps": 1},
+    "smoke": {"size": 2 * MB, "warmup": 1, "reps": 2, "raw_reps": 2, "blocks": [MB],
+              "tiny": 4096, "tiny_reps": 20, "sparse": (20_000, 16, 2_000), "sparse_reps": 2,
+              "shaped_size": 2 * MB, "shaped_reps": 2, "launch_counts": (1,), "launch_reps": 1,
+              "dispatch_mb": 2, "dispatch_reps": 1},
+}
+
+
+def gbs(x: float) -> float:
+    return x / 1e9
+
+
+class Suite:
+    def __init__(self, cfg: Dict[str, Any], only: List[str], outdir: str) -> None:
+        self.cfg = cfg
+        self.only = only
+        self.outdir = outdir
+        self.rows: List[Row] = []
+        self.m: Dict[str, Any] = {}  # headline numbers the targets are computed from
+        self.skipped: Dict[str, str] = {}
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        v = "-" if row.value is None else f"{row.value:.4g}"
+        sp = "" if row.spread is None else f" ±{100 * row.spread / 2:.0f}%"
+        print(f"  {row.section:<8} {row.name:<44} {v:>10} {row.unit:<7}{sp:<6} check={row.check} {row.note}",
+              flush=True)
+
+    # -- sections ------------------------------------------------------------------------------------------
+
+    def raw(self) -> None:
+        from . import rawtcp
+
+        c = self.cfg
+        for streams in (1, 2):
+            st, ok = rawtcp.measure(streams, c["size"], c["raw_reps"])
+            self.m[f"raw{streams}"] = st.median
+            self.add(Row("raw", f"loopback TCP, {streams} stream(s), {c['size'] // MB} MB msgs", gbs(st.median),
+                         "GB/s", st.spread(), check="ok" if ok else "FAILED: payload mismatch",
+                         extra=st.to_dict()))
+
+    def dense(self) -> None:
+        from . import dense
+
+        c = self.cfg
+        size, w, r = c["size"], c["warmup"], c["reps"]
+        res = dense.run(size, 1, warmup=w, reps=r, phases=("push", "pull", "pushpull"))
+        chk = dense.check(res)
+        for ph, nbytes in (("push", size), ("pull", size), ("pushpull", 2 * size)):
+            st = dense.step_stats(res, ph)
+            self.m[f"dense1_{ph}"] = nbytes / st.median
+            self.add(Row("dense", f"1 trainer {ph} {size // MB} MB, 2 pservers", gbs(nbytes / st.median), "GB/s",
+                         st.spread(), check=chk, extra=st.to_dict()))
+        self._memory("1 trainer sync", res, size, 1)
+        for mode in ("sync", "async"):
+            res = dense.run(size, 2, mode=mode, warmup=w, reps=r)
+            st = dense.step_stats(res, "pushpull")
+            self.m[f"dense2_{mode}"] = 4 * size / st.median
+            self.m[f"dense2_{mode}_step"] = st.median
+            self.add(Row("dense", f"2 trainers {mode} push+pull, aggregate", gbs(4 * size / st.median), "GB/s",
+                         st.spread(), note=f"step {1e3 * st.median:.1f} ms", check=dense.check(res),
+                         extra=st.to_dict()))
+            if mode == "sync":
+                self._memory("2 trainers sync", res, size, 2)
+        sweep = []
+        for mb in c["blocks"]:
+            res = dense.run(size, 1, max_block=mb, warmup=w, reps=max(3, r - 2))
+            st = dense.step_stats(res, "pushpull")
+            sweep.append((mb, 2 * size / st.median, st.spread()))
+            self.add(Row("dense", f"block size {mb >> 10} KB: 1 trainer push+pull", gbs(2 * size / st.median), "GB/s",
+                         st.spread(), check=dense.check(res), extra=st.to_dict()))
+        self.m["sweep"] = sweep
+        self._plot_sweep(sweep)
+        for trainers in (1, 2):
+            res = dense.run(c["tiny"], trainers, warmup=20, reps=c["tiny_reps"])
+            st = dense.step_stats(res, "pushpull")
+            self.m[f"barrier{trainers}_p99"] = st.pct(99)
+            self.add(Row("dense", f"barrier round trip, {c['tiny']} B model, {trainers} trainer(s)",
+                         1e3 * st.median, "ms p50", None, note=f"p99 {1e3 * st.pct(99):.3f} ms",
+                         check=dense.check(res), extra={"p50": st.median, "p99": st.pct(99), "max": st.hi}))
+
+    def _memory(self, what: str, res: Dict[str, Any], size: int, trainers: int) -> None:
+        held = size // 2  # SGD: parameters only, no optimizer state; half the model per pserver
+        for k, (idle, end) in enumerate(zip(res["idle_mem"], res["end_mem"])):
+            grew = end["VmHWM"] - idle["VmRSS"]
+            ratio = grew / held
+            self.m.setdefault("mem", []).append((what, k, ratio, end["VmHWM"], idle["VmRSS"]))
+            self.add(Row("memory", f"pserver {k} peak RSS growth / bytes held, {what}", ratio, "x", None,
+                         note=f"peak {end['VmHWM'] / MB:.0f} MB, idle {idle['VmRSS'] / MB:.0f} MB, "
+                              f"holds {held / MB:.0f} MB", check="-",
+                         extra={"peak": end["VmHWM"], "idle": idle["VmRSS"], "held": held}))
+
+    def _plot_sweep(self, sweep) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([s[0] / MB for s in sweep], [gbs(s[1]) for s in sweep], "o-", label="push+pull, 1 trainer")
+        if "raw2" in self.m:
+            ax.axhline(gbs(self.m["raw2"]), color="gray", ls="--", label="raw TCP, 2 streams")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max block size (MB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{self.cfg['size'] // MB} MB float32 over 2 pservers")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.outdir, "block_sweep.png"), dpi=100)
+        plt.close(fig)
+
+    def sparse(self) -> None:
+        from . import sparse
+
+        rows, width, batch = self.cfg["sparse"]
+        r = self.cfg["sparse_reps"]
+        ps = sparse.run(rows, width, batch, reps=r)
+        npr = sparse.numpy_inprocess(rows, width, batch, reps=r)
+        for op in ("pull", "push"):
+            rate, nrate = batch / ps[op].median, batch / npr[op].median
+            self.m[f"sparse_{op}"] = rate / nrate
+            self.add(Row("sparse", f"{op} {batch} unique ids of {rows}x{width}, 2 pservers", rate / 1e6, "Mrows/s",
+                         ps[op].spread(), note=f"= {100 * rate / nrate:.0f}% of numpy", check=ps["check"],
+                         extra=ps[op].to_dict()))
+            self.add(Row("sparse", f"{op}: numpy in-process {'gather' if op == 'pull' else 'scatter-add'}",
+                         nrate / 1e6, "Mrows/s", npr[op].spread(), check=npr["check"], extra=npr[op].to_dict()))
+
+    def peers(self) -> None:
+        from . import peers
+
+        c = self.cfg
+        size = c["size"]
+        for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS", peers.ray_ps)):
+            st, chk = fn(size, c["warmup"], c["reps"])
+            key = "zmq" if "zmq" in name else "ray"
+            if st is None:
+                self.skipped[key] = chk
+                self.add(Row("peers", f"{name}: 1 trainer push+pull", None, "GB/s", note=f"skipped: {chk}",
+                             check="-"))
+                continue
+            self.m[key] = 2 * size / st.median
+            ours = self.m.get("dense1_pushpull")
+            self.add(Row("peers", f"{name}: 1 trainer push+pull {size // MB} MB", gbs(2 * size / st.median), "GB/s",
+                         st.spread(), note="" if ours is None else f"ours = {ours / self.m[key]:.2f}x",
+                         check=chk, extra=st.to_dict()))
+        st, chk = peers.gloo_allreduce(size, c["warmup"], c["reps"])
+        if st is None:
+            self.skipped["gloo"] = chk
+            self.add(Row("peers", "torch gloo all-reduce", None, "ms", note=f"skipped: {chk}", check="-"))
+        else:
+            self.m["gloo"] = st.median
+            ours = self.m.get("dense2_sync_step")
+            self.add(Row("peers", f"torch gloo all-reduce {size // MB} MB, 2 workers", 1e3 * st.median, "ms",
+                         st.spread(), note="" if ours is None else f"our 2-trainer sync step = {ours / st.median:.2f}x",
+                         check=chk, extra=st.to_dict()))
+
+    def shaped(self) -> None:
+        from . import dense, shaped
+
+        why = shaped.unavailable()
+        if why:
+            self.skipped["shaped"] = why
+            self.add(Row("shaped", "SSH test cluster", None, "", note=f"skipped: {why}", check="-"))
+            return
+        c = self.cfg
+        size = c["shaped_size"]
+        out = shaped.run(size, c["warmup"], c["shaped_reps"], c["raw_reps"])
+        for key, label in (("raw_bridge_1", "raw TCP across the bridge, 1 stream"),
+                           ("raw_bridge_2", "raw TCP across the bridge, 2 streams"),
+                           ("raw_shaped_1", "raw TCP on a 1 Gbit/s link, 1 stream")):
+            st, ok = out[key]
+            self.m[key] = st.median
+            self.add(Row("shaped", label, gbs(st.median), "GB/s", st.spread(), check="ok" if ok else "FAILED",
+                         note=f"{100 * st.median / shaped.LINE_RATE:.1f}% of 1 Gbit/s" if "shaped" in key else "",
+                         extra=st.to_dict()))
+        for n in (2, 3):
+            res = out[f"shaped_{n}"]
+            st = dense.step_stats(res, "pushpull")
+            frac = 2 * size / st.median / shaped.LINE_RATE
+            self.m[f"shaped_{n}"] = frac
+            self.add(Row("shaped", f"{n} nodes, 1 Gbit/s links: push+pull goodput", 100 * frac, "% line", st.spread(),
+                         note=f"{2 * size / st.median / 1e6:.1f} MB/s", check=dense.check(res), extra=st.to_dict()))
+
+    def launcher(self) -> None:
+        from . import launcher, shaped
+
+        why = shaped.unavailable()
+        if why:
+            self.skipped["launcher"] = why
+            self.add(Row("launcher", "SSH test cluster", None, "", note=f"skipped: {why}", check="-"))
+            return
+        c = self.cfg
+        out = launcher.run(counts=tuple(c["launch_counts"]), reps=c["launch_reps"], dispatch_mb=c["dispatch_mb"],
+                           dispatch_reps=c["dispatch_reps"])
+        for n in c["launch_counts"]:
+            st = out[f"launch_{n}"]
+            self.m[f"launch_{n}"] = st.median
+            self.add(Row("launcher", f"run -> all processes ready, {n} host(s)", st.median, "s", st.spread(),
+                         check="ok", extra=st.to_dict()))
+        ok = "ok" if out["dispatch_ok"] else "FAILED: workspace differs on a node"
+        for key, label in (("dispatch_full", f"dispatch {c['dispatch_mb']} MB workspace to 3 hosts"),
+                           ("dispatch_again", "dispatch again, unchanged package"),
+                           ("scp", f"scp of the same {c['dispatch_mb']} MB file to 1 host")):
+            st = out[key]
+            self.m[key] = st.median
+            self.add(Row("launcher", label, st.median, "s", st.spread(),
+                         check=ok if key != "scp" else ("ok" if out["scp_ok"] else "FAILED"), extra=st.to_dict()))
+
+    # -- targets -----------------------------------------------------------------------------------------------
+
+    def targets(self) -> List[Target]:
+        m = self.m
+        T: List[Target] = []
+
+        def t(name: str, value: Optional[float], goal: str, ok: Callable[[float], bool], detail: str = "") -> None:
+            T.append(Target(name, value, goal, None if value is None else bool(ok(value)), detail))
+
+        def ratio(a: str, b: str) -> Optional[float]:
+            return m[a] / m[b] if a in m and b in m else None
+
+        t("dense push+pull / raw TCP 2 streams", ratio("dense1_pushpull", "raw2"), ">= 0.70", lambda v: v >= 0.70)
+        t("2-trainer sync aggregate / raw TCP 2 streams", ratio("dense2_sync", "raw2"), ">= 0.85", lambda v: v >= 0.85)
+        t("ours / Ray-actor PS (push+pull)", ratio("dense1_pushpull", "ray"), ">= 2.5", lambda v: v >= 2.5,
+          self.skipped.get("ray", ""))
+        t("ours / pyzmq PS (push+pull)", ratio("dense1_pushpull", "zmq"), ">= 3", lambda v: v >= 3.0,
+          self.skipped.get("zmq", ""))
+        t("2-trainer sync step / gloo all-reduce time", ratio("dense2_sync_step", "gloo"), "<= 1.5",
+          lambda v: v <= 1.5, self.skipped.get("gloo", ""))
+        for n in (1, 2):
+            v = m.get(f"barrier{n}_p99")
+            t(f"barrier round trip p99, {n} trainer(s) (ms)", None if v is None else 1e3 * v, "<= 1 ms",
+              lambda v: v <= 1.0)
+        for op in ("pull", "push"):
+            t(f"sparse {op} / numpy in-process", m.get(f"sparse_{op}"), ">= 0.30", lambda v: v >= 0.30)
+        for n in (2, 3):
+            t(f"push+pull goodput / 1 Gbit/s line rate, {n} nodes", m.get(f"shaped_{n}"), ">= 0.90",
+              lambda v: v >= 0.90, self.skipped.get("shaped", ""))
+        t("launch 8 hosts / 1 host", ratio("launch_8", "launch_1"), "<= 1.5", lambda v: v <= 1.5,
+          self.skipped.get("launcher", ""))
+        t("dispatch to 3 hosts / scp to 1", ratio("dispatch_full", "scp"), "<= 1.5", lambda v: v <= 1.5,
+          self.skipped.get("launcher", ""))
+        t("unchanged re-dispatch (s)", m.get("dispatch_again"), "< 0.5 s", lambda v: v < 0.5,
+          self.skipped.get("launcher", ""))
+        for what, k, r, _peak, _idle in m.get("mem", []):
+            t(f"pserver {k} memory / bytes held, {what}", r, "<= 1.2", lambda v: v <= 1.2)
+        return T
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (the test suite's smoke test)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "latest.json"))
+    args = ap.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = sorted(set(only) - set(SECTIONS))
+    if bad:
+        ap.error(f"unknown sections {bad}: choose from {', '.join(SECTIONS)}")
+    preset = "smoke" if args.smoke else "quick" if args.quick else "full"
+    cfg = PRESETS[preset]
+    outdir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(outdir, exist_ok=True)
+    suite = Suite(cfg, only, outdir)
+    load0 = loadavg()
+    started = time.time()
+    print(f"paddle-cluster bench ({preset}): {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"python {platform.python_version()}, load {load0}", flush=True)
+    failed = []
+    for sec in SECTIONS:
+        if sec not in only:
+            continue
+        print(f"[{sec}]", flush=True)
+        try:
+            getattr(suite, sec)()
+        except Exception as e:  # one broken section must not lose the others' results
+            traceback.print_exc()
+            failed.append(f"{sec}: {e!r}")
+            suite.add(Row(sec, "section failed", None, "", note=repr(e)[:200], check=f"FAILED: {e!r}"[:200]))
+    targets = suite.targets()
+    print("\ntargets:")
+    for tg in targets:
+        state = "skipped" if tg.met is None else "met" if tg.met else "MISSED"
+        v = "-" if tg.value is None else f"{tg.value:.3g}"
+        print(f"  {tg.name:<52} {v:>8}  goal {tg.goal:<8} {state} {tg.detail}")
+    doc = {
+        "preset": preset, "sections": only, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "seconds": round(time.time() - started, 1), "load_before": load0, "load_after": loadavg(),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "kernel": platform.release(), "mem_gb": round(os.sysconf("SC_PAGE_SIZE")
+                                                                   * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "config": {k: v for k, v in cfg.items()},
+        "rows": [r.to_dict() for r in suite.rows], "targets": [t.to_dict() for t in targets],
+        "failed_sections": failed,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"\n{len(suite.rows)} rows in {doc['seconds']} s, load {doc['load_after']}; wrote {args.out}")
+    checks_failed = [r for r in suite.rows if r.check.startswith("FAILED")]
+    return 1 if checks_failed or failed else 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

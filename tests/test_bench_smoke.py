@@ -1,0 +1,30 @@
+"""The benchmark suite runs (tiny sizes) and every correctness check in it passes. Timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(120)
+def test_bench_smoke_raw_dense_sparse(tmp_path):
+    out = tmp_path / "latest.json"
+    res = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--only", "raw,dense,sparse", "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["preset"] == "smoke" and not doc["failed_sections"]
+    rows = doc["rows"]
+    assert {r["section"] for r in rows} >= {"raw", "dense", "sparse", "memory"}
+    assert all(not r["check"].startswith("FAILED") for r in rows), [r for r in rows if r["check"] != "ok"]
+    assert all(r["value"] is not None and r["value"] > 0 for r in rows)
+    names = {t["name"] for t in doc["targets"]}
+    assert "dense push+pull / raw TCP 2 streams" in names
+    assert (tmp_path / "block_sweep.png").exists()
+    assert "targets:" in res.stdout
