@@ -769,7 +769,7 @@ class PServer:
             if first:
                 np.copyto(b.acc, g)
             else:
-                b.acc += g
+                np.add(b.acc, g, out=b.acc)  # acc is a read-only property: `b.acc += g` would assign to it
             self._complete_dense(b)
             return
         # Last of several with plain SGD: add, average and apply chunk by chunk while the chunk is in cache
