@@ -354,7 +354,7 @@ def test_kill_during_checkpoint_write_uses_previous_checkpoint(cluster, tmp_path
     assert (shard / "manifest.json").exists()  # step 30 written again, completely, after the restart
     assert_nothing_left(cluster)
     report("SIGKILL pserver mid checkpoint write", "recovered from the previous checkpoint", resumed_step=20,
-           recover_s=f"{t_back - t_kill:.1f}", final_w=w)
+           detect_s=f"{t_det - t_kill:.1f}", recover_s=f"{t_back - t_kill:.1f}", final_w=w)
 
 
 @pytest.mark.timeout(180)
@@ -364,15 +364,18 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
     try:
         cfg = conf(tmp_path, c, ENV={"STEP_DELAY": "0.2", "PARAM_SIZE": "400000"})
         ws = workspace(tmp_path)
+        (ws / "data.bin").write_bytes(os.urandom(2 << 20))  # cached on the nodes by the first job
         run = Launch(cfg, *_run_args(ws, "f_disk", "--max_restarts", "1", total=40))
         run.wait_line(r"checkpoint step=10", 60)
         free = int(c.exec(1, ["df", "-B1", "--output=avail", ROOT]).stdout.split()[-1])
         c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={(free - 256 * 1024) // 4096}"],
                check=False)
+        t_fill = time.monotonic()
         t_det, line = run.wait_line(r"restarting the job from", 60)
         assert "restarting the job from checkpoint step 10" in line, line
         assert "No space left on device" in line, line  # trainer 0's last words: pserver 1's CheckpointError
         c.exec(1, ["rm", "-f", f"{ROOT}/filler"])
+        t_back, _ = run.wait_line(r"\[trainer\.0@node0\] start step=10 ", 60, after=t_det)
         assert run.finish(120) == 0, run.text()[-3000:]
         w = final_w(run, trainers=2)
         assert w == -0.5 * 40
@@ -380,16 +383,24 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
 
         # A workspace unpacked onto a full disk: the package is already there, unpacking fails, named.
         free = int(c.exec(1, ["df", "-B1", "--output=avail", ROOT]).stdout.split()[-1])
-        c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={free // 4096}"], check=False)
+        c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={(free - 64 * 1024) // 4096}"],
+               check=False)
         full = Launch(cfg, *_run_args(ws, "f_disk2"))
         assert full.finish(60) == 1
-        assert f"node1 ({c.hosts[1]})" in full.stderr and "No space left on device" in full.stderr, full.stderr
+        assert f"node1 ({c.hosts[1]}): unpacking the workspace into {ROOT}/f_disk2 refused: [Errno 28] No space " \
+            "left on device" in full.stderr, full.stderr
         no_traceback(subprocess.CompletedProcess([], 0, full.stdout, full.stderr))
+        # Completely full: the preflight already refuses, naming the host and the cause.
+        c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler2", "bs=4096"], check=False)
+        fuller = Launch(cfg, *_run_args(ws, "f_disk3"))
+        assert fuller.finish(60) == 1
+        assert f"node1 ({c.hosts[1]}): ROOT_DIR {ROOT} is not writable: No space left on device" in fuller.stderr
         assert_nothing_left(c)
     finally:
         c.exec(1, ["umount", "-l", ROOT], check=False)
     report("disk full on node1's ROOT_DIR", "recovered after space returned; unpack refused with ENOSPC",
-           final_w=w)
+           detect_s=f"{t_det - t_fill:.1f} (from the fill; the next checkpoint is 2 s later)",
+           recover_s=f"{t_back - t_fill:.1f}", final_w=w)
 
 
 @pytest.mark.timeout(150)
