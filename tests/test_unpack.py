@@ -337,3 +337,21 @@ def test_pack_library_is_the_node_side_only(tmp_path):
     # it installs with the agent's own safe extraction
     safe_extract(lib.path, str(tmp_path / "lib"))
     assert (tmp_path / "lib" / "paddle_cluster" / "node" / "agent.py").is_file()
+
+
+def test_pack_workspace_reuses_the_cached_archive(tmp_path):
+    """An unchanged tree is not re-read: the cached archive is returned as is; a change builds a new one."""
+    ws = workspace(tmp_path / "ws")
+    cache = tmp_path / "cache"
+    first = pack_workspace(str(ws), str(cache))
+    inode = os.stat(first.path).st_ino
+    again = pack_workspace(str(ws), str(cache))
+    assert again == first and os.stat(again.path).st_ino == inode
+    (ws / "train.py").write_text("print('v2')\n")
+    changed = pack_workspace(str(ws), str(cache))
+    assert changed.sha256 != first.sha256 and changed.sha256 == sha(changed.path)
+    # Only the most recently used archives are kept.
+    for i in range(3):
+        (ws / "train.py").write_text(f"print({i})\n")
+        pack_workspace(str(ws), str(cache), keep=2)
+    assert len(list(cache.glob("*.tar"))) == 2 and len(list(cache.glob("*.json"))) == 2

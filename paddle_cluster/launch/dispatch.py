@@ -70,14 +70,49 @@ def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str) -> Package:
     return Package(tmp, h.hexdigest(), os.path.getsize(tmp), len(entries))
 
 
-def pack_workspace(directory: str, out_dir: str) -> Package:
+def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
+    """The workspace as a tar in ``cache_dir``, rebuilt only when a file's path, size, times or mode changed.
+
+    An unchanged workspace then costs one directory walk instead of re-reading (tar + SHA-256) every byte;
+    the ``keep`` most recently used archives stay in the cache.
+    """
     root = Path(directory)
     if not root.is_dir():
         raise ClusterError(f"--job_dispatch_package {directory}: no such directory")
     entries = list(_walk(root, SKIP_TOP))
     if not entries:
         raise ClusterError(f"--job_dispatch_package {directory}: the directory is empty")
-    return _tar(entries, out_dir, "workspace-")
+    stats = []
+    for full, arc in entries:
+        st = full.lstat()
+        stats.append([arc, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode])  # ctime: even `touch -d`
+    key = hashlib.sha256(json.dumps([str(root.resolve()), stats]).encode()).hexdigest()
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    tar_path, meta_path = os.path.join(cache_dir, f"{key}.tar"), os.path.join(cache_dir, f"{key}.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if os.path.getsize(tar_path) == meta["size"]:
+            os.utime(meta_path)
+            return Package(tar_path, meta["sha256"], meta["size"], meta["files"])
+    except (OSError, ValueError, KeyError):
+        pass
+    pkg = _tar(entries, cache_dir, "workspace-")
+    os.replace(pkg.path, tar_path)
+    tmp = meta_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files}, f)
+    os.replace(tmp, meta_path)
+    metas = sorted(Path(cache_dir).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in metas[keep:]:
+        for stale in (old, old.with_suffix(".tar")):
+            stale.unlink(missing_ok=True)
+    return Package(tar_path, pkg.sha256, pkg.size, pkg.files)
+
+
+def workspace_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "paddle-cluster", "workspaces")
 
 
 def pack_library(out_dir: str) -> Package:

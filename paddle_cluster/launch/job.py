@@ -258,7 +258,7 @@ def deliver(spec: JobSpec, cluster: Cluster, say: Callable[[str], None]) -> None
         fanout(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
         return
     assert spec.dispatch_dir is not None
-    pkg = dispatch.pack_workspace(spec.dispatch_dir, tempfile.mkdtemp(prefix="paddle-cluster-"))
+    pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir())
     say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -273,7 +273,6 @@ def deliver(spec: JobSpec, cluster: Cluster, say: Callable[[str], None]) -> None
             dispatch.unpack(n, cluster.lib, archive, spec.job_dir)
 
         fanout(nodes, send).ok("dispatching the workspace")
-    os.unlink(pkg.path)
     skipped = [nodes[i].name for i, s in sorted(sent.items()) if not s]
     if skipped:
         say(f"{', '.join(skipped)} already held this package: not sent again")
