@@ -14,7 +14,7 @@ import pytest
 import rt_helpers as H
 
 from paddle_cluster.contract import TRAINER
-from paddle_cluster.runtime import BarrierTimeout, ConfigMismatch, OptimizerSpec, connect
+from paddle_cluster.runtime import BarrierTimeout, ConfigMismatch, OptimizerSpec, UnknownKey, connect
 
 
 def trainer_env(env, i):
@@ -160,6 +160,37 @@ def test_set_lr_from_trainer_and_local_mode(tmp_path, monkeypatch):
         from paddle_cluster.runtime import load_dense
 
         np.testing.assert_allclose(load_dense(path)["x"], -0.75)
+    finally:
+        ps.close()
+
+
+def test_set_lr_for_named_parameters_and_tables_only(tmp_path, monkeypatch):
+    """``set_lr(lr, names=...)`` changes those optimizers only, e.g. decaying an embedding but not the rest."""
+    for k in list(os.environ):
+        if k.startswith("PADDLE_"):
+            monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0))
+    try:
+        ps.register_dense({"x": np.zeros(3, np.float32), "y": np.zeros(2, np.float32)})
+        ps.register_sparse("emb", width=2, init_scale=0.0)
+        ids, ones = np.array([5]), np.ones((1, 2), np.float32)
+
+        def step():
+            ps.push_sparse("emb", ids, ones)
+            ps.push({"x": np.ones(3, np.float32), "y": np.ones(2, np.float32)})
+
+        step()  # lr 1 everywhere
+        ps.set_lr(0.5, names=["emb", "y"])
+        step()
+        ps.set_lr(0.25, names="x")
+        step()
+        got = ps.pull()
+        np.testing.assert_allclose(got["x"], -(1 + 1 + 0.25))
+        np.testing.assert_allclose(got["y"], -(1 + 0.5 + 0.5))
+        np.testing.assert_allclose(ps.pull_sparse("emb", ids), -(1 + 0.5 + 0.5))
+        with pytest.raises(UnknownKey, match="no registered parameter or table \\['nope'\\]"):
+            ps.set_lr(0.1, names=["nope"])
     finally:
         ps.close()
 

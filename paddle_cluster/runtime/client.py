@@ -31,7 +31,7 @@ import numpy as np
 from ..contract import PSERVER, Endpoint, JobEnv
 from . import checkpoint as ckpt
 from . import protocol as P
-from .errors import AuthError, ConfigMismatch, ConnectionLost, PSError, from_wire
+from .errors import AuthError, ConfigMismatch, ConnectionLost, PSError, UnknownKey, from_wire
 from .optim import OptimizerSpec
 from .placement import DEFAULT_MAX_BLOCK_BYTES, Block, place_dense, shard_of, sparse_conn
 
@@ -533,13 +533,22 @@ class PSClient:
         return _gather([self._ctl(k).submit(_Channel.call_json, op, body, 0, self.step)
                         for k in range(self.n_pservers)])
 
-    def set_hyper(self, **values: float) -> None:
+    def set_hyper(self, names: Optional[Sequence[str]] = None, **values: float) -> None:
         """Change optimizer hyper-parameters (lr, momentum, beta1, beta2, eps, weight_decay) on every
-        pserver, effective from ``self.step`` on (in sync mode, exactly from that step's update)."""
-        self._broadcast(P.Op.SET_HYPER, {"from_step": self.step, "values": values})
+        pserver, effective from ``self.step`` on (in sync mode, exactly from that step's update).
 
-    def set_lr(self, lr: float) -> None:
-        self.set_hyper(lr=float(lr))
+        ``names`` limits the change to those dense parameters and sparse tables (e.g. decay the embedding
+        rate but not the dense one); None changes every optimizer."""
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            known = set(self._dense) | set(self._tables)
+            unknown = sorted(set(names) - known)
+            if unknown:
+                raise UnknownKey(f"set_hyper: no registered parameter or table {unknown}; known: {sorted(known)}")
+        self._broadcast(P.Op.SET_HYPER, {"from_step": self.step, "values": values, "names": names})
+
+    def set_lr(self, lr: float, names: Optional[Sequence[str]] = None) -> None:
+        self.set_hyper(names, lr=float(lr))
 
     def status(self) -> List[Dict[str, Any]]:
         """Each pserver's view: mode, active/closed trainers, per-block and per-table steps."""

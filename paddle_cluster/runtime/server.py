@@ -250,7 +250,8 @@ class PServer:
         self.resumed_from: Optional[str] = None
         self.blocks: Dict[int, _DenseBlock] = {}
         self.tables: Dict[int, _TableShard] = {}
-        self.hyper: List[Tuple[int, Dict[str, float]]] = []
+        # (from_step, values, names): names None = every parameter and table, else only those named.
+        self.hyper: List[Tuple[int, Dict[str, float], Optional[frozenset]]] = []
         self.active = frozenset(range(env.trainers))
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
@@ -511,11 +512,12 @@ class PServer:
     def _apply_hyper(self, shard: _Shard, step: Optional[int]) -> None:
         """Catch ``shard.spec`` up with the hyper-parameter changes effective at ``step`` (None: all)."""
         while shard.hyper_pos < len(self.hyper):
-            from_step, values = self.hyper[shard.hyper_pos]
+            from_step, values, names = self.hyper[shard.hyper_pos]
             if step is not None and from_step > step:
                 break
-            for k, v in values.items():
-                setattr(shard.spec, k, v)
+            if names is None or shard.name in names:
+                for k, v in values.items():
+                    setattr(shard.spec, k, v)
             shard.hyper_pos += 1
 
     def _complete_dense(self, b: _DenseBlock) -> None:
@@ -926,10 +928,13 @@ class PServer:
             OptimizerSpec.from_dict({**base, **values})
             values = {k: float(v) for k, v in values.items()}
             from_step = int(body.get("from_step", 0))
+            names = body.get("names")
+            if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise ValueError("'names' must be a list of parameter/table names")
         except (ValueError, TypeError) as e:
             raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
         with self.lock:
-            self.hyper.append((from_step, values))
+            self.hyper.append((from_step, values, None if names is None else frozenset(names)))
         self._reply_ok(conn)
 
     def _op_close(self, conn: _Conn, h: P.Header) -> None:
@@ -1015,10 +1020,11 @@ class PServer:
     def _spec_at(self, shard: _Shard, step: int) -> Dict[str, Any]:
         """The spec the update of ``step`` will use: includes hyper-parameter changes not yet applied."""
         spec = shard.spec.to_dict()
-        for from_step, values in self.hyper[shard.hyper_pos:]:
+        for from_step, values, names in self.hyper[shard.hyper_pos:]:
             if self.mode == "sync" and from_step > step:
                 break
-            spec.update(values)
+            if names is None or shard.name in names:
+                spec.update(values)
         return spec
 
     def _load(self, shard: ckpt.ShardState) -> None:
