@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rt_helpers import free_port_range
 from test_launcher import ROOT, assert_nothing_left, wait_for, write_conf
 
 TRAIN_PY = r'''
@@ -457,25 +458,6 @@ ps.close()
 '''
 
 
-def _free_base_port(count: int) -> int:
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range on 127.0.0.1")
 
 
 def _rss_kb(pid: int) -> int:
@@ -494,7 +476,8 @@ def test_load_8_trainers_4_pservers_sparse(tmp_path):
     root = tmp_path / "root"
     cfg = tmp_path / "conf.py"
     cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
-        "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo", "PADDLE_PORT": _free_base_port(8),
+        "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo",
+        "PADDLE_PORT": free_port_range(8, 40000, 60000),
         "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PSERVERS_PER_NODE": 4, "TRAINERS_PER_NODE": 8,
         "PYTHON": sys.executable, "KILL_GRACE": 1.0, "BARRIER_TIMEOUT": 20.0}.items()))
     t0 = time.monotonic()
@@ -536,7 +519,8 @@ def test_logs_on_a_full_disk_do_not_hang_the_job(tmp_path):
         (ws / "train.py").write_text('for i in range(20000):\n    print(f"line {i} " + "x" * 100)\nprint("DONE")\n')
         cfg = tmp_path / "conf.py"
         cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
-            "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo", "PADDLE_PORT": _free_base_port(1),
+            "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo",
+            "PADDLE_PORT": free_port_range(1, 40000, 60000),
             "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "PSERVERS_PER_NODE": 1, "TRAINERS_PER_NODE": 1,
             "PYTHON": sys.executable, "KILL_GRACE": 1.0}.items()))
         run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "full")

@@ -78,19 +78,6 @@ def save_model(ps: PSClient, out_dir: str, tables: Dict[str, Tuple[np.ndarray, n
     return params
 
 
-def wait_for_others(ps: PSClient, trainers: int, timeout: float) -> None:
-    """Async mode: the final model is the one after every trainer's last push, so wait until all closed."""
-    others = set(range(trainers)) - {ps.trainer_id}
-    deadline = time.monotonic() + timeout
-    while others and time.monotonic() < deadline:
-        if all(others <= set(s["closed"]) for s in ps.status()):
-            return
-        time.sleep(0.2)
-    if others:
-        print(f"trainer {ps.trainer_id}: other trainers still running after {timeout:g} s; evaluating anyway",
-              file=sys.stderr, flush=True)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     started = time.time()
@@ -158,7 +145,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if tid == 0:
                 if p == args.passes - 1 and args.mode == "async":
                     ps.wait()
-                    wait_for_others(ps, trainers, env.barrier_timeout if env is not None else 60.0)
+                    if not ps.wait_others_closed(env.barrier_timeout if env is not None else 60.0):
+                        print(f"trainer {ps.trainer_id}: other trainers still running; evaluating anyway",
+                              file=sys.stderr, flush=True)
                 tables = pull_tables(ps, eval_ids)
                 params = save_model(ps, os.path.join(args.output, f"pass-{p:05d}"), tables, {**config, "pass": p})
                 set_dense_values(model, params)

@@ -78,19 +78,6 @@ def evaluate(model: NgramLM, params: Dict[str, np.ndarray], table: np.ndarray, s
     return perplexity(total_nll(model, samples, lambda ids: table[ids], batch), len(samples))
 
 
-def wait_for_others(ps: PSClient, trainers: int, timeout: float) -> None:
-    """Async mode: the final model is the one after every trainer's last push, so wait until all closed."""
-    others = set(range(trainers)) - {ps.trainer_id}
-    deadline = time.monotonic() + timeout
-    while others and time.monotonic() < deadline:
-        if all(others <= set(s["closed"]) for s in ps.status()):
-            return
-        time.sleep(0.2)
-    if others:
-        print(f"trainer {ps.trainer_id}: other trainers still running after {timeout:g} s; evaluating anyway",
-              file=sys.stderr, flush=True)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     started = time.time()
@@ -172,7 +159,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 last = p == args.passes - 1
                 if last and args.mode == "async":
                     ps.wait()
-                    wait_for_others(ps, trainers, env.barrier_timeout if env is not None else 60.0)
+                    if not ps.wait_others_closed(env.barrier_timeout if env is not None else 60.0):
+                        print(f"trainer {ps.trainer_id}: other trainers still running; evaluating anyway",
+                              file=sys.stderr, flush=True)
                 params, table = save_model(ps, os.path.join(args.output, f"pass-{p:05d}"), vocab, {**config, "pass": p})
                 if not last:  # the last pass is evaluated below, after this trainer let the others go
                     valid_ppl = evaluate(model, params, table, valid, args.eval_batch)

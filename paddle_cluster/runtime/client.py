@@ -556,6 +556,21 @@ class PSClient:
         return _gather([self._ctl(k).submit(lambda ch: (ch.send(P.pack_header(P.Op.STATUS)), ch.reply_json())[1])
                         for k in range(self.n_pservers)])
 
+    def wait_others_closed(self, timeout: float) -> bool:
+        """Block until every other trainer has closed; False if some are still open after ``timeout`` s.
+
+        In async mode the model is final only after every trainer's last push: trainer 0 calls this before
+        its final evaluation and save."""
+        others = set(range(self.env.trainers)) - {self.trainer_id}
+        deadline = time.monotonic() + timeout
+        while others:
+            if all(others <= set(s["closed"]) for s in self.status()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
     def save_checkpoint(self, dirname_or_step: Union[str, int, None] = None) -> CheckpointInfo:
         """Each pserver saves its shard for ``self.step`` (after every earlier step is applied).
 
