@@ -357,9 +357,12 @@ def test_local_host_runs_without_ssh(tmp_path):
         ENV = {{"MY_SETTING": "42"}}
         KILL_GRACE = 2.0
         """))
-    env = dict(os.environ, HOME=str(tmp_path))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(scratch))
     res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "loc", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert list(scratch.iterdir()) == [], "the launcher must not leave temporary files behind"
     assert "[trainer.1@node0] ENV OK trainer 1 of 2 on node 0" in res.stdout
     assert sorted(p.name for p in (root / "loc" / "log").iterdir()) == [
         "server.0.log", "server.1.log", "train.0.log", "train.1.log"]

@@ -7,6 +7,7 @@ node by the agent, which refuses absolute paths, ``..`` and links that leave the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,12 +17,12 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import paddle_cluster
 
 from .errors import ClusterError, HostError
-from .hosts import Node
+from .hosts import Node, fanout
 
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
@@ -113,6 +114,20 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
 def workspace_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "paddle-cluster", "workspaces")
+
+
+@contextlib.contextmanager
+def library_archive() -> Iterator[Package]:
+    """The node library as a tar that exists only inside the ``with`` (its sha256 stays valid after)."""
+    with tempfile.TemporaryDirectory(prefix="paddle-cluster-") as tmp:
+        yield pack_library(tmp)
+
+
+def install_library(nodes: Sequence[Node]) -> Package:
+    """Make the node library present on every node (sent only where its hash is new)."""
+    with library_archive() as lib:
+        fanout(nodes, lambda n: ensure_package(n, lib, "lib")).ok("installing paddle_cluster on the nodes")
+    return lib
 
 
 def pack_library(out_dir: str) -> Package:

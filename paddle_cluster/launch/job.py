@@ -17,7 +17,6 @@ import secrets
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -218,9 +217,7 @@ def checkpoint_root(spec: JobSpec) -> str:
 def connect(cfg: ClusterConfig, say: Callable[[str], None], check_ports: bool = True) -> Cluster:
     """Install the node library everywhere and probe every node (NIC address, free ports, numpy)."""
     nodes = make_nodes(cfg)
-    tmp = tempfile.mkdtemp(prefix="paddle-cluster-")
-    lib = dispatch.pack_library(tmp)
-    fanout(nodes, lambda n: dispatch.ensure_package(n, lib, "lib")).ok("installing paddle_cluster on the nodes")
+    lib = dispatch.install_library(nodes)
     ports = ",".join(map(str, cfg.node_ports())) if check_ports else ""
 
     def probe(n: Node) -> str:

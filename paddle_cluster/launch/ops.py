@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -16,9 +14,7 @@ from .hosts import Node, fanout, make_nodes
 
 def nodes_with_lib(cfg: ClusterConfig) -> tuple:
     nodes = make_nodes(cfg)
-    lib = dispatch.pack_library(tempfile.mkdtemp(prefix="paddle-cluster-"))
-    fanout(nodes, lambda n: dispatch.ensure_package(n, lib, "lib")).ok("reaching the nodes")
-    return nodes, lib
+    return nodes, dispatch.install_library(nodes)
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,6 @@ class CheckRow:
 def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
     """Preflight every host in parallel; never prompts, never hangs past the connect timeout."""
     nodes = make_nodes(cfg)
-    lib = dispatch.pack_library(tempfile.mkdtemp(prefix="paddle-cluster-"))
     ports = ",".join(map(str, cfg.node_ports()))
 
     def check(n: Node) -> CheckRow:
@@ -170,9 +165,9 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
             "writable" if root.get("writable") else "NOT WRITABLE",
             f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems))
 
-    res = fanout(nodes, check)
+    with dispatch.library_archive() as lib:
+        res = fanout(nodes, check)
     fanout(nodes, lambda n: n.close())
-    os.unlink(lib.path)
     rows = []
     for n in nodes:
         if n.index in res.values:
