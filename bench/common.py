@@ -154,7 +154,7 @@ class Procs:
         return p
 
     def pserver(self, env: JobEnv, k: int, prefix: Sequence[str] = ()) -> subprocess.Popen:
-        p = self.start([sys.executable, "-m", "paddle_cluster.pserver"],
+        p = self.start([sys.executable, "-m", "paddle_cluster.ps"],
                        proc_environ(env, PSERVER, k, env.pservers[k].host), f"pserver{k}", prefix)
         line = p.stdout.readline().decode()
         if not line.startswith("PSERVER_READY"):

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from paddle_cluster.runtime import OptimizerSpec, connect
+from paddle_cluster.ps import OptimizerSpec, connect
 
 LR = 0.5
 

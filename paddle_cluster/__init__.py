@@ -1,6 +1,6 @@
 """paddle-cluster: an SSH launcher and a numpy parameter-server runtime.
 
-The node side (``contract``, ``pserver``, ``runtime``, ``node``) needs only Python and numpy and never
+The node side (``contract``, ``ps``, ``train``, ``node``) needs only Python and numpy and never
 imports the launcher (``launch``, ``cli``), which is what needs Fabric.
 """
 

@@ -89,7 +89,7 @@ class Procs:
 
     def pserver(self, env: JobEnv, k: int, extra: Optional[Dict[str, str]] = None, wait: bool = True
                 ) -> subprocess.Popen:
-        p = self.start([sys.executable, "-m", "paddle_cluster.pserver"], proc_env(env, PSERVER, k, extra),
+        p = self.start([sys.executable, "-m", "paddle_cluster.ps"], proc_env(env, PSERVER, k, extra),
                        f"pserver{k}-{len(self.procs)}")
         if wait:
             line = p.stdout.readline().decode()
@@ -205,7 +205,7 @@ def reference_dense(steps: int, trainers: int, lr: float):
 
 
 def reference_sparse(steps: int, trainers: int, lr: float, seed: int, scale: float):
-    from paddle_cluster.runtime import init_rows
+    from paddle_cluster.ps import init_rows
 
     p = sparse_dense_init()
     table = init_rows(np.arange(V), WIDTH, scale, seed)
@@ -225,7 +225,7 @@ def reference_sparse(steps: int, trainers: int, lr: float, seed: int, scale: flo
 
 
 def _connect(mode: str, lr: float, **kw: object):
-    from paddle_cluster.runtime import OptimizerSpec, connect
+    from paddle_cluster.ps import OptimizerSpec, connect
 
     return connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=lr), **kw)
 

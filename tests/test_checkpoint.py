@@ -10,8 +10,8 @@ import pytest
 import rt_helpers as H
 
 from paddle_cluster.contract import TRAINER
-from paddle_cluster.runtime import CheckpointError, OptimizerSpec, connect
-from paddle_cluster.runtime import checkpoint as ckpt
+from paddle_cluster.ps import CheckpointError, OptimizerSpec, connect
+from paddle_cluster.ps import checkpoint as ckpt
 
 ADAM = OptimizerSpec("adam", lr=0.05)
 

@@ -192,7 +192,7 @@ LD_LIBRARY_PATH = "/usr/local/cuda/lib64:/usr/lib64"
 PSERVERS_PER_NODE = 2
 TRAINERS_PER_NODE = 3
 PYTHON = "/opt/py/bin/python3"
-PSERVER_COMMAND = "{python} -m paddle_cluster.pserver --fast"
+PSERVER_COMMAND = "{python} -m paddle_cluster.ps --fast"
 TRAINER_COMMAND = "{python} train.py --epochs 2"
 ENV = {"OMP_NUM_THREADS": "1", "SEED": 7}
 SSH_IDENTITY_FILE = "~/.ssh/id_ed25519"
@@ -221,7 +221,7 @@ LD_LIBRARY_PATH: /usr/local/cuda/lib64:/usr/lib64
 PSERVERS_PER_NODE: 2
 TRAINERS_PER_NODE: 3
 PYTHON: /opt/py/bin/python3
-PSERVER_COMMAND: "{python} -m paddle_cluster.pserver --fast"
+PSERVER_COMMAND: "{python} -m paddle_cluster.ps --fast"
 TRAINER_COMMAND: "{python} train.py --epochs 2"
 ENV:
   OMP_NUM_THREADS: "1"

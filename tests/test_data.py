@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from paddle_cluster.runtime import data as D
+from paddle_cluster.train import data as D
 
 
 def _write(path, text):

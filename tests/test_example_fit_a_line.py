@@ -84,10 +84,10 @@ def check_outputs(res, job_dir: Path, mse) -> None:
 
 
 def test_node_library_ships_fluid():
-    """Trainers import paddle_cluster.fluid from the library the launcher installs on every node."""
+    """Trainers import paddle_cluster.train.fluid from the library the launcher installs on every node."""
     from paddle_cluster.launch import dispatch
 
-    assert "fluid.py" in dispatch.NODE_SIDE, "add fluid.py to NODE_SIDE in paddle_cluster/launch/dispatch.py"
+    assert "train" in dispatch.NODE_SIDE, "add train to NODE_SIDE in paddle_cluster/launch/dispatch.py"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from test_launcher import ROOT, assert_nothing_left, wait_for, write_conf
 TRAIN_PY = r'''
 import os, sys, time
 import numpy as np
-from paddle_cluster.runtime import OptimizerSpec, connect
+from paddle_cluster.ps import OptimizerSpec, connect
 total, every, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 delay = float(os.environ.get("STEP_DELAY", "0.05"))
 n = int(os.environ.get("PARAM_SIZE", "40000"))
@@ -51,8 +51,8 @@ ps.close()
 # so a test can SIGKILL it in the middle of the write.
 SLOW_PS_PY = r'''
 import os, sys, time
-from paddle_cluster.runtime import checkpoint as ckpt
-from paddle_cluster import pserver
+from paddle_cluster.ps import checkpoint as ckpt
+from paddle_cluster.ps import __main__ as pserver
 real = ckpt.write_atomic
 def write_atomic(path, write):
     stall = os.environ.get("SLOW_SAVE_STEP")
@@ -71,7 +71,7 @@ sys.exit(pserver.main())
 
 TOTAL, EVERY = 60, 10
 FAST = {"BARRIER_TIMEOUT": 5.0, "ORPHAN_TIMEOUT": 5.0, "KILL_GRACE": 1.0, "START_TIMEOUT": 20.0,
-        "SSH_CONNECT_TIMEOUT": 4.0, "PSERVER_COMMAND": "{python} -m paddle_cluster.pserver",
+        "SSH_CONNECT_TIMEOUT": 4.0, "PSERVER_COMMAND": "{python} -m paddle_cluster.ps",
         "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "ENV": {}}
 
 
@@ -429,7 +429,7 @@ def test_second_job_on_the_same_ports_is_refused(cluster, tmp_path):
 LOAD_PY = r'''
 import json, sys, time
 import numpy as np
-from paddle_cluster.runtime import OptimizerSpec, connect
+from paddle_cluster.ps import OptimizerSpec, connect
 steps, vocab = int(sys.argv[1]), int(sys.argv[2])
 ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
 tid, n = ps.trainer_id, ps.env.trainers

@@ -1,4 +1,4 @@
-"""paddle_cluster.fluid: endpoint parsing, the transpiler against the contract, optimizers, local and in-process
+"""paddle_cluster.train.fluid: endpoint parsing, the transpiler against the contract, optimizers, local and in-process
 distributed training (real TCP to in-process pservers)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from paddle_cluster import fluid
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
-from paddle_cluster.runtime import layers, load_dense
-from paddle_cluster.runtime.server import PServer
+from paddle_cluster.ps import load_dense
+from paddle_cluster.ps.server import PServer
+from paddle_cluster.train import fluid, layers
 
 
 @pytest.fixture(autouse=True)

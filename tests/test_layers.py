@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from paddle_cluster.runtime import layers as L
-from paddle_cluster.runtime.optim import OptimizerSpec, make_dense, make_sparse
+from paddle_cluster.ps.optim import OptimizerSpec, make_dense, make_sparse
+from paddle_cluster.train import layers as L
 
 F64 = np.float64
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from paddle_cluster.runtime import metrics as M
+from paddle_cluster.train import metrics as M
 
 
 def test_roundtrip_and_default_dir_from_job_dir(tmp_path, monkeypatch):

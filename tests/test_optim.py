@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from paddle_cluster.runtime.optim import OptimizerSpec, make_dense, make_sparse
+from paddle_cluster.ps.optim import OptimizerSpec, make_dense, make_sparse
 
 
 def _ref_dense(spec, p, grads):

@@ -10,7 +10,7 @@ import textwrap
 
 TRAIN = r'''
 import os
-from paddle_cluster.runtime.metrics import MetricsWriter
+from paddle_cluster.train.metrics import MetricsWriter
 tid = int(os.environ["PADDLE_TRAINER_ID"])
 with MetricsWriter() as m:
     for step in range(20):

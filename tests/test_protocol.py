@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from paddle_cluster.runtime import errors as E
-from paddle_cluster.runtime import protocol as P
-from paddle_cluster.runtime.placement import init_rows, place_dense, shard_of, split_rows
+from paddle_cluster.ps import errors as E
+from paddle_cluster.ps import protocol as P
+from paddle_cluster.ps.placement import init_rows, place_dense, shard_of, split_rows
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ import pytest
 import rt_helpers as H
 
 from paddle_cluster.contract import TRAINER
-from paddle_cluster.runtime import BarrierTimeout, ConfigMismatch, OptimizerSpec, UnknownKey, connect
+from paddle_cluster.ps import BarrierTimeout, ConfigMismatch, OptimizerSpec, UnknownKey, connect
 
 
 def trainer_env(env, i):
@@ -157,7 +157,7 @@ def test_set_lr_from_trainer_and_local_mode(tmp_path, monkeypatch):
         np.testing.assert_allclose(ps.pull()["x"], -0.75)
         assert ps.status()[0]["blocks"]["0"]["lr"] == 0.25
         path = ps.save_dense(str(tmp_path / "output" / "pass-00001"))
-        from paddle_cluster.runtime import load_dense
+        from paddle_cluster.ps import load_dense
 
         np.testing.assert_allclose(load_dense(path)["x"], -0.75)
     finally:
@@ -217,8 +217,8 @@ def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_repeated_push_of_same_step_is_idempotent(tmp_path):
-    from paddle_cluster.runtime import protocol as P
-    from paddle_cluster.runtime.client import _expect_ok, _pipeline
+    from paddle_cluster.ps import protocol as P
+    from paddle_cluster.ps.client import _expect_ok, _pipeline
 
     env = H.make_env(1, 1, tmp_path)
     with H.procs(tmp_path) as pr:

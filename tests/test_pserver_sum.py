@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from paddle_cluster.contract import Endpoint, JobEnv
-from paddle_cluster.runtime import OptimizerSpec
-from paddle_cluster.runtime.client import PSClient
-from paddle_cluster.runtime.server import PServer
+from paddle_cluster.ps import OptimizerSpec
+from paddle_cluster.ps.client import PSClient
+from paddle_cluster.ps.server import PServer
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import textwrap
 TRAIN = r'''
 import sys
 import numpy as np
-from paddle_cluster.runtime import OptimizerSpec, connect
+from paddle_cluster.ps import OptimizerSpec, connect
 steps = int(sys.argv[1])
 ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5))
 w = ps.register_dense({"w": np.zeros(20000, np.float32)})["w"]

@@ -28,8 +28,8 @@ from test_launcher import assert_nothing_left, cli
 from paddle_cluster import contract
 from paddle_cluster.launch.config import KEYS, ClusterConfig, ConfigWarning, load_config
 from paddle_cluster.launch.errors import ConfigError
-from paddle_cluster.runtime import protocol as P
-from paddle_cluster.runtime.errors import AuthError, ConnectionLost, ProtocolError
+from paddle_cluster.ps import protocol as P
+from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -67,7 +67,7 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
 
         # ps: no command line carries it; another user cannot read the processes' environment.
         ps_all = subprocess.run(["ps", "-eo", "pid,args", "ww"], capture_output=True, text=True).stdout
-        assert "paddle_cluster.pserver" in ps_all and secret not in ps_all
+        assert "paddle_cluster.ps" in ps_all and secret not in ps_all
         as_nobody = subprocess.run(["runuser", "-u", "nobody", "--", "ps", "auxeww"], capture_output=True,
                                    text=True)
         assert as_nobody.returncode == 0 and "train.py" in as_nobody.stdout
@@ -91,7 +91,7 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
 
         # kill: only the processes recorded for this job, not one that merely looks like them.
         decoy = cluster.popen(1, [cluster.python, "-c", "import time; time.sleep(120)", "-m",
-                                  "paddle_cluster.pserver", job],
+                                  "paddle_cluster.ps", job],
                               env=dict(os.environ, PADDLE_JOB_ID=job_id), start_new_session=True)
         pid = proc_pid(cluster, 1, job, "trainer.1")
         k = cli(cfg, "kill", "--job_name", job)

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paddle_cluster.contract import TRAINER
-from paddle_cluster.runtime import AuthError, OptimizerSpec, connect
-from paddle_cluster.runtime import protocol as P
+from paddle_cluster.ps import AuthError, OptimizerSpec, connect
+from paddle_cluster.ps import protocol as P
 
 MAX_FRAME = 64 * 1024
 W = np.linspace(-1, 1, 1000, dtype=np.float32)

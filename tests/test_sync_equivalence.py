@@ -52,6 +52,6 @@ def test_sparse_sync_matches_single_process(tmp_path):
         np.testing.assert_allclose(r["w"], ref["w"], atol=1e-5, rtol=0)
         np.testing.assert_allclose(r["b"], ref["b"], atol=1e-5, rtol=0)
         np.testing.assert_allclose(r["table"], ref_table, atol=1e-5, rtol=0)
-    from paddle_cluster.runtime import init_rows
+    from paddle_cluster.ps import init_rows
 
     assert np.abs(ref_table - init_rows(np.arange(H.V), H.WIDTH, 0.1, 3)).max() > 1e-3

@@ -13,7 +13,7 @@ import sys
 
 from train import build_program, load_housing, samples
 
-from paddle_cluster import fluid
+from paddle_cluster.train import fluid
 
 
 def main() -> int:

@@ -13,9 +13,8 @@ import time
 
 import numpy as np
 
-from paddle_cluster import fluid
-from paddle_cluster.runtime import data, layers
-from paddle_cluster.runtime.metrics import MetricsWriter, write_final
+from paddle_cluster.train import data, fluid, layers
+from paddle_cluster.train.metrics import MetricsWriter, write_final
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FEATURES = 13

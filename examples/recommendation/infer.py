@@ -20,8 +20,8 @@ import movielens
 import numpy as np
 from model import Recommender, predict, rmse
 
-from paddle_cluster.runtime import load_dense
-from paddle_cluster.runtime.layers import set_dense_values
+from paddle_cluster.ps import load_dense
+from paddle_cluster.train.layers import set_dense_values
 
 
 def latest_model(output: str) -> str:

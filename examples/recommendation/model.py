@@ -1,4 +1,4 @@
-"""The two-tower rating model, shared by train.py and infer.py (stdlib + numpy + paddle_cluster.runtime).
+"""The two-tower rating model, shared by train.py and infer.py (stdlib + numpy + paddle_cluster.ps).
 
 User tower: user-id embedding ++ one-hot(gender, age bucket, occupation) -> FC -> u.
 Movie tower: movie-id embedding ++ mean-pooled genre embeddings ++ mean-pooled title-word embeddings -> FC -> v.
@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Tuple
 import numpy as np
 from movielens import N_AGE, N_GENDER, Dataset
 
-from paddle_cluster.runtime.layers import Concat, Embedding, Layer, Linear, Param, SeqPool, pack_sequences
+from paddle_cluster.train.layers import Concat, Embedding, Layer, Linear, Param, SeqPool, pack_sequences
 
 
 class Batch:

@@ -19,10 +19,10 @@ import numpy as np
 from model import Batch, Recommender, all_ids, predict, rmse
 
 from paddle_cluster.contract import JobEnv
-from paddle_cluster.runtime import OptimizerSpec, PSClient, connect, load_dense
-from paddle_cluster.runtime.data import shard
-from paddle_cluster.runtime.layers import dense_grads, dense_values, set_dense_values, sparse_grads, zero_grads
-from paddle_cluster.runtime.metrics import MetricsWriter, write_final
+from paddle_cluster.ps import OptimizerSpec, PSClient, connect, load_dense
+from paddle_cluster.train.data import shard
+from paddle_cluster.train.layers import dense_grads, dense_values, set_dense_values, sparse_grads, zero_grads
+from paddle_cluster.train.metrics import MetricsWriter, write_final
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -19,8 +19,8 @@ import imikolov
 import numpy as np
 from model import NgramLM, perplexity, total_nll
 
-from paddle_cluster.runtime import load_dense
-from paddle_cluster.runtime.layers import set_dense_values, softmax
+from paddle_cluster.ps import load_dense
+from paddle_cluster.train.layers import set_dense_values, softmax
 
 DEMO_CONTEXTS = ("the stock market is", "he said the company", "in the first quarter", "<s> <s> <s> <s>")
 

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from paddle_cluster.runtime.layers import Embedding, Layer, Linear, ReLU, Tanh
+from paddle_cluster.train.layers import Embedding, Layer, Linear, ReLU, Tanh
 
 EMB_TABLE = "emb"
 

@@ -6,7 +6,7 @@ Writes into ``--out`` (default: ``data/`` next to this script, so ``--job_dispat
 trainers find it as ``--data data``):
 
 * ``train.txt-00000`` ... ``train.txt-<SPLIT_COUNT-1>``: line i of ptb.train.txt goes to shard
-  ``i % SPLIT_COUNT`` (``paddle_cluster.runtime.data.split_file``); trainer i reads shard i (see
+  ``i % SPLIT_COUNT`` (``paddle_cluster.train.data.split_file``); trainer i reads shard i (see
   ``imikolov.trainer_part`` when the trainer count differs);
 * ``word_dict.txt``: the vocabulary of the whole training text (``word<TAB>count``, line = id), so every
   trainer uses the same ids while reading only its own shard;
@@ -25,7 +25,7 @@ from typing import List, Optional
 
 import imikolov
 
-from paddle_cluster.runtime.data import split_file
+from paddle_cluster.train.data import split_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -19,9 +19,9 @@ import numpy as np
 from model import EMB_TABLE, NgramLM, perplexity, total_nll
 
 from paddle_cluster.contract import JobEnv
-from paddle_cluster.runtime import OptimizerSpec, PSClient, connect, load_dense
-from paddle_cluster.runtime.layers import dense_grads, dense_values, set_dense_values, zero_grads
-from paddle_cluster.runtime.metrics import MetricsWriter, write_final
+from paddle_cluster.ps import OptimizerSpec, PSClient, connect, load_dense
+from paddle_cluster.train.layers import dense_grads, dense_values, set_dense_values, zero_grads
+from paddle_cluster.train.metrics import MetricsWriter, write_final
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

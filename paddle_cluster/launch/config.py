@@ -81,7 +81,7 @@ class ClusterConfig:
     pservers_per_node: int = 1
     trainers_per_node: int = 1
     python: str = "python3"
-    pserver_command: str = "{python} -m paddle_cluster.pserver"
+    pserver_command: str = "{python} -m paddle_cluster.ps"
     trainer_command: str = "{python} train.py"
     env: Dict[str, str] = field(default_factory=dict)
     ssh_identity_file: Optional[str] = None

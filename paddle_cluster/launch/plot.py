@@ -42,7 +42,7 @@ def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
             merged.setdefault(trainer, []).extend(recs)
     if not any(merged.values()):
         raise ClusterError(f"job {job_name} has no metrics records (log/metrics.trainer*.jsonl) on any node; "
-                           "trainers write them with paddle_cluster.runtime.metrics.MetricsWriter")
+                           "trainers write them with paddle_cluster.train.metrics.MetricsWriter")
     return merged
 
 

@@ -1,4 +1,4 @@
-"""Run one pserver of a job: ``python -m paddle_cluster.pserver``.
+"""Run one pserver of a job: ``python -m paddle_cluster.ps``.
 
 Configured by the environment contract (``JobEnv.from_environ()``: endpoints, ports, trainer count,
 secret, job dir, barrier timeout, ``PADDLE_PSERVER_ID``) plus these optional variables / flags:
@@ -27,13 +27,13 @@ import signal
 import sys
 from typing import List, Optional
 
-from .contract import ContractError, JobEnv
+from ..contract import ContractError, JobEnv
 
-log = logging.getLogger("paddle_cluster.pserver")
+log = logging.getLogger("paddle_cluster.ps")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m paddle_cluster.pserver", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m paddle_cluster.ps", description=__doc__.split("\n")[0])
     ap.add_argument("--resume", default=None, help="default: PADDLE_RESUME")
     ap.add_argument("--checkpoint-dir", default=None, help="default: PADDLE_CHECKPOINT_DIR")
     ap.add_argument("--max-frame-bytes", type=int, default=int(os.environ.get("PADDLE_MAX_FRAME_BYTES") or (1 << 30)))
@@ -53,9 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         format=f"%(asctime)s pserver[{k}] %(levelname)s %(message)s")
 
     # Imported here so a bad contract is reported without paying for numpy.
-    from .runtime import checkpoint as ckpt
-    from .runtime.errors import CheckpointError
-    from .runtime.server import PServer
+    from . import checkpoint as ckpt
+    from .errors import CheckpointError
+    from .server import PServer
 
     resume = env.resume if args.resume is None else args.resume
     root = env.checkpoint_dir if args.checkpoint_dir is None else args.checkpoint_dir

@@ -28,7 +28,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 SHARD = "shard.npz"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
-log = logging.getLogger("paddle_cluster.pserver")
+log = logging.getLogger("paddle_cluster.ps")
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """A small Fluid-like API over the parameter-server runtime, so seed 003's quick start ports with few changes.
 
-There is no graph compiler: a ``Program`` wraps a model built from ``paddle_cluster.runtime.layers``, a loss
+There is no graph compiler: a ``Program`` wraps a model built from ``paddle_cluster.train.layers``, a loss
 layer and an optimizer, and running its trainer side does pull -> forward -> backward -> push per step.
-Node side: stdlib + numpy + ``paddle_cluster`` runtime modules only.
+Node side: stdlib + numpy + ``paddle_cluster.ps`` only.
 
 ==============================================  ================================================================
 Fluid (seed 003)                                here
 ==============================================  ================================================================
 ``fluid.layers.data`` / ``fc`` / ``mean(...)``  ``Program(model, loss, inputs="x", label="y")`` with the model a
-                                                ``runtime.layers`` layer (e.g. ``Linear``) and the loss a loss
+                                                ``train.layers`` layer (e.g. ``Linear``) and the loss a loss
                                                 layer (``SquareError`` is ``mean(square_error_cost(...))``)
 ``fluid.optimizer.SGD(lr).minimize(avg_loss)``  ``fluid.optimizer.SGD(lr).minimize(program)`` (also ``Momentum``,
                                                 ``Adagrad``, ``Adam``): an ``OptimizerSpec`` the pservers run
@@ -19,7 +19,7 @@ Fluid (seed 003)                                here
                                                 ``trainers``, ``sync_mode``); left out, they come from the
                                                 launcher's contract (``JobEnv.from_environ()``)
 ``get_pserver_program(ep)`` + ``exe.run``       serves pserver ``ep`` with the runtime's pserver entry point
-                                                (``paddle_cluster.pserver.main``) until every trainer closed
+                                                (``paddle_cluster.ps.__main__.main``) until every trainer closed
 ``get_trainer_program()`` + ``exe.run``         one synchronous or asynchronous PS step per call
 ``default_startup_program()``                   a no-op: trainer 0's initial values (or a resumed checkpoint)
                                                 initialise the pservers on the first step
@@ -42,11 +42,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .contract import PSERVER, ContractError, Endpoint, JobEnv
-from .runtime import checkpoint as ckpt
-from .runtime import layers as L
-from .runtime.client import PSClient, connect, load_dense
-from .runtime.optim import OptimizerSpec
+from ..contract import PSERVER, ContractError, Endpoint, JobEnv
+from ..ps import checkpoint as ckpt
+from ..ps.client import PSClient, connect, load_dense
+from ..ps.optim import OptimizerSpec
+from . import layers as L
 
 FETCHABLE = ("loss", "prediction")
 
@@ -223,7 +223,7 @@ class PServerProgram:
         self.pserver_id = pserver_id
 
     def serve(self) -> None:
-        from . import pserver
+        from ..ps import __main__ as pserver
 
         # The pserver entry point reads its contract from the environment; make it this program's.
         host = self.env.pservers[self.pserver_id].host

@@ -43,7 +43,7 @@ from .errors import (
 from .optim import OptimizerSpec, make_dense, make_sparse
 from .placement import init_rows
 
-log = logging.getLogger("paddle_cluster.pserver")
+log = logging.getLogger("paddle_cluster.ps")
 MODES = ("sync", "async")
 _HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"name"}
 # Optimizer passes run over chunks of this many bytes, so a chunk is still in cache for the next pass.

@@ -1,8 +1,8 @@
-"""The numpy parameter-server runtime (node side: stdlib + numpy only).
+"""The numpy parameter server and its client (node side: stdlib + numpy only).
 
 Native API::
 
-    from paddle_cluster.runtime import connect, OptimizerSpec
+    from paddle_cluster.ps import connect, OptimizerSpec
     ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
     params = ps.register_dense({"w": w0})
     ps.register_sparse("emb", width=32, init_scale=0.05, seed=1)
@@ -16,7 +16,7 @@ Native API::
 ``pull()`` returns the client's own buffers (valid until the next pull); ``pull_sparse`` returns one row
 per id in the shape ``ids.shape + (width,)``; ``push_sparse`` sums duplicate ids. In sync mode every step's
 ``push`` is a barrier across trainers; errors are typed (``BarrierTimeout`` names the missing trainers).
-A pserver is ``python -m paddle_cluster.pserver`` (see its docstring for the variables it reads).
+A pserver is ``python -m paddle_cluster.ps`` (see its docstring for the variables it reads).
 """
 
 from .client import CheckpointInfo, PSClient, PushHandle, connect, load_dense
@@ -33,9 +33,10 @@ from .errors import (
 )
 from .optim import OptimizerSpec
 from .placement import init_rows
+from .server import PServer
 
 __all__ = [
     "AuthError", "BarrierTimeout", "CheckpointError", "CheckpointInfo", "ConfigMismatch", "ConnectionLost",
-    "OptimizerSpec", "PSClient", "PSError", "ProtocolError", "PushHandle", "RemoteError", "UnknownKey", "connect",
-    "init_rows", "load_dense",
+    "OptimizerSpec", "PSClient", "PServer", "PSError", "ProtocolError", "PushHandle", "RemoteError", "UnknownKey",
+    "connect", "init_rows", "load_dense",
 ]

@@ -35,7 +35,7 @@ from .errors import AuthError, ConfigMismatch, ConnectionLost, PSError, UnknownK
 from .optim import OptimizerSpec
 from .placement import DEFAULT_MAX_BLOCK_BYTES, Block, place_dense, shard_of, sparse_conn
 
-log = logging.getLogger("paddle_cluster.runtime")
+log = logging.getLogger("paddle_cluster.ps")
 OptimizerLike = Union[OptimizerSpec, Mapping[str, Any], str, None]
 
 
@@ -661,7 +661,7 @@ def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optiona
         env = JobEnv.from_environ()
     if env is not None and env.role == PSERVER:
         raise ConfigMismatch("connect() is for trainers, but PADDLE_TRAINING_ROLE=PSERVER: run "
-                             "`python -m paddle_cluster.pserver` (or paddle_cluster.pserver.main()) instead")
+                             "`python -m paddle_cluster.ps` (or paddle_cluster.ps.__main__.main()) instead")
     local = None
     if env is None:
         from .server import PServer
