@@ -76,6 +76,25 @@ def test_shard_roundtrip_exact(tmp_path):
         ckpt.load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 2)
 
 
+@pytest.mark.timeout(30)
+def test_complete_steps_needs_every_named_shard_intact(tmp_path):
+    root = str(tmp_path)
+    for step in (2, 5, 9, 11):
+        for k in (0, 1):
+            ckpt.save_shard(ckpt.step_dir(root, step), ckpt.ShardState(step, k, 2, "sync", None))
+    os.makedirs(os.path.join(root, "step-x"))  # not a step directory: ignored
+    assert ckpt.complete_steps(root, [0, 1]) == [2, 5, 9, 11]
+    _flip_byte(os.path.join(root, "step-00000005", "pserver-1", "shard.npz"))  # corrupt
+    os.unlink(os.path.join(root, "step-00000009", "pserver-0", "manifest.json"))  # torn: the save never finished
+    os.unlink(os.path.join(root, "step-00000011", "pserver-1", "shard.npz"))  # a file the manifest names is gone
+    assert ckpt.complete_steps(root, [0, 1]) == [2]
+    assert ckpt.complete_steps(root, [0]) == [2, 5, 11]
+    assert ckpt.complete_steps(root, [1]) == [2, 9]
+    assert ckpt.complete_steps(root, [2]) == []  # no such pserver's shards
+    assert ckpt.complete_steps(root, []) == [2, 5, 9, 11]
+    assert ckpt.complete_steps(str(tmp_path / "nothing-here"), [0]) == []
+
+
 @pytest.mark.timeout(120)
 def test_resume_exact_then_corrupt_and_torn_checkpoints(tmp_path):
     env = H.make_env(2, 1, tmp_path)

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -140,6 +140,34 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _file_problem(d: str, fname: str, info: Mapping[str, Any]) -> Optional[str]:
+    """Why file ``fname`` of the shard in ``d`` does not match its manifest entry (None: it does)."""
+    path = os.path.join(d, fname)
+    if not os.path.exists(path):
+        return f"{fname} missing"
+    actual = _sha256(path)
+    if actual != info.get("sha256"):
+        return (f"{fname} checksum mismatch (sha256 {actual[:12]}..., manifest says "
+                f"{str(info.get('sha256'))[:12]}...)")
+    return None
+
+
+def shard_problem(d: str) -> Optional[str]:
+    """Why the shard in directory ``d`` is unusable (None: its manifest is there and every checksum matches)."""
+    try:
+        with open(os.path.join(d, MANIFEST), "rb") as f:
+            files = json.loads(f.read().decode("utf-8"))["files"]
+        for fname, info in files.items():
+            why = _file_problem(d, fname, info)
+            if why is not None:
+                return why
+    except FileNotFoundError as e:
+        return f"{os.path.basename(str(e.filename))} missing (save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable manifest ({e})"
+    return None
+
+
 def _arr_meta(a: np.ndarray) -> Dict[str, Any]:
     return {"shape": list(a.shape), "dtype": a.dtype.str}
 
@@ -207,13 +235,10 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
             f"checkpoint {d}: written by pserver {m.get('pserver_id')} of {m.get('n_pservers')}, "
             f"but this is pserver {pserver_id} of {n_pservers}")
     for fname, info in files.items():
-        p = os.path.join(d, fname)
-        if not os.path.exists(p):
-            raise CheckpointError(f"checkpoint {d}: {fname} missing; refusing it")
-        actual = _sha256(p)
-        if actual != info.get("sha256"):
-            raise CheckpointError(f"checkpoint {d}: {fname} checksum mismatch (sha256 {actual[:12]}..., "
-                                  f"manifest says {str(info.get('sha256'))[:12]}...): corrupt; refusing it")
+        why = _file_problem(d, fname, info)
+        if why is not None:
+            corrupt = "" if why.endswith("missing") else ": corrupt"
+            raise CheckpointError(f"checkpoint {d}: {why}{corrupt}; refusing it")
     try:
         arrays = load_npz(os.path.join(d, SHARD))
     except (OSError, ValueError) as e:
@@ -249,14 +274,24 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
     return ShardState(step, pserver_id, n_pservers, m.get("mode"), m.get("optimizer"), blocks, tables, path=d)
 
 
-def list_steps(root: str) -> List[str]:
-    """Step directories under ``root``, newest first."""
+def _steps(root: str) -> List[Tuple[int, str]]:
+    """(step, directory) of the step directories under ``root``, ascending."""
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    found = [(int(mt.group(1)), n) for n in names if (mt := _STEP_RE.match(n))]
-    return [os.path.join(root, n) for _, n in sorted(found, reverse=True)]
+    return sorted((int(mt.group(1)), os.path.join(root, n)) for n in names if (mt := _STEP_RE.match(n)))
+
+
+def list_steps(root: str) -> List[str]:
+    """Step directories under ``root``, newest first."""
+    return [d for _, d in reversed(_steps(root))]
+
+
+def complete_steps(root: str, pserver_ids: Sequence[int]) -> List[int]:
+    """The steps under ``root``, ascending, whose shards of every pserver in ``pserver_ids`` are complete
+    (manifest present, every sha256 matches). What a node can offer when the launcher picks a common step."""
+    return [s for s, d in _steps(root) if all(shard_problem(shard_dir(d, k)) is None for k in pserver_ids)]
 
 
 def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
@@ -274,17 +309,9 @@ def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
     for n in sorted(names):
         if not n.startswith("pserver-") or n == f"pserver-{pserver_id}":
             continue
-        d = os.path.join(step_path, n)
-        try:
-            with open(os.path.join(d, MANIFEST), "rb") as f:
-                files = json.loads(f.read().decode("utf-8"))["files"]
-            for fname, info in files.items():
-                if _sha256(os.path.join(d, fname)) != info["sha256"]:
-                    return f"{n}/{fname} checksum mismatch"
-        except FileNotFoundError as e:
-            return f"{n}: {os.path.basename(str(e.filename))} missing (save did not finish)"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            return f"{n}: unreadable manifest ({e})"
+        why = shard_problem(os.path.join(step_path, n))
+        if why is not None:
+            return f"{n}: {why}"
     return None
 
 
