@@ -1,4 +1,4 @@
-"""Shared fixtures: a real multi-host SSH cluster (see tests/sshcluster.py).
+"""Shared fixtures: a real multi-host SSH cluster (tests/sshcluster.py), Open MPI and Slurm on it (enginecluster.py).
 
 Only the cluster fixtures live here; put other fixtures in the test files that use them.
 """
@@ -6,9 +6,10 @@ Only the cluster fixtures live here; put other fixtures in the test files that u
 from __future__ import annotations
 
 import pytest
+from enginecluster import MPIEnv, SlurmCluster, mpi_unavailable_reason, slurm_unavailable_reason
 from sshcluster import SSHCluster, unavailable_reason
 
-_CLUSTER_FIXTURES = {"ssh_cluster", "make_ssh_cluster"}
+_CLUSTER_FIXTURES = {"ssh_cluster", "make_ssh_cluster", "mpi_env", "slurm_cluster"}
 
 
 def pytest_collection_modifyitems(items):
@@ -46,3 +47,26 @@ def make_ssh_cluster(tmp_path_factory):
     yield make
     for cluster in made:
         cluster.close()
+
+
+@pytest.fixture(scope="session")
+def mpi_env(request, tmp_path_factory) -> MPIEnv:
+    """Open MPI over the session's ``ssh_cluster`` (``mpi_env.cluster``): ``mpi_env.argv(cmd)``, ``env=mpi_env.env``.
+
+    Leave the hosts as you found them: no rank or child left (``mpi_env.cluster.pids(i) == []``).
+    """
+    reason = mpi_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return MPIEnv.for_cluster(request.getfixturevalue("ssh_cluster"), tmp_path_factory.mktemp("mpi"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm cluster on 3 hosts of its own, up once per session (~0.4 s); leave it quiet
+    (``slurm_cluster.wait_quiet()``: no job active, every node idle, no job process on any host)."""
+    reason = slurm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with SSHCluster(3, tmp_path_factory.mktemp("slurm_hosts")) as hosts, SlurmCluster(hosts) as slurm:
+        yield slurm
