@@ -217,6 +217,11 @@ class JobEnv:
         )
 
 
+def job_id_of(environ: Mapping[str, str]) -> str:
+    """The job id an environment carries ("" when none): how the node agent tells a job's processes apart."""
+    return environ.get("PADDLE_JOB_ID", "")
+
+
 def _int(env: Mapping[str, str], name: str) -> Optional[int]:
     text = env.get(name)
     if text is None or text == "":

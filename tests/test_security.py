@@ -275,7 +275,7 @@ def test_fuzz_unpack_sizes_are_capped(members, cap):
     import io
     import tarfile
 
-    from paddle_cluster.node.agent import UnsafeArchive, safe_extract
+    from paddle_cluster.node.unpack import UnsafeArchive, safe_extract
 
     with tempfile.TemporaryDirectory() as top:
         archive, dest = os.path.join(top, "a.tar"), os.path.join(top, "job")

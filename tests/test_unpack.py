@@ -1,4 +1,4 @@
-"""Unpacking a workspace on a node (agent.safe_extract) and packing one on the launcher (dispatch)."""
+"""Unpacking a workspace on a node (node.unpack.safe_extract) and packing one on the launcher (dispatch)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paddle_cluster.launch.dispatch import pack_library, pack_workspace
-from paddle_cluster.node.agent import UnsafeArchive, safe_extract
+from paddle_cluster.node.unpack import UnsafeArchive, safe_extract
 
 
 # -- building archives --------------------------------------------------------------------------------
@@ -138,14 +138,14 @@ def test_symlink_with_empty_target(box):
 
 
 def test_agent_unpack_command_reports_refusal_as_json(box):
-    """The launcher runs ``agent unpack``; a refusal is one JSON line with the reason, exit status 1."""
+    """``python -m paddle_cluster.node unpack`` answers a refusal with one JSON line (the reason), exit status 1."""
     import json
     import subprocess
     import sys
 
     archive = make_tar(box / "a.tar", [member("../evil")])
     dest = box / "sandbox" / "job"
-    res = subprocess.run([sys.executable, "-m", "paddle_cluster.node.agent", "unpack", "--archive", str(archive),
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster.node", "unpack", "--archive", str(archive),
                           "--dest", str(dest)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout.strip().splitlines()[-1])
@@ -327,7 +327,7 @@ def test_pack_workspace_hash_tracks_content(tmp_path):
 def test_pack_library_is_the_node_side_only(tmp_path):
     lib = pack_library(str(tmp_path))
     got = names(lib.path)
-    for needed in ("paddle_cluster/__init__.py", "paddle_cluster/node/agent.py", "paddle_cluster/contract.py"):
+    for needed in ("paddle_cluster/__init__.py", "paddle_cluster/node/__main__.py", "paddle_cluster/contract.py"):
         assert needed in got
     for room in ("ps", "train"):
         assert any(n.startswith(f"paddle_cluster/{room}/") and n.endswith(".py") for n in got), room
@@ -337,7 +337,7 @@ def test_pack_library_is_the_node_side_only(tmp_path):
     assert pack_library(str(tmp_path)).sha256 == lib.sha256
     # it installs with the agent's own safe extraction
     safe_extract(lib.path, str(tmp_path / "lib"))
-    assert (tmp_path / "lib" / "paddle_cluster" / "node" / "agent.py").is_file()
+    assert (tmp_path / "lib" / "paddle_cluster" / "node" / "__main__.py").is_file()
 
 
 def test_pack_workspace_reuses_the_cached_archive(tmp_path):

@@ -209,7 +209,7 @@ def lib_dir(node: Node, lib: Package) -> str:
 def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
     """The command line that runs the node agent from the installed library."""
     code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-            "from paddle_cluster.node.agent import main; sys.exit(main())")
+            "from paddle_cluster.node.__main__ import main; sys.exit(main())")
     return [node.cfg.python, "-c", code, lib_dir(node, lib), *args]
 
 

@@ -1,6 +1,6 @@
 """``paddle-cluster run``: dispatch, start pservers, wait until they listen, start trainers, stream, stop.
 
-One agent per node (``node/agent.py supervise``) owns that node's processes; this module talks to every
+One agent per node (``python -m paddle_cluster.node supervise``) owns that node's processes; this module talks to every
 agent over one command stream each, and whatever happens -- success, a failed process, a lost node,
 Ctrl+C -- the ``finally`` of ``run_job`` tells every agent to stop, and each agent stops on its own if the
 launcher disappears.

@@ -1,0 +1,64 @@
+"""``python -m paddle_cluster.node CMD``: what the launcher runs on a node (standard library only).
+
+Every sub-command prints one JSON document, except ``supervise``, which talks JSON lines both ways for the
+life of a job, and ``logs``, which prints log lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from . import jobdir, probe, supervisor, unpack
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("probe", help="this node's address on a NIC, free ports, Python, numpy, ROOT_DIR")
+    p.add_argument("--nic", required=True)
+    p.add_argument("--ports", default="")
+    p.add_argument("--root", required=True)
+    p = sub.add_parser("unpack", help="extract a workspace archive into a fresh job directory, safely")
+    p.add_argument("--archive", required=True)
+    p.add_argument("--dest", required=True)
+    p = sub.add_parser("supervise", help="run this node's share of a job (JSON lines on stdin/stdout)")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--orphan-timeout", type=float, default=20.0)
+    p.add_argument("--grace", type=float, default=5.0)
+    for name in ("kill", "status", "metrics"):
+        p = sub.add_parser(name)
+        p.add_argument("--job-dir", required=True)
+        p.add_argument("--grace", type=float, default=5.0)
+    p = sub.add_parser("logs")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--role", choices=("trainer", "pserver", "all"), default="all")
+    p.add_argument("-n", type=int, default=50)
+    p.add_argument("-f", "--follow", action="store_true")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    if a.cmd == "supervise":
+        return supervisor.supervise(a.job_dir, a.orphan_timeout, a.grace)
+    if a.cmd == "logs":
+        return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
+    if a.cmd == "probe":
+        doc = probe.probe(a.nic, [int(p) for p in a.ports.split(",") if p], a.root)
+    elif a.cmd == "unpack":
+        doc = unpack.unpack_report(a.archive, a.dest)
+    elif a.cmd == "kill":
+        doc = jobdir.kill(a.job_dir, a.grace)
+    elif a.cmd == "status":
+        doc = jobdir.status(a.job_dir)
+    else:
+        doc = jobdir.metrics(a.job_dir)
+    print(json.dumps(doc))
+    return 0 if doc.get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""What the ``kill``, ``status``, ``logs`` and ``metrics`` sub-commands read from a job directory on a node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List
+
+from . import procs
+
+
+def kill(job_dir: str, grace: float) -> Dict[str, Any]:
+    """Stop the job's agent (it stops its own children first), then any recorded process still alive."""
+    state = procs.load_records(job_dir)
+    if state is None:
+        return {"found": False, "stopped": []}
+    job_id = state["job_id"]
+    running = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
+    agent = state.get("agent", {})
+    pid, started = agent.get("pid", -1), agent.get("start_time")
+    if agent.get("pid") and procs.alive_as_recorded(pid, started):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace + 6
+        while time.monotonic() < deadline and procs.alive_as_recorded(pid, started):
+            time.sleep(0.05)
+    procs.signal_groups(state["procs"], job_id, grace)
+    if procs.alive_as_recorded(pid, started):
+        os.kill(pid, signal.SIGKILL)
+    left = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
+    return {"found": True, "stopped": running, "left": left}
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 4096))
+            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+        return lines[-1] if lines else ""
+    except OSError:
+        return ""
+
+
+def _progress(job_dir: str, name: str) -> str:
+    """A trainer's latest metrics record, e.g. ``pass 2 step 340 loss 0.5312``; "" when it has none."""
+    role, _, idx = name.partition(".")
+    if role != "trainer":
+        return ""
+    line = _last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl"))
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return ""
+    parts = [f"{k} {rec[k]:.4g}" if isinstance(rec.get(k), float) else f"{k} {rec[k]}"
+             for k in ("pass", "step", "loss") if k in rec]
+    return " ".join(parts)
+
+
+def _state_of(p: Dict[str, Any], job_id: str) -> str:
+    if procs.job_group_alive(p, job_id):
+        return "running"
+    if p.get("exit_code") is not None:
+        return f"exited {p['exit_code']}"
+    if p.get("signal") is not None:
+        return f"killed by {signal.Signals(p['signal']).name}"
+    return "gone"
+
+
+def status(job_dir: str) -> Dict[str, Any]:
+    state = procs.load_records(job_dir)
+    if state is None:
+        return {"found": False, "procs": []}
+    return {"found": True, "procs": [
+        {"name": p["name"], "role": p["role"], "pid": p["pid"], "state": _state_of(p, state["job_id"]),
+         "last_line": _last_line(p["log"]), "progress": _progress(job_dir, p["name"])} for p in state["procs"]]}
+
+
+def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
+    """Print the last ``n`` lines of the role's log files (tagged when there are several); then follow them."""
+    log_dir = os.path.join(job_dir, "log")
+    if not os.path.isdir(log_dir):
+        print(f"no log directory {log_dir}", file=sys.stderr)
+        return 1
+    prefixes = {"trainer": ("train",), "pserver": ("server",), "all": ("train", "server")}[role]
+    files = sorted(f for f in os.listdir(log_dir) if f.startswith(prefixes) and f.endswith(".log"))
+    if not files:
+        print(f"no {role} logs in {log_dir}", file=sys.stderr)
+        return 1
+    handles = []
+    for name in files:
+        f = open(os.path.join(log_dir, name), "rb")
+        lines = f.read().decode(errors="replace").splitlines()
+        tag = f"[{name}] " if len(files) > 1 else ""
+        for line in lines[-n:] if n > 0 else []:
+            print(tag + line)
+        handles.append((tag, f))
+    sys.stdout.flush()
+    if not follow:
+        return 0
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    partial = {id(f): b"" for _, f in handles}
+    while True:
+        got = False
+        for tag, f in handles:
+            chunk = f.read()
+            if chunk:
+                got = True
+                data = partial[id(f)] + chunk
+                *done, partial[id(f)] = data.split(b"\n")
+                for line in done:
+                    print(tag + line.decode(errors="replace"))
+        sys.stdout.flush()
+        if not got:
+            time.sleep(0.2)
+
+
+def metrics(job_dir: str) -> Dict[str, List[Any]]:
+    """Every trainer's metrics records on this node (torn lines skipped)."""
+    log_dir = os.path.join(job_dir, "log")
+    out: Dict[str, List[Any]] = {}
+    names = sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []
+    for name in names:
+        if name.startswith("metrics.trainer") and name.endswith(".jsonl"):
+            recs = []
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(rec, dict):
+                        recs.append(rec)
+            out[name[len("metrics."):-len(".jsonl")]] = recs
+    return out

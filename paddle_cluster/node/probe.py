@@ -1,0 +1,78 @@
+"""What a node offers a job: its interfaces and the NIC's address, free ports, Python, numpy, ROOT_DIR."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import struct
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+
+def interfaces() -> Dict[str, Optional[str]]:
+    """Every network interface and its IPv4 address (None when it has none)."""
+    out: Dict[str, Optional[str]] = {}
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                out[name] = socket.inet_ntoa(packed[20:24])
+            except OSError:
+                out[name] = None
+    finally:
+        s.close()
+    return out
+
+
+def port_free(addr: str, port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _root(path: str) -> Dict[str, Any]:
+    root: Dict[str, Any] = {"path": path}
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+        root["writable"] = True
+        root["free_bytes"] = shutil.disk_usage(path).free
+    except OSError as e:
+        root["writable"] = False
+        root["error"] = f"{e.strerror or e}"
+    return root
+
+
+def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
+    """The node's answer to the launcher's preflight, as one JSON-ready document."""
+    ifaces = interfaces()
+    addr = ifaces.get(nic)
+    try:
+        import numpy
+
+        numpy_version: Optional[str] = numpy.__version__
+    except Exception:
+        numpy_version = None
+    return {
+        "hostname": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "python_path": sys.executable,
+        "numpy": numpy_version,
+        "nic": nic,
+        "address": addr,
+        "interfaces": ifaces,
+        "ports_taken": [p for p in ports if addr and not port_free(addr, p)],
+        "root": _root(root),
+    }
