@@ -266,6 +266,12 @@ class DistributeTranspiler:
                   pservers: Optional[str] = None, trainers: Optional[int] = None, sync_mode: bool = True,
                   startup_program: Any = None) -> None:
         """Anything not given comes from the launcher's contract in the environment."""
+        self.env = self._job_env(trainer_id, pservers, trainers)
+        self.mode = "sync" if sync_mode else "async"
+        self._bind(program)
+
+    def _job_env(self, trainer_id: Optional[int], pservers: Optional[str], trainers: Optional[int]) -> JobEnv:
+        """The job the arguments describe, completed from the launcher's contract."""
         base = JobEnv.from_environ()
         eps = parse_endpoints(pservers) if pservers is not None else None
         if base is None and eps is None:
@@ -281,13 +287,15 @@ class DistributeTranspiler:
         if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < n_trainers):
             raise FluidError(f"trainer_id={tid!r}: expected an integer in [0, {n_trainers})")
         try:
-            self.env = dataclasses.replace(base, pservers=eps or base.pservers, trainers=n_trainers,
-                                           trainer_id=tid if base.role != PSERVER else None)
+            return dataclasses.replace(base, pservers=eps or base.pservers, trainers=n_trainers,
+                                       trainer_id=tid if base.role != PSERVER else None)
         except ContractError as e:
             raise FluidError(f"transpile(pservers={pservers!r}, trainers={trainers!r}): {e}") from None
+
+    def _bind(self, program: Optional[Program]) -> None:
+        """Like Fluid, transpiling rewrites the main program in place: running it is now a PS step."""
+        assert self.env is not None
         self.program = program if program is not None else default_main_program()
-        self.mode = "sync" if sync_mode else "async"
-        # Like Fluid, transpiling rewrites the main program in place: running it is now a PS step.
         old = self.program._origin._trainer
         if old is not None and old.client is not None and not old.closed:
             raise FluidError("this program is already training against pservers; exe.close() before transpiling "
