@@ -245,6 +245,26 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def init_flags(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The v2 ``PADDLE_INIT_<FLAG>`` variables as ``{"flag": value}``, the way ``paddle.init`` read them."""
+    env = os.environ if environ is None else environ
+    return {k[len("PADDLE_INIT_"):].lower(): v for k, v in env.items() if k.startswith("PADDLE_INIT_") and v != ""}
+
+
+def with_init_flags(flags: Mapping[str, object], environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """A copy of ``environ`` in which each ``paddle.init`` keyword replaces its ``PADDLE_INIT_<FLAG>``."""
+    env = dict(os.environ if environ is None else environ)
+    env.update({f"PADDLE_INIT_{k.upper()}": str(v) for k, v in flags.items()})
+    return env
+
+
+def dataset_home(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Where ``paddle.dataset`` readers cache their files: ``$PADDLE_DATA_HOME`` when set, else PaddlePaddle's
+    ``~/.cache/paddle/dataset`` (PaddlePaddle itself had no variable for it)."""
+    env = os.environ if environ is None else environ
+    return env.get("PADDLE_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "paddle", "dataset")
+
+
 def write_env_file(path: str, environ: Mapping[str, str]) -> None:
     """Write ``KEY=VALUE`` lines readable by the owner only (the secret is in them)."""
     for key, value in environ.items():  # check first, so a bad entry leaves no half-written file
