@@ -4,6 +4,9 @@ in-process pserver (real TCP), sparse tables, saving and loading, and errors tha
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,3 +230,13 @@ def test_errors_name_what_is_wrong(fresh_programs):
     with pytest.raises(NotInCompat, match="learning_rate="):
         fluid.optimizer.SGD(learning_rate=x)
     exe.close()
+
+
+def test_the_package_is_node_side_only():
+    """It is shipped to the nodes: importing all of it loads nothing of the launcher."""
+    code = ("import sys, paddle_cluster.compat.paddle as paddle, paddle_cluster.compat.paddle.fluid as fluid; "
+            "bad = [m for m in ('click', 'fabric', 'invoke', 'paramiko', 'rich', 'yaml', 'matplotlib', "
+            "'paddle_cluster.launch') if m in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

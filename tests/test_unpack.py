@@ -329,7 +329,7 @@ def test_pack_library_is_the_node_side_only(tmp_path):
     got = names(lib.path)
     for needed in ("paddle_cluster/__init__.py", "paddle_cluster/node/__main__.py", "paddle_cluster/contract.py"):
         assert needed in got
-    for room in ("ps", "train"):
+    for room in ("ps", "train", "compat"):
         assert any(n.startswith(f"paddle_cluster/{room}/") and n.endswith(".py") for n in got), room
     assert not any(n.startswith("paddle_cluster/launch") for n in got)
     assert "paddle_cluster/cli.py" not in got

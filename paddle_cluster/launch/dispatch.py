@@ -27,7 +27,7 @@ from .hosts import Node, fanout
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
 # The parts of paddle_cluster a node needs; the launcher (launch/, cli.py) stays behind.
-NODE_SIDE = ("__init__.py", "contract.py", "node", "ps", "train")
+NODE_SIDE = ("__init__.py", "contract.py", "node", "ps", "train", "compat")
 
 
 @dataclass(frozen=True)
