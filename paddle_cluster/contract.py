@@ -17,6 +17,9 @@ PSERVER = "PSERVER"
 TRAINER = "TRAINER"
 ROLES = (PSERVER, TRAINER)
 
+PORT_MAX = 65535
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+
 # Name of the owner-only file in ``<job dir>/.paddle_cluster/`` that holds the job-wide part of the
 # contract (never passed on a command line, where ``ps`` would show the secret).
 ENV_FILE = "env"
@@ -39,9 +42,17 @@ class Endpoint:
     @classmethod
     def parse(cls, text: str) -> Endpoint:
         host, sep, port = text.strip().rpartition(":")
-        if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-            raise ContractError(f"bad pserver endpoint {text!r}: expected HOST:PORT with a port in 1..65535")
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= PORT_MAX:
+            raise ContractError(f"bad endpoint {text.strip()!r}: expected HOST:PORT with a port in 1..{PORT_MAX}")
         return cls(host, int(port))
+
+
+def pserver_ports(first: int, ports_num: int, ports_num_for_sparse: int, index: int = 0) -> Tuple[int, ...]:
+    """The ports of the ``index``-th of pservers laid out back to back from port ``first``: each takes
+    ``ports_num`` dense ports, then ``ports_num_for_sparse`` sparse ones. The one port model of the job."""
+    per = ports_num + ports_num_for_sparse
+    base = first + index * per
+    return tuple(range(base, base + per))
 
 
 @dataclass(frozen=True)
@@ -90,17 +101,14 @@ class JobEnv:
         return self.ports_num + self.ports_num_for_sparse
 
     def dense_ports(self, k: int) -> Tuple[int, ...]:
-        base = self.pservers[k].port
-        return tuple(range(base, base + self.ports_num))
+        return self.all_ports(k)[: self.ports_num]
 
     def sparse_ports(self, k: int) -> Tuple[int, ...]:
         """Ports for sparse traffic; with no sparse ports configured, sparse shares the dense ones."""
-        base = self.pservers[k].port + self.ports_num
-        return tuple(range(base, base + self.ports_num_for_sparse)) or self.dense_ports(k)
+        return self.all_ports(k)[self.ports_num:] or self.dense_ports(k)
 
     def all_ports(self, k: int) -> Tuple[int, ...]:
-        base = self.pservers[k].port
-        return tuple(range(base, base + self.ports_per_pserver))
+        return pserver_ports(self.pservers[k].port, self.ports_num, self.ports_num_for_sparse)
 
     @property
     def current_endpoint(self) -> Optional[Endpoint]:
@@ -192,12 +200,8 @@ class JobEnv:
                     f"{eps_text}; set PADDLE_PSERVER_ID to say which one this is"
                 )
             pserver_id = matches[0]
-        trainers = _int(env, "PADDLE_TRAINERS")
-        if trainers is None:
-            trainers = _int(env, "PADDLE_INIT_NUM_GRADIENT_SERVERS")
-        trainer_id = _int(env, "PADDLE_TRAINER_ID")
-        if trainer_id is None:
-            trainer_id = _int(env, "PADDLE_INIT_TRAINER_ID")
+        trainers = _int(env, "PADDLE_TRAINERS", "PADDLE_INIT_NUM_GRADIENT_SERVERS")
+        trainer_id = _int(env, "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID")
         return cls(
             job_id=env.get("PADDLE_JOB_ID", "local"),
             pservers=pservers,
@@ -222,14 +226,51 @@ def job_id_of(environ: Mapping[str, str]) -> str:
     return environ.get("PADDLE_JOB_ID", "")
 
 
-def _int(env: Mapping[str, str], name: str) -> Optional[int]:
-    text = env.get(name)
-    if text is None or text == "":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ContractError(f"{name}={text!r}: expected an integer") from None
+@dataclass(frozen=True)
+class ProcessEnv:
+    """The variables a process reads that need no pserver endpoints: its job directory and trainer id (a
+    trainer's metrics files) and a pserver's frame cap and log level. Companion of ``JobEnv``."""
+
+    job_dir: str = ""
+    trainer_id: Optional[int] = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.trainer_id is not None and self.trainer_id < 0:
+            raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be 0 or more")
+        if self.max_frame_bytes < 1:
+            raise ContractError(f"PADDLE_MAX_FRAME_BYTES={self.max_frame_bytes}: must be a positive number of bytes")
+
+    def to_environ(self) -> Dict[str, str]:
+        env = {"PADDLE_JOB_DIR": self.job_dir, "PADDLE_MAX_FRAME_BYTES": str(self.max_frame_bytes),
+               "PADDLE_LOG_LEVEL": self.log_level}
+        if self.trainer_id is not None:
+            env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> ProcessEnv:
+        """From ``environ`` (default ``os.environ``); unset variables take their defaults."""
+        env = os.environ if environ is None else environ
+        frame = _int(env, "PADDLE_MAX_FRAME_BYTES")
+        return cls(job_dir=env.get("PADDLE_JOB_DIR", ""),
+                   trainer_id=_int(env, "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID"),
+                   max_frame_bytes=DEFAULT_MAX_FRAME_BYTES if frame is None else frame,
+                   log_level=env.get("PADDLE_LOG_LEVEL") or "INFO")
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    """The first of ``names`` that is set, as an integer; None if none is."""
+    for name in names:
+        text = env.get(name)
+        if text is None or text == "":
+            continue
+        try:
+            return int(text)
+        except ValueError:
+            raise ContractError(f"{name}={text!r}: expected an integer") from None
+    return None
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -16,6 +16,8 @@ from paddle_cluster.contract import (
     ContractError,
     Endpoint,
     JobEnv,
+    ProcessEnv,
+    pserver_ports,
     read_env_file,
     write_env_file,
 )
@@ -268,6 +270,36 @@ def test_config_and_contract_agree_on_the_port_layout():
     for k in range(3):
         assert env.all_ports(k) == cfg.pserver_ports(k)
     assert cfg.node_ports() == tuple(range(9000, 9009))
+
+
+def test_one_port_model():
+    assert pserver_ports(9000, 2, 1) == (9000, 9001, 9002)
+    assert pserver_ports(9000, 2, 1, index=2) == (9006, 9007, 9008)
+    assert pserver_ports(9000, 1, 0, index=3) == (9003,)
+
+
+# -- the process-local companion -------------------------------------------------------------------------
+def test_process_env_defaults_and_round_trip():
+    assert ProcessEnv.from_environ({}) == ProcessEnv()
+    assert ProcessEnv().max_frame_bytes == 1 << 30 and ProcessEnv().log_level == "INFO"
+    p = ProcessEnv(job_dir="/j", trainer_id=3, max_frame_bytes=4096, log_level="DEBUG")
+    assert ProcessEnv.from_environ(p.to_environ()) == p
+    # a trainer launched with the v2 names only
+    assert ProcessEnv.from_environ({"PADDLE_INIT_TRAINER_ID": "2"}).trainer_id == 2
+    # the job-wide contract and its companion agree on what they share
+    env = job().for_process(TRAINER, 3, "10.0.0.2").to_environ()
+    assert ProcessEnv.from_environ(env) == ProcessEnv(job_dir="/home/paddle/JOB1", trainer_id=3)
+
+
+@pytest.mark.parametrize("changes, name", [
+    ({"PADDLE_MAX_FRAME_BYTES": "big"}, "PADDLE_MAX_FRAME_BYTES"),
+    ({"PADDLE_MAX_FRAME_BYTES": "0"}, "PADDLE_MAX_FRAME_BYTES"),
+    ({"PADDLE_TRAINER_ID": "x"}, "PADDLE_TRAINER_ID"),
+    ({"PADDLE_TRAINER_ID": "-2"}, "PADDLE_TRAINER_ID"),
+])
+def test_process_env_bad_values_name_the_variable(changes, name):
+    with pytest.raises(ContractError, match=name):
+        ProcessEnv.from_environ(changes)
 
 
 def test_environment_doc_lists_every_variable():

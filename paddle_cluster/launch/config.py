@@ -61,8 +61,8 @@ class HostSpec:
             raise ConfigError("HOSTS", text, 'cannot parse this host; write it as "host", "user@host", '
                               '"user@host:port" or an alias from ~/.ssh/config', source)
         port = m.group("port")
-        if port is not None and not 1 <= int(port) <= 65535:
-            raise ConfigError("HOSTS", text, "the SSH port must be between 1 and 65535", source)
+        if port is not None and not 1 <= int(port) <= contract.PORT_MAX:
+            raise ConfigError("HOSTS", text, f"the SSH port must be between 1 and {contract.PORT_MAX}", source)
         return cls(text.strip(), m.group("host").strip("[]"), m.group("user"), int(port) if port else None)
 
 
@@ -100,14 +100,10 @@ class ClusterConfig:
     def is_builtin_default(self) -> bool:
         return self.source == BUILTIN_SOURCE
 
-    @property
-    def ports_per_pserver(self) -> int:
-        return self.paddle_ports_num + self.paddle_ports_num_for_sparse
-
     def pserver_ports(self, local_index: int) -> Tuple[int, ...]:
-        """Ports of the ``local_index``-th pserver on a node."""
-        base = self.paddle_port + local_index * self.ports_per_pserver
-        return tuple(range(base, base + self.ports_per_pserver))
+        """Ports of the ``local_index``-th pserver on a node (the contract's port model)."""
+        return contract.pserver_ports(self.paddle_port, self.paddle_ports_num, self.paddle_ports_num_for_sparse,
+                                      local_index)
 
     def node_ports(self) -> Tuple[int, ...]:
         return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
@@ -311,11 +307,11 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
         raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
     if cfg.trainers_per_node * len(cfg.hosts) < 1:
         raise ConfigError("TRAINERS_PER_NODE", cfg.trainers_per_node, "the job needs at least one trainer", source)
-    last = cfg.paddle_port + cfg.pservers_per_node * cfg.ports_per_pserver - 1
-    if not 1024 <= cfg.paddle_port or last > 65535:
+    last = cfg.node_ports()[-1]
+    if not 1024 <= cfg.paddle_port or last > contract.PORT_MAX:
         raise ConfigError("PADDLE_PORT", cfg.paddle_port,
                           f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie within "
-                          "1024..65535; choose a PADDLE_PORT such as 7164", source)
+                          f"1024..{contract.PORT_MAX}; choose a PADDLE_PORT such as 7164", source)
     for key in ("ssh_identity_file", "ssh_config_file"):
         path = getattr(cfg, key)
         if path and not os.path.isfile(path):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ..contract import JobEnv
+from ..contract import JobEnv, ProcessEnv
 from . import checkpoint as ckpt
 from . import protocol as P
 from .errors import (
@@ -1060,3 +1062,37 @@ class PServer:
             self.tables[ts.key] = t
         log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", self.pserver_id, shard.path,
                  shard.step, len(self.blocks), len(self.tables))
+
+
+def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
+    """Run pserver ``env.pserver_id`` until every trainer has closed or SIGTERM/SIGINT; returns the exit code
+    of ``python -m paddle_cluster.ps`` (0 done; 3 the requested checkpoint is unusable; 4 cannot listen)."""
+    k = env.pserver_id
+    if k is None:
+        raise ValueError("serve() needs the contract of one pserver (JobEnv.for_process(PSERVER, ...))")
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, proc.log_level.upper(), logging.INFO),
+                        format=f"%(asctime)s pserver[{k}] %(levelname)s %(message)s")
+    root = env.checkpoint_dir or ckpt.default_root(env.job_dir)
+    try:
+        shard = ckpt.resolve_resume(env.resume, root, k, len(env.pservers))
+    except (CheckpointError, ValueError) as e:
+        log.error("cannot resume (%s): %s", env.resume, e)
+        return 3
+    if env.resume and shard is None:
+        log.info("no checkpoint under %s; starting fresh", root)
+    server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes)
+    try:
+        server.start()
+    except OSError as e:
+        log.error("%s", e)
+        return 4
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"PSERVER_READY {k} {server.host} {','.join(map(str, server.ports))}", flush=True)
+    server.serve_forever()
+    return 0

@@ -19,7 +19,7 @@ Fluid (seed 003)                                here
                                                 ``trainers``, ``sync_mode``); left out, they come from the
                                                 launcher's contract (``JobEnv.from_environ()``)
 ``get_pserver_program(ep)`` + ``exe.run``       serves pserver ``ep`` with the runtime's pserver entry point
-                                                (``paddle_cluster.ps.__main__.main``) until every trainer closed
+                                                (``paddle_cluster.ps.server.serve``) until every trainer closed
 ``get_trainer_program()`` + ``exe.run``         one synchronous or asynchronous PS step per call
 ``default_startup_program()``                   a no-op: trainer 0's initial values (or a resumed checkpoint)
                                                 initialise the pservers on the first step
@@ -42,10 +42,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..contract import PSERVER, ContractError, Endpoint, JobEnv
+from ..contract import PSERVER, ContractError, Endpoint, JobEnv, ProcessEnv
 from ..ps import checkpoint as ckpt
 from ..ps.client import PSClient, connect, load_dense
 from ..ps.optim import OptimizerSpec
+from ..ps.server import serve
 from . import layers as L
 
 FETCHABLE = ("loss", "prediction")
@@ -223,12 +224,8 @@ class PServerProgram:
         self.pserver_id = pserver_id
 
     def serve(self) -> None:
-        from ..ps import __main__ as pserver
-
-        # The pserver entry point reads its contract from the environment; make it this program's.
         host = self.env.pservers[self.pserver_id].host
-        os.environ.update(self.env.for_process(PSERVER, self.pserver_id, host).to_environ())
-        code = pserver.main([])  # [] : never parse this script's own command line
+        code = serve(self.env.for_process(PSERVER, self.pserver_id, host), ProcessEnv.from_environ())
         if code:
             raise SystemExit(code)  # the entry point's documented exit codes; it has logged why
 
@@ -244,9 +241,8 @@ def parse_endpoints(text: str) -> Tuple[Endpoint, ...]:
     for item in text.split(","):
         try:
             ep = Endpoint.parse(item)
-        except ContractError:
-            raise FluidError(f"pservers={text!r}: bad endpoint {item.strip()!r}: expected HOST:PORT with a port "
-                             "in 1..65535") from None
+        except ContractError as e:
+            raise FluidError(f"pservers={text!r}: {e}") from None
         if ep in out:
             raise FluidError(f"pservers={text!r}: endpoint {str(ep)!r} is listed twice (several pservers on one "
                              "host need different ports: use $PADDLE_PSERVER_ENDPOINTS from the launcher)")

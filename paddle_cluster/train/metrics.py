@@ -15,15 +15,16 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO, Tuple
+
+from ..contract import ProcessEnv
 
 RESERVED = ("pass", "step", "loss", "samples_per_s", "time", "trainer")
 _FILE_RE = re.compile(r"metrics\.trainer(\d+)\.jsonl$")
 
 
-def default_log_dir(environ: Optional[Dict[str, str]] = None) -> str:
-    env = os.environ if environ is None else environ
-    job_dir = env.get("PADDLE_JOB_DIR")
+def default_log_dir(environ: Optional[Mapping[str, str]] = None) -> str:
+    job_dir = ProcessEnv.from_environ(environ).job_dir
     return os.path.join(job_dir, "log") if job_dir else "log"
 
 
@@ -50,8 +51,7 @@ class MetricsWriter:
         clock: Callable[[], float] = time.time,
     ) -> None:
         if trainer_id is None:
-            text = os.environ.get("PADDLE_TRAINER_ID") or os.environ.get("PADDLE_INIT_TRAINER_ID") or "0"
-            trainer_id = int(text)
+            trainer_id = ProcessEnv.from_environ().trainer_id or 0
         self.trainer_id = int(trainer_id)
         self.path = metrics_path(log_dir or default_log_dir(), self.trainer_id)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
