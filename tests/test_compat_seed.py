@@ -118,7 +118,8 @@ role = os.getenv("PADDLE_TRAINING_ROLE")
 prog = fluid.default_main_program()
 if role:
     t = fluid.DistributeTranspiler()
-    t.transpile(trainer_id=int(os.getenv("PADDLE_TRAINER_ID", "0")))  # pservers and trainers: the launcher's
+    # pservers and trainers from the launcher's contract
+    t.transpile(trainer_id=int(os.getenv("PADDLE_TRAINER_ID", "0")), sync_mode=os.getenv("MODE") != "async")
     if role == "PSERVER":
         exe.run(t.get_pserver_program(os.getenv("PADDLE_CURRENT_ENDPOINT")))
         raise SystemExit(0)
@@ -141,3 +142,11 @@ def test_distributed_sparse_embedding_over_2_pservers_matches_single_process(tmp
     assert len(got) == 80 and got[-1][2] < got[0][2] * 0.9
     for out in dist:
         assert [v for *_, v in losses(out)] == [v for *_, v in got]
+
+
+def test_async_mode_trains_the_distributed_embedding(tmp_path):
+    script = tmp_path / "sparse.py"
+    script.write_text(SPARSE)
+    for out in run_job(tmp_path, script, 2, 2, seeded=False, extra={"MODE": "async"}):
+        got = [v for *_, v in losses(out)]
+        assert len(got) == 80 and sum(got[-10:]) < 0.8 * sum(got[:10]), got

@@ -3,9 +3,10 @@
 A training run of a program with a loss and an optimizer is one parameter-server step: pull the dense
 parameters, fetch the rows the batch's ids need from each sparse table (one request per table), run the
 operators forward and backward, push the row gradients and the dense gradients. A transpiled program talks to
-its job's pservers; one that was never transpiled trains against an in-process pserver (``ps.connect()`` with
-no contract), so a single-process script runs the same code. Anything else (a ``clone(for_test=True)``, a
-program without ``minimize``) runs forward only, with the newest parameters when connected.
+its job's pservers; one that was never transpiled trains against the pservers ``ps.connect()`` finds: the
+launcher's when its contract is in the environment, else an in-process one, so a single-process script runs the
+same code. Anything else (a ``clone(for_test=True)``, a program without ``minimize``) runs forward only, with the
+newest parameters when connected.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ class Executor(Strict):
         self._sessions: List[Session] = []
 
     def _session(self, origin: F.Program) -> Session:
-        if origin.session is None:  # never transpiled: an in-process pserver (or the launcher's, see above)
+        if origin.session is None:  # never transpiled: whatever ps.connect() finds (see the module docstring)
             origin.session = Session(origin, None, "sync")
         if origin.session not in self._sessions:
             self._sessions.append(origin.session)

@@ -138,9 +138,8 @@ class Program(Strict):
         self.optimizer: Any = None
         self.for_test = False
         self.origin: Program = self
-        # Set on the origin by the Executor / transpiler: the connection to the pservers.
+        # Set on the origin by the Executor or the transpiler: the connection to the pservers.
         self.session: Any = None
-        self.transpiled: Any = None
         # A startup program: the main programs whose parameters running it initialises.
         self.startup_of: List[Program] = []
 

@@ -67,7 +67,10 @@ save_params = save_persistables
 
 def load_persistables(executor: Any, dirname: str, main_program: Optional[F.Program] = None,
                       filename: Optional[str] = None) -> None:
-    """Load what ``save_persistables`` wrote into the program's parameters (a sparse table becomes local)."""
+    """Load what ``save_persistables`` wrote into the program's parameters.
+
+    A sparse table becomes a local, dense one: right for inference and evaluation. To resume training with the
+    tables on the pservers, resume from the pservers' checkpoints (docs/checkpoints.md)."""
     program = main_program if main_program is not None else F.default_main_program()
     values = ckpt.load_npz(_path(dirname, filename))
     missing = [p.name for p in program.all_parameters() if p.name not in values]

@@ -43,4 +43,3 @@ class DistributeTranspiler(TF.DistributeTranspiler, Strict):
                              "again")
         self.program = prog  # type: ignore[assignment]
         origin.session = Session(origin, dataclasses.replace(self.env, role=None, pserver_id=None), self.mode)
-        origin.transpiled = True
