@@ -8,9 +8,12 @@ Formulas (``g`` is the gradient plus ``weight_decay * param`` when weight decay 
 * adam:     ``t += 1; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
   param -= lr * m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m / (1-b1^t)``, ``v_hat = v / (1-b2^t)``
 
-Sparse optimizers are lazy: only the rows named in ``idx`` change, and Adam counts steps per row, so a row
-seen for the first time gets a full bias correction no matter how old the table is. ``spec.lr`` is read on
-every ``apply`` so a server can change the learning rate while running.
+Each optimizer is ONE update function (``UPDATES``) over a parameter, its gradient and its state slots;
+the dense form applies it to a whole array, the sparse form to the rows named in ``idx`` (gathered,
+updated, scattered back), so both round exactly alike. Sparse optimizers are lazy: only those rows change,
+and Adam counts steps per row, so a row seen for the first time gets a full bias correction no matter how
+old the table is. ``spec.lr`` is read on every ``apply`` so a server can change the learning rate while
+running.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -65,6 +68,105 @@ class OptimizerSpec:
         return cls(**dict(d))
 
 
+# -- one update per optimizer ------------------------------------------------------------------------
+# Optimizer passes run over chunks of this many bytes of float32, so a chunk is still in cache for the next pass.
+CHUNK_ELEMS = (256 << 10) // 4
+
+
+def sgd(param: np.ndarray, grad: np.ndarray, lr: float, *, out: Optional[np.ndarray] = None,
+        plus: Optional[np.ndarray] = None, n: int = 1) -> None:
+    """``param -= lr * (grad + plus) / n`` in one pass per cache-sized chunk.
+
+    ``out`` (shaped like ``param``) takes the intermediate step; by default ``grad`` does, i.e. it is
+    overwritten. ``plus`` adds one more gradient in the same pass and ``n`` averages the sum, so the last of
+    several contributions is summed, averaged and applied while each chunk is in cache. Rounding is that
+    of ``param -= lr * g`` with ``g = (grad + plus) / n``, whatever the chunking."""
+    out = grad if out is None else out
+    if not all(a.flags.c_contiguous for a in (param, grad, out) + (() if plus is None else (plus,))):
+        _sgd_pass(param, grad, out, plus, lr, n)  # a strided view: flattening would copy and lose the update
+        return
+    pf, gf, of = param.reshape(-1), grad.reshape(-1), out.reshape(-1)
+    xf = None if plus is None else plus.reshape(-1)
+    for lo in range(0, pf.size, CHUNK_ELEMS):
+        hi = lo + CHUNK_ELEMS
+        _sgd_pass(pf[lo:hi], gf[lo:hi], of[lo:hi], None if xf is None else xf[lo:hi], lr, n)
+
+
+def _sgd_pass(p: np.ndarray, g: np.ndarray, c: np.ndarray, x: Optional[np.ndarray], lr: float, n: int) -> None:
+    f = p.dtype.type
+    if x is not None:
+        np.add(g, x, out=c)
+        g = c
+    if n > 1:
+        np.divide(g, f(n), out=c)
+        g = c
+    np.multiply(g, f(lr), out=c)
+    p -= c
+
+
+def _sgd(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
+         t: Any) -> None:
+    sgd(p, g, s.lr, out=buf)
+
+
+def _momentum(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
+              t: Any) -> None:
+    f, v = p.dtype.type, st["v"]
+    v *= f(s.momentum)
+    v += g
+    np.multiply(v, f(s.lr), out=buf)
+    p -= buf
+
+
+def _adagrad(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
+             t: Any) -> None:
+    f, m = p.dtype.type, st["m"]
+    np.multiply(g, g, out=buf)
+    m += buf
+    np.sqrt(m, out=buf)
+    buf += f(s.eps)
+    np.divide(g, buf, out=buf)
+    buf *= f(s.lr)
+    p -= buf
+
+
+def _adam(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
+          t: Any) -> None:
+    """``t``: the step count, a float (dense) or one per row as a float64 column (sparse)."""
+    f, m, v = p.dtype.type, st["m"], st["v"]
+    step, eps_hat = _adam_scalars(s, t)
+    step, eps_hat = np.asarray(step).astype(p.dtype), np.asarray(eps_hat).astype(p.dtype)
+    m *= f(s.beta1)
+    np.multiply(g, f(1.0 - s.beta1), out=buf)
+    m += buf
+    v *= f(s.beta2)
+    np.multiply(g, g, out=buf)
+    buf *= f(1.0 - s.beta2)
+    v += buf
+    np.sqrt(v, out=buf)
+    buf += eps_hat
+    np.divide(m, buf, out=buf)
+    buf *= step
+    p -= buf
+
+
+def _adam_scalars(s: OptimizerSpec, t: Any) -> Tuple[Any, Any]:
+    """Bias correction folded into the step size: m_hat/(sqrt(v_hat)+eps) == step * m/(sqrt(v)+eps_hat)."""
+    bc1 = 1.0 - np.power(s.beta1, t)
+    root_bc2 = np.sqrt(1.0 - np.power(s.beta2, t))
+    return s.lr * root_bc2 / bc1, s.eps * root_bc2
+
+
+Update = Callable[[OptimizerSpec, np.ndarray, np.ndarray, Dict[str, np.ndarray], np.ndarray, Any], None]
+# name -> (its update, its state slots shaped like the parameter, whether it counts steps in slot "t")
+UPDATES: Dict[str, Tuple[Update, Tuple[str, ...], bool]] = {
+    "sgd": (_sgd, (), False),
+    "momentum": (_momentum, ("v",), False),
+    "adagrad": (_adagrad, ("m",), False),
+    "adam": (_adam, ("m", "v"), True),
+}
+
+
 # -- dense ---------------------------------------------------------------------------------------------
 
 
@@ -75,10 +177,13 @@ class DenseOptimizer:
         self.spec = spec
         self.dtype = param.dtype
         self.shape = param.shape
-        self.state: Dict[str, np.ndarray] = {}
+        self._update, slots, counts = UPDATES[spec.name]
+        self.state: Dict[str, np.ndarray] = {k: np.zeros(param.shape, dtype=param.dtype) for k in slots}
+        if counts:
+            self.state["t"] = np.zeros((1,), dtype=np.int64)
         # Scratch buffers reused across calls so a step allocates nothing of the parameter's size.
         self._buf = np.empty(param.shape, dtype=param.dtype)
-        self._gbuf = None
+        self._gbuf: Optional[np.ndarray] = None
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
         """Copy a checkpointed state into this optimizer (same names and shapes)."""
@@ -90,101 +195,26 @@ class DenseOptimizer:
                 raise ValueError(f"optimizer state {k!r} has shape {np.shape(v)}, expected {want}")
             self.state[k][...] = v
 
-    def _grad(self, param: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
         if param.shape != self.shape or grad.shape != self.shape:
             raise ValueError(f"param {param.shape} / grad {grad.shape} do not match {self.shape}")
-        grad = np.asarray(grad, dtype=self.dtype)
-        if self.spec.weight_decay == 0:
-            return grad
-        if self._gbuf is None:
-            self._gbuf = np.empty(self.shape, dtype=self.dtype)
-        np.multiply(param, self.dtype.type(self.spec.weight_decay), out=self._gbuf)
-        self._gbuf += grad
-        return self._gbuf
-
-    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
-        raise NotImplementedError
-
-
-class DenseSGD(DenseOptimizer):
-    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(param, grad)
-        # Same rounding as ``param -= lr * grad`` (lr cast to the param dtype, one multiply, one subtract).
-        np.multiply(g, self.dtype.type(self.spec.lr), out=self._buf)
-        param -= self._buf
-
-
-class DenseMomentum(DenseOptimizer):
-    def __init__(self, spec: OptimizerSpec, param: np.ndarray) -> None:
-        super().__init__(spec, param)
-        self.state["v"] = np.zeros(param.shape, dtype=param.dtype)
-
-    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(param, grad)
-        v = self.state["v"]
-        v *= self.dtype.type(self.spec.momentum)
-        v += g
-        np.multiply(v, self.dtype.type(self.spec.lr), out=self._buf)
-        param -= self._buf
-
-
-class DenseAdagrad(DenseOptimizer):
-    def __init__(self, spec: OptimizerSpec, param: np.ndarray) -> None:
-        super().__init__(spec, param)
-        self.state["m"] = np.zeros(param.shape, dtype=param.dtype)
-
-    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(param, grad)
-        m, buf = self.state["m"], self._buf
-        np.multiply(g, g, out=buf)
-        m += buf
-        np.sqrt(m, out=buf)
-        buf += self.dtype.type(self.spec.eps)
-        np.divide(g, buf, out=buf)
-        buf *= self.dtype.type(self.spec.lr)
-        param -= buf
-
-
-class DenseAdam(DenseOptimizer):
-    def __init__(self, spec: OptimizerSpec, param: np.ndarray) -> None:
-        super().__init__(spec, param)
-        self.state["m"] = np.zeros(param.shape, dtype=param.dtype)
-        self.state["v"] = np.zeros(param.shape, dtype=param.dtype)
-        self.state["t"] = np.zeros((1,), dtype=np.int64)
-
-    def apply(self, param: np.ndarray, grad: np.ndarray) -> None:
-        g = self._grad(param, grad)
-        s, m, v, t = self.spec, self.state["m"], self.state["v"], self.state["t"]
-        buf, f = self._buf, self.dtype.type
-        t += 1
-        step, eps_hat = _adam_scalars(s, float(t[0]))
-        m *= f(s.beta1)
-        np.multiply(g, f(1.0 - s.beta1), out=buf)
-        m += buf
-        v *= f(s.beta2)
-        np.multiply(g, g, out=buf)
-        buf *= f(1.0 - s.beta2)
-        v += buf
-        np.sqrt(v, out=buf)
-        buf += f(eps_hat)
-        np.divide(m, buf, out=buf)
-        buf *= f(step)
-        param -= buf
-
-
-def _adam_scalars(s: OptimizerSpec, t: Any) -> Tuple[Any, Any]:
-    """Bias correction folded into the step size: m_hat/(sqrt(v_hat)+eps) == step * m/(sqrt(v)+eps_hat)."""
-    bc1 = 1.0 - np.power(s.beta1, t)
-    root_bc2 = np.sqrt(1.0 - np.power(s.beta2, t))
-    return s.lr * root_bc2 / bc1, s.eps * root_bc2
-
-
-_DENSE = {"sgd": DenseSGD, "momentum": DenseMomentum, "adagrad": DenseAdagrad, "adam": DenseAdam}
+        g = np.asarray(grad, dtype=self.dtype)
+        if self.spec.weight_decay:
+            if self._gbuf is None:
+                self._gbuf = np.empty(self.shape, dtype=self.dtype)
+            np.multiply(param, self.dtype.type(self.spec.weight_decay), out=self._gbuf)
+            self._gbuf += g
+            g = self._gbuf
+        t = None
+        if "t" in self.state:
+            self.state["t"] += 1
+            t = float(self.state["t"][0])
+        self._update(self.spec, param, g, self.state, self._buf, t)
 
 
 def make_dense(spec: OptimizerSpec, param: np.ndarray) -> DenseOptimizer:
     """The dense optimizer ``spec`` names, with zeroed state shaped like ``param``."""
-    return _DENSE[spec.name](spec, param)
+    return DenseOptimizer(spec, param)
 
 
 # -- sparse --------------------------------------------------------------------------------------------
@@ -193,13 +223,14 @@ def make_dense(spec: OptimizerSpec, param: np.ndarray) -> DenseOptimizer:
 class SparseOptimizer:
     """Row-wise (lazy) table update; per-row state lives in caller-owned arrays described by row_slots."""
 
-    row_slots: Dict[str, Tuple[Tuple[int, ...], np.dtype]]
-
     def __init__(self, spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> None:
         self.spec = spec
         self.width = int(width)
         self.dtype = np.dtype(dtype)
-        self.row_slots = {}
+        self._update, slots, counts = UPDATES[spec.name]
+        self.row_slots: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {k: ((self.width,), self.dtype) for k in slots}
+        if counts:
+            self.row_slots["t"] = ((), np.dtype(np.int64))
 
     def new_state(self, capacity: int) -> Dict[str, np.ndarray]:
         """Zeroed per-row state for a table of ``capacity`` rows (a convenience for callers and tests)."""
@@ -220,114 +251,24 @@ class SparseOptimizer:
                 raise ValueError("row positions must be unique (sum duplicate rows' gradients first)")
         return idx, grad
 
-    def _grad(self, rows: np.ndarray, grad: np.ndarray) -> np.ndarray:
-        if self.spec.weight_decay == 0:
-            return grad
-        return grad + self.dtype.type(self.spec.weight_decay) * rows
-
-    def apply(
-        self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray
-    ) -> None:
+    def apply(self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray) -> None:
         """Update ``table[idx]`` and its state rows; ``idx`` must be unique, in-range row positions."""
-        raise NotImplementedError
-
-
-class SparseSGD(SparseOptimizer):
-    def apply(self, table, state, idx, grad) -> None:
         idx, grad = self._check(table, idx, grad)
         if len(idx) == 0:
             return
         rows = table[idx]
-        g = self._grad(rows, grad)
-        # Same rounding as the dense SGD on the same rows.
-        rows -= self.dtype.type(self.spec.lr) * g
+        g = grad + self.dtype.type(self.spec.weight_decay) * rows if self.spec.weight_decay else grad
+        st = {k: state[k][idx] for k in self.row_slots}
+        t = None
+        if "t" in st:
+            st["t"] += 1
+            t = st["t"].astype(np.float64)[:, None]  # each row's own step count, in float64 like the dense path
+        self._update(self.spec, rows, g, st, np.empty_like(rows), t)
         table[idx] = rows
-
-
-class SparseMomentum(SparseOptimizer):
-    def __init__(self, spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> None:
-        super().__init__(spec, width, dtype)
-        self.row_slots = {"v": ((self.width,), self.dtype)}
-
-    def apply(self, table, state, idx, grad) -> None:
-        idx, grad = self._check(table, idx, grad)
-        if len(idx) == 0:
-            return
-        f = self.dtype.type
-        rows = table[idx]
-        g = self._grad(rows, grad)
-        v = state["v"][idx]
-        v *= f(self.spec.momentum)
-        v += g
-        state["v"][idx] = v
-        rows -= f(self.spec.lr) * v
-        table[idx] = rows
-
-
-class SparseAdagrad(SparseOptimizer):
-    def __init__(self, spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> None:
-        super().__init__(spec, width, dtype)
-        self.row_slots = {"m": ((self.width,), self.dtype)}
-
-    def apply(self, table, state, idx, grad) -> None:
-        idx, grad = self._check(table, idx, grad)
-        if len(idx) == 0:
-            return
-        f = self.dtype.type
-        rows = table[idx]
-        g = self._grad(rows, grad)
-        m = state["m"][idx]
-        m += g * g
-        state["m"][idx] = m
-        denom = np.sqrt(m)
-        denom += f(self.spec.eps)
-        np.divide(g, denom, out=denom)
-        denom *= f(self.spec.lr)
-        rows -= denom
-        table[idx] = rows
-
-
-class SparseAdam(SparseOptimizer):
-    def __init__(self, spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> None:
-        super().__init__(spec, width, dtype)
-        self.row_slots = {
-            "m": ((self.width,), self.dtype),
-            "v": ((self.width,), self.dtype),
-            "t": ((), np.dtype(np.int64)),
-        }
-
-    def apply(self, table, state, idx, grad) -> None:
-        idx, grad = self._check(table, idx, grad)
-        if len(idx) == 0:
-            return
-        s, f = self.spec, self.dtype.type
-        rows = table[idx]
-        g = self._grad(rows, grad)
-        t = state["t"][idx] + 1
-        state["t"][idx] = t
-        # Per-row bias correction from each row's own step count, computed in float64 like the dense path.
-        step, eps_hat = _adam_scalars(s, t.astype(np.float64))
-        m = state["m"][idx]
-        m *= f(s.beta1)
-        m += f(1.0 - s.beta1) * g
-        state["m"][idx] = m
-        v = state["v"][idx]
-        v *= f(s.beta2)
-        v += f(1.0 - s.beta2) * (g * g)
-        state["v"][idx] = v
-        denom = np.sqrt(v)
-        denom += eps_hat.astype(self.dtype)[:, None]
-        np.divide(m, denom, out=denom)
-        denom *= step.astype(self.dtype)[:, None]
-        rows -= denom
-        table[idx] = rows
-
-
-_SPARSE = {"sgd": SparseSGD, "momentum": SparseMomentum, "adagrad": SparseAdagrad, "adam": SparseAdam}
+        for k, a in st.items():
+            state[k][idx] = a
 
 
 def make_sparse(spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> SparseOptimizer:
     """The row-wise optimizer ``spec`` names for a table of rows of ``width`` values."""
-    if spec.name not in _SPARSE:
-        raise ValueError(f"optimizer {spec.name!r} has no sparse form: expected one of {', '.join(_SPARSE)}")
-    return _SPARSE[spec.name](spec, width, dtype)
+    return SparseOptimizer(spec, width, dtype)
