@@ -6,7 +6,9 @@ shapes, dtypes, sha256 of the shard file) is written the same way and LAST, so a
 manifest is by definition incomplete. Loading verifies the manifest and the checksum before touching
 any state, so a torn or corrupt checkpoint is refused whole, never half-loaded.
 
-Arrays are stored with ``np.savez`` and loaded with ``allow_pickle=False``.
+Arrays are stored with ``np.savez`` and loaded with ``allow_pickle=False``. ``snapshot`` and ``restore``
+convert between a pserver's live shards and a ``ShardState``; ``complete_steps`` answers, for the launcher,
+which steps a node holds complete.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import CheckpointError
+from .optim import OptimizerSpec
+from .shards import DenseBlock, Shard, TableShard
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -71,6 +75,58 @@ class ShardState:
     blocks: List[BlockState] = field(default_factory=list)
     tables: List[TableState] = field(default_factory=list)
     path: str = ""
+
+
+def snapshot(step: int, pserver_id: int, n_pservers: int, mode: Optional[str], optimizer: Optional[Dict[str, Any]],
+             blocks: Iterable[DenseBlock], tables: Iterable[TableShard],
+             spec_at: Callable[[Shard, int], Dict[str, Any]]) -> ShardState:
+    """A copy of the live shards of one pserver, for ``step`` (the caller keeps optimizer applies out)."""
+    block_states = [
+        BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
+                   {"declared": b.declared, "current": spec_at(b, step)}, b.step, b.param.copy(),
+                   {k: v.copy() for k, v in b.opt.state.items()})
+        for b in blocks
+    ]
+    table_states = [
+        TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
+                   {"declared": t.declared, "current": spec_at(t, step)}, t.step, t.keys.copy(), t.table[t.pos],
+                   {k: v[t.pos] for k, v in t.state.items()})
+        for t in tables
+    ]
+    return ShardState(step, pserver_id, n_pservers, mode, optimizer, block_states, table_states)
+
+
+def restore(shard: ShardState) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
+    """The live shards a loaded checkpoint describes."""
+    blocks: Dict[int, DenseBlock] = {}
+    tables: Dict[int, TableShard] = {}
+    for bs in shard.blocks:
+        meta = {"name": bs.name, "lo": bs.lo, "hi": bs.hi, "shape": list(bs.param.shape), "dtype": bs.dtype}
+        b = DenseBlock(bs.key, meta, OptimizerSpec.from_dict(bs.spec["current"]), bs.spec["declared"], bs.step)
+        b.param[...] = bs.param
+        try:
+            b.opt.load_state(bs.opt_state)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {shard.path}: {b.describe()}: {e}") from None
+        b.initialized = True
+        blocks[bs.key] = b
+    for ts in shard.tables:
+        meta = {"name": ts.name, "width": ts.width, "dtype": ts.dtype, "init_scale": ts.init_scale, "seed": ts.seed}
+        t = TableShard(ts.key, meta, OptimizerSpec.from_dict(ts.spec["current"]), ts.spec["declared"], ts.step,
+                       shard.pserver_id, shard.n_pservers)
+        n = len(ts.ids)
+        t.grow(n)
+        t.table[:n] = ts.rows
+        if set(ts.slots) != set(t.state):
+            raise CheckpointError(f"checkpoint {shard.path}: {t.describe()} has optimizer slots "
+                                  f"{sorted(ts.slots)}, expected {sorted(t.state)}")
+        for k, v in ts.slots.items():
+            t.state[k][:n] = v
+        t.keys = np.asarray(ts.ids, dtype=np.int64).copy()
+        t.pos = np.arange(n, dtype=np.int64)
+        t.n = n
+        tables[ts.key] = t
+    return blocks, tables
 
 
 def default_root(job_dir: str = "") -> str:

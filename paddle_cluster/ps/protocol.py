@@ -140,6 +140,12 @@ def unpack_header(buf: Any, max_frame: int = DEFAULT_MAX_FRAME_BYTES) -> Header:
     return Header(op, dtype, status, trainer, key, step, length, aux)
 
 
+def expect_length(h: Header, want: int, what: str) -> None:
+    """Refuse a frame whose payload is not the ``want`` bytes its request needs (``what`` names it)."""
+    if h.length != want:
+        raise ProtocolError(f"{what} expects {want} payload bytes, frame has {h.length}")
+
+
 # -- socket I/O --------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,194 @@
+"""The pserver's sockets: listening on every port, accepting, authenticating and reading frames.
+
+One accept thread per port and one handler thread per connection; a connection serves one request at a
+time, so per-connection state needs no locks. Malformed input from any peer costs that peer its connection
+and nothing else: the reason is logged in one line, and everyone else keeps being served.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from ..contract import JobEnv
+from . import protocol as P
+from .errors import AuthError, ConnectionLost, ProtocolError, PSError
+
+log = logging.getLogger("paddle_cluster.ps")
+
+
+class Conn:
+    """One authenticated connection's state (touched only by its handler thread)."""
+
+    def __init__(self, sock: socket.socket, peer: str, port: int, pserver_id: int) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.port = port
+        self.pserver_id = pserver_id
+        self.trainer = -1
+        self.hbuf = bytearray(P.HEADER_SIZE)
+        self.consumed = True  # the current request's payload has been read (or it had none)
+        self.scratch: Optional[bytearray] = None
+        self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
+
+    def discard(self, n: int) -> None:
+        if self.scratch is None:
+            self.scratch = bytearray(1 << 20)
+        P.discard(self.sock, n, self.scratch)
+
+    def buffer(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """This connection's receive buffer as an array of ``shape`` (reused by every push)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if self.rbuf.nbytes < nbytes:
+            self.rbuf = np.empty(nbytes, dtype=np.uint8)
+        return self.rbuf[:nbytes].view(dtype).reshape(shape)
+
+    def read_json(self, h: P.Header) -> Dict[str, Any]:
+        body = P.recv_json(self.sock, h)
+        self.consumed = True
+        return body
+
+    def reply_ok(self, body: Optional[Dict[str, Any]] = None, *, key: int = 0, step: int = 0) -> None:
+        if body is None:
+            P.send_frame(self.sock, P.pack_header(P.Op.OK, key=key, step=step))
+        else:
+            P.send_frame(self.sock, P.json_frame(P.Op.OK, body, key=key, step=step))
+
+    def reply_error(self, e: PSError) -> None:
+        body = e.to_wire()
+        msg = str(body.get("message", ""))
+        if not msg.startswith(("pserver", "barrier")):
+            body["message"] = f"pserver {self.pserver_id}: {msg}"
+        P.send_frame(self.sock, P.json_frame(P.Op.ERROR, body, status=e.code))
+
+    def drop(self, why: str, err: Optional[PSError] = None) -> None:
+        """Log why this connection ends; tell an authenticated trainer too, if it still listens."""
+        who = f"trainer {self.trainer}" if self.trainer >= 0 else "unauthenticated peer"
+        log.warning("pserver %d: dropped connection from %s (%s, port %d): %s", self.pserver_id, self.peer, who,
+                    self.port, why)
+        if err is not None and self.trainer >= 0:
+            try:
+                self.sock.settimeout(1.0)
+                self.reply_error(err)
+            except (OSError, PSError):
+                pass
+
+
+# Serves one request; False when the connection must be dropped.
+Handler = Callable[[Conn, P.Header], bool]
+
+
+class Listener:
+    """Binds every port of one pserver (all or nothing) and runs its connections through ``handle``."""
+
+    def __init__(self, env: JobEnv, pserver_id: int, host: str, ports: Tuple[int, ...], max_frame: int,
+                 handle: Handler, touch: Callable[[int], None], done: threading.Event) -> None:
+        self.env = env
+        self.pserver_id = pserver_id
+        self.host = host
+        self.want_ports = ports
+        self.ports: Tuple[int, ...] = ()
+        self.max_frame = max_frame
+        self.handle = handle
+        self.touch = touch
+        self.done = done
+        self._lock = threading.Lock()
+        self._listeners: List[socket.socket] = []
+        self._conns: Set[socket.socket] = set()
+
+    @property
+    def started(self) -> bool:
+        return bool(self._listeners)
+
+    def start(self) -> None:
+        try:
+            for port in self.want_ports:
+                s = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listeners.append(s)
+                s.bind((self.host, port))
+                s.listen(128)
+                s.settimeout(0.5)
+        except OSError as e:
+            self._close_listeners()
+            raise OSError(e.errno, f"pserver {self.pserver_id} cannot listen on {self.host}:{port}: "
+                                   f"{e.strerror}") from None
+        self.ports = tuple(s.getsockname()[1] for s in self._listeners)
+        for s in self._listeners:
+            threading.Thread(target=self._accept_loop, args=(s,), daemon=True,
+                             name=f"pserver{self.pserver_id}-accept-{s.getsockname()[1]}").start()
+        log.info("pserver %d listening on %s ports %s", self.pserver_id, self.host, ",".join(map(str, self.ports)))
+
+    def stop(self) -> None:
+        """Stop accepting and break every open connection (their threads then end)."""
+        self._close_listeners()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _close_listeners(self) -> None:
+        for s in self._listeners:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept_loop(self, lsock: socket.socket) -> None:
+        port = lsock.getsockname()[1]
+        while not self.done.is_set():
+            try:
+                sock, addr = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve_conn, args=(sock, f"{addr[0]}:{addr[1]}", port), daemon=True,
+                             name=f"pserver{self.pserver_id}-conn-{addr[1]}").start()
+
+    def _serve_conn(self, sock: socket.socket, peer: str, port: int) -> None:
+        conn = Conn(sock, peer, port, self.pserver_id)
+        with self._lock:
+            self._conns.add(sock)
+        try:
+            sock.settimeout(10.0)  # a peer that never answers the challenge must not pin a thread forever
+            P.tune_socket(sock)
+            try:
+                conn.trainer = P.server_handshake(sock, self.env.secret, self.env.job_id, self.env.trainers)
+            except ConnectionLost as e:
+                # Closed before answering the challenge: a port probe (the launcher's readiness check), not news.
+                log.debug("pserver %d: %s closed before authenticating: %s", self.pserver_id, peer, e)
+                return
+            except (AuthError, ProtocolError, OSError) as e:
+                conn.drop(f"authentication failed: {e}")
+                return
+            sock.settimeout(None)
+            self.touch(conn.trainer)
+            while not self.done.is_set():
+                try:
+                    h = P.recv_header(sock, conn.hbuf, self.max_frame)
+                except ConnectionLost:
+                    return  # orderly close by the trainer
+                except ProtocolError as e:
+                    conn.drop(f"bad frame header: {e}", e)
+                    return
+                conn.consumed = h.length == 0
+                if not self.handle(conn, h):
+                    return
+        except OSError as e:
+            if not self.done.is_set():
+                log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass

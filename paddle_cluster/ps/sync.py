@@ -1,0 +1,246 @@
+"""Barriers and step bookkeeping of one pserver.
+
+Sync mode: pushes for step ``t`` land in per-trainer buffers, and the push that completes the set of active
+trainers applies the averaged gradient and wakes the pulls for ``t + 1``. Waits are bounded by
+``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers that never arrived (and when the
+pserver last heard from each). A closed trainer stops counting, so a barrier waiting only for it completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+
+import numpy as np
+
+from .errors import BarrierTimeout, MissingTrainer, RemoteError
+from .shards import DenseBlock, Shard, TableShard
+
+log = logging.getLogger("paddle_cluster.ps")
+# (from_step, values, names): names None = every parameter and table, else only those named.
+HyperChange = Tuple[int, Dict[str, float], Optional[frozenset]]
+
+
+class RWLock:
+    """Optimizer applies share it; a checkpoint snapshot takes it exclusively (a consistent cut)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cv:
+            while self._writer:
+                self._cv.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._readers -= 1
+                self._cv.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cv:
+            while self._writer:
+                self._cv.wait()
+            self._writer = True
+            while self._readers:
+                self._cv.wait()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._writer = False
+                self._cv.notify_all()
+
+
+class Sync:
+    """Who is active, who closed and when each trainer was last heard from; the hyper-parameter history;
+    waiting for a step, and completing one once every active trainer has contributed."""
+
+    def __init__(self, pserver_id: int, trainers: int, barrier_timeout: float, done: threading.Event) -> None:
+        self.pserver_id = pserver_id
+        self.trainers = trainers
+        self.barrier_timeout = float(barrier_timeout)
+        self.done = done
+        self.lock = threading.Condition()
+        self.mode: Optional[str] = None
+        self.active = frozenset(range(trainers))
+        self.closed: Set[int] = set()
+        self.last_seen: Dict[int, float] = {}
+        self.hyper: List[HyperChange] = []
+        self.rw = RWLock()
+        self.apply_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                             thread_name_prefix=f"pserver{pserver_id}-apply")
+
+    # -- trainers ------------------------------------------------------------------------------------------
+
+    def touch(self, trainer: int) -> None:
+        if trainer >= 0:
+            self.last_seen[trainer] = time.monotonic()
+
+    def _missing(self, trainers: Iterable[int]) -> List[MissingTrainer]:
+        now = time.monotonic()
+        out = []
+        for t in sorted(trainers):
+            seen = self.last_seen.get(t)
+            out.append(MissingTrainer(t, None if seen is None else round(now - seen, 1)))
+        return out
+
+    def close_trainer(self, t: int, shards: Iterable[Shard]) -> bool:
+        """Trainer ``t`` is done: its barriers stop counting it. True once every trainer has closed."""
+        with self.lock:
+            self.closed.add(t)
+            self.active = frozenset(self.active - {t})
+            all_closed = len(self.closed) >= self.trainers
+            self.lock.notify_all()
+        log.info("pserver %d: trainer %d closed (%d of %d closed)", self.pserver_id, t, len(self.closed),
+                 self.trainers)
+        # A barrier that was waiting only for this trainer completes now.
+        for shard in shards:
+            with shard.cv:
+                if self.mode == "sync":
+                    if isinstance(shard, DenseBlock):
+                        self.complete_dense(shard)
+                    elif isinstance(shard, TableShard):
+                        self.complete_table(shard)
+                shard.cv.notify_all()
+        return all_closed
+
+    # -- waiting -------------------------------------------------------------------------------------------
+
+    def wait(self, cv: threading.Condition, ready: Callable[[], bool], step: int, what: str,
+             missing: Callable[[], Any]) -> None:
+        """Wait (holding ``cv``) until ``ready()``; on timeout raise a BarrierTimeout naming ``missing()``."""
+        if ready():
+            return
+        deadline = time.monotonic() + self.barrier_timeout
+        while not ready():
+            if self.done.is_set():
+                raise RemoteError(f"pserver {self.pserver_id} is shutting down")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing_now = self._missing(missing())
+                waiting = ", ".join(m.describe() for m in missing_now) or "no trainer (it should have completed)"
+                raise BarrierTimeout(
+                    f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for {waiting} "
+                    f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
+            cv.wait(min(left, 1.0))
+
+    def wait_step(self, shard: Shard, step: int, what: str) -> None:
+        """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it."""
+        if isinstance(shard, DenseBlock) and shard.error:
+            raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
+        if isinstance(shard, DenseBlock) and not shard.initialized:
+            self.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
+                      lambda: {0} - self.closed)
+        if self.mode == "sync":
+            self.wait(shard.cv, lambda: shard.step >= step, step, f"{what} {shard.describe()}",
+                      lambda: set(self.active) - set(shard.pending) - shard.receiving)
+
+    def ready_to_apply(self, shard: Shard) -> bool:
+        return bool(shard.pending) and self.active.issubset(shard.pending.keys())
+
+    # -- hyper-parameters ----------------------------------------------------------------------------------
+
+    def apply_hyper(self, shard: Shard, step: Optional[int]) -> None:
+        """Catch ``shard.spec`` up with the hyper-parameter changes effective at ``step`` (None: all)."""
+        while shard.hyper_pos < len(self.hyper):
+            from_step, values, names = self.hyper[shard.hyper_pos]
+            if step is not None and from_step > step:
+                break
+            if names is None or shard.name in names:
+                for k, v in values.items():
+                    setattr(shard.spec, k, v)
+            shard.hyper_pos += 1
+
+    def spec_at(self, shard: Shard, step: int) -> Dict[str, Any]:
+        """The spec the update of ``step`` will use: includes hyper-parameter changes not yet applied."""
+        spec = shard.spec.to_dict()
+        for from_step, values, names in self.hyper[shard.hyper_pos:]:
+            if self.mode == "sync" and from_step > step:
+                break
+            if names is None or shard.name in names:
+                spec.update(values)
+        return spec
+
+    # -- completing a step ---------------------------------------------------------------------------------
+
+    def advance(self, shard: Shard, at: Optional[int], update: Callable[[], None]) -> None:
+        """(Holding ``shard.cv``.) Run one update with the hyper-parameters effective at step ``at`` (None:
+        every change so far), outside any snapshot, and move the shard to its next step."""
+        with self.rw.shared():
+            self.apply_hyper(shard, at)
+            update()
+            shard.step += 1
+
+    def complete_dense(self, b: DenseBlock) -> None:
+        """(Holding ``b.cv``.) Once every active trainer pushed, apply the averaged gradient.
+
+        The apply runs on the apply pool, not on the connection thread, so the connection can already
+        receive the next block while this one is being updated (the pull for the next step waits for it).
+        """
+        if b.applying or not self.ready_to_apply(b):
+            return
+        b.applying = True
+        self.apply_pool.submit(self._apply_dense, b)
+
+    def _apply_dense(self, b: DenseBlock) -> None:
+        with b.cv:
+            try:
+                # b.acc holds the contributors' gradients, summed in trainer order by fold().
+                self.advance(b, b.step, lambda: b.apply_mean(b.acc, len(b.pending)))
+            except Exception as e:  # keep serving; the waiting pulls report it
+                log.exception("pserver %d: optimizer failed on %s", self.pserver_id, b.describe())
+                b.error = f"optimizer failed on {b.describe()} at step {b.step}: {e!r}"
+            finally:
+                b.pending.clear()
+                b.applying = False
+                b.cv.notify_all()
+
+    def complete_table(self, t: TableShard) -> None:
+        """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+        if not self.ready_to_apply(t):
+            return
+        ids, g = t.pending_mean()
+        self.advance(t, t.step, lambda: t.apply_rows(ids, g))
+        t.pending.clear()
+        t.cv.notify_all()
+
+    def may_fold(self, b: DenseBlock, t: int) -> bool:
+        """(Holding ``b.cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
+        if b.acc_busy or b.applying:
+            return False
+        order = sorted(self.active | {t})
+        first_two = set(order[:2])
+        return all(u in b.pending for u in order if u < t) or (t in first_two and set(b.pending) <= first_two)
+
+    def fold(self, b: DenseBlock, t: int, g: np.ndarray) -> None:
+        """(Holding ``b.cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to step ``b.step``."""
+        first = not b.pending
+        b.pending[t] = True
+        last = self.ready_to_apply(b)
+        if first and last:  # the only contributor: apply straight from the receive buffer
+            self.advance(b, b.step, lambda: b.apply_mean(g, 1))
+            b.pending.clear()
+            return
+        if not last or not b.plain_sgd:
+            if first:
+                np.copyto(b.acc, g)
+            else:
+                np.add(b.acc, g, out=b.acc)  # acc is a read-only property: `b.acc += g` would assign to it
+            self.complete_dense(b)
+            return
+        # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
+        n = len(b.pending)
+        self.advance(b, b.step, lambda: b.apply_sum_with(g, n))
+        b.pending.clear()
