@@ -23,6 +23,9 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 30
 # Name of the owner-only file in ``<job dir>/.paddle_cluster/`` that holds the job-wide part of the
 # contract (never passed on a command line, where ``ps`` would show the secret).
 ENV_FILE = "env"
+# The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
+# asks for it by this name.
+SECRET_VAR = "PADDLE_JOB_SECRET"
 
 
 class ContractError(ValueError):
@@ -141,7 +144,7 @@ class JobEnv:
             # the job's own
             "PADDLE_JOB_ID": self.job_id,
             "PADDLE_PSERVER_ENDPOINTS": eps,
-            "PADDLE_JOB_SECRET": self.secret,
+            SECRET_VAR: self.secret,
             "PADDLE_JOB_DIR": self.job_dir,
             "PADDLE_WORKSPACE": self.workspace,
             "PADDLE_BARRIER_TIMEOUT": repr(float(self.barrier_timeout)),
@@ -208,7 +211,7 @@ class JobEnv:
             trainers=1 if trainers is None else trainers,
             ports_num=_int(env, "PADDLE_INIT_PORTS_NUM") or 1,
             ports_num_for_sparse=_int(env, "PADDLE_INIT_PORTS_NUM_FOR_SPARSE") or 0,
-            secret=env.get("PADDLE_JOB_SECRET", ""),
+            secret=env.get(SECRET_VAR, ""),
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
             barrier_timeout=_float(env, "PADDLE_BARRIER_TIMEOUT", 120.0),
