@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import click
 
 from .launch import job as jobs
-from .launch import ops
+from .launch import k8s, ops
 from .launch.config import ClusterConfig, load_config
 from .launch.errors import ClusterError
 
@@ -177,6 +177,46 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
         _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
              f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
     _say(f"wrote {path}")
+
+
+@main.group()
+def render() -> None:
+    """Write what another system needs to run a job (manifests), without running it."""
+
+
+@render.command("k8s", context_settings={"ignore_unknown_options": True})
+@click.option("--image", required=True, metavar="IMAGE", help="Image holding Python 3, numpy, paddle-cluster and "
+              "the workspace (docs/backends.md).")
+@click.option("--namespace", default=k8s.DEFAULT_NAMESPACE, show_default=True, metavar="NS")
+@click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="Pserver pods (default: HOSTS x "
+              "PSERVERS_PER_NODE of the config).")
+@click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="Trainer pods (default: HOSTS x "
+              "TRAINERS_PER_NODE of the config).")
+@click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
+@click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
+              help="Where the workspace is inside the image (the pods' working directory).")
+@click.option("--pserver-requests", default="", metavar="R", help="Resources each pserver pod requests, e.g. "
+              "cpu=2,memory=4Gi (default cpu=1,memory=1Gi).")
+@click.option("--trainer-requests", default="", metavar="R", help="The same for each trainer pod; an extended "
+              "resource such as nvidia.com/gpu=1 is also set as its limit.")
+@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+@_handled
+def render_k8s(ctx: click.Context, image: str, namespace: str, pservers: Optional[int], trainers: Optional[int],
+               job_name: Optional[str], workspace: str, pserver_requests: str, trainer_requests: str,
+               trainer_args: Tuple[str, ...]) -> None:
+    """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
+    Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
+    cfg = _config(ctx)
+    job = k8s.build(cfg, job_name=job_name or jobs.default_job_name(), image=image,
+                    namespace=namespace, pservers=pservers, trainers=trainers, workspace=workspace,
+                    trainer_args=tuple(trainer_args),
+                    pserver_requests=k8s.Requests.parse(pserver_requests, "--pserver-requests"),
+                    trainer_requests=k8s.Requests.parse(trainer_requests, "--trainer-requests"))
+    if cfg.is_builtin_default and None in (pservers, trainers):
+        _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
+             "built-in default's counts (--pservers/--trainers set them)")
+    click.echo(k8s.render(job), nl=False)
 
 
 def _table(headers, rows) -> None:

@@ -1,7 +1,8 @@
 """``python -m paddle_cluster.node CMD``: what the launcher runs on a node (standard library only).
 
 Every sub-command prints one JSON document, except ``supervise``, which talks JSON lines both ways for the
-life of a job, and ``logs``, which prints log lines.
+life of a job, ``logs``, which prints log lines, and ``pod``, the entry point of a Kubernetes pod, which
+becomes the job's process (``pod.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    a = _parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["pod"]:  # its own parser: everything after -- is the command to become
+        from . import pod
+
+        return pod.main(args[1:])
+    a = _parser().parse_args(args)
     if a.cmd == "supervise":
         return supervisor.supervise(a.job_dir, a.orphan_timeout, a.grace)
     if a.cmd == "logs":

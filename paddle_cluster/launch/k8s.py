@@ -1,0 +1,244 @@
+"""Kubernetes manifests for a job: ``paddle-cluster render k8s`` and ``run --backend k8s``.
+
+Pure: a ``K8sJob`` is decided once from the config and the flags, and ``manifests`` turns it into four
+documents -- a Secret (the job secret, and nothing else holds it), a headless Service (stable DNS names), and
+the pservers and trainers as ``batch/v1`` Indexed Jobs whose completion index is the pserver/trainer id.
+
+Pod ``<job>-pserver-<i>`` gets the hostname ``<job>-pserver-<i>`` (an Indexed Job's pods are named
+``<Job name>-<index>``) and, through ``subdomain``, the DNS name ``<job>-pserver-<i>.<job>.<namespace>.svc``:
+the pserver endpoints are known before any pod exists, so no pod ever asks the API server for addresses.
+Every pod runs ``python -m paddle_cluster.node pod`` (``node/pod.py``), which takes its id from the index.
+The workspace is in the image (see docs/backends.md for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import secrets
+import shlex
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import yaml
+
+from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, Endpoint, JobEnv
+
+from .config import ClusterConfig
+from .errors import ConfigError
+
+LABEL_JOB = "paddle-cluster/job"
+LABEL_ROLE = "paddle-cluster/role"
+SECRET_KEY = "job-secret"
+DEFAULT_NAMESPACE = "default"
+DEFAULT_WORKSPACE = "/workspace"
+DEFAULT_REQUESTS = (("cpu", "1"), ("memory", "1Gi"))
+POD_PYTHON = "python3"  # the image's interpreter; the local PYTHON of a config means nothing in a pod
+
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035: what a Service name must be
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # RFC 1123 label
+# A Kubernetes quantity: a decimal number with an optional binary/decimal suffix or exponent.
+_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][-+]?\d+)?")
+_RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?")
+_ROLE_WORD = {PSERVER: "pserver", TRAINER: "trainer"}
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What one pod of a role asks the scheduler for: resource name -> quantity (``cpu``: ``"2"``)."""
+
+    items: Tuple[Tuple[str, str], ...] = DEFAULT_REQUESTS
+
+    @classmethod
+    def parse(cls, text: str, key: str) -> Requests:
+        """``cpu=2,memory=4Gi,nvidia.com/gpu=1``; a name not given keeps its default."""
+        got = dict(DEFAULT_REQUESTS)
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            name, sep, qty = (x.strip() for x in part.partition("="))
+            if not sep or not _RESOURCE.fullmatch(name) or len(name) > 253:
+                raise ConfigError(key, text, f"{part!r} is not NAME=QUANTITY; write e.g. cpu=2,memory=4Gi")
+            if not _QUANTITY.fullmatch(qty):
+                raise ConfigError(key, text, f"{qty!r} is not a Kubernetes quantity; write e.g. 500m, 2, 4Gi")
+            got[name] = qty
+        return cls(tuple(got.items()))
+
+    def resources(self) -> Dict[str, Dict[str, str]]:
+        """A container's ``resources``: requests, plus limits for extended resources (GPUs), which
+        Kubernetes accepts only with a limit equal to the request."""
+        requests = dict(self.items)
+        limits = {k: v for k, v in requests.items() if "/" in k or k.startswith("hugepages-")}
+        return {"requests": requests, "limits": limits} if limits else {"requests": requests}
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    """Everything the manifests say about a job, decided once."""
+
+    name: str  # the Kubernetes name of the job: Service, prefix of every object, label value
+    namespace: str
+    image: str
+    env: JobEnv  # the job-wide contract; its pservers are the pods' stable DNS names
+    pserver_cmd: Tuple[str, ...]
+    trainer_cmd: Tuple[str, ...]
+    pserver_requests: Requests = Requests()
+    trainer_requests: Requests = Requests()
+    start_timeout: float = 60.0
+    kill_grace: float = 5.0
+
+    @property
+    def pservers(self) -> int:
+        return len(self.env.pservers)
+
+    @property
+    def trainers(self) -> int:
+        return self.env.trainers
+
+    @property
+    def selector(self) -> str:
+        """The label selector of every object of this job (``kubectl delete -l``)."""
+        return f"{LABEL_JOB}={self.name}"
+
+    def job_name(self, role: str) -> str:
+        return f"{self.name}-{_ROLE_WORD[role]}"
+
+    def labels(self, role: Optional[str] = None) -> Dict[str, str]:
+        out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
+               LABEL_JOB: self.name}
+        if role is not None:
+            out[LABEL_ROLE] = _ROLE_WORD[role]
+        return out
+
+
+def pod_host(name: str, namespace: str, role: str, index: int) -> str:
+    """The stable DNS name of pod ``index`` of a role: hostname ``<Job name>-<index>``, subdomain the job's
+    headless Service. Relative to the cluster domain, which the pods' resolver search path supplies."""
+    return f"{name}-{_ROLE_WORD[role]}-{index}.{name}.{namespace}.svc"
+
+
+def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
+    """``job_name`` as a Kubernetes name (lower case; ``_`` and ``.`` become ``-``), checked to be one."""
+    name = re.sub(r"[_.]", "-", job_name.lower())
+    # The longest pod hostname, <name>-trainer-<index>, must be a DNS label (63 characters).
+    longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}"))
+    limit = 63 - longest
+    if not _DNS_LABEL.fullmatch(name) or len(name) > limit:
+        raise ConfigError("--job_name", job_name, "is not usable as a Kubernetes name: use lower-case letters, "
+                          f"digits and '-', starting with a letter and ending with a letter or digit, at most "
+                          f"{limit} characters")
+    return name
+
+
+def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
+          pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
+          trainer_args: Tuple[str, ...] = (), pserver_requests: Requests = Requests(),
+          trainer_requests: Requests = Requests(), secret: Optional[str] = None) -> K8sJob:
+    """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
+    n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
+    n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
+    if n_ps < 1 or n_tr < 1:
+        raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
+    if not image or any(c.isspace() for c in image):
+        raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
+    if not _NAMESPACE.fullmatch(namespace) or len(namespace) > 63:
+        raise ConfigError("--namespace", namespace, "must be a Kubernetes namespace name (lower-case letters, "
+                          "digits and '-', at most 63 characters)")
+    if not workspace.startswith("/"):
+        raise ConfigError("--job_workspace", workspace, "must be an absolute path inside the image")
+    name = k8s_name(job_name, n_tr, n_ps)
+    # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
+    root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
+    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i), cfg.paddle_port) for i in range(n_ps))
+    env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
+                 ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
+                 secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
+                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env))
+    trainer_cmd = tuple(shlex.split(cfg.trainer_command.format(python=POD_PYTHON))) + tuple(trainer_args)
+    return K8sJob(name, namespace, image, env, tuple(shlex.split(cfg.pserver_command.format(python=POD_PYTHON))),
+                  trainer_cmd, pserver_requests, trainer_requests, cfg.start_timeout, cfg.kill_grace)
+
+
+def manifests(job: K8sJob) -> List[Dict[str, Any]]:
+    """The Secret, the headless Service and the two Indexed Jobs, in the order to apply them."""
+    return [_secret(job), _service(job), _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+
+
+def to_yaml(docs: List[Dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
+
+
+def render(job: K8sJob) -> str:
+    """The manifests as one YAML stream for ``kubectl apply -f -``, with a header saying what it holds."""
+    head = (f"# paddle-cluster job {job.name}: {job.pservers} pserver(s), {job.trainers} trainer(s) in namespace "
+            f"{job.namespace}\n# This stream holds the job secret (in the Secret): pipe it into "
+            f"'kubectl apply -f -' rather than keeping it.\n# Delete everything with: kubectl delete "
+            f"-n {job.namespace} job,service,secret -l {job.selector}\n")
+    return head + to_yaml(manifests(job))
+
+
+def _meta(job: K8sJob, name: str, role: Optional[str] = None) -> Dict[str, Any]:
+    return {"name": name, "namespace": job.namespace, "labels": job.labels(role)}
+
+
+def _secret(job: K8sJob) -> Dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(job, f"{job.name}-secret"), "type": "Opaque",
+            "stringData": {SECRET_KEY: job.env.secret}}
+
+
+def _ports(job: K8sJob) -> List[Tuple[str, int]]:
+    """A pserver pod's ports, named (every pserver pod has its own address, so all use the same ports)."""
+    env = job.env
+    return [(f"dense-{i}" if i < env.ports_num else f"sparse-{i - env.ports_num}", port)
+            for i, port in enumerate(env.all_ports(0))]
+
+
+def _service(job: K8sJob) -> Dict[str, Any]:
+    # Headless: no virtual IP, DNS answers with the pods' own addresses; and published before the pods are
+    # ready, so a pserver can resolve its own name while it starts.
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, job.name),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LABEL_JOB: job.name},
+                     "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in _ports(job)]}}
+
+
+def _env(job: K8sJob, role: str) -> List[Dict[str, Any]]:
+    """The container's environment: the job-wide contract and the role; the secret only by reference."""
+    contract = dataclasses.replace(job.env, role=role).to_environ()
+    env: List[Dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(contract.items()) if k != SECRET_VAR]
+    env.append({"name": SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": f"{job.name}-secret", "key": SECRET_KEY}}})
+    return env
+
+
+def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
+    n = job.pservers if role == PSERVER else job.trainers
+    word = _ROLE_WORD[role]
+    container: Dict[str, Any] = {
+        "name": word,
+        "image": job.image,
+        "workingDir": job.env.workspace,
+        "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
+                    "--"],
+        "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
+        "env": _env(job, role),
+        "resources": (job.pserver_requests if role == PSERVER else job.trainer_requests).resources(),
+        "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}],
+    }
+    if role == PSERVER:
+        container["ports"] = [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in _ports(job)]
+    pod = {
+        "restartPolicy": "Never",  # a failed process fails the job (fail-fast), as on every backend
+        "subdomain": job.name,  # with the Indexed Job's hostname: the stable DNS name
+        "enableServiceLinks": False,  # no SERVICE_* variables from every Service of the namespace
+        "automountServiceAccountToken": False,  # the pods never talk to the API server
+        "terminationGracePeriodSeconds": math.ceil(job.kill_grace),
+        "containers": [container],
+        # Logs, metrics and checkpoints of this pod; they go with it (docs/backends.md: what persists).
+        "volumes": [{"name": "job-dir", "emptyDir": {}}],
+    }
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
+            "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
+                     "template": {"metadata": {"labels": job.labels(role)}, "spec": pod}}}
+
+
+def env_of(container: Mapping[str, Any]) -> Dict[str, str]:
+    """The literal variables of a rendered container (those not taken from a Secret or field)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}

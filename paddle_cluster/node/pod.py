@@ -1,0 +1,146 @@
+"""``python -m paddle_cluster.node pod [--start-timeout S] -- CMD...``: the entry point of a Kubernetes pod.
+
+One pod runs one process, and Kubernetes is its supervisor (it keeps the logs, stops the pod, and its Job
+counts the exit code), so this only makes the pod that process of the job: the role is in the environment
+(``PADDLE_TRAINING_ROLE``, set per Job), the id is the pod's completion index (``JOB_COMPLETION_INDEX``, set
+by the Job controller of an Indexed Job), and the pservers are the stable DNS names of the job's headless
+Service, already in ``PADDLE_PSERVER_ENDPOINTS``. Nobody asks the API server for addresses.
+
+Before starting CMD, a pserver waits until its own name resolves to an address of this pod (DNS records
+appear shortly after a pod starts), a trainer until every pserver port accepts a connection; both within
+``--start-timeout`` seconds. Then CMD replaces this process (exec), with the process's contract added to the
+environment, so its output is the pod's log and its exit code the pod's. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from paddle_cluster.contract import PSERVER, ContractError, JobEnv
+
+INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
+POLL_S = 0.2
+EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
+
+
+class PodError(Exception):
+    """This pod cannot become its process of the job; the message says why and what to check."""
+
+
+def completion_index(environ: Mapping[str, str]) -> int:
+    text = environ.get(INDEX_VAR, "")
+    if not (text.isascii() and text.isdigit()):
+        raise PodError(f"{INDEX_VAR}={text!r}: expected the pod's completion index; this entry point runs in "
+                       "the pods of an Indexed Job (completionMode: Indexed)")
+    return int(text)
+
+
+def _addresses(host: str) -> List[str]:
+    try:
+        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except OSError:
+        return []
+
+
+def _is_mine(address: str) -> bool:
+    """``address`` belongs to this pod: a socket can be bound to it."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def wait_own_name(host: str, deadline: float) -> str:
+    """Until ``host`` resolves to an address of this pod; that address."""
+    seen: List[str] = []
+    while True:
+        seen = _addresses(host)
+        mine = [a for a in seen if _is_mine(a)]
+        if mine:
+            return mine[0]
+        if time.monotonic() > deadline:
+            got = f"resolves to {', '.join(seen)}, not an address of this pod" if seen else "does not resolve"
+            raise PodError(f"{host} {got}: is the pod's subdomain the job's headless Service, and does the "
+                           "Service select this pod (publishNotReadyAddresses: true)?")
+        time.sleep(POLL_S)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_pservers(env: JobEnv, deadline: float) -> None:
+    """Until every port of every pserver accepts a connection (names resolved afresh each round)."""
+    pending: List[Tuple[str, int]] = [(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k)]
+    while True:
+        pending = [hp for hp in pending if not _accepts(*hp)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise PodError(f"no pserver listening on {', '.join(f'{h}:{p}' for h, p in pending)} within the "
+                           "start timeout (START_TIMEOUT): see the pserver pods' logs and events")
+        time.sleep(POLL_S)
+
+
+def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None) -> int:
+    """Wait as this pod's role requires, then exec ``cmd`` with the process's contract; returns only on error."""
+    base: Dict[str, str] = dict(os.environ if environ is None else environ)
+    env = JobEnv.from_environ(base)
+    if env is None:
+        raise PodError("no pserver endpoints in the environment (PADDLE_PSERVER_ENDPOINTS): the pod was not "
+                       "rendered by paddle-cluster render k8s")
+    if env.role is None:
+        raise PodError("PADDLE_TRAINING_ROLE is not set: the pod was not rendered by paddle-cluster render k8s")
+    index = completion_index(base)
+    env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
+    deadline = time.monotonic() + start_timeout
+    if env.role == PSERVER:
+        host = env.pservers[index].host
+        address = wait_own_name(host, deadline)
+        say(f"pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
+        current = host  # the name the pserver binds to and the trainers dial
+    else:
+        say(f"trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
+        wait_pservers(env, deadline)
+        say(f"trainer {index}: every pserver listens; starting {' '.join(cmd)}")
+        # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
+        current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
+    proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
+    if env.job_dir:
+        os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
+    sys.stdout.flush()
+    try:
+        os.execvpe(cmd[0], cmd, proc_env)
+    except OSError as e:
+        raise PodError(f"cannot start {cmd[0]!r} in {os.getcwd()}: {e.strerror or e}") from None
+    return 127  # not reached
+
+
+def say(line: str) -> None:
+    print(f"paddle-cluster pod: {line}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node pod", description=__doc__.split("\n")[0])
+    ap.add_argument("--start-timeout", type=float, default=60.0)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        ap.error("give the command to run after --")
+    try:
+        return become(cmd, a.start_timeout)
+    except (PodError, ContractError) as e:
+        say(f"error: {e}")
+        return EXIT_NOT_READY

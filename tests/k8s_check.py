@@ -1,0 +1,154 @@
+"""Offline validation of Kubernetes manifests, for tests (no API server can run here: REFERENCE §6).
+
+Each document is validated against the official ``kubernetes`` client's model for its apiVersion + kind
+(pydantic, ``extra='forbid'``: misspelled fields, wrong types, missing required fields). The models do not
+check enum values, names, label syntax or quantities, nor whether the documents fit together, so
+``problems`` adds those checks for every field the renderer writes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
+
+import pydantic
+from kubernetes.client import models as M
+
+MODELS = {("v1", "Secret"): M.V1Secret, ("v1", "Service"): M.V1Service, ("v1", "ConfigMap"): M.V1ConfigMap,
+          ("v1", "Pod"): M.V1Pod, ("batch/v1", "Job"): M.V1Job}
+ENUMS = {  # field path (with [] for list items) -> the values the API server accepts
+    "spec.completionMode": {"NonIndexed", "Indexed"},
+    "spec.template.spec.restartPolicy": {"Never", "OnFailure"},  # a Job's pods may not use Always
+    "spec.type": {"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"},
+    "spec.ports[].protocol": {"TCP", "UDP", "SCTP"},
+    "spec.template.spec.containers[].ports[].protocol": {"TCP", "UDP", "SCTP"},
+    "spec.template.spec.containers[].imagePullPolicy": {"Always", "Never", "IfNotPresent"},
+    "type": {"Opaque"},  # the only Secret type the renderer may write
+}
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][-+]?\d+)?")
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+
+
+def values_at(doc: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    """(concrete path, value) of every value at ``path`` (``a.b[].c``), skipping what is absent."""
+    parts = path.split(".")
+    stack: List[Tuple[str, Any, List[str]]] = [("", doc, parts)]
+    while stack:
+        where, node, rest = stack.pop()
+        if not rest:
+            yield where.lstrip("."), node
+            continue
+        key, many = rest[0].rstrip("[]"), rest[0].endswith("[]")
+        if not isinstance(node, dict) or key not in node:
+            continue
+        if many:
+            for i, item in enumerate(node[key] or []):
+                stack.append((f"{where}.{key}[{i}]", item, rest[1:]))
+        else:
+            stack.append((f"{where}.{key}", node[key], rest[1:]))
+
+
+def _name_ok(pattern: re.Pattern, value: Any, limit: int) -> bool:
+    return isinstance(value, str) and len(value) <= limit and bool(pattern.fullmatch(value))
+
+
+def _labels(where: str, labels: Mapping[str, Any]) -> List[str]:
+    out = []
+    for key, value in (labels or {}).items():
+        prefix, _, name = key.rpartition("/")
+        if (prefix and not _name_ok(SUBDOMAIN, prefix, 253)) or not _name_ok(LABEL_NAME, name, 63):
+            out.append(f"{where}: label key {key!r} is not a qualified name")
+        if not _name_ok(LABEL_VALUE, value, 63):
+            out.append(f"{where}: label {key}={value!r} is not a valid label value")
+    return out
+
+
+def _one(doc: Dict[str, Any]) -> List[str]:
+    kind, version = doc.get("kind"), doc.get("apiVersion")
+    meta = doc.get("metadata") or {}
+    what = f"{kind} {meta.get('name')}"
+    model = MODELS.get((version, kind))
+    if model is None:
+        return [f"{what}: no such kind here: apiVersion {version!r}, kind {kind!r}"]
+    try:
+        model.model_validate(doc)
+    except pydantic.ValidationError as e:
+        return [f"{what}: {err['loc']}: {err['msg']}" for err in e.errors()]
+    out = []
+    for path, allowed in ENUMS.items():
+        for where, value in values_at(doc, path):
+            if value not in allowed:
+                out.append(f"{what}: {where} = {value!r} is not one of {sorted(allowed)}")
+    name_rule = DNS_1035 if kind == "Service" else DNS_LABEL
+    if not _name_ok(name_rule, meta.get("name"), 63):
+        out.append(f"{what}: metadata.name is not a DNS label")
+    if "namespace" in meta and not _name_ok(DNS_LABEL, meta["namespace"], 63):
+        out.append(f"{what}: metadata.namespace {meta['namespace']!r} is not a DNS label")
+    out += _labels(f"{what} metadata", meta.get("labels"))
+    for path in ("spec.template.metadata.labels", "spec.selector"):
+        for where, labels in values_at(doc, path):
+            out += _labels(f"{what} {where}", labels)
+    for where, c in values_at(doc, "spec.template.spec.containers[]"):
+        if not _name_ok(DNS_LABEL, c.get("name"), 63):
+            out.append(f"{what}: {where}.name is not a DNS label")
+        for e in c.get("env") or []:
+            if not ENV_NAME.fullmatch(e["name"]):
+                out.append(f"{what}: {where}: env name {e['name']!r} is not valid")
+        for kind_ in ("requests", "limits"):
+            for res, qty in ((c.get("resources") or {}).get(kind_) or {}).items():
+                if not QUANTITY.fullmatch(qty):
+                    out.append(f"{what}: {where}.resources.{kind_}.{res} = {qty!r} is not a quantity")
+    for path in ("spec.ports[].name", "spec.template.spec.containers[].ports[].name"):
+        for where, value in values_at(doc, path):
+            if not _name_ok(PORT_NAME, value, 15) or not re.search("[a-z]", value):
+                out.append(f"{what}: {where} = {value!r} is not a port name (IANA_SVC_NAME, at most 15)")
+    for where, value in values_at(doc, "spec.template.spec.subdomain"):
+        if not _name_ok(DNS_LABEL, value, 63):
+            out.append(f"{what}: {where} is not a DNS label")
+    return out
+
+
+def _fit(docs: List[Dict[str, Any]]) -> List[str]:
+    """Whether the documents refer to each other correctly."""
+    out = []
+    secrets = {(d["metadata"].get("namespace"), d["metadata"]["name"]):
+               set(d.get("stringData") or {}) | set(d.get("data") or {}) for d in docs if d.get("kind") == "Secret"}
+    services = {(d["metadata"].get("namespace"), d["metadata"]["name"]): d["spec"]
+                for d in docs if d.get("kind") == "Service"}
+    for d in docs:
+        if d.get("kind") != "Job":
+            continue
+        ns, name = d["metadata"].get("namespace"), d["metadata"]["name"]
+        pod = d["spec"]["template"]
+        sub = pod["spec"].get("subdomain")
+        if sub is not None:
+            svc = services.get((ns, sub))
+            if svc is None or svc.get("clusterIP") != "None":
+                out.append(f"Job {name}: subdomain {sub!r} names no headless Service of namespace {ns}")
+            elif not set((svc.get("selector") or {}).items()) <= set((pod["metadata"].get("labels") or {}).items()):
+                out.append(f"Job {name}: Service {sub} does not select its pods")
+            if len(f"{name}-{d['spec'].get('completions', 1) - 1}") > 63:
+                out.append(f"Job {name}: its last pod's hostname would exceed 63 characters")
+        volumes = {v["name"] for v in pod["spec"].get("volumes") or []}
+        for c in pod["spec"]["containers"]:
+            for e in c.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref and ref["key"] not in secrets.get((ns, ref["name"]), set()):
+                    out.append(f"Job {name}: env {e['name']} refers to {ref['name']}/{ref['key']}, which no Secret "
+                               "of these manifests holds")
+            for m in c.get("volumeMounts") or []:
+                if m["name"] not in volumes:
+                    out.append(f"Job {name}: volumeMount {m['name']} names no volume of the pod")
+    return out
+
+
+def problems(docs: List[Dict[str, Any]]) -> List[str]:
+    """Everything wrong with ``docs``; [] when each is valid and they fit together."""
+    out = [p for d in docs for p in _one(d)]
+    return out or _fit(docs)

@@ -1,0 +1,212 @@
+"""``paddle-cluster render k8s``: every rendered document validated offline against the official Kubernetes
+models plus our own enum/name/cross-reference checks (tests/k8s_check.py), the env contract the pods get, and
+negative tests showing the checks catch what they claim to."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+from k8s_check import problems
+from kubernetes.client import models as M
+
+from paddle_cluster.cli import main
+from paddle_cluster.contract import JobEnv
+from paddle_cluster.launch import k8s
+from paddle_cluster.launch.config import builtin_default, parse_config
+
+
+def cli(*args: str, cwd: Path) -> Result:
+    """The real CLI, in this process (rendering is pure; a subprocess per case would only add start-up time)."""
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return CliRunner(env={k: None for k in os.environ if k.startswith("PADDLE_")}).invoke(main, list(args))
+    finally:
+        os.chdir(old)
+
+
+def render(tmp_path: Path, *args: str, conf: str = "") -> List[Dict[str, Any]]:
+    if conf:
+        (tmp_path / "conf.py").write_text(conf)
+    res = cli("render", "k8s", *args, cwd=tmp_path)
+    assert res.exit_code == 0, res.stderr
+    return list(yaml.safe_load_all(res.stdout))
+
+
+def by_kind(docs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for d in docs:
+        key = d["kind"] if d["kind"] != "Job" else d["metadata"]["labels"][k8s.LABEL_ROLE]
+        out[key] = d
+    return out
+
+
+def container(job: Dict[str, Any]) -> Dict[str, Any]:
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+THREE_HOSTS = ('HOSTS = ["a", "b", "c"]\nPSERVERS_PER_NODE = 1\nTRAINERS_PER_NODE = 2\nPADDLE_PORT = 9000\n'
+               'PADDLE_PORTS_NUM = 2\nPADDLE_PORTS_NUM_FOR_SPARSE = 1\nROOT_DIR = "/data/jobs"\n'
+               'ENV = {"OMP_NUM_THREADS": "1"}\n')
+
+
+@pytest.mark.parametrize("conf,args,counts", [
+    ("", ["--job_name", "fit"], (2, 2)),  # the built-in default's counts
+    (THREE_HOSTS, ["--job_name", "fit"], (3, 6)),  # HOSTS x per-node counts
+    (THREE_HOSTS, ["--job_name", "Big_Job.v2", "--pservers", "4", "--trainers", "11", "--namespace", "ml-team",
+                   "--pserver-requests", "cpu=2,memory=4Gi", "--trainer-requests", "cpu=500m,nvidia.com/gpu=1",
+                   "--job_workspace", "/opt/ws", "--", "--passes", "3", "--mode", "async"], (4, 11)),
+])
+def test_every_document_validates_and_fits(tmp_path: Path, conf: str, args: List[str], counts) -> None:
+    docs = render(tmp_path, "--image", "registry.example/ml/fit:1", *args, conf=conf)
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "Job", "Job"]
+    assert problems(docs) == []
+    k = by_kind(docs)
+    assert (k["pserver"]["spec"]["completions"], k["trainer"]["spec"]["completions"]) == counts
+    for role in ("pserver", "trainer"):
+        spec = k[role]["spec"]
+        assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"]
+        assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["backoffLimit"] == 0
+        assert container(k[role])["command"][:4] == ["python3", "-m", "paddle_cluster.node", "pod"]
+    assert k["Service"]["spec"]["clusterIP"] == "None"
+
+
+def test_pods_find_pservers_by_the_names_kubernetes_gives_them(tmp_path: Path) -> None:
+    """Each endpoint is <Job name>-<index> (an Indexed Job's pod hostname) . <subdomain> . <namespace> .svc,
+    on the pserver container's ports; the rest of the contract (Fluid and v2 names) matches the counts."""
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", "--namespace", "ml", "--", "--passes", "3",
+                  conf=THREE_HOSTS)
+    k = by_kind(docs)
+    ps_job, tr_job = k["pserver"], k["trainer"]
+    sub = ps_job["spec"]["template"]["spec"]["subdomain"]
+    assert sub == tr_job["spec"]["template"]["spec"]["subdomain"] == k["Service"]["metadata"]["name"]
+    for job, role in ((ps_job, "PSERVER"), (tr_job, "TRAINER")):
+        environ = k8s.env_of(container(job))
+        env = JobEnv.from_environ(environ)
+        assert env is not None and env.role == role and env.trainers == tr_job["spec"]["completions"]
+        assert [e.host for e in env.pservers] == [f"{ps_job['metadata']['name']}-{i}.{sub}.ml.svc"
+                                                  for i in range(ps_job["spec"]["completions"])]
+        ports = [p["containerPort"] for p in container(ps_job)["ports"]]
+        assert [list(env.all_ports(i)) for i in range(len(env.pservers))] == [ports] * 3 == [[9000, 9001, 9002]] * 3
+        assert (env.ports_num, env.ports_num_for_sparse) == (2, 1)
+        hosts = ",".join(e.host for e in env.pservers)
+        assert environ["PADDLE_PSERVER_IPS"] == environ["PADDLE_INIT_PSERVERS"] == hosts
+        assert environ["PADDLE_PSERVER_PORT"] == environ["PADDLE_INIT_PORT"] == "9000"
+        assert environ["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == "6" and environ["OMP_NUM_THREADS"] == "1"
+        # Per-pod values come from the completion index at run time, never from the manifest.
+        assert not {"PADDLE_TRAINER_ID", "PADDLE_PSERVER_ID", "PADDLE_CURRENT_IP"} & set(environ)
+        mount = container(job)["volumeMounts"][0]["mountPath"]
+        assert env.job_dir == mount == "/data/jobs/fit" and env.workspace == container(job)["workingDir"]
+    assert container(tr_job)["args"] == ["python3", "train.py", "--passes", "3"]
+    assert container(ps_job)["args"] == ["python3", "-m", "paddle_cluster.ps"]
+
+
+def test_the_secret_is_only_in_the_secret(tmp_path: Path) -> None:
+    (tmp_path / "conf.py").write_text(THREE_HOSTS)
+    out = cli("render", "k8s", "--image", "img:1", "--job_name", "fit", cwd=tmp_path).stdout
+    docs = list(yaml.safe_load_all(out))
+    secret = docs[0]["stringData"][k8s.SECRET_KEY]
+    assert len(secret) == 64 and out.count(secret) == 1
+    for job in docs[2:]:
+        (ref,) = [e for e in container(job)["env"] if e["name"] == "PADDLE_JOB_SECRET"]
+        assert ref == {"name": "PADDLE_JOB_SECRET", "valueFrom": {"secretKeyRef": {
+            "name": docs[0]["metadata"]["name"], "key": k8s.SECRET_KEY}}}
+    # Two renders are two jobs: their secrets differ.
+    assert yaml.safe_load_all(cli("render", "k8s", "--image", "img:1", cwd=tmp_path).stdout).__next__()[
+        "stringData"][k8s.SECRET_KEY] != secret
+
+
+def test_every_object_carries_the_job_label(tmp_path: Path) -> None:
+    (tmp_path / "conf.py").write_text(THREE_HOSTS)
+    out = cli("render", "k8s", "--image", "img:1", "--job_name", "fit", "--namespace", "ml", cwd=tmp_path).stdout
+    for d in yaml.safe_load_all(out):
+        assert d["metadata"]["labels"][k8s.LABEL_JOB] == "fit" and d["metadata"]["namespace"] == "ml"
+        if d["kind"] == "Job":
+            assert d["spec"]["template"]["metadata"]["labels"][k8s.LABEL_JOB] == "fit"
+    assert "kubectl delete -n ml job,service,secret -l paddle-cluster/job=fit" in out
+
+
+# -- the checks catch what they claim to ----------------------------------------------------------------------
+
+def _docs() -> List[Dict[str, Any]]:
+    cfg = parse_config({"HOSTS": ["a", "b"]}, "test")
+    return k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1"))
+
+
+def _job(docs, role="trainer"):
+    return next(d for d in docs if d["kind"] == "Job" and d["metadata"]["labels"][k8s.LABEL_ROLE] == role)
+
+
+MUTATIONS = {
+    "misspelled field": (lambda d: _job(d)["spec"].__setitem__("completionMod", "Indexed"), "completionMod"),
+    "misspelled nested field": (lambda d: container(_job(d)).__setitem__("workDir", "/w"), "workDir"),
+    "wrong type": (lambda d: _job(d)["spec"].__setitem__("completions", "2"), "completions"),
+    "missing required field": (lambda d: container(_job(d)).pop("name"), "name"),
+    "unknown kind": (lambda d: d[1].__setitem__("kind", "Servce"), "Servce"),
+    "wrong apiVersion": (lambda d: _job(d).__setitem__("apiVersion", "v1"), "'v1'"),
+    "bad completionMode": (lambda d: _job(d)["spec"].__setitem__("completionMode", "Indexd"), "completionMode"),
+    "restartPolicy a Job may not use": (lambda d: _job(d)["spec"]["template"]["spec"].__setitem__(
+        "restartPolicy", "Always"), "restartPolicy"),
+    "bad protocol": (lambda d: d[1]["spec"]["ports"][0].__setitem__("protocol", "tcp"), "protocol"),
+    "bad quantity": (lambda d: container(_job(d))["resources"]["requests"].__setitem__("cpu", "lots"), "cpu"),
+    "upper-case name": (lambda d: _job(d)["metadata"].__setitem__("name", "Fit-trainer"), "metadata.name"),
+    "bad label value": (lambda d: _job(d)["metadata"]["labels"].__setitem__("x", "a b"), "label"),
+    "secret key nobody holds": (lambda d: d[0]["stringData"].update({"other": d[0]["stringData"].pop(
+        k8s.SECRET_KEY)}), "PADDLE_JOB_SECRET"),
+    "subdomain of no Service": (lambda d: _job(d)["spec"]["template"]["spec"].__setitem__("subdomain", "other"),
+                                "subdomain"),
+    "Service not headless": (lambda d: d[1]["spec"].__setitem__("clusterIP", "10.0.0.1"), "headless"),
+    "Service selecting nothing": (lambda d: d[1]["spec"]["selector"].__setitem__(k8s.LABEL_JOB, "x"), "select"),
+    "mount of no volume": (lambda d: container(_job(d))["volumeMounts"][0].__setitem__("name", "v"), "volume"),
+}
+
+
+def test_unmutated_documents_pass() -> None:
+    assert problems(_docs()) == []
+
+
+@pytest.mark.parametrize("what", sorted(MUTATIONS))
+def test_a_broken_document_is_caught(what: str) -> None:
+    docs = copy.deepcopy(_docs())
+    mutate, named = MUTATIONS[what]
+    mutate(docs)
+    found = problems(docs)
+    assert found and any(named in p for p in found), found
+
+
+def test_from_dict_would_not_catch_a_misspelling() -> None:
+    """Why the checks use model_validate: the client's from_dict drops an unknown field without a word."""
+    doc = copy.deepcopy(_job(_docs()))
+    doc["spec"]["completionMod"] = "Indexed"
+    assert M.V1Job.from_dict(doc).spec.completions == doc["spec"]["completions"]
+    assert problems([doc])
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,named", [
+    (["--image", "img:1", "--job_name", "9lives"], "--job_name"),
+    (["--image", "img:1", "--job_name", "x" * 60], "--job_name"),
+    (["--image", "img:1", "--namespace", "Team_A"], "--namespace"),
+    (["--image", "has space"], "--image"),
+    (["--image", "img:1", "--pserver-requests", "cpu=lots"], "--pserver-requests"),
+    (["--image", "img:1", "--trainer-requests", "gpu"], "--trainer-requests"),
+    (["--image", "img:1", "--job_workspace", "ws"], "--job_workspace"),
+])
+def test_bad_input_is_one_clear_line(tmp_path: Path, args: List[str], named: str) -> None:
+    res = cli("render", "k8s", *args, cwd=tmp_path)
+    assert res.exit_code != 0 and res.stdout == "" and isinstance(res.exception, SystemExit)
+    assert "Traceback" not in res.stderr and named in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_build_from_the_builtin_default_uses_a_pod_path_not_this_machines() -> None:
+    job = k8s.build(builtin_default(), job_name="fit", image="img:1")
+    assert job.env.job_dir == "/home/paddle/fit" and (job.pservers, job.trainers) == (2, 2)
