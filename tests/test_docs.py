@@ -207,6 +207,7 @@ def test_required_blocks_are_marked() -> None:
     assert marked("docs/quickstart.md", "sh", "paddle-cluster plot")
     assert marked("docs/runtime.md", "python", "register_sparse")
     assert marked("docs/checkpoints.md", "python", "PADDLE_RESUME")
+    assert marked("docs/backends.md", "sh", "paddle-cluster render k8s")
 
 
 def test_markers_sit_right_above_a_fence() -> None:
