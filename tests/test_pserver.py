@@ -204,7 +204,7 @@ def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
         try:
             w = np.random.default_rng(0).standard_normal((512, 128)).astype(np.float32)  # 256 KB -> 4 blocks
             np.testing.assert_array_equal(ps.register_dense({"w": w})["w"], w)
-            blocks = ps._blocks["w"]
+            blocks = ps._dense.blocks["w"]
             assert len(blocks) == 4
             assert sorted(b.pserver for b in blocks) == [0, 0, 1, 1]
             assert {(b.pserver, b.conn) for b in blocks} == {(0, 0), (0, 1), (1, 0), (1, 1)}
@@ -218,7 +218,7 @@ def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
 @pytest.mark.timeout(30)
 def test_repeated_push_of_same_step_is_idempotent(tmp_path):
     from paddle_cluster.ps import protocol as P
-    from paddle_cluster.ps.client import _expect_ok, _pipeline
+    from paddle_cluster.ps.channel import expect_ok, pipeline
 
     env = H.make_env(1, 1, tmp_path)
     with H.procs(tmp_path) as pr:
@@ -232,7 +232,7 @@ def test_repeated_push_of_same_step_is_idempotent(tmp_path):
             # A retransmission of the step-0 push (same trainer, key, step) is acknowledged and ignored.
             ch = ps._dense_ch[0][0]
             frame = P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=0, step=0, length=g.nbytes)
-            ch.submit(_pipeline, [(frame, (g,))], [_expect_ok]).result()
+            ch.submit(pipeline, [(frame, (g,))], [expect_ok]).result()
             np.testing.assert_allclose(ps.pull()["v"], -1.0)
             assert ps.status()[0]["blocks"]["0"]["step"] == 1
         finally:

@@ -1,0 +1,163 @@
+"""The trainer's connections: one authenticated ``Channel`` per (pserver, port), each driven by one worker
+thread, and the helpers that pipeline requests over a channel and gather results across channels.
+
+Within one channel requests are pipelined (all frames sent, then all replies read); array bytes go
+straight between numpy buffers and the socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..contract import JobEnv
+from . import protocol as P
+from .errors import AuthError, ConnectionLost, PSError, from_wire
+
+
+class Channel:
+    """One authenticated connection to one pserver port, driven by one worker thread."""
+
+    def __init__(self, env: JobEnv, trainer: int, pserver: int, port: int, connect_timeout: float,
+                 io_timeout: float) -> None:
+        self.pserver = pserver
+        self.where = f"pserver {pserver} at {env.pservers[pserver].host}:{port}"
+        self.sock = open_socket(env.pservers[pserver].host, port, connect_timeout, self.where)
+        try:
+            P.tune_socket(self.sock)
+            self.sock.settimeout(min(30.0, io_timeout))
+            P.client_handshake(self.sock, env.secret, env.job_id, trainer)
+            self.sock.settimeout(io_timeout)
+        except AuthError as e:
+            self.sock.close()
+            raise AuthError(f"{self.where}: {e}") from None
+        except (OSError, PSError) as e:
+            self.sock.close()
+            raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
+        self.io_timeout = io_timeout
+        self.hbuf = bytearray(P.HEADER_SIZE)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
+        self.broken: Optional[str] = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self.pool.submit(self._guard, fn, *args)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.broken:
+            raise ConnectionLost(f"{self.where}: connection is broken ({self.broken})")
+        try:
+            return fn(self, *args)
+        except socket.timeout:
+            self.broken = f"no answer in {self.io_timeout:g} s (pserver hung or unreachable)"
+            raise ConnectionLost(f"{self.where}: {self.broken}") from None
+        except ConnectionLost as e:
+            self.broken = str(e)
+            raise ConnectionLost(f"{self.where}: {e}") from None
+        except OSError as e:
+            self.broken = str(e)
+            raise ConnectionLost(f"{self.where}: {e}") from None
+
+    def send(self, header: bytes, *payload: Any) -> None:
+        P.send_frame(self.sock, header, *payload)
+
+    def reply(self) -> P.Header:
+        """The next reply header; an ERROR reply is raised as its typed exception."""
+        h = P.recv_header(self.sock, self.hbuf, P.DEFAULT_MAX_FRAME_BYTES)
+        if h.op == P.Op.ERROR:
+            raise from_wire(h.status, P.recv_json(self.sock, h))
+        return h
+
+    def reply_json(self) -> Optional[Dict[str, Any]]:
+        h = self.reply()
+        if h.op != P.Op.OK:
+            raise ConnectionLost(f"expected OK, got {h.op_name()}")
+        return P.recv_json(self.sock, h) if h.length else None
+
+    def call_json(self, op: int, body: Any, key: int = 0, step: int = 0) -> Optional[Dict[str, Any]]:
+        self.send(P.json_frame(op, body, key=key, step=step))
+        return self.reply_json()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def reply_timeout(barrier_timeout: float) -> float:
+    """How long a trainer waits for any one reply: the barrier timeout plus a margin for the work."""
+    return barrier_timeout + max(10.0, barrier_timeout / 2)
+
+
+def open_socket(host: str, port: int, timeout: float, where: str) -> socket.socket:
+    """Connect, retrying while the pserver is not listening yet (trainers may start first)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+        except OSError as e:
+            if time.monotonic() + delay > deadline:
+                raise ConnectionLost(f"cannot connect to {where}: {e} (gave up after {timeout:g} s)") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def gather(futures: Sequence[Future]) -> List[Any]:
+    """Results of all futures (waiting for every one), raising the first error."""
+    results, first = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as e:  # noqa: B036 - re-raised below after every future finished
+            results.append(None)
+            first = first or e
+    if first is not None:
+        raise first
+    return results
+
+
+def pipeline(ch: Channel, frames: Sequence[Tuple[bytes, Tuple[Any, ...]]],
+              on_reply: Sequence[Callable[[Channel, P.Header], None]]) -> None:
+    """Send every frame, then read one reply per frame; the first error wins, later ones are drained."""
+    first: Optional[BaseException] = None
+    try:
+        for header, payload in frames:
+            ch.send(header, *payload)
+    except ConnectionLost as e:
+        first = e  # the pserver may have said why before closing: read on
+    for cb in on_reply:
+        try:
+            cb(ch, ch.reply())
+        except PSError as e:
+            if first is None or isinstance(first, ConnectionLost) and not isinstance(e, ConnectionLost):
+                first = e
+            if isinstance(e, ConnectionLost):
+                break
+    if first is not None:
+        raise first
+
+
+def expect_ok(ch: Channel, h: P.Header) -> None:
+    if h.op != P.Op.OK:
+        raise ConnectionLost(f"expected OK, got {h.op_name()}")
+    if h.length:
+        P.discard(ch.sock, h.length)
+
+
+def gather_all(futures: Sequence[Future], into: List[Any]) -> List[Any]:
+    """Like ``gather`` but keeps every successful result in ``into`` so it can be cleaned up on error."""
+    results, first = [], None
+    for f in futures:
+        try:
+            r = f.result()
+            into.append(r)
+            results.append(r)
+        except BaseException as e:  # noqa: B036 - re-raised below
+            first = first or e
+    if first is not None:
+        raise first
+    return results

@@ -1,0 +1,237 @@
+"""The trainer's side of the parameters it keeps on the pservers: dense parameters (placed in blocks over
+the pservers' dense channels) and sparse tables (sharded by ``id % n_pservers``), and the wire work of
+defining, pulling and pushing them. ``PSClient`` drives both with its step and its checks.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from . import protocol as P
+from .channel import Channel, expect_ok, gather, pipeline
+from .errors import ConnectionLost
+from .placement import Block, place_dense, shard_of, sparse_conn
+
+
+class DenseParams:
+    """Dense parameters: their blocks, this trainer's receive buffers, and the block versions it last pulled."""
+
+    def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int) -> None:
+        self.channels = channels  # [pserver][dense port]
+        self.conns_per_pserver = conns_per_pserver
+        self.max_block_bytes = max_block_bytes
+        self.values: Dict[str, np.ndarray] = {}
+        self.blocks: Dict[str, List[Block]] = {}
+        self.versions: Dict[int, int] = {}  # block key -> pserver's update count at our last pull
+        self._next_key = 0
+        self._loads: Optional[Tuple[int, ...]] = None
+
+    def _by_channel(self, blocks: Sequence[Block]) -> Dict[Channel, List[Block]]:
+        out: Dict[Channel, List[Block]] = {}
+        for b in blocks:
+            out.setdefault(self.channels[b.pserver][b.conn], []).append(b)
+        return out
+
+    def register(self, params: Mapping[str, Any], spec: Dict[str, Any], init: bool, step: int) -> List[str]:
+        """Define ``params`` on the pservers (``init``: send their values to blocks nobody initialised yet);
+        returns their names. Their values are the pservers' from the next ``pull`` on."""
+        dup = sorted(set(params) & set(self.values))
+        if dup:
+            raise ValueError(f"dense parameters {dup} are already registered")
+        arrays = {}
+        for name, value in params.items():
+            a = np.asarray(value)
+            P.dtype_code(a.dtype)
+            arrays[name] = np.ascontiguousarray(a)
+        placement = place_dense({n: (a.shape, a.dtype) for n, a in arrays.items()}, len(self.channels),
+                                self.conns_per_pserver, max_block_bytes=self.max_block_bytes,
+                                first_key=self._next_key, loads=self._loads)
+        self._next_key += len(placement.blocks)
+        self._loads = placement.loads
+        initialized: Dict[int, bool] = {}
+
+        def define(ch: Channel, blocks: List[Block]) -> None:
+            frames = [(P.json_frame(P.Op.DEF_DENSE, {**b.meta(), "optimizer": spec}, key=b.key), ()) for b in blocks]
+
+            def got(b: Block) -> Callable[[Channel, P.Header], None]:
+                def cb(ch: Channel, h: P.Header) -> None:
+                    initialized[b.key] = bool(P.recv_json(ch.sock, h)["initialized"])
+                return cb
+            pipeline(ch, frames, [got(b) for b in blocks])
+            if init:
+                mine = [b for b in blocks if not initialized[b.key]]
+                frames = [(P.pack_header(P.Op.INIT_DENSE, P.dtype_code(b.dtype), key=b.key, step=step,
+                                         length=b.nbytes), (arrays[b.name][b.lo:b.hi],)) for b in mine]
+                pipeline(ch, frames, [expect_ok] * len(mine))
+
+        gather([ch.submit(define, bl) for ch, bl in self._by_channel(placement.blocks).items()])
+        by_name = placement.by_name()
+        for name, a in arrays.items():
+            self.values[name] = np.empty(a.shape, dtype=a.dtype)
+            self.blocks[name] = by_name[name]
+        return list(arrays)
+
+    def pull(self, names: Sequence[str], step: int) -> Dict[str, np.ndarray]:
+        unknown = [n for n in names if n not in self.values]
+        if unknown:
+            raise KeyError(f"dense parameters {unknown} are not registered")
+
+        def fetch(ch: Channel, blocks: List[Block]) -> None:
+            frames = [(P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), key=b.key, step=step), ()) for b in blocks]
+
+            def into(b: Block) -> Callable[[Channel, P.Header], None]:
+                def cb(ch: Channel, h: P.Header) -> None:
+                    if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+                        raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
+                    P.recv_into(ch.sock, P.byte_view(self.values[b.name][b.lo:b.hi]))
+                    self.versions[b.key] = h.step
+                return cb
+            pipeline(ch, frames, [into(b) for b in blocks])
+
+        blocks = [b for n in names for b in self.blocks[n]]
+        gather([ch.submit(fetch, bl) for ch, bl in self._by_channel(blocks).items()])
+        return {n: self.values[n] for n in names}
+
+    def push(self, grads: Mapping[str, Any], step: int) -> List[Future]:
+        """Send a gradient of every registered parameter for ``step`` (without copying: the caller keeps
+        the arrays unchanged until the push is waited for)."""
+        missing = sorted(set(self.values) - set(grads))
+        extra = sorted(set(grads) - set(self.values))
+        if missing or extra:
+            raise KeyError(f"push needs gradients for exactly the registered dense parameters: "
+                           f"missing {missing}, unknown {extra}")
+        send: Dict[str, np.ndarray] = {}
+        for name, g in grads.items():
+            want = self.values[name]
+            g = np.ascontiguousarray(g, dtype=want.dtype)
+            if g.shape != want.shape:
+                raise ValueError(f"gradient of {name!r} has shape {g.shape}, the parameter has {want.shape}")
+            send[name] = g
+
+        def push_blocks(ch: Channel, blocks: List[Block]) -> None:
+            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
+                                     aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],)) for b in blocks]
+            pipeline(ch, frames, [expect_ok] * len(blocks))
+
+        blocks = [b for n in sorted(send) for b in self.blocks[n]]
+        return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(blocks).items()]
+
+
+@dataclass(frozen=True)
+class Table:
+    key: int
+    name: str
+    width: int
+    dtype: np.dtype
+
+
+class SparseTables:
+    """Sparse tables: each row lives on pserver ``id % n``, on one of its sparse channels per table."""
+
+    def __init__(self, channels: List[List[Channel]], control: Callable[[int], Channel]) -> None:
+        self.channels = channels  # [pserver][sparse port]
+        self.control = control
+        self.tables: Dict[str, Table] = {}
+        self.pushed: Set[str] = set()  # tables pushed for the current step
+        self._next_key = 0
+
+    def get(self, name: str) -> Table:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise KeyError(f"sparse table {name!r} is not registered") from None
+
+    def register(self, name: str, width: int, init_scale: float, seed: int, dtype: Any,
+                 spec: Dict[str, Any]) -> None:
+        if name in self.tables:
+            raise ValueError(f"sparse table {name!r} is already registered")
+        dt = np.dtype(dtype)
+        P.dtype_code(dt)
+        t = Table(self._next_key, name, int(width), dt)
+        body = {"name": name, "width": t.width, "dtype": dt.name, "init_scale": float(init_scale), "seed": int(seed),
+                "optimizer": spec}
+        gather([self.control(k).submit(Channel.call_json, P.Op.DEF_SPARSE, body, t.key)
+                for k in range(len(self.channels))])
+        self._next_key += 1
+        self.tables[name] = t
+
+    def _channel(self, t: Table, k: int) -> Channel:
+        chans = self.channels[k]
+        return chans[sparse_conn(t.key, len(chans))]
+
+    def pull(self, name: str, ids: Any, step: int) -> np.ndarray:
+        t = self.get(name)
+        ids = np.asarray(ids, dtype=np.int64)
+        uniq, inv = np.unique(ids.reshape(-1), return_inverse=True)
+        out = np.empty((len(uniq), t.width), dtype=t.dtype)
+        owner = shard_of(uniq, len(self.channels))
+
+        def fetch(ch: Channel, sel: np.ndarray) -> None:
+            sub = np.ascontiguousarray(uniq[sel])
+            rows = np.empty((len(sub), t.width), dtype=t.dtype)
+
+            def cb(ch: Channel, h: P.Header) -> None:
+                if h.op != P.Op.DATA or h.length != rows.nbytes:
+                    raise ConnectionLost(f"bad reply to sparse pull of {name!r}: {h}")
+                P.recv_into(ch.sock, P.byte_view(rows))
+            pipeline(ch, [(P.pack_header(P.Op.PULL_SPARSE, P.dtype_code(np.int64), key=t.key, step=step,
+                                         length=sub.nbytes, aux=len(sub)), (sub,))], [cb])
+            out[sel] = rows
+
+        futures = []
+        for k in range(len(self.channels)):
+            sel = np.flatnonzero(owner == k)
+            if len(sel):
+                futures.append(self._channel(t, k).submit(fetch, sel))
+        gather(futures)
+        return out[inv].reshape(ids.shape + (t.width,))
+
+    def push(self, name: str, ids: Any, grads: Any, step: int, all_ps: bool) -> List[Future]:
+        """Row gradients (duplicate ids summed here), at most once per table per step."""
+        t = self.get(name)
+        if name in self.pushed:
+            raise ValueError(f"sparse table {name!r} was already pushed for step {step}")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        grads = np.asarray(grads, dtype=t.dtype).reshape(-1, t.width)
+        if len(grads) != len(ids):
+            raise ValueError(f"push_sparse({name!r}): {len(ids)} ids but {len(grads)} gradient rows")
+        uniq, inv = np.unique(ids, return_inverse=True)
+        if len(uniq) == len(ids):
+            summed = np.empty_like(grads)
+            summed[inv] = grads
+        else:
+            summed = np.zeros((len(uniq), t.width), dtype=t.dtype)
+            np.add.at(summed, inv, grads)
+        self.pushed.add(name)
+        return self._push_rows(t, step, uniq, summed, all_ps)
+
+    def end_step(self, step: int, sync: bool) -> List[Future]:
+        """The step is over: in sync mode, an empty push for every table not pushed (barriers count every
+        trainer on every step)."""
+        futures: List[Future] = []
+        if sync:
+            empty = np.empty(0, dtype=np.int64)
+            for name, t in self.tables.items():
+                if name not in self.pushed:
+                    futures += self._push_rows(t, step, empty, np.empty((0, t.width), dtype=t.dtype), all_ps=True)
+        self.pushed.clear()
+        return futures
+
+    def _push_rows(self, t: Table, step: int, ids: np.ndarray, grads: np.ndarray, all_ps: bool) -> List[Future]:
+        owner = shard_of(ids, len(self.channels))
+        futures = []
+        for k in range(len(self.channels)):
+            sel = np.flatnonzero(owner == k)
+            if not len(sel) and not all_ps:
+                continue
+            sub_ids = np.ascontiguousarray(ids[sel])
+            sub_g = np.ascontiguousarray(grads[sel])
+            header = P.pack_header(P.Op.PUSH_SPARSE, P.dtype_code(t.dtype), key=t.key, step=step,
+                                   length=sub_ids.nbytes + sub_g.nbytes, aux=len(sub_ids))
+            futures.append(self._channel(t, k).submit(
+                lambda ch, hd=header, a=sub_ids, g=sub_g: pipeline(ch, [(hd, (a, g))], [expect_ok])))
+        return futures
