@@ -93,3 +93,11 @@ def test_write_final(tmp_path, capsys):
         M.write_final("bad name", 1.0, str(out))
     with pytest.raises(ValueError):
         M.write_final("acc", "high", str(out))
+
+
+def test_running_mean_is_sample_weighted():
+    m = M.RunningMean()
+    assert m.mean == 0.0 and m.count == 0
+    m.add(2.0, 3)
+    m.add(6.0)
+    assert m.count == 4 and m.total == 12.0 and m.mean == 3.0

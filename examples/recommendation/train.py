@@ -22,7 +22,7 @@ from paddle_cluster.contract import JobEnv
 from paddle_cluster.ps import OptimizerSpec, PSClient, connect, load_dense
 from paddle_cluster.train.data import shard
 from paddle_cluster.train.layers import dense_grads, dense_values, set_dense_values, sparse_grads, zero_grads
-from paddle_cluster.train.metrics import MetricsWriter, write_final
+from paddle_cluster.train.metrics import MetricsWriter, RunningMean, write_final
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for p in range(args.passes):
             if p and tid == 0:
                 ps.set_lr(args.lr * args.lr_decay ** p)
-            t0, sq = time.time(), 0.0
+            t0, mse_pass = time.time(), RunningMean()
             for sel in np.array_split(rng.permutation(len(mine)), steps):
                 s = mine[sel]
                 b = Batch(ds, s[:, 0], s[:, 1])
@@ -137,10 +137,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     ps.push_sparse(name, g.ids, g.rows * gscale)
                 ps.push({k: v * scale for k, v in dense_grads(model).items()})
                 mse = float(np.mean(diff * diff)) if len(diff) else 0.0
-                sq += mse * len(diff)
+                mse_pass.add(mse, len(diff))
                 metrics.log(p, step, mse, samples=len(diff), rmse=math.sqrt(mse))
                 step += 1
-            train_rmse = math.sqrt(sq / max(1, len(mine)))
+            train_rmse = math.sqrt(mse_pass.mean)
             line = f"pass {p} trainer {tid}: train_rmse={train_rmse:.4f} ({time.time() - t0:.1f} s)"
             if tid == 0:
                 if p == args.passes - 1 and args.mode == "async":

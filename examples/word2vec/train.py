@@ -21,7 +21,7 @@ from model import EMB_TABLE, NgramLM, perplexity, total_nll
 from paddle_cluster.contract import JobEnv
 from paddle_cluster.ps import OptimizerSpec, PSClient, connect, load_dense
 from paddle_cluster.train.layers import dense_grads, dense_values, set_dense_values, zero_grads
-from paddle_cluster.train.metrics import MetricsWriter, write_final
+from paddle_cluster.train.metrics import MetricsWriter, RunningMean, write_final
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -126,9 +126,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     params = table = None
     try:
         for p in range(args.passes):
-            t0, nll_sum, n_seen = time.time(), 0.0, 0
+            t0, nll = time.time(), RunningMean()
             rng = np.random.default_rng([args.seed, tid, p])
-            t_log, n_log, nll_log = time.time(), 0, 0.0
+            t_log, nll_log = time.time(), RunningMean()
             for k, sel in enumerate(np.array_split(rng.permutation(len(mine)), steps)):
                 s = mine[sel]
                 ctx = s[:, :-1]
@@ -142,18 +142,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 else:  # a share smaller than the step count: push zeros so sync barriers still count us
                     loss = 0.0
                 ps.push(dense_grads(model))
-                nll_sum += loss * len(s)
-                n_seen += len(s)
-                nll_log += loss * len(s)
-                n_log += len(s)
+                nll.add(loss, len(s))
+                nll_log.add(loss, len(s))
                 metrics.log(p, step, loss, samples=len(s), ppl=math.exp(min(loss, 50.0)))
                 step += 1
                 if (k + 1) % args.log_every == 0:
                     dt = time.time() - t_log
-                    print(f"pass {p} step {k + 1}/{steps} trainer {tid}: train_ppl={perplexity(nll_log, n_log):.1f} "
-                          f"{n_log / max(dt, 1e-9):.0f} samples/s", flush=True)
-                    t_log, n_log, nll_log = time.time(), 0, 0.0
-            line = (f"pass {p} trainer {tid}: train_ppl={perplexity(nll_sum, n_seen):.2f} "
+                    print(f"pass {p} step {k + 1}/{steps} trainer {tid}: "
+                          f"train_ppl={perplexity(nll_log.total, nll_log.count):.1f} "
+                          f"{nll_log.count / max(dt, 1e-9):.0f} samples/s", flush=True)
+                    t_log, nll_log = time.time(), RunningMean()
+            line = (f"pass {p} trainer {tid}: train_ppl={perplexity(nll.total, nll.count):.2f} "
                     f"({time.time() - t0:.1f} s)")
             if tid == 0:
                 last = p == args.passes - 1

@@ -41,6 +41,23 @@ def _jsonable(o: Any) -> Any:
     raise TypeError(f"metric value of type {type(o).__name__} is not JSON serialisable")
 
 
+class RunningMean:
+    """A sample-weighted running mean (e.g. of a loss over a pass): ``add(value, n)`` counts ``value`` n times."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, value: float, n: int = 1) -> None:
+        self.total += float(value) * n
+        self.count += n
+
+    @property
+    def mean(self) -> float:
+        """The mean so far; 0.0 before anything was added."""
+        return self.total / max(1, self.count)
+
+
 class MetricsWriter:
     """Appends one JSON object per ``log`` call to this trainer's metrics file."""
 
