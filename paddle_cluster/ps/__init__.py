@@ -33,10 +33,10 @@ from .errors import (
 )
 from .optim import OptimizerSpec
 from .placement import init_rows
-from .server import PServer
+from .server import PServer, serve
 
 __all__ = [
     "AuthError", "BarrierTimeout", "CheckpointError", "CheckpointInfo", "ConfigMismatch", "ConnectionLost",
     "OptimizerSpec", "PSClient", "PServer", "PSError", "ProtocolError", "PushHandle", "RemoteError", "UnknownKey",
-    "connect", "init_rows", "load_dense",
+    "connect", "init_rows", "load_dense", "serve",
 ]

@@ -339,7 +339,7 @@ def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optiona
         env = JobEnv.from_environ()
     if env is not None and env.role == PSERVER:
         raise ConfigMismatch("connect() is for trainers, but PADDLE_TRAINING_ROLE=PSERVER: run "
-                             "`python -m paddle_cluster.ps` (or paddle_cluster.ps.__main__.main()) instead")
+                             "`python -m paddle_cluster.ps` (or paddle_cluster.ps.server.serve(env)) instead")
     local = None
     if env is None:
         from .server import PServer
