@@ -20,7 +20,7 @@ if REPO not in sys.path:
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
 MB = 1 << 20
-SECRET = "bench-secret-0123456789abcdef"
+SECRET = "bench-secret-0123456789abcdef0123456789abcdef"
 
 
 @dataclass

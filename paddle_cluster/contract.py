@@ -9,6 +9,8 @@ three dialects at once so seed scripts run unchanged: Fluid (``PADDLE_TRAINING_R
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import os
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
@@ -26,6 +28,8 @@ ENV_FILE = "env"
 # The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
 # asks for it by this name.
 SECRET_VAR = "PADDLE_JOB_SECRET"
+# The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
+MIN_SECRET_CHARS = 32
 
 
 class ContractError(ValueError):
@@ -50,6 +54,24 @@ class Endpoint:
         return cls(host, int(port))
 
 
+def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
+    """Trainer ``trainer``'s own key (64 hex digits) from the job secret: a trainer gets this, never the
+    secret, so it can prove its own id and no other (pservers derive every trainer's key)."""
+    msg = b"paddle-cluster trainer key|" + job_id.encode("utf-8") + b"|" + str(int(trainer)).encode("ascii")
+    return hmac.new(secret.encode("utf-8"), msg, hashlib.sha256).hexdigest()
+
+
+def check_secret(value: str, var: str) -> None:
+    """Refuse an empty or short secret (``var`` names the variable) with how to provide one."""
+    if len(value) >= MIN_SECRET_CHARS:
+        return
+    state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
+    raise ContractError(
+        f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
+        "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
+        "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+
+
 def pserver_ports(first: int, ports_num: int, ports_num_for_sparse: int, index: int = 0) -> Tuple[int, ...]:
     """The ports of the ``index``-th of pservers laid out back to back from port ``first``: each takes
     ``ports_num`` dense ports, then ``ports_num_for_sparse`` sparse ones. The one port model of the job."""
@@ -71,7 +93,11 @@ class JobEnv:
     trainers: int
     ports_num: int = 1
     ports_num_for_sparse: int = 1
-    secret: str = ""
+    # The job secret: pservers (and the launcher) only. A trainer gets ``trainer_key`` instead.
+    secret: str = field(default="", repr=False)
+    trainer_key: str = field(default="", repr=False)
+    # Frames carry MACs (``INTEGRITY`` in the config; off only on an isolated fabric).
+    integrity: bool = True
     job_dir: str = ""
     workspace: str = ""
     barrier_timeout: float = 120.0
@@ -118,10 +144,23 @@ class JobEnv:
         return None if self.pserver_id is None else self.pservers[self.pserver_id]
 
     def for_process(self, role: str, index: int, current_ip: str) -> JobEnv:
-        """The contract of one process: trainer ``index`` or pserver ``index`` on ``current_ip``."""
+        """The contract of one process: trainer ``index`` (with its own key instead of the job secret) or
+        pserver ``index`` on ``current_ip``."""
         if role == TRAINER:
-            return dataclasses.replace(self, role=role, trainer_id=index, pserver_id=None, current_ip=current_ip)
-        return dataclasses.replace(self, role=role, pserver_id=index, trainer_id=None, current_ip=current_ip)
+            key = derive_trainer_key(self.secret, self.job_id, index) if self.secret else self.trainer_key
+            return dataclasses.replace(self, role=role, trainer_id=index, pserver_id=None, current_ip=current_ip,
+                                       secret="", trainer_key=key)
+        return dataclasses.replace(self, role=role, pserver_id=index, trainer_id=None, current_ip=current_ip,
+                                   trainer_key="")
+
+    def key_of(self, trainer: int) -> str:
+        """The key trainer ``trainer`` authenticates with: derived from the secret where this process holds
+        it, else its own ``trainer_key``. Refuses a missing or short one (``ContractError``)."""
+        if self.secret:
+            check_secret(self.secret, "PADDLE_JOB_SECRET")
+            return derive_trainer_key(self.secret, self.job_id, trainer)
+        check_secret(self.trainer_key, "PADDLE_TRAINER_KEY (or PADDLE_JOB_SECRET)")
+        return self.trainer_key
 
     # -- to and from the environment -----------------------------------------------------------
     def to_environ(self) -> Dict[str, str]:
@@ -144,13 +183,20 @@ class JobEnv:
             # the job's own
             "PADDLE_JOB_ID": self.job_id,
             "PADDLE_PSERVER_ENDPOINTS": eps,
-            SECRET_VAR: self.secret,
             "PADDLE_JOB_DIR": self.job_dir,
             "PADDLE_WORKSPACE": self.workspace,
             "PADDLE_BARRIER_TIMEOUT": repr(float(self.barrier_timeout)),
             # Unbuffered output so the launcher streams lines as they are printed.
             "PYTHONUNBUFFERED": "1",
         }
+        # The secret goes to pservers only (the job-wide part, role None, reaches every process); a trainer
+        # gets its own key.
+        if self.role == PSERVER and self.secret:
+            env[SECRET_VAR] = self.secret
+        if self.role == TRAINER and self.trainer_key:
+            env["PADDLE_TRAINER_KEY"] = self.trainer_key
+        if not self.integrity:
+            env["PADDLE_INTEGRITY"] = "0"
         if self.resume:
             env["PADDLE_RESUME"] = self.resume
         if self.checkpoint_dir:
@@ -212,6 +258,8 @@ class JobEnv:
             ports_num=_int(env, "PADDLE_INIT_PORTS_NUM") or 1,
             ports_num_for_sparse=_int(env, "PADDLE_INIT_PORTS_NUM_FOR_SPARSE") or 0,
             secret=env.get(SECRET_VAR, ""),
+            trainer_key=env.get("PADDLE_TRAINER_KEY", ""),
+            integrity=_bool(env, "PADDLE_INTEGRITY", True),
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
             barrier_timeout=_float(env, "PADDLE_BARRIER_TIMEOUT", 120.0),
@@ -222,6 +270,12 @@ class JobEnv:
             pserver_id=pserver_id if role != TRAINER else None,
             current_ip=current_ip,
         )
+
+
+def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
+    hand-started seed script names its pservers itself); "" when unset."""
+    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
 
 
 def job_id_of(environ: Mapping[str, str]) -> str:
@@ -274,6 +328,17 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
         except ValueError:
             raise ContractError(f"{name}={text!r}: expected an integer") from None
     return None
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = (env.get(name) or "").strip().lower()
+    if not text:
+        return default
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ContractError(f"{name}={env.get(name)!r}: expected 1 or 0")
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:

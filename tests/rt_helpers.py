@@ -23,7 +23,7 @@ sys.path.insert(0, REPO)
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
-SECRET = "test-secret-7f3a"
+SECRET = "test-secret-7f3a-0123456789abcdef0123456789"
 
 
 # -- ports and processes ----------------------------------------------------------------------------------
@@ -278,7 +278,30 @@ def scenario_die_after_step(out: str) -> None:
     time.sleep(600)
 
 
-SCENARIOS = {"dense": scenario_dense, "sparse": scenario_sparse, "die_after_step": scenario_die_after_step}
+def scenario_ones(out: str, steps: str = "3", lr: str = "0.5", mode: str = "sync", n: str = "16384",
+                  block: str = "32768") -> None:
+    """Two equal parameters in blocks of ``block`` bytes spread over the pservers, gradient 1 for ``steps``
+    steps. A runtime error ends the process with ``TRAINER_FAILED <type>: <message>`` and exit code 3."""
+    from paddle_cluster.ps import PSError
+
+    try:
+        ps = _connect(mode, float(lr), max_block_bytes=int(block))
+        zeros = {"w0": np.zeros(int(n), np.float32), "w1": np.zeros(int(n), np.float32)}
+        ps.register_dense(zeros)
+        ones = {k: np.ones_like(v) for k, v in zeros.items()}
+        for _ in range(int(steps)):
+            ps.pull()
+            ps.push(ones)
+        final = ps.pull()
+        np.savez(out, w0=final["w0"], w1=final["w1"], step=ps.step)
+        ps.close()
+    except PSError as e:
+        print(f"TRAINER_FAILED {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+
+
+SCENARIOS = {"dense": scenario_dense, "sparse": scenario_sparse, "die_after_step": scenario_die_after_step,
+             "ones": scenario_ones}
 
 if __name__ == "__main__":
     name, out_path = sys.argv[1], sys.argv[2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 
@@ -17,6 +18,7 @@ from paddle_cluster.contract import (
     Endpoint,
     JobEnv,
     ProcessEnv,
+    derive_trainer_key,
     pserver_ports,
     read_env_file,
     write_env_file,
@@ -27,8 +29,7 @@ FLUID = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "P
          "PADDLE_TRAINER_ID", "PADDLE_CURRENT_IP")
 V2 = ("PADDLE_INIT_PSERVERS", "PADDLE_INIT_PORT", "PADDLE_INIT_PORTS_NUM", "PADDLE_INIT_PORTS_NUM_FOR_SPARSE",
       "PADDLE_INIT_NUM_GRADIENT_SERVERS", "PADDLE_INIT_TRAINER_ID")
-JOB = ("PADDLE_JOB_ID", "PADDLE_PSERVER_ENDPOINTS", "PADDLE_JOB_SECRET", "PADDLE_JOB_DIR", "PADDLE_WORKSPACE",
-       "PADDLE_BARRIER_TIMEOUT")
+JOB = ("PADDLE_JOB_ID", "PADDLE_PSERVER_ENDPOINTS", "PADDLE_JOB_DIR", "PADDLE_WORKSPACE", "PADDLE_BARRIER_TIMEOUT")
 
 
 def job(**kw) -> JobEnv:
@@ -51,7 +52,8 @@ def test_round_trip(form):
     elif form == "pserver":
         env = env.for_process(PSERVER, 1, "10.0.0.1")
     back = JobEnv.from_environ(env.to_environ())
-    assert back == env
+    # The job-wide form reaches every process: it carries no secret (pservers get it, trainers their key).
+    assert back == (dataclasses.replace(env, secret="") if form == "job" else env)
     assert back.role == env.role and back.trainer_id == env.trainer_id and back.pserver_id == env.pserver_id
 
 
@@ -71,6 +73,8 @@ def test_round_trip_property(data, n_ps, trainers, ports_num, sparse, timeout):
         env = env.for_process(TRAINER, data.draw(st.integers(0, trainers - 1)), data.draw(hosts))
     elif role == PSERVER:
         env = env.for_process(PSERVER, data.draw(st.integers(0, n_ps - 1)), data.draw(hosts))
+    else:
+        env = dataclasses.replace(env, secret="")  # the job-wide form carries no secret
     assert JobEnv.from_environ(env.to_environ()) == env
 
 
@@ -93,7 +97,10 @@ def test_trainer_names_and_values():
     assert e["PADDLE_INIT_TRAINER_ID"] == "2"
     assert e["PADDLE_JOB_ID"] == "JOB20240101-ab12"
     assert e["PADDLE_PSERVER_ENDPOINTS"] == "10.0.0.1:7164,10.0.0.1:7169,10.0.0.2:7164,10.0.0.2:7169"
-    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8
+    # A trainer gets its own key, never the job secret.
+    assert "PADDLE_JOB_SECRET" not in e
+    assert e["PADDLE_TRAINER_KEY"] == derive_trainer_key("s3cr3t" * 8, "JOB20240101-ab12", 2)
+    assert e["PADDLE_TRAINER_KEY"] != job().for_process(TRAINER, 1, "10.0.0.2").to_environ()["PADDLE_TRAINER_KEY"]
     assert e["PADDLE_JOB_DIR"] == "/home/paddle/JOB1"
     assert e["PADDLE_WORKSPACE"] == "/home/paddle/JOB1/ws"
     assert float(e["PADDLE_BARRIER_TIMEOUT"]) == 30.5
@@ -109,6 +116,7 @@ def test_pserver_names_and_values():
     assert e["PADDLE_PSERVER_ID"] == "3"
     assert e["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:7169"
     assert "PADDLE_TRAINER_ID" not in e and "PADDLE_INIT_TRAINER_ID" not in e
+    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8 and "PADDLE_TRAINER_KEY" not in e
 
 
 def test_job_wide_form_has_no_per_process_names():
@@ -116,7 +124,21 @@ def test_job_wide_form_has_no_per_process_names():
     for name in ("PADDLE_TRAINING_ROLE", "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID", "PADDLE_CURRENT_IP",
                  "PADDLE_PSERVER_ID", "PADDLE_CURRENT_ENDPOINT"):
         assert name not in e
-    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8
+    assert "PADDLE_JOB_SECRET" not in e and "PADDLE_TRAINER_KEY" not in e
+
+
+def test_secrets_stay_out_of_reprs_and_short_ones_are_refused():
+    env = job()
+    for e in (env, env.for_process(TRAINER, 1, "h"), env.for_process(PSERVER, 0, "h")):
+        assert "s3cr3t" not in repr(e) and derive_trainer_key("s3cr3t" * 8, env.job_id, 1) not in repr(e)
+    with pytest.raises(ContractError, match="PADDLE_JOB_SECRET has 5 characters, fewer than 32.*secrets.token_hex"):
+        job(secret="short").key_of(0)
+    with pytest.raises(ContractError, match=r"PADDLE_TRAINER_KEY \(or PADDLE_JOB_SECRET\) is not set.*token_hex"):
+        job(secret="").key_of(0)
+    assert env.for_process(TRAINER, 1, "h").key_of(1) == derive_trainer_key("s3cr3t" * 8, env.job_id, 1)
+    assert JobEnv.from_environ({**env.to_environ(), "PADDLE_INTEGRITY": "0"}).integrity is False
+    with pytest.raises(ContractError, match="PADDLE_INTEGRITY"):
+        JobEnv.from_environ({**env.to_environ(), "PADDLE_INTEGRITY": "maybe"})
 
 
 def test_extra_variables_are_passed_through():
@@ -221,7 +243,7 @@ def test_env_file_is_owner_only_and_round_trips(tmp_path):
     back = read_env_file(str(path))
     assert back == env.to_environ()
     assert back["WEIRD"] == "a=b c\rd"
-    assert JobEnv.from_environ(back) == env
+    assert JobEnv.from_environ(back) == dataclasses.replace(env, secret="")
     assert "stale" not in path.read_text()
 
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv, derive_trainer_key
 from paddle_cluster.ps import load_dense
 from paddle_cluster.ps.server import PServer
 from paddle_cluster.train import fluid, layers
@@ -87,13 +87,14 @@ def test_pserver_program_endpoint_errors():
 
 def test_transpile_takes_the_launcher_contract(monkeypatch):
     job = JobEnv("j1", (Endpoint("127.0.0.1", 7164), Endpoint("127.0.0.1", 7166)), trainers=3, ports_num=1,
-                 ports_num_for_sparse=1, secret="s3cret")
+                 ports_num_for_sparse=1, secret="s3cret" * 8)
     for k, v in job.for_process(TRAINER, 2, "127.0.0.1").to_environ().items():
         monkeypatch.setenv(k, v)
     t = fluid.DistributeTranspiler()
     t.transpile(program=program(), sync_mode=False)
     assert t.env.pservers == job.pservers and t.env.trainers == 3 and t.env.trainer_id == 2
-    assert t.env.secret == "s3cret" and t.mode == "async"
+    # A trainer holds its own key, never the job secret.
+    assert t.env.trainer_key == derive_trainer_key("s3cret" * 8, "j1", 2) and not t.env.secret and t.mode == "async"
     # The seed's own construction (one port for every IP) names one pserver twice: said plainly.
     with pytest.raises(fluid.FluidError, match="listed twice"):
         t.transpile(2, program=program(), pservers="127.0.0.1:7164,127.0.0.1:7164", trainers=3)
@@ -196,14 +197,16 @@ def _train_distributed(eps, trainers, batch, x, y, steps, out):
     return load_dense(os.path.join(out, "params.npz"))
 
 
-def test_two_trainers_two_pservers_sync_match_one_trainer(tmp_path):
+def test_two_trainers_two_pservers_sync_match_one_trainer(tmp_path, monkeypatch):
     """Sync with B per trainer on 2 trainers == 1 trainer with 2B: the same global batch every step."""
     x, y = regression(n=96)
     results = []
+    secret = "fluid-test-secret-0123456789abcdef"
+    monkeypatch.setenv("PADDLE_JOB_SECRET", secret)  # a hand-started job: every process gets the secret
     for trainers, n_ps, batch in ((1, 1, 16), (2, 2, 8)):
         ports = _free_ports(n_ps)
         env = JobEnv("fluid", tuple(Endpoint("127.0.0.1", p) for p in ports), trainers=trainers, ports_num=1,
-                     ports_num_for_sparse=0, job_dir=str(tmp_path))
+                     ports_num_for_sparse=0, job_dir=str(tmp_path), secret=secret)
         servers = [PServer(env, k).start() for k in range(n_ps)]
         try:
             eps = ",".join(str(e) for e in env.pservers)

@@ -1,16 +1,21 @@
-"""Wire format, handshake, placement and row initialisation (no pserver process needed)."""
+"""Wire format, frame MACs, handshake, placement and row initialisation (no pserver process needed)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import socket
 import threading
 
 import numpy as np
 import pytest
 
+from paddle_cluster.contract import Endpoint, JobEnv, derive_trainer_key
+from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import errors as E
 from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.placement import init_rows, place_dense, shard_of, split_rows
+from paddle_cluster.ps.stream import SEGMENT, Stream
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,38 +28,99 @@ def test_header_roundtrip_and_checks():
     assert h.pack() == raw
     with pytest.raises(E.ProtocolError, match="bad magic"):
         P.unpack_header(b"XXXX" + raw[4:])
-    with pytest.raises(E.ProtocolError, match="unsupported protocol version 2"):
-        P.unpack_header(raw[:4] + (2).to_bytes(2, "little") + raw[6:])
+    with pytest.raises(E.ProtocolError, match="unsupported protocol version 3"):
+        P.unpack_header(raw[:4] + (3).to_bytes(2, "little") + raw[6:])
     with pytest.raises(E.ProtocolError, match="exceeds the 100-byte cap"):
         P.unpack_header(raw, max_frame=100)
     with pytest.raises(ValueError, match="not supported on the wire"):
         P.dtype_code(np.complex64)
 
 
-def test_big_array_goes_through_one_frame_unchanged():
+def _keys():
+    """Both ends' keys of one connection, as the handshake would derive them."""
+    c2s, s2c = A.Mac(b"k" * 32), A.Mac(b"j" * 32)
+    return A.Keys(send=c2s, recv=s2c), A.Keys(send=s2c, recv=c2s)
+
+
+@pytest.mark.parametrize("integrity", [True, False])
+def test_big_array_goes_through_one_frame_unchanged(integrity):
     a, b = socket.socketpair()
+    ka, kb = _keys() if integrity else (None, None)
     src = np.random.default_rng(0).standard_normal((1 << 20) + 3).astype(np.float32)
     dst = np.empty_like(src)
-    t = threading.Thread(target=P.send_frame, args=(a, P.pack_header(P.Op.DATA, length=src.nbytes), src))
+    sa, sb = Stream(a, ka), Stream(b, kb)
+    t = threading.Thread(target=sa.send, args=(P.pack_header(P.Op.DATA, length=src.nbytes), src[:5], src[5:]))
     t.start()
-    h = P.recv_header(b, bytearray(P.HEADER_SIZE))
-    P.recv_into(b, P.byte_view(dst))
+    h = sb.recv_header()
+    sb.recv_into(dst)
     t.join()
-    assert h.length == src.nbytes
+    assert h.length == src.nbytes and sb.left == 0
     np.testing.assert_array_equal(dst, src)
     a.close()
     with pytest.raises(E.ConnectionLost):
-        P.recv_into(b, P.byte_view(dst))
+        sb.recv_header()
     b.close()
 
 
-def _handshake(server_secret, client_secret):
+def test_mac_is_hmac_sha256_and_streams():
+    key, data = b"secret key" * 3, np.arange(100_000, dtype=np.uint8).tobytes()
+    m = A.Mac(key)
+    prefix = (7).to_bytes(8, "little") + b"H" * 40
+    run = m.start(7, b"H" * 40)
+    assert m.tag(run) == hmac.new(key, prefix, hashlib.sha256).digest()[: A.TAG_SIZE]
+    run.update(data[:1000])
+    run.update(data[1000:])
+    assert m.tag(run) == hmac.new(key, prefix + data, hashlib.sha256).digest()[: A.TAG_SIZE]
+
+
+class _Tap:
+    """A socket stand-in that records what a Stream sends."""
+
+    def __init__(self):
+        self.out = []
+
+    def sendmsg(self, views):
+        self.out.append(b"".join(bytes(v) for v in views))
+        return sum(len(v) for v in views)
+
+
+def _send_quietly(sock, data):
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the reader gave up at the bad tag
+
+
+@pytest.mark.parametrize("where", [0, 41, P.HEADER_SIZE + A.TAG_SIZE + SEGMENT + 3])
+def test_a_flipped_bit_anywhere_fails_its_mac(where):
+    """Header, first segment or a later one: the frame fails before its bytes are used."""
+    ka, kb = _keys()
+    payload = np.zeros(SEGMENT + 100, np.uint8)
+    tap = _Tap()
+    Stream(tap, ka).send(P.pack_header(P.Op.DATA, length=payload.nbytes), payload)
+    wire = bytearray(b"".join(tap.out))
+    assert len(wire) == P.HEADER_SIZE + payload.nbytes + 3 * A.TAG_SIZE  # header, 2 segments: 3 tags
+    wire[where] ^= 1
+    a, b = socket.socketpair()
+    t = threading.Thread(target=_send_quietly, args=(a, bytes(wire)))
+    t.start()
+    sb = Stream(b, kb)
+    with pytest.raises(E.IntegrityError):
+        sb.recv_header()
+        sb.recv_into(np.empty_like(payload))
+    b.close()
+    t.join()
+    a.close()
+
+
+def _handshake(server_secret, client_key, *, trainer=1, client_ps=0, integrity=(True, True)):
+    env = JobEnv("job", (Endpoint("h", 1),), 2, secret=server_secret)
     a, b = socket.socketpair()
     result = {}
 
     def server():
         try:
-            result["trainer"] = P.server_handshake(b, server_secret, "job", 2)
+            result["trainer"], result["keys"] = A.server_handshake(b, env.key_of, "job", 0, 2, integrity[0])
         except E.PSError as e:
             result["error"] = e
             b.close()
@@ -62,18 +128,29 @@ def _handshake(server_secret, client_secret):
     t = threading.Thread(target=server)
     t.start()
     try:
-        P.client_handshake(a, client_secret, "job", 1)
+        keys = A.client_handshake(a, client_key, "job", client_ps, trainer, integrity[1])
     finally:
         t.join()
         a.close()
         b.close()
-    return result
+    return result, keys
 
 
-def test_handshake_accepts_the_secret_and_refuses_others():
-    assert _handshake("s3cret", "s3cret") == {"trainer": 1}
-    with pytest.raises(E.AuthError, match="refused our answer"):
-        _handshake("s3cret", "guess")
+def test_handshake_proves_the_trainer_key_and_binds_pserver_and_integrity():
+    secret = "s3cret" * 8
+    res, keys = _handshake(secret, derive_trainer_key(secret, "job", 1))
+    assert res["trainer"] == 1
+    # The two ends agree on the keys, and each direction has its own.
+    tag = lambda m: m.tag(m.start(0, b"x"))  # noqa: E731
+    assert tag(keys.send) == tag(res["keys"].recv) and tag(keys.recv) == tag(res["keys"].send)
+    assert tag(keys.send) != tag(keys.recv)
+    bad = [dict(client_key=derive_trainer_key("guess" * 8, "job", 1)),  # another secret
+           dict(client_key=derive_trainer_key(secret, "job", 0)),  # trainer 0's key claiming id 1
+           dict(client_key=derive_trainer_key(secret, "job", 1), client_ps=1),  # meant for another pserver
+           dict(client_key=derive_trainer_key(secret, "job", 1), integrity=(True, False))]  # a downgrade
+    for kw in bad:
+        with pytest.raises(E.AuthError, match="refused our answer"):
+            _handshake(secret, **kw)
 
 
 def test_error_round_trip_keeps_type_and_missing_trainers():

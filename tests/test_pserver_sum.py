@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import rt_helpers as H
 
 from paddle_cluster.contract import Endpoint, JobEnv
 from paddle_cluster.ps import OptimizerSpec
@@ -20,7 +21,7 @@ from paddle_cluster.ps.server import PServer
 @pytest.mark.parametrize("trainers,opt", [(1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "momentum"), (3, "momentum")])
 def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
     env = JobEnv(job_id="sum", pservers=(Endpoint("127.0.0.1", 0),), trainers=trainers, ports_num=1,
-                 ports_num_for_sparse=0, secret="s", job_dir=str(tmp_path), barrier_timeout=20)
+                 ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=20)
     server = PServer(env, 0).start()
     env = replace(env, pservers=(Endpoint("127.0.0.1", server.ports[0]),))
     rng = np.random.default_rng(7)

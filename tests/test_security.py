@@ -28,6 +28,7 @@ from test_launcher import assert_nothing_left, cli
 from paddle_cluster import contract
 from paddle_cluster.launch.config import KEYS, ClusterConfig, ConfigWarning, load_config
 from paddle_cluster.launch.errors import ConfigError
+from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
 
@@ -167,11 +168,11 @@ def test_fuzz_json_decoder(data):
 
 
 def _valid_response_prefix():
-    return P.pack_header(P.Op.AUTH_RESPONSE, P.DTYPE_NONE, trainer=0, length=P.MAC_SIZE + P.NONCE_SIZE)
+    return P.pack_header(P.Op.AUTH_RESPONSE, P.DTYPE_NONE, trainer=0, length=A.MAC_SIZE + A.NONCE_SIZE)
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=200), st.binary(max_size=P.MAC_SIZE + P.NONCE_SIZE).map(
+@given(st.one_of(st.binary(max_size=200), st.binary(max_size=A.MAC_SIZE + A.NONCE_SIZE).map(
     lambda b: _valid_response_prefix() + b)))
 def test_fuzz_server_handshake_refuses_anything_forged(data):
     """Whatever an unauthenticated peer sends, the handshake ends in a refusal, never a trainer id."""
@@ -179,11 +180,12 @@ def test_fuzz_server_handshake_refuses_anything_forged(data):
     a.settimeout(2)
     b.settimeout(2)
     try:
-        t = threading.Thread(target=lambda: (b.recv(P.HEADER_SIZE + P.NONCE_SIZE), b.sendall(data),
+        t = threading.Thread(target=lambda: (b.recv(P.HEADER_SIZE + A.NONCE_SIZE), b.sendall(data),
                                              b.shutdown(socket.SHUT_WR)), daemon=True)
         t.start()
         with pytest.raises((AuthError, ProtocolError, ConnectionLost, OSError)):
-            P.server_handshake(a, "s" * 64, "job-1", 4)
+            A.server_handshake(a, lambda t: contract.derive_trainer_key("s" * 64, "job-1", t), "job-1", 0, 4, True,
+                               timeout=2.0)
         t.join(5)
     finally:
         a.close()

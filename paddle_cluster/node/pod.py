@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.contract import PSERVER, ContractError, JobEnv
+from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, JobEnv
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
 POLL_S = 0.2
@@ -117,6 +117,8 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
     proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
+    if env.role != PSERVER:
+        proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
     if env.job_dir:
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
     sys.stdout.flush()

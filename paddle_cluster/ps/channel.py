@@ -13,22 +13,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..contract import JobEnv
+from . import auth
 from . import protocol as P
 from .errors import AuthError, ConnectionLost, PSError, from_wire
+from .stream import Stream
 
 
 class Channel:
     """One authenticated connection to one pserver port, driven by one worker thread."""
 
-    def __init__(self, env: JobEnv, trainer: int, pserver: int, port: int, connect_timeout: float,
+    def __init__(self, env: JobEnv, key: str, trainer: int, pserver: int, port: int, connect_timeout: float,
                  io_timeout: float) -> None:
         self.pserver = pserver
         self.where = f"pserver {pserver} at {env.pservers[pserver].host}:{port}"
         self.sock = open_socket(env.pservers[pserver].host, port, connect_timeout, self.where)
         try:
             P.tune_socket(self.sock)
-            self.sock.settimeout(min(30.0, io_timeout))
-            P.client_handshake(self.sock, env.secret, env.job_id, trainer)
+            keys = auth.client_handshake(self.sock, key, env.job_id, pserver, trainer, env.integrity)
             self.sock.settimeout(io_timeout)
         except AuthError as e:
             self.sock.close()
@@ -37,7 +38,7 @@ class Channel:
             self.sock.close()
             raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
         self.io_timeout = io_timeout
-        self.hbuf = bytearray(P.HEADER_SIZE)
+        self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         self.broken: Optional[str] = None
 
@@ -60,23 +61,24 @@ class Channel:
             raise ConnectionLost(f"{self.where}: {e}") from None
 
     def send(self, header: bytes, *payload: Any) -> None:
-        P.send_frame(self.sock, header, *payload)
+        self.stream.send(header, *payload)
 
     def reply(self) -> P.Header:
         """The next reply header; an ERROR reply is raised as its typed exception."""
-        h = P.recv_header(self.sock, self.hbuf, P.DEFAULT_MAX_FRAME_BYTES)
+        h = self.stream.recv_header()
         if h.op == P.Op.ERROR:
-            raise from_wire(h.status, P.recv_json(self.sock, h))
+            raise from_wire(h.status, self.stream.recv_json(h))
         return h
 
     def reply_json(self) -> Optional[Dict[str, Any]]:
         h = self.reply()
         if h.op != P.Op.OK:
             raise ConnectionLost(f"expected OK, got {h.op_name()}")
-        return P.recv_json(self.sock, h) if h.length else None
+        return self.stream.recv_json(h) if h.length else None
 
     def call_json(self, op: int, body: Any, key: int = 0, step: int = 0) -> Optional[Dict[str, Any]]:
-        self.send(P.json_frame(op, body, key=key, step=step))
+        header, payload = json_request(op, body, key=key, step=step)
+        self.send(header, *payload)
         return self.reply_json()
 
     def close(self) -> None:
@@ -141,11 +143,17 @@ def pipeline(ch: Channel, frames: Sequence[Tuple[bytes, Tuple[Any, ...]]],
         raise first
 
 
+def json_request(op: int, body: Any, key: int = 0, step: int = 0) -> Tuple[bytes, Tuple[Any, ...]]:
+    """A JSON request as the (header, payload) pair ``send`` and ``pipeline`` take."""
+    data = P.encode_json(body)
+    return P.pack_header(op, P.DTYPE_JSON, key=key, step=step, length=len(data)), (data,)
+
+
 def expect_ok(ch: Channel, h: P.Header) -> None:
     if h.op != P.Op.OK:
         raise ConnectionLost(f"expected OK, got {h.op_name()}")
     if h.length:
-        P.discard(ch.sock, h.length)
+        ch.stream.discard()
 
 
 def gather_all(futures: Sequence[Future], into: List[Any]) -> List[Any]:

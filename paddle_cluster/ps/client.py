@@ -91,6 +91,7 @@ class PSClient:
         # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
         # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
         io_timeout = reply_timeout(env.barrier_timeout)
+        key = env.key_of(self.trainer_id)  # refuses a missing or short secret before any connection
         self._dense_ch: List[List[Channel]] = []
         self._sparse_ch: List[List[Channel]] = []
         self._all: List[Channel] = []
@@ -99,8 +100,8 @@ class PSClient:
             with ThreadPoolExecutor(max_workers=max(1, min(32, self.n_pservers * env.ports_per_pserver))) as ex:
                 for k in range(self.n_pservers):
                     for port in env.all_ports(k):
-                        opened[(k, port)] = ex.submit(Channel, env, self.trainer_id, k, port, connect_timeout,
-                                                      io_timeout)
+                        opened[(k, port)] = ex.submit(Channel, env, key, self.trainer_id, k, port,
+                                                      connect_timeout, io_timeout)
                 chans = dict(zip(opened, gather_all(list(opened.values()), self._all)))
             for k in range(self.n_pservers):
                 self._dense_ch.append([chans[(k, p)] for p in env.dense_ports(k)])

@@ -62,6 +62,18 @@ class RemoteError(PSError):
     code = 8
 
 
+class IntegrityError(ProtocolError):
+    """A frame failed its MAC: changed, replayed, reordered, reflected or spliced in by someone on the path."""
+
+    code = 10
+
+
+class Forbidden(PSError):
+    """The request is not allowed to this trainer's role (e.g. SAVE from a trainer other than 0)."""
+
+    code = 11
+
+
 @dataclass(frozen=True)
 class MissingTrainer:
     """A trainer a barrier is still waiting for."""
@@ -102,7 +114,7 @@ class BarrierTimeout(PSError):
 _BY_CODE: Dict[int, Type[PSError]] = {
     cls.code: cls
     for cls in (PSError, ProtocolError, AuthError, ConfigMismatch, UnknownKey, CheckpointError,
-                ConnectionLost, RemoteError, BarrierTimeout)
+                ConnectionLost, RemoteError, BarrierTimeout, IntegrityError, Forbidden)
 }
 
 

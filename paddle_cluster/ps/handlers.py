@@ -1,6 +1,6 @@
 """One function per request op, the op table ``OPS``, and ``dispatch``: what a request costs when it fails.
 
-A handler reads its payload (setting ``conn.consumed``), does its work and replies. A request-level failure
+A handler reads its payload (``conn.stream``), does its work and replies. A request-level failure
 (a barrier timeout, a mismatch) is reported to the trainer and the connection stays; malformed input drops
 the connection; a bug costs one connection, never the pserver.
 """
@@ -174,10 +174,10 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         mine = not (b.initialized or b.initializing)
         b.initializing = b.initializing or mine
     if not mine:
-        conn.discard(h.length)
+        conn.discard()
     else:
         try:
-            P.recv_into(conn.sock, P.byte_view(b.param))
+            conn.stream.recv_into(b.param)
         except BaseException:
             with b.cv:
                 b.initializing = False
@@ -186,7 +186,6 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         with b.cv:
             b.initialized, b.initializing = True, False
             b.cv.notify_all()
-    conn.consumed = True
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -197,8 +196,8 @@ def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         step = b.step
     # Sent outside the lock: in sync mode nothing can update this block until this trainer pushes again,
     # and a stalled reader must never block the other trainers. Async pulls may see a concurrent update.
-    P.send_frame(conn.sock, P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step,
-                                          length=b.nbytes), b.param)
+    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
+                     b.param, volatile=ps.sync.mode != "sync")
 
 
 def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -225,20 +224,18 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
             b.receiving.add(t)
             b.acc_busy = b.acc_busy or direct
     if dup:
-        conn.discard(h.length)  # an idempotent repeat of a push already counted
-        conn.consumed = True
+        conn.discard()  # an idempotent repeat of a push already counted
         conn.reply_ok(key=h.key, step=b.step)
         return
     dest = b.acc if direct else conn.buffer(b.shape, b.dtype)
     try:
-        P.recv_into(conn.sock, P.byte_view(dest))
+        conn.stream.recv_into(dest)
     except BaseException:
         with b.cv:
             b.receiving.discard(t)
             b.acc_busy = b.acc_busy and not direct
             b.cv.notify_all()
         raise
-    conn.consumed = True
     with b.cv:
         try:
             if not in_sync:
@@ -284,8 +281,7 @@ def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
         raise ProtocolError(f"{t.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
     P.expect_length(h, 8 * n, f"{t.describe()}: pull of {n} ids")
     ids = np.empty(n, dtype=np.int64)
-    P.recv_into(conn.sock, P.byte_view(ids))
-    conn.consumed = True
+    conn.stream.recv_into(ids)
     t.check_ids(ids)
     with t.cv:
         ps.sync.wait_step(t, h.step, "pull")
@@ -293,8 +289,8 @@ def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
             rows = t.table[pos]
         step = t.step
-    P.send_frame(conn.sock, P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step,
-                                          length=rows.nbytes, aux=n), rows)
+    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes,
+                                   aux=n), rows)
 
 
 def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -309,14 +305,12 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
         if not dup:
             t.receiving.add(tr)
     if dup:
-        conn.discard(h.length)
+        conn.discard()
     else:
         try:
             ids = np.empty(n, dtype=np.int64)
             grads = np.empty((n, t.width), dtype=t.dtype)
-            P.recv_into(conn.sock, P.byte_view(ids))
-            P.recv_into(conn.sock, P.byte_view(grads))
-            conn.consumed = True
+            conn.stream.recv_into(ids, grads)
             t.check_ids(ids)
         finally:
             with t.cv:
@@ -328,7 +322,6 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
                 t.pending[tr] = (ids, grads)
                 sync.complete_table(t)
             t.cv.notify_all()
-    conn.consumed = True
     conn.reply_ok(key=h.key, step=t.step)
 
 
@@ -360,8 +353,7 @@ def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
 
 def close(ps: PServer, conn: Conn, h: P.Header) -> None:
     if h.length:
-        conn.discard(h.length)
-        conn.consumed = True
+        conn.discard()
     conn.reply_ok()
     if ps.sync.close_trainer(conn.trainer, [*ps.blocks.values(), *ps.tables.values()]):
         log.info("pserver %d: all %d trainers closed; exiting", ps.pserver_id, ps.env.trainers)
@@ -439,7 +431,7 @@ def dispatch(ps: PServer, conn: Conn, h: P.Header) -> bool:
         if isinstance(e, BarrierTimeout):
             log.warning("%s", e)
         if not conn.consumed:
-            conn.discard(h.length)
+            conn.discard()
         conn.reply_error(e)
         return True
     except OSError:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from ..contract import JobEnv
+from . import auth
 from . import protocol as P
 from .errors import AuthError, ConnectionLost, ProtocolError, PSError
+from .stream import Stream
 
 log = logging.getLogger("paddle_cluster.ps")
 
@@ -30,15 +33,16 @@ class Conn:
         self.port = port
         self.pserver_id = pserver_id
         self.trainer = -1
-        self.hbuf = bytearray(P.HEADER_SIZE)
-        self.consumed = True  # the current request's payload has been read (or it had none)
-        self.scratch: Optional[bytearray] = None
+        self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
 
-    def discard(self, n: int) -> None:
-        if self.scratch is None:
-            self.scratch = bytearray(1 << 20)
-        P.discard(self.sock, n, self.scratch)
+    @property
+    def consumed(self) -> bool:
+        """The current request's payload has been read (or it had none)."""
+        return self.stream.left == 0
+
+    def discard(self) -> None:
+        self.stream.discard()
 
     def buffer(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """This connection's receive buffer as an array of ``shape`` (reused by every push)."""
@@ -48,22 +52,20 @@ class Conn:
         return self.rbuf[:nbytes].view(dtype).reshape(shape)
 
     def read_json(self, h: P.Header) -> Dict[str, Any]:
-        body = P.recv_json(self.sock, h)
-        self.consumed = True
-        return body
+        return self.stream.recv_json(h)
 
     def reply_ok(self, body: Optional[Dict[str, Any]] = None, *, key: int = 0, step: int = 0) -> None:
         if body is None:
-            P.send_frame(self.sock, P.pack_header(P.Op.OK, key=key, step=step))
+            self.stream.send(P.pack_header(P.Op.OK, key=key, step=step))
         else:
-            P.send_frame(self.sock, P.json_frame(P.Op.OK, body, key=key, step=step))
+            self.stream.send_json(P.Op.OK, body, key=key, step=step)
 
     def reply_error(self, e: PSError) -> None:
         body = e.to_wire()
         msg = str(body.get("message", ""))
         if not msg.startswith(("pserver", "barrier")):
             body["message"] = f"pserver {self.pserver_id}: {msg}"
-        P.send_frame(self.sock, P.json_frame(P.Op.ERROR, body, status=e.code))
+        self.stream.send_json(P.Op.ERROR, body, status=e.code)
 
     def drop(self, why: str, err: Optional[PSError] = None) -> None:
         """Log why this connection ends; tell an authenticated trainer too, if it still listens."""
@@ -74,6 +76,12 @@ class Conn:
             try:
                 self.sock.settimeout(1.0)
                 self.reply_error(err)
+                # Closing with unread input would reset the connection and could destroy the reply in
+                # flight: half-close and drain what the trainer still sends, for a second at most.
+                self.sock.shutdown(socket.SHUT_WR)
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline and self.sock.recv(1 << 16):
+                    pass
             except (OSError, PSError):
                 pass
 
@@ -158,10 +166,11 @@ class Listener:
         with self._lock:
             self._conns.add(sock)
         try:
-            sock.settimeout(10.0)  # a peer that never answers the challenge must not pin a thread forever
             P.tune_socket(sock)
             try:
-                conn.trainer = P.server_handshake(sock, self.env.secret, self.env.job_id, self.env.trainers)
+                # One deadline for the whole handshake: a peer that trickles bytes cannot pin a thread.
+                conn.trainer, keys = auth.server_handshake(sock, self.env.key_of, self.env.job_id, self.pserver_id,
+                                                           self.env.trainers, self.env.integrity)
             except ConnectionLost as e:
                 # Closed before answering the challenge: a port probe (the launcher's readiness check), not news.
                 log.debug("pserver %d: %s closed before authenticating: %s", self.pserver_id, peer, e)
@@ -170,16 +179,16 @@ class Listener:
                 conn.drop(f"authentication failed: {e}")
                 return
             sock.settimeout(None)
+            conn.stream = Stream(sock, keys, self.max_frame)
             self.touch(conn.trainer)
             while not self.done.is_set():
                 try:
-                    h = P.recv_header(sock, conn.hbuf, self.max_frame)
+                    h = conn.stream.recv_header()
                 except ConnectionLost:
                     return  # orderly close by the trainer
                 except ProtocolError as e:
                     conn.drop(f"bad frame header: {e}", e)
                     return
-                conn.consumed = h.length == 0
                 if not self.handle(conn, h):
                     return
         except OSError as e:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import numpy as np
 
 from . import protocol as P
-from .channel import Channel, expect_ok, gather, pipeline
+from .channel import Channel, expect_ok, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
 
@@ -55,11 +55,11 @@ class DenseParams:
         initialized: Dict[int, bool] = {}
 
         def define(ch: Channel, blocks: List[Block]) -> None:
-            frames = [(P.json_frame(P.Op.DEF_DENSE, {**b.meta(), "optimizer": spec}, key=b.key), ()) for b in blocks]
+            frames = [json_request(P.Op.DEF_DENSE, {**b.meta(), "optimizer": spec}, key=b.key) for b in blocks]
 
             def got(b: Block) -> Callable[[Channel, P.Header], None]:
                 def cb(ch: Channel, h: P.Header) -> None:
-                    initialized[b.key] = bool(P.recv_json(ch.sock, h)["initialized"])
+                    initialized[b.key] = bool(ch.stream.recv_json(h)["initialized"])
                 return cb
             pipeline(ch, frames, [got(b) for b in blocks])
             if init:
@@ -87,7 +87,7 @@ class DenseParams:
                 def cb(ch: Channel, h: P.Header) -> None:
                     if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
                         raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
-                    P.recv_into(ch.sock, P.byte_view(self.values[b.name][b.lo:b.hi]))
+                    ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
                     self.versions[b.key] = h.step
                 return cb
             pipeline(ch, frames, [into(b) for b in blocks])
@@ -177,7 +177,7 @@ class SparseTables:
             def cb(ch: Channel, h: P.Header) -> None:
                 if h.op != P.Op.DATA or h.length != rows.nbytes:
                     raise ConnectionLost(f"bad reply to sparse pull of {name!r}: {h}")
-                P.recv_into(ch.sock, P.byte_view(rows))
+                ch.stream.recv_into(rows)
             pipeline(ch, [(P.pack_header(P.Op.PULL_SPARSE, P.dtype_code(np.int64), key=t.key, step=step,
                                          length=sub.nbytes, aux=len(sub)), (sub,))], [cb])
             out[sel] = rows

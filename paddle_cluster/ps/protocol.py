@@ -9,39 +9,28 @@ Header fields (``HEADER``): magic ``b"PDPS"``, version, op, dtype code, status (
 replies, flags otherwise), trainer id, key (dense block or sparse table id), step, payload length, aux
 (op-specific: row count for sparse frames).
 
-Authentication (first thing on every connection, both directions, secret never sent):
-
-1. pserver -> trainer ``AUTH_CHALLENGE`` with a fresh 32-byte nonce ``sn``;
-2. trainer -> pserver ``AUTH_RESPONSE``: ``HMAC(secret, "c2s" | sn | cn | context)`` followed by its own
-   fresh nonce ``cn``; the context binds the job id and the trainer id;
-3. pserver -> trainer ``AUTH_OK``: ``HMAC(secret, "s2c" | cn | sn | context)``.
-
-Fresh nonces on both sides make a recorded answer useless on a new connection; the direction labels stop
-a peer from reflecting one side's answer back as the other's.
+Every connection starts with the handshake of ``auth`` (trainer identity, per-connection keys); after it,
+frames travel through a ``stream.Stream``, which adds a MAC tag after the header and after every segment of
+the payload unless integrity is off.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import json
-import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import numpy as np
 
-from .errors import AuthError, ConnectionLost, ProtocolError
+from .errors import ConnectionLost, ProtocolError
 
 MAGIC = b"PDPS"
-VERSION = 1
+VERSION = 2  # 2: per-connection frame MACs, pserver-bound handshake, trainer keys
 HEADER = struct.Struct("<4sHBBHhIqQQ")
 HEADER_SIZE = HEADER.size  # 40
-NONCE_SIZE = 32
-MAC_SIZE = 32
 # JSON control messages are small; a bigger one is an attack or a bug.
 MAX_JSON_BYTES = 1 << 20
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
@@ -203,27 +192,6 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         raise ConnectionLost(f"connection reset: {e}") from None
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
-    return buf
-
-
-def discard(sock: socket.socket, n: int, scratch: Optional[bytearray] = None) -> None:
-    """Read and drop ``n`` payload bytes so the stream stays in sync."""
-    buf = scratch if scratch is not None else bytearray(min(n, 1 << 20) or 1)
-    view = memoryview(buf)
-    while n > 0:
-        k = min(n, len(view))
-        recv_into(sock, view[:k])
-        n -= k
-
-
-def recv_header(sock: socket.socket, buf: bytearray, max_frame: int = DEFAULT_MAX_FRAME_BYTES) -> Header:
-    recv_into(sock, memoryview(buf)[:HEADER_SIZE])
-    return unpack_header(buf, max_frame)
-
-
 # -- JSON control messages --------------------------------------------------------------------------------
 
 
@@ -239,66 +207,3 @@ def decode_json(data: Any) -> Dict[str, Any]:
     if not isinstance(obj, dict):
         raise ProtocolError("JSON payload is not an object")
     return obj
-
-
-def json_frame(op: int, obj: Any, *, trainer: int = NO_TRAINER, key: int = 0, step: int = 0,
-               status: int = 0) -> bytes:
-    body = encode_json(obj)
-    return pack_header(op, DTYPE_JSON, status, trainer, key, step, len(body)) + body
-
-
-def recv_json(sock: socket.socket, h: Header) -> Dict[str, Any]:
-    if h.length > MAX_JSON_BYTES:
-        raise ProtocolError(f"JSON payload of {h.length} bytes exceeds {MAX_JSON_BYTES}")
-    return decode_json(recv_exact(sock, h.length))
-
-
-# -- authentication -----------------------------------------------------------------------------------------
-
-
-def _mac(secret: str, label: bytes, first: bytes, second: bytes, job_id: str, trainer: int) -> bytes:
-    context = b"|" + job_id.encode("utf-8") + b"|" + str(trainer).encode("ascii")
-    return hmac.new(secret.encode("utf-8"), label + first + second + context, hashlib.sha256).digest()
-
-
-def server_handshake(sock: socket.socket, secret: str, job_id: str, n_trainers: int) -> int:
-    """Authenticate a new connection; returns the trainer id it proved. Raises AuthError/ProtocolError."""
-    sn = os.urandom(NONCE_SIZE)
-    send_frame(sock, pack_header(Op.AUTH_CHALLENGE, DTYPE_NONE, length=NONCE_SIZE), sn)
-    buf = bytearray(HEADER_SIZE)
-    h = recv_header(sock, buf, max_frame=MAC_SIZE + NONCE_SIZE)
-    if h.op != Op.AUTH_RESPONSE or h.length != MAC_SIZE + NONCE_SIZE:
-        raise AuthError(f"expected AUTH_RESPONSE of {MAC_SIZE + NONCE_SIZE} bytes, got {h.op_name()} "
-                        f"of {h.length} bytes")
-    if not 0 <= h.trainer < n_trainers:
-        raise AuthError(f"trainer id {h.trainer} is outside [0, {n_trainers})")
-    body = bytes(recv_exact(sock, h.length))
-    answer, cn = body[:MAC_SIZE], body[MAC_SIZE:]
-    if not hmac.compare_digest(answer, _mac(secret, b"c2s", sn, cn, job_id, h.trainer)):
-        raise AuthError(f"trainer {h.trainer}: wrong answer to the challenge (bad secret or replay)")
-    proof = _mac(secret, b"s2c", cn, sn, job_id, h.trainer)
-    send_frame(sock, pack_header(Op.AUTH_OK, DTYPE_NONE, trainer=h.trainer, length=MAC_SIZE), proof)
-    return h.trainer
-
-
-def client_handshake(sock: socket.socket, secret: str, job_id: str, trainer: int) -> None:
-    """Answer the pserver's challenge and check that it, too, knows the secret."""
-    buf = bytearray(HEADER_SIZE)
-    h = recv_header(sock, buf, max_frame=NONCE_SIZE)
-    if h.op != Op.AUTH_CHALLENGE or h.length != NONCE_SIZE:
-        raise AuthError(f"expected AUTH_CHALLENGE from the pserver, got {h.op_name()}")
-    sn = bytes(recv_exact(sock, NONCE_SIZE))
-    cn = os.urandom(NONCE_SIZE)
-    answer = _mac(secret, b"c2s", sn, cn, job_id, trainer)
-    send_frame(sock, pack_header(Op.AUTH_RESPONSE, DTYPE_NONE, trainer=trainer, length=MAC_SIZE + NONCE_SIZE),
-               answer + cn)
-    try:
-        h = recv_header(sock, buf, max_frame=MAC_SIZE)
-    except ConnectionLost:
-        raise AuthError("the pserver refused our answer (is PADDLE_JOB_SECRET the same on both sides?)") from None
-    if h.op != Op.AUTH_OK or h.length != MAC_SIZE:
-        raise AuthError(f"expected AUTH_OK from the pserver, got {h.op_name()}")
-    proof = bytes(recv_exact(sock, MAC_SIZE))
-    if not hmac.compare_digest(proof, _mac(secret, b"s2c", cn, sn, job_id, trainer)):
-        raise AuthError("the pserver failed to prove it knows the job secret")
-

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from ..contract import JobEnv, ProcessEnv
+from ..contract import ContractError, JobEnv, ProcessEnv, check_secret
 from . import checkpoint as ckpt
 from . import handlers
 from . import protocol as P
@@ -38,9 +38,9 @@ class PServer:
         self.n_pservers = len(env.pservers)
         self.max_frame = int(max_frame)
         self.checkpoint_root = checkpoint_root or ckpt.default_root(env.job_dir)
-        if not env.secret:
-            log.warning("pserver %d: PADDLE_JOB_SECRET is empty; connections are authenticated with an "
-                        "empty key", pserver_id)
+        check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
+        if not env.integrity:
+            log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
         # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
@@ -114,7 +114,8 @@ class PServer:
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     """Run pserver ``env.pserver_id`` until every trainer has closed or SIGTERM/SIGINT; returns the exit code
-    of ``python -m paddle_cluster.ps`` (0 done; 3 the requested checkpoint is unusable; 4 cannot listen)."""
+    of ``python -m paddle_cluster.ps`` (0 done; 2 no usable secret; 3 the requested checkpoint is unusable;
+    4 cannot listen)."""
     k = env.pserver_id
     if k is None:
         raise ValueError("serve() needs the contract of one pserver (JobEnv.for_process(PSERVER, ...))")
@@ -128,7 +129,11 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
         return 3
     if env.resume and shard is None:
         log.info("no checkpoint under %s; starting fresh", root)
-    server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes)
+    try:
+        server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes)
+    except ContractError as e:
+        log.error("%s", e)
+        return 2
     try:
         server.start()
     except OSError as e:

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..contract import PSERVER, ContractError, Endpoint, JobEnv, ProcessEnv
+from ..contract import PSERVER, ContractError, Endpoint, JobEnv, ProcessEnv, job_secret
 from ..ps import checkpoint as ckpt
 from ..ps.client import PSClient, connect, load_dense
 from ..ps.optim import OptimizerSpec
@@ -277,7 +277,8 @@ class DistributeTranspiler:
             raise FluidError(f"trainers={trainers!r}: expected a positive integer")
         if base is None:
             assert eps is not None
-            base = JobEnv(job_id="fluid", pservers=eps, trainers=trainers or 1, ports_num=1, ports_num_for_sparse=0)
+            base = JobEnv(job_id="fluid", pservers=eps, trainers=trainers or 1, ports_num=1, ports_num_for_sparse=0,
+                          secret=job_secret())
         n_trainers = base.trainers if trainers is None else trainers
         tid = trainer_id if trainer_id is not None else base.trainer_id
         if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < n_trainers):

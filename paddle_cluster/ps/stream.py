@@ -1,0 +1,194 @@
+"""One authenticated connection's frames, in one direction each way, with integrity.
+
+With integrity on (the default) a frame is its header, a tag, then the payload with another tag after every
+``SEGMENT`` bytes and after its last byte::
+
+    header(40) tag | payload[0:S] tag | payload[S:2S] tag | ... | payload[kS:n] tag
+
+Every tag is the MAC (``auth.Mac``, this direction's key) of the frame's sequence number -- counted by both
+ends, never sent -- its header and all payload bytes before the tag. So a header is verified before anything
+acts on it, every segment before it is used, and a flipped, replayed, reordered, reflected or spliced frame
+fails at its first tag. The MAC is fed each chunk as ``recv_into`` delivers it (still in cache), and a sender
+hashes a segment right before handing it to ``sendmsg``. Without integrity a frame is header + payload.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from . import protocol as P
+from .auth import TAG_SIZE, Keys
+from .errors import ConnectionLost, IntegrityError, ProtocolError
+
+SEGMENT = 256 << 10  # fits in L2, so a segment is hashed while its bytes are still cached
+
+
+def _sendmsg(sock: socket.socket, views: list) -> None:
+    try:
+        while views:
+            sent = sock.sendmsg(views)
+            while sent:
+                first = len(views[0])
+                if sent >= first:
+                    sent -= first
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise ConnectionLost(f"connection broke while sending: {e}") from None
+
+
+class Stream:
+    """Frames over ``sock`` under ``keys`` (None: integrity off). One reader and one writer at a time."""
+
+    def __init__(self, sock: socket.socket, keys: Optional[Keys], max_frame: int = P.DEFAULT_MAX_FRAME_BYTES
+                 ) -> None:
+        self.sock = sock
+        self.keys = keys
+        self.max_frame = max_frame
+        self.tx_seq = 0
+        self.rx_seq = 0
+        self._hbuf = bytearray(P.HEADER_SIZE + (TAG_SIZE if keys else 0))
+        self._tag = bytearray(TAG_SIZE)
+        self._run: Any = None  # the running MAC of the frame being read
+        self._room = SEGMENT  # payload bytes until the next tag
+        self.left = 0  # payload bytes of the frame being read not read yet
+        self._scratch: Optional[memoryview] = None
+        self._scratch_tx: Optional[memoryview] = None
+
+    # -- sending ---------------------------------------------------------------------------------------------
+
+    def send(self, header: bytes, *payload: Any, volatile: bool = False) -> None:
+        """Send one frame (header from ``protocol.pack_header``) with ``payload`` buffers, never joined.
+
+        ``volatile``: the payload may change while it is sent (an async pull racing an update); each
+        segment is then copied before it is hashed, so the bytes sent are the bytes MACed."""
+        if self.keys is None:
+            P.send_frame(self.sock, header, *payload)
+            return
+        mac = self.keys.send
+        run = mac.start(self.tx_seq, header)
+        self.tx_seq += 1
+        out = [memoryview(header), memoryview(mac.tag(run))]
+        room = SEGMENT
+        copy = self._send_scratch() if volatile else None
+        for p in payload:
+            v = P.byte_view(p)
+            off = 0
+            while off < len(v):
+                piece = v[off:off + room]
+                if copy is not None:  # at its place in the segment: a segment may span two buffers
+                    at = SEGMENT - room
+                    copy[at:at + len(piece)] = piece
+                    piece = copy[at:at + len(piece)]
+                run.update(piece)
+                out.append(piece)
+                off += len(piece)
+                room -= len(piece)
+                if room == 0:
+                    out.append(memoryview(mac.tag(run)))
+                    _sendmsg(self.sock, out)
+                    out, room = [], SEGMENT
+        if room != SEGMENT:
+            out.append(memoryview(mac.tag(run)))
+        if out:
+            _sendmsg(self.sock, out)
+
+    def _send_scratch(self) -> memoryview:
+        if self._scratch_tx is None:
+            self._scratch_tx = memoryview(bytearray(SEGMENT))
+        return self._scratch_tx
+
+    def send_json(self, op: int, obj: Any, **fields: Any) -> None:
+        body = P.encode_json(obj)
+        self.send(P.pack_header(op, P.DTYPE_JSON, length=len(body), **fields), body)
+
+    # -- receiving -------------------------------------------------------------------------------------------
+
+    def recv_header(self) -> P.Header:
+        """The next frame's header, verified. The previous frame's payload must have been read."""
+        if self.left:
+            raise ProtocolError(f"{self.left} payload bytes of the previous frame were not read")
+        view = memoryview(self._hbuf)
+        P.recv_into(self.sock, view)
+        if self.keys is not None:
+            mac = self.keys.recv
+            self._run = mac.start(self.rx_seq, view[:P.HEADER_SIZE])
+            self.rx_seq += 1
+            if not hmac.compare_digest(mac.tag(self._run), view[P.HEADER_SIZE:]):
+                raise IntegrityError(f"frame {self.rx_seq - 1}: header failed its MAC (tampered, replayed, "
+                                     "reordered, reflected or from another connection)")
+        h = P.unpack_header(view[:P.HEADER_SIZE], self.max_frame)
+        self.left, self._room = h.length, SEGMENT
+        return h
+
+    def recv_into(self, *views: Any) -> None:
+        """Read the rest of the frame's payload into ``views`` (their sizes must add up to it); returns once
+        every byte is verified."""
+        vs = [P.byte_view(v) for v in views]
+        total = sum(len(v) for v in vs)
+        if total != self.left:
+            raise ProtocolError(f"frame has {self.left} payload bytes left, {total} expected")
+        for v in vs:
+            self._fill(v)
+
+    def chunks(self) -> Iterator[Tuple[int, memoryview]]:
+        """The rest of the payload as (offset, verified bytes) pieces of at most ``SEGMENT`` bytes, in a
+        reused scratch buffer (valid until the next piece)."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(SEGMENT))
+        off = 0
+        while self.left:
+            v = self._scratch[:min(self.left, self._room)]
+            self._fill(v)
+            yield off, v
+            off += len(v)
+
+    def discard(self) -> None:
+        """Read (and still verify) the rest of the payload, so the stream stays in step."""
+        for _ in self.chunks():
+            pass
+
+    def recv_json(self, h: P.Header) -> Dict[str, Any]:
+        if h.length > P.MAX_JSON_BYTES:
+            raise ProtocolError(f"JSON payload of {h.length} bytes exceeds {P.MAX_JSON_BYTES}")
+        buf = bytearray(h.length)
+        self.recv_into(buf)
+        return P.decode_json(buf)
+
+    def _fill(self, view: memoryview) -> None:
+        if self.keys is None:
+            P.recv_into(self.sock, view)
+            self.left -= len(view)
+            return
+        off, n = 0, len(view)
+        while off < n:
+            seg = view[off:off + self._room]
+            self._recv_hashing(seg)
+            off += len(seg)
+            self._room -= len(seg)
+            self.left -= len(seg)
+            if self._room == 0 or self.left == 0:
+                self._check_tag()
+                self._room = SEGMENT
+
+    def _recv_hashing(self, view: memoryview) -> None:
+        got, n, run = 0, len(view), self._run
+        try:
+            while got < n:
+                r = self.sock.recv_into(view[got:], n - got)
+                if r == 0:
+                    raise ConnectionLost(f"connection closed in the middle of a frame ({self.left - got} bytes "
+                                         "missing)")
+                run.update(view[got:got + r])
+                got += r
+        except ConnectionResetError as e:
+            raise ConnectionLost(f"connection reset: {e}") from None
+
+    def _check_tag(self) -> None:
+        P.recv_into(self.sock, memoryview(self._tag))
+        if not hmac.compare_digest(self.keys.recv.tag(self._run), self._tag):
+            raise IntegrityError(f"frame {self.rx_seq - 1}: payload failed its MAC (tampered in transit)")
