@@ -46,6 +46,12 @@ def cluster(ssh_cluster):
         ssh_cluster.kill_all(i)
 
 
+def _environ(pid: int) -> dict:
+    """A running process's environment (we are root)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
 def _files(top: Path):
     for dirpath, dirnames, filenames in os.walk(top):
         for name in dirnames + filenames:
@@ -62,19 +68,27 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
     try:
         run.wait_line(r"checkpoint step=10", 60)
         env_file = cluster.root_dir(0) / job / ".paddle_cluster" / "env"
-        env = contract.read_env_file(str(env_file))
-        secret, job_id = env["PADDLE_JOB_SECRET"], env["PADDLE_JOB_ID"]
+        assert "PADDLE_JOB_SECRET" not in contract.read_env_file(str(env_file))  # the job-wide part has no key
+        ps_env = _environ(proc_pid(cluster, 0, job, "pserver.0"))
+        secret, job_id = ps_env["PADDLE_JOB_SECRET"], ps_env["PADDLE_JOB_ID"]
         assert len(secret) == 64
+        # Each trainer holds only its own key: not the secret, not another trainer's.
+        keys = []
+        for t in range(3):
+            tr_env = _environ(proc_pid(cluster, t, job, f"trainer.{t}"))
+            assert "PADDLE_JOB_SECRET" not in tr_env
+            assert tr_env["PADDLE_TRAINER_KEY"] == contract.derive_trainer_key(secret, job_id, t)
+            keys.append(tr_env["PADDLE_TRAINER_KEY"])
 
         # ps: no command line carries it; another user cannot read the processes' environment.
         ps_all = subprocess.run(["ps", "-eo", "pid,args", "ww"], capture_output=True, text=True).stdout
-        assert "paddle_cluster.ps" in ps_all and secret not in ps_all
+        assert "paddle_cluster.ps" in ps_all and all(k not in ps_all for k in [secret, *keys])
         as_nobody = subprocess.run(["runuser", "-u", "nobody", "--", "ps", "auxeww"], capture_output=True,
                                    text=True)
         assert as_nobody.returncode == 0 and "train.py" in as_nobody.stdout
-        assert secret not in as_nobody.stdout
+        assert all(k not in as_nobody.stdout for k in [secret, *keys])
 
-        # Files: the job directory is owner-only; whatever holds the secret is 0600; no log has it.
+        # Files: the job directory is owner-only; no file holds a key (the env file neither).
         for i in range(3):
             jd = cluster.root_dir(i) / job
             assert stat.S_IMODE(jd.stat().st_mode) == 0o700, oct(jd.stat().st_mode)
@@ -82,9 +96,9 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
             for name in ("env", "procs.json"):
                 assert stat.S_IMODE((jd / ".paddle_cluster" / name).stat().st_mode) == 0o600
             for f in _files(cluster.root_dir(i)):
-                if f.is_file() and not f.is_symlink() and secret.encode() in f.read_bytes():
-                    assert f == jd / ".paddle_cluster" / "env", f
-                    assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0
+                if f.is_file() and not f.is_symlink():
+                    data = f.read_bytes()
+                    assert not any(k.encode() in data for k in [secret, *keys]), f
             # Pservers listen on the node's PADDLE_NIC address only, not on every interface.
             listen = cluster.exec(i, ["ss", "-ltnH"]).stdout.split("\n")
             ours = [ln.split()[3] for ln in listen if ln.strip() and ln.split()[3].endswith(":7164")]
@@ -134,10 +148,10 @@ def test_restarted_job_keeps_its_secret_private(cluster, tmp_path):
     run = Launch(conf(tmp_path, cluster), "--job_dispatch_package", str(workspace(tmp_path)), "--job_name", job,
                  "--max_restarts", "1", "--", "40", str(EVERY), "sync")
     run.wait_line(r"checkpoint step=10", 60)
+    secret = _environ(proc_pid(cluster, 0, job, "pserver.0"))["PADDLE_JOB_SECRET"]
     os.kill(proc_pid(cluster, 0, job, "trainer.0"), signal.SIGKILL)
     assert run.finish(120) == 0, run.text()[-2000:]
     assert final_w(run) == -20.0
-    secret = contract.read_env_file(str(cluster.root_dir(0) / job / ".paddle_cluster" / "env"))["PADDLE_JOB_SECRET"]
     assert secret not in run.stdout + run.stderr
     for i in range(3):
         for f in (cluster.root_dir(i) / job / "log").iterdir():
