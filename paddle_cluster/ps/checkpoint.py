@@ -77,6 +77,12 @@ class ShardState:
     path: str = ""
 
 
+def valid_name(name: object) -> bool:
+    """A checkpoint directory name a trainer may ask for: one path component, never a location."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
 def snapshot(step: int, pserver_id: int, n_pservers: int, mode: Optional[str], optimizer: Optional[Dict[str, Any]],
              blocks: Iterable[DenseBlock], tables: Iterable[TableShard],
              spec_at: Callable[[Shard, int], Dict[str, Any]]) -> ShardState:

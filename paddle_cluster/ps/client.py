@@ -266,9 +266,13 @@ class PSClient:
     def save_checkpoint(self, dirname_or_step: Union[str, int, None] = None) -> CheckpointInfo:
         """Each pserver saves its shard for ``self.step`` (after every earlier step is applied).
 
-        With a step number or nothing: ``<job_dir>/checkpoints/step-%08d/``; with a directory, that
-        directory (relative ones are resolved by each pserver under its checkpoint root).
+        With a step number or nothing: ``<job_dir>/checkpoints/step-%08d/``; with a name, that directory
+        under each pserver's checkpoint root (a name, never a location: no ``/``, not ``.`` or ``..``).
+        Only trainer 0 may save.
         """
+        if isinstance(dirname_or_step, str) and not ckpt.valid_name(dirname_or_step):
+            raise ValueError(f"save_checkpoint({dirname_or_step!r}): give a plain directory name; it is created "
+                             "under each pserver's checkpoint root (PADDLE_CHECKPOINT_DIR)")
         if isinstance(dirname_or_step, int) and dirname_or_step != self.step:
             # A checkpoint is named by the step it holds; any other number would make resume pick the wrong one.
             raise ValueError(f"save_checkpoint({dirname_or_step}): the state to save is that of step {self.step} "

@@ -22,6 +22,7 @@ from .errors import (
     CheckpointError,
     ConfigMismatch,
     ConnectionLost,
+    Forbidden,
     ProtocolError,
     PSError,
     RemoteError,
@@ -115,6 +116,7 @@ def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
             if nbytes > ps.max_frame:
                 raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
             b = DenseBlock(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step)
+            ps.sync.hyper.start(b, [*ps.blocks.values(), *ps.tables.values()])
             ps.blocks[h.key] = b
         elif b.meta != meta:
             raise ConfigMismatch(f"dense block {h.key}: trainer {conn.trainer} defines {meta} but it is "
@@ -145,6 +147,7 @@ def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
                                ps.n_pservers)
             except ValueError as e:
                 raise ConfigMismatch(str(e)) from None
+            ps.sync.hyper.start(t, [*ps.blocks.values(), *ps.tables.values()])
             ps.tables[h.key] = t
         elif t.meta != meta:
             raise ConfigMismatch(f"sparse table {h.key}: trainer {conn.trainer} defines {meta} but it is {t.meta}")
@@ -347,15 +350,18 @@ def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
     except (ValueError, TypeError) as e:
         raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
     with ps.sync.lock:
-        ps.sync.hyper.append((from_step, values, None if names is None else frozenset(names)))
+        ps.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
+                          [*ps.blocks.values(), *ps.tables.values()])
     conn.reply_ok()
 
 
 def close(ps: PServer, conn: Conn, h: P.Header) -> None:
     if h.length:
         conn.discard()
+    # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
+    all_closed = ps.sync.close_trainer(conn.trainer, [*ps.blocks.values(), *ps.tables.values()])
     conn.reply_ok()
-    if ps.sync.close_trainer(conn.trainer, [*ps.blocks.values(), *ps.tables.values()]):
+    if all_closed:
         log.info("pserver %d: all %d trainers closed; exiting", ps.pserver_id, ps.env.trainers)
         ps.done.set()
 
@@ -367,7 +373,7 @@ def status(ps: PServer, conn: Conn, h: P.Header) -> None:
     with sync.lock:
         body = {
             "pserver_id": ps.pserver_id, "mode": sync.mode, "base_step": ps.base_step,
-            "staleness": ps.staleness, "dropped_stale": ps.dropped_stale,
+            "staleness": ps.staleness, "dropped_stale": ps.dropped_stale, "hyper_pending": len(sync.hyper.changes),
             "active": sorted(sync.active), "closed": sorted(sync.closed), "resumed_from": ps.resumed_from,
             "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in ps.blocks.items()},
             "tables": {str(k): {"name": t.name, "step": t.step, "rows": t.n, "lr": t.spec.lr}
@@ -379,9 +385,14 @@ def status(ps: PServer, conn: Conn, h: P.Header) -> None:
 def save(ps: PServer, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
     step = int(body.get("step", h.step))
-    path = body.get("path") or ckpt.step_dir(ps.checkpoint_root, step)
-    if not os.path.isabs(path):
-        path = os.path.join(ps.checkpoint_root, path)
+    name = body.get("path")
+    if name is None:
+        path = ckpt.step_dir(ps.checkpoint_root, step)
+    elif not ckpt.valid_name(name):
+        raise Forbidden(f"SAVE {name!r}: a checkpoint is named, not placed: a plain name (no '/', not '.' or "
+                        f"'..', at most 255 characters) under the job's checkpoint directory {ps.checkpoint_root}")
+    else:
+        path = os.path.join(ps.checkpoint_root, name)
     if ps.sync.mode == "sync":
         for shard in [*ps.blocks.values(), *ps.tables.values()]:
             with shard.cv:
@@ -410,6 +421,10 @@ OPS: Dict[int, Callable[[PServer, Conn, P.Header], None]] = {
 }
 
 
+# What trainer 0 alone may do: it initialises the parameters and runs the job (learning rate, checkpoints).
+CHIEF_OPS = frozenset({P.Op.INIT_DENSE, P.Op.SET_HYPER, P.Op.SAVE})
+
+
 def dispatch(ps: PServer, conn: Conn, h: P.Header) -> bool:
     """Serve one request; False when the connection must be dropped."""
     ps.sync.touch(conn.trainer)
@@ -417,6 +432,9 @@ def dispatch(ps: PServer, conn: Conn, h: P.Header) -> bool:
     try:
         if handler is None:
             raise ProtocolError(f"unknown or unexpected {h.op_name()}")
+        if h.op in CHIEF_OPS and conn.trainer != 0:
+            raise Forbidden(f"trainer {conn.trainer} may not {h.op_name()}: only trainer 0 initialises parameters, "
+                            "sets hyper-parameters and saves checkpoints")
         handler(ps, conn, h)
         return True
     except (ProtocolError, UnknownKey, AuthError) as e:

@@ -1,7 +1,7 @@
 """What a pserver holds: dense blocks and its shard of each sparse table, and how a gradient changes them.
 
 Each shard has its own condition variable (``cv``), which doubles as its sync-mode barrier (see ``sync``),
-its step counter and a cursor into the server's hyper-parameter history.
+its step counter and how far into the server's hyper-parameter history it is.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Shard:
         self.cv = threading.Condition()
         self.pending: Dict[int, Any] = {}  # trainer -> its contribution to ``step``
         self.receiving: Set[int] = set()
-        self.hyper_pos = 0
+        self.hyper_seen = 0  # the last hyper-parameter change (``HyperChange.seq``) applied to ``spec``
 
     def describe(self) -> str:
         raise NotImplementedError

@@ -14,16 +14,75 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from .errors import BarrierTimeout, MissingTrainer, RemoteError
+from .errors import BarrierTimeout, ConfigMismatch, MissingTrainer, RemoteError
 from .shards import DenseBlock, Shard, TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
-# (from_step, values, names): names None = every parameter and table, else only those named.
-HyperChange = Tuple[int, Dict[str, float], Optional[frozenset]]
+MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
+MAX_HYPER_NAMES = 4096  # distinct names hyper-parameter changes may name
+
+
+@dataclass(frozen=True)
+class HyperChange:
+    """One SET_HYPER: ``values`` from step ``from_step`` on, for the shards ``names`` (None: all)."""
+
+    seq: int
+    from_step: int
+    values: Dict[str, float]
+    names: Optional[frozenset]
+
+
+class HyperHistory:
+    """The hyper-parameter changes in order, bounded: a change every shard has applied is folded into
+    ``base`` (what a shard defined later starts from), and at most ``MAX_PENDING_HYPER`` may wait."""
+
+    def __init__(self) -> None:
+        self.changes: List[HyperChange] = []  # replaced, never changed in place: readers hold no lock
+        self.next_seq = 1
+        self.base: Dict[Optional[str], Dict[str, Tuple[int, float]]] = {}
+        self.base_seq = 0  # every change up to this one is in ``base``
+
+    def add(self, from_step: int, values: Dict[str, float], names: Optional[frozenset],
+            shards: Iterable[Shard]) -> None:
+        """(Holding ``Sync.lock``.) Record a change; ConfigMismatch when too many are waiting."""
+        self._compact(shards)
+        if len(self.changes) >= MAX_PENDING_HYPER:
+            raise ConfigMismatch(f"{len(self.changes)} hyper-parameter changes are waiting for a step that has not "
+                                 "been reached; set them once per step at most")
+        if names is not None and len(set(self.base) | names) > MAX_HYPER_NAMES:
+            raise ConfigMismatch(f"hyper-parameter changes may name at most {MAX_HYPER_NAMES} parameters")
+        self.changes = [*self.changes, HyperChange(self.next_seq, from_step, values, names)]
+        self.next_seq += 1
+
+    def _compact(self, shards: Iterable[Shard]) -> None:
+        done = min((s.hyper_seen for s in shards), default=self.next_seq - 1)
+        for c in self.changes:
+            if c.seq <= done:
+                for who in [None] if c.names is None else sorted(c.names):
+                    self.base.setdefault(who, {}).update({k: (c.seq, v) for k, v in c.values.items()})
+        self.changes = [c for c in self.changes if c.seq > done]
+        self.base_seq = max(self.base_seq, done)
+
+    def start(self, shard: Shard, shards: Iterable[Shard]) -> None:
+        """(Holding ``Sync.lock``.) A shard defined now, besides ``shards``, starts from the changes they all
+        applied; later ones reach it as they reach every shard."""
+        self._compact(shards)
+        latest: Dict[str, Tuple[int, float]] = {}
+        for who in (None, shard.name):
+            for k, (seq, v) in self.base.get(who, {}).items():
+                if k not in latest or seq > latest[k][0]:
+                    latest[k] = (seq, v)
+        for k, (_, v) in latest.items():
+            setattr(shard.spec, k, v)
+        shard.hyper_seen = self.base_seq
+
+    def pending(self, shard: Shard) -> List[HyperChange]:
+        return [c for c in self.changes if c.seq > shard.hyper_seen]
 
 
 class RWLock:
@@ -77,7 +136,7 @@ class Sync:
         self.active = frozenset(range(trainers))
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
-        self.hyper: List[HyperChange] = []
+        self.hyper = HyperHistory()
         self.rw = RWLock()
         self.apply_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                              thread_name_prefix=f"pserver{pserver_id}-apply")
@@ -154,23 +213,22 @@ class Sync:
 
     def apply_hyper(self, shard: Shard, step: Optional[int]) -> None:
         """Catch ``shard.spec`` up with the hyper-parameter changes effective at ``step`` (None: all)."""
-        while shard.hyper_pos < len(self.hyper):
-            from_step, values, names = self.hyper[shard.hyper_pos]
-            if step is not None and from_step > step:
+        for c in self.hyper.pending(shard):
+            if step is not None and c.from_step > step:
                 break
-            if names is None or shard.name in names:
-                for k, v in values.items():
+            if c.names is None or shard.name in c.names:
+                for k, v in c.values.items():
                     setattr(shard.spec, k, v)
-            shard.hyper_pos += 1
+            shard.hyper_seen = c.seq
 
     def spec_at(self, shard: Shard, step: int) -> Dict[str, Any]:
         """The spec the update of ``step`` will use: includes hyper-parameter changes not yet applied."""
         spec = shard.spec.to_dict()
-        for from_step, values, names in self.hyper[shard.hyper_pos:]:
-            if self.mode == "sync" and from_step > step:
+        for c in self.hyper.pending(shard):
+            if self.mode == "sync" and c.from_step > step:
                 break
-            if names is None or shard.name in names:
-                spec.update(values)
+            if c.names is None or shard.name in c.names:
+                spec.update(c.values)
         return spec
 
     # -- completing a step ---------------------------------------------------------------------------------
