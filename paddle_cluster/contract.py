@@ -21,6 +21,7 @@ ROLES = (PSERVER, TRAINER)
 
 PORT_MAX = 65535
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
+DEFAULT_MAX_CONNECTIONS = 256
 
 # Name of the owner-only file in ``<job dir>/.paddle_cluster/`` that holds the job-wide part of the
 # contract (never passed on a command line, where ``ps`` would show the secret).
@@ -292,16 +293,19 @@ class ProcessEnv:
     trainer_id: Optional[int] = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     log_level: str = "INFO"
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
     def __post_init__(self) -> None:
         if self.trainer_id is not None and self.trainer_id < 0:
             raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be 0 or more")
         if self.max_frame_bytes < 1:
             raise ContractError(f"PADDLE_MAX_FRAME_BYTES={self.max_frame_bytes}: must be a positive number of bytes")
+        if self.max_connections < 1:
+            raise ContractError(f"PADDLE_MAX_CONNECTIONS={self.max_connections}: must be at least 1")
 
     def to_environ(self) -> Dict[str, str]:
         env = {"PADDLE_JOB_DIR": self.job_dir, "PADDLE_MAX_FRAME_BYTES": str(self.max_frame_bytes),
-               "PADDLE_LOG_LEVEL": self.log_level}
+               "PADDLE_LOG_LEVEL": self.log_level, "PADDLE_MAX_CONNECTIONS": str(self.max_connections)}
         if self.trainer_id is not None:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
         return env
@@ -311,10 +315,12 @@ class ProcessEnv:
         """From ``environ`` (default ``os.environ``); unset variables take their defaults."""
         env = os.environ if environ is None else environ
         frame = _int(env, "PADDLE_MAX_FRAME_BYTES")
+        conns = _int(env, "PADDLE_MAX_CONNECTIONS")
         return cls(job_dir=env.get("PADDLE_JOB_DIR", ""),
                    trainer_id=_int(env, "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID"),
                    max_frame_bytes=DEFAULT_MAX_FRAME_BYTES if frame is None else frame,
-                   log_level=env.get("PADDLE_LOG_LEVEL") or "INFO")
+                   log_level=env.get("PADDLE_LOG_LEVEL") or "INFO",
+                   max_connections=DEFAULT_MAX_CONNECTIONS if conns is None else conns)
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:

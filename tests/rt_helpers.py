@@ -78,19 +78,19 @@ class Procs:
         self.procs: List[subprocess.Popen] = []
         self.logs: Dict[int, str] = {}
 
-    def start(self, argv: Sequence[str], env: Dict[str, str], name: str) -> subprocess.Popen:
+    def start(self, argv: Sequence[str], env: Dict[str, str], name: str, preexec_fn=None) -> subprocess.Popen:
         log_path = os.path.join(self.tmp, f"{name}.log")
         with open(log_path, "wb") as log:
             p = subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
-                                 start_new_session=True)
+                                 start_new_session=True, preexec_fn=preexec_fn)
         self.procs.append(p)
         self.logs[p.pid] = log_path
         return p
 
-    def pserver(self, env: JobEnv, k: int, extra: Optional[Dict[str, str]] = None, wait: bool = True
-                ) -> subprocess.Popen:
+    def pserver(self, env: JobEnv, k: int, extra: Optional[Dict[str, str]] = None, wait: bool = True,
+                preexec_fn=None) -> subprocess.Popen:
         p = self.start([sys.executable, "-m", "paddle_cluster.ps"], proc_env(env, PSERVER, k, extra),
-                       f"pserver{k}-{len(self.procs)}")
+                       f"pserver{k}-{len(self.procs)}", preexec_fn)
         if wait:
             line = p.stdout.readline().decode()
             if not line.startswith("PSERVER_READY"):

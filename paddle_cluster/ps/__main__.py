@@ -12,6 +12,8 @@ variable                   flag                    meaning
                                                    ``./checkpoints`` without a job dir)
 ``PADDLE_MAX_FRAME_BYTES`` ``--max-frame-bytes``   largest frame accepted (default 1 GiB)
 ``PADDLE_LOG_LEVEL``       ``--log-level``         ``DEBUG``, ``INFO`` (default), ``WARNING`` or ``ERROR``
+``PADDLE_MAX_CONNECTIONS`` ``--max-connections``   connections served at once (default 256, at most 64 of them
+                                                   authenticating); more are refused with a message
 =========================  ======================  ===========================================================
 
 It prints ``PSERVER_READY <id> <host> <ports>`` on stdout once every port listens, serves until all trainers
@@ -36,6 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None, help="default: PADDLE_CHECKPOINT_DIR")
     ap.add_argument("--max-frame-bytes", type=int, default=None, help="default: PADDLE_MAX_FRAME_BYTES or 1 GiB")
     ap.add_argument("--log-level", default=None, help="default: PADDLE_LOG_LEVEL or INFO")
+    ap.add_argument("--max-connections", type=int, default=None, help="default: PADDLE_MAX_CONNECTIONS or 256")
     args = ap.parse_args(argv)
     try:
         env = JobEnv.from_environ()
@@ -50,7 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   else args.checkpoint_dir)
         proc = dataclasses.replace(
             proc, max_frame_bytes=proc.max_frame_bytes if args.max_frame_bytes is None else args.max_frame_bytes,
-            log_level=proc.log_level if args.log_level is None else args.log_level)
+            log_level=proc.log_level if args.log_level is None else args.log_level,
+            max_connections=proc.max_connections if args.max_connections is None else args.max_connections)
     except ContractError as e:
         print(f"pserver: {e}", file=sys.stderr)
         return 2

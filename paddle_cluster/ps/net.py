@@ -7,6 +7,7 @@ and nothing else: the reason is logged in one line, and everyone else keeps bein
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -15,13 +16,37 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ..contract import JobEnv
+from ..contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from . import auth
 from . import protocol as P
 from .errors import AuthError, ConnectionLost, ProtocolError, PSError
 from .stream import Stream
 
 log = logging.getLogger("paddle_cluster.ps")
+MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
+
+
+class RateLog:
+    """At most one line per ``every`` seconds per kind of event; the next one says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, every: float = 10.0) -> None:
+        self.logger, self.every = logger, every
+        self._lock = threading.Lock()
+        self._last: Dict[str, float] = {}
+        self._skipped: Dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self.every) < self.every:
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            skipped = self._skipped.pop(kind, 0)
+        text = msg % args
+        if skipped:
+            text += f" ({skipped} more like it in the last {self.every:g} s not logged)"
+        self.logger.warning("%s", text)
 
 
 class Conn:
@@ -94,8 +119,13 @@ class Listener:
     """Binds every port of one pserver (all or nothing) and runs its connections through ``handle``."""
 
     def __init__(self, env: JobEnv, pserver_id: int, host: str, ports: Tuple[int, ...], max_frame: int,
-                 handle: Handler, touch: Callable[[int], None], done: threading.Event) -> None:
+                 handle: Handler, touch: Callable[[int], None], done: threading.Event,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.env = env
+        self.max_connections = max_connections
+        self.max_pending = min(MAX_PENDING_HANDSHAKES, max_connections)
+        self._pending = 0  # connections still in their handshake
+        self.rated = RateLog(log)
         self.pserver_id = pserver_id
         self.host = host
         self.want_ports = ports
@@ -150,21 +180,64 @@ class Listener:
                 pass
 
     def _accept_loop(self, lsock: socket.socket) -> None:
+        """Accept until the pserver stops. A failing accept (out of descriptors, memory, ...) is retried with
+        a growing pause, never the end of listening; the connection waits in the backlog meanwhile."""
         port = lsock.getsockname()[1]
+        pause = 0.0
         while not self.done.is_set():
             try:
                 sock, addr = lsock.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve_conn, args=(sock, f"{addr[0]}:{addr[1]}", port), daemon=True,
-                             name=f"pserver{self.pserver_id}-conn-{addr[1]}").start()
+            except OSError as e:
+                if self.done.is_set() or lsock.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed by stop()
+                pause = min(1.0, 2 * pause or 0.05)
+                self.rated.warning("accept", "pserver %d: accept on port %d failed: %s; retrying (every %.2f s at "
+                                   "most)", self.pserver_id, port, e.strerror or e, pause)
+                self.done.wait(pause)
+                continue
+            pause = 0.0
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                n, pending = len(self._conns), self._pending
+                ok = n < self.max_connections and pending < self.max_pending
+                if ok:
+                    self._conns.add(sock)
+                    self._pending += 1
+            if not ok:
+                self._refuse(sock, peer, port, n, pending)
+                continue
+            try:
+                threading.Thread(target=self._serve_conn, args=(sock, peer, port), daemon=True,
+                                 name=f"pserver{self.pserver_id}-conn-{addr[1]}").start()
+            except RuntimeError as e:  # no thread to be had: as good as full
+                self._forget(sock, pending=True)
+                self._refuse(sock, peer, port, n, pending, str(e))
+
+    def _refuse(self, sock: socket.socket, peer: str, port: int, n: int, pending: int, why: str = "") -> None:
+        """Say why in one frame, without waiting for the peer, and close."""
+        why = why or (f"{n} connections open ({pending} authenticating), cap {self.max_connections} "
+                      f"({self.max_pending} authenticating)")
+        self.rated.warning("refused", "pserver %d: refused connection from %s (port %d): %s (PADDLE_MAX_CONNECTIONS)",
+                           self.pserver_id, peer, port, why)
+        body = P.encode_json({"message": f"pserver {self.pserver_id}: too many connections: {why}"})
+        try:
+            sock.setblocking(False)
+            sock.send(P.pack_header(P.Op.ERROR, P.DTYPE_JSON, status=ConnectionLost.code, length=len(body)) + body)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def _forget(self, sock: socket.socket, pending: bool) -> None:
+        with self._lock:
+            self._conns.discard(sock)
+            self._pending -= int(pending)
 
     def _serve_conn(self, sock: socket.socket, peer: str, port: int) -> None:
         conn = Conn(sock, peer, port, self.pserver_id)
-        with self._lock:
-            self._conns.add(sock)
+        pending = True
         try:
             P.tune_socket(sock)
             try:
@@ -176,8 +249,12 @@ class Listener:
                 log.debug("pserver %d: %s closed before authenticating: %s", self.pserver_id, peer, e)
                 return
             except (AuthError, ProtocolError, OSError) as e:
-                conn.drop(f"authentication failed: {e}")
+                self.rated.warning("auth", "pserver %d: dropped connection from %s (unauthenticated peer, port %d): "
+                                   "authentication failed: %s", self.pserver_id, peer, port, e)
                 return
+            with self._lock:
+                self._pending -= 1
+            pending = False
             sock.settimeout(None)
             conn.stream = Stream(sock, keys, self.max_frame)
             self.touch(conn.trainer)
@@ -195,8 +272,7 @@ class Listener:
             if not self.done.is_set():
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
-            with self._lock:
-                self._conns.discard(sock)
+            self._forget(sock, pending)
             try:
                 sock.close()
             except OSError:

@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from ..contract import ContractError, JobEnv, ProcessEnv, check_secret
+from ..contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
 from . import checkpoint as ckpt
 from . import handlers
 from . import protocol as P
@@ -32,7 +32,8 @@ class PServer:
 
     def __init__(self, env: JobEnv, pserver_id: int, *, resume: Optional[ckpt.ShardState] = None,
                  checkpoint_root: Optional[str] = None, max_frame: int = P.DEFAULT_MAX_FRAME_BYTES,
-                 host: Optional[str] = None, ports: Optional[Tuple[int, ...]] = None) -> None:
+                 host: Optional[str] = None, ports: Optional[Tuple[int, ...]] = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.env = env
         self.pserver_id = pserver_id
         self.n_pservers = len(env.pservers)
@@ -59,7 +60,7 @@ class PServer:
                      resume.step, len(self.blocks), len(self.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
                             tuple(ports) if ports is not None else env.all_ports(pserver_id), self.max_frame,
-                            self._handle, self.sync.touch, self.done)
+                            self._handle, self.sync.touch, self.done, max_connections)
 
     @property
     def host(self) -> str:
@@ -130,7 +131,8 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     if env.resume and shard is None:
         log.info("no checkpoint under %s; starting fresh", root)
     try:
-        server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes)
+        server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes,
+                         max_connections=proc.max_connections)
     except ContractError as e:
         log.error("%s", e)
         return 2
