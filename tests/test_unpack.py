@@ -201,6 +201,109 @@ def test_setuid_bits_are_dropped(box):
     assert not (dest / "suid").stat().st_mode & 0o7000
 
 
+
+def test_world_writable_bits_are_normalised(box):
+    """Modes are normalised: nobody else may write, executables stay executable (was: 0o777 kept)."""
+    with tarfile.open(box / "a.tar", "w") as tar:
+        for name, typ, mode in (("d", tarfile.DIRTYPE, 0o777), ("d/run.sh", tarfile.REGTYPE, 0o777),
+                                ("d/data", tarfile.REGTYPE, 0o666), ("own", tarfile.REGTYPE, 0o600)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = typ, mode
+            tar.addfile(info, io.BytesIO(b"") if typ == tarfile.REGTYPE else None)
+    dest = box / "sandbox" / "job"
+    safe_extract(str(box / "a.tar"), str(dest))
+    modes = {n: (dest / n).stat().st_mode & 0o7777 for n in ("d", "d/run.sh", "d/data", "own")}
+    assert modes == {"d": 0o755, "d/run.sh": 0o755, "d/data": 0o644, "own": 0o644}, \
+        {k: oct(v) for k, v in modes.items()}
+
+
+def test_dot_member_leaves_the_destination_owner_only(box):
+    """A '.' member with mode 0777 made the job directory world-writable until the launcher's chmod."""
+    with tarfile.open(box / "a.tar", "w") as tar:
+        for name in (".", "./"):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o777
+            tar.addfile(info)
+        info = tarfile.TarInfo("f.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    dest = box / "sandbox" / "job"
+    assert safe_extract(str(box / "a.tar"), str(dest)) == 3
+    assert dest.stat().st_mode & 0o777 == 0o700
+    assert (dest / "f.txt").read_bytes() == b"hi"
+
+
+def test_member_count_is_capped(box):
+    members = [member(f"f{i}") for i in range(11)]
+    assert_refused(box, members, "more than 10 members", max_members=10)
+    archive = make_tar(box / "b.tar", members[:10])
+    assert safe_extract(str(archive), str(box / "sandbox" / "job"), max_members=10) == 10
+
+
+def _patch_header(f, offset: int = 0, typeflag: bytes = b"", size: int = -1) -> None:
+    """Rewrite the type flag and/or size of the tar header block at ``offset`` of open file ``f``, with its checksum."""
+    f.seek(offset)
+    block = bytearray(f.read(512))
+    if typeflag:
+        block[156:157] = typeflag
+    if size >= 0:
+        block[124:136] = b"%011o\0" % size
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    f.seek(offset)
+    f.write(block)
+
+
+def assert_refused_archive(box: Path, archive: Path, match: str) -> None:
+    dest = box / "sandbox" / "job"
+    with pytest.raises(UnsafeArchive, match=match):
+        safe_extract(str(archive), str(dest))
+    assert os.listdir(box / "sandbox") == []
+
+
+def test_default_size_cap_is_the_archive_size(box):
+    """Without max_bytes the cap is the archive's own size (was 64 GiB): a member claiming more is refused
+    before anything is written."""
+    archive = make_tar(box / "a.tar", [member("claims.bin", data=b"x" * 10)])
+    with open(archive, "r+b") as f:
+        _patch_header(f, size=1 << 30)
+    assert_refused_archive(box, archive, f"over the {os.path.getsize(archive)}-byte limit")
+
+
+def test_sparse_member_is_refused(box):
+    archive = make_tar(box / "a.tar", [member("s.bin", data=b"x" * 10)])
+    with open(archive, "r+b") as f:
+        _patch_header(f, typeflag=tarfile.GNUTYPE_SPARSE)
+    assert_refused_archive(box, archive, "sparse")
+
+
+def test_huge_pax_header_is_refused_without_reading_it(box):
+    """A 300 MB pax header cost 330 MB of RSS (tarfile reads it whole); it is now refused from its size alone.
+
+    The archive is a sparse file (its 300 MB are a hole); the unpacker runs as the agent's sub-command in a
+    child process whose peak RSS is measured."""
+    import json
+    import subprocess
+    import sys
+
+    size = 300 << 20
+    archive = make_tar(box / "a.tar", [member("f", data=b"")])
+    with open(archive, "r+b") as f:
+        _patch_header(f, typeflag=tarfile.XHDTYPE, size=size)
+        f.seek(512 + size)
+        f.write(bytes(1024))
+    dest = box / "sandbox" / "job"
+    proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "unpack", "--archive", str(archive),
+                             "--dest", str(dest)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 1, err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert "extended header" in doc["error"] and str(size) in doc["error"], doc
+    assert usage.ru_maxrss < 100 * 1024, f"peak RSS {usage.ru_maxrss} KiB"  # ru_maxrss is in KiB on Linux
+    assert os.listdir(box / "sandbox") == []
+
 # -- property: whatever the names, nothing lands outside the destination ---------------------------------
 SEGMENTS = ["..", "", ".", "a", "b", "link", "evil", "..."]
 

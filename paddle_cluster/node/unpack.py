@@ -5,11 +5,32 @@ from __future__ import annotations
 import os
 import shutil
 import tarfile
-from typing import Any, Dict
+from typing import Any, Dict, Optional
+
+# Bounds on what an archive may make the unpacker hold or write; the byte cap defaults to the archive's own
+# size, which a plain tar's contents can never exceed.
+MAX_HEADER_BYTES = 1 << 20  # one pax / GNU long-name header (a path is at most a few KiB)
+MAX_MEMBERS = 100_000
 
 
 class UnsafeArchive(Exception):
     """The archive has a member that could escape the job directory, or is too big."""
+
+
+_HEADER_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE,
+                 tarfile.SOLARIS_XHDTYPE)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """Refuses, before reading them, extended headers over MAX_HEADER_BYTES (tarfile reads one whole into
+    memory) and GNU sparse members (an unbounded chain of map blocks, and contents bigger than the archive)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> Any:
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise UnsafeArchive(f"{self.name!r} is a sparse file")
+        if self.type in _HEADER_TYPES and self.size > MAX_HEADER_BYTES:
+            raise UnsafeArchive(f"a {self.size}-byte extended header, over the {MAX_HEADER_BYTES}-byte limit")
+        return super()._proc_member(tar)
 
 
 def check_member(m: tarfile.TarInfo, dest: str, max_bytes: int) -> None:
@@ -38,38 +59,50 @@ def check_member(m: tarfile.TarInfo, dest: str, max_bytes: int) -> None:
         raise UnsafeArchive(f"{name!r} is {m.size} bytes, over the {max_bytes}-byte limit")
 
 
+def _normal_mode(m: tarfile.TarInfo) -> int:
+    """rwxr-xr-x for directories and executables, rw-r--r-- for the rest: no one else may write, no set-id."""
+    return 0o755 if m.isdir() or m.mode & 0o111 else 0o644
+
+
 # Our own checks ran; Python 3.12+ would otherwise warn that no extraction filter was chosen.
 _TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
-def safe_extract(archive: str, dest: str, max_bytes: int = 1 << 36) -> int:
-    """Extract into a fresh ``dest`` (via a temporary sibling, renamed at the end); returns member count."""
+def safe_extract(archive: str, dest: str, max_bytes: Optional[int] = None, max_members: int = MAX_MEMBERS) -> int:
+    """Extract a plain tar into a fresh ``dest`` (via a temporary sibling, renamed at the end); returns the
+    member count. ``max_bytes`` (default: the archive's size) caps every member and their sum."""
     dest = os.path.realpath(dest)
+    if max_bytes is None:
+        max_bytes = os.path.getsize(archive)
     if os.path.exists(dest) and os.listdir(dest):
         raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
     tmp = f"{dest}.unpacking-{os.getpid()}"
     n = 0
     try:
-        os.makedirs(tmp)
+        os.makedirs(tmp, mode=0o700)
+        os.chmod(tmp, 0o700)  # owner-only from the start: logs, checkpoints and the secret's processes live here
         real_tmp = os.path.realpath(tmp)
-        with tarfile.open(archive, "r:*") as tar:
+        with tarfile.open(archive, "r:", tarinfo=_BoundedTarInfo) as tar:
             total = 0
             files = set()
             for m in tar:
+                n += 1
+                if n > max_members:
+                    raise UnsafeArchive(f"archive has more than {max_members} members")
                 check_member(m, real_tmp, max_bytes)
                 if m.islnk() and m.linkname not in files:
                     raise UnsafeArchive(f"hard link {m.name!r} -> {m.linkname!r}: no such file earlier in the archive")
                 total += m.size
                 if total > max_bytes:
                     raise UnsafeArchive(f"archive expands to more than {max_bytes} bytes")
-                # No setuid/setgid; the owner can always read and write (and enter directories).
-                m.mode = (m.mode | (0o700 if m.isdir() else 0o600)) & 0o777
+                if os.path.realpath(os.path.join(real_tmp, m.name)) == real_tmp:
+                    continue  # a '.' member: the job directory keeps its own owner-only mode
+                m.mode = _normal_mode(m)
                 m.uid = m.gid = os.getuid()
                 m.uname = m.gname = ""
                 tar.extract(m, real_tmp, set_attrs=not m.issym(), **_TRUSTED)  # checked above
                 if m.isfile():
                     files.add(m.name)
-                n += 1
         if os.path.isdir(dest):
             os.rmdir(dest)
         os.rename(tmp, dest)
@@ -79,10 +112,11 @@ def safe_extract(archive: str, dest: str, max_bytes: int = 1 << 36) -> int:
     return n
 
 
-def unpack_report(archive: str, dest: str) -> Dict[str, Any]:
+def unpack_report(archive: str, dest: str, max_bytes: Optional[int] = None,
+                  max_members: int = MAX_MEMBERS) -> Dict[str, Any]:
     """``safe_extract`` answered as a document: ``{"ok": True, "members": n}`` or ``{"ok": False, "error": ...}``."""
     try:
-        return {"ok": True, "members": safe_extract(archive, dest)}
+        return {"ok": True, "members": safe_extract(archive, dest, max_bytes, max_members)}
     except (UnsafeArchive, tarfile.TarError, OSError) as e:
         return {"ok": False, "error": str(e)}
     except Exception as e:  # noqa: BLE001 - whatever a hostile archive provokes, answer in JSON, not a traceback
