@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import click
 
+from .contract import ContractError, check_job_name
 from .launch import job as jobs
 from .launch import k8s, ops
 from .launch.config import ClusterConfig, load_config
@@ -53,6 +54,22 @@ def _config(ctx: click.Context) -> ClusterConfig:
     return cfg
 
 
+def _checked_name(_ctx: click.Context, _param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    """``--job_name`` must be a plain directory name: it becomes ``ROOT_DIR/<name>`` on every node."""
+    try:
+        return None if value is None else check_job_name(value)
+    except ContractError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _checked_resume(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
+    """``--resume_from`` is a checkpoint directory (absolute) or an earlier job's name."""
+    try:
+        return value if value is None or value.startswith("/") else check_job_name(value)
+    except ContractError as e:
+        raise click.BadParameter(f"{e}; or give an absolute checkpoint directory") from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--conf", metavar="FILE", help="conf.py or cluster.yaml (default: $PADDLE_CLUSTER_CONF, ./conf.py, "
               "./cluster.yaml, else a local two-pserver/two-trainer cluster on this machine).")
@@ -68,9 +85,11 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool) ->
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every node.")
 @click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every node.")
-@click.option("--job_name", metavar="NAME", help="Job directory name under ROOT_DIR (default JOB<yyyymmddHHMMSS>).")
-@click.option("--resume_from", metavar="JOB|DIR", help="Pservers resume from the latest complete checkpoint of an "
-              "earlier job (its name) or of a checkpoint directory on every node.")
+@click.option("--job_name", metavar="NAME", callback=_checked_name,
+              help="Job directory name under ROOT_DIR: letters, digits, '-_.' (default JOB<yyyymmddHHMMSS>).")
+@click.option("--resume_from", metavar="JOB|DIR", callback=_checked_resume,
+              help="Pservers resume from the latest complete checkpoint of an earlier job (its name) or of a "
+              "checkpoint directory on every node.")
 @click.option("--max_restarts", type=click.IntRange(min=0), default=None, metavar="N",
               help="When a pserver or trainer dies, restart the whole job from its latest complete checkpoint, "
               "up to N times (default: MAX_RESTARTS of the config, 0).")
@@ -97,7 +116,8 @@ def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", help="Job to stop (default: the latest started with this config).")
+@click.option("--job_name", metavar="NAME", callback=_checked_name,
+              help="Job to stop (default: the latest started with this config).")
 @click.pass_context
 @_handled
 def kill(ctx: click.Context, job_name: Optional[str]) -> None:
@@ -114,7 +134,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 @click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option("-n", "lines", type=int, default=50, show_default=True, help="How many last lines to show.")
-@click.option("--job_name", metavar="NAME")
+@click.option("--job_name", metavar="NAME", callback=_checked_name)
 @click.pass_context
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
@@ -124,7 +144,7 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME")
+@click.option("--job_name", metavar="NAME", callback=_checked_name)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @_handled
@@ -160,7 +180,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME")
+@click.option("--job_name", metavar="NAME", callback=_checked_name)
 @click.option("-o", "--out", "out_path", metavar="FILE", help="PNG to write (default: <job name>.png here).")
 @click.pass_context
 @_handled

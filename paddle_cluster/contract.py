@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import hmac
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -282,6 +283,20 @@ def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
 def job_id_of(environ: Mapping[str, str]) -> str:
     """The job id an environment carries ("" when none): how the node agent tells a job's processes apart."""
     return environ.get("PADDLE_JOB_ID", "")
+
+
+JOB_NAME_MAX = 100
+_JOB_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def check_job_name(name: str) -> str:
+    """``name`` if it is a plain directory name (letters, digits, ``-_.``; no leading dot; at most
+    JOB_NAME_MAX characters), else a ContractError saying what is wrong: it becomes ``ROOT_DIR/<name>``."""
+    if not name or len(name) > JOB_NAME_MAX or not _JOB_NAME_RE.fullmatch(name):
+        raise ContractError(f"job name {name!r}: use 1 to {JOB_NAME_MAX} letters, digits, '-', '_' or '.'")
+    if name.startswith("."):
+        raise ContractError(f"job name {name!r}: must not start with '.' (it names a directory under ROOT_DIR)")
+    return name
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
+
+from paddle_cluster import contract
 
 from . import jobdir, probe, supervisor, unpack
 
@@ -43,6 +46,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _bad_job_dir(path: str) -> Optional[str]:
+    """Why ``path`` is not ROOT_DIR/<a plain job name> (None: it is); checked again here, not only by the CLI."""
+    try:
+        contract.check_job_name(os.path.basename(path))
+    except contract.ContractError as e:
+        return f"refusing job directory {path!r}: {e}"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["pod"]:  # its own parser: everything after -- is the command to become
@@ -50,6 +62,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return pod.main(args[1:])
     a = _parser().parse_args(args)
+    bad = _bad_job_dir(a.dest if a.cmd == "unpack" else a.job_dir) if a.cmd != "probe" else None
+    if bad:
+        print(json.dumps({"ev": "agent_output", "line": bad} if a.cmd == "supervise" else {"ok": False, "error": bad}))
+        return 2
     if a.cmd == "supervise":
         return supervisor.supervise(a.job_dir, a.orphan_timeout, a.grace)
     if a.cmd == "logs":
