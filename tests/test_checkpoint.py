@@ -159,3 +159,55 @@ def test_resume_exact_then_corrupt_and_torn_checkpoints(tmp_path):
         assert H.wait_all(pr, [p, q], 20) == [3, 3]
         assert "manifest.json missing" in pr.log(p)
         assert "no usable checkpoint" in pr.log(q)
+
+
+# Root reads everything whatever the mode bits; without these capabilities it obeys them like any user.
+NO_DAC = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+          "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+
+
+@pytest.mark.timeout(60)
+def test_unreadable_checkpoint_fails_the_pserver_instead_of_a_fresh_start(tmp_path):
+    """A checkpoint root that cannot be listed was "no checkpoint": the pserver started fresh from step 0 (and
+    its next save overwrote progress); an unreadable manifest made it fall back to an older step. Both now
+    end the pserver (exit 3) with the path and the cause."""
+    import subprocess
+    import sys
+
+    env = H.make_env(1, 1, tmp_path)
+    root = os.path.join(tmp_path, "checkpoints")
+    for step in (3, 5):
+        ckpt.save_shard(ckpt.step_dir(root, step), ckpt.ShardState(step, 0, 1, "sync", None))
+    manifest = os.path.join(root, "step-00000005", "pserver-0", "manifest.json")
+
+    def pserver(name):
+        with H.procs(tmp_path) as pr:
+            p = pr.start(NO_DAC + [sys.executable, "-m", "paddle_cluster.ps"],
+                         H.proc_env(env, "PSERVER", 0, {"PADDLE_RESUME": "latest"}), name)
+            ready = p.stdout.readline().decode()
+            if ready:  # the old behaviour: it serves; end it
+                p.kill()
+            return p.wait(20), ready, pr.log(p)
+
+    for path, cause in ((root, root), (manifest, manifest)):
+        os.chmod(path, 0)
+        try:
+            code, ready, log = pserver(os.path.basename(path))
+        finally:
+            os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+        assert (code, ready) == (3, ""), log
+        assert f"checkpoint {cause} cannot be read: Permission denied" in log, log
+        assert "starting fresh" not in log and "skipping" not in log
+    # Readable again: it resumes from the newest step, as before.
+    code, ready, log = pserver("ok")
+    assert ready.startswith("PSERVER_READY") and "resumed from" in log and "step-00000005" in log, log
+    # What a node answers the launcher when it asks which steps are complete: an error, not "none".
+    os.chmod(manifest, 0)
+    try:
+        res = subprocess.run(NO_DAC + [sys.executable, "-c", "import sys; from paddle_cluster.ps import checkpoint; "
+                                       "print(checkpoint.complete_steps(sys.argv[1], [0]))", root],
+                             capture_output=True, text=True, cwd=H.REPO)
+    finally:
+        os.chmod(manifest, 0o644)
+    assert res.returncode == 1 and res.stdout == "", res.stdout
+    assert f"CheckpointUnreadable: checkpoint {manifest} cannot be read" in res.stderr, res.stderr

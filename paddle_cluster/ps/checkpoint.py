@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointUnreadable
 from .optim import OptimizerSpec
 from .shards import DenseBlock, Shard, TableShard
 
@@ -202,31 +202,54 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def unreadable(path: str, e: OSError) -> CheckpointUnreadable:
+    """The error for a checkpoint that exists but cannot be read (permissions, I/O error): never "no checkpoint"."""
+    return CheckpointUnreadable(f"checkpoint {path} cannot be read: {e.strerror or e}; fix its permissions or "
+                                "storage, or move it away to start without it (refusing to start over it)")
+
+
 def _file_problem(d: str, fname: str, info: Mapping[str, Any]) -> Optional[str]:
-    """Why file ``fname`` of the shard in ``d`` does not match its manifest entry (None: it does)."""
+    """Why file ``fname`` of the shard in ``d`` does not match its manifest entry (None: it does); raises
+    CheckpointUnreadable when it is there but cannot be read."""
     path = os.path.join(d, fname)
-    if not os.path.exists(path):
+    try:
+        actual = _sha256(path)
+    except FileNotFoundError:
         return f"{fname} missing"
-    actual = _sha256(path)
+    except OSError as e:
+        raise unreadable(path, e) from None
     if actual != info.get("sha256"):
         return (f"{fname} checksum mismatch (sha256 {actual[:12]}..., manifest says "
                 f"{str(info.get('sha256'))[:12]}...)")
     return None
 
 
-def shard_problem(d: str) -> Optional[str]:
-    """Why the shard in directory ``d`` is unusable (None: its manifest is there and every checksum matches)."""
+def _read_manifest(d: str) -> Optional[bytes]:
+    """The manifest of the shard in ``d``; None when there is none (the save did not finish)."""
+    path = os.path.join(d, MANIFEST)
     try:
-        with open(os.path.join(d, MANIFEST), "rb") as f:
-            files = json.loads(f.read().decode("utf-8"))["files"]
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
+def shard_problem(d: str) -> Optional[str]:
+    """Why the shard in directory ``d`` is incomplete or corrupt (None: its manifest is there and every
+    checksum matches); raises CheckpointUnreadable when a part of it exists but cannot be read."""
+    body = _read_manifest(d)
+    if body is None:
+        return f"{MANIFEST} missing (save did not finish)"
+    try:
+        files = json.loads(body.decode("utf-8"))["files"]
         for fname, info in files.items():
             why = _file_problem(d, fname, info)
             if why is not None:
                 return why
-    except FileNotFoundError as e:
-        return f"{os.path.basename(str(e.filename))} missing (save did not finish)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"unreadable manifest ({e})"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"corrupt manifest ({e})"
     return None
 
 
@@ -278,18 +301,21 @@ def save_shard(step_path: str, shard: ShardState) -> str:
 def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
     """Load and verify this pserver's shard of the checkpoint in ``step_path``."""
     d = shard_dir(step_path, pserver_id)
-    manifest_path = os.path.join(d, MANIFEST)
-    if not os.path.isdir(d):
-        raise CheckpointError(f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})")
-    if not os.path.exists(manifest_path):
+    try:
+        os.stat(d)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})") from None
+    except OSError as e:
+        raise unreadable(d, e) from None
+    body = _read_manifest(d)
+    if body is None:
         raise CheckpointError(f"checkpoint {d}: manifest.json missing (the save did not finish); refusing it")
     try:
-        with open(manifest_path, "rb") as f:
-            m = json.loads(f.read().decode("utf-8"))
+        m = json.loads(body.decode("utf-8"))
         files = m["files"]
         step = int(m["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {d}: unreadable manifest ({e}); refusing it") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {d}: corrupt manifest ({e}); refusing it") from None
     if m.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {d}: format {m.get('format')!r}, this runtime reads {FORMAT}")
     if m.get("pserver_id") != pserver_id or m.get("n_pservers") != n_pservers:
@@ -303,7 +329,11 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
             raise CheckpointError(f"checkpoint {d}: {why}{corrupt}; refusing it")
     try:
         arrays = load_npz(os.path.join(d, SHARD))
-    except (OSError, ValueError) as e:
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
+    except OSError as e:
+        raise unreadable(os.path.join(d, SHARD), e) from None
+    except ValueError as e:
         raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
 
     def get(name: str, meta: Mapping[str, Any]) -> np.ndarray:
@@ -337,11 +367,14 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
 
 
 def _steps(root: str) -> List[Tuple[int, str]]:
-    """(step, directory) of the step directories under ``root``, ascending."""
+    """(step, directory) of the step directories under ``root``, ascending; none when ``root`` does not exist,
+    CheckpointUnreadable when it exists but cannot be listed."""
     try:
         names = os.listdir(root)
-    except OSError:
+    except FileNotFoundError:
         return []
+    except OSError as e:
+        raise unreadable(root, e) from None
     return sorted((int(mt.group(1)), os.path.join(root, n)) for n in names if (mt := _STEP_RE.match(n)))
 
 
@@ -366,8 +399,8 @@ def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
     """
     try:
         names = os.listdir(step_path)
-    except OSError:
-        return f"cannot list {step_path}"
+    except OSError as e:
+        raise unreadable(step_path, e) from None
     for n in sorted(names):
         if not n.startswith("pserver-") or n == f"pserver-{pserver_id}":
             continue
@@ -391,6 +424,8 @@ def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardSt
             why = _siblings_complete(sp, pserver_id)
             if why is None:
                 return shard
+        except CheckpointUnreadable:
+            raise  # an older step is no substitute for one that is there but cannot be read
         except CheckpointError as e:
             why = str(e)
         log.warning("pserver %d: skipping checkpoint %s: %s", pserver_id, sp, why)
@@ -408,8 +443,12 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
     if resume == "latest":
         return load_latest(root, pserver_id, n_pservers)
     path = step_dir(root, int(resume)) if resume.isdigit() else resume
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
     shard = load_shard(path, pserver_id, n_pservers)
     why = _siblings_complete(path, pserver_id)
     if why is not None:

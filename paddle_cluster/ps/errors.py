@@ -50,6 +50,11 @@ class CheckpointError(PSError):
     code = 6
 
 
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint that is there but cannot be read (permissions, I/O error): unlike an absent or incomplete
+    one, never a reason to start from an older step or from scratch."""
+
+
 class ConnectionLost(PSError):
     """The connection to a pserver broke (it exited, crashed or dropped us)."""
 
