@@ -94,12 +94,14 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
 
 def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[str, Any]:
     sys.path.insert(0, REPO)
-    from paddle_cluster.launch import job
+    from paddle_cluster.launch.backends.ssh import SSHBackend
     from paddle_cluster.launch.config import load_config
+    from paddle_cluster.launch.plan import JobSpec
 
     cfg = load_config(str(write_conf(work / "conf-dispatch.py", cl, cl.hosts[:n])))
     quiet = lambda _msg: None  # noqa: E731
-    cluster = job.connect(cfg, quiet, check_ports=False)
+    backend = SSHBackend(cfg)
+    backend.probe_cluster(quiet, check_ports=False)
     want = hashlib.sha256(blob.read_bytes()).hexdigest()
 
     def clear() -> None:
@@ -116,22 +118,21 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[
     try:
         for r in range(reps + 1):
             clear()
-            spec = job.JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
+            spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
             t0 = time.perf_counter()
-            job.deliver(spec, cluster, quiet)
+            backend.deliver(spec, quiet)
             t1 = time.perf_counter()
             ok = ok and verify(spec.name)
-            spec2 = job.JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
+            spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
             t2 = time.perf_counter()
-            job.deliver(spec2, cluster, quiet)
+            backend.deliver(spec2, quiet)
             t3 = time.perf_counter()
             ok = ok and verify(spec2.name)
             if r:  # the first round is the warm-up
                 full.append(t1 - t0)
                 again.append(t3 - t2)
     finally:
-        for nd in cluster.nodes:
-            nd.close()
+        backend.close()
     scp = []
     for r in range(reps + 1):
         t0 = time.perf_counter()

@@ -11,10 +11,12 @@ from typing import Optional, Tuple
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import job as jobs
-from .launch import k8s, ops
+from .launch import journal, k8s, ops
 from .launch.config import ClusterConfig, load_config
 from .launch.errors import ClusterError
+from .launch.plan import JobSpec, default_job_name
+from .launch.run import run_job
+from .launch.supervise import JobResult
 
 
 def _say(msg: str) -> None:
@@ -30,19 +32,24 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:  #
 
 
 def _handled(fn):
-    """Every ClusterError becomes one clean message and its exit code; never a bare traceback."""
+    """Every ClusterError becomes one clean message and its exit code, never a bare traceback; so does a
+    returned ``JobResult``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         warnings.showwarning = _warn
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except ClusterError as e:
-            click.echo(f"paddle-cluster: error: {e}", err=True)
-            sys.exit(e.exit_code)
+            result = JobResult("", e.exit_code, str(e))
         except KeyboardInterrupt:
             click.echo("paddle-cluster: interrupted", err=True)
             sys.exit(130)
+        if isinstance(result, JobResult):
+            if not result.ok:
+                click.echo(f"paddle-cluster: error: {result.message}", err=True)
+                sys.exit(result.exit_code)
+            _say(result.message)
 
     return wrapper
 
@@ -98,7 +105,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool) ->
 @click.pass_context
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
-        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, trainer_args: Tuple[str, ...]) -> None:
+        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool,
+        trainer_args: Tuple[str, ...]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens. Arguments after -- go to train.py."""
     if bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
@@ -106,13 +114,13 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if cfg.is_builtin_default:
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
-    spec = jobs.JobSpec(cfg, job_name or jobs.default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
-                        resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic)
-    jobs.run_job(spec, _out, _say)
+    spec = JobSpec(cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args), resume_from,
+                   cfg.max_restarts if max_restarts is None else max_restarts, elastic)
+    return run_job(spec, _out, _say)
 
 
 def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
-    return name or jobs.latest_job(cfg)
+    return name or journal.latest_job(cfg)
 
 
 @main.command()
@@ -228,7 +236,7 @@ def render_k8s(ctx: click.Context, image: str, namespace: str, pservers: Optiona
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
     cfg = _config(ctx)
-    job = k8s.build(cfg, job_name=job_name or jobs.default_job_name(), image=image,
+    job = k8s.build(cfg, job_name=job_name or default_job_name(), image=image,
                     namespace=namespace, pservers=pservers, trainers=trainers, workspace=workspace,
                     trainer_args=tuple(trainer_args),
                     pserver_requests=k8s.Requests.parse(pserver_requests, "--pserver-requests"),

@@ -108,6 +108,15 @@ class ClusterConfig:
     def node_ports(self) -> Tuple[int, ...]:
         return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
 
+    def job_dir(self, job_name: str) -> str:
+        """A job's directory on every node."""
+        return f"{self.root_dir}/{job_name}"
+
+    @property
+    def known_hosts(self) -> str:
+        """The known_hosts file both SSH paths (paramiko and OpenSSH) check host keys against."""
+        return self.ssh_known_hosts or os.path.expanduser("~/.ssh/known_hosts")
+
 
 BUILTIN_SOURCE = "<built-in local default>"
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
@@ -223,7 +232,7 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
             values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
     values["hosts"] = _hosts(raw["HOSTS"], source)
     for name in ("ssh_identity_file", "ssh_config_file", "ssh_known_hosts"):
-        if values.get(name):  # files on this machine: "~" is ours, and the SSH layer gets a usable path
+        if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
             values[name] = os.path.expanduser(values[name])
     cfg = ClusterConfig(**values)
     _validate(cfg, source)

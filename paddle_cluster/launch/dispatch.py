@@ -13,16 +13,18 @@ import json
 import os
 import posixpath
 import secrets
+import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import paddle_cluster
 
 from .errors import ClusterError, HostError
 from .hosts import Node, fanout
+from .plan import JobSpec
 
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
@@ -179,16 +181,12 @@ print(json.dumps({"ok": True}))
 """
 
 
-def _remote(node: Node, *args: str, what: str) -> dict:
-    out = node.check([node.cfg.python, "-c", _REMOTE, *args], what=what, timeout=300)
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def ensure_package(node: Node, pkg: Package, kind: str,
                    progress: Optional[Callable[[int, int], None]] = None) -> Tuple[str, bool]:
     """Make ``pkg`` present on ``node``; returns (its path there, whether it had to be sent)."""
     root = node.cfg.root_dir
-    state = _remote(node, "has", root, pkg.sha256, what=f"looking for the {kind} archive under {root}")
+    remote = [node.cfg.python, "-c", _REMOTE]
+    state = node.run_json([*remote, "has", root, pkg.sha256], f"looking for the {kind} archive under {root}", 300)
     final = f"{root}/.paddle_cluster/packages/{pkg.sha256}.tar"
     if state["has"] and (kind != "lib" or state["lib"]):
         if progress:
@@ -196,37 +194,53 @@ def ensure_package(node: Node, pkg: Package, kind: str,
         return final, False
     part = f"{state['part']}-{secrets.token_hex(4)}"
     node.put(pkg.path, part, progress)
-    res = _remote(node, kind, root, pkg.sha256, part, what=f"installing the {kind} archive")
+    res = node.run_json([*remote, kind, root, pkg.sha256, part], f"installing the {kind} archive", 300)
     if not res.get("ok"):
         raise HostError(node.label, f"{kind} archive: {res.get('error')}")
     return final, True
 
 
-def lib_dir(node: Node, lib: Package) -> str:
-    return f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}"
-
-
 def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
-    """The command line that runs the node agent from the installed library."""
+    """The command line that runs ``python -m paddle_cluster.node ARGS`` from the installed library."""
     code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
             "from paddle_cluster.node.__main__ import main; sys.exit(main())")
-    return [node.cfg.python, "-c", code, lib_dir(node, lib), *args]
+    return [node.cfg.python, "-c", code, f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}", *args]
 
 
-def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120) -> dict:
-    out = node.check(agent_argv(node, lib, *args), what=what, timeout=timeout)
-    try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise HostError(node.label, f"{what}: unexpected answer {out[-200:]!r}") from None
+def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120) -> Dict[str, Any]:
+    """A node sub-command's JSON answer."""
+    return node.run_json(agent_argv(node, lib, *args), what, timeout)
 
 
-def unpack(node: Node, lib: Package, archive: str, dest: str) -> None:
-    res = node.run(agent_argv(node, lib, "unpack", "--archive", archive, "--dest", dest), timeout=600)
-    try:
-        doc = json.loads(res.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        doc = {"ok": False, "error": (res.stderr or res.stdout).strip()[-300:]}
-    if not doc.get("ok"):
-        raise HostError(node.label, f"unpacking the workspace into {dest} refused: {doc.get('error')}")
+def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: Callable[[str], None]) -> None:
+    """Dispatch the workspace (``--job_dispatch_package``) or check it exists (``--job_workspace``)."""
+    if spec.workspace:
+        def has(n: Node) -> None:
+            if n.run(["test", "-d", spec.workspace], timeout=60).exit_code != 0:
+                raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
+                                "workspace to every node first, or use --job_dispatch_package")
+        fanout(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
+        return
+    assert spec.dispatch_dir is not None
+    pkg = pack_workspace(spec.dispatch_dir, workspace_cache_dir())
+    say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    sent: Dict[int, bool] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  transient=not sys.stderr.isatty(), console=Console(stderr=True)) as bar:
+        tasks = {n.index: bar.add_task(f"upload {n.name}", total=pkg.size) for n in nodes}
+
+        def send(n: Node) -> None:
+            archive, sent[n.index] = ensure_package(
+                n, pkg, "workspace", lambda done, total: bar.update(tasks[n.index], completed=done))
+            doc = agent_json(n, lib, "unpack", "--archive", archive, "--dest", spec.job_dir,
+                             what=f"unpacking the workspace into {spec.job_dir}", timeout=600)
+            if not doc.get("ok"):
+                raise HostError(n.label, f"unpacking the workspace into {spec.job_dir} refused: {doc.get('error')}")
+
+        fanout(nodes, send).ok("dispatching the workspace")
+    skipped = [nodes[i].name for i, s in sorted(sent.items()) if not s]
+    if skipped:
+        say(f"{', '.join(skipped)} already held this package: not sent again")

@@ -7,6 +7,7 @@ speak the same interface, so everything above this module is one code path.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -15,7 +16,7 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
 import paramiko
 
@@ -69,13 +70,18 @@ class Node:
     def close(self) -> None:
         pass
 
-    def check(self, argv: Sequence[str], what: str, timeout: Optional[float] = None, stdin: str = "") -> str:
-        """Run ``argv``; a non-zero exit becomes a ``HostError`` quoting its output."""
-        res = self.run(argv, timeout=timeout, stdin=stdin)
-        if res.exit_code != 0:
+    def run_json(self, argv: Sequence[str], what: str, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Run ``argv`` and return its answer: a JSON object on the last line of its output, whatever the exit
+        status (the answer says what went wrong). Without one, a ``HostError`` quoting the output."""
+        res = self.run(argv, timeout=timeout)
+        try:
+            doc = json.loads(res.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            doc = None
+        if not isinstance(doc, dict):
             detail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-5:]
             raise HostError(self.label, f"{what} failed (exit {res.exit_code}): " + " | ".join(detail))
-        return res.stdout
+        return doc
 
 
 class _PopenStream(Stream):
@@ -189,7 +195,7 @@ class SSHNode(Node):
         kwargs = {"allow_agent": True, "look_for_keys": cfg.ssh_identity_file is None,
                   "banner_timeout": cfg.ssh_connect_timeout, "auth_timeout": cfg.ssh_connect_timeout}
         if cfg.ssh_identity_file:
-            kwargs["key_filename"] = os.path.expanduser(cfg.ssh_identity_file)
+            kwargs["key_filename"] = cfg.ssh_identity_file
         conn = fabric.Connection(self.spec.host, user=self.spec.user, port=self.spec.port, config=fconf,
                                  connect_timeout=int(max(1, cfg.ssh_connect_timeout)), connect_kwargs=kwargs)
         hop = conn
@@ -223,7 +229,7 @@ class SSHNode(Node):
         return conn
 
     def _harden(self, client: paramiko.SSHClient) -> None:
-        path = os.path.expanduser(self.cfg.ssh_known_hosts or "~/.ssh/known_hosts")
+        path = self.cfg.known_hosts
         if os.path.exists(path):
             client.load_host_keys(path)
         if self.cfg.ssh_accept_new_host_keys:
@@ -270,13 +276,12 @@ class SSHNode(Node):
         if ssh is None:
             return None
         cfg = self.cfg
-        known = os.path.expanduser(cfg.ssh_known_hosts or "~/.ssh/known_hosts")
-        argv = [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known}",
-                "-o", f"ConnectTimeout={int(max(1, cfg.ssh_connect_timeout))}"]
+        argv = [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o",
+                f"UserKnownHostsFile={cfg.known_hosts}", "-o", f"ConnectTimeout={int(max(1, cfg.ssh_connect_timeout))}"]
         if cfg.ssh_config_file:
-            argv += ["-F", os.path.expanduser(cfg.ssh_config_file)]
+            argv += ["-F", cfg.ssh_config_file]
         if cfg.ssh_identity_file:
-            argv += ["-i", os.path.expanduser(cfg.ssh_identity_file), "-o", "IdentitiesOnly=yes"]
+            argv += ["-i", cfg.ssh_identity_file, "-o", "IdentitiesOnly=yes"]
         if self.spec.port:
             argv += ["-p", str(self.spec.port)]
         if self.spec.user:

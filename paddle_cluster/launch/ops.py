@@ -27,7 +27,7 @@ class NodeKill:
 def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
     """Stop every process recorded for ``job_name`` on every node; nothing else is touched."""
     nodes, lib = nodes_with_lib(cfg)
-    job_dir = f"{cfg.root_dir}/{job_name}"
+    job_dir = cfg.job_dir(job_name)
 
     def kill(n: Node) -> NodeKill:
         doc = dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
@@ -54,7 +54,7 @@ class ProcRow:
 
 def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
     nodes, lib = nodes_with_lib(cfg)
-    job_dir = f"{cfg.root_dir}/{job_name}"
+    job_dir = cfg.job_dir(job_name)
 
     def status(n: Node) -> List[ProcRow]:
         doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what="reading job status")
@@ -95,7 +95,7 @@ def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n:
     idx = resolve_node(cfg, node_text)
     nodes, lib = nodes_with_lib(cfg)
     node = nodes[idx]
-    args = ["logs", "--job-dir", f"{cfg.root_dir}/{job_name}", "--role", role, "-n", str(n)]
+    args = ["logs", "--job-dir", cfg.job_dir(job_name), "--role", role, "-n", str(n)]
     try:
         if not follow:
             res = node.run(dispatch.agent_argv(node, lib, *args), timeout=120)

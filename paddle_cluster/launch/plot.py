@@ -28,7 +28,7 @@ class Curve:
 def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     """``{"trainer0": [records...], ...}`` gathered from every node's ``<job dir>/log``."""
     nodes, lib = nodes_with_lib(cfg)
-    job_dir = f"{cfg.root_dir}/{job_name}"
+    job_dir = cfg.job_dir(job_name)
 
     def read(n: Node) -> Dict[str, List[dict]]:
         return dispatch.agent_json(n, lib, "metrics", "--job-dir", job_dir, what="reading metrics")

@@ -30,14 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dest", required=True)
     p.add_argument("--max-bytes", type=int, default=None, help="cap on the unpacked size (default: the archive's)")
     p.add_argument("--max-members", type=int, default=unpack.MAX_MEMBERS)
-    p = sub.add_parser("supervise", help="run this node's share of a job (JSON lines on stdin/stdout)")
-    p.add_argument("--job-dir", required=True)
+    p = sub.add_parser("supervise", help="run this node's share of a job (messages as JSON lines on stdin/stdout)")
     p.add_argument("--orphan-timeout", type=float, default=20.0)
     p.add_argument("--grace", type=float, default=5.0)
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
         p.add_argument("--grace", type=float, default=5.0)
+    p = sub.add_parser("checkpoints", help="the steps under ROOT whose shards of every given pserver are complete")
+    p.add_argument("--root", required=True)
+    p.add_argument("--pservers", required=True, help="pserver ids, comma-separated")
     p = sub.add_parser("logs")
     p.add_argument("--job-dir", required=True)
     p.add_argument("--role", choices=("trainer", "pserver", "all"), default="all")
@@ -62,12 +64,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return pod.main(args[1:])
     a = _parser().parse_args(args)
-    bad = _bad_job_dir(a.dest if a.cmd == "unpack" else a.job_dir) if a.cmd != "probe" else None
+    target = a.dest if a.cmd == "unpack" else getattr(a, "job_dir", None)
+    bad = _bad_job_dir(target) if target else None  # supervise checks the job dir its plan names
     if bad:
-        print(json.dumps({"ev": "agent_output", "line": bad} if a.cmd == "supervise" else {"ok": False, "error": bad}))
+        print(json.dumps({"ok": False, "error": bad}))
         return 2
     if a.cmd == "supervise":
-        return supervisor.supervise(a.job_dir, a.orphan_timeout, a.grace)
+        return supervisor.supervise(a.orphan_timeout, a.grace)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":
@@ -78,6 +81,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = jobdir.kill(a.job_dir, a.grace)
     elif a.cmd == "status":
         doc = jobdir.status(a.job_dir)
+    elif a.cmd == "checkpoints":
+        from paddle_cluster.ps.checkpoint import complete_steps  # numpy: only this sub-command needs it
+
+        doc = {"steps": complete_steps(a.root, [int(k) for k in a.pservers.split(",") if k])}
     else:
         doc = jobdir.metrics(a.job_dir)
     print(json.dumps(doc))

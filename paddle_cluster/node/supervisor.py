@@ -1,15 +1,15 @@
 """The ``supervise`` agent: one per node and job, the parent of every process of that job on that node.
 
-It talks JSON lines both ways over its stdin/stdout for the life of a job: it starts the job's processes
-(``procs``), streams every output line to the launcher and appends it to the process's log file, and stops
-everything (SIGTERM to each group, a grace period, SIGKILL) when told to, when signalled, when its stdin
-closes (the SSH session is gone), or when the launcher has been silent for ``orphan_timeout`` seconds (the
-network is gone) -- so a dead launcher never leaves processes behind.
+It receives its node's share of the job (a ``NodePlan``) and runs it alone: starts the pservers, waits until
+every pserver port of the whole job accepts a connection, starts the trainers, and reports everything as
+events (``messages``). It streams every output line and appends it to the process's log file, and stops
+everything (SIGTERM to each group, a grace period, SIGKILL) when told to, when signalled, or when its
+channel to the launcher is gone (closed, or silent for ``orphan_timeout`` seconds) -- so a dead launcher
+never leaves processes behind.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -17,22 +17,15 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Any, Dict, List, Optional
+import traceback
+from typing import IO, Any, Callable, Dict, Optional, Tuple
 
 from paddle_cluster import contract
 
+from . import messages as m
 from . import procs
 
 HEARTBEAT_S = 2.0
-
-
-def _emit(obj: Dict[str, Any], _lock=threading.Lock()) -> None:
-    data = (json.dumps(obj) + "\n").encode()
-    with _lock:
-        try:
-            os.write(1, data)
-        except OSError:
-            pass  # the launcher is gone; teardown is driven by stdin EOF / silence
 
 
 class Stop(Exception):
@@ -41,61 +34,163 @@ class Stop(Exception):
         self.reason, self.grace = reason, grace
 
 
+class Emitter:
+    """Events to the launcher, one JSON line each on fd 1; stamped with this node's index."""
+
+    def __init__(self) -> None:
+        self.node = -1  # until the plan names this node
+        self._lock = threading.Lock()
+
+    def __call__(self, make: Callable[..., m.Event], **fields: Any) -> None:
+        data = (m.encode(make(node=self.node, **fields)) + "\n").encode()
+        with self._lock:
+            try:
+                os.write(1, data)
+            except OSError:
+                pass  # the launcher is gone; teardown is driven by the channel's end or silence
+
+
+class StdinChannel:
+    """Commands from the launcher on stdin; its end (EOF) or ``orphan_timeout`` s of silence stop the job."""
+
+    def __init__(self, orphan_timeout: float, fd: int = 0) -> None:
+        self.orphan_timeout, self.fd = orphan_timeout, fd
+        self.last_heard = time.monotonic()
+        self._buf = b""
+
+    def get(self, timeout: float) -> Optional[m.Command]:
+        """The next command other than ``Ping`` within ``timeout`` s, or None; raises ``Stop``."""
+        line = self._line(timeout)
+        if line is None or not line.strip():
+            return None
+        try:
+            msg = m.decode(line.decode(errors="replace"))
+        except m.MessageError as e:
+            raise Stop(f"unreadable message from the launcher: {e}") from None
+        if isinstance(msg, m.Stop):
+            raise Stop("stopped by the launcher", msg.grace)
+        return None if isinstance(msg, m.Ping) else msg
+
+    def _line(self, timeout: float) -> Optional[bytes]:
+        # Raw reads, not a buffered file: select() cannot see lines a file object has already buffered.
+        if b"\n" not in self._buf:
+            r, _, _ = select.select([self.fd], [], [], timeout)
+            if not r:
+                if time.monotonic() - self.last_heard > self.orphan_timeout:
+                    raise Stop(f"launcher silent for {self.orphan_timeout:.0f} s")
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                raise Stop("launcher connection closed")
+            self.last_heard = time.monotonic()
+            self._buf += chunk
+            if b"\n" not in self._buf:
+                return None
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+
 class Supervisor:
-    def __init__(self, job_dir: str, orphan_timeout: float, grace: float) -> None:
-        self.job_dir = os.path.realpath(job_dir)
-        self.orphan_timeout = orphan_timeout
-        self.grace = grace
-        self.env: Dict[str, str] = {}
-        self.job_id = ""
-        self.state: Optional[procs.Records] = None
+    def __init__(self, channel: StdinChannel, grace: float) -> None:
+        self.channel, self.grace = channel, grace
+        self.emit = Emitter()
+        self.plan: Optional[m.NodePlan] = None
+        self.records: Optional[procs.Records] = None
         self.popens: Dict[str, subprocess.Popen] = {}
-        self.threads: List[threading.Thread] = []
+        self.pumps: Dict[str, threading.Thread] = {}
         self.lib_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    # messages from the launcher
-    def on_prepare(self, msg: Dict[str, Any]) -> None:
-        self.env = dict(msg["env"])
-        self.job_id = contract.job_id_of(self.env)
-        os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
-        self.state = procs.Records(self.job_dir, self.job_id)
-        contract.write_env_file(os.path.join(self.state.dir, contract.ENV_FILE), self.env)
-        with open(os.path.join(self.job_dir, "nodefile"), "w") as f:
-            f.write(f"{msg['node']}\n")
-        _emit({"ev": "prepared"})
+    def run(self) -> int:
+        stop_hb = threading.Event()
+        threading.Thread(target=self._heartbeat, args=(stop_hb,), daemon=True).start()
+        reason, grace = "", self.grace
+        try:
+            while self.plan is None:
+                msg = self.channel.get(0.5)
+                if isinstance(msg, m.Start):
+                    self.plan = msg.plan
+            self.emit.node = self.plan.node
+            self._prepare(self.plan)
+            self._start(self.plan.pservers)
+            if self._wait_for_pservers(self.plan):
+                self.emit(m.Ready)
+                self._start(self.plan.trainers)
+            while True:
+                self.channel.get(0.5)
+        except Stop as s:
+            reason = s.reason
+            grace = self.grace if s.grace is None else s.grace
+        except Exception as e:  # noqa: BLE001 - reported, and the job's processes are still stopped below
+            for line in traceback.format_exc().splitlines():
+                self.emit(m.Note, line=line)
+            reason = f"agent failed: {type(e).__name__}: {e}"
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            job_id = contract.job_id_of(self.plan.environ) if self.plan else ""
+            hit = procs.signal_groups(self.records.procs if self.records else [], job_id, grace)
+            for p in self.popens.values():
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+            for t in self.pumps.values():
+                t.join(timeout=2)
+            stop_hb.set()
+            self.emit(m.Stopped, reason=reason, killed=tuple(hit))
+        return 0
 
-    def on_start(self, msg: Dict[str, Any]) -> None:
-        assert self.state is not None, "start before prepare"
-        for p in msg["procs"]:
-            env = dict(os.environ)
-            env.update(self.env)
-            env.update(p["env"])
-            env["PYTHONPATH"] = os.pathsep.join(x for x in (self.lib_dir, env.get("PYTHONPATH", "")) if x)
-            extra_ld = msg.get("ld_library_path", "")
-            if extra_ld:
-                env["LD_LIBRARY_PATH"] = os.pathsep.join(x for x in (extra_ld, env.get("LD_LIBRARY_PATH", "")) if x)
-            log_path = os.path.join(self.job_dir, "log", p["log"])
+    def _prepare(self, plan: m.NodePlan) -> None:
+        # The launcher checked the name; a plan from a file or another launcher is checked again here.
+        try:
+            contract.check_job_name(os.path.basename(plan.job_dir.rstrip("/")))
+        except contract.ContractError as e:
+            raise Stop(str(e)) from None
+        # Owner-only: the job directory holds the secret (env file), logs and checkpoints.
+        os.makedirs(plan.job_dir, mode=0o700, exist_ok=True)
+        os.chmod(plan.job_dir, 0o700)
+        os.makedirs(os.path.join(plan.job_dir, "log"), exist_ok=True)
+        self.records = procs.Records(plan.job_dir, contract.job_id_of(plan.environ))
+        contract.write_env_file(os.path.join(self.records.dir, contract.ENV_FILE), plan.environ)
+        with open(os.path.join(plan.job_dir, "nodefile"), "w") as f:
+            f.write(f"{plan.node}\n")
+
+    def _environ(self, p: m.ProcPlan) -> Dict[str, str]:
+        assert self.plan is not None
+        env = dict(os.environ)
+        env.update(self.plan.environ)
+        env.update(p.env)
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (self.lib_dir, env.get("PYTHONPATH", "")) if x)
+        if self.plan.ld_library_path:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                x for x in (self.plan.ld_library_path, env.get("LD_LIBRARY_PATH", "")) if x)
+        return env
+
+    def _start(self, plans: Tuple[m.ProcPlan, ...]) -> None:
+        assert self.plan is not None and self.records is not None
+        for p in plans:
+            log_path = os.path.join(self.plan.job_dir, "log", p.log)
             try:
-                proc = procs.spawn(p["cmd"], msg["cwd"], env)
+                proc = procs.spawn(p.cmd, self.plan.cwd, self._environ(p))
             except OSError as e:
-                _emit({"ev": "exit", "proc": p["name"], "code": 127, "signal": None,
-                       "error": f"cannot start {p['cmd']!r} in {msg['cwd']}: {e.strerror or e}"})
+                self.emit(m.Exited, proc=p.name, code=127, signal=None,
+                          error=f"cannot start {p.cmd!r} in {self.plan.cwd}: {e.strerror or e}")
                 continue
-            self.popens[p["name"]] = proc
-            rec = {"name": p["name"], "role": p["role"], "pid": proc.pid, "pgid": proc.pid,
-                   "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p["cmd"], "exit_code": None,
+            self.popens[p.name] = proc
+            rec = {"name": p.name, "role": p.role, "pid": proc.pid, "pgid": proc.pid,
+                   "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p.cmd, "exit_code": None,
                    "signal": None, "started_at": time.time()}
-            self.state.add(rec)
-            t = threading.Thread(target=self._pump, args=(p["name"], proc, log_path, rec), daemon=True)
+            self.records.add(rec)
+            t = threading.Thread(target=self._pump, args=(p.name, proc, log_path, rec), daemon=True)
             t.start()
-            self.threads.append(t)
-            _emit({"ev": "started", "proc": p["name"], "pid": proc.pid})
+            self.pumps[p.name] = t
+            self.emit(m.Started, proc=p.name, pid=proc.pid)
 
     def _pump(self, name: str, proc: subprocess.Popen, log_path: str, rec: Dict[str, Any]) -> None:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and self.records is not None
         # A full disk must not stop the streaming: the process would block on a full pipe and its exit
         # would never be reported (the job would hang). The log file is given up on, the stream goes on.
-        log: Optional[Any] = None
+        log: Optional[IO[bytes]] = None
         try:
             log = open(log_path, "ab")
         except OSError as e:
@@ -107,120 +202,75 @@ class Supervisor:
                     log.flush()
                 except OSError as e:
                     self._log_lost(name, log_path, e)
-                    log = self._close_quietly(log)
-            _emit({"ev": "log", "proc": name, "line": raw.decode(errors="replace").rstrip("\n")})
-        self._close_quietly(log)
+                    log = _close_quietly(log)
+            self.emit(m.Log, proc=name, line=raw.decode(errors="replace").rstrip("\n"))
+        _close_quietly(log)
         code = proc.wait()
         rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
-        assert self.state is not None
         try:
-            self.state.save()
+            self.records.save()
         except OSError as e:
-            _emit({"ev": "agent_output", "line": f"cannot record the exit of {name} in procs.json: {e}"})
-        _emit({"ev": "exit", "proc": name, "code": rec["exit_code"], "signal": rec["signal"]})
+            self.emit(m.Note, line=f"cannot record the exit of {name} in procs.json: {e}")
+        self.emit(m.Exited, proc=name, code=rec["exit_code"], signal=rec["signal"])
 
-    @staticmethod
-    def _log_lost(name: str, log_path: str, e: OSError) -> None:
-        _emit({"ev": "agent_output", "line": f"cannot write {log_path} ({e.strerror or e}); the output of {name} "
-                                             "is only streamed to the launcher from here on"})
+    def _log_lost(self, name: str, log_path: str, e: OSError) -> None:
+        self.emit(m.Note, line=f"cannot write {log_path} ({e.strerror or e}); the output of {name} is only "
+                               "streamed to the launcher from here on")
 
-    @staticmethod
-    def _close_quietly(f: Optional[Any]) -> None:
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
-        return None
-
-    def on_wait_ports(self, msg: Dict[str, Any]) -> None:
-        deadline = time.monotonic() + msg["timeout"]
-        pending = list(msg["ports"])
+    def _wait_for_pservers(self, plan: m.NodePlan) -> bool:
+        """Until every pserver port of the job accepts a connection: True; False (reported) when one of this
+        node's pservers dies first or ``start_timeout`` passes."""
+        deadline = time.monotonic() + plan.start_timeout
+        pending = list(plan.endpoints)
         while pending:
-            dead = [n for n in msg["procs"] if n in self.popens and self.popens[n].poll() is not None]
+            dead = [p.name for p in plan.pservers
+                    if p.name not in self.popens or self.popens[p.name].poll() is not None]
             if dead:
-                _emit({"ev": "not_ready", "why": f"{', '.join(dead)} exited before listening", "ports": pending})
-                return
+                for name in dead:  # its last words and its exit reach the launcher before the verdict
+                    if name in self.pumps:
+                        self.pumps[name].join(timeout=2)
+                ports = [e.port for e in pending if e.host == plan.address]
+                self.emit(m.NotReady, why=f"{', '.join(dead)} exited before listening (ports {ports})")
+                return False
             if time.monotonic() > deadline:
-                _emit({"ev": "not_ready", "why": f"nothing listening within {msg['timeout']:.0f} s",
-                       "ports": pending})
-                return
-            still = []
-            for port in pending:
-                try:
-                    socket.create_connection((msg["host"], port), timeout=0.5).close()
-                except OSError:
-                    still.append(port)
-            pending = still
+                self.emit(m.NotReady, why=f"nothing listening on {', '.join(map(str, pending))} within "
+                                          f"{plan.start_timeout:.0f} s")
+                return False
+            pending = [e for e in pending if not _accepts(e)]
             if pending:
-                self._drain_stdin(0.1)
-        _emit({"ev": "ready"})
-
-    # the main loop
-    def _drain_stdin(self, timeout: float) -> Optional[Dict[str, Any]]:
-        """Wait up to ``timeout`` s for one message; track silence and EOF (the launcher is gone)."""
-        r, _, _ = select.select([0], [], [], timeout)
-        if not r:
-            if time.monotonic() - self.last_heard > self.orphan_timeout:
-                raise Stop(f"launcher silent for {self.orphan_timeout:.0f} s")
-            return None
-        line = self._stdin.readline()
-        if not line:
-            raise Stop("launcher connection closed")
-        self.last_heard = time.monotonic()
-        line = line.strip()
-        if not line:
-            return None
-        msg = json.loads(line)
-        if msg.get("op") == "ping":
-            return None
-        if msg.get("op") == "stop":
-            raise Stop("stopped by the launcher", msg.get("grace"))
-        return msg
-
-    def run(self) -> int:
-        self._stdin = os.fdopen(0, "r", buffering=1)
-        self.last_heard = time.monotonic()
-        handlers = {"prepare": self.on_prepare, "start": self.on_start, "wait_ports": self.on_wait_ports}
-        stop_hb = threading.Event()
-        threading.Thread(target=self._heartbeat, args=(stop_hb,), daemon=True).start()
-        reason, grace = "", self.grace
-        try:
-            while True:
-                msg = self._drain_stdin(0.5)
-                if msg is not None:
-                    handlers[msg["op"]](msg)
-        except Stop as s:
-            reason = s.reason
-            grace = self.grace if s.grace is None else s.grace
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            records = self.state.procs if self.state else []
-            hit = procs.signal_groups(records, self.job_id, grace)
-            for p in self.popens.values():
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
-            for t in self.threads:
-                t.join(timeout=2)
-            stop_hb.set()
-            _emit({"ev": "stopped", "reason": reason, "killed": hit})
-        return 0
+                self.channel.get(0.1)
+        return True
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
-            _emit({"ev": "hb"})
+            self.emit(m.Heartbeat)
+
+
+def _accepts(e: Any) -> bool:
+    try:
+        socket.create_connection((e.host, e.port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _close_quietly(f: Optional[IO[bytes]]) -> None:
+    if f is not None:
+        try:
+            f.close()
+        except OSError:
+            pass
+    return None
 
 
 def _raise_stop(signum: int, _frame: Any) -> None:
     raise Stop(f"agent received {signal.Signals(signum).name}")
 
 
-def supervise(job_dir: str, orphan_timeout: float, grace: float) -> int:
+def supervise(orphan_timeout: float, grace: float) -> int:
+    """Run one node's share of a job, as the launcher sends it on stdin; events go to stdout."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     # SIGPIPE stays ignored (Python's default): a write to a vanished launcher must not kill the agent
     # before it has stopped its processes.
-    return Supervisor(job_dir, orphan_timeout, grace).run()
+    return Supervisor(StdinChannel(orphan_timeout), grace).run()

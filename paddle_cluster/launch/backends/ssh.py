@@ -1,0 +1,152 @@
+"""The SSH backend: the hosts of ``HOSTS``, each reached over SSH (Fabric), or as a subprocess for ``localhost``.
+
+Each node gets the node library and the workspace (``dispatch``), then one long-lived command stream running
+``python -m paddle_cluster.node supervise``: the launcher writes the node's ``Start`` (its share of the plan)
+and a ``Ping`` every 2 s into it, the agent writes its events back. A closed stream or a silent agent is a
+lost node; a silent launcher makes every agent stop on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional
+
+from paddle_cluster.node import messages as m
+
+from .. import dispatch
+from ..config import ClusterConfig
+from ..errors import HostError
+from ..hosts import Node, Stream, fanout, make_nodes
+from ..plan import JobPlan, JobSpec
+from .base import Backend, Event, EventQueue
+
+PING_S = 2.0
+
+
+class SSHBackend(Backend):
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.nodes = make_nodes(cfg)
+        self.names = [n.name for n in self.nodes]
+        self.labels = [n.label for n in self.nodes]
+        self.lib: Optional[dispatch.Package] = None
+        self.streams: Dict[int, Stream] = {}
+        self.events = EventQueue([], cfg.orphan_timeout)
+        self._pinging: Optional[threading.Event] = None
+
+    # -- preparing ------------------------------------------------------------------------------------
+    def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
+        """Install the node library everywhere and probe every node (NIC address, free ports, numpy, ROOT_DIR);
+        each node's address on PADDLE_NIC."""
+        cfg = self.cfg
+        self.lib = dispatch.install_library(self.nodes)
+        lib = self.lib
+        ports = ",".join(map(str, cfg.node_ports())) if check_ports else ""
+
+        def probe(n: Node) -> str:
+            doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports, "--root",
+                                      cfg.root_dir, what="probing the node")
+            if not doc["address"]:
+                have = ", ".join(f"{k} ({v or 'no IPv4'})" for k, v in doc["interfaces"].items())
+                raise HostError(n.label, f"PADDLE_NIC = {cfg.paddle_nic!r} has no IPv4 address there"
+                                f"{'' if cfg.paddle_nic in doc['interfaces'] else ' (no such interface)'}; "
+                                f"it has: {have}. Set PADDLE_NIC to one of them")
+            if doc["numpy"] is None:
+                raise HostError(n.label, f"numpy is not installed for {cfg.python} ({doc['python_path']}); "
+                                f"install it there: {cfg.python} -m pip install numpy")
+            if doc["ports_taken"]:
+                raise HostError(n.label, f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} "
+                                "are already in use (another job?); choose another PADDLE_PORT or stop that job")
+            if not doc["root"].get("writable"):
+                raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
+            return doc["address"]
+
+        addresses = fanout(self.nodes, probe).ok("probing the nodes")
+        say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
+        return addresses
+
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        addresses = self.probe_cluster(say)
+        self.deliver(spec, say)
+        return addresses
+
+    def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
+        assert self.lib is not None, "probe_cluster first"
+        dispatch.deliver_workspace(self.nodes, self.lib, spec, say)
+
+    # -- running --------------------------------------------------------------------------------------
+    def start(self, plan: JobPlan) -> None:
+        assert self.lib is not None and not self.streams, "prepare first, and stop before starting again"
+        lib, cfg = self.lib, self.cfg
+        self.events = events = EventQueue([n.node for n in plan.nodes], cfg.orphan_timeout)
+
+        def start(n: Node) -> Stream:
+            s = n.stream(dispatch.agent_argv(n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout),
+                                             "--grace", str(cfg.kill_grace)))
+            s.write_line(m.encode(m.Start(plan.nodes[n.index])))
+            return s
+
+        res = fanout(self.nodes, start)
+        self.streams = dict(res.values)
+        for i, s in self.streams.items():
+            threading.Thread(target=_read, args=(i, s, events), daemon=True, name=f"agent{i}").start()
+        self._pinging = threading.Event()
+        threading.Thread(target=self._ping, args=(self._pinging,), daemon=True, name="pinger").start()
+        res.ok("starting the node agents")
+
+    def _ping(self, done: threading.Event) -> None:
+        while not done.wait(PING_S):
+            self._send_all(m.Ping())
+
+    def _send_all(self, msg: m.Command) -> None:
+        for i, s in list(self.streams.items()):
+            if i not in self.events.stopped:
+                try:
+                    s.write_line(m.encode(msg))
+                except Exception:  # noqa: BLE001 - a dead stream is noticed by its reader
+                    pass
+
+    def next_event(self, timeout: float) -> Optional[Event]:
+        return self.events.get(timeout)
+
+    def request_stop(self, grace: float) -> None:
+        self._send_all(m.Stop(grace))
+
+    def stop(self, grace: float) -> List[int]:
+        if not self.streams:
+            return []
+        self.request_stop(grace)
+        unconfirmed = self.events.wait_stopped(sorted(self.streams), self.cfg.kill_grace + 15)
+        if self._pinging is not None:
+            self._pinging.set()
+        for s in self.streams.values():
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - that agent stops on its own when the stream closes
+                pass
+        self.streams = {}
+        return unconfirmed
+
+    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+        assert self.lib is not None
+        lib = self.lib
+
+        def steps(n: Node) -> List[int]:
+            return dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
+                                       ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
+                                       timeout=300)["steps"]
+
+        return fanout([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
+
+    def close(self) -> None:
+        fanout(self.nodes, lambda n: n.close())
+
+
+def _read(i: int, stream: Stream, events: EventQueue) -> None:
+    for line in stream.lines():
+        try:
+            ev = m.decode(line)
+        except m.MessageError:
+            ev = m.Note(i, line)  # e.g. a Python error before the agent could speak
+        events.put(i, ev if isinstance(ev, m.EVENTS) else m.Note(i, line))
+    events.channel_closed(i)

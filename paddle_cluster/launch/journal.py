@@ -1,0 +1,36 @@
+"""The launcher's memory of the latest job per config, so ``kill``, ``status``, ``logs`` and ``plot`` can
+default to it: one small JSON file per config under ``$XDG_STATE_HOME/paddle-cluster/``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from .config import ClusterConfig
+from .errors import ClusterError
+
+
+def _state_file(cfg: ClusterConfig) -> Path:
+    source = cfg.source if cfg.is_builtin_default else os.path.abspath(cfg.source)
+    key = hashlib.sha1(json.dumps([source, [h.text for h in cfg.hosts], cfg.root_dir]).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "paddle-cluster"
+    return base / f"{key}.json"
+
+
+def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str]) -> None:
+    path = _state_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"latest": job_name, "workspace": workspace}))
+    tmp.replace(path)
+
+
+def latest_job(cfg: ClusterConfig) -> str:
+    try:
+        return json.loads(_state_file(cfg).read_text())["latest"]
+    except (OSError, ValueError, KeyError):
+        raise ClusterError("no job of this configuration was started from this machine; "
+                           "name one with --job_name") from None

@@ -1,0 +1,147 @@
+"""What a job is, decided once: ``JobSpec`` (what the user asked for) and ``JobPlan`` (which process runs on
+which node, with which command and environment, and which ports the trainers wait for).
+
+Pure: a plan is built from a spec and the nodes' addresses, with no host in sight, and every backend runs
+the same plan. Node-major ids, pservers before trainers: pserver ``i * PSERVERS_PER_NODE + k`` and trainer
+``i * TRAINERS_PER_NODE + j`` run on node ``i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import shlex
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.node.messages import NodePlan, ProcPlan
+
+from .config import ClusterConfig
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the user asked for."""
+
+    cfg: ClusterConfig
+    name: str
+    dispatch_dir: Optional[str] = None
+    workspace: Optional[str] = None
+    trainer_args: Tuple[str, ...] = ()
+    resume_from: Optional[str] = None  # an earlier job's name, or a checkpoint root directory
+    max_restarts: int = 0  # whole-job restarts from the latest complete checkpoint after a process dies
+    elastic: bool = False  # a dead trainer is reported and the others go on (async mode)
+
+    @property
+    def job_dir(self) -> str:
+        return self.cfg.job_dir(self.name)
+
+    @property
+    def cwd(self) -> str:
+        return self.workspace or self.job_dir
+
+    @property
+    def resume_root(self) -> str:
+        """Where ``--resume_from`` points pservers ("" without it): a job name means that job's checkpoints."""
+        r = self.resume_from
+        if not r:
+            return ""
+        return r if r.startswith("/") else f"{self.cfg.job_dir(r)}/checkpoints"
+
+    @property
+    def checkpoint_root(self) -> str:
+        """Where this job's pservers read and write checkpoints."""
+        return self.resume_root or f"{self.job_dir}/checkpoints"
+
+
+def default_job_name() -> str:
+    return datetime.now().strftime("JOB%Y%m%d%H%M%S")
+
+
+@dataclass(frozen=True)
+class PlannedProc:
+    """A process of the plan and the node it runs on."""
+
+    node: int
+    proc: ProcPlan
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The whole job: the contract every process shares (id, secret, pservers) and each node's share."""
+
+    spec: JobSpec
+    env: JobEnv
+    addresses: Tuple[str, ...]
+    nodes: Tuple[NodePlan, ...]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def procs(self) -> Tuple[PlannedProc, ...]:
+        """Every process: all pservers first, then all trainers, each node-major."""
+        every = [PlannedProc(n.node, p) for n in self.nodes for p in n.procs]
+        return tuple(sorted(every, key=lambda pp: (pp.proc.role != PSERVER, pp.proc.index)))
+
+    def pserver_ids(self) -> Dict[int, List[int]]:
+        """The pserver ids on each node that runs any."""
+        out: Dict[int, List[int]] = {}
+        for n in self.nodes:
+            if n.pservers:
+                out[n.node] = [p.index for p in n.pservers]
+        return out
+
+    def resumed(self, step: Optional[int]) -> JobPlan:
+        """The same job (id, secret, processes) again, its pservers resuming from ``step`` of the job's
+        checkpoints, or from scratch when None: what a restart runs."""
+        env = dataclasses.replace(self.env, resume="" if step is None else str(step),
+                                  checkpoint_dir=self.spec.checkpoint_root if step is not None
+                                  else self.env.checkpoint_dir)
+        return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.addresses))
+
+
+def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str) -> JobPlan:
+    """The plan for ``spec`` on nodes with these addresses (node ``i`` is ``HOSTS[i]``)."""
+    cfg = spec.cfg
+    pservers = tuple(Endpoint(addr, cfg.pserver_ports(k)[0]) for addr in addresses
+                     for k in range(cfg.pservers_per_node))
+    env = JobEnv(job_id=job_id, pservers=pservers, trainers=len(addresses) * cfg.trainers_per_node,
+                 ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret,
+                 job_dir=spec.job_dir, workspace=spec.cwd, barrier_timeout=cfg.barrier_timeout,
+                 resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, extra=dict(cfg.env))
+    return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses))
+
+
+def mint_plan(spec: JobSpec, addresses: Sequence[str]) -> JobPlan:
+    """``build_plan`` with a fresh job id and secret: once per job (restarts keep them)."""
+    return build_plan(spec, addresses, f"{spec.name}-{secrets.token_hex(4)}", secrets.token_hex(32))
+
+
+def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str]) -> Tuple[NodePlan, ...]:
+    cfg = spec.cfg
+    common = env.to_environ()
+    trainer_cmd = cfg.trainer_command.format(python=cfg.python)
+    if spec.trainer_args:
+        trainer_cmd += " " + shlex.join(spec.trainer_args)
+    endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
+
+    def proc(role: str, index: int, per_node: int, addr: str) -> ProcPlan:
+        kind, log = ("pserver", "server") if role == PSERVER else ("trainer", "train")
+        cmd = cfg.pserver_command.format(python=cfg.python) if role == PSERVER else trainer_cmd
+        full = env.for_process(role, index, addr).to_environ()
+        return ProcPlan(f"{kind}.{index}", role, index, cmd, f"{log}.log" if per_node == 1 else f"{log}.{index}.log",
+                        {k: v for k, v in full.items() if common.get(k) != v})
+
+    nodes = []
+    for i, addr in enumerate(addresses):
+        procs = [proc(PSERVER, i * cfg.pservers_per_node + k, cfg.pservers_per_node, addr)
+                 for k in range(cfg.pservers_per_node)]
+        procs += [proc(TRAINER, i * cfg.trainers_per_node + j, cfg.trainers_per_node, addr)
+                  for j in range(cfg.trainers_per_node)]
+        nodes.append(NodePlan(i, addr, spec.job_dir, spec.cwd, common, tuple(procs), endpoints, cfg.start_timeout,
+                              cfg.ld_library_path))
+    return tuple(nodes)

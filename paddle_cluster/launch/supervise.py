@@ -1,0 +1,244 @@
+"""Watching a running job: events -> per-process state -> fail-fast, ``--elastic``, ``--max_restarts`` -> a
+``JobResult``. Knows the plan and the events, not how a backend starts or reaches the processes."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional
+
+from paddle_cluster.contract import PSERVER, TRAINER
+from paddle_cluster.node import messages as m
+from paddle_cluster.node.messages import ProcPlan
+
+from .backends.base import Backend, Event, NodeLost
+from .errors import JobFailed
+from .plan import JobPlan
+
+TAIL_LINES = 20
+
+
+@dataclass
+class ProcState:
+    """What is known about one process of the job."""
+
+    node: int
+    plan: ProcPlan
+    pid: Optional[int] = None
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    tail: Deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+
+    @property
+    def finished(self) -> bool:
+        return self.exit_code is not None or self.signal is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.finished and self.exit_code != 0
+
+    def how(self) -> str:
+        if self.signal is not None:
+            try:
+                return f"killed by {signal.Signals(self.signal).name}"
+            except ValueError:
+                return f"killed by signal {self.signal}"
+        return f"exited with code {self.exit_code}"
+
+
+class ProcessFailed(JobFailed):
+    """A process of the job failed: what ``--max_restarts`` recovers from."""
+
+    def __init__(self, message: str, proc: ProcState, headline: str) -> None:
+        super().__init__(message)
+        self.proc, self.headline = proc, headline
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job ended: ``exit_code`` 0 (finished), 1 (failed) or 130 (interrupted), and what to tell the user."""
+
+    name: str
+    exit_code: int
+    message: str
+    restarts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Attempt:
+    """One start of a plan on a backend, from the first event to the last trainer's exit."""
+
+    def __init__(self, plan: JobPlan, backend: Backend, out: Callable[[str], None],
+                 say: Callable[[str], None]) -> None:
+        self.plan, self.backend, self.out, self.say = plan, backend, out, say
+        self.procs: Dict[str, ProcState] = {pp.proc.name: ProcState(pp.node, pp.proc) for pp in plan.procs}
+        self.ready: Dict[int, str] = {}  # node -> "" (ready) or why not
+        self.abandoned: List[str] = []  # trainers that died under --elastic
+        self.stopping = False  # a stop confirmation is then expected, not a failure
+
+    def role(self, role: str) -> List[ProcState]:
+        return [p for p in self.procs.values() if p.plan.role == role]
+
+    def handle(self, ev: Event) -> None:
+        if isinstance(ev, m.Log):
+            p = self.procs.get(ev.proc)
+            if p is not None:
+                p.tail.append(ev.line)
+            self.out(f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}")
+        elif isinstance(ev, m.Started):
+            self.procs[ev.proc].pid = ev.pid
+        elif isinstance(ev, m.Exited):
+            p = self.procs[ev.proc]
+            p.exit_code, p.signal = ev.code, ev.signal
+            if ev.error:
+                p.tail.append(ev.error)
+        elif isinstance(ev, m.Ready):
+            self.ready[ev.node] = ""
+        elif isinstance(ev, m.NotReady):
+            self.ready[ev.node] = ev.why
+        elif isinstance(ev, m.Note):
+            self.out(f"[agent@{self.backend.names[ev.node]}] {ev.line}")
+        elif isinstance(ev, NodeLost):
+            raise JobFailed(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}")
+        elif isinstance(ev, m.Stopped) and not self.stopping:
+            raise JobFailed(f"the agent on {self.backend.labels[ev.node]} stopped the job: {ev.reason}")
+
+    def pump(self, until: Callable[[], bool], timeout: Optional[float] = None,
+             check: Optional[Callable[[], None]] = None) -> bool:
+        """Handle events until ``until()``: True; False when ``timeout`` s passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not until():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            ev = self.backend.next_event(0.2)
+            if ev is not None:
+                self.handle(ev)
+                if check is not None:
+                    check()
+        return True
+
+    def failure_report(self, p: ProcState, what: str) -> str:
+        lines = [f"{p.plan.name} on {self.backend.labels[p.node]} {p.how()}{what}"]
+        if p.tail:
+            lines.append(f"last lines of its log ({self.plan.spec.job_dir}/log/{p.plan.log}):")
+            lines.extend("  | " + t for t in p.tail)
+        return "\n".join(lines)
+
+    def headline(self, p: ProcState) -> str:
+        line = f"{p.plan.name} on {self.backend.labels[p.node]} {p.how()}"
+        if p.plan.role == TRAINER and p.exit_code is not None and p.tail:
+            line += f" ({p.tail[-1].strip()[:200]})"  # a trainer's last words usually name the pserver it lost
+        return line
+
+    def _pserver_failed(self) -> Optional[ProcessFailed]:
+        # A pserver exits 0 by itself once every trainer has closed; anything else is a failure.
+        for p in self.role(PSERVER):
+            if p.failed:
+                return ProcessFailed(self.failure_report(p, " while trainers were still running"), p,
+                                     self.headline(p))
+        return None
+
+    def check_failures(self) -> None:
+        trainers = self.role(TRAINER)
+        for p in trainers:
+            if p.failed:
+                if not self.plan.spec.elastic:
+                    raise ProcessFailed(self.failure_report(p, ""), p, self.headline(p))
+                if p.plan.name not in self.abandoned:
+                    self.abandoned.append(p.plan.name)
+                    left = len(trainers) - len(self.abandoned)
+                    if not left:
+                        raise ProcessFailed(self.failure_report(p, " (the last trainer left)"), p, self.headline(p))
+                    self.say(f"{self.headline(p)}; --elastic: continuing with the other {left} trainer(s)")
+        if not all(p.finished for p in trainers):
+            failed = self._pserver_failed()
+            if failed is not None:
+                raise failed
+
+    def _cause(self, failed: ProcessFailed) -> ProcessFailed:
+        """A trainer failing right after a pserver died is a symptom: wait a moment and blame the pserver."""
+        if failed.proc.plan.role != TRAINER:
+            return failed
+        try:
+            self.pump(lambda: False, timeout=1.0)
+        except JobFailed:
+            pass
+        return self._pserver_failed() or failed
+
+    def wait_ready(self) -> None:
+        """Until every node reports its pservers' readiness; the first node that is not ready fails the job."""
+        n_nodes = len(self.plan.nodes)
+        start_timeout = self.plan.spec.cfg.start_timeout
+        if not self.pump(lambda: len(self.ready) == n_nodes or any(self.ready.values()), timeout=start_timeout + 30):
+            raise JobFailed(f"pservers not ready within START_TIMEOUT={start_timeout:.0f} s")
+        bad = {i: why for i, why in self.ready.items() if why}
+        if bad:
+            lines = [f"pservers did not start listening on {self.backend.labels[i]}: {why}" for i, why in bad.items()]
+            for p in self.role(PSERVER):
+                if p.node in bad and p.tail:
+                    lines.append(self.failure_report(p, "") if p.finished else f"{p.plan.name} output:\n" +
+                                 "\n".join("  | " + t for t in p.tail))
+            raise JobFailed("\n".join(lines))
+
+    def run(self, failed_at: Optional[float]) -> None:
+        """Start the plan and watch it until every trainer has finished; raises ``JobFailed`` on failure."""
+        self.backend.start(self.plan)
+        self.wait_ready()
+        self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
+                 "trainer(s)")
+        if failed_at is not None:
+            self.say(f"job running again {time.monotonic() - failed_at:.1f} s after the failure")
+        try:
+            self.pump(lambda: all(p.finished for p in self.role(TRAINER)), check=self.check_failures)
+            self.check_failures()
+        except ProcessFailed as e:
+            raise self._cause(e) from None
+
+
+def latest_common_step(backend: Backend, plan: JobPlan) -> Optional[int]:
+    """The newest step whose checkpoint is complete for every pserver (on its own node); None if none is.
+
+    Pservers on different hosts see only their own shards, so each would pick its own "latest": the
+    launcher picks the one step all of them hold, which rolls every shard back to the same step.
+    """
+    found = backend.complete_steps(plan.spec.checkpoint_root, plan.pserver_ids())
+    common = set.intersection(*(set(s) for s in found)) if found else set()
+    return max(common) if common else None
+
+
+def supervise(plan: JobPlan, backend: Backend, out: Callable[[str], None], say: Callable[[str], None]) -> JobResult:
+    """Run ``plan`` on ``backend`` to its end, restarting it from the newest common checkpoint after a process
+    failure up to ``--max_restarts`` times. A failure is a ``JobResult``, not an exception."""
+    spec, restarts, failed_at = plan.spec, 0, None
+    try:
+        while True:
+            attempt = Attempt(plan, backend, out, say)
+            try:
+                attempt.run(failed_at)
+                break
+            except ProcessFailed as e:
+                if restarts >= spec.max_restarts:
+                    left = f"\n(no restarts left: all {spec.max_restarts} used)" if spec.max_restarts else ""
+                    return JobResult(spec.name, e.exit_code, f"{e}{left}", restarts)
+                failed_at = time.monotonic()
+                attempt.stopping = True
+                lost = backend.stop(spec.cfg.kill_grace)
+                if lost:
+                    raise JobFailed(f"{e}\ncannot restart: no stop confirmation from "
+                                    f"{', '.join(backend.labels[i] for i in lost)}") from None
+                step = latest_common_step(backend, plan)
+                restarts += 1
+                where = f"checkpoint step {step}" if step is not None else "scratch (no complete checkpoint yet)"
+                say(f"{e.headline}; restarting the job from {where} (restart {restarts} of {spec.max_restarts})")
+                plan = plan.resumed(step)
+    except JobFailed as e:
+        return JobResult(spec.name, e.exit_code, str(e), restarts)
+    left = len(attempt.role(TRAINER)) - len(attempt.abandoned)
+    what = f"all {left} remaining" if attempt.abandoned else f"all {left}"
+    return JobResult(spec.name, 0, f"job {spec.name} finished: {what} trainer(s) exited 0"
+                     + (f" after {restarts} restart(s)" if restarts else ""), restarts)

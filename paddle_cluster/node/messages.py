@@ -1,0 +1,191 @@
+"""The messages between the launcher and a node agent: typed, frozen, one JSON line each.
+
+Both sides use this one ``encode``/``decode``. The launcher sends a node its share of the job (``Start``
+carrying a ``NodePlan``), ``Ping``s while it lives and ``Stop`` at the end; the agent answers with events,
+each stamped with its node index, so events of many nodes can share one stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Type, Union
+
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
+
+
+class MessageError(ValueError):
+    """A line that is not a message of this protocol."""
+
+
+@dataclass(frozen=True)
+class ProcPlan:
+    """One process: its name (``pserver.0``), role and id, command line, log file name under ``log/``, and
+    the per-process part of the environment contract."""
+
+    name: str
+    role: str
+    index: int
+    cmd: str
+    log: str
+    env: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """A node's share of a job: enough for the node to run it alone.
+
+    The agent starts the pservers, waits until every pserver port of the whole job (``endpoints``) accepts
+    a connection (within ``start_timeout``), then starts the trainers.
+    """
+
+    node: int
+    address: str
+    job_dir: str
+    cwd: str
+    environ: Dict[str, str]  # the job-wide contract, secret included; written to the owner-only env file
+    procs: Tuple[ProcPlan, ...]
+    endpoints: Tuple[Endpoint, ...]
+    start_timeout: float
+    ld_library_path: str = ""
+
+    @property
+    def pservers(self) -> Tuple[ProcPlan, ...]:
+        return tuple(p for p in self.procs if p.role == PSERVER)
+
+    @property
+    def trainers(self) -> Tuple[ProcPlan, ...]:
+        return tuple(p for p in self.procs if p.role == TRAINER)
+
+
+# -- launcher -> agent --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    plan: NodePlan
+
+
+@dataclass(frozen=True)
+class Ping:
+    """The launcher is alive (an agent that hears nothing for ORPHAN_TIMEOUT stops the job)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    grace: Optional[float] = None  # seconds between SIGTERM and SIGKILL; None: the agent's own
+
+
+# -- agent -> launcher --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Log:
+    node: int
+    proc: str
+    line: str
+
+
+@dataclass(frozen=True)
+class Started:
+    node: int
+    proc: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited:
+    node: int
+    proc: str
+    code: Optional[int]
+    signal: Optional[int]
+    error: str = ""  # why it could not even start
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Every pserver of the job accepts connections; this node starts its trainers."""
+
+    node: int
+
+
+@dataclass(frozen=True)
+class NotReady:
+    node: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """A line from the agent itself (or, on the launcher side, an agent line that is not a message)."""
+
+    node: int
+    line: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    node: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The agent stopped every process it started (``killed``: those still running then) and exits."""
+
+    node: int
+    reason: str
+    killed: Tuple[str, ...] = ()
+
+
+COMMANDS = (Start, Ping, Stop)
+EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopped)
+Command = Union[Start, Ping, Stop]
+Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopped]
+_TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + EVENTS}
+
+
+def encode(msg: Union[Command, Event]) -> str:
+    """One JSON line (without the newline)."""
+    return json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}, separators=(",", ":"))
+
+
+def decode(line: str) -> Union[Command, Event]:
+    """The message on ``line``; ``MessageError`` names what is wrong with it."""
+    try:
+        doc = json.loads(line)
+        cls = _TYPES[doc.pop("type")]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise MessageError(f"not a message: {line[:200]!r}") from None
+    return _build(cls, doc)
+
+
+def _build(cls: Type[Any], doc: Any) -> Any:
+    if not isinstance(doc, dict):
+        raise MessageError(f"{cls.__name__}: expected an object, got {doc!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not set(doc) <= names:
+        raise MessageError(f"{cls.__name__}: unknown field(s) {sorted(set(doc) - names)}")
+    try:
+        return cls(**{k: _value(hints[k], v) for k, v in doc.items()})
+    except TypeError as e:
+        raise MessageError(f"{cls.__name__}: {e}") from None
+
+
+def _value(hint: Any, v: Any) -> Any:
+    """``v`` as the field type ``hint`` wants it: nested dataclasses and tuples rebuilt, the rest checked."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, v)
+    if origin is Union:  # Optional[X]
+        return None if v is None else _value(next(a for a in args if a is not type(None)), v)
+    if origin is tuple:
+        if not isinstance(v, list):
+            raise MessageError(f"expected a list, got {v!r}")
+        return tuple(_value(args[0], x) for x in v)
+    if origin is dict:
+        if not isinstance(v, dict) or not all(isinstance(x, str) for x in (*v.keys(), *v.values())):
+            raise MessageError(f"expected an object of strings, got {v!r}")
+        return v
+    want = {float: (int, float)}.get(hint, hint)
+    if not isinstance(v, want) or (isinstance(v, bool) and hint is not bool):
+        raise MessageError(f"expected {getattr(hint, '__name__', hint)}, got {v!r}")
+    return float(v) if hint is float else v

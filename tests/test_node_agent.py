@@ -1,0 +1,182 @@
+"""The node agent on its own: ``python -m paddle_cluster.node supervise`` gets one ``Start`` carrying its
+``NodePlan`` and runs it -- real processes, real TCP readiness checks -- reporting typed events; no launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import pytest
+from rt_helpers import free_port_range
+
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.node import messages as m
+from paddle_cluster.node import procs
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Listens on every port of its pserver id, then waits to be stopped.
+LISTEN = ("import socket, time; from paddle_cluster.contract import JobEnv; e = JobEnv.from_environ(); "
+          "ss = [socket.create_server((e.current_ip, p)) for p in e.all_ports(e.pserver_id)]; "
+          "print('listening', flush=True); time.sleep(600)")
+
+
+class Agent:
+    """A supervise agent as a subprocess; its events decoded on a queue."""
+
+    def __init__(self, tmp: Path, orphan_timeout: float = 30.0) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "supervise", "--orphan-timeout",
+                                      str(orphan_timeout), "--grace", "1"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp, env=env)
+        self.events: queue.Queue = queue.Queue()
+        self.seen: List[m.Event] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, b""):
+            ev = m.decode(line.decode())  # anything but a message fails the test here
+            if not isinstance(ev, m.Heartbeat):
+                self.events.put(ev)
+
+    def send(self, msg) -> None:
+        self.proc.stdin.write((m.encode(msg) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def wait_for(self, pred, timeout: float = 30.0) -> m.Event:
+        """The first event, seen before or arriving within ``timeout`` s, for which ``pred`` holds."""
+        for ev in self.seen:
+            if pred(ev):
+                return ev
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ev = self.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.seen.append(ev)
+            if pred(ev):
+                return ev
+        raise AssertionError(f"no such event within {timeout} s; seen: {self.seen}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def agents():
+    made: List[Agent] = []
+    yield lambda tmp, **kw: made.append(Agent(tmp, **kw)) or made[-1]
+    for a in made:
+        a.close()
+
+
+def node_plan(tmp: Path, pserver_cmd: str, trainer_cmd: str, extra_endpoints=()) -> m.NodePlan:
+    port = free_port_range(2, 30000, 39999)
+    env = JobEnv("agenttest-1", (Endpoint("127.0.0.1", port),), 1, ports_num=1, ports_num_for_sparse=1,
+                 secret="s" * 64, job_dir=str(tmp / "job"), workspace=str(tmp))
+    common = env.to_environ()
+
+    def own(role: str, index: int):
+        return {k: v for k, v in env.for_process(role, index, "127.0.0.1").to_environ().items() if common.get(k) != v}
+    return m.NodePlan(0, "127.0.0.1", str(tmp / "job"), str(tmp), common,
+                      (m.ProcPlan("pserver.0", PSERVER, 0, pserver_cmd, "server.log", own(PSERVER, 0)),
+                       m.ProcPlan("trainer.0", TRAINER, 0, trainer_cmd, "train.log", own(TRAINER, 0))),
+                      (Endpoint("127.0.0.1", port), Endpoint("127.0.0.1", port + 1), *extra_endpoints), 20.0)
+
+
+def py(code: str) -> str:
+    return f"{sys.executable} -c \"{code}\""
+
+
+def test_runs_its_share_in_order_and_stops_on_request(tmp_path, agents):
+    a = agents(tmp_path)
+    plan = node_plan(tmp_path, py(LISTEN), py("import os; print('trainer', os.environ['PADDLE_TRAINER_ID'])"))
+    a.send(m.Start(plan))
+    a.wait_for(lambda e: e == m.Log(0, "pserver.0", "listening"))
+    a.wait_for(lambda e: isinstance(e, m.Exited) and e.proc == "trainer.0")
+    kinds = [(type(e).__name__, getattr(e, "proc", "")) for e in a.seen if not isinstance(e, m.Log)]
+    assert kinds == [("Started", "pserver.0"), ("Ready", ""), ("Started", "trainer.0"), ("Exited", "trainer.0")]
+    assert a.seen.index(m.Log(0, "trainer.0", "trainer 0")) < a.seen.index(m.Exited(0, "trainer.0", 0, None))
+    job = tmp_path / "job"
+    assert stat.S_IMODE(job.stat().st_mode) == 0o700 and (job / "nodefile").read_text() == "0\n"
+    env_file = job / ".paddle_cluster" / "env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600 and "PADDLE_JOB_SECRET=" + "s" * 64 in env_file.read_text()
+    assert (job / "log" / "train.log").read_text() == "trainer 0\n"
+    ps_pid = next(e.pid for e in a.seen if isinstance(e, m.Started) and e.proc == "pserver.0")
+    assert procs.load_records(str(job))["procs"][0]["pid"] == ps_pid
+    a.send(m.Stop(0.5))
+    stopped = a.wait_for(lambda e: isinstance(e, m.Stopped))
+    assert stopped == m.Stopped(0, "stopped by the launcher", ("pserver.0",))
+    assert a.proc.wait(timeout=10) == 0
+    assert not procs.alive_as_recorded(ps_pid, None)
+
+
+def test_a_pserver_dying_before_it_listens_is_reported_with_its_output(tmp_path, agents):
+    a = agents(tmp_path)
+    a.send(m.Start(node_plan(tmp_path, py("import sys; print('bad config'); sys.exit(2)"), py("print(1)"))))
+    nr = a.wait_for(lambda e: isinstance(e, m.NotReady))
+    assert nr.why.startswith("pserver.0 exited before listening (ports [")
+    # its last words and its exit come first, and no trainer starts
+    assert a.seen.index(m.Log(0, "pserver.0", "bad config")) < a.seen.index(m.Exited(0, "pserver.0", 2, None))
+    assert not [e for e in a.seen if getattr(e, "proc", "") == "trainer.0"]
+    a.send(m.Stop())
+    a.wait_for(lambda e: isinstance(e, m.Stopped))
+
+
+def test_trainers_wait_for_every_pserver_of_the_job_not_only_this_nodes(tmp_path, agents):
+    other = Endpoint("127.0.0.1", free_port_range(1, 40000, 49999))  # another node's pserver, not up
+    plan = node_plan(tmp_path, py(LISTEN), py("print(1)"), extra_endpoints=(other,))
+    a = agents(tmp_path)
+    a.send(m.Start(dataclasses.replace(plan, start_timeout=1.0)))
+    nr = a.wait_for(lambda e: isinstance(e, m.NotReady))
+    assert nr.why == f"nothing listening on {other} within 1 s"
+    assert not [e for e in a.seen if getattr(e, "proc", "") == "trainer.0"]
+    a.send(m.Stop(0))
+    assert a.wait_for(lambda e: isinstance(e, m.Stopped)).killed == ("pserver.0",)
+
+
+def test_a_vanished_launcher_stops_the_job(tmp_path, agents):
+    a = agents(tmp_path)
+    a.send(m.Start(node_plan(tmp_path, py(LISTEN), py("import time; print('up', flush=True); time.sleep(600)"))))
+    a.wait_for(lambda e: e == m.Log(0, "trainer.0", "up"))
+    pids = [e.pid for e in a.seen if isinstance(e, m.Started)]
+    a.proc.stdin.close()  # the SSH session is gone
+    stopped = a.wait_for(lambda e: isinstance(e, m.Stopped))
+    assert stopped.reason == "launcher connection closed" and set(stopped.killed) == {"pserver.0", "trainer.0"}
+    assert not any(procs.alive_as_recorded(p, None) for p in pids)
+
+
+def test_a_silent_launcher_stops_the_job(tmp_path, agents):
+    a = agents(tmp_path, orphan_timeout=1.0)
+    a.send(m.Start(node_plan(tmp_path, py(LISTEN), py("import time; time.sleep(600)"))))
+    stopped = a.wait_for(lambda e: isinstance(e, m.Stopped), timeout=30)
+    assert stopped.reason == "launcher silent for 1 s"
+
+
+def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers(tmp_path):
+    from paddle_cluster.ps import checkpoint as ckpt
+
+    root = tmp_path / "ck"
+    for step, ids in ((10, (0, 1)), (20, (0,))):
+        for k in ids:
+            ckpt.save_shard(ckpt.step_dir(str(root), step), ckpt.ShardState(
+                step, k, 2, "sync", None, [ckpt.BlockState(0, "w", 0, 2, "float32", {}, step, np.zeros(2, "f4"))]))
+
+    def steps(ids: str) -> list:
+        out = subprocess.run([sys.executable, "-m", "paddle_cluster.node", "checkpoints", "--root", str(root),
+                              "--pservers", ids], capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
+        return json.loads(out.stdout)["steps"]
+    assert steps("0") == [10, 20] and steps("0,1") == [10]
