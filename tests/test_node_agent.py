@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import queue
+import signal
 import stat
 import subprocess
 import sys
@@ -34,10 +35,11 @@ LISTEN = ("import socket, time; from paddle_cluster.contract import JobEnv; e = 
 class Agent:
     """A supervise agent as a subprocess; its events decoded on a queue."""
 
-    def __init__(self, tmp: Path, orphan_timeout: float = 30.0) -> None:
+    def __init__(self, tmp: Path, orphan_timeout: float = 30.0, args=()) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "supervise", "--orphan-timeout",
-                                      str(orphan_timeout), "--grace", "1"], stdin=subprocess.PIPE,
+                                      str(orphan_timeout), "--grace", "1", *args],
+                                     stdin=subprocess.DEVNULL if args else subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp, env=env)
         self.events: queue.Queue = queue.Queue()
         self.seen: List[m.Event] = []
@@ -164,6 +166,19 @@ def test_a_silent_launcher_stops_the_job(tmp_path, agents):
     a.send(m.Start(node_plan(tmp_path, py(LISTEN), py("import time; time.sleep(600)"))))
     stopped = a.wait_for(lambda e: isinstance(e, m.Stopped), timeout=30)
     assert stopped.reason == "launcher silent for 1 s"
+
+
+def test_the_plan_can_come_from_a_file_without_a_launcher_channel(tmp_path, agents):
+    """What a scheduler-started agent does (no stdin): run its node's plan from a file, stop on a signal."""
+    plan = node_plan(tmp_path, py(LISTEN), py("print('from a file')"))
+    (tmp_path / "plans.jsonl").write_text("".join(m.encode(m.Start(p)) + "\n" for p in (
+        plan, dataclasses.replace(plan, node=1, job_dir=str(tmp_path / "elsewhere")))))
+    a = agents(tmp_path, args=("--plan", str(tmp_path / "plans.jsonl"), "--node", "0"))
+    assert a.wait_for(lambda e: isinstance(e, m.Exited) and e.proc == "trainer.0").code == 0
+    assert m.Log(0, "trainer.0", "from a file") in a.seen and not (tmp_path / "elsewhere").exists()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.wait_for(lambda e: isinstance(e, m.Stopped)) == m.Stopped(0, "agent received SIGTERM", ("pserver.0",))
+    assert a.proc.wait(timeout=10) == 0
 
 
 def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers(tmp_path):

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("supervise", help="run this node's share of a job (messages as JSON lines on stdin/stdout)")
     p.add_argument("--orphan-timeout", type=float, default=20.0)
     p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--plan", metavar="FILE", help="take the plan from FILE (Start messages, one per line) instead "
+                   "of stdin; then only a signal stops the job")
+    p.add_argument("--node", type=int, help="with --plan: this node's index")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
@@ -70,7 +73,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({"ok": False, "error": bad}))
         return 2
     if a.cmd == "supervise":
-        return supervisor.supervise(a.orphan_timeout, a.grace)
+        plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
+        return supervisor.supervise(a.orphan_timeout, a.grace, plan)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":

@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 import traceback
-from typing import IO, Any, Callable, Dict, Optional, Tuple
+from typing import IO, Any, Callable, Dict, Optional, Tuple, Union
 
 from paddle_cluster import contract
 
@@ -90,11 +90,20 @@ class StdinChannel:
         return line
 
 
+class NoChannel:
+    """No launcher to hear from: the plan came from a file (a scheduler started the agent); only a signal
+    stops the job."""
+
+    def get(self, timeout: float) -> None:
+        time.sleep(timeout)
+
+
 class Supervisor:
-    def __init__(self, channel: StdinChannel, grace: float) -> None:
+    def __init__(self, channel: Union[StdinChannel, NoChannel], grace: float,
+                 plan: Optional[m.NodePlan] = None) -> None:
         self.channel, self.grace = channel, grace
         self.emit = Emitter()
-        self.plan: Optional[m.NodePlan] = None
+        self.plan = plan
         self.records: Optional[procs.Records] = None
         self.popens: Dict[str, subprocess.Popen] = {}
         self.pumps: Dict[str, threading.Thread] = {}
@@ -267,10 +276,23 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise Stop(f"agent received {signal.Signals(signum).name}")
 
 
-def supervise(orphan_timeout: float, grace: float) -> int:
-    """Run one node's share of a job, as the launcher sends it on stdin; events go to stdout."""
+def plan_from_file(path: str, node: Optional[int]) -> m.NodePlan:
+    """Node ``node``'s plan among the ``Start`` messages in ``path`` (one per line; ``node`` may be None when
+    there is one)."""
+    with open(path, encoding="utf-8") as f:
+        plans = [msg.plan for msg in map(m.decode, filter(str.strip, f)) if isinstance(msg, m.Start)]
+    found = [p for p in plans if node is None or p.node == node]
+    if len(found) != 1:
+        raise m.MessageError(f"{path}: {len(found)} plans for node {node} among {len(plans)}")
+    return found[0]
+
+
+def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None) -> int:
+    """Run one node's share of a job, as the launcher sends it on stdin (or ``plan``, without a launcher
+    channel); events go to stdout."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     # SIGPIPE stays ignored (Python's default): a write to a vanished launcher must not kill the agent
     # before it has stopped its processes.
-    return Supervisor(StdinChannel(orphan_timeout), grace).run()
+    channel = NoChannel() if plan is not None else StdinChannel(orphan_timeout)
+    return Supervisor(channel, grace, plan).run()

@@ -39,11 +39,10 @@ class SSHBackend(Backend):
         """Install the node library everywhere and probe every node (NIC address, free ports, numpy, ROOT_DIR);
         each node's address on PADDLE_NIC."""
         cfg = self.cfg
-        self.lib = dispatch.install_library(self.nodes)
-        lib = self.lib
         ports = ",".join(map(str, cfg.node_ports())) if check_ports else ""
 
         def probe(n: Node) -> str:
+            dispatch.ensure_package(n, lib, "lib")
             doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports, "--root",
                                       cfg.root_dir, what="probing the node")
             if not doc["address"]:
@@ -61,7 +60,9 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
             return doc["address"]
 
-        addresses = fanout(self.nodes, probe).ok("probing the nodes")
+        with dispatch.library_archive() as lib:
+            addresses = fanout(self.nodes, probe).ok("probing the nodes")
+        self.lib = lib
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
         return addresses
 
