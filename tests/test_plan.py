@@ -48,10 +48,12 @@ def test_every_node_waits_for_every_pserver_port_of_the_job():
 def test_the_environment_is_the_contract_split_into_job_wide_and_per_process():
     plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
     n2 = plan.nodes[2]
-    assert n2.environ["PADDLE_JOB_SECRET"] == "s" * 64 and n2.environ["MY"] == "1"
+    assert n2.environ["MY"] == "1" and "PADDLE_JOB_SECRET" not in n2.environ  # the env file holds no key
     assert all(n.environ == n2.environ for n in plan.nodes)  # job-wide: the same everywhere
     for p in n2.procs:
-        assert "PADDLE_JOB_SECRET" not in p.env  # the secret travels once, to the owner-only env file
+        # Only pservers hold the job secret; a trainer holds its own key and nothing else.
+        assert ("PADDLE_JOB_SECRET" in p.env) == (p.role == PSERVER)
+        assert ("PADDLE_TRAINER_KEY" in p.env) == (p.role == TRAINER)
         got = JobEnv.from_environ({**n2.environ, **p.env})
         assert got.role == p.role and got.current_ip == "10.0.0.3"
         assert (got.pserver_id if p.role == PSERVER else got.trainer_id) == p.index
