@@ -1,7 +1,8 @@
 """``python -m paddle_cluster.node CMD``: what the launcher runs on a node (standard library only).
 
 Every sub-command prints one JSON document, except ``supervise``, which talks JSON lines both ways for the
-life of a job, ``logs``, which prints log lines, and ``pod``, the entry point of a Kubernetes pod, which
+life of a job, ``bootstrap``, its twin for agents an engine starts (``bootstrap.py``), ``logs``, which prints
+log lines, and ``pod``, the entry point of a Kubernetes pod, which
 becomes the job's process (``pod.py``).
 """
 
@@ -15,7 +16,7 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import jobdir, probe, supervisor, unpack
+from . import bootstrap, jobdir, probe, supervisor, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", help="take the plan from FILE (Start messages, one per line) instead "
                    "of stdin; then only a signal stops the job")
     p.add_argument("--node", type=int, help="with --plan: this node's index")
+    p = sub.add_parser("bootstrap", help="run this node's share of a job started by an engine (mpirun, srun): "
+                       "the node index from its variables, the plan from a file")
+    p.add_argument("--plan", metavar="FILE", required=True, help="the Start message of every node, one per line")
+    p.add_argument("--engine", choices=("auto",) + bootstrap.ENGINES, default="auto")
+    p.add_argument("--grace", type=float, default=5.0)
+    p.add_argument("--events", metavar="FILE", default="", help="append events to FILE ({node}: the node index) "
+                   "instead of stdout")
+    p.add_argument("--rendezvous", metavar="DIR", default="", help="shared directory where the nodes publish "
+                   "their addresses to complete the plan (Slurm)")
+    p.add_argument("--nic", default="", help="with --rendezvous: the interface whose address the node publishes")
+    p.add_argument("--timeout", type=float, default=60.0, help="with --rendezvous: seconds to wait for every node")
+    p.add_argument("--elastic", action="store_true", help="a failed process does not stop the node")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
@@ -75,6 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "supervise":
         plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
         return supervisor.supervise(a.orphan_timeout, a.grace, plan)
+    if a.cmd == "bootstrap":
+        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.elastic)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":

@@ -29,6 +29,7 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     procs.signal_groups(state["procs"], job_id, grace)
     if procs.alive_as_recorded(pid, started):
         os.kill(pid, signal.SIGKILL)
+    procs.sweep(job_id)
     left = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
     return {"found": True, "stopped": running, "left": left}
 

@@ -104,6 +104,54 @@ def signal_groups(records: List[Mapping[str, Any]], job_id: str, grace: float) -
     return hit
 
 
+def _same_host(pid: int, netns: str) -> bool:
+    """``pid`` shares our network namespace: it is on this node even where several nodes share one kernel
+    (containers, the test cluster's namespaces)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == netns
+    except OSError:
+        return False
+
+
+def job_tagged(job_id: str) -> List[int]:
+    """Live processes on this node, other than this one, whose environment carries ``job_id``."""
+    if not job_id:
+        return []
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            pid = int(entry)
+            fields = _stat_fields(pid)
+            if fields and fields[0] != "Z" and _same_host(pid, netns) and _has_job_tag(pid, job_id):
+                out.append(pid)
+    return out
+
+
+def sweep(job_id: str, grace: float = 2.0) -> List[int]:
+    """SIGTERM, then after ``grace`` s SIGKILL, every process left with this job's id: what escaped its
+    process group (a ``setsid`` daemon, a detached helper) and so outlived ``signal_groups``."""
+    hit = job_tagged(job_id)
+    for pid in hit:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and job_tagged(job_id):
+        time.sleep(0.05)
+    for pid in job_tagged(job_id):
+        _kill(pid, signal.SIGKILL)
+    return hit
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class Records:
     """``procs.json``: the agent and every process it started. Rewritten atomically on each change."""
 

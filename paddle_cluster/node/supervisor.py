@@ -91,8 +91,11 @@ class StdinChannel:
 
 
 class NoChannel:
-    """No launcher to hear from: the plan came from a file (a scheduler started the agent); only a signal
-    stops the job."""
+    """No launcher to hear from: the plan came from a file (an engine started the agent). A signal stops the
+    job, and the agent ends by itself once its processes have finished or (``fail_fast``) one has failed."""
+
+    def __init__(self, fail_fast: bool = True) -> None:
+        self.fail_fast = fail_fast
 
     def get(self, timeout: float) -> None:
         time.sleep(timeout)
@@ -108,6 +111,7 @@ class Supervisor:
         self.popens: Dict[str, subprocess.Popen] = {}
         self.pumps: Dict[str, threading.Thread] = {}
         self.lib_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.failed = False  # the agent ends because a process failed (its exit status says so)
 
     def run(self) -> int:
         stop_hb = threading.Event()
@@ -124,8 +128,13 @@ class Supervisor:
             if self._wait_for_pservers(self.plan):
                 self.emit(m.Ready)
                 self._start(self.plan.trainers)
+            elif isinstance(self.channel, NoChannel):
+                self.failed = True
+                raise Stop("pservers not ready")
             while True:
                 self.channel.get(0.5)
+                if isinstance(self.channel, NoChannel):
+                    self._check_done(self.channel)
         except Stop as s:
             reason = s.reason
             grace = self.grace if s.grace is None else s.grace
@@ -138,6 +147,7 @@ class Supervisor:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             job_id = contract.job_id_of(self.plan.environ) if self.plan else ""
             hit = procs.signal_groups(self.records.procs if self.records else [], job_id, grace)
+            procs.sweep(job_id)  # what left its process group (setsid) still carries the job's id
             for p in self.popens.values():
                 try:
                     p.wait(timeout=5)
@@ -147,7 +157,18 @@ class Supervisor:
                 t.join(timeout=2)
             stop_hb.set()
             self.emit(m.Stopped, reason=reason, killed=tuple(hit))
-        return 0
+        return 1 if self.failed else 0
+
+    def _check_done(self, channel: NoChannel) -> None:
+        """Without a launcher: stop when a process failed (fail-fast) or when every process has finished."""
+        codes = {name: p.poll() for name, p in self.popens.items()}
+        failed = [name for name, c in codes.items() if c not in (None, 0)]
+        if failed and channel.fail_fast:
+            self.failed = True
+            raise Stop(f"{failed[0]} failed (exit status {codes[failed[0]]})")
+        if self.plan is not None and len(codes) == len(self.plan.procs) and None not in codes.values():
+            self.failed = bool(failed)
+            raise Stop("every process of this node finished")
 
     def _prepare(self, plan: m.NodePlan) -> None:
         # The launcher checked the name; a plan from a file or another launcher is checked again here.
@@ -287,12 +308,12 @@ def plan_from_file(path: str, node: Optional[int]) -> m.NodePlan:
     return found[0]
 
 
-def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None) -> int:
+def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None, fail_fast: bool = True) -> int:
     """Run one node's share of a job, as the launcher sends it on stdin (or ``plan``, without a launcher
-    channel); events go to stdout."""
+    channel: then the agent ends with its processes, exit 1 if one failed); events go to stdout."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     # SIGPIPE stays ignored (Python's default): a write to a vanished launcher must not kill the agent
     # before it has stopped its processes.
-    channel = NoChannel() if plan is not None else StdinChannel(orphan_timeout)
+    channel = NoChannel(fail_fast) if plan is not None else StdinChannel(orphan_timeout)
     return Supervisor(channel, grace, plan).run()
