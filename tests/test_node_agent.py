@@ -190,8 +190,18 @@ def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers
             ckpt.save_shard(ckpt.step_dir(str(root), step), ckpt.ShardState(
                 step, k, 2, "sync", None, [ckpt.BlockState(0, "w", 0, 2, "float32", {}, step, np.zeros(2, "f4"))]))
 
+    def answer(where: Path, ids: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "paddle_cluster.node", "checkpoints", "--root", str(where),
+                               "--pservers", ids], capture_output=True, text=True, cwd=REPO, timeout=60)
+
     def steps(ids: str) -> list:
-        out = subprocess.run([sys.executable, "-m", "paddle_cluster.node", "checkpoints", "--root", str(root),
-                              "--pservers", ids], capture_output=True, text=True, cwd=REPO, timeout=60, check=True)
+        out = answer(root, ids)
+        assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["steps"]
     assert steps("0") == [10, 20] and steps("0,1") == [10]
+    # A root that exists but cannot be listed is an answer naming it, not a traceback.
+    (tmp_path / "not-a-dir").write_text("x")
+    bad = answer(tmp_path / "not-a-dir", "0")
+    doc = json.loads(bad.stdout)
+    assert bad.returncode == 1 and doc["ok"] is False and "not-a-dir cannot be read" in doc["error"]
+    assert "Traceback" not in bad.stderr

@@ -101,9 +101,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif a.cmd == "status":
         doc = jobdir.status(a.job_dir)
     elif a.cmd == "checkpoints":
-        from paddle_cluster.ps.checkpoint import complete_steps  # numpy: only this sub-command needs it
+        from paddle_cluster.ps.checkpoint import CheckpointError, complete_steps  # numpy: only this one needs it
 
-        doc = {"steps": complete_steps(a.root, [int(k) for k in a.pservers.split(",") if k])}
+        try:
+            doc = {"ok": True, "steps": complete_steps(a.root, [int(k) for k in a.pservers.split(",") if k])}
+        except CheckpointError as e:  # e.g. a step directory that cannot be read: say so, not a traceback
+            doc = {"ok": False, "error": str(e)}
     else:
         doc = jobdir.metrics(a.job_dir)
     print(json.dumps(doc))

@@ -133,9 +133,12 @@ class SSHBackend(Backend):
         lib = self.lib
 
         def steps(n: Node) -> List[int]:
-            return dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
-                                       ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
-                                       timeout=300)["steps"]
+            doc = dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
+                                      ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
+                                      timeout=300)
+            if not doc.get("ok"):
+                raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
+            return doc["steps"]
 
         return fanout([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
 
