@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -106,10 +107,14 @@ class _PopenStream(Stream):
                 self.proc.stdin.close()
             except OSError:
                 pass
-        try:
-            self.proc.wait(timeout=30)
+        try:  # the command ends when its stdin does; one that does not is killed with its session
+            self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
 
 
 class LocalNode(Node):

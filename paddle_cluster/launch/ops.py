@@ -10,6 +10,7 @@ from . import dispatch
 from .config import ClusterConfig
 from .errors import ClusterError, HostError
 from .hosts import Node, fanout, make_nodes
+from .interrupt import stoppable
 
 
 def nodes_with_lib(cfg: ClusterConfig) -> tuple:
@@ -104,14 +105,15 @@ def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n:
             for line in res.stdout.splitlines():
                 out(line)
             return 0
-        stream = node.stream(dispatch.agent_argv(node, lib, *args, "-f"))
-        try:
-            for line in stream.lines():
-                out(line)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            stream.close()
+        with stoppable():
+            stream = node.stream(dispatch.agent_argv(node, lib, *args, "-f"))
+            try:
+                for line in stream.lines():  # ends by itself once the job has ended (the node agent stops)
+                    out(line)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                stream.close()  # the node agent ends when its stdin does
         return 0
     finally:
         for nd in nodes:

@@ -4,12 +4,12 @@ stops on its own if the launcher disappears)."""
 
 from __future__ import annotations
 
-import signal
 from typing import Callable, Optional
 
 from . import journal
 from .backends import Backend, backend_for
 from .errors import ClusterError, Interrupted
+from .interrupt import stoppable
 from .plan import JobSpec, mint_plan
 from .supervise import JobResult, supervise
 
@@ -17,40 +17,36 @@ from .supervise import JobResult, supervise
 def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None],
             backend: Optional[Backend] = None) -> JobResult:
     """Run the whole job and leave nothing running; ``out`` gets the processes' lines, ``say`` the launcher's.
-    Every way the job can end is a ``JobResult``: 0 finished, 1 failed, 130 interrupted (Ctrl+C, SIGTERM)."""
+    Every way the job can end is a ``JobResult``: 0 finished, 1 failed, 130 interrupted (Ctrl+C,
+    SIGTERM, SIGHUP)."""
     be = backend or backend_for(spec.cfg)
-    interrupts = 0
 
-    def on_signal(_signum: int, _frame: object) -> None:
-        nonlocal interrupts
-        interrupts += 1
-        if interrupts == 1:
-            raise KeyboardInterrupt
+    def skip_grace() -> None:
         say("second interrupt: killing without grace period")
         be.request_stop(0)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        addresses = be.prepare(spec, say)
-        journal.remember(spec.cfg, spec.name, spec.workspace)
-        if spec.elastic:
-            say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode the "
-                "next barrier still waits for it and fails after BARRIER_TIMEOUT)")
-        plan = mint_plan(spec, addresses)
-        say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in {spec.job_dir}")
-        return supervise(plan, be, out, say)
-    except KeyboardInterrupt:
-        say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
-        return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; every process was stopped")
-    except ClusterError as e:
-        return JobResult(spec.name, e.exit_code, str(e))
-    finally:
+    with stoppable(skip_grace) as interrupts:
         try:
-            lost = be.stop(0 if interrupts > 1 else spec.cfg.kill_grace)
-            if lost:
-                say(f"no stop confirmation from {', '.join(be.labels[i] for i in lost)}; their agents stop on "
-                    f"their own within ORPHAN_TIMEOUT={spec.cfg.orphan_timeout:.0f} s")
+            addresses = be.prepare(spec, say)
+            journal.remember(spec.cfg, spec.name, spec.workspace)
+            if spec.elastic:
+                say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
+                    "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")
+            plan = mint_plan(spec, addresses)
+            say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
+                f"{spec.job_dir}")
+            return supervise(plan, be, out, say)
+        except KeyboardInterrupt:
+            say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
+            return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; every process was "
+                             "stopped")
+        except ClusterError as e:
+            return JobResult(spec.name, e.exit_code, str(e))
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            be.close()
+            try:
+                lost = be.stop(0 if interrupts.count > 1 else spec.cfg.kill_grace)
+                if lost:
+                    say(f"no stop confirmation from {', '.join(be.labels[i] for i in lost)}; their agents stop "
+                        f"on their own within ORPHAN_TIMEOUT={spec.cfg.orphan_timeout:.0f} s")
+            finally:
+                be.close()

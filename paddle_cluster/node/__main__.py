@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--job-dir", required=True)
     p.add_argument("--role", choices=("trainer", "pserver", "all"), default="all")
     p.add_argument("-n", type=int, default=50)
-    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends or "
+                   "stdin closes (the launcher is gone)")
     return ap
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -104,7 +105,11 @@ def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
         return 0
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     partial = {id(f): b"" for _, f in handles}
+    next_check = 0.0
     while True:
+        ended = False
+        if time.monotonic() >= next_check:  # read what the job wrote before it ended, then stop
+            ended, next_check = job_ended(job_dir), time.monotonic() + 1.0
         got = False
         for tag, f in handles:
             chunk = f.read()
@@ -115,8 +120,31 @@ def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
                 for line in done:
                     print(tag + line.decode(errors="replace"))
         sys.stdout.flush()
-        if not got:
-            time.sleep(0.2)
+        if ended and not got:
+            return 0
+        if not got and _stdin_closed(0.2):  # the launcher is gone (Ctrl+C, closed terminal, lost SSH)
+            return 0
+
+
+def job_ended(job_dir: str) -> bool:
+    """No agent and no process of the job is alive (a job directory without records has not started)."""
+    state = procs.load_records(job_dir)
+    if state is None:
+        return False
+    agent = state.get("agent", {})
+    if agent.get("pid") and procs.alive_as_recorded(agent["pid"], agent.get("start_time")):
+        return False
+    return not any(procs.job_group_alive(p, state["job_id"]) for p in state["procs"])
+
+
+def _stdin_closed(timeout: float) -> bool:
+    """Whether stdin reached its end within ``timeout`` s (what it says otherwise is ignored)."""
+    try:
+        r, _, _ = select.select([0], [], [], timeout)
+        return bool(r) and not os.read(0, 4096)
+    except (OSError, ValueError):
+        time.sleep(timeout)
+        return False
 
 
 def metrics(job_dir: str) -> Dict[str, List[Any]]:
