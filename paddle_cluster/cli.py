@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
+import traceback
 import warnings
 from typing import Optional, Tuple
 
@@ -41,6 +43,7 @@ def _handled(fn):
         try:
             result = fn(*args, **kwargs)
         except ClusterError as e:
+            _debug_trace(e)
             result = JobResult("", e.exit_code, str(e))
         except KeyboardInterrupt:
             click.echo("paddle-cluster: interrupted", err=True)
@@ -52,6 +55,15 @@ def _handled(fn):
             _say(result.message)
 
     return wrapper
+
+
+def _debug_trace(e: ClusterError) -> None:
+    """With ``--debug``, the tracebacks behind a message (every host's, for a fan-out)."""
+    ctx = click.get_current_context(silent=True)
+    if not (ctx and (ctx.find_root().obj or {}).get("debug")):
+        return
+    for err in [e, *getattr(e, "failures", {}).values()]:
+        click.echo("".join(traceback.format_exception(type(err), err, err.__traceback__)), err=True)
 
 
 def _config(ctx: click.Context) -> ClusterConfig:
@@ -82,11 +94,15 @@ def _checked_resume(ctx: click.Context, param: click.Parameter, value: Optional[
               "./cluster.yaml, else a local two-pserver/two-trainer cluster on this machine).")
 @click.option("--accept-new-host-keys", is_flag=True, help="Trust and remember SSH host keys not yet known "
               "(known keys are still checked).")
+@click.option("--debug", is_flag=True, help="Show the tracebacks behind error messages and SSH's own log.")
 @click.version_option(package_name="paddle-cluster")
 @click.pass_context
-def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool) -> None:
+def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, debug: bool) -> None:
     """Launch parameter-server training jobs on the hosts of conf.py over SSH."""
-    ctx.obj = {"conf": conf, "accept_new_host_keys": accept_new_host_keys}
+    ctx.obj = {"conf": conf, "accept_new_host_keys": accept_new_host_keys, "debug": debug}
+    if debug:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logging.getLogger("paramiko").propagate = True
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -183,8 +199,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
                 for r in rows])
     bad = [r for r in rows if not r.ok]
     if bad:
-        raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check: "
-                           + "; ".join(f"{r.node}: {r.problem}" for r in bad))
+        raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"
+                           + "".join(f"\n  {r.node} ({r.host}): {r.problem}" for r in bad))
 
 
 @main.command()

@@ -30,11 +30,22 @@ class HostError(ClusterError):
         self.host, self.message = host, message
 
 
+class ConnectError(HostError):
+    """No SSH session to a host: one line with its address and port, what failed and the command that fixes
+    or diagnoses it (docs/troubleshooting.md lists each ``what``)."""
+
+    def __init__(self, host: str, address: str, port: int, what: str, fix: str) -> None:
+        super().__init__(host, f"{address}:{port}: {what}; {fix}")
+        self.address, self.port, self.what, self.fix = address, port, what, fix
+
+
 class HostsFailed(ClusterError):
     """A fan-out over hosts in which one or more hosts failed; lists every failure, not just the first."""
 
     def __init__(self, what: str, failures: Dict[str, BaseException]) -> None:
-        lines = [f"{what} failed on {len(failures)} host(s):"]
+        reach = all(isinstance(e, ConnectError) for e in failures.values())
+        lines = [f"cannot reach {len(failures)} host(s) over SSH:" if reach
+                 else f"{what} failed on {len(failures)} host(s):"]
         for host, err in failures.items():
             msg = err.message if isinstance(err, HostError) else f"{type(err).__name__}: {err}"
             if not isinstance(err, ClusterError):

@@ -8,6 +8,7 @@ speak the same interface, so everything above this module is one code path.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -22,7 +23,12 @@ from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Seque
 import paramiko
 
 from .config import ClusterConfig, HostSpec
-from .errors import HostError, HostsFailed
+from .errors import ConnectError, HostError, HostsFailed
+
+# paramiko logs a failed handshake (no SSH banner, a reset) as an ERROR with a traceback; with no handler of
+# its own that reaches the terminal above our one-line message. ``--debug`` turns the logging back on.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
 
 
 @dataclass(frozen=True)
@@ -209,28 +215,8 @@ class SSHNode(Node):
             hop = hop.gateway
         try:
             conn.open()
-        except paramiko.BadHostKeyException as e:
-            raise HostError(self.label, f"host key MISMATCH for {e.hostname}: the key in known_hosts differs "
-                            "from what the host presents. If the host was reinstalled, remove the old entry with "
-                            f"`ssh-keygen -R {e.hostname}`; otherwise do not connect") from None
-        except paramiko.AuthenticationException:
-            who = f"{conn.user}@{conn.host}:{conn.port}"
-            key = cfg.ssh_identity_file or "your default keys / ssh-agent"
-            raise HostError(self.label, f"SSH login to {who} was refused (tried {key}; passwords are never "
-                            "prompted for). Install your public key in that user's ~/.ssh/authorized_keys, or "
-                            "set SSH_IDENTITY_FILE") from None
-        except paramiko.SSHException as e:
-            if "not found in known_hosts" in str(e):
-                raise HostError(self.label, f"host key of {conn.host} is unknown. Check it and add it with "
-                                f"`ssh-keyscan -p {conn.port} {conn.host} >> ~/.ssh/known_hosts` (or the file in "
-                                "SSH_KNOWN_HOSTS), or trust new keys once with --accept-new-host-keys") from None
-            raise HostError(self.label, f"SSH error: {e}") from None
-        except (socket.timeout, TimeoutError):
-            raise HostError(self.label, f"no answer from {conn.host}:{conn.port} within "
-                            f"{cfg.ssh_connect_timeout:.0f} s (SSH_CONNECT_TIMEOUT); is the host up and "
-                            "reachable from here?") from None
-        except (OSError, paramiko.ssh_exception.NoValidConnectionsError) as e:
-            raise HostError(self.label, f"cannot connect to {conn.host}:{conn.port}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - every way a connection fails becomes one line naming the fix
+            raise connect_error(self.label, conn.host, conn.port, conn.user, e, cfg) from e
         return conn
 
     def _harden(self, client: paramiko.SSHClient) -> None:
@@ -333,6 +319,56 @@ class SSHNode(Node):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _ssh_command(user: str, address: str, port: int, cfg: ClusterConfig, *extra: str) -> str:
+    key = f" -i {shlex.quote(cfg.ssh_identity_file)}" if cfg.ssh_identity_file else ""
+    return f"ssh{' '.join(('',) + extra)} -o BatchMode=yes -p {port}{key} {user}@{address} true"
+
+
+def connect_error(label: str, host: str, port: int, user: str, e: BaseException, cfg: ClusterConfig) -> ConnectError:
+    """What went wrong opening an SSH session, as a ``ConnectError``: the only place paramiko's and the socket
+    layer's exceptions are read."""
+    address = host
+    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError) and e.errors:
+        peer, e = next(iter(e.errors.items()))  # "[Errno None] Unable to connect": the cause is inside
+        address, port = peer[0], peer[1]
+    check = _ssh_command(user, address, port, cfg)
+    known = cfg.known_hosts
+    refused = paramiko.AuthenticationException
+    if isinstance(e, paramiko.BadHostKeyException):
+        return ConnectError(label, address, port, f"host key CHANGED (differs from {known})",
+                            f"if the host was reinstalled: ssh-keygen -R {address} -f {known}; otherwise do not "
+                            "connect")
+    if isinstance(e, refused):
+        keys = cfg.ssh_identity_file or "ssh-agent and ~/.ssh/id_*"
+        return ConnectError(label, address, port, f"login as {user} refused (tried {keys}; passwords are never "
+                            "prompted for)", f"install the key: ssh-copy-id -p {port}"
+                            f"{' -i ' + cfg.ssh_identity_file if cfg.ssh_identity_file else ''} {user}@{address}")
+    text = str(e)
+    if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in text:
+        return ConnectError(label, address, port, f"host key of {address} is unknown (not in {known})",
+                            f"check it and add it: ssh-keyscan -p {port} {address} >> {known} (or run once with "
+                            "--accept-new-host-keys)")
+    if isinstance(e, paramiko.SSHException) and "banner" in text:
+        return ConnectError(label, address, port, "connected, but no SSH greeting came (not an SSH server, or "
+                            "overloaded)", f"diagnose: {_ssh_command(user, address, port, cfg, '-v')}")
+    if isinstance(e, (socket.timeout, TimeoutError)):
+        return ConnectError(label, address, port, f"no answer within {cfg.ssh_connect_timeout:.0f} s "
+                            "(SSH_CONNECT_TIMEOUT; host down, wrong address or a firewall)", f"diagnose: ping -c 1 "
+                            f"{address}; {check}")
+    if isinstance(e, socket.gaierror):
+        return ConnectError(label, address, port, f"cannot resolve {host} ({e.strerror})", "fix the name in "
+                            "HOSTS or ~/.ssh/config; diagnose: getent hosts " + host)
+    errno_ = getattr(e, "errno", None)
+    if errno_ == 111:  # ECONNREFUSED
+        return ConnectError(label, address, port, "connection refused (no SSH server listening on that port)",
+                            f"start sshd there or fix the port in HOSTS; diagnose: {check}")
+    if errno_ in (101, 113):  # ENETUNREACH, EHOSTUNREACH
+        return ConnectError(label, address, port, "no route to host (down or on another network)",
+                            f"diagnose: ip route get {address}; ping -c 1 {address}")
+    what = f"SSH failed: {type(e).__name__}: {text}" if text else f"SSH failed: {type(e).__name__}"
+    return ConnectError(label, address, port, what, f"diagnose: {_ssh_command(user, address, port, cfg, '-v')}")
 
 
 def make_nodes(cfg: ClusterConfig) -> List[Node]:

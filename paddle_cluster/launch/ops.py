@@ -161,7 +161,8 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
         if free is not None and free < 1 << 30:
             problems.append(f"only {free / 2**30:.2f} GiB free under ROOT_DIR")
         return CheckRow(
-            n.name, n.spec.text, not problems, "ok", doc["python"], doc["numpy"] or "MISSING",
+            n.name, n.spec.text, not problems, "local" if n.spec.is_local else "ok", doc["python"],
+            doc["numpy"] or "MISSING",
             f"{cfg.paddle_nic}={doc['address'] or 'MISSING'}",
             "taken: " + ",".join(map(str, doc["ports_taken"])) if doc["ports_taken"] else "free",
             "writable" if root.get("writable") else "NOT WRITABLE",
