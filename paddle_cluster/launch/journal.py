@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from .config import ClusterConfig
 from .errors import ClusterError
@@ -20,17 +20,34 @@ def _state_file(cfg: ClusterConfig) -> Path:
     return base / f"{key}.json"
 
 
-def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str]) -> None:
+def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
+             where: Optional[Dict[str, str]] = None) -> None:
+    """``where``: what the backend needs to find the job again (Kubernetes: its namespace)."""
     path = _state_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"latest": job_name, "workspace": workspace}))
+    tmp.write_text(json.dumps({"latest": job_name, "workspace": workspace, "where": where or {}}))
     tmp.replace(path)
 
 
-def latest_job(cfg: ClusterConfig) -> str:
+def _latest(cfg: ClusterConfig) -> Dict[str, Any]:
     try:
-        return json.loads(_state_file(cfg).read_text())["latest"]
-    except (OSError, ValueError, KeyError):
-        raise ClusterError("no job of this configuration was started from this machine; "
-                           "name one with --job_name") from None
+        doc = json.loads(_state_file(cfg).read_text())
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("latest"), str):
+        raise ClusterError("no job of this configuration was started from this machine; name one with --job_name")
+    return doc
+
+
+def latest_job(cfg: ClusterConfig) -> str:
+    return _latest(cfg)["latest"]
+
+
+def where(cfg: ClusterConfig, job_name: str) -> Dict[str, str]:
+    """What ``remember`` kept about where ``job_name`` runs; {} for another job or none remembered."""
+    try:
+        doc = _latest(cfg)
+    except ClusterError:
+        return {}
+    return dict(doc.get("where") or {}) if doc["latest"] == job_name else {}

@@ -10,7 +10,7 @@ from . import journal
 from .backends import Backend, backend_for
 from .errors import ClusterError, Interrupted
 from .interrupt import stoppable
-from .plan import JobSpec, mint_plan
+from .plan import JobSpec
 from .supervise import JobResult, supervise
 
 
@@ -28,11 +28,11 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
     with stoppable(skip_grace) as interrupts:
         try:
             addresses = be.prepare(spec, say)
-            journal.remember(spec.cfg, spec.name, spec.workspace)
+            journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
             if spec.elastic:
                 say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
                     "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")
-            plan = mint_plan(spec, addresses)
+            plan = be.plan(spec, addresses)
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
                 f"{spec.job_dir}")
             return supervise(plan, be, out, say)
@@ -46,7 +46,6 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
             try:
                 lost = be.stop(0 if interrupts.count > 1 else spec.cfg.kill_grace)
                 if lost:
-                    say(f"no stop confirmation from {', '.join(be.labels[i] for i in lost)}; their agents stop "
-                        f"on their own within ORPHAN_TIMEOUT={spec.cfg.orphan_timeout:.0f} s")
+                    say(be.unstopped(lost))
             finally:
                 be.close()

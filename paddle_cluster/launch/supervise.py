@@ -125,7 +125,7 @@ class Attempt:
     def failure_report(self, p: ProcState, what: str) -> str:
         lines = [f"{p.plan.name} on {self.backend.labels[p.node]} {p.how()}{what}"]
         if p.tail:
-            lines.append(f"last lines of its log ({self.plan.spec.job_dir}/log/{p.plan.log}):")
+            lines.append(f"last lines of its log ({self.backend.log_of(self.plan, p.node, p.plan)}):")
             lines.extend("  | " + t for t in p.tail)
         return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from paddle_cluster.node import messages as m
 
-from ..plan import JobPlan, JobSpec
+from ..plan import JobPlan, JobSpec, mint_plan
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,24 @@ class Backend(ABC):
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
         """Make every node ready to run ``spec`` (node library, preflight, workspace); each node's address."""
+
+    def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
+        """The job's plan on the prepared nodes, with a fresh id and secret. A backend whose nodes are not
+        the hosts of HOSTS (Kubernetes: one per pod) makes its own."""
+        return mint_plan(spec, addresses)
+
+    def remember(self) -> Dict[str, str]:
+        """What ``kill``, ``status`` and ``logs`` need besides the config to find this job again."""
+        return {}
+
+    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
+        """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
+        return f"{plan.spec.job_dir}/log/{proc.log}"
+
+    def unstopped(self, nodes: List[int]) -> str:
+        """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
+        return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
+                f"own within ORPHAN_TIMEOUT")
 
     @abstractmethod
     def start(self, plan: JobPlan) -> None:
