@@ -14,7 +14,7 @@ import click
 
 from .contract import ContractError, check_job_name
 from .launch import journal, k8s, ops
-from .launch.config import ClusterConfig, load_config
+from .launch.config import BACKENDS, ClusterConfig, load_config
 from .launch.errors import ClusterError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job
@@ -117,26 +117,51 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               help="When a pserver or trainer dies, restart the whole job from its latest complete checkpoint, "
               "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
+@click.option("--backend", type=click.Choice(BACKENDS), help="Where the job runs (default: BACKEND of the config, "
+              "ssh).")
+@click.option("--image", metavar="IMAGE", help="k8s: the image holding the workspace (default: K8S_IMAGE).")
+@click.option("--namespace", metavar="NS", help="k8s: the namespace (default: K8S_NAMESPACE, default).")
+@click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="k8s: pserver pods (default: HOSTS x "
+              "PSERVERS_PER_NODE).")
+@click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="k8s: trainer pods (default: HOSTS x "
+              "TRAINERS_PER_NODE).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
-        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool,
+        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
+        image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         trainer_args: Tuple[str, ...]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens. Arguments after -- go to train.py."""
-    if bool(dispatch_dir) == bool(workspace):
-        raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     cfg = _config(ctx)
-    if cfg.is_builtin_default:
+    k8s_backend = None
+    if (backend or cfg.backend) == "k8s":
+        from .launch.backends.k8s import K8sBackend, K8sOptions
+
+        k8s_backend = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
+    elif bool(dispatch_dir) == bool(workspace):
+        raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
+    elif cfg.is_builtin_default:
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
     spec = JobSpec(cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args), resume_from,
                    cfg.max_restarts if max_restarts is None else max_restarts, elastic)
-    return run_job(spec, _out, _say)
+    return run_job(spec, _out, _say, backend=k8s_backend)
 
 
 def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
     return name or journal.latest_job(cfg)
+
+
+def _on_k8s(cfg: ClusterConfig, name: str):
+    """The kubectl commands of job ``name`` when it runs on Kubernetes (as run remembered it, else by the
+    config's BACKEND); None for a job of the ssh backend."""
+    where = journal.where(cfg, name)
+    if (where.get("backend") or cfg.backend) != "k8s":
+        return None
+    from .launch import kubectl
+
+    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name)
 
 
 @main.command()
@@ -148,6 +173,13 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     """Stop a job on every node (only the processes recorded for that job)."""
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
+    k = _on_k8s(cfg, name)
+    if k is not None:
+        from .launch import kubectl
+
+        for line in kubectl.kill_job(k) or [f"nothing of job {name} in namespace {k.namespace}"]:
+            _out(line)
+        return
     for r in ops.kill_job(cfg, name):
         what = ", ".join(r.stopped) if r.stopped else "nothing running"
         _out(f"{r.node}: {what if r.found else f'no job {name} here'}")
@@ -162,9 +194,16 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 @click.pass_context
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
-    """Show a node's logs; NODE is node0, 0, or a host from HOSTS."""
+    """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
     cfg = _config(ctx)
-    ops.stream_logs(cfg, _job_name(cfg, job_name), node, role, lines, follow, _out)
+    name = _job_name(cfg, job_name)
+    k = _on_k8s(cfg, name)
+    if k is not None:
+        from .launch import kubectl
+
+        kubectl.stream_logs(k, node, lines, follow, _out)
+        return
+    ops.stream_logs(cfg, name, node, role, lines, follow, _out)
 
 
 @main.command()
@@ -175,7 +214,14 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
     cfg = _config(ctx)
-    rows = ops.job_status(cfg, _job_name(cfg, job_name))
+    name = _job_name(cfg, job_name)
+    k = _on_k8s(cfg, name)
+    if k is not None:
+        from .launch import kubectl
+
+        rows = kubectl.job_status(k)
+    else:
+        rows = ops.job_status(cfg, name)
     if as_json:
         _out(ops.as_json(rows))
         return
@@ -229,9 +275,9 @@ def render() -> None:
 
 
 @render.command("k8s", context_settings={"ignore_unknown_options": True})
-@click.option("--image", required=True, metavar="IMAGE", help="Image holding Python 3, numpy, paddle-cluster and "
-              "the workspace (docs/backends.md).")
-@click.option("--namespace", default=k8s.DEFAULT_NAMESPACE, show_default=True, metavar="NS")
+@click.option("--image", metavar="IMAGE", help="Image holding Python 3, numpy, paddle-cluster and the workspace "
+              "(docs/backends.md; default: K8S_IMAGE).")
+@click.option("--namespace", metavar="NS", help="Default: K8S_NAMESPACE of the config, default.")
 @click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="Pserver pods (default: HOSTS x "
               "PSERVERS_PER_NODE of the config).")
 @click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="Trainer pods (default: HOSTS x "
@@ -239,24 +285,23 @@ def render() -> None:
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
               help="Where the workspace is inside the image (the pods' working directory).")
-@click.option("--pserver-requests", default="", metavar="R", help="Resources each pserver pod requests, e.g. "
-              "cpu=2,memory=4Gi (default cpu=1,memory=1Gi).")
-@click.option("--trainer-requests", default="", metavar="R", help="The same for each trainer pod; an extended "
-              "resource such as nvidia.com/gpu=1 is also set as its limit.")
+@click.option("--pserver-requests", metavar="R", help="Resources each pserver pod requests, e.g. cpu=2,memory=4Gi "
+              "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi).")
+@click.option("--trainer-requests", metavar="R", help="The same for each trainer pod; an extended resource such as "
+              "nvidia.com/gpu=1 is also set as its limit (default: K8S_TRAINER_REQUESTS).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 @_handled
-def render_k8s(ctx: click.Context, image: str, namespace: str, pservers: Optional[int], trainers: Optional[int],
-               job_name: Optional[str], workspace: str, pserver_requests: str, trainer_requests: str,
-               trainer_args: Tuple[str, ...]) -> None:
+def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
+               trainers: Optional[int], job_name: Optional[str], workspace: str, pserver_requests: Optional[str],
+               trainer_requests: Optional[str], trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
+    from .launch.backends.k8s import K8sOptions
+
     cfg = _config(ctx)
-    job = k8s.build(cfg, job_name=job_name or default_job_name(), image=image,
-                    namespace=namespace, pservers=pservers, trainers=trainers, workspace=workspace,
-                    trainer_args=tuple(trainer_args),
-                    pserver_requests=k8s.Requests.parse(pserver_requests, "--pserver-requests"),
-                    trainer_requests=k8s.Requests.parse(trainer_requests, "--trainer-requests"))
+    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pserver_requests, trainer_requests)
+    job = opts.build(cfg, job_name or default_job_name(), workspace, tuple(trainer_args))
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
              "built-in default's counts (--pservers/--trainers set them)")

@@ -152,3 +152,8 @@ def problems(docs: List[Dict[str, Any]]) -> List[str]:
     """Everything wrong with ``docs``; [] when each is valid and they fit together."""
     out = [p for d in docs for p in _one(d)]
     return out or _fit(docs)
+
+
+def env_of(container: Mapping[str, Any]) -> Dict[str, str]:
+    """The literal variables of a rendered container (those not taken from a Secret or field)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}

@@ -109,6 +109,7 @@ BAD = [
     ("raises", HOSTS_LINE + 'PADDLE_PORT = int("x")\n', ["conf.py", "raised ValueError", "invalid literal"]),
     ("raises-name", HOSTS_LINE + "PADDLE_PORT = BASE + 1\n", ["conf.py", "raised NameError", "BASE"]),
     ("sys-exit", "import sys\nsys.exit(3)\n", ["conf.py", "SystemExit"]),
+    ("backend-unknown", HOSTS_LINE + 'BACKEND = "kube"\n', ["BACKEND", "'kube'", "ssh, k8s"]),
 ]
 
 
@@ -205,6 +206,11 @@ BARRIER_TIMEOUT = 600
 ORPHAN_TIMEOUT = 15
 KILL_GRACE = 2
 MAX_RESTARTS = 3
+BACKEND = "k8s"
+K8S_IMAGE = "registry.example/ml/fit:1"
+K8S_NAMESPACE = "ml"
+K8S_PSERVER_REQUESTS = "cpu=2"
+K8S_TRAINER_REQUESTS = "cpu=4,nvidia.com/gpu=1"
 '''
 
 FULL_YAML = '''# the same settings as FULL_PY
@@ -236,6 +242,11 @@ BARRIER_TIMEOUT: 600
 ORPHAN_TIMEOUT: 15
 KILL_GRACE: 2
 MAX_RESTARTS: 3
+BACKEND: k8s
+K8S_IMAGE: registry.example/ml/fit:1
+K8S_NAMESPACE: ml
+K8S_PSERVER_REQUESTS: cpu=2
+K8S_TRAINER_REQUESTS: cpu=4,nvidia.com/gpu=1
 '''
 
 

@@ -25,11 +25,13 @@ from typing import Any, Dict, List
 
 import pytest
 import yaml
-from k8s_check import problems
+from k8s_check import env_of, problems
 from rt_helpers import free_port_range
 
 from paddle_cluster.launch import k8s
+from paddle_cluster.launch.backends.k8s import log_events
 from paddle_cluster.launch.config import parse_config
+from paddle_cluster.node import messages as m
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -158,6 +160,10 @@ def test_fit_a_line_in_pods_2x2(pods_cluster, tmp_path: Path) -> None:
         assert f"trainer {i}: every pserver listens" in logs[p.hostname]
     for i in range(pods_cluster.n):
         assert pods_cluster.pids(i) == []
+    # What run --backend k8s makes of these logs: each pod says once that its process starts, none fails.
+    for node, p in enumerate(every):
+        events = [e for line in logs[p.hostname].splitlines() for e in log_events(node, p.hostname, line)]
+        assert [e for e in events if not isinstance(e, m.Log)] == [m.Ready(node)], logs[p.hostname]
 
 
 # -- a pod that cannot become its process says why, and exits -----------------------------------------------
@@ -168,7 +174,7 @@ def _pod_env(role: str, index: str, port: int) -> Dict[str, str]:
     docs = k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", namespace="nowhere-ns"))
     (c,) = docs[2 if role == "pserver" else 3]["spec"]["template"]["spec"]["containers"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
-    env.update(k8s.env_of(c), PYTHONPATH=str(REPO))
+    env.update(env_of(c), PYTHONPATH=str(REPO))
     if index:
         env["JOB_COMPLETION_INDEX"] = index
     return env

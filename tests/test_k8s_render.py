@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from k8s_check import problems
+from k8s_check import env_of, problems
 from kubernetes.client import models as M
 
 from paddle_cluster.cli import main
@@ -88,7 +88,7 @@ def test_pods_find_pservers_by_the_names_kubernetes_gives_them(tmp_path: Path) -
     sub = ps_job["spec"]["template"]["spec"]["subdomain"]
     assert sub == tr_job["spec"]["template"]["spec"]["subdomain"] == k["Service"]["metadata"]["name"]
     for job, role in ((ps_job, "PSERVER"), (tr_job, "TRAINER")):
-        environ = k8s.env_of(container(job))
+        environ = env_of(container(job))
         env = JobEnv.from_environ(environ)
         assert env is not None and env.role == role and env.trainers == tr_job["spec"]["completions"]
         assert [e.host for e in env.pservers] == [f"{ps_job['metadata']['name']}-{i}.{sub}.ml.svc"

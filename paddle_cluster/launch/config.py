@@ -94,6 +94,12 @@ class ClusterConfig:
     orphan_timeout: float = 20.0
     kill_grace: float = 5.0
     max_restarts: int = 0
+    # Where jobs run: "ssh" (HOSTS) or "k8s" (a Kubernetes namespace; docs/backends.md).
+    backend: str = "ssh"
+    k8s_image: Optional[str] = None
+    k8s_namespace: str = "default"
+    k8s_pserver_requests: str = ""  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
+    k8s_trainer_requests: str = ""
     source: str = "<built-in local default>"
 
     @property
@@ -119,6 +125,7 @@ class ClusterConfig:
 
 
 BUILTIN_SOURCE = "<built-in local default>"
+BACKENDS = ("ssh", "k8s")
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
 _REQUIRED = ("HOSTS",)
 
@@ -312,6 +319,8 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
             raise ConfigError(key.upper(), getattr(cfg, key), "must be 0 or more", source)
     if cfg.max_restarts < 0:
         raise ConfigError("MAX_RESTARTS", cfg.max_restarts, "must be 0 (fail fast) or more", source)
+    if cfg.backend not in BACKENDS:
+        raise ConfigError("BACKEND", cfg.backend, f"must be one of {', '.join(BACKENDS)}", source)
     if cfg.pservers_per_node * len(cfg.hosts) < 1:
         raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
     if cfg.trainers_per_node * len(cfg.hosts) < 1:

@@ -19,7 +19,7 @@ import re
 import secrets
 import shlex
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -97,7 +97,7 @@ class K8sJob:
     @property
     def selector(self) -> str:
         """The label selector of every object of this job (``kubectl delete -l``)."""
-        return f"{LABEL_JOB}={self.name}"
+        return selector(self.name)
 
     def job_name(self, role: str) -> str:
         return f"{self.name}-{_ROLE_WORD[role]}"
@@ -110,15 +110,24 @@ class K8sJob:
         return out
 
 
+def selector(name: str) -> str:
+    return f"{LABEL_JOB}={name}"
+
+
 def pod_host(name: str, namespace: str, role: str, index: int) -> str:
     """The stable DNS name of pod ``index`` of a role: hostname ``<Job name>-<index>``, subdomain the job's
     headless Service. Relative to the cluster domain, which the pods' resolver search path supplies."""
     return f"{name}-{_ROLE_WORD[role]}-{index}.{name}.{namespace}.svc"
 
 
+def object_name(job_name: str) -> str:
+    """``job_name`` as Kubernetes names it: lower case, ``_`` and ``.`` become ``-``."""
+    return re.sub(r"[_.]", "-", job_name.lower())
+
+
 def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
-    """``job_name`` as a Kubernetes name (lower case; ``_`` and ``.`` become ``-``), checked to be one."""
-    name = re.sub(r"[_.]", "-", job_name.lower())
+    """``object_name(job_name)``, checked to be usable for every object and pod hostname of the job."""
+    name = object_name(job_name)
     # The longest pod hostname, <name>-trainer-<index>, must be a DNS label (63 characters).
     longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}"))
     limit = 63 - longest
@@ -237,8 +246,3 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
             "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
                      "template": {"metadata": {"labels": job.labels(role)}, "spec": pod}}}
-
-
-def env_of(container: Mapping[str, Any]) -> Dict[str, str]:
-    """The literal variables of a rendered container (those not taken from a Secret or field)."""
-    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}

@@ -24,6 +24,10 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, JobEnv
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
+# This entry point's own lines in the pod's log; the k8s backend reads "ready"/"error" ones as events.
+PREFIX = "paddle-cluster pod: "
+READY = PREFIX + "ready: "
+ERROR = PREFIX + "error: "
 POLL_S = 0.2
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
 
@@ -108,12 +112,12 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role == PSERVER:
         host = env.pservers[index].host
         address = wait_own_name(host, deadline)
-        say(f"pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
+        say(f"{READY}pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
         current = host  # the name the pserver binds to and the trainers dial
     else:
-        say(f"trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
+        say(f"{PREFIX}trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
         wait_pservers(env, deadline)
-        say(f"trainer {index}: every pserver listens; starting {' '.join(cmd)}")
+        say(f"{READY}trainer {index}: every pserver listens; starting {' '.join(cmd)}")
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
     proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
@@ -130,7 +134,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
 
 
 def say(line: str) -> None:
-    print(f"paddle-cluster pod: {line}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -144,5 +148,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return become(cmd, a.start_timeout)
     except (PodError, ContractError) as e:
-        say(f"error: {e}")
+        say(f"{ERROR}{e}")
         return EXIT_NOT_READY

@@ -1,0 +1,284 @@
+"""The Kubernetes backend: ``run --backend k8s`` applies the manifests of ``render k8s`` with kubectl, turns
+what kubectl shows into the events every backend yields, and deletes the job's objects by label at the end.
+
+Each pod is a node of the plan with one process (pserver *i* is node *i*, trainer *j* node *pservers + j*).
+Events come from two kubectl commands: ``get pods -o json`` every ``POLL_S`` s (a container started, waits
+for a reason, or ended with an exit code) and ``logs --follow`` per pod (its output lines, and the entry
+point's "ready"/"error" lines: ``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
+launcher (they finish the job on their own) and ``kill`` deletes them by label.
+"""
+
+from __future__ import annotations
+
+import queue
+import shlex
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
+from paddle_cluster.node import messages as m
+from paddle_cluster.node import pod as pod_entry
+
+from .. import k8s
+from ..config import ClusterConfig
+from ..errors import ClusterError, ConfigError
+from ..kubectl import Kubectl, PodState, pod_states
+from ..plan import JobPlan, JobSpec
+from .base import Backend, Event, NodeLost
+
+POLL_S = 2.0
+# Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
+FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull")
+NEEDED = (("create", "jobs.batch"), ("create", "services"), ("create", "secrets"), ("delete", "jobs.batch"))
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What ``run --backend k8s`` adds to a job: where and from which image (flags, else the config)."""
+
+    image: str
+    namespace: str = k8s.DEFAULT_NAMESPACE
+    pservers: Optional[int] = None
+    trainers: Optional[int] = None
+    pserver_requests: k8s.Requests = k8s.Requests()
+    trainer_requests: k8s.Requests = k8s.Requests()
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, image: Optional[str] = None, namespace: Optional[str] = None,
+                    pservers: Optional[int] = None, trainers: Optional[int] = None,
+                    pserver_requests: Optional[str] = None, trainer_requests: Optional[str] = None) -> K8sOptions:
+        """The flags given, else the config's K8S_* keys."""
+        image = image or cfg.k8s_image
+        if not image:
+            raise ConfigError("--image", None, "give the image holding the workspace (--image IMAGE or K8S_IMAGE "
+                              "in the config; docs/backends.md says how to build it)")
+        return cls(image, namespace or cfg.k8s_namespace, pservers, trainers,
+                   k8s.Requests.parse(pserver_requests or cfg.k8s_pserver_requests,
+                                      "--pserver-requests" if pserver_requests else "K8S_PSERVER_REQUESTS"),
+                   k8s.Requests.parse(trainer_requests or cfg.k8s_trainer_requests,
+                                      "--trainer-requests" if trainer_requests else "K8S_TRAINER_REQUESTS"))
+
+    def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
+              trainer_args: Tuple[str, ...]) -> k8s.K8sJob:
+        return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
+                         trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
+                         trainer_args=trainer_args, pserver_requests=self.pserver_requests,
+                         trainer_requests=self.trainer_requests)
+
+
+def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
+    """The plan of a job on Kubernetes: one node per pod, one process per node, the job's contract."""
+    env = job.env
+    common = env.to_environ()
+    endpoints = tuple(Endpoint(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k))
+    nodes = []
+    for i, (role, index) in enumerate(pod_roles(job)):
+        host = k8s.pod_host(job.name, job.namespace, role, index)
+        cmd = job.pserver_cmd if role == PSERVER else job.trainer_cmd
+        full = env.for_process(role, index, host).to_environ()
+        # No log file: Kubernetes keeps the pod's log (K8sBackend.log_of says how to read it).
+        proc = m.ProcPlan(f"{'pserver' if role == PSERVER else 'trainer'}.{index}", role, index, shlex.join(cmd), "",
+                          {k: v for k, v in full.items() if common.get(k) != v})
+        nodes.append(m.NodePlan(i, host, env.job_dir, env.workspace, common, (proc,), endpoints, job.start_timeout))
+    return JobPlan(spec, env, tuple(n.address for n in nodes), tuple(nodes))
+
+
+def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
+    """(role, index) of node 0, 1, ...: the pservers, then the trainers."""
+    return [(PSERVER, i) for i in range(job.pservers)] + [(TRAINER, j) for j in range(job.trainers)]
+
+
+def log_events(node: int, proc: str, line: str) -> List[Event]:
+    """A line of a pod's log: output, and the entry point's word that the process starts or cannot."""
+    out: List[Event] = [m.Log(node, proc, line)]
+    if line.startswith(pod_entry.READY):
+        out.append(m.Ready(node))
+    elif line.startswith(pod_entry.ERROR):
+        out.append(m.NotReady(node, line[len(pod_entry.ERROR):]))
+    return out
+
+
+class PodWatch:
+    """Successive ``PodState`` lists -> the events they mean, each once; pure (the backend runs the commands)."""
+
+    def __init__(self, nodes: Dict[Tuple[str, int], int]) -> None:
+        self.nodes = nodes  # (role, index) -> node
+        self.last: Dict[int, Tuple[str, str]] = {}  # node -> (state, reason) last reported
+        self.started: Dict[int, str] = {}  # node -> pod name, once its container ran
+        self.exited: Dict[int, int] = {}
+
+    def update(self, pods: List[PodState]) -> List[Event]:
+        out: List[Event] = []
+        seen = set()
+        for p in pods:
+            node = self.nodes.get((p.role, p.index))
+            if node is None:
+                continue
+            seen.add(node)
+            proc = f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
+            if p.state in ("running", "terminated") and node not in self.started:
+                self.started[node] = p.name
+                out.append(m.Started(node, proc, 0))
+            if p.state == "terminated" and node not in self.exited:
+                self.exited[node] = p.exit_code if p.exit_code is not None else 1
+                error = "" if p.reason in ("Completed", "Error") else p.reason
+                out.append(m.Exited(node, proc, self.exited[node], None, error))
+            elif p.state in ("waiting", "") and p.reason and self.last.get(node) != (p.state, p.reason):
+                self.last[node] = (p.state, p.reason)
+                why = f"pod {p.name}: {p.reason}"
+                fatal = p.reason.split(":")[0] in FATAL_WAITING
+                out.append(m.NotReady(node, why) if fatal else m.Note(node, why))
+        for node, name in self.started.items():
+            if node not in seen and node not in self.exited:
+                self.exited[node] = -1
+                out.append(NodeLost(node, f"pod {name} was deleted while its process ran"))
+        return out
+
+
+class K8sBackend(Backend):
+    def __init__(self, cfg: ClusterConfig, opts: K8sOptions, binary: str = "kubectl") -> None:
+        self.cfg, self.opts = cfg, opts
+        self.binary = binary
+        self.kubectl = Kubectl(opts.namespace, "", binary)
+        self.job: Optional[k8s.K8sJob] = None
+        self.names: List[str] = []
+        self.labels: List[str] = []
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.watch = PodWatch({})
+        self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
+        self._lock = threading.Lock()
+        self._polling: Optional[threading.Event] = None
+
+    # -- preparing ------------------------------------------------------------------------------------
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        for flag, given, why in (
+                ("--job_dispatch_package", spec.dispatch_dir, "the workspace is in the image: build it in "
+                 "(docs/backends.md) and give --job_workspace PATH inside it (default /workspace)"),
+                ("--resume_from", spec.resume_from, "a pod's checkpoints are in its own volume and go with it"),
+                ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
+                 "the ssh backend"),
+                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
+            if given:
+                raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
+        opts = self.opts
+        self.job = job = opts.build(self.cfg, spec.name, spec.workspace, spec.trainer_args)
+        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
+        for verb, resource in NEEDED:
+            if not self.kubectl.may(verb, resource):
+                raise ClusterError(f"kubectl says you may not {verb} {resource} in namespace {opts.namespace} "
+                                   f"('{shlex.join(self.kubectl.can_i(verb, resource))}'): ask your cluster's "
+                                   "admin, or choose another --namespace")
+        roles = pod_roles(job)
+        self.names = [f"{job.job_name(r)}-{i}" for r, i in roles]
+        self.labels = [f"pod {n}" for n in self.names]
+        self.watch = PodWatch({ri: node for node, ri in enumerate(roles)})
+        say(f"job {job.name}: {job.pservers} pserver pod(s), {job.trainers} trainer pod(s) of {opts.image} in "
+            f"namespace {opts.namespace}")
+        return [k8s.pod_host(job.name, job.namespace, r, i) for r, i in roles]
+
+    def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
+        assert self.job is not None, "prepare first"
+        return k8s_plan(spec, self.job)
+
+    def remember(self) -> Dict[str, str]:
+        return {"backend": "k8s", "namespace": self.opts.namespace}
+
+    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
+        return shlex.join(self.kubectl.logs(self.watch.started.get(node, self.names[node]), follow=False))
+
+    def unstopped(self, nodes: List[int]) -> str:
+        return (f"pods left after deleting the job's objects: {', '.join(self.names[i] for i in nodes)}; see "
+                f"'{shlex.join(self.kubectl.get())}'")
+
+    # -- running --------------------------------------------------------------------------------------
+    def start(self, plan: JobPlan) -> None:
+        assert self.job is not None, "prepare first"
+        self._polling = done = threading.Event()  # before applying: a half-applied job is deleted too
+        self.kubectl.run(self.kubectl.apply(), stdin=k8s.render(self.job))
+        threading.Thread(target=self._poll, args=(done,), daemon=True, name="k8s-pods").start()
+
+    def _poll(self, done: threading.Event) -> None:
+        problem = ""
+        while not done.is_set():
+            try:
+                events = self.watch.update(pod_states(self.kubectl.run(self.kubectl.get_pods(), timeout=60)))
+                problem = ""
+            except ClusterError as e:
+                if str(e) != problem:  # once per distinct problem, not every poll
+                    problem = str(e)
+                    self.events.put(m.Note(0, f"cannot read the pods' states: {e}"))
+                events = []
+            for ev in events:
+                if isinstance(ev, m.Started):
+                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+                if isinstance(ev, m.Exited):
+                    # Its last lines first: the failure report quotes them.
+                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+                    self.followers[ev.node][1].join(timeout=10)
+                self.events.put(ev)
+            done.wait(POLL_S)
+
+    def _follow(self, node: int, pod: str, proc: str) -> None:
+        with self._lock:
+            if node in self.followers:
+                return
+            p = subprocess.Popen(self.kubectl.logs(pod), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, errors="replace")
+            t = threading.Thread(target=self._read_logs, args=(node, proc, pod, p), daemon=True, name=f"logs-{pod}")
+            self.followers[node] = (p, t)
+            t.start()
+
+    def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
+        assert p.stdout is not None and p.stderr is not None
+        for raw in p.stdout:
+            for ev in log_events(node, proc, raw.rstrip("\n")):
+                self.events.put(ev)
+        err = p.stderr.read().strip()
+        if p.wait() != 0 and err:
+            self.events.put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+
+    def next_event(self, timeout: float) -> Optional[Event]:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def request_stop(self, grace: float) -> None:
+        if self._polling is None:
+            return
+        argvs = [self.kubectl.delete(wait=False)] + ([self.kubectl.kill_pods()] if grace == 0 else [])
+        for argv in argvs:  # in the background: this may run in a signal handler
+            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self, grace: float) -> List[int]:
+        """Delete the job's objects and wait until they and their pods are gone; the nodes whose pods remain."""
+        if self._polling is None:
+            return []
+        self._polling.set()
+        if grace == 0:
+            self.request_stop(0)
+        try:
+            self.kubectl.run(self.kubectl.delete(wait=True), timeout=self.cfg.kill_grace + 120)
+            left = pod_states(self.kubectl.run(self.kubectl.get_pods()))
+        except ClusterError as e:
+            self.events.put(m.Note(0, f"deleting the job's objects: {e}"))
+            return list(range(len(self.names)))
+        self._polling = None
+        return sorted({self.watch.nodes[(p.role, p.index)] for p in left if (p.role, p.index) in self.watch.nodes})
+
+    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+        raise ClusterError("restarts from checkpoints are not available with BACKEND k8s")
+
+    def close(self) -> None:
+        with self._lock:
+            for p, _ in self.followers.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p, t in self.followers.values():
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                t.join(timeout=2)

@@ -1,0 +1,216 @@
+"""The ``kubectl`` command lines a Kubernetes job needs, as data, and what they print, as typed values.
+
+Every command names the job's namespace and label selector, so it only ever touches that job's objects.
+``Kubectl.run`` is the one place a command is executed; a failure becomes a ``ClusterError`` carrying
+kubectl's own last words.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from paddle_cluster.contract import PSERVER, TRAINER
+
+from .errors import ClusterError
+from .interrupt import stoppable
+from .k8s import LABEL_ROLE, object_name, selector
+from .ops import ProcRow
+
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
+OBJECTS = "jobs.batch,services,secrets"  # everything render k8s creates (pods go with their Jobs)
+_ROLES = {"pserver": PSERVER, "trainer": TRAINER}
+
+
+@dataclass(frozen=True)
+class Kubectl:
+    """The commands for one job: ``namespace`` and ``selector`` (``paddle-cluster/job=<name>``)."""
+
+    namespace: str
+    selector: str
+    binary: str = "kubectl"
+
+    def _ns(self, *args: str) -> List[str]:
+        return [self.binary, "--namespace", self.namespace, *args]
+
+    def can_i(self, verb: str, resource: str) -> List[str]:
+        return self._ns("auth", "can-i", verb, resource)
+
+    def apply(self) -> List[str]:
+        """Create or update the objects of the YAML stream on stdin."""
+        return self._ns("apply", "--filename", "-")
+
+    def get_pods(self) -> List[str]:
+        return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
+
+    def get(self) -> List[str]:
+        """The job's Jobs and pods, as a table for people."""
+        return self._ns("get", "jobs.batch,pods", "--selector", self.selector, "--output", "wide")
+
+    def logs(self, pod: str, follow: bool = True, tail: Optional[int] = None) -> List[str]:
+        return self._ns("logs", f"pod/{pod}", *(["--follow"] if follow else []),
+                        *([f"--tail={tail}"] if tail is not None else []))
+
+    def delete(self, wait: bool) -> List[str]:
+        """Delete the job's objects; foreground: a Job is gone only once its pods are (with their grace)."""
+        return self._ns("delete", OBJECTS, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",
+                        f"--wait={'true' if wait else 'false'}")
+
+    def kill_pods(self) -> List[str]:
+        """The second Ctrl+C: no grace period."""
+        return self._ns("delete", "pods", "--selector", self.selector, "--ignore-not-found", "--grace-period=0",
+                        "--force", "--wait=false")
+
+    def run(self, argv: List[str], stdin: str = "", timeout: float = 120.0) -> str:
+        """Run ``argv`` (one of the above); its stdout, or a ``ClusterError`` with kubectl's error."""
+        res = self._exec(argv, stdin, timeout)
+        if res.returncode != 0:
+            raise self._failed(argv, res)
+        return res.stdout
+
+    def may(self, verb: str, resource: str) -> bool:
+        """Whether the API server lets us ``verb`` ``resource`` here; ``ClusterError`` when it cannot say."""
+        argv = self.can_i(verb, resource)
+        res = self._exec(argv, "", 60.0)
+        if res.stdout.strip() in ("yes", "no"):
+            return res.stdout.strip() == "yes"
+        raise self._failed(argv, res)
+
+    @staticmethod
+    def _exec(argv: List[str], stdin: str, timeout: float) -> subprocess.CompletedProcess:
+        if shutil.which(argv[0]) is None:
+            raise ClusterError(f"{argv[0]} not found on PATH: install kubectl and point it at your cluster "
+                               "(KUBECONFIG or ~/.kube/config)")
+        try:
+            return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"{' '.join(argv[:5])} ...: no answer within {timeout:.0f} s") from None
+
+    @staticmethod
+    def _failed(argv: List[str], res: subprocess.CompletedProcess) -> ClusterError:
+        last = (res.stderr.strip().splitlines() or res.stdout.strip().splitlines() or ["no output"])[-1]
+        return ClusterError(f"{' '.join(argv[:5])} ... failed: {last}")
+
+
+@dataclass(frozen=True)
+class PodState:
+    """One pod of the job as ``kubectl get pods -o json`` shows it."""
+
+    name: str
+    hostname: str  # <Job name>-<index>: the node name paddle-cluster shows
+    role: str
+    index: int
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    state: str  # the container's: "waiting", "running", "terminated", or "" before it has one
+    reason: str = ""  # why it waits or ended (ImagePullBackOff, OOMKilled, Unschedulable: ...)
+    exit_code: Optional[int] = None
+    node_name: str = ""
+    pod_ip: str = ""
+    deleting: bool = False
+
+
+def pod_states(text: str) -> List[PodState]:
+    """The job's pods from the JSON of ``Kubectl.get_pods()``; pods of no known role are left out."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise ClusterError(f"kubectl get pods printed no JSON: {text[:200]!r}") from None
+    return [p for p in (_pod(item) for item in doc.get("items", [])) if p is not None]
+
+
+def _pod(item: Dict[str, Any]) -> Optional[PodState]:
+    meta, spec, status = item.get("metadata", {}), item.get("spec", {}), item.get("status", {})
+    role = _ROLES.get((meta.get("labels") or {}).get(LABEL_ROLE, ""))
+    index = (meta.get("annotations") or {}).get(INDEX_ANNOTATION) or (meta.get("labels") or {}).get(INDEX_ANNOTATION)
+    if role is None or index is None or not str(index).isdigit():
+        return None
+    state, reason, code = "", "", None
+    for cs in status.get("containerStatuses") or []:
+        st = cs.get("state") or {}
+        if "terminated" in st:
+            t = st["terminated"]
+            state, reason, code = "terminated", t.get("reason", ""), t.get("exitCode")
+            if t.get("message"):
+                reason += f": {t['message'].strip()}"
+        elif "running" in st:
+            state = "running"
+        elif "waiting" in st:
+            w = st["waiting"]
+            state, reason = "waiting", w.get("reason", "") + (f": {w['message']}" if w.get("message") else "")
+    if not state:  # no container yet: unschedulable, or not looked at yet
+        for c in status.get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False":
+                reason = f"{c.get('reason', 'Unschedulable')}: {c.get('message', '')}".rstrip(": ")
+        if status.get("phase") == "Failed":  # evicted, or past a deadline, before its container ran
+            state, reason = "terminated", f"{status.get('reason', 'Failed')}: {status.get('message', '')}".rstrip(": ")
+    return PodState(meta.get("name", ""), spec.get("hostname") or meta.get("name", ""), role, int(index),
+                    status.get("phase", ""), state, reason, code, spec.get("nodeName", ""), status.get("podIP", ""),
+                    bool(meta.get("deletionTimestamp")))
+
+
+def describe(p: PodState) -> str:
+    """A pod's state in a few words, for ``status``."""
+    if p.state == "terminated":
+        return f"exited {p.exit_code if p.exit_code is not None else '?'}" + (
+            f" ({p.reason})" if p.reason not in ("", "Completed", "Error") else "")
+    if p.state == "running":
+        return "running" + (" (deleting)" if p.deleting else "")
+    return f"{p.phase.lower() or 'pending'}" + (f": {p.reason}" if p.reason else "")
+
+
+def proc_name(p: PodState) -> str:
+    return f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
+
+
+def find_pod(pods: List[PodState], text: str) -> PodState:
+    """A pod by its hostname (``fit-trainer-0``), pod name, or process name (``trainer.0``)."""
+    for p in pods:
+        if text in (p.hostname, p.name, proc_name(p)):
+            return p
+    names = ", ".join(f"{p.hostname} ({proc_name(p)})" for p in pods) or "none"
+    raise ClusterError(f"no pod {text!r} in this job; its pods: {names}")
+
+
+# -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------
+
+def for_job(namespace: str, job_name: str) -> Kubectl:
+    return Kubectl(namespace, selector(object_name(job_name)))
+
+
+def kill_job(k: Kubectl) -> List[str]:
+    """Delete the job's objects, waiting until its pods are gone; kubectl's lines ("job.batch ... deleted")."""
+    return k.run(k.delete(wait=True), timeout=600).splitlines()
+
+
+def job_status(k: Kubectl) -> List[ProcRow]:
+    """One row per pod, with the last line of its log."""
+    rows = []
+    for p in sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index)):
+        try:
+            last = k.run(k.logs(p.name, follow=False, tail=1), timeout=30).strip() if p.state else ""
+        except ClusterError:
+            last = ""
+        rows.append(ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, 0, describe(p), "", last))
+    if not rows:
+        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} (finished and deleted, or "
+                           "another namespace: --namespace / K8S_NAMESPACE)")
+    return rows
+
+
+def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+    pod = find_pod(pod_states(k.run(k.get_pods())), text)
+    argv = k.logs(pod.name, follow=follow, tail=lines)
+    with stoppable(), subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True, errors="replace") as p:
+        assert p.stdout is not None and p.stderr is not None
+        try:
+            for line in p.stdout:
+                out(line.rstrip("\n"))
+        except KeyboardInterrupt:
+            p.terminate()
+        err = p.stderr.read().strip()
+    if p.returncode not in (0, -15) and err:
+        raise ClusterError(f"kubectl logs pod/{pod.name}: {err.splitlines()[-1]}")

@@ -1,0 +1,224 @@
+"""``run --backend k8s``: the kubectl command lines it runs (as data), how it reads what kubectl prints (pod
+documents shaped and validated as the API server returns them), the plan it supervises, and -- with the real
+kubectl of this machine and no cluster -- that it fails cleanly. What needs a real cluster is in
+docs/backends.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+from k8s_check import env_of
+from kubernetes.client import models as M
+from rt_helpers import free_port_range
+
+from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
+from paddle_cluster.launch import k8s
+from paddle_cluster.launch.backends.base import NodeLost
+from paddle_cluster.launch.backends.k8s import K8sOptions, PodWatch, k8s_plan, log_events
+from paddle_cluster.launch.config import parse_config
+from paddle_cluster.launch.kubectl import INDEX_ANNOTATION, Kubectl, PodState, describe, pod_states
+from paddle_cluster.launch.plan import JobSpec
+from paddle_cluster.node import messages as m
+
+REPO = Path(__file__).resolve().parent.parent
+CFG = parse_config({"HOSTS": ["a", "b"], "PADDLE_PORT": 9000}, "test")
+
+
+def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
+    k = Kubectl("ml", "paddle-cluster/job=fit")
+    ns = ["kubectl", "--namespace", "ml"]
+    sel = ["--selector", "paddle-cluster/job=fit"]
+    assert k.apply() == [*ns, "apply", "--filename", "-"]
+    assert k.get_pods() == [*ns, "get", "pods", *sel, "--output", "json"]
+    assert k.get() == [*ns, "get", "jobs.batch,pods", *sel, "--output", "wide"]
+    assert k.logs("fit-trainer-0-x7k2p") == [*ns, "logs", "pod/fit-trainer-0-x7k2p", "--follow"]
+    assert k.logs("p", follow=False, tail=5) == [*ns, "logs", "pod/p", "--tail=5"]
+    assert k.delete(wait=True) == [*ns, "delete", "jobs.batch,services,secrets", *sel, "--ignore-not-found",
+                                   "--cascade=foreground", "--wait=true"]
+    assert k.kill_pods() == [*ns, "delete", "pods", *sel, "--ignore-not-found", "--grace-period=0", "--force",
+                             "--wait=false"]
+    assert k.can_i("create", "jobs.batch") == [*ns, "auth", "can-i", "create", "jobs.batch"]
+
+
+def test_the_plan_has_one_node_per_pod_and_the_manifests_contract() -> None:
+    job = K8sOptions("img:1", "ml", 2, 3).build(CFG, "fit", None, ("--passes", "3"))
+    spec = JobSpec(CFG, "fit", trainer_args=("--passes", "3"))
+    plan = k8s_plan(spec, job)
+    assert [(n.node, [p.name for p in n.procs]) for n in plan.nodes] == [
+        (0, ["pserver.0"]), (1, ["pserver.1"]), (2, ["trainer.0"]), (3, ["trainer.1"]), (4, ["trainer.2"])]
+    assert plan.env == job.env and len(plan.env.pservers) == 2 and plan.env.trainers == 3
+    assert plan.addresses[0] == "fit-pserver-0.fit.ml.svc" and plan.addresses[2] == "fit-trainer-0.fit.ml.svc"
+    assert plan.nodes[3].procs[0].cmd == "python3 train.py --passes 3"
+    assert plan.nodes[3].procs[0].env["PADDLE_TRAINER_ID"] == "1"
+    # The job-wide part is exactly what each pod's container carries (the secret is there by reference).
+    (c,) = k8s.manifests(job)[3]["spec"]["template"]["spec"]["containers"]
+    assert {**plan.nodes[2].environ, "PADDLE_TRAINING_ROLE": TRAINER} == env_of(c)
+    assert JobEnv.from_environ(env_of(c)).pservers == plan.env.pservers
+
+
+# -- reading kubectl's output ---------------------------------------------------------------------------------
+
+def pod(role: str, index: int, phase: str, state: Optional[Dict[str, Any]] = None,
+        conditions: Optional[List[Dict[str, Any]]] = None, **status: Any) -> Dict[str, Any]:
+    """A pod of the job as the API server returns it, checked against the official V1Pod model."""
+    name = f"fit-{role}-{index}"
+    doc: Dict[str, Any] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{name}-x7k2p", "namespace": "ml",
+                     "labels": {k8s.LABEL_JOB: "fit", k8s.LABEL_ROLE: role, INDEX_ANNOTATION: str(index)},
+                     "annotations": {INDEX_ANNOTATION: str(index)}},
+        "spec": {"hostname": name, "subdomain": "fit", "nodeName": "worker-3",
+                 "containers": [{"name": role, "image": "img:1"}]},
+        "status": {"phase": phase, **status},
+    }
+    if state is not None:
+        doc["status"]["containerStatuses"] = [{"name": role, "image": "img:1", "imageID": "", "ready": False,
+                                               "restartCount": 0, "state": state}]
+        doc["status"]["podIP"] = f"10.1.0.{index + 10}"
+    if conditions is not None:
+        doc["status"]["conditions"] = conditions
+    M.V1Pod.model_validate(doc)  # the field names and types are the API's
+    return doc
+
+
+def listing(*pods: Dict[str, Any]) -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(pods)})
+
+
+UNSCHEDULABLE = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                  "message": "0/3 nodes are available: 3 Insufficient cpu."}]
+
+
+def test_pod_states_from_kubectl_json() -> None:
+    got = pod_states(listing(
+        pod("pserver", 0, "Pending", conditions=UNSCHEDULABLE),
+        pod("pserver", 1, "Pending", {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}),
+        pod("trainer", 0, "Running", {"running": {"startedAt": "2026-11-23T09:00:00Z"}}),
+        pod("trainer", 1, "Failed", {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}),
+        pod("trainer", 2, "Succeeded", {"terminated": {"exitCode": 0, "reason": "Completed"}}),
+        pod("trainer", 3, "Failed", reason="Evicted", message="The node was low on resource: memory."),
+    ))
+    assert [(p.hostname, p.role, p.index, p.state, p.exit_code) for p in got] == [
+        ("fit-pserver-0", PSERVER, 0, "", None), ("fit-pserver-1", PSERVER, 1, "waiting", None),
+        ("fit-trainer-0", TRAINER, 0, "running", None), ("fit-trainer-1", TRAINER, 1, "terminated", 137),
+        ("fit-trainer-2", TRAINER, 2, "terminated", 0), ("fit-trainer-3", TRAINER, 3, "terminated", None)]
+    assert [describe(p) for p in got] == [
+        "pending: Unschedulable: 0/3 nodes are available: 3 Insufficient cpu.",
+        "pending: ImagePullBackOff: Back-off pulling image", "running", "exited 137 (OOMKilled)", "exited 0",
+        "exited ? (Evicted: The node was low on resource: memory.)"]
+    assert got[2].pod_ip == "10.1.0.10" and got[2].node_name == "worker-3" and got[2].name == "fit-trainer-0-x7k2p"
+
+
+def _watch() -> PodWatch:
+    return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})
+
+
+def test_pod_watch_reports_each_change_once() -> None:
+    w = _watch()
+    pending = [pod("pserver", 0, "Pending", conditions=UNSCHEDULABLE)]
+    first = w.update(pod_states(listing(*pending)))
+    assert first == [m.Note(0, "pod fit-pserver-0-x7k2p: Unschedulable: 0/3 nodes are available: 3 Insufficient "
+                               "cpu.")]
+    assert w.update(pod_states(listing(*pending))) == []  # unchanged: nothing new
+    running = pod("pserver", 0, "Running", {"running": {}})
+    tr = pod("trainer", 0, "Running", {"running": {}})
+    assert w.update(pod_states(listing(running, tr))) == [m.Started(0, "pserver.0", 0), m.Started(1, "trainer.0", 0)]
+    done = pod("trainer", 0, "Failed", {"terminated": {"exitCode": 2, "reason": "Error"}})
+    assert w.update(pod_states(listing(running, done))) == [m.Exited(1, "trainer.0", 2, None, "")]
+    assert w.update(pod_states(listing(running, done))) == []
+    # A pod whose process ran and then vanished (deleted by someone else) is a lost node.
+    assert w.update(pod_states(listing(done))) == [NodeLost(0, "pod fit-pserver-0-x7k2p was deleted while its "
+                                                             "process ran")]
+
+
+def test_a_pod_that_cannot_start_fails_the_job_at_once() -> None:
+    w = _watch()
+    bad = pod("trainer", 1, "Pending", {"waiting": {"reason": "CreateContainerConfigError",
+                                                    "message": 'secret "fit-secret" not found'}})
+    assert w.update(pod_states(listing(bad))) == [
+        m.NotReady(2, 'pod fit-trainer-1-x7k2p: CreateContainerConfigError: secret "fit-secret" not found')]
+    oom = pod("trainer", 0, "Failed", {"terminated": {"exitCode": 137, "reason": "OOMKilled"}})
+    assert w.update(pod_states(listing(oom))) == [m.Started(1, "trainer.0", 0),
+                                                  m.Exited(1, "trainer.0", 137, None, "OOMKilled")]
+
+
+def test_log_lines_become_events() -> None:
+    assert log_events(1, "trainer.0", "Pass 0: loss 3.2") == [m.Log(1, "trainer.0", "Pass 0: loss 3.2")]
+    ready = "paddle-cluster pod: ready: trainer 0: every pserver listens; starting python3 train.py"
+    assert log_events(1, "trainer.0", ready) == [m.Log(1, "trainer.0", ready), m.Ready(1)]
+    err = "paddle-cluster pod: error: no pserver listening on fit-pserver-0.fit.ml.svc:9000 within the start timeout"
+    assert log_events(1, "trainer.0", err)[1] == m.NotReady(1, err[len("paddle-cluster pod: error: "):])
+
+
+def test_states_of_unknown_pods_are_ignored() -> None:
+    other = pod("trainer", 0, "Running", {"running": {}})
+    other["metadata"]["labels"][k8s.LABEL_ROLE] = "sidecar"
+    assert pod_states(listing(other)) == []
+    assert PodWatch({}).update([PodState("x", "x", TRAINER, 7, "Running", "running")]) == []
+
+
+# -- the real kubectl, no cluster ------------------------------------------------------------------------------
+
+def _cli(tmp: Path, *args: str, path: Optional[str] = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "KUBE"))}
+    port = free_port_range(1)  # nothing listens there: the API server is unreachable
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: k, cluster: {{server: 'https://127.0.0.1:{port}', insecure-skip-tls-verify: true}}}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\nusers: [{name: u, user: {token: x}}]\n")
+    env.update(PYTHONPATH=str(REPO), KUBECONFIG=str(kubeconfig), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"))
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl on this machine")
+
+
+@needs_kubectl
+def test_run_without_a_reachable_cluster_fails_in_one_line(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "run", "--backend", "k8s", "--image", "img:1", "--job_name", "fit")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert "kubectl --namespace default auth can-i" in line and "127.0.0.1" in line, line
+    assert not list((tmp_path / "state").glob("**/*.json"))  # nothing started, so nothing remembered
+
+
+@needs_kubectl
+def test_kill_and_status_of_a_k8s_job_without_a_cluster_fail_cleanly(tmp_path: Path) -> None:
+    (tmp_path / "conf.py").write_text('HOSTS = ["a"]\nBACKEND = "k8s"\nK8S_NAMESPACE = "ml"\n')
+    for args in (("kill", "--job_name", "fit"), ("status", "--job_name", "fit"),
+                 ("logs", "trainer.0", "--job_name", "fit")):
+        res = _cli(tmp_path, *args)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "kubectl --namespace ml" in res.stderr and "127.0.0.1" in res.stderr, res.stderr
+
+
+def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "run", "--backend", "k8s", "--image", "img:1", path=str(tmp_path / "empty"))
+    assert res.returncode == 1 and "kubectl not found on PATH" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--job_dispatch_package", "ws"], "--job_dispatch_package"),
+    (["--max_restarts", "2"], "--max_restarts"),
+    (["--elastic"], "--elastic"),
+    (["--resume_from", "old"], "--resume_from"),
+])
+def test_what_k8s_cannot_do_is_refused_before_anything_starts(tmp_path: Path, args: List[str], named: str) -> None:
+    res = _cli(tmp_path, "run", "--backend", "k8s", "--image", "img:1", *args, path=str(tmp_path / "empty"))
+    assert res.returncode != 0 and named in res.stderr and "kubectl not found" not in res.stderr, res.stderr
+
+
+def test_run_k8s_needs_an_image(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "run", "--backend", "k8s")
+    assert res.returncode != 0 and "--image" in res.stderr and "K8S_IMAGE" in res.stderr, res.stderr
