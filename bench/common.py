@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
-import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -97,23 +96,9 @@ def timeit(fn: Callable[[], Any], reps: int, warmup: int = 1) -> Stats:
     return Stats(out)
 
 
-def free_port_range(n: int, lo: int = 30000, hi: int = 39999, host: str = "127.0.0.1") -> int:
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+def free_port_range(n: int) -> int:
+    """First of ``n`` consecutive free ports on 127.0.0.1: the tests' finder (tests/helpers.py)."""
+    return _tests_module("helpers").free_port_range(n)
 
 
 def make_env(hosts: Sequence[str], trainers: int, job_dir: str, *, ports_num: int = 1, sparse_ports: int = 1,
@@ -241,14 +226,18 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def sshcluster_module():
-    """``tests/sshcluster.py`` (the reusable namespace cluster), or None when it cannot run here."""
+def _tests_module(name: str):
+    """A helper module of tests/ by name (tests/ is on the path only while it loads: the names are generic)."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     try:
-        import sshcluster
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return sshcluster
+
+
+def sshcluster_module():
+    """``tests/sshcluster.py``: the reusable namespace cluster."""
+    return _tests_module("sshcluster")
 
 
 __all__ = ["MB", "Stats", "Row", "Target", "timeit", "make_env", "Procs", "wait_json", "proc_mem", "loadavg",

@@ -1,6 +1,7 @@
 """Shared fixtures: a real multi-host SSH cluster (tests/sshcluster.py), Open MPI and Slurm on it (enginecluster.py).
 
-Only the cluster fixtures live here; put other fixtures in the test files that use them.
+Only the cluster fixtures live here; put other fixtures in the test files that use them, and shared helpers
+in helpers.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def ssh_cluster(tmp_path_factory):
     _skip_if_unavailable()
     with SSHCluster(3, tmp_path_factory.mktemp("ssh_cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def cluster(ssh_cluster):
+    """The session's 3-host cluster, with whatever a test left running on it killed when the test ends."""
+    yield ssh_cluster
+    for i in range(len(ssh_cluster.hosts)):
+        ssh_cluster.kill_all(i)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Helpers for the runtime tests: free ports, pserver/trainer subprocesses, models with inline gradients.
+"""Helpers for the runtime tests: pserver/trainer subprocesses, models with inline gradients.
 
 Also runnable as a trainer: ``python tests/rt_helpers.py SCENARIO OUT.npz [key=value ...]`` with the
 trainer's contract in the environment (that is how the multi-process tests start trainers).
@@ -7,9 +7,7 @@ trainer's contract in the environment (that is how the multi-process tests start
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,32 +19,14 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from helpers import free_port_range  # noqa: E402
+
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
 SECRET = "test-secret-7f3a-0123456789abcdef0123456789"
 
 
-# -- ports and processes ----------------------------------------------------------------------------------
-
-
-def free_port_range(n: int, lo: int = 20000, hi: int = 29999) -> int:
-    """First port of ``n`` consecutive ports on 127.0.0.1 that are free right now."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(lo, hi - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {hi}]")
+# -- processes ----------------------------------------------------------------------------------
 
 
 def make_env(n_pservers: int, trainers: int, tmp: str, *, ports_num: int = 1, sparse_ports: int = 1,

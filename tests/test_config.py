@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from rt_helpers import free_port_range
+from helpers import free_port_range
 
 from paddle_cluster.launch.config import (
     BUILTIN_SOURCE,
@@ -347,7 +347,7 @@ def test_conf_py_helpers_are_not_keys(tmp_path):
 
 def local_conf(root: Path, extra: str = "") -> str:
     return (f'HOSTS = ["localhost"]\nROOT_DIR = "{root}"\nPADDLE_NIC = "lo"\n'
-            f"PADDLE_PORT = {free_port_range(4, 38000, 39000)}\n{extra}")
+            f"PADDLE_PORT = {free_port_range(4)}\n{extra}")
 
 
 def check_json(res: subprocess.CompletedProcess) -> list:
@@ -403,7 +403,7 @@ def test_lookup_order_cli(tmp_path):
     write(cwd, local_conf(roots["env"]), "env.py")
     write(cwd, local_conf(roots["conf_py"]), "conf.py")
     write(cwd, f'HOSTS: [localhost]\nROOT_DIR: {roots["yaml"]}\nPADDLE_NIC: lo\n'
-               f"PADDLE_PORT: {free_port_range(4, 38000, 39000)}\n", "cluster.yaml")
+               f"PADDLE_PORT: {free_port_range(4)}\n", "cluster.yaml")
     env_var = clean_environ(PADDLE_CLUSTER_CONF=str(cwd / "env.py"), HOME=str(roots["home"]))
     no_var = clean_environ(HOME=str(roots["home"]))
 

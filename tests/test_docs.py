@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+from helpers import ports_free
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
@@ -112,17 +112,7 @@ def _runnable_files() -> List[Path]:
 
 def _ports_busy(spec: str) -> List[int]:
     lo, _, hi = spec.partition("-")
-    busy = []
-    for port in range(int(lo), int(hi or lo) + 1):
-        s = socket.socket()
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the launcher's own check does
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            busy.append(port)
-        finally:
-            s.close()
-    return busy
+    return [port for port in range(int(lo), int(hi or lo) + 1) if not ports_free([port])]
 
 
 def _sandbox(tmp: Path) -> Tuple[Path, Dict[str, str]]:

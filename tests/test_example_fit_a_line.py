@@ -5,34 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import local_conf, ports_free
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
 BUILTIN_PORTS = range(7164, 7168)  # the built-in default: 2 pservers x (1 dense + 1 sparse port)
 FINAL = re.compile(r"^\[trainer\.0@node0\] final test_mse=(\S+)$", re.M)
-
-
-def _ports_free(ports) -> bool:
-    for p in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                return False
-    return True
-
-
-def _free_base(n: int) -> int:
-    for base in range(31000, 40000, 97):
-        if _ports_free(range(base, base + n)):
-            return base
-    raise RuntimeError("no free ports")
 
 
 def _env(home: Path) -> dict:
@@ -43,12 +26,8 @@ def _env(home: Path) -> dict:
 
 def _conf(tmp: Path, pservers: int = 2, trainers: int = 2, **extra: str) -> Path:
     """A conf.py equal to the built-in default but for the port (and what ``extra`` sets)."""
-    lines = [
-        'HOSTS = ["localhost"]', f"ROOT_DIR = {str(tmp / 'root')!r}", 'PADDLE_NIC = "lo"',
-        f"PADDLE_PORT = {_free_base(2 * pservers)}", "PADDLE_PORTS_NUM = 1", "PADDLE_PORTS_NUM_FOR_SPARSE = 1",
-        f"PSERVERS_PER_NODE = {pservers}", f"TRAINERS_PER_NODE = {trainers}", f"PYTHON = {sys.executable!r}",
-    ] + [f"{k} = {v!r}" for k, v in extra.items()]
-    (tmp / "conf.py").write_text("\n".join(lines) + "\n")
+    local_conf(tmp, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=pservers,
+               TRAINERS_PER_NODE=trainers, **extra)
     return tmp / "root"
 
 
@@ -95,7 +74,7 @@ def default_run(tmp_path_factory):
     """The README's demo: two pservers and two trainers, sync, the example's defaults (batch 8 per trainer)."""
     tmp = tmp_path_factory.mktemp("fit_default")
     # The built-in default listens on 7164..7167; if another job holds them, the same layout on free ports.
-    return run_example(tmp, "demo", conf=not _ports_free(BUILTIN_PORTS))
+    return run_example(tmp, "demo", conf=not ports_free(BUILTIN_PORTS))
 
 
 def test_default_local_cluster(default_run):

@@ -10,12 +10,11 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
-from rt_helpers import free_port_range
+from helpers import local_conf
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "recommendation"
@@ -137,17 +136,7 @@ def ml100k_slice(d: Path, n: int) -> Path:
 
 
 def run_job(tmp_path: Path, name: str, data: Path, *trainer_args: str) -> subprocess.CompletedProcess:
-    root = tmp_path / "root"
-    conf = tmp_path / f"conf_{name}.py"
-    conf.write_text(textwrap.dedent(f"""
-        HOSTS = ["localhost"]
-        ROOT_DIR = {str(root)!r}
-        PADDLE_NIC = "lo"
-        PADDLE_PORT = {free_port_range(8, 34000, 35000)}
-        PSERVERS_PER_NODE = 2
-        TRAINERS_PER_NODE = 2
-        PYTHON = {sys.executable!r}
-        """))
+    conf = local_conf(tmp_path, f"conf_{name}.py", PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
     env = dict(os.environ, HOME=str(tmp_path))
     env.pop("PADDLE_CLUSTER_CONF", None)
     return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",

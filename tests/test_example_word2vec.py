@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rt_helpers import free_port_range
+from helpers import local_conf
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "word2vec"
@@ -164,12 +164,8 @@ def workspace(tmp_path_factory):
 
 def run_job(tmp: Path, ws: Path, job: str, *args: str):
     """2 pservers + 2 trainers on localhost through the CLI; returns (result, job dir, final valid ppl)."""
-    conf = tmp / "conf.py"
-    conf.write_text("\n".join([
-        'HOSTS = ["localhost"]', 'PADDLE_NIC = "lo"', f"ROOT_DIR = {str(tmp / 'root')!r}",
-        f"PADDLE_PORT = {free_port_range(4, 36000, 37000)}", "PADDLE_PORTS_NUM = 1", "PADDLE_PORTS_NUM_FOR_SPARSE = 1",
-        "PSERVERS_PER_NODE = 2", "TRAINERS_PER_NODE = 2", f"PYTHON = {sys.executable!r}",
-        'ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}']) + "\n")
+    conf = local_conf(tmp, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=2,
+                      TRAINERS_PER_NODE=2, ENV={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", "--job_dispatch_package", str(ws),
            "--job_name", job, "--", "--data", "data", "--batch-size", "128", "--emb-size", "16",
            "--hidden-size", "32", "--log-every", "1000", *args]

@@ -1,9 +1,9 @@
 """Fault injection on the SSH test cluster (tests/sshcluster.py), one test per fault.
 
 Each test ends with the outcome (recovered / failed cleanly), the final parameters where it recovered, and
-zero processes left in every namespace. The workspace's train.py pushes a gradient of ones with SGD lr=0.5
-every step, so in sync mode the final parameters are exactly ``-0.5 * TOTAL`` whatever was rolled back and
-replayed; trainer 0 checkpoints every EVERY steps. Timings are printed (``pytest -s``) for
+zero processes left in every namespace. The workspace's train.py (helpers.TRAIN_PY) pushes a gradient of
+ones with SGD lr=0.5 every step, so in sync mode the final parameters are exactly ``-0.5 * TOTAL`` whatever
+was rolled back and replayed; trainer 0 checkpoints every EVERY steps. Timings are printed (``pytest -s``) for
 docs/reliability.md.
 """
 
@@ -14,38 +14,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from rt_helpers import free_port_range
-from test_launcher import ROOT, assert_nothing_left, wait_for, write_conf
-
-TRAIN_PY = r'''
-import os, sys, time
-import numpy as np
-from paddle_cluster.ps import OptimizerSpec, connect
-total, every, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-delay = float(os.environ.get("STEP_DELAY", "0.05"))
-n = int(os.environ.get("PARAM_SIZE", "40000"))
-# Small blocks, so every pserver holds a part of w (and of every checkpoint).
-ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=0.5), max_block_bytes=max(1 << 15, n * 4 // 8))
-w = ps.register_dense({"w": np.zeros(n, np.float32)})["w"]
-print(f"start step={ps.step} w0={w[0]:g}", flush=True)   # a resumed job starts at the checkpoint's step
-g = np.ones(n, np.float32)
-while ps.step < total:
-    ps.pull()
-    ps.push({"w": g})
-    if ps.trainer_id == 0 and ps.step % every == 0:
-        info = ps.save_checkpoint()
-        print(f"checkpoint step={info.step}", flush=True)
-    time.sleep(delay)
-w = ps.pull()["w"]
-print(f"end step={ps.step} w0={w[0]:g} all_equal={bool((w == w[0]).all())}", flush=True)
-ps.close()
-'''
+from helpers import (
+    EVERY,
+    ROOT,
+    TOTAL,
+    Launch,
+    assert_nothing_left,
+    conf,
+    final_w,
+    local_conf,
+    proc_pid,
+    wait_for,
+    workspace,
+)
 
 # A pserver that, when SLOW_SAVE_STEP is its checkpoint's step, writes half the shard file and then stalls,
 # so a test can SIGKILL it in the middle of the write.
@@ -69,114 +54,9 @@ ckpt.write_atomic = write_atomic
 sys.exit(pserver.main())
 '''
 
-TOTAL, EVERY = 60, 10
-FAST = {"BARRIER_TIMEOUT": 5.0, "ORPHAN_TIMEOUT": 5.0, "KILL_GRACE": 1.0, "START_TIMEOUT": 20.0,
-        "SSH_CONNECT_TIMEOUT": 4.0, "PSERVER_COMMAND": "{python} -m paddle_cluster.ps",
-        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "ENV": {}}
-
-
-def workspace(tmp: Path) -> Path:
-    ws = tmp / "ws"
-    ws.mkdir(exist_ok=True)
-    (ws / "train.py").write_text(TRAIN_PY)
-    (ws / "slow_ps.py").write_text(SLOW_PS_PY)
-    return ws
-
-
-def conf(tmp: Path, cluster, name: str = "conf.py", **over) -> Path:
-    return write_conf(tmp, cluster, name, **{**FAST, **over})
-
-
-class Launch:
-    """``paddle-cluster run`` in the background; every output line kept with the time it arrived."""
-
-    def __init__(self, conf_path: Path, *args: str) -> None:
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf_path), "run",
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     stdin=subprocess.DEVNULL)
-        self.lines: list = []  # (time, stream, line)
-        self._lock = threading.Lock()
-        self._readers = [threading.Thread(target=self._read, args=(f, k), daemon=True)
-                         for f, k in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, f, kind: str) -> None:
-        for line in iter(f.readline, ""):
-            with self._lock:
-                self.lines.append((time.monotonic(), kind, line.rstrip("\n")))
-
-    def find(self, pattern: str, after: float = 0.0):
-        """(time, line) of the first line at or after ``after`` matching the regex, or None."""
-        with self._lock:
-            for t, _, line in self.lines:
-                if t >= after and re.search(pattern, line):
-                    return t, line
-        return None
-
-    def wait_line(self, pattern: str, timeout: float = 60.0, after: float = 0.0):
-        return wait_for(lambda: self.find(pattern, after), timeout, f"a line matching {pattern!r}; got:\n"
-                        + self.text()[-3000:])
-
-    def finish(self, timeout: float = 120.0) -> int:
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        for t in self._readers:
-            t.join(timeout=5)
-        return self.proc.returncode
-
-    @property
-    def stdout(self) -> str:
-        return "\n".join(line for _, k, line in self.lines if k == "out")
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(line for _, k, line in self.lines if k == "err")
-
-    def assert_no_launcher_traceback(self) -> None:
-        """The launcher's own output has no traceback (the processes' lines are prefixed, report tails indented)."""
-        assert not [line for _, _, line in self.lines if line.startswith("Traceback")], self.text()[-3000:]
-
-    def text(self) -> str:
-        return "\n".join(f"{k}: {line}" for _, k, line in self.lines)
-
-
-def proc_pid(cluster, node: int, job: str, name: str) -> int:
-    """The pid the agent recorded for process ``name`` of ``job`` on ``node`` (latest record wins)."""
-    path = cluster.root_dir(node) / job / ".paddle_cluster" / "procs.json"
-
-    def get():
-        try:
-            recs = [p for p in json.loads(path.read_text())["procs"] if p["name"] == name]
-        except (OSError, ValueError, KeyError):
-            return None
-        return recs[-1]["pid"] if recs else None
-    return wait_for(get, 30, f"{name} of {job} on node{node}")
-
-
-def final_w(run: Launch, trainers: int = 3) -> float:
-    ends = [run.find(rf"\[trainer\.{t}@node\d\] end step=") for t in range(trainers)]
-    assert all(ends), run.text()[-3000:]
-    values = {float(re.search(r"w0=(\S+)", e[1]).group(1)) for e in ends}
-    assert all("all_equal=True" in e[1] for e in ends)
-    assert len(values) == 1, values
-    return values.pop()
-
 
 def report(row: str, outcome: str, **facts) -> None:
     print(f"\nFAULT {row}: {outcome}; " + ", ".join(f"{k}={v}" for k, v in facts.items()))
-
-
-@pytest.fixture
-def cluster(ssh_cluster):
-    yield ssh_cluster
-    for i in range(len(ssh_cluster.hosts)):
-        ssh_cluster.kill_all(i)
 
 
 def _run_args(ws: Path, job: str, *extra: str, mode: str = "sync", total: int = TOTAL, every: int = EVERY):
@@ -474,12 +354,8 @@ def test_load_8_trainers_4_pservers_sparse(tmp_path):
     ws.mkdir()
     (ws / "train.py").write_text(LOAD_PY)
     root = tmp_path / "root"
-    cfg = tmp_path / "conf.py"
-    cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
-        "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo",
-        "PADDLE_PORT": free_port_range(8, 40000, 60000),
-        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PSERVERS_PER_NODE": 4, "TRAINERS_PER_NODE": 8,
-        "PYTHON": sys.executable, "KILL_GRACE": 1.0, "BARRIER_TIMEOUT": 20.0}.items()))
+    cfg = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=4,
+                     TRAINERS_PER_NODE=8, KILL_GRACE=1.0, BARRIER_TIMEOUT=20.0)
     t0 = time.monotonic()
     run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "load", "--", str(steps), str(vocab))
     procs = root / "load" / ".paddle_cluster" / "procs.json"
@@ -517,12 +393,8 @@ def test_logs_on_a_full_disk_do_not_hang_the_job(tmp_path):
         ws = tmp_path / "ws"
         ws.mkdir()
         (ws / "train.py").write_text('for i in range(20000):\n    print(f"line {i} " + "x" * 100)\nprint("DONE")\n')
-        cfg = tmp_path / "conf.py"
-        cfg.write_text("".join(f"{k} = {v!r}\n" for k, v in {
-            "HOSTS": ["localhost"], "ROOT_DIR": str(root), "PADDLE_NIC": "lo",
-            "PADDLE_PORT": free_port_range(1, 40000, 60000),
-            "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "PSERVERS_PER_NODE": 1, "TRAINERS_PER_NODE": 1,
-            "PYTHON": sys.executable, "KILL_GRACE": 1.0}.items()))
+        cfg = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, PSERVERS_PER_NODE=1,
+                         TRAINERS_PER_NODE=1, KILL_GRACE=1.0)
         run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "full")
         assert run.finish(60) == 0, run.text()[-2000:]
         assert run.find(r"\[trainer\.0@node0\] DONE$")

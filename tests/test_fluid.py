@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv, derive_trainer_key
 from paddle_cluster.ps import load_dense
@@ -156,18 +157,6 @@ def test_local_training_save_load_and_fetch(tmp_path):
         exe.run(prog, feed=feed)
 
 
-def _free_ports(n):
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _train_distributed(eps, trainers, batch, x, y, steps, out):
     """``trainers`` threads, each a transpiled Program on its own shard; returns trainer 0's final params."""
     errors = []
@@ -204,9 +193,9 @@ def test_two_trainers_two_pservers_sync_match_one_trainer(tmp_path, monkeypatch)
     secret = "fluid-test-secret-0123456789abcdef"
     monkeypatch.setenv("PADDLE_JOB_SECRET", secret)  # a hand-started job: every process gets the secret
     for trainers, n_ps, batch in ((1, 1, 16), (2, 2, 8)):
-        ports = _free_ports(n_ps)
-        env = JobEnv("fluid", tuple(Endpoint("127.0.0.1", p) for p in ports), trainers=trainers, ports_num=1,
-                     ports_num_for_sparse=0, job_dir=str(tmp_path), secret=secret)
+        base = free_port_range(n_ps)
+        env = JobEnv("fluid", tuple(Endpoint("127.0.0.1", base + k) for k in range(n_ps)), trainers=trainers,
+                     ports_num=1, ports_num_for_sparse=0, job_dir=str(tmp_path), secret=secret)
         servers = [PServer(env, k).start() for k in range(n_ps)]
         try:
             eps = ",".join(str(e) for e in env.pservers)

@@ -6,15 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
-ROOT = "/home/paddle"
+from helpers import ROOT, assert_nothing_left, cli, local_conf, no_traceback, start_cli, wait_for, write_conf
 
 # A workspace whose trainer checks the whole environment contract and whose pserver stand-in just listens
 # (the runtime's own pserver is exercised by the runtime and example tests).
@@ -71,74 +67,6 @@ def make_workspace(path: Path, sleep_forever: bool = False) -> Path:
     (path / "log").mkdir(exist_ok=True)
     (path / "log" / "old.log").write_text("must not be shipped\n")
     return path
-
-
-def write_conf(tmp: Path, cluster, name: str = "conf.py", hosts=None, **over) -> Path:
-    settings = {
-        "HOSTS": hosts if hosts is not None else cluster.hosts,
-        "ROOT_DIR": ROOT,
-        "PADDLE_NIC": "eth0",
-        "PADDLE_PORT": 7164,
-        "PADDLE_PORTS_NUM": 2,
-        "PADDLE_PORTS_NUM_FOR_SPARSE": 1,
-        "LD_LIBRARY_PATH": "/extra/lib",
-        "PYTHON": cluster.python,
-        "PSERVER_COMMAND": "{python} ps.py",
-        "ENV": {"MY_SETTING": "42"},
-        "SSH_IDENTITY_FILE": str(cluster.key_path),
-        "SSH_KNOWN_HOSTS": str(cluster.known_hosts),
-        "SSH_CONNECT_TIMEOUT": 4.0,
-        "START_TIMEOUT": 30.0,
-        "ORPHAN_TIMEOUT": 6.0,
-        "KILL_GRACE": 2.0,
-    }
-    settings.update(over)
-    path = tmp / name
-    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
-    return path
-
-
-def cli(conf: Path, *args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
-
-
-def start_cli(conf: Path, *args: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            stdin=subprocess.DEVNULL)
-
-
-def assert_nothing_left(cluster, within: float = 15.0) -> None:
-    deadline = time.monotonic() + within
-    left = {}
-    while time.monotonic() < deadline:
-        left = {i: cluster.pids(i) for i in range(len(cluster.hosts))}
-        if not any(left.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes left on the nodes: {left}")
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def no_traceback(res: subprocess.CompletedProcess) -> None:
-    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
-
-
-@pytest.fixture
-def cluster(ssh_cluster):
-    yield ssh_cluster
-    for i in range(len(ssh_cluster.hosts)):
-        ssh_cluster.kill_all(i)
 
 
 def test_run_dispatch_three_hosts(cluster, tmp_path):
@@ -342,20 +270,8 @@ def test_local_host_runs_without_ssh(tmp_path):
     """``localhost`` needs no sshd: the same agent runs as a subprocess."""
     ws = make_workspace(tmp_path / "ws")
     root = tmp_path / "root"
-    conf = tmp_path / "conf.py"
-    conf.write_text(textwrap.dedent(f"""
-        HOSTS = ["localhost"]
-        ROOT_DIR = {str(root)!r}
-        PADDLE_NIC = "lo"
-        PADDLE_PORT = 33164
-        PSERVERS_PER_NODE = 2
-        TRAINERS_PER_NODE = 2
-        PYTHON = {sys.executable!r}
-        PSERVER_COMMAND = "{{python}} ps.py"
-        LD_LIBRARY_PATH = "/extra/lib"
-        ENV = {{"MY_SETTING": "42"}}
-        KILL_GRACE = 2.0
-        """))
+    conf = local_conf(tmp_path, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2, PSERVER_COMMAND="{python} ps.py",
+                      LD_LIBRARY_PATH="/extra/lib", ENV={"MY_SETTING": "42"}, KILL_GRACE=2.0)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = dict(os.environ, HOME=str(tmp_path), TMPDIR=str(scratch))

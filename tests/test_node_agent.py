@@ -18,7 +18,7 @@ from typing import List
 
 import numpy as np
 import pytest
-from rt_helpers import free_port_range
+from helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node import messages as m
@@ -86,7 +86,7 @@ def agents():
 
 
 def node_plan(tmp: Path, pserver_cmd: str, trainer_cmd: str, extra_endpoints=()) -> m.NodePlan:
-    port = free_port_range(2, 30000, 39999)
+    port = free_port_range(2)
     env = JobEnv("agenttest-1", (Endpoint("127.0.0.1", port),), 1, ports_num=1, ports_num_for_sparse=1,
                  secret="s" * 64, job_dir=str(tmp / "job"), workspace=str(tmp))
     common = env.to_environ()
@@ -139,7 +139,7 @@ def test_a_pserver_dying_before_it_listens_is_reported_with_its_output(tmp_path,
 
 
 def test_trainers_wait_for_every_pserver_of_the_job_not_only_this_nodes(tmp_path, agents):
-    other = Endpoint("127.0.0.1", free_port_range(1, 40000, 49999))  # another node's pserver, not up
+    other = Endpoint("127.0.0.1", free_port_range(1))  # another node's pserver, not up
     plan = node_plan(tmp_path, py(LISTEN), py("print(1)"), extra_endpoints=(other,))
     a = agents(tmp_path)
     a.send(m.Start(dataclasses.replace(plan, start_timeout=1.0)))

@@ -6,7 +6,8 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+
+from helpers import local_conf
 
 TRAIN = r'''
 import os
@@ -26,19 +27,8 @@ def test_plot_draws_the_metrics_files(tmp_path):
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN)
     (ws / "ps.py").write_text(PS)
-    conf = tmp_path / "conf.py"
-    conf.write_text(textwrap.dedent(f"""
-        HOSTS = ["localhost"]
-        ROOT_DIR = {str(tmp_path / "root")!r}
-        PADDLE_NIC = "lo"
-        PADDLE_PORT = 33264
-        PADDLE_PORTS_NUM = 1
-        PADDLE_PORTS_NUM_FOR_SPARSE = 0
-        TRAINERS_PER_NODE = 2
-        PYTHON = {sys.executable!r}
-        PSERVER_COMMAND = "{{python}} ps.py"
-        KILL_GRACE = 1.0
-        """))
+    conf = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, TRAINERS_PER_NODE=2,
+                      PSERVER_COMMAND="{python} ps.py", KILL_GRACE=1.0)
     env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
 
     def cli(*args):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
+
+from helpers import local_conf
 
 TRAIN = r'''
 import sys
@@ -30,19 +31,8 @@ def test_second_job_resumes_from_the_first(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN)
-    conf = tmp_path / "conf.py"
-    conf.write_text(textwrap.dedent(f"""
-        HOSTS = ["localhost"]
-        ROOT_DIR = {str(tmp_path / "root")!r}
-        PADDLE_NIC = "lo"
-        PADDLE_PORT = 33364
-        PADDLE_PORTS_NUM = 1
-        PADDLE_PORTS_NUM_FOR_SPARSE = 0
-        PSERVERS_PER_NODE = 2
-        TRAINERS_PER_NODE = 2
-        PYTHON = {sys.executable!r}
-        KILL_GRACE = 2.0
-        """))
+    conf = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, PSERVERS_PER_NODE=2,
+                      TRAINERS_PER_NODE=2, KILL_GRACE=2.0)
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",

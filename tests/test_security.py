@@ -20,10 +20,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import EVERY, Launch, assert_nothing_left, cli, conf, final_w, proc_pid, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import EVERY, Launch, conf, final_w, proc_pid, workspace
-from test_launcher import assert_nothing_left, cli
 
 from paddle_cluster import contract
 from paddle_cluster.launch.config import KEYS, ClusterConfig, ConfigWarning, load_config
@@ -37,13 +36,6 @@ FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
 
 
 # -- on the cluster ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cluster(ssh_cluster):
-    yield ssh_cluster
-    for i in range(len(ssh_cluster.hosts)):
-        ssh_cluster.kill_all(i)
 
 
 def _environ(pid: int) -> dict:

@@ -9,18 +9,8 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from helpers import wait_for
 from sshcluster import STATE_DIR
-
-
-def _wait_for(pred, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_login_and_hostname_with_strict_host_keys(ssh_cluster):
@@ -102,12 +92,12 @@ def test_pids_empty_at_rest_and_sees_remote_processes(ssh_cluster):
         def sleeping():
             pids = ssh_cluster.pids(0)
             return pids if [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids] == [b"sleep\x0060\x00"] else None
-        pids = _wait_for(sleeping, what="the sleep on node0")
+        pids = wait_for(sleeping, 5, "the sleep on node0", interval=0.02)
         # The open connection's sshd session processes are not counted unless asked for.
         assert len(ssh_cluster.pids(0, include_ssh_sessions=True)) > len(pids)
     assert ssh_cluster.pids(1) == [] and ssh_cluster.pids(2) == []
     assert ssh_cluster.kill_all(0) == pids
-    _wait_for(lambda: ssh_cluster.pids(0) == [], what="node0 to be empty")
+    wait_for(lambda: ssh_cluster.pids(0) == [], 5, "node0 to be empty", interval=0.02)
 
 
 def _ssh_connect(cluster, i, timeout):
@@ -133,8 +123,8 @@ def test_link_down_times_out_and_link_up_restores(make_ssh_cluster):
     assert time.monotonic() - t0 < 5
     assert _ssh_connect(cluster, 0, timeout=5) == "node0"  # the others are unaffected
     cluster.link_up(1)
-    assert _wait_for(lambda: _try(lambda: _ssh_connect(cluster, 1, timeout=2)), timeout=15,
-                     what="node1 after link_up") == "node1"
+    assert wait_for(lambda: _try(lambda: _ssh_connect(cluster, 1, timeout=2)), 15, "node1 after link_up",
+                    interval=0.02) == "node1"
 
 
 def _try(fn):

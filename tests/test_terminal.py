@@ -14,7 +14,7 @@ from typing import List
 
 import pexpect
 import pytest
-from rt_helpers import free_port_range
+from helpers import free_port_range
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,268 @@
+"""Helpers shared by the test modules (their fixtures are in conftest.py): free ports, waiting on a condition
+with a deadline, the process sweep of the SSH cluster, config files, the CLI, and a checkpointing job.
+
+Test modules import from here, from rt_helpers.py (pserver/trainer processes) and from sshcluster.py, never
+from each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+REPO = Path(__file__).resolve().parent.parent
+ROOT = "/home/paddle"  # ROOT_DIR on the SSH cluster's nodes (each has its own, see sshcluster.py)
+
+
+# -- ports ------------------------------------------------------------------------------------------------
+
+
+def ports_free(ports: Iterable[int], host: str = "127.0.0.1") -> bool:
+    """True if every port binds on ``host`` right now (SO_REUSEADDR, as the pserver and the preflight bind)."""
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_range(n: int) -> int:
+    """First of ``n`` consecutive ports free on 127.0.0.1, below Linux's ephemeral range (32768 up), picked at
+    random so concurrent test runs rarely try the same ones."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    lo, hi = 20000, 32000
+    for _ in range(200):
+        base = rng.randrange(lo, hi - n)
+        if ports_free(range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {hi})")
+
+
+# -- waiting ----------------------------------------------------------------------------------------------
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+    """``pred()``'s first true value, polled until ``timeout`` seconds have passed; else fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def assert_nothing_left(cluster, within: float = 15.0) -> None:
+    """Every node of ``cluster`` runs no process (sshd aside) within ``within`` seconds."""
+    left = {}
+
+    def empty() -> bool:
+        left.update({i: cluster.pids(i) for i in range(len(cluster.hosts))})
+        return not any(left.values())
+
+    try:
+        wait_for(empty, within, "the nodes to be empty")
+    except AssertionError:
+        raise AssertionError(f"processes left on the nodes: {left}") from None
+
+
+# -- config files and the CLI ------------------------------------------------------------------------------
+
+
+def write_settings(path: Path, settings: dict) -> Path:
+    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    return path
+
+
+def write_conf(tmp: Path, cluster, name: str = "conf.py", hosts=None, **over) -> Path:
+    """A conf.py for ``cluster`` (an SSHCluster): its hosts, key and known_hosts; ``over`` sets more keys."""
+    settings = {
+        "HOSTS": hosts if hosts is not None else cluster.hosts,
+        "ROOT_DIR": ROOT,
+        "PADDLE_NIC": "eth0",
+        "PADDLE_PORT": 7164,  # each node has its own network namespace: no other job listens there
+        "PADDLE_PORTS_NUM": 2,
+        "PADDLE_PORTS_NUM_FOR_SPARSE": 1,
+        "LD_LIBRARY_PATH": "/extra/lib",
+        "PYTHON": cluster.python,
+        "PSERVER_COMMAND": "{python} ps.py",
+        "ENV": {"MY_SETTING": "42"},
+        "SSH_IDENTITY_FILE": str(cluster.key_path),
+        "SSH_KNOWN_HOSTS": str(cluster.known_hosts),
+        "SSH_CONNECT_TIMEOUT": 4.0,
+        "START_TIMEOUT": 30.0,
+        "ORPHAN_TIMEOUT": 6.0,
+        "KILL_GRACE": 2.0,
+    }
+    return write_settings(tmp / name, {**settings, **over})
+
+
+def local_conf(tmp: Path, name: str = "conf.py", **over) -> Path:
+    """A conf.py for this machine alone (ROOT_DIR ``tmp/root``), listening on free ports; ``over`` sets more."""
+    from paddle_cluster.launch.config import ClusterConfig  # not at the top: trainers import this module too
+
+    settings = {"HOSTS": ["localhost"], "ROOT_DIR": str(tmp / "root"), "PADDLE_NIC": "lo",
+                "PYTHON": sys.executable, **over}
+    if "PADDLE_PORT" not in settings:
+        per = settings.get("PADDLE_PORTS_NUM", ClusterConfig.paddle_ports_num) + \
+            settings.get("PADDLE_PORTS_NUM_FOR_SPARSE", ClusterConfig.paddle_ports_num_for_sparse)
+        settings["PADDLE_PORT"] = free_port_range(per * settings.get("PSERVERS_PER_NODE",
+                                                                     ClusterConfig.pservers_per_node))
+    return write_settings(tmp / name, settings)
+
+
+def cli(conf: Path, *args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+    """``paddle-cluster --conf CONF ARGS...`` to its end (at most ``timeout`` seconds)."""
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def start_cli(conf: Path, *args: str, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+
+
+def no_traceback(res: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
+
+
+class Launch:
+    """``paddle-cluster run`` in the background; every output line kept with the time it arrived."""
+
+    def __init__(self, conf_path: Path, *args: str) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf_path), "run",
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL)
+        self.lines: list = []  # (time, stream, line)
+        self._lock = threading.Lock()
+        self._readers = [threading.Thread(target=self._read, args=(f, k), daemon=True)
+                         for f, k in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, f, kind: str) -> None:
+        for line in iter(f.readline, ""):
+            with self._lock:
+                self.lines.append((time.monotonic(), kind, line.rstrip("\n")))
+
+    def find(self, pattern: str, after: float = 0.0):
+        """(time, line) of the first line at or after ``after`` matching the regex, or None."""
+        with self._lock:
+            for t, _, line in self.lines:
+                if t >= after and re.search(pattern, line):
+                    return t, line
+        return None
+
+    def wait_line(self, pattern: str, timeout: float = 60.0, after: float = 0.0):
+        return wait_for(lambda: self.find(pattern, after), timeout, f"a line matching {pattern!r}; got:\n"
+                        + self.text()[-3000:])
+
+    def finish(self, timeout: float = 120.0) -> int:
+        """The launcher's exit code; it is killed (and the test fails) if it has not exited within ``timeout``."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        for t in self._readers:  # a killed launcher's children may hold its pipes a little longer
+            t.join(timeout=5)
+        return self.proc.returncode
+
+    @property
+    def stdout(self) -> str:
+        return "\n".join(line for _, k, line in self.lines if k == "out")
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, k, line in self.lines if k == "err")
+
+    def assert_no_launcher_traceback(self) -> None:
+        """The launcher's own output has no traceback (the processes' lines are prefixed, report tails indented)."""
+        assert not [line for _, _, line in self.lines if line.startswith("Traceback")], self.text()[-3000:]
+
+    def text(self) -> str:
+        return "\n".join(f"{k}: {line}" for _, k, line in self.lines)
+
+
+# -- a checkpointing job on the SSH cluster (fault and security tests) ---------------------------------------
+
+# train.py pushes a gradient of ones with SGD lr=0.5 every step, so in sync mode the final parameters are
+# exactly ``-0.5 * total`` whatever was rolled back and replayed; trainer 0 checkpoints every ``every`` steps.
+TRAIN_PY = r'''
+import os, sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+total, every, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+delay = float(os.environ.get("STEP_DELAY", "0.05"))
+n = int(os.environ.get("PARAM_SIZE", "40000"))
+# Small blocks, so every pserver holds a part of w (and of every checkpoint).
+ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=0.5), max_block_bytes=max(1 << 15, n * 4 // 8))
+w = ps.register_dense({"w": np.zeros(n, np.float32)})["w"]
+print(f"start step={ps.step} w0={w[0]:g}", flush=True)   # a resumed job starts at the checkpoint's step
+g = np.ones(n, np.float32)
+while ps.step < total:
+    ps.pull()
+    ps.push({"w": g})
+    if ps.trainer_id == 0 and ps.step % every == 0:
+        info = ps.save_checkpoint()
+        print(f"checkpoint step={info.step}", flush=True)
+    time.sleep(delay)
+w = ps.pull()["w"]
+print(f"end step={ps.step} w0={w[0]:g} all_equal={bool((w == w[0]).all())}", flush=True)
+ps.close()
+'''
+
+TOTAL, EVERY = 60, 10
+FAST = {"BARRIER_TIMEOUT": 5.0, "ORPHAN_TIMEOUT": 5.0, "KILL_GRACE": 1.0, "START_TIMEOUT": 20.0,
+        "SSH_CONNECT_TIMEOUT": 4.0, "PSERVER_COMMAND": "{python} -m paddle_cluster.ps",
+        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0, "ENV": {}}
+
+
+def workspace(tmp: Path) -> Path:
+    ws = tmp / "ws"
+    ws.mkdir(exist_ok=True)
+    (ws / "train.py").write_text(TRAIN_PY)
+    return ws
+
+
+def conf(tmp: Path, cluster, name: str = "conf.py", **over) -> Path:
+    return write_conf(tmp, cluster, name, **{**FAST, **over})
+
+
+def proc_pid(cluster, node: int, job: str, name: str) -> int:
+    """The pid the agent recorded for process ``name`` of ``job`` on ``node`` (latest record wins)."""
+    path = cluster.root_dir(node) / job / ".paddle_cluster" / "procs.json"
+
+    def get():
+        try:
+            recs = [p for p in json.loads(path.read_text())["procs"] if p["name"] == name]
+        except (OSError, ValueError, KeyError):
+            return None
+        return recs[-1]["pid"] if recs else None
+    return wait_for(get, 30, f"{name} of {job} on node{node}")
+
+
+def final_w(run: Launch, trainers: int = 3) -> float:
+    """The one final value of w every trainer printed (all of w equal)."""
+    ends = [run.find(rf"\[trainer\.{t}@node\d\] end step=") for t in range(trainers)]
+    assert all(ends), run.text()[-3000:]
+    values = {float(re.search(r"w0=(\S+)", e[1]).group(1)) for e in ends}
+    assert all("all_equal=True" in e[1] for e in ends)
+    assert len(values) == 1, values
+    return values.pop()
