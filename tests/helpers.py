@@ -79,7 +79,16 @@ def assert_nothing_left(cluster, within: float = 15.0) -> None:
         raise AssertionError(f"processes left on the nodes: {left}") from None
 
 
-# -- config files and the CLI ------------------------------------------------------------------------------
+# -- subprocesses ------------------------------------------------------------------------------
+
+
+def checkout_env(base=None, **over: str) -> dict:
+    """``base`` (default: this process's environment) with this checkout first on PYTHONPATH, so a subprocess
+    runs this paddle_cluster and not an installed one, whatever its working directory; ``over`` sets more."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(over)
+    return env
 
 
 def write_settings(path: Path, settings: dict) -> Path:
@@ -127,12 +136,13 @@ def local_conf(tmp: Path, name: str = "conf.py", **over) -> Path:
 def cli(conf: Path, *args: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
     """``paddle-cluster --conf CONF ARGS...`` to its end (at most ``timeout`` seconds)."""
     return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=timeout, env=checkout_env(env),
+                          stdin=subprocess.DEVNULL)
 
 
 def start_cli(conf: Path, *args: str, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env(env),
                             stdin=subprocess.DEVNULL)
 
 
@@ -147,7 +157,7 @@ class Launch:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf_path), "run",
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     stdin=subprocess.DEVNULL)
+                                     env=checkout_env(), stdin=subprocess.DEVNULL)
         self.lines: list = []  # (time, stream, line)
         self._lock = threading.Lock()
         self._readers = [threading.Thread(target=self._read, args=(f, k), daemon=True)

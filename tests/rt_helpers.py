@@ -19,7 +19,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from helpers import free_port_range  # noqa: E402
+from helpers import checkout_env, free_port_range  # noqa: E402
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
@@ -45,9 +45,7 @@ def proc_env(env: JobEnv, role: str, index: int, extra: Optional[Dict[str, str]]
         if k.startswith("PADDLE_"):
             del out[k]
     out.update(env.for_process(role, index, "127.0.0.1").to_environ())
-    out["PYTHONPATH"] = REPO + os.pathsep + out.get("PYTHONPATH", "")
-    out.update(extra or {})
-    return out
+    return checkout_env(out, **(extra or {}))
 
 
 class Procs:

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import free_port_range
+from helpers import checkout_env, free_port_range
 
 from paddle_cluster.launch.config import (
     BUILTIN_SOURCE,
@@ -30,9 +30,7 @@ HOSTS_LINE = 'HOSTS = ["root@192.168.100.17", "root@192.168.100.18"]\n'
 
 
 def cli(*args: str, cwd=None, env=None, timeout: float = 60) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ if env is None else env)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=cwd, env=checkout_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 

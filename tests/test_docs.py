@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from helpers import ports_free
+from helpers import checkout_env, ports_free
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
@@ -130,9 +130,8 @@ def _sandbox(tmp: Path) -> Tuple[Path, Dict[str, str]]:
         shim.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PADDLE_", "XDG_")) and k not in ("PYTHONSTARTUP",)}
-    env.update(HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x))
-    return work, env
+    return work, checkout_env(env, HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+                              PYTHONUNBUFFERED="1")
 
 
 def _only(code: str, text: str) -> str:

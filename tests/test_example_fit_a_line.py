@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import local_conf, ports_free
+from helpers import checkout_env, local_conf, ports_free
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -19,9 +19,8 @@ FINAL = re.compile(r"^\[trainer\.0@node0\] final test_mse=(\S+)$", re.M)
 
 
 def _env(home: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "XDG_"))}
-    env["HOME"] = str(home)
-    return env
+    return checkout_env({k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "XDG_"))},
+                        HOME=str(home))
 
 
 def _conf(tmp: Path, pservers: int = 2, trainers: int = 2, **extra: str) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import local_conf
+from helpers import checkout_env, local_conf
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "recommendation"
@@ -137,7 +137,7 @@ def ml100k_slice(d: Path, n: int) -> Path:
 
 def run_job(tmp_path: Path, name: str, data: Path, *trainer_args: str) -> subprocess.CompletedProcess:
     conf = local_conf(tmp_path, f"conf_{name}.py", PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
-    env = dict(os.environ, HOME=str(tmp_path))
+    env = checkout_env(HOME=str(tmp_path))
     env.pop("PADDLE_CLUSTER_CONF", None)
     return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",
                            "--job_dispatch_package", str(EXAMPLE), "--job_name", name, "--",

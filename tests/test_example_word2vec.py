@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import local_conf
+from helpers import checkout_env, local_conf
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "word2vec"
@@ -30,9 +30,8 @@ TEXT = [" the cat sat ", " the dog sat on the mat ", " a cat ", " the end ", " z
 
 
 def _env(home: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "XDG_"))}
-    env.update(HOME=str(home), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    return env
+    return checkout_env({k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "XDG_"))},
+                        HOME=str(home), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
 # -- vocabulary and N-grams -----------------------------------------------------------------------------

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from helpers import local_conf
+from helpers import checkout_env, local_conf
 
 TRAIN = r'''
 import os
@@ -29,7 +28,7 @@ def test_plot_draws_the_metrics_files(tmp_path):
     (ws / "ps.py").write_text(PS)
     conf = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, TRAINERS_PER_NODE=2,
                       PSERVER_COMMAND="{python} ps.py", KILL_GRACE=1.0)
-    env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    env = checkout_env(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args], cwd=tmp_path,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-from helpers import local_conf
+from helpers import checkout_env, local_conf
 
 TRAIN = r'''
 import sys
@@ -37,7 +36,7 @@ def test_second_job_resumes_from_the_first(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",
                                "--job_dispatch_package", str(ws), *args], capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, HOME=str(tmp_path)), stdin=subprocess.DEVNULL)
+                              timeout=120, env=checkout_env(HOME=str(tmp_path)), stdin=subprocess.DEVNULL)
 
     first = run("--job_name", "first", "--", "3")
     assert first.returncode == 0, first.stdout + first.stderr
