@@ -172,18 +172,17 @@ def test_link_down_fails_cleanly_and_leaves_nothing(make_ssh_cluster, tmp_path):
     c.link_down(2)
     t_down = time.monotonic()
     try:
-        rc = run.finish(60)
+        rc = run.finish(5 + 10)  # ORPHAN_TIMEOUT + teardown
         t_exit = time.monotonic()
         assert rc == 1, run.text()[-3000:]
         assert f"lost contact with node2 ({c.hosts[2]})" in run.stderr, run.stderr
-        assert t_exit - t_down < 5 + 10, t_exit - t_down  # ORPHAN_TIMEOUT + teardown
         assert not c.pids(0) and not c.pids(1), "processes left on the reachable nodes"
         # Cut off, node2's agent stops its processes after ORPHAN_TIMEOUT of silence.
         wait_for(lambda: not c.pids(2), 5 + 1 + 10, "node2's processes to stop while cut off")
         t_clean = time.monotonic()
     finally:
         c.link_up(2)
-    time.sleep(2)  # anything stale would now get the network back
+    # The launcher has exited and every node is empty, so nothing is left that the network's return could wake.
     assert_nothing_left(c, within=5)
     run.assert_no_launcher_traceback()
     report("link down on node2, then up", "failed cleanly", launcher_exit_s=f"{t_exit - t_down:.1f}",
@@ -307,12 +306,12 @@ def test_second_job_on_the_same_ports_is_refused(cluster, tmp_path):
 
 
 LOAD_PY = r'''
-import json, sys, time
+import json, sys
 import numpy as np
 from paddle_cluster.ps import OptimizerSpec, connect
 steps, vocab = int(sys.argv[1]), int(sys.argv[2])
 ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
-tid, n = ps.trainer_id, ps.env.trainers
+tid = ps.trainer_id
 ps.register_dense({"w": np.zeros((256, 64), np.float32)})
 ps.register_sparse("emb", 16, init_scale=0.0)
 g = {"w": np.ones((256, 64), np.float32)}
@@ -327,8 +326,7 @@ for s in range(steps):
         print(f"progress {s}", flush=True)
 ps.wait()
 if tid == 0:
-    while not all(set(st["closed"]) >= set(range(1, n)) for st in ps.status()):
-        time.sleep(0.05)
+    assert ps.wait_others_closed(60), "the other trainers did not close"
     w = ps.pull()["w"]
     emb = ps.pull_sparse("emb", np.arange(vocab))
     print("FINAL " + json.dumps({"w": float(w[0, 0]), "w_equal": bool((w == w[0, 0]).all()),
@@ -336,8 +334,6 @@ if tid == 0:
                                  "counts": emb[:, 0].astype(int).tolist()}), flush=True)
 ps.close()
 '''
-
-
 
 
 def _rss_kb(pid: int) -> int:

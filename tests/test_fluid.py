@@ -183,6 +183,7 @@ def _train_distributed(eps, trainers, batch, x, y, steps, out):
     for th in threads:
         th.join(60)
     assert not errors, errors
+    assert not any(th.is_alive() for th in threads), "a trainer has not finished its steps"
     return load_dense(os.path.join(out, "params.npz"))
 
 

@@ -198,12 +198,11 @@ def test_trainer_crash_fails_fast_with_a_report(cluster, tmp_path):
     ws = make_workspace(tmp_path / "ws")
     (ws / "crash-1").write_text("")
     conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42"})
-    t0 = time.monotonic()
-    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "crash")
+    # The pservers never exit on their own: the run ends only because the launcher stops the job after the crash.
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "crash", timeout=60)
     assert res.returncode == 1
     assert f"trainer.1 on node1 ({cluster.hosts[1]}) exited with code 3" in res.stderr
     assert "| about to crash" in res.stderr
-    assert time.monotonic() - t0 < 60
     no_traceback(res)
     assert_nothing_left(cluster)
 
@@ -212,14 +211,12 @@ def test_unreachable_host_is_named_within_the_timeout(cluster, tmp_path):
     conf = write_conf(tmp_path, cluster, SSH_CONNECT_TIMEOUT=3.0)
     cluster.link_down(2)
     try:
-        t0 = time.monotonic()
-        res = cli(conf, "run", "--job_dispatch_package", str(make_workspace(tmp_path / "ws")), timeout=60)
-        took = time.monotonic() - t0
+        # The run ends, naming the host, long before a TCP connect to a silent host gives up on its own.
+        res = cli(conf, "run", "--job_dispatch_package", str(make_workspace(tmp_path / "ws")), timeout=20)
     finally:
         cluster.link_up(2)
     assert res.returncode == 1
     assert f"node2 ({cluster.hosts[2]})" in res.stderr and "within 3 s" in res.stderr, res.stderr
-    assert took < 20
     no_traceback(res)
     assert_nothing_left(cluster)
 

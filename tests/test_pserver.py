@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -54,10 +53,8 @@ def test_dead_trainer_barrier_timeout_names_it(tmp_path):
                     os.killpg(victim.pid, signal.SIGKILL)
                     victim.wait(10)
                 p = ps.pull() if t == 0 else None
-            t0 = time.monotonic()
             with pytest.raises(BarrierTimeout) as ei:
                 ps.pull()
-            waited = time.monotonic() - t0
         finally:
             ps.close()
     e = ei.value
@@ -65,7 +62,7 @@ def test_dead_trainer_barrier_timeout_names_it(tmp_path):
     assert e.step == 2
     msg = str(e)
     assert "barrier timeout at step 2" in msg and "waiting for trainer 1 (last seen" in msg, msg
-    assert 1.5 < waited < 10, waited
+    assert "for more than 2 s" in msg, msg  # the job's barrier_timeout, as the pserver measured it
 
 
 @pytest.mark.timeout(60)
@@ -82,16 +79,16 @@ def test_close_releases_barrier_and_pserver_exits_zero(tmp_path):
         result = {}
         th = threading.Thread(target=lambda: result.update(b.pull()), daemon=True)
         th.start()  # waits for trainer 0's gradient of step 0 ...
-        time.sleep(0.5)
-        assert th.is_alive()
+        # Step 0 stays open while trainer 0 is connected: the value b's pull waits for does not exist yet.
+        assert a.status()[0]["blocks"]["0"]["step"] == 0
         a.close()  # ... until trainer 0 says it is gone
         th.join(10)
         assert not th.is_alive()
-        np.testing.assert_allclose(result["v"], init["v"] - 0.01)  # averaged over the one contributor
-        time.sleep(0.3)
-        assert server.poll() is None  # trainer 1 is still there
-        b.push({"v": np.ones(10, np.float32)})
+        # The step-1 value, averaged over the one contributor: only a.close() can have completed step 0.
+        np.testing.assert_allclose(result["v"], init["v"] - 0.01)
+        b.push({"v": np.ones(10, np.float32)})  # trainer 1 is still served after trainer 0 left
         np.testing.assert_allclose(b.pull()["v"], init["v"] - 0.02)
+        assert server.poll() is None
         b.close()
         assert H.wait_all(pr, [server], 10) == [0]
 

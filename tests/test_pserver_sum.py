@@ -29,18 +29,21 @@ def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
     steps = 3
     grads = rng.standard_normal((steps, trainers) + w0.shape).astype(np.float32)
     spec = OptimizerSpec(opt, lr=0.1)
-    out = {}
+    out, errors = {}, []
 
     def trainer(i: int) -> None:
-        ps = PSClient(env, mode="sync", optimizer=spec, trainer_id=i, max_block_bytes=16 << 10)
-        ps.register_dense({"w": w0})
-        for s in range(steps):
-            time.sleep(0.01 * ((i + s) % trainers))  # vary the arrival order
-            ps.push({"w": grads[s, i]})
-            out[i] = ps.pull()["w"].copy()
-        ps.close()
+        try:
+            ps = PSClient(env, mode="sync", optimizer=spec, trainer_id=i, max_block_bytes=16 << 10)
+            ps.register_dense({"w": w0})
+            for s in range(steps):
+                time.sleep(0.01 * ((i + s) % trainers))  # vary the arrival order
+                ps.push({"w": grads[s, i]})
+                out[i] = ps.pull()["w"].copy()
+            ps.close()
+        except BaseException as e:  # noqa: B036 - reported by the main thread
+            errors.append(e)
 
-    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(trainers)]
+    threads = [threading.Thread(target=trainer, args=(i,), daemon=True) for i in range(trainers)]
     try:
         for t in threads:
             t.start()
@@ -48,6 +51,8 @@ def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
             t.join(50)
     finally:
         server.stop()
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a trainer still waits for its step"
     # reference: the sum in trainer order, mean, then the optimizer's own formula in float32
     w, v = w0.copy(), np.zeros_like(w0)
     lr, mom = np.float32(0.1), np.float32(0.9)

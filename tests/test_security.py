@@ -8,8 +8,10 @@ test_security_wire.py; archive unpacking (absolute paths, ``..``, links out, hug
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -164,13 +166,26 @@ def test_fuzz_header_decoder(data, max_frame):
     assert h.length <= max_frame
 
 
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                 max_size=4), max_leaves=12)
+
+
 @FUZZ
-@given(st.binary(max_size=2048))
+@given(st.one_of(st.binary(max_size=2048), _json.map(lambda v: json.dumps(v).encode()),
+                 st.dictionaries(st.text(max_size=10), _json, max_size=4).map(P.encode_json)))
 def test_fuzz_json_decoder(data):
+    """Exactly the UTF-8 JSON objects are accepted, with the values json reads; anything else is a ProtocolError."""
     try:
-        assert isinstance(P.decode_json(data), dict)
-    except ProtocolError:
-        pass
+        expected = json.loads(data.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        expected = None
+    if isinstance(expected, dict):
+        assert P.decode_json(data) == expected  # for encode_json's output: the object that was encoded
+    else:
+        with pytest.raises(ProtocolError):
+            P.decode_json(data)
 
 
 def _valid_response_prefix():
@@ -193,6 +208,7 @@ def test_fuzz_server_handshake_refuses_anything_forged(data):
             A.server_handshake(a, lambda t: contract.derive_trainer_key("s" * 64, "job-1", t), "job-1", 0, 4, True,
                                timeout=2.0)
         t.join(5)
+        assert not t.is_alive()
     finally:
         a.close()
         b.close()
@@ -224,7 +240,9 @@ def _load_in_sandbox(name: str, text: str) -> None:
                 assert isinstance(cfg, ClusterConfig) and cfg.hosts
                 assert os.path.isabs(cfg.root_dir)
             except ConfigError as e:
-                assert str(e)
+                # One message naming the key, this file and the fix: "KEY = value in FILE: fix".
+                msg = str(e)
+                assert msg.startswith(f"{e.key} = ") and f" in {path}: " in msg and e.fix and msg.endswith(e.fix), msg
         assert sorted(os.listdir(d)) == before
 
 
@@ -243,19 +261,41 @@ def test_fuzz_cluster_yaml(text):
     _load_in_sandbox("cluster.yaml", text)
 
 
-_names = st.sampled_from(sorted(contract.JobEnv("x", (contract.Endpoint("h", 1),), 1)
-                                .for_process(contract.PSERVER, 0, "h").to_environ()) + ["PADDLE_TRAINER_ID"])
+# The launcher's three forms of one job's environment, to drop variables from and change values in.
+_JOB = contract.JobEnv("job-1", (contract.Endpoint("10.0.0.1", 7164), contract.Endpoint("10.0.0.2", 7164)), 3,
+                       ports_num=2, ports_num_for_sparse=1, secret="s" * 64, job_dir="/j", workspace="/j/ws",
+                       barrier_timeout=30.0)
+_FORMS = [_JOB.to_environ(), _JOB.for_process(contract.PSERVER, 1, "10.0.0.2").to_environ(),
+          _JOB.for_process(contract.TRAINER, 2, "10.0.0.1").to_environ()]
+_NAMES = st.sampled_from(sorted({k for f in _FORMS for k in f}))
+_VALUES = st.one_of(st.sampled_from(sorted({v for f in _FORMS for v in f.values()}
+                                           | {"", "0", "-1", "nan", "10.0.0.1", "10.0.0.3:1"})), st.text(max_size=30))
 
 
 @FUZZ
-@given(st.dictionaries(_names, st.text(max_size=30), max_size=12))
-def test_fuzz_contract_from_environ(environ):
+@given(st.sampled_from(_FORMS), st.sets(_NAMES), st.dictionaries(_NAMES, _VALUES, max_size=4))
+def test_fuzz_contract_from_environ(form, drop, changes):
+    """Whatever a process finds in its environment: not launched (no pserver list), a refusal naming a PADDLE_
+    variable, or a JobEnv that writes out and reads back as itself (less the secrets its role must not get)."""
+    environ = {k: v for k, v in form.items() if k not in drop}
+    environ.update(changes)
     try:
         env = contract.JobEnv.from_environ(environ)
-    except contract.ContractError:
+    except contract.ContractError as e:
+        assert re.search(r"\bPADDLE_[A-Z_]+", str(e)), e
         return
-    if env is not None:
-        assert env.trainers >= 1 and env.pservers
+    if env is None:
+        assert not any(environ.get(k) for k in ("PADDLE_PSERVER_ENDPOINTS", "PADDLE_PSERVER_IPS",
+                                                "PADDLE_INIT_PSERVERS")), environ
+    else:
+        # Written out, it reads back as itself, but for what a process of that role must not see: the job
+        # secret goes to pservers only, a trainer key to its trainer only.
+        out = env.to_environ()
+        assert ("PADDLE_JOB_SECRET" in out) == (env.role == contract.PSERVER and bool(env.secret))
+        assert ("PADDLE_TRAINER_KEY" in out) == (env.role == contract.TRAINER and bool(env.trainer_key))
+        assert contract.JobEnv.from_environ(out) == dataclasses.replace(
+            env, secret=env.secret if env.role == contract.PSERVER else "",
+            trainer_key=env.trainer_key if env.role == contract.TRAINER else "")
 
 
 @FUZZ

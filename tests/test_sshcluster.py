@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import paramiko
@@ -117,10 +116,8 @@ def test_link_down_times_out_and_link_up_restores(make_ssh_cluster):
     cluster = make_ssh_cluster(2)
     assert _ssh_connect(cluster, 1, timeout=5) == "node1"
     cluster.link_down(1)
-    t0 = time.monotonic()
-    with pytest.raises((socket.timeout, TimeoutError)):
+    with pytest.raises((socket.timeout, TimeoutError)):  # a timeout, not a refusal: packets are dropped
         _ssh_connect(cluster, 1, timeout=1.5)
-    assert time.monotonic() - t0 < 5
     assert _ssh_connect(cluster, 0, timeout=5) == "node0"  # the others are unaffected
     cluster.link_up(1)
     assert wait_for(lambda: _try(lambda: _ssh_connect(cluster, 1, timeout=2)), 15, "node1 after link_up",
