@@ -108,6 +108,18 @@ def procs(tmp: str) -> Iterator[Procs]:
         ps.kill_all()
 
 
+def run_job(env: JobEnv, tmp: str, scenario: str, timeout: float = 60, **kw: object) -> List[str]:
+    """Every pserver of ``env`` and ``env.trainers`` trainers running ``scenario``: all must exit 0, the
+    pservers on their own once every trainer closed. Returns the trainers' output files."""
+    with procs(tmp) as pr:
+        servers = [pr.pserver(env, k) for k in range(len(env.pservers))]
+        outs = [os.path.join(tmp, f"t{i}.npz") for i in range(env.trainers)]
+        trainers = [pr.trainer(env, i, scenario, outs[i], **kw) for i in range(env.trainers)]
+        assert wait_all(pr, trainers, timeout) == [0] * len(trainers), [pr.log(t) for t in trainers]
+        assert wait_all(pr, servers, 15) == [0] * len(servers), [pr.log(s) for s in servers]
+    return outs
+
+
 def wait_all(ps: Procs, plist: Sequence[subprocess.Popen], timeout: float) -> List[int]:
     deadline = time.monotonic() + timeout
     codes = []

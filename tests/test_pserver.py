@@ -23,13 +23,7 @@ def trainer_env(env, i):
 @pytest.mark.timeout(90)
 def test_async_training_converges(tmp_path):
     env = H.make_env(2, 2, tmp_path)
-    with H.procs(tmp_path) as pr:
-        servers = [pr.pserver(env, k) for k in range(2)]
-        outs = [os.path.join(tmp_path, f"t{i}.npz") for i in range(2)]
-        trainers = [pr.trainer(env, i, "dense", outs[i], steps=60, lr=0.5, mode="async") for i in range(2)]
-        assert H.wait_all(pr, trainers, 60) == [0, 0], [pr.log(t) for t in trainers]
-        assert H.wait_all(pr, servers, 15) == [0, 0]
-    for out in outs:
+    for out in H.run_job(env, tmp_path, "dense", steps=60, lr=0.5, mode="async"):
         losses = np.load(out)["losses"]
         assert losses[-4:].mean() < 0.5 * losses[:4].mean(), losses
 

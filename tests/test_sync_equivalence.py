@@ -3,8 +3,6 @@ concatenated batches."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import rt_helpers as H
@@ -15,13 +13,7 @@ STEPS, LR = 6, 0.5
 @pytest.mark.timeout(90)
 def test_dense_sync_matches_single_process(tmp_path):
     env = H.make_env(2, 2, tmp_path, ports_num=2, sparse_ports=1)
-    with H.procs(tmp_path) as pr:
-        servers = [pr.pserver(env, k) for k in range(2)]
-        outs = [os.path.join(tmp_path, f"t{i}.npz") for i in range(2)]
-        trainers = [pr.trainer(env, i, "dense", outs[i], steps=STEPS, lr=LR) for i in range(2)]
-        assert H.wait_all(pr, trainers, 60) == [0, 0], [pr.log(t) for t in trainers]
-        # close(): each pserver exits 0 on its own once both trainers closed.
-        assert H.wait_all(pr, servers, 15) == [0, 0]
+    outs = H.run_job(env, tmp_path, "dense", steps=STEPS, lr=LR)  # each pserver exits 0 after both close()
     ref = H.reference_dense(STEPS, 2, LR)
     init = H.dense_init()
     for out in outs:
@@ -40,12 +32,7 @@ def test_dense_sync_matches_single_process(tmp_path):
 @pytest.mark.timeout(90)
 def test_sparse_sync_matches_single_process(tmp_path):
     env = H.make_env(2, 2, tmp_path, ports_num=1, sparse_ports=2)
-    with H.procs(tmp_path) as pr:
-        servers = [pr.pserver(env, k) for k in range(2)]
-        outs = [os.path.join(tmp_path, f"t{i}.npz") for i in range(2)]
-        trainers = [pr.trainer(env, i, "sparse", outs[i], steps=STEPS, lr=LR, seed=3, scale=0.1) for i in range(2)]
-        assert H.wait_all(pr, trainers, 60) == [0, 0], [pr.log(t) for t in trainers]
-        assert H.wait_all(pr, servers, 15) == [0, 0]
+    outs = H.run_job(env, tmp_path, "sparse", steps=STEPS, lr=LR, seed=3, scale=0.1)
     ref, ref_table = H.reference_sparse(STEPS, 2, LR, seed=3, scale=0.1)
     for out in outs:
         r = np.load(out)
