@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from rt_helpers import free_port_range
+from helpers import free_port_range
 from sshcluster import SSHCluster, _comm, _ppid, unavailable_reason
 
 # binary -> Debian package that provides it (scripts/test installs them as root).
@@ -60,18 +60,6 @@ def mpi_unavailable_reason() -> Optional[str]:
 def slurm_unavailable_reason() -> Optional[str]:
     """Why a Slurm cluster cannot be built here (a skip reason), or None."""
     return _unavailable(SLURM_BINARIES)
-
-
-def wait_for(pred, timeout: float, what: str):
-    """Poll ``pred()`` until it returns something truthy (returned); AssertionError naming ``what`` after timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- Open MPI -----------------------------------------------------------------------------------------------

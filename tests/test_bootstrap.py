@@ -9,7 +9,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from enginecluster import wait_for
+from helpers import wait_for
 
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec, mint_plan

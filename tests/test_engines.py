@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from enginecluster import SlurmCluster, slurm_unavailable_reason, wait_for
+from enginecluster import SlurmCluster, slurm_unavailable_reason
+from helpers import wait_for
 
 # A rank/task that starts a child (in its own session with "setsid") and waits to be killed.
 HOLD = """
