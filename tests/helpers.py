@@ -210,6 +210,67 @@ class Launch:
         return "\n".join(f"{k}: {line}" for _, k, line in self.lines)
 
 
+# -- a workspace that checks the contract (launcher and node tests) ------------------------------------------
+
+# A workspace whose trainer checks the whole environment contract and whose pserver stand-in just listens
+# (the runtime's own pserver is exercised by the runtime and example tests).
+CONTRACT_TRAIN_PY = r'''
+import os, sys, time
+e = os.environ
+n = int(e["PADDLE_TRAINERS"])
+tid = int(e["PADDLE_TRAINER_ID"])
+assert e["PADDLE_TRAINING_ROLE"] == "TRAINER"
+assert e["PADDLE_INIT_TRAINER_ID"] == str(tid) and 0 <= tid < n
+assert e["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == str(n)
+ips = e["PADDLE_PSERVER_IPS"].split(",")
+assert e["PADDLE_INIT_PSERVERS"] == e["PADDLE_PSERVER_IPS"]
+assert e["PADDLE_CURRENT_IP"] in ips, (e["PADDLE_CURRENT_IP"], ips)
+assert e["PADDLE_INIT_PORT"] == e["PADDLE_PSERVER_PORT"]
+assert e["PADDLE_INIT_PORTS_NUM"] and e["PADDLE_INIT_PORTS_NUM_FOR_SPARSE"]
+assert len(e["PADDLE_TRAINER_KEY"]) == 64 and "PADDLE_JOB_SECRET" not in e and e["PADDLE_JOB_ID"]
+assert e["PADDLE_PSERVER_ENDPOINTS"].count(":") == len(ips)
+assert "/extra/lib" in e["LD_LIBRARY_PATH"].split(":")[0], e["LD_LIBRARY_PATH"]
+assert e["MY_SETTING"] == "42"
+node = int(open(os.path.join(e["PADDLE_JOB_DIR"], "nodefile")).read())
+assert e["PADDLE_CURRENT_IP"] == ips[node]
+print(f"ENV OK trainer {tid} of {n} on node {node} args {sys.argv[1:]}")
+if e.get("SLEEP_FOREVER"):
+    print("sleeping", flush=True)
+    time.sleep(3600)
+if os.path.exists("crash-" + str(tid)):
+    print("about to crash", flush=True)
+    sys.exit(3)
+'''
+
+LISTEN_PS_PY = r'''
+import os, socket, time
+from paddle_cluster.contract import JobEnv
+env = JobEnv.from_environ()
+socks = []
+for port in env.all_ports(env.pserver_id):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((env.current_ip, port))
+    s.listen()
+    socks.append(s)
+print(f"pserver {env.pserver_id} listening on {env.current_ip}:{env.all_ports(env.pserver_id)}", flush=True)
+time.sleep(3600)
+'''
+
+
+def make_workspace(path: Path) -> Path:
+    """The launcher tests' workspace (with write_conf's ENV and PSERVER_COMMAND): a log/ that must not ship."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "train.py").write_text(CONTRACT_TRAIN_PY)
+    (path / "ps.py").write_text(LISTEN_PS_PY)
+    (path / "data").mkdir(exist_ok=True)
+    (path / "data" / "part-0").write_text("1 2 3\n")
+    (path / "log").mkdir(exist_ok=True)
+    (path / "log" / "old.log").write_text("must not be shipped\n")
+    return path
+
+
+
 # -- a checkpointing job on the SSH cluster (fault and security tests) ---------------------------------------
 
 # train.py pushes a gradient of ones with SGD lr=0.5 every step, so in sync mode the final parameters are

@@ -5,26 +5,15 @@ are still stopped, by the agent's teardown and by ``kill`` after the agent is go
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
-from test_launcher import ROOT, assert_nothing_left, cli, make_workspace, write_conf
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def cluster(ssh_cluster):
-    yield ssh_cluster
-    for i in range(len(ssh_cluster.hosts)):
-        ssh_cluster.kill_all(i)
+from helpers import ROOT, assert_nothing_left, checkout_env, cli, make_workspace, write_conf
 
 
 def node_cmd(cluster, i: int, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
     """``python -m paddle_cluster.node ARGS`` inside node ``i`` (this checkout's library)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return cluster.exec(i, [cluster.python, "-m", "paddle_cluster.node", *args], env=env, input=stdin,
+    return cluster.exec(i, [cluster.python, "-m", "paddle_cluster.node", *args], env=checkout_env(), input=stdin,
                         check=False, timeout=60)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import resource
 import socket
-import time
 
 import numpy as np
 import pytest
 import rt_helpers as H
+from helpers import wait_for
 
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.ps import OptimizerSpec, connect
@@ -25,15 +25,6 @@ def trainer_env(env, i):
 
 def _addr(env):
     return env.pservers[0].host, env.dense_ports(0)[0]
-
-
-def _wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _threads(pid: int) -> int:
@@ -61,7 +52,7 @@ def test_pserver_keeps_accepting_after_running_out_of_descriptors(tmp_path):
         try:
             for _ in range(limit + 10):  # the last ones wait in the backlog: the pserver has no descriptor left
                 idle.append(socket.create_connection(_addr(env), timeout=5))
-            _wait_for(lambda: "Too many open files" in pr.log(server), 20, "accept to fail with EMFILE")
+            wait_for(lambda: "Too many open files" in pr.log(server), 20, "accept to fail with EMFILE")
             assert server.poll() is None
         finally:
             for s in idle:
@@ -145,7 +136,7 @@ def test_idle_connection_flood_is_capped_and_the_job_goes_on(tmp_path):
             for s in flood:
                 s.close()
         # Once the flood is gone, new connections are served again.
-        _wait_for(lambda: _fds(server.pid) < 20, 20, "the pserver to close the flood's connections")
+        wait_for(lambda: _fds(server.pid) < 20, 20, "the pserver to close the flood's connections")
         st = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
         st.close()
         ps.close()
