@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launcher import no_traceback, wait_for, write_conf
+from helpers import no_traceback, wait_for, write_conf
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parent.parent
