@@ -7,16 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import List
 
 import pexpect
 import pytest
-from helpers import free_port_range
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import LISTEN_PS_PY, checkout_env, local_conf
 
 TRAIN_PY = """
 import sys, time
@@ -25,21 +22,6 @@ if "--forever" in sys.argv:
     while True:
         print("sleeping", flush=True)
         time.sleep(0.5)
-"""
-
-PS_PY = """
-import socket, time
-from paddle_cluster.contract import JobEnv
-env = JobEnv.from_environ()
-socks = []
-for port in env.all_ports(env.pserver_id):
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((env.current_ip, port))
-    s.listen()
-    socks.append(s)
-print("pserver listening", flush=True)
-time.sleep(3600)
 """
 
 
@@ -51,21 +33,11 @@ class Local:
         self.ws = tmp / "ws"
         self.ws.mkdir()
         (self.ws / "train.py").write_text(TRAIN_PY)
-        (self.ws / "ps.py").write_text(PS_PY)
-        self.conf = tmp / "conf.py"
-        self.conf.write_text(textwrap.dedent(f"""
-            HOSTS = ["localhost"]
-            ROOT_DIR = {str(self.root)!r}
-            PADDLE_NIC = "lo"
-            PADDLE_PORT = {free_port_range(4)}
-            PSERVERS_PER_NODE = 1
-            TRAINERS_PER_NODE = 1
-            PYTHON = {sys.executable!r}
-            PSERVER_COMMAND = "{{python}} ps.py"
-            KILL_GRACE = 2.0
-            """))
-        self.env = dict(os.environ, HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"),
-                        XDG_CACHE_HOME=str(tmp / "cache"), PYTHONPATH=str(REPO), TERM="xterm")
+        (self.ws / "ps.py").write_text(LISTEN_PS_PY)
+        self.conf = local_conf(tmp, PSERVERS_PER_NODE=1, TRAINERS_PER_NODE=1, PSERVER_COMMAND="{python} ps.py",
+                               KILL_GRACE=2.0)
+        self.env = checkout_env(HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), XDG_CACHE_HOME=str(tmp / "cache"),
+                                TERM="xterm")
 
     def spawn(self, *args: str) -> pexpect.spawn:
         return pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(self.conf), *args],
