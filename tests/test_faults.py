@@ -377,6 +377,21 @@ def test_load_8_trainers_4_pservers_sparse(tmp_path):
            pserver_rss_kb=early, rss_growth_kb=growth, requests=8 * steps * 4)
 
 
+FILL_THEN_PRINT = r'''
+import os
+fd = os.open("filler", os.O_WRONLY | os.O_CREAT)
+for chunk in (1 << 16, 1 << 12):
+    try:
+        while True:
+            os.write(fd, b"x" * chunk)
+    except OSError:
+        pass
+for i in range(20000):
+    print(f"line {i} " + "x" * 100)
+print("DONE")
+'''
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs as ROOT_DIR")
 def test_logs_on_a_full_disk_do_not_hang_the_job(tmp_path):
@@ -384,11 +399,12 @@ def test_logs_on_a_full_disk_do_not_hang_the_job(tmp_path):
     trainer blocked on a full pipe and its exit was never reported: the job hung forever."""
     root = tmp_path / "root"
     root.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], check=True)
     try:
         ws = tmp_path / "ws"
         ws.mkdir()
-        (ws / "train.py").write_text('for i in range(20000):\n    print(f"line {i} " + "x" * 100)\nprint("DONE")\n')
+        # The trainer fills ROOT_DIR itself (whatever the node library and workspace took), then talks.
+        (ws / "train.py").write_text(FILL_THEN_PRINT)
         cfg = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, PSERVERS_PER_NODE=1,
                          TRAINERS_PER_NODE=1, KILL_GRACE=1.0)
         run = Launch(cfg, "--job_dispatch_package", str(ws), "--job_name", "full")
