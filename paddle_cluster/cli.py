@@ -15,6 +15,7 @@ import click
 from .contract import ContractError, check_job_name
 from .launch import journal, k8s, ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
+from .launch.entry import settle
 from .launch.errors import ClusterError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job
@@ -125,14 +126,25 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "PSERVERS_PER_NODE).")
 @click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="k8s: trainer pods (default: HOSTS x "
               "TRAINERS_PER_NODE).")
+@click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
+              "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
-        trainer_args: Tuple[str, ...]) -> JobResult:
-    """Start a job: pservers first, trainers once every pserver listens. Arguments after -- go to train.py."""
+        entry_script: Optional[str], trainer_args: Tuple[str, ...]) -> JobResult:
+    """Start a job: pservers first, trainers once every pserver listens.
+
+    \b
+    The arguments after the options (after --, or directly) reach the entry script of trainers and pservers
+    alike. PaddlePaddle v2 options among them also set the variables paddle.init reads:
+      --trainer_count N, --num_passes N, --saving_period N, --log_period N, --dot_period N, --test_period N,
+      --use_gpu BOOL, --local BOOL, --save_dir DIR   ->  PADDLE_INIT_TRAINER_COUNT, ... (every process)
+      --port N, --ports_num N, --ports_num_for_sparse N  ->  the job's ports (as PADDLE_PORT, ... in conf.py)
+    --num_gradient_servers and --trainer_id are the launcher's and refused (docs/migrating.md).
+    """
     cfg = _config(ctx)
     k8s_backend = None
     if (backend or cfg.backend) == "k8s":
@@ -144,8 +156,12 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     elif cfg.is_builtin_default:
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
-    spec = JobSpec(cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args), resume_from,
-                   cfg.max_restarts if max_restarts is None else max_restarts, elastic)
+    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script)
+    for note in settled.notes:
+        _say(note)
+    spec = JobSpec(settled.cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
+                   resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
+                   tuple(settled.init.items()))
     return run_job(spec, _out, _say, backend=k8s_backend)
 
 

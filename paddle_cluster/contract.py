@@ -14,7 +14,7 @@ import hmac
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 PSERVER = "PSERVER"
 TRAINER = "TRAINER"
@@ -112,6 +112,9 @@ class JobEnv:
     trainer_id: Optional[int] = None
     pserver_id: Optional[int] = None
     current_ip: Optional[str] = None
+    # v2 options given on the command line (``v2_options``): ``{"trainer_count": "4"}`` sets
+    # PADDLE_INIT_TRAINER_COUNT=4 in every process.
+    init: Dict[str, str] = field(default_factory=dict, compare=False)
     extra: Dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +128,9 @@ class JobEnv:
             raise ContractError(f"PADDLE_PSERVER_ID={self.pserver_id}: must be in [0, {len(self.pservers)})")
         if self.ports_num < 1 or self.ports_num_for_sparse < 0:
             raise ContractError("PADDLE_INIT_PORTS_NUM must be >= 1 and PADDLE_INIT_PORTS_NUM_FOR_SPARSE >= 0")
+        owned = sorted(set(self.init) - set(V2_INIT_OPTIONS))
+        if owned:
+            raise ContractError(f"--{owned[0]}: not a v2 option a job sets ({', '.join(V2_INIT_OPTIONS)})")
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -213,6 +219,7 @@ class JobEnv:
         if self.pserver_id is not None:
             env["PADDLE_PSERVER_ID"] = str(self.pserver_id)
             env["PADDLE_CURRENT_ENDPOINT"] = str(self.pservers[self.pserver_id])
+        env.update({f"PADDLE_INIT_{k.upper()}": v for k, v in self.init.items()})
         env.update(self.extra)
         return env
 
@@ -379,6 +386,52 @@ def init_flags(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """The v2 ``PADDLE_INIT_<FLAG>`` variables as ``{"flag": value}``, the way ``paddle.init`` read them."""
     env = os.environ if environ is None else environ
     return {k[len("PADDLE_INIT_"):].lower(): v for k, v in env.items() if k.startswith("PADDLE_INIT_") and v != ""}
+
+
+# The v2 options (``paddle.py`` / ``paddle_trainer`` flags) a job may pass after its workspace, each setting
+# ``PADDLE_INIT_<OPTION>``: integers, booleans ("1"/"0") and paths. The port options change the job's port model
+# (they are PADDLE_PORT / PADDLE_PORTS_NUM / PADDLE_PORTS_NUM_FOR_SPARSE); the ones the launcher derives per job
+# (pservers, num_gradient_servers, trainer_id) cannot be given.
+V2_INT_OPTIONS = ("trainer_count", "num_passes", "saving_period", "log_period", "dot_period", "test_period")
+V2_BOOL_OPTIONS = ("use_gpu", "local")
+V2_INIT_OPTIONS = V2_INT_OPTIONS + V2_BOOL_OPTIONS + ("save_dir",)
+V2_PORT_OPTIONS = ("port", "ports_num", "ports_num_for_sparse")
+V2_DERIVED_OPTIONS = ("pservers", "num_gradient_servers", "trainer_id")
+
+
+def v2_options(args: Sequence[str]) -> Dict[str, str]:
+    """The v2 options among a job's arguments (``--trainer_count=4`` or ``--trainer_count 4``; a boolean alone
+    means true), validated, as ``{"trainer_count": "4"}``; other arguments are not looked at."""
+    out: Dict[str, str] = {}
+    known = V2_INIT_OPTIONS + V2_PORT_OPTIONS
+    for i, arg in enumerate(args):
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name in V2_DERIVED_OPTIONS:
+            raise ContractError(f"{arg}: the launcher sets PADDLE_INIT_{name.upper()} for every process; remove "
+                                "the option (list the machines in HOSTS instead)")
+        if name not in known:
+            continue
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            value = nxt if nxt is not None and not nxt.startswith("--") else ("1" if name in V2_BOOL_OPTIONS else "")
+        out[name] = _v2_value(name, value)
+    return out
+
+
+def _v2_value(name: str, value: str) -> str:
+    text = value.strip()
+    if name in V2_BOOL_OPTIONS:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return "1" if low in ("1", "true", "yes", "on") else "0"
+        raise ContractError(f"--{name}={value}: expected true or false (1 or 0)")
+    if name in V2_INT_OPTIONS + V2_PORT_OPTIONS:
+        if not (text.isascii() and text.isdigit()):
+            raise ContractError(f"--{name}={value}: expected a whole number, e.g. --{name}=2")
+        return str(int(text))
+    if not text:
+        raise ContractError(f"--{name}: give a value, e.g. --{name}=output")
+    return text
 
 
 def with_init_flags(flags: Mapping[str, object], environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:

@@ -26,6 +26,27 @@ ROOT = "/home/paddle"  # ROOT_DIR on the SSH cluster's nodes (each has its own, 
 # -- ports ------------------------------------------------------------------------------------------------
 
 
+# Seed scripts (tests/seeds/) as a PaddlePaddle user ports them: the two import lines, and what they print.
+SEEDS = Path(__file__).resolve().parent / "seeds"
+HOUSING = REPO / "examples" / "fit_a_line" / "housing.data"
+IMPORTS = {"import paddle\n": "import paddle_cluster.compat.paddle as paddle\n",
+           "import paddle.fluid as fluid\n": "import paddle_cluster.compat.paddle.fluid as fluid\n"}
+LOSS = re.compile(r"^Epoch: (\d+), Batch: (\d+), loss: (\S+)$", re.M)
+
+
+def ported(src: Path, dest: Path) -> Path:
+    """``src`` with its two ``import paddle`` lines replaced -- and a check that nothing else changed."""
+    lines = src.read_text().splitlines(keepends=True)
+    out = [IMPORTS.get(line, line) for line in lines]
+    assert sum(a != b for a, b in zip(lines, out)) == 2
+    dest.write_text("".join(out))
+    return dest
+
+
+def losses(out: str):
+    return [(int(e), int(b), float(v)) for e, b, v in LOSS.findall(out)]
+
+
 def ports_free(ports: Iterable[int], host: str = "127.0.0.1") -> bool:
     """True if every port binds on ``host`` right now (SO_REUSEADDR, as the pserver and the preflight bind)."""
     for port in ports:

@@ -6,33 +6,19 @@ matches its single-process run."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import HOUSING, SEEDS, losses, ported
 from rt_helpers import make_env, proc_env, procs, wait_all
 
 from paddle_cluster.contract import PSERVER, TRAINER
 
 REPO = Path(__file__).resolve().parent.parent
-SEEDS = Path(__file__).resolve().parent / "seeds"
-HOUSING = REPO / "examples" / "fit_a_line" / "housing.data"
-IMPORTS = {"import paddle\n": "import paddle_cluster.compat.paddle as paddle\n",
-           "import paddle.fluid as fluid\n": "import paddle_cluster.compat.paddle.fluid as fluid\n"}
-LOSS = re.compile(r"^Epoch: (\d+), Batch: (\d+), loss: (\S+)$", re.M)
 # Python's random module seeded, then the script run unchanged: paddle.reader.shuffle draws the same order.
 SEEDED = "import random, runpy, sys; random.seed(0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], " \
          "run_name='__main__')"
-
-
-def ported(src: Path, dest: Path) -> Path:
-    """``src`` with its two ``import paddle`` lines replaced -- and a check that nothing else changed."""
-    lines = src.read_text().splitlines(keepends=True)
-    out = [IMPORTS.get(line, line) for line in lines]
-    assert sum(a != b for a, b in zip(lines, out)) == 2
-    dest.write_text("".join(out))
-    return dest
 
 
 def workspace(tmp_path: Path) -> tuple:
@@ -68,10 +54,6 @@ def run_local(tmp_path, script: Path, extra: dict) -> str:
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     return r.stdout
-
-
-def losses(out: str):
-    return [(int(e), int(b), float(v)) for e, b, v in LOSS.findall(out)]
 
 
 def test_seed_dist_train_1_pserver_2_trainers_loss_falls(tmp_path):

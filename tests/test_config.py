@@ -193,6 +193,7 @@ TRAINERS_PER_NODE = 3
 PYTHON = "/opt/py/bin/python3"
 PSERVER_COMMAND = "{python} -m paddle_cluster.ps --fast"
 TRAINER_COMMAND = "{python} train.py --epochs 2"
+ENTRY = "dist_train.py"
 ENV = {"OMP_NUM_THREADS": "1", "SEED": 7}
 SSH_IDENTITY_FILE = "~/.ssh/id_ed25519"
 SSH_CONFIG_FILE = "~/.ssh/config"
@@ -227,6 +228,7 @@ TRAINERS_PER_NODE: 3
 PYTHON: /opt/py/bin/python3
 PSERVER_COMMAND: "{python} -m paddle_cluster.ps --fast"
 TRAINER_COMMAND: "{python} train.py --epochs 2"
+ENTRY: dist_train.py
 ENV:
   OMP_NUM_THREADS: "1"
   SEED: 7

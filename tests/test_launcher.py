@@ -231,6 +231,7 @@ def test_local_host_runs_without_ssh(tmp_path):
     assert list(scratch.iterdir()) == [], "the launcher must not leave temporary files behind"
     assert "[trainer.1@node0] ENV OK trainer 1 of 2 on node 0" in res.stdout
     assert sorted(p.name for p in (root / "loc" / "log").iterdir()) == [
+        "paddle_pserver2.0.INFO", "paddle_pserver2.1.INFO", "paddle_trainer.0.INFO", "paddle_trainer.1.INFO",
         "server.0.log", "server.1.log", "train.0.log", "train.1.log"]
 
 

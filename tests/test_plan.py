@@ -65,7 +65,8 @@ def test_trainer_arguments_are_quoted_and_workspace_is_the_cwd():
                       "j", "s")
     tr = plan.nodes[0].trainers[0]
     assert tr.cmd == "py train.py --name 'a b'"
-    assert plan.nodes[0].cwd == "/shared/ws" and plan.env.workspace == "/shared/ws"
+    # the workspace is linked into the job directory, where nodefile, log/ and output/ are the node's own
+    assert plan.nodes[0].cwd == "/r/job1" and plan.nodes[0].workspace == plan.env.workspace == "/shared/ws"
 
 
 def test_a_restart_is_the_same_job_resuming_from_a_step():

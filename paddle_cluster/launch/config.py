@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import os
 import re
+import shlex
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -82,7 +83,8 @@ class ClusterConfig:
     trainers_per_node: int = 1
     python: str = "python3"
     pserver_command: str = "{python} -m paddle_cluster.ps"
-    trainer_command: str = "{python} train.py"
+    trainer_command: str = "{python} {entry}"
+    entry: str = "train.py"
     env: Dict[str, str] = field(default_factory=dict)
     ssh_identity_file: Optional[str] = None
     ssh_config_file: Optional[str] = None
@@ -110,6 +112,11 @@ class ClusterConfig:
         """Ports of the ``local_index``-th pserver on a node (the contract's port model)."""
         return contract.pserver_ports(self.paddle_port, self.paddle_ports_num, self.paddle_ports_num_for_sparse,
                                       local_index)
+
+    def commands(self, python: Optional[str] = None) -> Tuple[str, str]:
+        """PSERVER_COMMAND and TRAINER_COMMAND with ``{python}`` and ``{entry}`` (ENTRY, shell-quoted) filled in."""
+        values = {"python": python or self.python, "entry": shlex.quote(self.entry)}
+        return self.pserver_command.format(**values), self.trainer_command.format(**values)
 
     def node_ports(self) -> Tuple[int, ...]:
         return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
@@ -242,7 +249,7 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
         if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
             values[name] = os.path.expanduser(values[name])
     cfg = ClusterConfig(**values)
-    _validate(cfg, source)
+    validate(cfg, source)
     return cfg
 
 
@@ -305,7 +312,7 @@ def _hosts(value: Any, source: str) -> Tuple[HostSpec, ...]:
     return hosts
 
 
-def _validate(cfg: ClusterConfig, source: str) -> None:
+def validate(cfg: ClusterConfig, source: str) -> None:
     if not os.path.isabs(cfg.root_dir):
         raise ConfigError("ROOT_DIR", cfg.root_dir, "must be an absolute path on every host, e.g. /home/paddle", source)
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):
@@ -337,10 +344,13 @@ def _validate(cfg: ClusterConfig, source: str) -> None:
                               "for the default", source)
     for key in ("pserver_command", "trainer_command"):
         try:
-            getattr(cfg, key).format(python="python3")
+            getattr(cfg, key).format(python="python3", entry="train.py")
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-            raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} is "
-                              "substituted (write {{ and }} for literal braces)", source) from None
+            raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} and {{entry}} "
+                              "are substituted (write {{ and }} for literal braces)", source) from None
+    if not cfg.entry.strip() or os.path.isabs(cfg.entry) or ".." in cfg.entry.split("/"):
+        raise ConfigError("ENTRY", cfg.entry, "must be a script's path inside the workspace, e.g. train.py or "
+                          "dist_train.py", source)
 
 
 def describe(cfg: ClusterConfig) -> List[str]:

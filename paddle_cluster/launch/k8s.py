@@ -162,8 +162,9 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
                  secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
                  workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env))
-    trainer_cmd = tuple(shlex.split(cfg.trainer_command.format(python=POD_PYTHON))) + tuple(trainer_args)
-    return K8sJob(name, namespace, image, env, tuple(shlex.split(cfg.pserver_command.format(python=POD_PYTHON))),
+    pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
+    trainer_cmd += tuple(trainer_args)
+    return K8sJob(name, namespace, image, env, pserver_cmd,
                   trainer_cmd, pserver_requests, trainer_requests, cfg.start_timeout, cfg.kill_grace)
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
-from . import dispatch
+from . import dispatch, machines
 from .config import ClusterConfig
 from .errors import ClusterError, HostError
 from .hosts import Node, fanout, make_nodes
@@ -147,6 +148,7 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
             return CheckRow(n.name, n.spec.text, False, "FAIL", "-", "-", "-", "-", "-", "-", e.message)
         doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports,
                                   "--root", cfg.root_dir, what="probing")
+        probes[n.index] = doc
         problems = []
         if doc["numpy"] is None:
             problems.append(f"numpy missing for {cfg.python}")
@@ -168,12 +170,20 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
             "writable" if root.get("writable") else "NOT WRITABLE",
             f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems))
 
+    probes: Dict[int, dict] = {}
     with dispatch.library_archive() as lib:
         res = fanout(nodes, check)
     fanout(nodes, lambda n: n.close())
+    seen = sorted(probes)
+    twice = machines.same_machine_problems([nodes[i].label for i in seen], [probes[i] for i in seen])
+    same = {seen[k]: why for k, why in twice.items()}
     rows = []
     for n in nodes:
-        if n.index in res.values:
+        if n.index in same and n.index in res.values:
+            row = res.values[n.index]
+            rows.append(dataclasses.replace(row, ok=False, problem="; ".join(p for p in (row.problem, same[n.index])
+                                                                              if p)))
+        elif n.index in res.values:
             rows.append(res.values[n.index])
         else:
             err = res.errors[n.index]

@@ -9,6 +9,7 @@ the same plan. Node-major ids, pservers before trainers: pserver ``i * PSERVERS_
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import secrets
 import shlex
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class JobSpec:
     resume_from: Optional[str] = None  # an earlier job's name, or a checkpoint root directory
     max_restarts: int = 0  # whole-job restarts from the latest complete checkpoint after a process dies
     elastic: bool = False  # a dead trainer is reported and the others go on (async mode)
+    init: Tuple[Tuple[str, str], ...] = ()  # v2 options (launch/entry.py): PADDLE_INIT_* of every process
 
     @property
     def job_dir(self) -> str:
@@ -40,7 +42,8 @@ class JobSpec:
 
     @property
     def cwd(self) -> str:
-        return self.workspace or self.job_dir
+        """Where processes run: the job directory, holding the workspace (copied, or linked: node/layout.py)."""
+        return self.job_dir
 
     @property
     def resume_root(self) -> str:
@@ -107,13 +110,33 @@ class JobPlan:
 def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str) -> JobPlan:
     """The plan for ``spec`` on nodes with these addresses (node ``i`` is ``HOSTS[i]``)."""
     cfg = spec.cfg
-    pservers = tuple(Endpoint(addr, cfg.pserver_ports(k)[0]) for addr in addresses
-                     for k in range(cfg.pservers_per_node))
-    env = JobEnv(job_id=job_id, pservers=pservers, trainers=len(addresses) * cfg.trainers_per_node,
+    env = JobEnv(job_id=job_id, pservers=pserver_endpoints(cfg, addresses),
+                 trainers=len(addresses) * cfg.trainers_per_node,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret,
-                 job_dir=spec.job_dir, workspace=spec.cwd, barrier_timeout=cfg.barrier_timeout,
-                 resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, extra=dict(cfg.env))
+                 job_dir=spec.job_dir, workspace=spec.workspace or spec.job_dir, barrier_timeout=cfg.barrier_timeout,
+                 resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, init=dict(spec.init),
+                 extra=dict(cfg.env))
     return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses))
+
+
+def pserver_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[Endpoint, ...]:
+    """Each pserver's address and first port, node-major. The pservers of a node take consecutive port ranges;
+    on a loopback address each takes its own address instead (127.0.0.1, 127.0.0.2, ...) and the same ports,
+    so that ``PADDLE_PSERVER_IPS`` x ``PADDLE_PSERVER_PORT``, the way seed scripts name pservers, names each."""
+    out = []
+    for addr in addresses:
+        ip = _loopback(addr)
+        out += [Endpoint(str(ip + k), cfg.paddle_port) if ip else Endpoint(addr, cfg.pserver_ports(k)[0])
+                for k in range(cfg.pservers_per_node)]
+    return tuple(out)
+
+
+def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    return ip if isinstance(ip, ipaddress.IPv4Address) and ip.is_loopback else None
 
 
 def mint_plan(spec: JobSpec, addresses: Sequence[str]) -> JobPlan:
@@ -124,15 +147,17 @@ def mint_plan(spec: JobSpec, addresses: Sequence[str]) -> JobPlan:
 def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str]) -> Tuple[NodePlan, ...]:
     cfg = spec.cfg
     common = env.to_environ()
-    trainer_cmd = cfg.trainer_command.format(python=cfg.python)
-    if spec.trainer_args:
-        trainer_cmd += " " + shlex.join(spec.trainer_args)
+    # The arguments after the workspace reach every process running the entry script, pservers too when they
+    # run it (as paddle.py passed them to every process); the built-in pserver takes none.
+    args = " " + shlex.join(spec.trainer_args) if spec.trainer_args else ""
+    pserver_cmd, trainer_cmd = cfg.commands()
+    pserver_cmd, trainer_cmd = pserver_cmd + (args if "{entry}" in cfg.pserver_command else ""), trainer_cmd + args
     endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
 
     def proc(role: str, index: int, per_node: int, addr: str) -> ProcPlan:
         kind, log = ("pserver", "server") if role == PSERVER else ("trainer", "train")
-        cmd = cfg.pserver_command.format(python=cfg.python) if role == PSERVER else trainer_cmd
-        full = env.for_process(role, index, addr).to_environ()
+        cmd = pserver_cmd if role == PSERVER else trainer_cmd
+        full = env.for_process(role, index, env.pservers[index].host if role == PSERVER else addr).to_environ()
         return ProcPlan(f"{kind}.{index}", role, index, cmd, f"{log}.log" if per_node == 1 else f"{log}.{index}.log",
                         {k: v for k, v in full.items() if common.get(k) != v})
 
@@ -143,5 +168,5 @@ def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str]) -> Tuple[N
         procs += [proc(TRAINER, i * cfg.trainers_per_node + j, cfg.trainers_per_node, addr)
                   for j in range(cfg.trainers_per_node)]
         nodes.append(NodePlan(i, addr, spec.job_dir, spec.cwd, common, tuple(procs), endpoints, cfg.start_timeout,
-                              cfg.ld_library_path))
+                              cfg.ld_library_path, spec.workspace or ""))
     return tuple(nodes)

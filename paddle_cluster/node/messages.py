@@ -50,6 +50,7 @@ class NodePlan:
     endpoints: Tuple[Endpoint, ...]
     start_timeout: float
     ld_library_path: str = ""
+    workspace: str = ""  # --job_workspace: its entries are linked into job_dir, the cwd (node/layout.py)
 
     @property
     def pservers(self) -> Tuple[ProcPlan, ...]:

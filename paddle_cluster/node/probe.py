@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import socket
@@ -55,6 +56,21 @@ def _root(path: str) -> Dict[str, Any]:
     return root
 
 
+def machine_id() -> str:
+    """This machine's id (a hash of /etc/machine-id, or of the hostname without one): two HOSTS entries that
+    answer with the same id and address are the same machine. Containers and namespaces may share the file,
+    so the launcher pairs it with the NIC's address."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, "rb") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            return hashlib.sha256(b"paddle-cluster machine|" + text).hexdigest()[:16]
+    return hashlib.sha256(b"paddle-cluster host|" + socket.gethostname().encode()).hexdigest()[:16]
+
+
 def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
     """The node's answer to the launcher's preflight, as one JSON-ready document."""
     ifaces = interfaces()
@@ -67,6 +83,7 @@ def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
         numpy_version = None
     return {
         "hostname": socket.gethostname(),
+        "machine": machine_id(),
         "python": sys.version.split()[0],
         "python_path": sys.executable,
         "numpy": numpy_version,

@@ -22,8 +22,8 @@ from typing import IO, Any, Callable, Dict, Optional, Tuple, Union
 
 from paddle_cluster import contract
 
+from . import layout, procs
 from . import messages as m
-from . import procs
 
 HEARTBEAT_S = 2.0
 
@@ -179,11 +179,12 @@ class Supervisor:
         # Owner-only: the job directory holds the secret (env file), logs and checkpoints.
         os.makedirs(plan.job_dir, mode=0o700, exist_ok=True)
         os.chmod(plan.job_dir, 0o700)
-        os.makedirs(os.path.join(plan.job_dir, "log"), exist_ok=True)
+        try:
+            layout.prepare(plan.job_dir, plan.node, plan.workspace)
+        except layout.LayoutError as e:
+            raise Stop(str(e)) from None
         self.records = procs.Records(plan.job_dir, contract.job_id_of(plan.environ))
         contract.write_env_file(os.path.join(self.records.dir, contract.ENV_FILE), plan.environ)
-        with open(os.path.join(plan.job_dir, "nodefile"), "w") as f:
-            f.write(f"{plan.node}\n")
 
     def _environ(self, p: m.ProcPlan) -> Dict[str, str]:
         assert self.plan is not None
@@ -200,6 +201,7 @@ class Supervisor:
         assert self.plan is not None and self.records is not None
         for p in plans:
             log_path = os.path.join(self.plan.job_dir, "log", p.log)
+            layout.info_link(os.path.dirname(log_path), p.log)
             try:
                 proc = procs.spawn(p.cmd, self.plan.cwd, self._environ(p))
             except OSError as e:

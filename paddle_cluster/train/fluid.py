@@ -279,6 +279,11 @@ class DistributeTranspiler:
             assert eps is not None
             base = JobEnv(job_id="fluid", pservers=eps, trainers=trainers or 1, ports_num=1, ports_num_for_sparse=0,
                           secret=job_secret())
+        if eps and eps != base.pservers:
+            # The launcher's endpoints are the real ones; a list computed otherwise would hang on a wrong address.
+            raise FluidError(f"transpile(pservers={pservers!r}): the job's pservers are "
+                             f"{','.join(map(str, base.pservers))} (PADDLE_PSERVER_ENDPOINTS); pass that, or leave "
+                             "pservers out to take them from the environment")
         n_trainers = base.trainers if trainers is None else trainers
         tid = trainer_id if trainer_id is not None else base.trainer_id
         if tid is not None and (isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < n_trainers):

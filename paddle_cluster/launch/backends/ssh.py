@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 
 from paddle_cluster.node import messages as m
 
-from .. import dispatch
+from .. import dispatch, machines
 from ..config import ClusterConfig
 from ..errors import HostError
 from ..hosts import Node, Stream, fanout, make_nodes
@@ -41,7 +41,7 @@ class SSHBackend(Backend):
         cfg = self.cfg
         ports = ",".join(map(str, cfg.node_ports())) if check_ports else ""
 
-        def probe(n: Node) -> str:
+        def probe(n: Node) -> dict:
             dispatch.ensure_package(n, lib, "lib")
             doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports, "--root",
                                       cfg.root_dir, what="probing the node")
@@ -58,11 +58,13 @@ class SSHBackend(Backend):
                                 "are already in use (another job?); choose another PADDLE_PORT or stop that job")
             if not doc["root"].get("writable"):
                 raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
-            return doc["address"]
+            return doc
 
         with dispatch.library_archive() as lib:
-            addresses = fanout(self.nodes, probe).ok("probing the nodes")
+            docs = fanout(self.nodes, probe).ok("probing the nodes")
         self.lib = lib
+        machines.refuse_same_machines(self.labels, docs, cfg.source)
+        addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
         return addresses
 
