@@ -55,5 +55,8 @@ def info_link(log_dir: str, log_name: str) -> None:
     if kind not in INFO_NAMES or not rest.endswith("log"):
         return
     link = os.path.join(log_dir, f"{INFO_NAMES[kind]}.{rest[:-3]}INFO")
-    if not os.path.lexists(link):
-        os.symlink(log_name, link)
+    try:
+        if not os.path.lexists(link):
+            os.symlink(log_name, link)
+    except OSError:
+        pass  # a convenience name: a full disk or an odd filesystem must not stop the job
