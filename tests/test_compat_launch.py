@@ -4,6 +4,7 @@ options, same-machine HOSTS entries (pure parts; the runs are in test_compat_run
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -158,3 +159,26 @@ def test_transpile_refuses_endpoints_other_than_the_launchers(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(FluidError, match="10.0.0.1:7164,10.0.0.1:7166 .PADDLE_PSERVER_ENDPOINTS"):
         DistributeTranspiler().transpile(trainer_id=0, pservers="10.0.0.2:7164,10.0.0.1:7166", trainers=1)
+
+
+# -- the node layout ---------------------------------------------------------------------------------------
+def test_layout_links_a_workspace_keeps_per_node_files_and_refuses_a_shared_job_dir(tmp_path):
+    from paddle_cluster.node import layout
+
+    ws, job = tmp_path / "ws", tmp_path / "root" / "job"
+    (ws / "data").mkdir(parents=True)
+    for name in ("train.py", "nodefile", "output"):
+        (ws / name).write_text("x")
+    job.mkdir(parents=True)
+    layout.prepare(str(job), 1, str(ws))
+    assert os.readlink(job / "train.py") == str(ws / "train.py") and os.readlink(job / "data") == str(ws / "data")
+    assert (job / "nodefile").read_text() == "1\n" and (job / "output").is_dir() and (job / "log").is_dir()
+    assert not (job / "output").is_symlink() and (ws / "nodefile").read_text() == "x"  # the workspace's untouched
+    layout.prepare(str(job), 1, str(ws))  # a restart of the same node
+    with pytest.raises(layout.LayoutError, match="already node 1's job directory: ROOT_DIR is on a filesystem"):
+        layout.prepare(str(job), 2, str(ws))
+    for log, info in (("train.log", "paddle_trainer.INFO"), ("server.3.log", "paddle_pserver2.3.INFO")):
+        layout.info_link(str(job / "log"), log)
+        assert os.readlink(job / "log" / info) == log
+    layout.info_link(str(job / "log"), "metrics.trainer0.jsonl")
+    assert sorted(os.listdir(job / "log")) == ["paddle_pserver2.3.INFO", "paddle_trainer.INFO"]
