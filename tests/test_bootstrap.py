@@ -18,7 +18,8 @@ from paddle_cluster.node.bootstrap import placeholder
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A pserver stand-in that listens until every trainer has said it is done (files in the shared workspace),
+# A pserver stand-in that listens until every trainer has said it is done (files in the shared workspace,
+# $PADDLE_WORKSPACE: processes run in their node-local job directory),
 # and a trainer that checks the contract against the node it runs on.
 PS_PY = textwrap.dedent('''
     import os, socket, time
@@ -29,7 +30,7 @@ PS_PY = textwrap.dedent('''
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((env.current_ip, port)); s.listen(); socks.append(s)
     print("listening", env.current_ip, flush=True)
-    while sum(f.startswith("done.") for f in os.listdir(".")) < env.trainers:
+    while sum(f.startswith("done.") for f in os.listdir(os.environ["PADDLE_WORKSPACE"])) < env.trainers:
         time.sleep(0.05)
 ''')
 TRAIN_PY = textwrap.dedent('''
@@ -41,9 +42,10 @@ TRAIN_PY = textwrap.dedent('''
     assert "PADDLE_JOB_SECRET" not in e and len(e["PADDLE_TRAINER_KEY"]) == 64
     tid = e["PADDLE_TRAINER_ID"]
     print(f"trainer {tid} on {socket.gethostname()} node {node} ip {e['PADDLE_CURRENT_IP']}", flush=True)
-    if os.path.exists(f"crash.{tid}"):
+    ws = e["PADDLE_WORKSPACE"]
+    if os.path.exists(os.path.join(ws, f"crash.{tid}")):
         raise SystemExit(3)
-    open(f"done.{tid}", "w").close()
+    open(os.path.join(ws, f"done.{tid}"), "w").close()
 ''')
 
 
