@@ -215,6 +215,8 @@ def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
     (["--resume_from", "old"], "--resume_from"),
 ])
 def test_what_k8s_cannot_do_is_refused_before_anything_starts(tmp_path: Path, args: List[str], named: str) -> None:
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    (tmp_path / "ws" / "train.py").write_text("print('x')\n")  # past the entry-script preflight
     res = _cli(tmp_path, "run", "--backend", "k8s", "--image", "img:1", *args, path=str(tmp_path / "empty"))
     assert res.returncode != 0 and named in res.stderr and "kubectl not found" not in res.stderr, res.stderr
 

@@ -39,8 +39,6 @@ def test_job_names_are_plain_names(cluster, tmp_path):
     assert res.returncode == 2 and "absolute checkpoint directory" in res.stderr
     # The agent checks again: a job directory whose last part is not a plain name is refused, untouched.
     for bad in (f"{ROOT}/..", f"{ROOT}/a\nb", f"{ROOT}/"):
-        out = node_cmd(cluster, 0, "supervise", "--job-dir", bad)
-        assert out.returncode == 2 and "refusing job directory" in out.stdout, out
         for sub in ("kill", "status"):
             out = node_cmd(cluster, 0, sub, "--job-dir", bad)
             assert out.returncode == 2 and '"ok": false' in out.stdout and "job name" in out.stdout, out
