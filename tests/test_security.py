@@ -131,7 +131,7 @@ def test_ssh_never_prompts_for_a_password(cluster, tmp_path):
     res = cli(cfg, "check", timeout=40)  # stdin is /dev/null: a prompt would hang or fail differently
     assert res.returncode == 1
     out = res.stdout + res.stderr
-    assert "was refused" in out and "passwords are never prompted for" in out, out
+    assert "login as root refused" in out and "passwords are never prompted for" in out, out
     assert "Traceback" not in out
 
 
