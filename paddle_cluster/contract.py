@@ -24,9 +24,6 @@ PORT_MAX = 65535
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
 
-# Name of the owner-only file in ``<job dir>/.paddle_cluster/`` that holds the job-wide part of the
-# contract (never passed on a command line, where ``ps`` would show the secret).
-ENV_FILE = "env"
 # The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
 # asks for it by this name.
 SECRET_VAR = "PADDLE_JOB_SECRET"
@@ -107,7 +104,7 @@ class JobEnv:
     # checkpoint root ("" = <job_dir>/checkpoints). Set by ``run --resume_from``.
     resume: str = ""
     checkpoint_dir: str = ""
-    # Per process; None in the job-wide part the launcher writes to the env file.
+    # Per process; None in the job-wide part every process of a node shares.
     role: Optional[str] = None
     trainer_id: Optional[int] = None
     pserver_id: Optional[int] = None
@@ -446,27 +443,3 @@ def dataset_home(environ: Optional[Mapping[str, str]] = None) -> str:
     ``~/.cache/paddle/dataset`` (PaddlePaddle itself had no variable for it)."""
     env = os.environ if environ is None else environ
     return env.get("PADDLE_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "paddle", "dataset")
-
-
-def write_env_file(path: str, environ: Mapping[str, str]) -> None:
-    """Write ``KEY=VALUE`` lines readable by the owner only (the secret is in them)."""
-    for key, value in environ.items():  # check first, so a bad entry leaves no half-written file
-        if not key or key.startswith("#") or "=" in key or any(c in key for c in "\n\r\0") \
-                or any(c in value for c in "\n\0"):
-            raise ContractError(f"environment variable {key!r} cannot be written to an env file")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # before the secret goes in, also when the file already existed with a wider mode
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for key, value in sorted(environ.items()):
-            f.write(f"{key}={value}\n")
-
-
-def read_env_file(path: str) -> Dict[str, str]:
-    env: Dict[str, str] = {}
-    with open(path, encoding="utf-8", newline="\n") as f:  # only \n ends a line: a \r in a value survives
-        for line in f:
-            line = line.rstrip("\n")
-            if line and not line.startswith("#"):
-                key, _, value = line.partition("=")
-                env[key] = value
-    return env

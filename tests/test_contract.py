@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paddle_cluster.contract import (
-    ENV_FILE,
     PSERVER,
     TRAINER,
     ContractError,
@@ -20,8 +17,6 @@ from paddle_cluster.contract import (
     ProcessEnv,
     derive_trainer_key,
     pserver_ports,
-    read_env_file,
-    write_env_file,
 )
 from paddle_cluster.launch.config import ClusterConfig, HostSpec
 
@@ -228,44 +223,6 @@ def test_constructor_refuses_inconsistent_contract():
         job(ports_num=0)
 
 
-# -- the env file --------------------------------------------------------------------------------------
-def test_env_file_is_owner_only_and_round_trips(tmp_path):
-    env = job(extra={"OMP_NUM_THREADS": "2", "WEIRD": "a=b c\rd"})
-    path = tmp_path / ENV_FILE
-    old = os.umask(0)
-    try:
-        path.write_text("stale\n")
-        os.chmod(path, 0o666)  # an old file with a wide mode must not keep it
-        write_env_file(str(path), env.to_environ())
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    back = read_env_file(str(path))
-    assert back == env.to_environ()
-    assert back["WEIRD"] == "a=b c\rd"
-    assert JobEnv.from_environ(back) == dataclasses.replace(env, secret="")
-    assert "stale" not in path.read_text()
-
-
-@pytest.mark.parametrize("bad", [{"K": "line1\nline2"}, {"A=B": "1"}, {"": "x"}, {"#K": "1"}, {"K\n": "1"}])
-def test_env_file_refuses_unrepresentable_entries(tmp_path, bad):
-    path = tmp_path / "env"
-    with pytest.raises(ContractError):
-        write_env_file(str(path), {"GOOD": "1", **bad})
-    assert not path.exists()  # refused before anything was written
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.text(min_size=0, max_size=8), st.text(max_size=12), max_size=6))
-def test_env_file_round_trip_property(tmp_path_factory, environ):
-    path = tmp_path_factory.mktemp("envfile") / "env"
-    try:
-        write_env_file(str(path), environ)
-    except ContractError:
-        return
-    assert read_env_file(str(path)) == environ
-
-
 # -- ports -------------------------------------------------------------------------------------------
 def test_port_helpers():
     env = job()
@@ -332,4 +289,4 @@ def test_environment_doc_lists_every_variable():
     names = set(env.for_process(TRAINER, 0, "h").to_environ()) | set(env.for_process(PSERVER, 0, "h").to_environ())
     for name in sorted(names):
         assert f"| `{name}` |" in doc, name  # a row of the table
-    assert ".paddle_cluster/env" in doc and "0600" in doc and "JobEnv.from_environ()" in doc
+    assert "JobEnv.from_environ()" in doc

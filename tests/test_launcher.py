@@ -37,9 +37,7 @@ def test_run_dispatch_three_hosts(cluster, tmp_path):
         assert "listening" in (job / "log" / "server.log").read_text()
         assert (job / "data" / "part-0").read_text() == "1 2 3\n"
         assert not (job / "log" / "old.log").exists(), "log/ of the workspace must not be shipped"
-        env_file = job / ".paddle_cluster" / "env"
-        assert env_file.stat().st_mode & 0o777 == 0o600
-        assert "PADDLE_JOB_SECRET" not in env_file.read_text()  # only pservers get the secret, in their environ
+        assert not (job / ".paddle_cluster" / "env").exists()  # only pservers get the secret, in their environ
     # The package is cached by hash: an unchanged workspace is not sent again.
     again = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "disp2")
     assert again.returncode == 0, again.stderr

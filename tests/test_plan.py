@@ -48,7 +48,7 @@ def test_every_node_waits_for_every_pserver_port_of_the_job():
 def test_the_environment_is_the_contract_split_into_job_wide_and_per_process():
     plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
     n2 = plan.nodes[2]
-    assert n2.environ["MY"] == "1" and "PADDLE_JOB_SECRET" not in n2.environ  # the env file holds no key
+    assert n2.environ["MY"] == "1" and "PADDLE_JOB_SECRET" not in n2.environ  # the job-wide part holds no key
     assert all(n.environ == n2.environ for n in plan.nodes)  # job-wide: the same everywhere
     for p in n2.procs:
         # Only pservers hold the job secret; a trainer holds its own key and nothing else.

@@ -61,8 +61,7 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
     decoy = None
     try:
         run.wait_line(r"checkpoint step=10", 60)
-        env_file = cluster.root_dir(0) / job / ".paddle_cluster" / "env"
-        assert "PADDLE_JOB_SECRET" not in contract.read_env_file(str(env_file))  # the job-wide part has no key
+        assert not (cluster.root_dir(0) / job / ".paddle_cluster" / "env").exists()  # no file of the contract
         ps_env = _environ(proc_pid(cluster, 0, job, "pserver.0"))
         secret, job_id = ps_env["PADDLE_JOB_SECRET"], ps_env["PADDLE_JOB_ID"]
         assert len(secret) == 64
@@ -82,13 +81,12 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
         assert as_nobody.returncode == 0 and "train.py" in as_nobody.stdout
         assert all(k not in as_nobody.stdout for k in [secret, *keys])
 
-        # Files: the job directory is owner-only; no file holds a key (the env file neither).
+        # Files: the job directory is owner-only; no file holds a key.
         for i in range(3):
             jd = cluster.root_dir(i) / job
             assert stat.S_IMODE(jd.stat().st_mode) == 0o700, oct(jd.stat().st_mode)
             assert stat.S_IMODE((jd / ".paddle_cluster").stat().st_mode) == 0o700
-            for name in ("env", "procs.json"):
-                assert stat.S_IMODE((jd / ".paddle_cluster" / name).stat().st_mode) == 0o600
+            assert stat.S_IMODE((jd / ".paddle_cluster" / "procs.json").stat().st_mode) == 0o600
             for f in _files(cluster.root_dir(i)):
                 if f.is_file() and not f.is_symlink():
                     data = f.read_bytes()
@@ -296,21 +294,6 @@ def test_fuzz_contract_from_environ(form, drop, changes):
         assert contract.JobEnv.from_environ(out) == dataclasses.replace(
             env, secret=env.secret if env.role == contract.PSERVER else "",
             trainer_key=env.trainer_key if env.role == contract.TRAINER else "")
-
-
-@FUZZ
-@given(st.dictionaries(st.text(max_size=20), st.text(max_size=40), max_size=8))
-def test_fuzz_env_file_round_trip(environ):
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "env")
-        try:
-            contract.write_env_file(path, environ)
-        except (contract.ContractError, UnicodeEncodeError):
-            assert not os.path.exists(path)  # refused whole, nothing half-written
-            return
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert contract.read_env_file(path) == {k: v for k, v in environ.items()}
-
 
 
 # -- archive unpacking: member and total sizes (names and links: test_unpack.py) -------------------------

@@ -114,8 +114,9 @@ class ClusterConfig:
                                       local_index)
 
     def commands(self, python: Optional[str] = None) -> Tuple[str, str]:
-        """PSERVER_COMMAND and TRAINER_COMMAND with ``{python}`` and ``{entry}`` (ENTRY, shell-quoted) filled in."""
-        values = {"python": python or self.python, "entry": shlex.quote(self.entry)}
+        """PSERVER_COMMAND and TRAINER_COMMAND with ``{python}`` (PYTHON) and ``{entry}`` (ENTRY) filled in, each
+        shell-quoted: a path with a space stays one word."""
+        values = {"python": shlex.quote(python or self.python), "entry": shlex.quote(self.entry)}
         return self.pserver_command.format(**values), self.trainer_command.format(**values)
 
     def node_ports(self) -> Tuple[int, ...]:

@@ -235,7 +235,9 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
         def send(n: Node) -> None:
             archive, sent[n.index] = ensure_package(
                 n, pkg, "workspace", lambda done, total: bar.update(tasks[n.index], completed=done))
+            # The archive is ours: exactly pkg.files members, contents no bigger than the archive (the default).
             doc = agent_json(n, lib, "unpack", "--archive", archive, "--dest", spec.job_dir,
+                             "--max-members", str(max(pkg.files, 1)),
                              what=f"unpacking the workspace into {spec.job_dir}", timeout=600)
             if not doc.get("ok"):
                 raise HostError(n.label, f"unpacking the workspace into {spec.job_dir} refused: {doc.get('error')}")

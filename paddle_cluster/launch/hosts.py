@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Seque
 
 import paramiko
 
+from paddle_cluster.node.lines import bounded_lines
+
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError, HostsFailed
 
@@ -104,8 +106,7 @@ class _PopenStream(Stream):
 
     def lines(self) -> Iterator[str]:
         assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            yield raw.decode(errors="replace").rstrip("\n")
+        yield from bounded_lines(self.proc.stdout.readline)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -157,8 +158,7 @@ class _ChannelStream(Stream):
     def lines(self) -> Iterator[str]:
         f = self.channel.makefile("rb")
         try:
-            for raw in iter(f.readline, b""):
-                yield raw.decode(errors="replace").rstrip("\n")
+            yield from bounded_lines(f.readline)
         except (OSError, EOFError, paramiko.SSHException):
             return
 

@@ -14,7 +14,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from .backends.base import Backend, Event, NodeLost
-from .errors import JobFailed
+from .errors import ClusterError, JobFailed
 from .plan import JobPlan
 
 TAIL_LINES = 20
@@ -231,7 +231,10 @@ def supervise(plan: JobPlan, backend: Backend, out: Callable[[str], None], say: 
                 if lost:
                     raise JobFailed(f"{e}\ncannot restart: no stop confirmation from "
                                     f"{', '.join(backend.labels[i] for i in lost)}") from None
-                step = latest_common_step(backend, plan)
+                try:
+                    step = latest_common_step(backend, plan)
+                except ClusterError as err:  # e.g. a checkpoint there but unreadable: never restart from scratch
+                    raise JobFailed(f"{e}\ncannot restart: {err}") from None
                 restarts += 1
                 where = f"checkpoint step {step}" if step is not None else "scratch (no complete checkpoint yet)"
                 say(f"{e.headline}; restarting the job from {where} (restart {restarts} of {spec.max_restarts})")

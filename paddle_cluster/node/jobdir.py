@@ -22,15 +22,16 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     running = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
     agent = state.get("agent", {})
     pid, started = agent.get("pid", -1), agent.get("start_time")
-    if agent.get("pid") and procs.alive_as_recorded(pid, started):
+    if procs.alive_as_recorded(pid, started):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 6
         while time.monotonic() < deadline and procs.alive_as_recorded(pid, started):
             time.sleep(0.05)
-    procs.signal_groups(state["procs"], job_id, grace)
+    # What the agent did not stop (it is gone, or hung): the recorded processes, their groups, the
+    # descendants it recorded (also those init adopted after it died), and everything below them.
+    procs.stop_job(state, grace)
     if procs.alive_as_recorded(pid, started):
         os.kill(pid, signal.SIGKILL)
-    procs.sweep(job_id)
     left = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
     return {"found": True, "stopped": running, "left": left}
 

@@ -45,7 +45,7 @@ class NodePlan:
     address: str
     job_dir: str
     cwd: str
-    environ: Dict[str, str]  # the job-wide contract, secret included; written to the owner-only env file
+    environ: Dict[str, str]  # the job-wide contract (no key: keys are per process)
     procs: Tuple[ProcPlan, ...]
     endpoints: Tuple[Endpoint, ...]
     start_timeout: float
@@ -153,7 +153,7 @@ def decode(line: str) -> Union[Command, Event]:
     try:
         doc = json.loads(line)
         cls = _TYPES[doc.pop("type")]
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise MessageError(f"not a message: {line[:200]!r}") from None
     return _build(cls, doc)
 

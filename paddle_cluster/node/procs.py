@@ -10,11 +10,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shlex
 import signal
 import subprocess
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from paddle_cluster import contract
 
@@ -38,24 +39,50 @@ def start_time(pid: int) -> Optional[int]:
 
 
 def alive_as_recorded(pid: int, started: Optional[int]) -> bool:
-    """``pid`` runs (not a zombie) and, when ``started`` is known, is still the process recorded then."""
+    """``pid`` runs (not a zombie) and is still the process recorded with kernel start time ``started``.
+
+    Without a recorded start time nothing matches: the pid alone may since belong to anyone."""
     fields = _stat_fields(pid)
-    if fields is None or fields[0] == "Z":
-        return False
-    return started is None or int(fields[19]) == started
+    return started is not None and fields is not None and fields[0] != "Z" and int(fields[19]) == started
 
 
-def group_members(pgid: int) -> List[int]:
-    pids = []
+Table = Dict[int, List[str]]
+
+
+def process_table() -> Table:
+    """Every live (non-zombie) process: pid -> its ``/proc/<pid>/stat`` fields (see ``_stat_fields``)."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _stat_fields(int(entry))
-            try:
-                if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
-                    pids.append(int(entry))
-            except (ValueError, IndexError):
-                continue
-    return pids
+            if fields is not None and fields[0] != "Z":
+                table[int(entry)] = fields
+    return table
+
+
+def _matches(table: Table, rec: Mapping[str, Any]) -> bool:
+    fields = table.get(rec.get("pid", -1))
+    return fields is not None and rec.get("start_time") is not None and int(fields[19]) == rec["start_time"]
+
+
+def descendants(roots: Iterable[int], table: Table) -> Set[int]:
+    """Every process below ``roots``, whatever its group or session (``setsid`` changes neither parent)."""
+    children: Dict[int, List[int]] = {}
+    for pid, fields in table.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    found: Set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def group_members(pgid: int, table: Optional[Table] = None) -> List[int]:
+    table = process_table() if table is None else table
+    return [pid for pid, fields in table.items() if int(fields[2]) == pgid]
 
 
 def _has_job_tag(pid: int, job_id: str) -> bool:
@@ -68,88 +95,83 @@ def _has_job_tag(pid: int, job_id: str) -> bool:
     return contract.job_id_of(environ) == job_id
 
 
-def job_group_alive(rec: Mapping[str, Any], job_id: str) -> List[int]:
+def job_group_alive(rec: Mapping[str, Any], job_id: str, table: Optional[Table] = None) -> List[int]:
     """Live members of a recorded process group that provably belong to this job."""
-    if alive_as_recorded(rec["pid"], rec.get("start_time")):
-        return group_members(rec["pgid"]) or [rec["pid"]]
+    table = process_table() if table is None else table
+    members = group_members(rec["pgid"], table)
+    if _matches(table, rec):
+        return members or [rec["pid"]]
     # The leader is gone; members still in its group are ours only if they carry this job's id.
-    return [p for p in group_members(rec["pgid"]) if _has_job_tag(p, job_id)]
+    return [p for p in members if _has_job_tag(p, job_id)]
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def job_pids(state: Mapping[str, Any], table: Optional[Table] = None) -> Set[int]:
+    """Every live process of the job on this node, the agent excepted: the recorded processes (pid and start
+    time) and their groups, the descendants the agent recorded, and everything below any of them or the agent.
+    A process that merely carries the job's id, outside all of these, is not included."""
+    table = process_table() if table is None else table
+    found: Set[int] = set()
+    for rec in state.get("procs", []):
+        found.update(job_group_alive(rec, state["job_id"], table))
+    found.update(r["pid"] for r in state.get("descendants", []) if _matches(table, r))
+    agent = state.get("agent", {})
+    roots = found | ({agent["pid"]} if _matches(table, agent) else set())
+    return (found | descendants(roots, table)) - {agent.get("pid"), os.getpid()}
 
 
-def _wait_gone(records: List[Mapping[str, Any]], job_id: str, seconds: float) -> None:
+def _signal(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_until(done: Callable[[], bool], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(job_group_alive(r, job_id) for r in records):
+    while not done():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
+    return True
 
 
-def signal_groups(records: List[Mapping[str, Any]], job_id: str, grace: float) -> List[str]:
-    """SIGTERM every live group, wait up to ``grace`` s, SIGKILL what is left. Returns the names hit."""
-    hit = []
-    for rec in records:
-        if job_group_alive(rec, job_id):
-            hit.append(rec["name"])
-            _killpg(rec["pgid"], signal.SIGTERM)
-    _wait_gone(records, job_id, grace)
-    for rec in records:
-        if job_group_alive(rec, job_id):
-            _killpg(rec["pgid"], signal.SIGKILL)
-    _wait_gone(records, job_id, 5)
+def stop_job(state: Mapping[str, Any], grace: float) -> List[str]:
+    """SIGTERM every process of the job (``job_pids``), wait up to ``grace`` s, SIGKILL whatever is left or
+    appeared meanwhile until none is. Returns the names of the recorded processes that were running."""
+    table = process_table()
+    hit = [r["name"] for r in state.get("procs", []) if job_group_alive(r, state["job_id"], table)]
+    _signal(job_pids(state, table), signal.SIGTERM)
+    if not _wait_until(lambda: not job_pids(state), grace):
+        _wait_until(lambda: not _kill_left(state), 5)
     return hit
 
 
-def _same_host(pid: int, netns: str) -> bool:
-    """``pid`` shares our network namespace: it is on this node even where several nodes share one kernel
-    (containers, the test cluster's namespaces)."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net") == netns
-    except OSError:
-        return False
+def _kill_left(state: Mapping[str, Any]) -> Set[int]:
+    left = job_pids(state)
+    _signal(left, signal.SIGKILL)
+    return left
 
 
-def job_tagged(job_id: str) -> List[int]:
-    """Live processes on this node, other than this one, whose environment carries ``job_id``."""
-    if not job_id:
-        return []
-    try:
-        netns = os.readlink("/proc/self/ns/net")
-    except OSError:
-        netns = ""
-    out = []
+def become_subreaper() -> None:
+    """Orphaned descendants (a trainer's ``setsid`` child whose parent exited) become the agent's children
+    instead of init's, so ``job_pids`` still finds them below the agent (PR_SET_CHILD_SUBREAPER)."""
+    libc = _load_libc()
+    if libc is not None:
+        libc.prctl(36, 1, 0, 0, 0)
+
+
+def reap_orphans(table: Table, own: Set[int]) -> None:
+    """Collect the exit status of dead children the agent adopted (not the ones ``subprocess`` waits for)."""
+    me = str(os.getpid())
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            pid = int(entry)
-            fields = _stat_fields(pid)
-            if fields and fields[0] != "Z" and _same_host(pid, netns) and _has_job_tag(pid, job_id):
-                out.append(pid)
-    return out
-
-
-def sweep(job_id: str, grace: float = 2.0) -> List[int]:
-    """SIGTERM, then after ``grace`` s SIGKILL, every process left with this job's id: what escaped its
-    process group (a ``setsid`` daemon, a detached helper) and so outlived ``signal_groups``."""
-    hit = job_tagged(job_id)
-    for pid in hit:
-        _kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and job_tagged(job_id):
-        time.sleep(0.05)
-    for pid in job_tagged(job_id):
-        _kill(pid, signal.SIGKILL)
-    return hit
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        if entry.isdigit() and int(entry) not in own and int(entry) not in table:
+            fields = _stat_fields(int(entry))
+            if fields is not None and fields[0] == "Z" and fields[1] == me:
+                try:
+                    os.waitpid(int(entry), os.WNOHANG)
+                except ChildProcessError:
+                    pass
 
 
 class Records:
@@ -161,7 +183,7 @@ class Records:
         self.path = os.path.join(self.dir, PROCS_FILE)
         self.lock = threading.Lock()
         self.data: Dict[str, Any] = {"job_id": job_id, "agent": {"pid": os.getpid(),
-                                     "start_time": start_time(os.getpid())}, "procs": []}
+                                     "start_time": start_time(os.getpid())}, "procs": [], "descendants": []}
         self.save()
 
     @property
@@ -173,10 +195,21 @@ class Records:
             self.data["procs"].append(rec)
         self.save()
 
+    def track(self, table: Table) -> None:
+        """Record every live process below the agent that is not a recorded one, so ``kill`` finds it even
+        after the agent is gone and the process was adopted by init; saved only when the set changed."""
+        mine = {r["pid"] for r in self.procs}
+        now = sorted((pid, int(table[pid][19])) for pid in descendants([os.getpid()], table) if pid not in mine)
+        recs = [{"pid": pid, "start_time": started} for pid, started in now]
+        if recs != self.data["descendants"]:
+            with self.lock:
+                self.data["descendants"] = recs
+            self.save()
+
     def save(self) -> None:
         with self.lock:
             tmp = self.path + ".tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(self.data, f, indent=1)
             os.replace(tmp, self.path)
@@ -190,33 +223,46 @@ def load_records(job_dir: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-_libc = None
+_libc: Optional[ctypes.CDLL] = None
+
+
+def _load_libc() -> Optional[ctypes.CDLL]:
+    """libc, loaded in the agent itself: a forked child must not dlopen (another thread of the agent may hold
+    the loader's lock at fork time, and the child would wait for it forever)."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            return None
+    return _libc
 
 
 def _die_with_parent() -> None:
     """Child pre-exec: new process group, and SIGTERM if the agent dies (even by SIGKILL)."""
-    global _libc
     os.setpgid(0, 0)
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc is not None:
         _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
-_SHELL_CHARS = set("|&;<>()$`\\\"'*?[]#~=%{}\n")
+# Anything the shell would expand or treat as an operator; quotes and backslashes alone are split like sh does.
+_SHELL_CHARS = set("|&;<>()$`*?[]#~=%{}\n")
 
 
 def command_argv(cmd: str) -> List[str]:
-    """Run a plain command directly, so PDEATHSIG reaches the program itself; anything else via sh."""
+    """Run a plain command (quoting allowed) directly, so PDEATHSIG reaches the program itself; anything
+    else via sh."""
     if _SHELL_CHARS.isdisjoint(cmd):
-        return cmd.split()
+        try:
+            return shlex.split(cmd)
+        except ValueError:  # an unbalanced quote: let sh report it
+            pass
     return ["/bin/sh", "-c", cmd]
 
 
 def spawn(cmd: str, cwd: str, env: Mapping[str, str]) -> subprocess.Popen:
     """Start ``cmd`` in its own process group, output (stdout+stderr) on a pipe; raises OSError."""
+    _load_libc()
     return subprocess.Popen(command_argv(cmd), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
                             close_fds=True)

@@ -3,7 +3,7 @@
 It receives its node's share of the job (a ``NodePlan``) and runs it alone: starts the pservers, waits until
 every pserver port of the whole job accepts a connection, starts the trainers, and reports everything as
 events (``messages``). It streams every output line and appends it to the process's log file, and stops
-everything (SIGTERM to each group, a grace period, SIGKILL) when told to, when signalled, or when its
+everything (SIGTERM to every process of the job, a grace period, SIGKILL) when told to, when signalled, or when its
 channel to the launcher is gone (closed, or silent for ``orphan_timeout`` seconds) -- so a dead launcher
 never leaves processes behind.
 """
@@ -18,14 +18,16 @@ import subprocess
 import threading
 import time
 import traceback
-from typing import IO, Any, Callable, Dict, Optional, Tuple, Union
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from paddle_cluster import contract
 
-from . import layout, procs
+from . import layout, lines, procs
 from . import messages as m
 
 HEARTBEAT_S = 2.0
+TRACK_S = 0.5  # how often the agent records the job's descendants (kill after the agent died needs them)
+COMMAND_MAX = 16 << 20  # the longest line the launcher may send (a Start with a large plan is ~100 kB)
 
 
 class Stop(Exception):
@@ -85,6 +87,8 @@ class StdinChannel:
             self.last_heard = time.monotonic()
             self._buf += chunk
             if b"\n" not in self._buf:
+                if len(self._buf) > COMMAND_MAX:
+                    raise Stop(f"a message from the launcher longer than {COMMAND_MAX} bytes")
                 return None
         line, _, self._buf = self._buf.partition(b"\n")
         return line
@@ -112,10 +116,13 @@ class Supervisor:
         self.pumps: Dict[str, threading.Thread] = {}
         self.lib_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.failed = False  # the agent ends because a process failed (its exit status says so)
+        self.spawn_lock = threading.Lock()  # a child that dies at once is subprocess's to reap, not _track's
 
     def run(self) -> int:
-        stop_hb = threading.Event()
+        procs.become_subreaper()
+        stop_hb, stop_track = threading.Event(), threading.Event()
         threading.Thread(target=self._heartbeat, args=(stop_hb,), daemon=True).start()
+        threading.Thread(target=self._track, args=(stop_track,), daemon=True).start()
         reason, grace = "", self.grace
         try:
             while self.plan is None:
@@ -145,9 +152,8 @@ class Supervisor:
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            job_id = contract.job_id_of(self.plan.environ) if self.plan else ""
-            hit = procs.signal_groups(self.records.procs if self.records else [], job_id, grace)
-            procs.sweep(job_id)  # what left its process group (setsid) still carries the job's id
+            stop_track.set()
+            hit = procs.stop_job(self.records.data, grace) if self.records else []
             for p in self.popens.values():
                 try:
                     p.wait(timeout=5)
@@ -155,6 +161,7 @@ class Supervisor:
                     pass
             for t in self.pumps.values():
                 t.join(timeout=2)
+            procs.reap_orphans(procs.process_table(), {p.pid for p in self.popens.values()})
             stop_hb.set()
             self.emit(m.Stopped, reason=reason, killed=tuple(hit))
         return 1 if self.failed else 0
@@ -173,10 +180,11 @@ class Supervisor:
     def _prepare(self, plan: m.NodePlan) -> None:
         # The launcher checked the name; a plan from a file or another launcher is checked again here.
         try:
-            contract.check_job_name(os.path.basename(plan.job_dir.rstrip("/")))
+            contract.check_job_name(os.path.basename(plan.job_dir))
         except contract.ContractError as e:
-            raise Stop(str(e)) from None
-        # Owner-only: the job directory holds the secret (env file), logs and checkpoints.
+            self.failed = True
+            raise Stop(f"refusing job directory {plan.job_dir!r}: {e}") from None
+        # Owner-only: the job directory holds logs, checkpoints and the process records.
         os.makedirs(plan.job_dir, mode=0o700, exist_ok=True)
         os.chmod(plan.job_dir, 0o700)
         try:
@@ -184,7 +192,6 @@ class Supervisor:
         except layout.LayoutError as e:
             raise Stop(str(e)) from None
         self.records = procs.Records(plan.job_dir, contract.job_id_of(plan.environ))
-        contract.write_env_file(os.path.join(self.records.dir, contract.ENV_FILE), plan.environ)
 
     def _environ(self, p: m.ProcPlan) -> Dict[str, str]:
         assert self.plan is not None
@@ -202,48 +209,53 @@ class Supervisor:
         for p in plans:
             log_path = os.path.join(self.plan.job_dir, "log", p.log)
             layout.info_link(os.path.dirname(log_path), p.log)
-            try:
-                proc = procs.spawn(p.cmd, self.plan.cwd, self._environ(p))
-            except OSError as e:
-                self.emit(m.Exited, proc=p.name, code=127, signal=None,
-                          error=f"cannot start {p.cmd!r} in {self.plan.cwd}: {e.strerror or e}")
-                continue
-            self.popens[p.name] = proc
-            rec = {"name": p.name, "role": p.role, "pid": proc.pid, "pgid": proc.pid,
-                   "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p.cmd, "exit_code": None,
-                   "signal": None, "started_at": time.time()}
-            self.records.add(rec)
+            with self.spawn_lock:
+                try:
+                    proc = procs.spawn(p.cmd, self.plan.cwd, self._environ(p))
+                except OSError as e:
+                    self.emit(m.Exited, proc=p.name, code=127, signal=None,
+                              error=f"cannot start {p.cmd!r} in {self.plan.cwd}: {e.strerror or e}")
+                    continue
+                self.popens[p.name] = proc
+                rec = {"name": p.name, "role": p.role, "pid": proc.pid, "pgid": proc.pid,
+                       "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p.cmd, "exit_code": None,
+                       "signal": None, "started_at": time.time()}
+                self.records.add(rec)
             t = threading.Thread(target=self._pump, args=(p.name, proc, log_path, rec), daemon=True)
             t.start()
             self.pumps[p.name] = t
             self.emit(m.Started, proc=p.name, pid=proc.pid)
 
     def _pump(self, name: str, proc: subprocess.Popen, log_path: str, rec: Dict[str, Any]) -> None:
-        assert proc.stdout is not None and self.records is not None
+        assert self.records is not None
+        records = self.records
         # A full disk must not stop the streaming: the process would block on a full pipe and its exit
         # would never be reported (the job would hang). The log file is given up on, the stream goes on.
-        log: Optional[IO[bytes]] = None
+        log: List[Optional[IO[bytes]]] = [None]
         try:
-            log = open(log_path, "ab")
+            log[0] = open(log_path, "ab")
         except OSError as e:
             self._log_lost(name, log_path, e)
-        for raw in iter(proc.stdout.readline, b""):
-            if log is not None:
+
+        def write(data: bytes) -> None:
+            if log[0] is not None:
                 try:
-                    log.write(raw)
-                    log.flush()
+                    log[0].write(data)
+                    log[0].flush()
                 except OSError as e:
                     self._log_lost(name, log_path, e)
-                    log = _close_quietly(log)
-            self.emit(m.Log, proc=name, line=raw.decode(errors="replace").rstrip("\n"))
-        _close_quietly(log)
-        code = proc.wait()
-        rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
-        try:
-            self.records.save()
-        except OSError as e:
-            self.emit(m.Note, line=f"cannot record the exit of {name} in procs.json: {e}")
-        self.emit(m.Exited, proc=name, code=rec["exit_code"], signal=rec["signal"])
+                    log[0] = _close_quietly(log[0])
+
+        def exited(code: int) -> None:
+            rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
+            try:
+                records.save()
+            except OSError as e:
+                self.emit(m.Note, line=f"cannot record the exit of {name} in procs.json: {e}")
+            self.emit(m.Exited, proc=name, code=rec["exit_code"], signal=rec["signal"])
+
+        lines.follow(proc, write, lambda line: self.emit(m.Log, proc=name, line=line), exited)
+        _close_quietly(log[0])
 
     def _log_lost(self, name: str, log_path: str, e: OSError) -> None:
         self.emit(m.Note, line=f"cannot write {log_path} ({e.strerror or e}); the output of {name} is only "
@@ -276,6 +288,18 @@ class Supervisor:
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(HEARTBEAT_S):
             self.emit(m.Heartbeat)
+
+    def _track(self, stop: threading.Event) -> None:
+        """Keep procs.json's list of descendants current and reap the orphans the agent adopted."""
+        while not stop.wait(TRACK_S):
+            with self.spawn_lock:
+                table = procs.process_table()
+                if self.records is not None:
+                    try:
+                        self.records.track(table)
+                    except OSError:
+                        pass  # a full disk: the record stays as it was; teardown scans /proc anyway
+                procs.reap_orphans(table, {p.pid for p in self.popens.values()})
 
 
 def _accepts(e: Any) -> bool:

@@ -88,6 +88,9 @@ class Backend(ABC):
         """Release connections; the backend is not used afterwards."""
 
 
+EVENTS_MAX = 10_000  # events waiting for the launcher's main loop (a few MB at most)
+
+
 class EventQueue:
     """The events of one start of a job, from every node, and the watch every backend needs: a node that is
     silent for ``orphan_timeout`` s (its agent sends heartbeats) or whose channel ends unasked is lost."""
@@ -96,9 +99,11 @@ class EventQueue:
         self.orphan_timeout = orphan_timeout
         self.last_heard: Dict[int, float] = {i: time.monotonic() for i in nodes}
         self.stopped: Dict[int, m.Stopped] = {}
-        self._q: queue.Queue[Event] = queue.Queue()
+        self._q: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
         self._lost: set = set()
         self._lock = threading.Lock()
+        self.closing = False  # set when the job is being stopped: from then on a full queue drops, never blocks
+        self.dropped = 0
 
     def put(self, node: int, ev: Union[m.Event, NodeLost]) -> None:
         """An event that arrived on node ``node``'s channel."""
@@ -107,7 +112,22 @@ class EventQueue:
             return
         if isinstance(ev, m.Stopped):
             self.stopped[node] = ev
-        self._q.put(ev)
+        self._enqueue(ev, node)
+
+    def _enqueue(self, ev: Event, node: Optional[int] = None) -> None:
+        """Back-pressure: while the queue is full the node's reader waits here, so its channel and in the end
+        the process writing the output wait too; once the job is being stopped an event that does not fit is
+        dropped instead, so the stop confirmations (recorded before queueing) always get through."""
+        while True:
+            try:
+                self._q.put(ev, block=not self.closing, timeout=0.2)
+                return
+            except queue.Full:
+                if node is not None:
+                    self.last_heard[node] = time.monotonic()  # it is waiting for us, not silent
+                if self.closing:
+                    self.dropped += 1
+                    return
 
     def channel_closed(self, node: int) -> None:
         if node not in self.stopped:
@@ -135,7 +155,7 @@ class EventQueue:
             if ev.node in self._lost:
                 return
             self._lost.add(ev.node)
-        self._q.put(ev)
+        self._enqueue(ev)
 
     def wait_stopped(self, nodes: Sequence[int], seconds: float) -> List[int]:
         """Wait up to ``seconds`` for every one of ``nodes`` that can still be heard to confirm its stop; the

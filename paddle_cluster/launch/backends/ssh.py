@@ -20,6 +20,8 @@ from ..hosts import Node, Stream, fanout, make_nodes
 from ..plan import JobPlan, JobSpec
 from .base import Backend, Event, EventQueue
 
+NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
+
 PING_S = 2.0
 
 
@@ -118,6 +120,7 @@ class SSHBackend(Backend):
     def stop(self, grace: float) -> List[int]:
         if not self.streams:
             return []
+        self.events.closing = True
         self.request_stop(grace)
         unconfirmed = self.events.wait_stopped(sorted(self.streams), self.cfg.kill_grace + 15)
         if self._pinging is not None:
@@ -149,10 +152,10 @@ class SSHBackend(Backend):
 
 
 def _read(i: int, stream: Stream, events: EventQueue) -> None:
-    for line in stream.lines():
+    for line in stream.lines():  # bounded: an over-long line arrives as a note saying it was dropped
         try:
             ev = m.decode(line)
-        except m.MessageError:
-            ev = m.Note(i, line)  # e.g. a Python error before the agent could speak
-        events.put(i, ev if isinstance(ev, m.EVENTS) else m.Note(i, line))
+        except Exception:  # noqa: BLE001 - whatever a line is, it is shown, never the end of this reader
+            ev = None  # e.g. a Python error before the agent could speak
+        events.put(i, ev if isinstance(ev, m.EVENTS) else m.Note(i, line[:NOTE_MAX]))
     events.channel_closed(i)
