@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import journal, k8s, ops
+from .launch import journal, k8s, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
 from .launch.entry import settle
 from .launch.errors import ClusterError
@@ -118,8 +118,16 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               help="When a pserver or trainer dies, restart the whole job from its latest complete checkpoint, "
               "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
-@click.option("--backend", type=click.Choice(BACKENDS), help="Where the job runs (default: BACKEND of the config, "
-              "ssh).")
+@click.option("--backend", type=click.Choice(BACKENDS), help="Where the job runs: ssh (HOSTS over SSH), mpi (mpirun "
+              "over HOSTS), slurm (an allocation of --nodes), k8s (Kubernetes Jobs); default: BACKEND of the "
+              "config, ssh. See docs/backends.md.")
+@click.option("--nodes", type=click.IntRange(min=1), metavar="N", help="slurm: how many nodes (default: as many as "
+              "HOSTS lists).")
+@click.option("--partition", metavar="P", help="slurm: the partition (sbatch --partition).")
+@click.option("--time", "time_limit", metavar="T", help="slurm: the time limit (sbatch --time), e.g. 2:00:00.")
+@click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
+@click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
+              "kill find the job later.")
 @click.option("--image", metavar="IMAGE", help="k8s: the image holding the workspace (default: K8S_IMAGE).")
 @click.option("--namespace", metavar="NS", help="k8s: the namespace (default: K8S_NAMESPACE, default).")
 @click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="k8s: pserver pods (default: HOSTS x "
@@ -134,7 +142,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
-        entry_script: Optional[str], trainer_args: Tuple[str, ...]) -> JobResult:
+        nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
+        detach: bool, entry_script: Optional[str], trainer_args: Tuple[str, ...]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -146,11 +155,13 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     --num_gradient_servers and --trainer_id are the launcher's and refused (docs/migrating.md).
     """
     cfg = _config(ctx)
-    k8s_backend = None
-    if (backend or cfg.backend) == "k8s":
+    if backend:
+        cfg = dataclasses.replace(cfg, backend=backend)
+    be = None
+    if cfg.backend == "k8s":
         from .launch.backends.k8s import K8sBackend, K8sOptions
 
-        k8s_backend = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
+        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     elif cfg.is_builtin_default:
@@ -162,7 +173,16 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     spec = JobSpec(settled.cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
                    tuple(settled.init.items()))
-    return run_job(spec, _out, _say, backend=k8s_backend)
+    if cfg.backend != "slurm":
+        if nodes or partition or time_limit or account or detach:
+            raise click.UsageError("--nodes, --partition, --time, --account and --detach are for --backend slurm")
+        return run_job(spec, _out, _say, backend=be)
+    from .launch.backends.slurm import SlurmBackend, SlurmOptions
+
+    if not (nodes or cfg.hosts):
+        raise click.UsageError("--backend slurm: give --nodes N (how many nodes to allocate)")
+    be = SlurmBackend(settled.cfg, SlurmOptions(nodes or len(cfg.hosts), partition, time_limit, account, detach))
+    return slurm_ops.submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
 
 
 def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
@@ -189,6 +209,9 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     """Stop a job on every node (only the processes recorded for that job)."""
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
+    if slurm_ops.is_slurm_job(cfg, name):
+        _out(slurm_ops.kill(cfg, name))
+        return
     k = _on_k8s(cfg, name)
     if k is not None:
         from .launch import kubectl
@@ -213,6 +236,9 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
     """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
+    if slurm_ops.is_slurm_job(cfg, name):
+        slurm_ops.logs(cfg, name, node, role, lines, follow)
+        return
     k = _on_k8s(cfg, name)
     if k is not None:
         from .launch import kubectl
@@ -232,7 +258,10 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
     k = _on_k8s(cfg, name)
-    if k is not None:
+    if slurm_ops.is_slurm_job(cfg, name):
+        head, rows = slurm_ops.status(cfg, name)
+        _say(head)
+    elif k is not None:
         from .launch import kubectl
 
         rows = kubectl.job_status(k)

@@ -107,7 +107,7 @@ BAD = [
     ("raises", HOSTS_LINE + 'PADDLE_PORT = int("x")\n', ["conf.py", "raised ValueError", "invalid literal"]),
     ("raises-name", HOSTS_LINE + "PADDLE_PORT = BASE + 1\n", ["conf.py", "raised NameError", "BASE"]),
     ("sys-exit", "import sys\nsys.exit(3)\n", ["conf.py", "SystemExit"]),
-    ("backend-unknown", HOSTS_LINE + 'BACKEND = "kube"\n', ["BACKEND", "'kube'", "ssh, k8s"]),
+    ("backend-unknown", HOSTS_LINE + 'BACKEND = "kube"\n', ["BACKEND", "'kube'", "ssh, mpi, slurm, k8s"]),
 ]
 
 

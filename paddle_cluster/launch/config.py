@@ -96,7 +96,8 @@ class ClusterConfig:
     orphan_timeout: float = 20.0
     kill_grace: float = 5.0
     max_restarts: int = 0
-    # Where jobs run: "ssh" (HOSTS) or "k8s" (a Kubernetes namespace; docs/backends.md).
+    # Where jobs run: "ssh" (HOSTS), "mpi" (mpirun over HOSTS), "slurm" (an allocation) or "k8s" (a
+    # Kubernetes namespace); docs/backends.md.
     backend: str = "ssh"
     k8s_image: Optional[str] = None
     k8s_namespace: str = "default"
@@ -133,7 +134,7 @@ class ClusterConfig:
 
 
 BUILTIN_SOURCE = "<built-in local default>"
-BACKENDS = ("ssh", "k8s")
+BACKENDS = ("ssh", "mpi", "slurm", "k8s")
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
 _REQUIRED = ("HOSTS",)
 
@@ -235,8 +236,9 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
             close = difflib.get_close_matches(key, KEYS, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
             warnings.warn(f"{source}: unknown key {key}{hint}", ConfigWarning, stacklevel=2)
+    slurm = raw.get("BACKEND") == "slurm"  # Slurm allocates the nodes: HOSTS may be left out
     for key in _REQUIRED:
-        if key not in raw:
+        if key not in raw and not slurm:
             raise ConfigError(key, None, 'missing; list your machines, e.g. HOSTS = ["root@192.168.1.10"]', source)
 
     base = ClusterConfig(hosts=())
@@ -245,7 +247,7 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
         key = f.name.upper()
         if key in raw and f.name != "source":
             values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
-    values["hosts"] = _hosts(raw["HOSTS"], source)
+    values["hosts"] = _hosts(raw["HOSTS"], source) if "HOSTS" in raw else ()
     for name in ("ssh_identity_file", "ssh_config_file", "ssh_known_hosts"):
         if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
             values[name] = os.path.expanduser(values[name])
@@ -329,9 +331,10 @@ def validate(cfg: ClusterConfig, source: str) -> None:
         raise ConfigError("MAX_RESTARTS", cfg.max_restarts, "must be 0 (fail fast) or more", source)
     if cfg.backend not in BACKENDS:
         raise ConfigError("BACKEND", cfg.backend, f"must be one of {', '.join(BACKENDS)}", source)
-    if cfg.pservers_per_node * len(cfg.hosts) < 1:
+    nodes = max(1, len(cfg.hosts))  # Slurm's node count comes with the job (--nodes)
+    if cfg.pservers_per_node * nodes < 1:
         raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
-    if cfg.trainers_per_node * len(cfg.hosts) < 1:
+    if cfg.trainers_per_node * nodes < 1:
         raise ConfigError("TRAINERS_PER_NODE", cfg.trainers_per_node, "the job needs at least one trainer", source)
     last = cfg.node_ports()[-1]
     if not 1024 <= cfg.paddle_port or last > contract.PORT_MAX:

@@ -22,7 +22,7 @@ def _state_file(cfg: ClusterConfig) -> Path:
 
 def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
              where: Optional[Dict[str, str]] = None) -> None:
-    """``where``: what the backend needs to find the job again (Kubernetes: its namespace)."""
+    """``where``: what the backend needs to find the job again (Kubernetes: its namespace; Slurm: its job id)."""
     path = _state_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

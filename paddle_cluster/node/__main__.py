@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                    "their addresses to complete the plan (Slurm)")
     p.add_argument("--nic", default="", help="with --rendezvous: the interface whose address the node publishes")
     p.add_argument("--timeout", type=float, default=60.0, help="with --rendezvous: seconds to wait for every node")
-    p.add_argument("--elastic", action="store_true", help="a failed process does not stop the node")
+    p.add_argument("--keep-going", action="store_true", help="a failed process does not stop the node (a "
+                   "launcher that follows the job decides, or --elastic)")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
@@ -90,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
         return supervisor.supervise(a.orphan_timeout, a.grace, plan)
     if a.cmd == "bootstrap":
-        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.elastic)
+        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":

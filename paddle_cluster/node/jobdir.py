@@ -36,7 +36,7 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     return {"found": True, "stopped": running, "left": left}
 
 
-def _last_line(path: str) -> str:
+def last_line(path: str) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -48,12 +48,12 @@ def _last_line(path: str) -> str:
         return ""
 
 
-def _progress(job_dir: str, name: str) -> str:
+def progress(job_dir: str, name: str) -> str:
     """A trainer's latest metrics record, e.g. ``pass 2 step 340 loss 0.5312``; "" when it has none."""
     role, _, idx = name.partition(".")
     if role != "trainer":
         return ""
-    line = _last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl"))
+    line = last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl"))
     try:
         rec = json.loads(line)
     except ValueError:
@@ -79,7 +79,7 @@ def status(job_dir: str) -> Dict[str, Any]:
         return {"found": False, "procs": []}
     return {"found": True, "procs": [
         {"name": p["name"], "role": p["role"], "pid": p["pid"], "state": _state_of(p, state["job_id"]),
-         "last_line": _last_line(p["log"]), "progress": _progress(job_dir, p["name"])} for p in state["procs"]]}
+         "last_line": last_line(p["log"]), "progress": progress(job_dir, p["name"])} for p in state["procs"]]}
 
 
 def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:

@@ -28,6 +28,22 @@ def interfaces() -> Dict[str, Optional[str]]:
     return out
 
 
+def network(nic: str) -> Optional[str]:
+    """The IPv4 network of ``nic`` as CIDR (``10.0.0.0/24``), or None: what names the same wire from a
+    machine where the interface has another name (mpirun's own wiring, from the launcher's machine)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        req = struct.pack("256s", nic.encode()[:15])
+        addr = fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]  # SIOCGIFADDR
+        mask = fcntl.ioctl(s.fileno(), 0x891B, req)[20:24]  # SIOCGIFNETMASK
+    except OSError:
+        return None
+    finally:
+        s.close()
+    net = bytes(a & b for a, b in zip(addr, mask))
+    return f"{socket.inet_ntoa(net)}/{bin(int.from_bytes(mask, 'big')).count('1')}"
+
+
 def port_free(addr: str, port: int) -> bool:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -89,6 +105,7 @@ def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
         "numpy": numpy_version,
         "nic": nic,
         "address": addr,
+        "network": network(nic) if addr else None,
         "interfaces": ifaces,
         "ports_taken": [p for p in ports if addr and not port_free(addr, p)],
         "root": _root(root),

@@ -5,7 +5,12 @@ from .base import Backend
 
 
 def backend_for(cfg: ClusterConfig) -> Backend:
-    """The backend a config asks for; today every config runs over SSH (``localhost`` as a subprocess)."""
+    """The backend ``BACKEND`` names: ``ssh`` (``localhost`` as a subprocess) or ``mpi``; Slurm jobs get theirs
+    from ``slurm.SlurmBackend`` with the allocation's options."""
+    if cfg.backend == "mpi":
+        from .mpi import MPIBackend
+
+        return MPIBackend(cfg)
     from .ssh import SSHBackend
 
     return SSHBackend(cfg)

@@ -35,6 +35,7 @@ class SSHBackend(Backend):
         self.streams: Dict[int, Stream] = {}
         self.events = EventQueue([], cfg.orphan_timeout)
         self._pinging: Optional[threading.Event] = None
+        self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
 
     # -- preparing ------------------------------------------------------------------------------------
     def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
@@ -64,6 +65,7 @@ class SSHBackend(Backend):
 
         with dispatch.library_archive() as lib:
             docs = fanout(self.nodes, probe).ok("probing the nodes")
+        self.networks = [d.get("network") for d in docs]
         self.lib = lib
         machines.refuse_same_machines(self.labels, docs, cfg.source)
         addresses = [d["address"] for d in docs]

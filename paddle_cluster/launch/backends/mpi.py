@@ -1,0 +1,199 @@
+"""The Open MPI backend: the hosts of ``HOSTS`` prepared as over SSH, then one ``mpirun`` that starts one rank per
+host running ``node bootstrap``.
+
+Each rank takes its node index from ``OMPI_COMM_WORLD_RANK`` and its share from the plan file the launcher put
+on every host; its events come back on mpirun's standard output, which mpirun gathers from every rank.
+``mpirun`` reaches the hosts with ``ssh -F`` and a config written for the job (each host's user and port from
+HOSTS, the key, known_hosts and host-key policy of the config, the user's ssh_config included), and wires
+itself over the network of ``PADDLE_NIC`` (``oob``/``btl_tcp_if_include``).
+
+Stopping: SIGTERM to mpirun, which forwards it to every rank (each agent stops its processes within the grace
+period; orted waits that long before SIGKILL), then a sweep of every host (``node kill``) for anything that
+left its process group: Open MPI itself only kills its ranks' process groups. mpirun dies with the launcher
+(``PR_SET_PDEATHSIG``), so a killed launcher still stops every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from typing import Callable, List, Optional
+
+from paddle_cluster.node import messages as m
+
+from .. import dispatch
+from ..errors import ClusterError
+from ..hosts import Node, fanout
+from ..plan import JobPlan, JobSpec
+from .base import Event, EventQueue
+from .ssh import SSHBackend
+
+INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
+
+
+class MPIBackend(SSHBackend):
+    def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
+        super().__init__(cfg)
+        self.mpirun: Optional[subprocess.Popen] = None
+        self.attempt = 0
+        self.tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
+        self.spec: Optional[JobSpec] = None
+
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        if shutil.which("mpirun") is None:
+            raise ClusterError(f"--backend mpi: mpirun not found on this machine; {INSTALL_HINT}")
+        self.spec = spec
+        return super().prepare(spec, say)
+
+    # -- what mpirun is given -------------------------------------------------------------------------
+    def ssh_config(self) -> str:
+        """An OpenSSH config for mpirun's rsh agent: HOSTS' users and ports, our key and host-key policy."""
+        cfg = self.cfg
+        lines = []
+        for n in self.nodes:
+            lines.append(f"Host {n.spec.host}")
+            if n.spec.user:
+                lines.append(f"  User {n.spec.user}")
+            if n.spec.port:
+                lines.append(f"  Port {n.spec.port}")
+        lines += ["Host *", "  BatchMode yes", f"  UserKnownHostsFile {cfg.known_hosts}",
+                  f"  StrictHostKeyChecking {'accept-new' if cfg.ssh_accept_new_host_keys else 'yes'}",
+                  f"  ConnectTimeout {int(max(1, cfg.ssh_connect_timeout))}"]
+        if cfg.ssh_identity_file:
+            lines += [f"  IdentityFile {cfg.ssh_identity_file}", "  IdentitiesOnly yes"]
+        user_config = cfg.ssh_config_file or os.path.expanduser("~/.ssh/config")
+        if os.path.isfile(user_config):
+            lines.append(f"  Include {user_config}")  # fills in what HOSTS does not say (aliases, proxies)
+        path = os.path.join(self.tmp, "ssh_config")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def argv(self, plan_path: str, grace: float) -> List[str]:
+        hosts = [n.spec.host for n in self.nodes]
+        if len(set(hosts)) != len(hosts):
+            raise ClusterError("--backend mpi: HOSTS lists the same host twice (different users or ports); "
+                               "mpirun's hostfile names hosts only. List each host once")
+        hostfile = os.path.join(self.tmp, "hostfile")
+        with open(hostfile, "w") as f:
+            f.write("".join(f"{h} slots=1\n" for h in hosts))
+        config = self.ssh_config()
+        if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
+            raise ClusterError(f"--backend mpi: Open MPI splits its ssh command on spaces, and {config} or "
+                               "SSH_KNOWN_HOSTS / SSH_IDENTITY_FILE contains one; use paths without spaces")
+        networks = {net for net in self.networks if net}
+        wire = ",".join(sorted(networks)) if networks else self.cfg.paddle_nic
+        assert self.lib is not None and self.spec is not None
+        # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
+        agent = dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
+                                    "--grace", str(grace), "--keep-going")
+        return [shutil.which("mpirun") or "mpirun", "--hostfile", hostfile, "-np", str(len(hosts)),
+                "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
+                "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
+                "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
+                "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
+                *agent]
+
+    # -- running --------------------------------------------------------------------------------------
+    def start(self, plan: JobPlan) -> None:
+        assert self.lib is not None and self.mpirun is None, "prepare first, and stop before starting again"
+        self.attempt += 1
+        plan_dir = f"{self.cfg.root_dir}/.paddle_cluster/plans"
+        plan_path = f"{plan_dir}/{plan.name}.{self.attempt}.jsonl"
+        local = os.path.join(self.tmp, "plan.jsonl")
+        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job secret
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes))
+
+        def put(n: Node) -> None:
+            n.run(["mkdir", "-p", "-m", "700", plan_dir], timeout=60)
+            n.put(local, plan_path)
+
+        fanout(self.nodes, put).ok("sending the plan")
+        self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
+        argv = self.argv(plan_path, self.cfg.kill_grace)
+        env = dict(os.environ)
+        if os.geteuid() == 0:  # Open MPI refuses root unless told; the launcher already logs in as HOSTS say
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        try:
+            self.mpirun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, env=env, cwd="/", preexec_fn=_own_session)
+        except OSError as e:
+            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {INSTALL_HINT}") from None
+        threading.Thread(target=_read, args=(self.mpirun, events, len(plan.nodes)), daemon=True,
+                         name="mpirun").start()
+
+    def next_event(self, timeout: float) -> Optional[Event]:
+        return self.events.get(timeout)
+
+    def request_stop(self, grace: float) -> None:
+        p = self.mpirun
+        if p is not None and p.poll() is None:
+            # Twice within a second is mpirun's "abort now"; once is a forwarded SIGTERM.
+            p.send_signal(signal.SIGKILL if grace <= 0 else signal.SIGTERM)
+
+    def stop(self, grace: float) -> List[int]:
+        p = self.mpirun
+        if p is None:
+            return []
+        self.request_stop(grace)
+        try:
+            p.wait(timeout=grace + 15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        self.mpirun = None
+        return self.sweep(grace)
+
+    def sweep(self, grace: float) -> List[int]:
+        """``node kill`` on every host: anything of the job still running there (Open MPI kills its ranks'
+        process groups only). The hosts where that failed."""
+        assert self.lib is not None and self.spec is not None
+        lib, job_dir = self.lib, self.spec.job_dir
+
+        def kill(n: Node) -> None:
+            dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(grace),
+                                what="sweeping the job's processes", timeout=grace + 60)
+
+        return sorted(fanout(self.nodes, kill).errors)
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _own_session() -> None:
+    """mpirun's pre-exec: out of the terminal's process group (Ctrl+C is the launcher's to handle), and
+    SIGTERM when the launcher dies, even by SIGKILL (mpirun then stops every rank)."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _read(proc: subprocess.Popen, events: EventQueue, nodes: int) -> None:
+    """mpirun's output: the agents' events (each stamped with its node), and mpirun's own lines as notes."""
+    assert proc.stdout is not None
+    for raw in iter(proc.stdout.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        try:
+            ev = m.decode(line)
+        except m.MessageError:
+            ev = None
+        if isinstance(ev, m.EVENTS) and 0 <= ev.node < nodes:
+            events.put(ev.node, ev)
+        elif line.strip():
+            events.put(0, m.Note(0, f"mpirun: {line}" if ev is None else line))
+    code = proc.wait()
+    for i in range(nodes):
+        if i not in events.stopped:
+            events.channel_closed(i)
+    if code:
+        events.put(0, m.Note(0, f"mpirun exited with status {code} ({shlex.join(proc.args[:1])})"))

@@ -1,0 +1,302 @@
+"""The Slurm backend: the nodes are an allocation of ``--nodes N``, not ``HOSTS``.
+
+``ROOT_DIR`` is on the filesystem every Slurm node and this login machine share. The launcher installs the node
+library and the workspace there, writes the plan (node ``i``'s address is a placeholder) and a batch script,
+and submits it with ``sbatch`` (inside an allocation, ``SLURM_JOB_ID`` set, it runs the ``srun`` itself). The
+script's ``srun`` starts one ``node bootstrap`` per node: each takes its index from ``SLURM_NODEID``, publishes
+its ``PADDLE_NIC`` address in the job directory, completes the plan with every node's, and runs its share. Its
+events are appended to a file per node, which the launcher follows; ``scancel`` stops everything (Slurm's
+proctrack kills every process of the job, ``setsid`` ones included) and removes a pending job.
+
+Layout: ``ROOT_DIR/<job>/`` the workspace and ``checkpoints/``; ``node<i>/`` node i's agent state, logs,
+metrics and ``nodefile`` (``PADDLE_JOB_DIR`` of its processes); ``.paddle_cluster/`` the Slurm job id and,
+per start, ``attempt-<k>/`` with the plan, the script, the addresses and the events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from paddle_cluster.node import messages as m
+from paddle_cluster.node.bootstrap import placeholder
+
+from .. import dispatch
+from ..config import ClusterConfig, HostSpec
+from ..errors import ClusterError
+from ..hosts import LocalNode
+from ..plan import JobPlan, JobSpec
+from .base import Backend, Event, EventQueue
+
+POLL_S = 0.5
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE")
+_FIELD = re.compile(r"(\S+?)=(\S*)")
+JOB_ID_FILE = "slurm_job"
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What ``run --backend slurm`` asks of the allocation."""
+
+    nodes: int
+    partition: Optional[str] = None
+    time: Optional[str] = None
+    account: Optional[str] = None
+    detach: bool = False
+
+
+def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
+    """A Slurm client command's output; ``ClusterError`` naming it and Slurm's message when it fails."""
+    exe = shutil.which(argv[0])
+    if exe is None:
+        raise ClusterError(f"--backend slurm: {argv[0]} not found; run on a machine with the Slurm client "
+                           "commands (a login node), or install them (Debian: apt-get install slurm-client)")
+    try:
+        res = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{what}: {argv[0]} gave no answer within {timeout:.0f} s") from None
+    if res.returncode != 0:
+        raise ClusterError(f"{what}: {shlex.join(argv)} failed: {(res.stderr or res.stdout).strip()}")
+    return res.stdout
+
+
+def job_info(job_id: str) -> Dict[str, str]:
+    """``scontrol show job`` as a dict (``JobState``, ``Reason``, ``NodeList``...); {} once Slurm forgot it."""
+    try:
+        out = slurm(["scontrol", "-o", "show", "job", job_id], f"looking up Slurm job {job_id}", 30)
+    except ClusterError:
+        return {}
+    return dict(_FIELD.findall(out))
+
+
+def node_dir(job_dir: str, node: int) -> str:
+    return f"{job_dir}/node{node}"
+
+
+def per_node(plan: JobPlan) -> List[m.NodePlan]:
+    """The plan's node shares with a directory each (a shared job directory would mix their agent state,
+    logs and nodefile); checkpoints stay shared under the job directory."""
+    out = []
+    for n in plan.nodes:
+        here = node_dir(plan.spec.job_dir, n.node)
+        environ = {**n.environ, "PADDLE_JOB_DIR": here}
+        environ.setdefault("PADDLE_CHECKPOINT_DIR", plan.spec.checkpoint_root)
+        out.append(dataclasses.replace(n, job_dir=here, environ=environ))
+    return out
+
+
+def saved_job_id(job_dir: str) -> Optional[str]:
+    try:
+        with open(f"{job_dir}/.paddle_cluster/{JOB_ID_FILE}") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class SlurmBackend(Backend):
+    def __init__(self, cfg: ClusterConfig, opts: SlurmOptions) -> None:
+        self.cfg, self.opts = cfg, opts
+        self.names = [f"node{i}" for i in range(opts.nodes)]
+        self.labels = [f"node{i} (Slurm)" for i in range(opts.nodes)]
+        self.local = LocalNode(0, HostSpec("localhost", "localhost"), cfg)
+        self.lib: Optional[dispatch.Package] = None
+        self.spec: Optional[JobSpec] = None
+        self.say: Callable[[str], None] = lambda _s: None
+        self.job_id: Optional[str] = None
+        self.srun: Optional[subprocess.Popen] = None  # inside an existing allocation
+        self.attempt = 0
+        self.events = EventQueue([], cfg.orphan_timeout)
+        self._done = threading.Event()
+
+    # -- preparing ------------------------------------------------------------------------------------
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        self.spec, self.say = spec, say
+        for tool in ("sbatch", "srun", "scontrol", "scancel"):
+            if shutil.which(tool) is None:
+                slurm([tool], "")  # raises the install hint
+        os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
+        os.chmod(spec.job_dir, 0o700)
+        with dispatch.library_archive() as lib:
+            dispatch.ensure_package(self.local, lib, "lib")
+        self.lib = lib
+        if spec.workspace and not os.path.isdir(spec.workspace):
+            raise ClusterError(f"--job_workspace {spec.workspace} does not exist on this machine; with --backend "
+                               "slurm it must be on the filesystem the nodes share")
+        if spec.dispatch_dir:
+            dispatch.deliver_workspace([self.local], lib, spec, say)
+        return [placeholder(i) for i in range(self.opts.nodes)]
+
+    def remember(self) -> Dict[str, str]:
+        return {"backend": "slurm"}  # the Slurm job id is kept in the job directory, known once submitted
+
+    # -- running --------------------------------------------------------------------------------------
+    def bootstrap_argv(self, adir: str, attached: bool) -> List[str]:
+        assert self.lib is not None and self.spec is not None
+        cfg = self.cfg
+        keep = attached or self.spec.elastic  # a following launcher decides; a detached job fails fast
+        return dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
+                                   f"{adir}/plan.jsonl", "--events", f"{adir}/events.{{node}}.jsonl",
+                                   "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
+                                   "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace),
+                                   *(("--keep-going",) if keep else ()))
+
+    def start(self, plan: JobPlan) -> None:
+        assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"
+        spec, opts = self.spec, self.opts
+        self.attempt += 1
+        adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt}"
+        os.makedirs(adir, mode=0o700, exist_ok=True)
+        fd = os.open(f"{adir}/plan.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the secret
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(m.encode(m.Start(n)) + "\n" for n in per_node(plan)))
+        srun = ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
+                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(adir, not opts.detach)]
+        self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
+        self._done = threading.Event()
+        if os.environ.get("SLURM_JOB_ID") and not opts.detach:
+            self.say(f"inside Slurm allocation {os.environ['SLURM_JOB_ID']}: running srun")
+            self.srun = subprocess.Popen(srun, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=open(f"{adir}/srun.out", "ab"), cwd=spec.cwd,
+                                         start_new_session=True)
+        else:
+            script = f"{adir}/job.sh"
+            with open(script, "w") as f:
+                f.write(f"#!/bin/sh\n# paddle-cluster job {spec.name}, start {self.attempt}\nexec {shlex.join(srun)}\n")
+            extra = [f"--{k}={v}" for k, v in (("partition", opts.partition), ("time", opts.time),
+                                                ("account", opts.account)) if v]
+            out = slurm(["sbatch", "--parsable", f"--nodes={opts.nodes}", "--ntasks-per-node=1",
+                         f"--job-name={spec.name}", f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *extra,
+                         script], "submitting the job")
+            self.job_id = out.strip().split(";")[0]
+            with open(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}", "w") as f:
+                f.write(self.job_id + "\n")
+            self.say(f"submitted Slurm job {self.job_id} ({opts.nodes} node(s))")
+        if opts.detach:
+            return
+        threading.Thread(target=self._follow, args=(adir, self.events, self._done), daemon=True,
+                         name="slurm").start()
+        self._wait_running()
+
+    def _wait_running(self) -> None:
+        """Until the job runs (Slurm's reason printed while it is pending); Ctrl+C here cancels it."""
+        if self.job_id is None:
+            return
+        reason = ""
+        while True:
+            info = job_info(self.job_id)
+            state = info.get("JobState", "")
+            if state != "PENDING":
+                if state == "RUNNING":
+                    self.say(f"Slurm job {self.job_id} running on {info.get('NodeList', '?')}")
+                return
+            if info.get("Reason") != reason:
+                reason = info.get("Reason", "")
+                self.say(f"Slurm job {self.job_id} pending: {reason}")
+            for i in self.events.last_heard:  # a queued job is not a silent agent
+                self.events.last_heard[i] = time.monotonic()
+            time.sleep(POLL_S)
+
+    def _follow(self, adir: str, events: EventQueue, done: threading.Event) -> None:
+        """Tail every node's events file until the job or step has ended and the files are drained."""
+        offsets = {i: 0 for i in range(self.opts.nodes)}
+        partial = {i: b"" for i in offsets}
+        while True:
+            ended = self._ended()
+            for i in offsets:
+                try:
+                    with open(f"{adir}/events.{i}.jsonl", "rb") as f:
+                        f.seek(offsets[i])
+                        chunk = f.read()
+                except OSError:
+                    continue
+                offsets[i] += len(chunk)
+                *lines, partial[i] = (partial[i] + chunk).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace")
+                    try:
+                        ev = m.decode(line)
+                    except m.MessageError:
+                        ev = m.Note(i, line)
+                    events.put(i, ev if isinstance(ev, m.EVENTS) else m.Note(i, line))
+            if ended or done.is_set():
+                break
+            time.sleep(0.1)
+        if not done.is_set():
+            for i in offsets:
+                events.channel_closed(i)
+
+    def _ended(self) -> bool:
+        if self.srun is not None:
+            return self.srun.poll() is not None
+        if self.job_id is None:
+            return True
+        return job_info(self.job_id).get("JobState", "COMPLETED") in ENDED
+
+    def next_event(self, timeout: float) -> Optional[Event]:
+        return self.events.get(timeout)
+
+    def request_stop(self, grace: float) -> None:
+        if self.srun is not None and self.srun.poll() is None:
+            self.srun.terminate()  # srun forwards it to every task and ends the step
+        elif self.job_id is not None and shutil.which("scancel"):
+            subprocess.Popen([shutil.which("scancel") or "scancel", self.job_id], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self, grace: float) -> List[int]:
+        if self.job_id is None and self.srun is None:
+            return []
+        self._done.set()
+        if self.srun is not None:
+            self.request_stop(grace)
+            try:
+                self.srun.wait(timeout=grace + 30)
+            except subprocess.TimeoutExpired:
+                self.srun.kill()
+                self.srun.wait()
+            self.srun = None
+            return []
+        job_id, self.job_id = self.job_id, None
+        cancel_job(job_id, grace + 60)
+        return []
+
+    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+        from paddle_cluster.ps.checkpoint import complete_steps  # the checkpoints are on the shared filesystem
+
+        return [complete_steps(root, ids) for _, ids in sorted(pservers.items())]
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def active(job_id: str) -> bool:
+    """Slurm still has the job queued, running or completing (``squeue`` lists it)."""
+    try:
+        return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%T"], "", 30).strip())
+    except ClusterError:  # an id Slurm has already forgotten
+        return False
+
+
+def cancel_job(job_id: str, timeout: float) -> str:
+    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state."""
+    if active(job_id):
+        try:
+            slurm(["scancel", job_id], f"cancelling Slurm job {job_id}")
+        except ClusterError:
+            if active(job_id):
+                raise
+    deadline = time.monotonic() + timeout
+    while active(job_id):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Slurm job {job_id} still listed by squeue {timeout:.0f} s after scancel")
+        time.sleep(0.2)
+    return job_info(job_id).get("JobState", "gone")

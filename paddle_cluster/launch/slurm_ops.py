@@ -1,0 +1,87 @@
+"""``run --detach``, ``kill``, ``status`` and ``logs`` of Slurm jobs: Slurm knows the job, the shared filesystem
+holds each node's records and logs (``backends/slurm.py`` for the layout)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Callable, List, Optional
+
+from paddle_cluster.node import jobdir, procs
+
+from . import journal
+from .backends.slurm import SlurmBackend, cancel_job, job_info, node_dir, saved_job_id
+from .config import ClusterConfig
+from .errors import ClusterError
+from .ops import ProcRow
+from .plan import JobSpec, mint_plan
+from .supervise import JobResult
+
+
+def submit(spec: JobSpec, be: SlurmBackend, say: Callable[[str], None]) -> JobResult:
+    """``run --detach``: submit and return; the nodes fail fast on their own (no launcher follows)."""
+    try:
+        be.start(mint_plan(spec, be.prepare(spec, say)))
+    except BaseException:
+        be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
+        raise
+    journal.remember(spec.cfg, spec.name, spec.workspace, {"backend": "slurm", "slurm_job": be.job_id or ""})
+    return JobResult(spec.name, 0, f"job {spec.name} is Slurm job {be.job_id}; follow it with `paddle-cluster "
+                     f"status` and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill` (add "
+                     f"--job_name {spec.name} for an older job)")
+
+
+def is_slurm_job(cfg: ClusterConfig, name: str) -> bool:
+    return (journal.where(cfg, name).get("backend") or cfg.backend) == "slurm"
+
+
+def _job_id(cfg: ClusterConfig, name: str) -> str:
+    job_id = journal.where(cfg, name).get("slurm_job") or saved_job_id(cfg.job_dir(name))
+    if not job_id:
+        raise ClusterError(f"no Slurm job recorded for job {name} in {cfg.job_dir(name)}/.paddle_cluster; is "
+                           "ROOT_DIR the shared filesystem it was started with?")
+    return job_id
+
+
+def kill(cfg: ClusterConfig, name: str) -> str:
+    job_id = _job_id(cfg, name)
+    state = cancel_job(job_id, cfg.kill_grace + 60)
+    return f"Slurm job {job_id} (job {name}): {state}; nothing of it is left in squeue"
+
+
+def status(cfg: ClusterConfig, name: str) -> tuple:
+    """(Slurm's line about the job, a row per process from every node's records)."""
+    job_id = _job_id(cfg, name)
+    info = job_info(job_id)
+    state = info.get("JobState", "unknown to Slurm (finished long ago?)")
+    head = f"Slurm job {job_id}: {state}"
+    if info.get("Reason") not in (None, "None"):
+        head += f" ({info['Reason']})"
+    if info.get("NodeList") not in (None, "(null)"):
+        head += f" on {info['NodeList']}"
+    rows: List[ProcRow] = []
+    for d in sorted(glob.glob(f"{cfg.job_dir(name)}/node*"), key=lambda p: int(p.rsplit("node", 1)[1] or 0)):
+        rec = procs.load_records(d)
+        for p in (rec or {}).get("procs", []):
+            if p.get("exit_code") is not None:
+                st = f"exited {p['exit_code']}"
+            elif p.get("signal") is not None:
+                st = f"killed by signal {p['signal']}"
+            else:  # the pids are on the nodes, not here: Slurm's state tells
+                st = "running" if state == "RUNNING" else f"ended ({state})"
+            rows.append(ProcRow(os.path.basename(d), "", "", p["name"], p["role"], p["pid"], st,
+                                jobdir.progress(d, p["name"]), jobdir.last_line(p["log"])))
+    return head, rows
+
+
+def logs(cfg: ClusterConfig, name: str, node_text: str, role: str, n: int, follow: bool) -> int:
+    t = node_text.strip()
+    idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
+    d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
+    if idx is None or not os.path.isdir(d):
+        have = ", ".join(os.path.basename(x) for x in sorted(glob.glob(f"{cfg.job_dir(name)}/node*"))) or "none yet"
+        raise ClusterError(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have}")
+    try:
+        return jobdir.print_logs(d, role, n, follow)
+    except KeyboardInterrupt:
+        return 0

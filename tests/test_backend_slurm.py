@@ -1,0 +1,139 @@
+"""``run --backend slurm``: the real CLI against a real Slurm cluster (slurmctld, one slurmd per namespace host),
+ROOT_DIR on the shared filesystem. fit_a_line trains to its target with 3 pservers x 3 trainers on 3 nodes; Ctrl+C
+(running or pending) and ``kill`` leave no job in squeue and no process on any host; a failing trainer fails the
+job fast with its last lines; ``--detach`` + ``status``/``logs``/``kill``."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from enginecluster import wait_for
+from test_backend_mpi import EXAMPLE, FINAL, HOLD_PY
+from test_launcher import PS_PY, no_traceback
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    yield slurm_cluster
+    slurm_cluster.run(["scancel", "--user=root"], check=False)
+    slurm_cluster.wait_quiet()
+
+
+def _setup(slurm, tmp: Path, hold: bool = True, **over):
+    settings = {"BACKEND": "slurm", "ROOT_DIR": str(slurm.shared_dir / tmp.name), "PADDLE_NIC": "eth0",
+                "PYTHON": sys.executable, "START_TIMEOUT": 60.0, "KILL_GRACE": 2.0, "ORPHAN_TIMEOUT": 20.0}
+    if hold:
+        settings["PSERVER_COMMAND"] = "{python} ps.py"
+    settings.update(over)
+    conf = tmp / "conf.py"
+    conf.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    env = {k: v for k, v in slurm.env.items() if not k.startswith(("PADDLE_", "XDG_", "SLURM_JOB"))}
+    env.update(HOME=str(tmp), PYTHONPATH=str(REPO), SLURM_CONF=str(slurm.conf))
+    ws = tmp / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(HOLD_PY)
+    (ws / "ps.py").write_text(PS_PY)
+    return conf, env, ws
+
+
+def _cli(conf, env, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class _Run:
+    """A ``run`` in the background, its output collected line by line."""
+
+    def __init__(self, conf, env, *args):
+        self.p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", *args],
+                                  env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        self.out, self.err = [], []
+        for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+
+    def wait(self, timeout=60):
+        rc = self.p.wait(timeout=timeout)
+        wait_for(lambda: True, 1, "")
+        return rc
+
+
+def test_fit_a_line_trains_to_target_in_a_slurm_job(slurm, tmp_path):
+    conf, env, _ = _setup(slurm, tmp_path, hold=False)
+    res = _cli(conf, env, "run", "--backend", "slurm", "--nodes", "3", "--job_dispatch_package", str(EXAMPLE),
+               "--job_name", "fitslurm", timeout=600)
+    no_traceback(res)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    mse = float(FINAL.search(res.stdout).group(1))
+    assert mse < 30
+    assert re.search(r"submitted Slurm job \d+", res.stderr) and "running on node[0-2]" in res.stderr
+    job_dir = slurm.shared_dir / tmp_path.name / "fitslurm"
+    for i in range(3):  # one node directory each on the shared filesystem: logs and metrics
+        assert (job_dir / f"node{i}" / "log" / f"metrics.trainer{i}.jsonl").stat().st_size > 0
+    print(f"\nfit_a_line, 3 pservers x 3 trainers in a Slurm job: test MSE {mse:.2f}")
+    slurm.wait_quiet()
+
+
+def test_ctrl_c_cancels_the_running_job(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    r = _Run(conf, env, "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmctrlc")
+    wait_for(lambda: sum("holding" in x for x in r.out) == 3, 90, "3 trainers holding")
+    r.p.send_signal(signal.SIGINT)
+    assert r.wait() == 130, "".join(r.err)
+    slurm.wait_quiet()  # no job in squeue, no process on any host (setsid grandchildren included)
+
+
+def test_ctrl_c_cancels_a_pending_job(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    go = tmp_path / "go"
+    blocker = slurm.run(["sbatch", "--parsable", "-N3", "--exclusive", "-o", "/dev/null", "--wrap",
+                         f"while [ ! -e {go} ]; do sleep 0.05; done"], cwd=tmp_path).stdout.strip()
+    slurm.wait_job(blocker, ["RUNNING"])
+    r = _Run(conf, env, "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmpend")
+    wait_for(lambda: any("pending: Resources" in x for x in r.err), 60, "the pending reason")
+    r.p.send_signal(signal.SIGINT)
+    assert r.wait() == 130, "".join(r.err)
+    assert slurm.active_jobs() == [blocker]  # ours is gone, not queued for nobody
+    go.touch()
+    slurm.wait_quiet()
+
+
+def test_failing_trainer_fails_the_job_fast_with_its_last_lines(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    (ws / "crash-1").touch()
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmfail")
+    no_traceback(res)
+    assert res.returncode == 1, res.stderr
+    assert "trainer.1 on node1" in res.stderr and "exited with code 3" in res.stderr
+    assert "| about to crash" in res.stderr
+    slurm.wait_quiet()
+
+
+def test_detach_then_status_logs_and_kill(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    res = _cli(conf, env, "run", "--nodes", "3", "--detach", "--job_dispatch_package", str(ws),
+               "--job_name", "slurmdet")
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"is Slurm job (\d+)", res.stderr).group(1)
+    assert slurm.active_jobs() == [job_id]
+    log = slurm.shared_dir / tmp_path.name / "slurmdet" / "node1" / "log" / "train.log"
+    wait_for(lambda: log.exists() and "holding 1" in log.read_text(), 90, "trainer 1 holding")
+    st = _cli(conf, env, "status", "--json")
+    assert st.returncode == 0, st.stderr
+    assert f"Slurm job {job_id}: RUNNING" in st.stderr
+    assert st.stdout.count('"state": "running"') == 6, st.stdout
+    lg = _cli(conf, env, "logs", "node1", "--role", "trainer")
+    assert lg.returncode == 0 and "holding 1" in lg.stdout, lg.stderr
+    k = _cli(conf, env, "kill")
+    assert k.returncode == 0, k.stderr
+    assert f"Slurm job {job_id}" in k.stdout
+    assert job_id not in slurm.active_jobs()
+    slurm.wait_quiet()
