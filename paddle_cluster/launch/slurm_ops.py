@@ -10,9 +10,10 @@ from typing import Callable, List, Optional
 from paddle_cluster.node import jobdir, procs
 
 from . import journal
-from .backends.slurm import SlurmBackend, cancel_job, job_info, node_dir, saved_job_id
+from .backends.slurm import SlurmBackend, active, cancel_job, job_info, node_dir, saved_job_id
 from .config import ClusterConfig
 from .errors import ClusterError
+from .interrupt import stoppable
 from .ops import ProcRow
 from .plan import JobSpec, mint_plan
 from .supervise import JobResult
@@ -21,7 +22,8 @@ from .supervise import JobResult
 def submit(spec: JobSpec, be: SlurmBackend, say: Callable[[str], None]) -> JobResult:
     """``run --detach``: submit and return; the nodes fail fast on their own (no launcher follows)."""
     try:
-        be.start(mint_plan(spec, be.prepare(spec, say)))
+        with stoppable():
+            be.start(mint_plan(spec, be.prepare(spec, say)))
     except BaseException:
         be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
         raise
@@ -81,7 +83,9 @@ def logs(cfg: ClusterConfig, name: str, node_text: str, role: str, n: int, follo
     if idx is None or not os.path.isdir(d):
         have = ", ".join(os.path.basename(x) for x in sorted(glob.glob(f"{cfg.job_dir(name)}/node*"))) or "none yet"
         raise ClusterError(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have}")
-    try:
-        return jobdir.print_logs(d, role, n, follow)
-    except KeyboardInterrupt:
-        return 0
+    job_id = _job_id(cfg, name)
+    with stoppable():
+        try:
+            return jobdir.print_logs(d, role, n, follow, ended=lambda: not active(job_id), watch_stdin=False)
+        except KeyboardInterrupt:
+            return 0

@@ -8,7 +8,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from . import procs
 
@@ -82,8 +82,12 @@ def status(job_dir: str) -> Dict[str, Any]:
          "last_line": last_line(p["log"]), "progress": progress(job_dir, p["name"])} for p in state["procs"]]}
 
 
-def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
-    """Print the last ``n`` lines of the role's log files (tagged when there are several); then follow them."""
+def print_logs(job_dir: str, role: str, n: int, follow: bool, ended: Optional[Callable[[], bool]] = None,
+               watch_stdin: bool = True) -> int:
+    """Print the last ``n`` lines of the role's log files (tagged when there are several); then follow them
+    until ``ended()`` (default: the job's processes on this node are gone) or, with ``watch_stdin``, stdin
+    closes. (A Slurm job's logs are followed from the login machine, where its pids are not.)"""
+    ended = ended or (lambda: job_ended(job_dir))
     log_dir = os.path.join(job_dir, "log")
     if not os.path.isdir(log_dir):
         print(f"no log directory {log_dir}", file=sys.stderr)
@@ -108,9 +112,9 @@ def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
     partial = {id(f): b"" for _, f in handles}
     next_check = 0.0
     while True:
-        ended = False
+        over = False
         if time.monotonic() >= next_check:  # read what the job wrote before it ended, then stop
-            ended, next_check = job_ended(job_dir), time.monotonic() + 1.0
+            over, next_check = ended(), time.monotonic() + 1.0
         got = False
         for tag, f in handles:
             chunk = f.read()
@@ -121,9 +125,10 @@ def print_logs(job_dir: str, role: str, n: int, follow: bool) -> int:
                 for line in done:
                     print(tag + line.decode(errors="replace"))
         sys.stdout.flush()
-        if ended and not got:
+        if over and not got:
             return 0
-        if not got and _stdin_closed(0.2):  # the launcher is gone (Ctrl+C, closed terminal, lost SSH)
+        # Without news: has the launcher gone (Ctrl+C, closed terminal, lost SSH)?
+        if not got and (_stdin_closed(0.2) if watch_stdin else time.sleep(0.2)):
             return 0
 
 
