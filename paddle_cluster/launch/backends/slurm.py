@@ -210,8 +210,11 @@ class SlurmBackend(Backend):
         """Tail every node's events file until the job or step has ended and the files are drained."""
         offsets = {i: 0 for i in range(self.opts.nodes)}
         partial = {i: b"" for i in offsets}
+        next_check = 0.0
         while True:
-            ended = self._ended()
+            ended = False
+            if time.monotonic() >= next_check:  # Slurm is asked once a second; the files are read more often
+                ended, next_check = self._ended(), time.monotonic() + POLL_S * 2
             for i in offsets:
                 try:
                     with open(f"{adir}/events.{i}.jsonl", "rb") as f:
