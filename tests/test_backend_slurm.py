@@ -114,6 +114,7 @@ def test_failing_trainer_fails_the_job_fast_with_its_last_lines(slurm, tmp_path)
     assert res.returncode == 1, res.stderr
     assert "trainer.1 on node1" in res.stderr and "exited with code 3" in res.stderr
     assert "| about to crash" in res.stderr
+    assert "slurmfail/node1/log/train.log" in res.stderr  # where that log is, on the shared filesystem
     slurm.wait_quiet()
 
 

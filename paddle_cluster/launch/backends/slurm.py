@@ -139,6 +139,9 @@ class SlurmBackend(Backend):
     def remember(self) -> Dict[str, str]:
         return {"backend": "slurm"}  # the Slurm job id is kept in the job directory, known once submitted
 
+    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
+        return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
+
     # -- running --------------------------------------------------------------------------------------
     def bootstrap_argv(self, adir: str, attached: bool) -> List[str]:
         assert self.lib is not None and self.spec is not None
