@@ -22,6 +22,7 @@ from paddle_cluster.launch.config import (
     ConfigWarning,
     HostSpec,
     load_config,
+    parse_config,
 )
 from paddle_cluster.launch.errors import ConfigError
 
@@ -517,3 +518,12 @@ def test_configuration_doc_covers_every_key():
         assert f"`{key}`" in doc, key
     for needle in ("PADDLE_CLUSTER_CONF", "ProxyJump", "localhost", "~/.ssh/config"):
         assert needle in doc
+
+
+def test_backend_key_is_checked_and_slurm_needs_no_hosts(tmp_path):
+    with pytest.raises(ConfigError, match="BACKEND.*must be one of ssh, mpi, slurm, k8s"):
+        parse_config({"HOSTS": ["a"], "BACKEND": "pbs"}, "t")
+    cfg = parse_config({"BACKEND": "slurm", "ROOT_DIR": "/shared/paddle"}, "t")
+    assert (cfg.backend, cfg.hosts) == ("slurm", ())
+    with pytest.raises(ConfigError, match="HOSTS"):
+        parse_config({"BACKEND": "mpi"}, "t")
