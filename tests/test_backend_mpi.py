@@ -72,7 +72,11 @@ def _start_holding(conf: Path, ws: Path, job: str) -> subprocess.Popen:
         lines.append(p.stdout.readline())
         return sum("holding" in x for x in lines) == 3
 
-    wait_for(holding, 60, "3 trainers holding")
+    try:
+        wait_for(holding, 120, "3 trainers holding")
+    except AssertionError:
+        p.kill()
+        raise AssertionError("".join(lines) + p.communicate()[1]) from None
     return p
 
 
