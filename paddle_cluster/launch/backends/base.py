@@ -129,6 +129,12 @@ class EventQueue:
                     self.dropped += 1
                     return
 
+    def starting(self, seconds: float) -> None:
+        """The agents are being started by an engine (ssh to every node, its daemons, Python), which takes a
+        while: a node's silence counts from its first word, or after ``seconds``."""
+        for i in self.last_heard:
+            self.last_heard[i] = time.monotonic() + seconds
+
     def channel_closed(self, node: int) -> None:
         if node not in self.stopped:
             self._report_lost(NodeLost(node, "its agent's connection closed"))

@@ -117,6 +117,7 @@ class MPIBackend(SSHBackend):
 
         fanout(self.nodes, put).ok("sending the plan")
         self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
+        events.starting(self.cfg.start_timeout)
         argv = self.argv(plan_path, self.cfg.kill_grace)
         env = dict(os.environ)
         if os.geteuid() == 0:  # Open MPI refuses root unless told; the launcher already logs in as HOSTS say

@@ -199,6 +199,7 @@ class SlurmBackend(Backend):
             info = job_info(self.job_id)
             state = info.get("JobState", "")
             if state != "PENDING":
+                self.events.starting(self.cfg.start_timeout)
                 if state == "RUNNING":
                     self.say(f"Slurm job {self.job_id} running on {info.get('NodeList', '?')}")
                 return
