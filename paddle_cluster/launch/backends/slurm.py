@@ -91,7 +91,8 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
         here = node_dir(plan.spec.job_dir, n.node)
         environ = {**n.environ, "PADDLE_JOB_DIR": here}
         environ.setdefault("PADDLE_CHECKPOINT_DIR", plan.spec.checkpoint_root)
-        out.append(dataclasses.replace(n, job_dir=here, environ=environ))
+        # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
+        out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
 
 
