@@ -12,7 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_launcher import PS_PY, assert_nothing_left, cli, no_traceback, start_cli, wait_for, write_conf
+from helpers import LISTEN_PS_PY as PS_PY
+from helpers import assert_nothing_left, cli, no_traceback, start_cli, wait_for, write_conf
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fit_a_line"
 FINAL = re.compile(r"^\[trainer\.0@node0\] final test_mse=(\S+)$", re.M)

@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from enginecluster import wait_for
+from helpers import LISTEN_PS_PY as PS_PY
+from helpers import no_traceback, wait_for
 from test_backend_mpi import EXAMPLE, FINAL, HOLD_PY
-from test_launcher import PS_PY, no_traceback
 
 REPO = Path(__file__).resolve().parent.parent
 
