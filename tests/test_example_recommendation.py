@@ -174,7 +174,7 @@ def test_train_2x2_through_launcher_then_infer(tmp_path, mode):
         assert len([r for r in recs if "test_rmse" not in r]) >= 2 * 35  # per-step records, both passes
 
     inf = subprocess.run([sys.executable, "infer.py", "--data", str(data), "--pair", "196:242"], cwd=job,
-                         capture_output=True, text=True, timeout=60)
+                         env=checkout_env(), capture_output=True, text=True, timeout=60)
     assert inf.returncode == 0, inf.stdout + inf.stderr
     assert re.search(r"^user 196 movie 242 \(Kolya \(1996\)\): predicted rating [1-5]\.\d{3}$", inf.stdout, re.M)
     m = re.search(r"model output/pass-00001: test_rmse=(\S+) on 500 test ratings", inf.stdout)
