@@ -13,16 +13,17 @@ from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_j
 
 def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
         phases: Sequence[str] = ("pushpull",), n_pservers: int = 2, hosts: Optional[List[str]] = None,
-        prefix_ps=None, prefix_tr=None, trainer_ip: str = "127.0.0.1", workdir: Optional[str] = None
-        ) -> Dict[str, Any]:
+        prefix_ps=None, prefix_tr=None, trainer_ip: str = "127.0.0.1", workdir: Optional[str] = None,
+        integrity: bool = True) -> Dict[str, Any]:
     """Start ``n_pservers`` pservers and ``trainers`` trainers, run the worker, return its timings.
 
     ``prefix_ps(k)`` / ``prefix_tr(i)``: command prefixes (e.g. entering a namespace) per process.
+    ``integrity``: frames carry MACs (the default) or not (``INTEGRITY = False``).
     Also returns every pserver's memory (idle before registration, and at the end).
     """
     hosts = hosts or ["127.0.0.1"] * n_pservers
     tmp = workdir or tempfile.mkdtemp(prefix="bench-dense-")
-    env = make_env(hosts, trainers, tmp)
+    env = make_env(hosts, trainers, tmp, integrity=integrity)
     procs = Procs(os.path.join(tmp, "logs"))
     try:
         ps = [procs.pserver(env, k, prefix_ps(k) if prefix_ps else ()) for k in range(len(hosts))]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import fold
 from . import protocol as P
 from .errors import (
     AuthError,
@@ -221,6 +222,25 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
             dup = h.step < b.step or t in b.pending or t in b.receiving or b.applying
         else:
             dup = t in b.receiving
+        segments = not dup and fold.applies(sync, b)
+        if segments:
+            b.receiving.add(t)
+    if segments:
+        try:
+            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks())
+        except BaseException:
+            with b.cv:
+                b.receiving.discard(t)
+                b.cv.notify_all()
+            raise
+        with b.cv:
+            b.receiving.discard(t)
+            if b.step == h.step:
+                b.pending[t] = True
+            b.cv.notify_all()
+        conn.reply_ok(key=h.key, step=b.step)
+        return
+    with b.cv:
         direct = (in_sync and not dup and not b.pending and not b.acc_busy and sync.active != {t}
                   and t in sorted(sync.active)[:2])
         if not dup:

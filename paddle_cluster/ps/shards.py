@@ -15,6 +15,7 @@ from . import optim
 from .errors import ProtocolError
 from .optim import OptimizerSpec
 from .placement import init_rows
+from .stream import SEGMENT
 
 
 class Shard:
@@ -53,6 +54,10 @@ class DenseBlock(Shard):
         self.acc_busy = False  # a push is being received straight into acc
         self.applying = False
         self.error: Optional[str] = None
+        # Sync-mode SGD (``fold``): this step's segments some trainers have sent, and how many are applied.
+        self.segs: Dict[int, Any] = {}
+        self.segs_done = 0
+        self.n_segs = max(1, -(-self.nbytes // SEGMENT))
 
     def describe(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"

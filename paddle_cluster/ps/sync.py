@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 
 import numpy as np
 
+from . import fold
 from .errors import BarrierTimeout, ConfigMismatch, MissingTrainer, RemoteError
 from .shards import DenseBlock, Shard, TableShard
 
@@ -138,6 +139,7 @@ class Sync:
         self.last_seen: Dict[int, float] = {}
         self.hyper = HyperHistory()
         self.rw = RWLock()
+        self.pool = fold.AccPool(fold.POOL_BYTES)
         self.apply_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                              thread_name_prefix=f"pserver{pserver_id}-apply")
 
@@ -168,7 +170,9 @@ class Sync:
         for shard in shards:
             with shard.cv:
                 if self.mode == "sync":
-                    if isinstance(shard, DenseBlock):
+                    if isinstance(shard, DenseBlock) and fold.applies(self, shard):
+                        fold.close(self, self.pool, shard)
+                    elif isinstance(shard, DenseBlock):
                         self.complete_dense(shard)
                     elif isinstance(shard, TableShard):
                         self.complete_table(shard)

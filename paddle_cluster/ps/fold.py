@@ -1,0 +1,188 @@
+"""Sync-mode SGD pushes, folded segment by segment as they arrive.
+
+A dense push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.chunks``). For each segment
+of a block the first contribution of a step is copied into an accumulator slot, later ones are added to it
+in trainer order (the first two in either order: float addition commutes), and the last one is added,
+averaged and applied to the parameter while the segment is in cache; the slot goes back to the pool. With
+one trainer a segment is applied straight from the receive buffer. So a pserver holds its parameters plus
+the segments some trainer has sent and another not yet -- bounded by ``AccPool``: a trainer that runs
+ahead by more than the pool waits (TCP holds its bytes), which costs nothing in sync mode, where every
+trainer waits for the slowest at the next pull anyway.
+
+Rounding is that of the whole-block path (``shards.DenseBlock.apply_mean``): the same operations in the
+same order on every element.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Set, Tuple
+
+import numpy as np
+
+from . import optim
+from .shards import DenseBlock
+from .stream import SEGMENT
+
+if TYPE_CHECKING:
+    from .sync import Sync
+
+POOL_BYTES = 4 << 20  # per pserver: how far one trainer may run ahead of another, summed over its blocks
+
+
+@dataclass
+class Segment:
+    """One segment's sum for the block's current step (in ``slot``, a pool slot) and who is in it."""
+
+    slot: np.ndarray
+    acc: np.ndarray
+    who: Set[int] = field(default_factory=set)
+
+
+class AccPool:
+    """Accumulator slots of one segment each, at most ``POOL_BYTES`` of them."""
+
+    def __init__(self, nbytes: int = POOL_BYTES) -> None:
+        self.cv = threading.Condition()
+        self.free: List[np.ndarray] = []
+        self.left = max(1, nbytes // SEGMENT)  # slots that may still be allocated
+
+    def take(self, sync: Sync, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
+        """A free slot; None as soon as ``unless()`` (the slot is no longer needed: another trainer started
+        the segment, or the step completed)."""
+        with self.cv:
+            sync.wait(self.cv, lambda: bool(self.free) or self.left > 0 or unless(), step,
+                      f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
+            if unless():
+                return None
+            if self.free:
+                return self.free.pop()
+            self.left -= 1
+            return np.empty(SEGMENT, dtype=np.uint8)
+
+    def give(self, slot: np.ndarray) -> None:
+        with self.cv:
+            self.free.append(slot)
+            self.cv.notify_all()
+
+    def poke(self) -> None:
+        """A segment was started or a step completed: a waiting ``take`` may no longer need its slot."""
+        with self.cv:
+            self.cv.notify_all()
+
+
+def applies(sync: Sync, b: DenseBlock) -> bool:
+    """Does a push to ``b`` take this path (sync mode, SGD, a non-empty block)?"""
+    return sync.mode == "sync" and b.spec.name == "sgd" and b.nbytes > 0
+
+
+def _who(b: DenseBlock, i: int) -> Set[int]:
+    s = b.segs.get(i)
+    return s.who if s is not None else set()
+
+
+def _may_add(sync: Sync, b: DenseBlock, i: int, t: int) -> bool:
+    """May trainer ``t`` add to segment ``i`` now (the trainer-order rule of ``Sync.may_fold``)?"""
+    who = _who(b, i)
+    order = sorted(sync.active | {t})
+    first_two = set(order[:2])
+    return all(u in who for u in order if u < t) or (t in first_two and who <= first_two)
+
+
+def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, chunks: Iterable[Tuple[int, memoryview]]
+         ) -> None:
+    """Fold trainer ``t``'s gradient for ``step`` (``chunks``: ``Stream.chunks()`` of its payload) into ``b``.
+
+    The caller has checked ``step == b.step`` and marked ``t`` as receiving. A segment ``t`` is already in
+    (a resent push) is skipped, so it never counts twice."""
+    item = b.dtype.itemsize
+    pflat = b.param.reshape(-1)
+    what = f"push {b.describe()}"
+    for off, view in chunks:
+        g = np.frombuffer(view, dtype=b.dtype)
+        i = off // SEGMENT
+        with b.cv:
+            sync.wait(b.cv, lambda i=i: b.step != step or _may_add(sync, b, i, t), step,
+                      f"{what}: summing in trainer order",
+                      lambda i=i: {u for u in sync.active if u < t} - _who(b, i))
+            s = b.segs.get(i)
+            if s is None and b.step == step and not sync.active <= {t}:
+                slot = _take(b, pool, sync, step, what, lambda i=i: i in b.segs or b.step != step)
+                s = b.segs.get(i)  # another trainer may have started the segment meanwhile
+                if s is None and b.step == step and slot is not None:
+                    s = b.segs[i] = Segment(slot, slot[:len(view)].view(b.dtype))
+                    np.copyto(s.acc, g)
+                    s.who.add(t)
+                    pool.poke()
+                    continue
+                if slot is not None:
+                    pool.give(slot)
+            if b.step != step or (s is not None and t in s.who):
+                continue
+            p = pflat[off // item:off // item + len(g)]
+            with sync.rw.shared():
+                sync.apply_hyper(b, step)
+                if s is None:  # the only active trainer: straight from the receive buffer
+                    _sgd(b, p, g, None, 1)
+                elif sync.active <= s.who | {t}:  # the last one: add, average, apply
+                    _sgd(b, p, s.acc, g, len(s.who) + 1)
+                else:
+                    np.add(s.acc, g, out=s.acc)
+                    s.who.add(t)
+                    continue
+            if s is not None:
+                _free(b, pool, i)
+            _segment_done(b, pool)
+
+
+def _take(b: DenseBlock, pool: AccPool, sync: Sync, step: int, what: str, unless: Callable[[], bool]
+          ) -> Optional[np.ndarray]:
+    """(Holding ``b.cv``.) A pool slot, waited for without holding ``b.cv`` (others fold and free meanwhile)."""
+    b.cv.release()
+    try:
+        return pool.take(sync, step, what, unless)
+    finally:
+        b.cv.acquire()
+        b.cv.notify_all()
+
+
+def _sgd(b: DenseBlock, p: np.ndarray, g: np.ndarray, plus: Optional[np.ndarray], n: int) -> None:
+    """``p -= lr * ((g + plus) / n + wd * p)`` rounded as the whole-block path rounds it; ``g`` is scratch."""
+    if not b.spec.weight_decay:
+        optim.sgd(p, g, b.spec.lr, plus=plus, n=n)
+        return
+    if plus is not None:
+        np.add(g, plus, out=g)
+    if n > 1:
+        g /= b.dtype.type(n)
+    d = np.multiply(p, b.dtype.type(b.spec.weight_decay))
+    d += g
+    optim.sgd(p, d, b.spec.lr, out=g)
+
+
+def _free(b: DenseBlock, pool: AccPool, i: int) -> None:
+    pool.give(b.segs.pop(i).slot)
+
+
+def _segment_done(b: DenseBlock, pool: AccPool) -> None:
+    b.segs_done += 1
+    if b.segs_done == b.n_segs:
+        b.segs_done = 0
+        b.step += 1
+        b.pending.clear()
+        pool.poke()
+    b.cv.notify_all()
+
+
+def close(sync: Sync, pool: AccPool, b: DenseBlock) -> None:
+    """(Holding ``b.cv``.) A trainer closed: apply every segment that now holds all the active trainers."""
+    for i in sorted(b.segs):
+        s = b.segs[i]
+        if s.who and sync.active <= s.who:
+            lo = i * SEGMENT // b.dtype.itemsize
+            with sync.rw.shared():
+                sync.apply_hyper(b, b.step)
+                _sgd(b, b.param.reshape(-1)[lo:lo + len(s.acc)], s.acc, None, len(s.who))
+            _free(b, pool, i)
+            _segment_done(b, pool)
