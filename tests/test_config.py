@@ -211,6 +211,7 @@ K8S_IMAGE = "registry.example/ml/fit:1"
 K8S_NAMESPACE = "ml"
 K8S_PSERVER_REQUESTS = "cpu=2"
 K8S_TRAINER_REQUESTS = "cpu=4,nvidia.com/gpu=1"
+INTEGRITY = False
 '''
 
 FULL_YAML = '''# the same settings as FULL_PY
@@ -248,6 +249,7 @@ K8S_IMAGE: registry.example/ml/fit:1
 K8S_NAMESPACE: ml
 K8S_PSERVER_REQUESTS: cpu=2
 K8S_TRAINER_REQUESTS: cpu=4,nvidia.com/gpu=1
+INTEGRITY: false
 '''
 
 

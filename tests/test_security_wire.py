@@ -355,3 +355,17 @@ def test_pserver_and_client_refuse_a_frame_cut_short(served):
     assert _exchange_authed(env, header, W.tobytes()[:100]) == []
     _assert_still_serving(ps, server, before)
     assert "connection closed in the middle of a frame" in pr.log(server)
+
+
+@pytest.mark.timeout(180)
+def test_integrity_off_job_says_so_once_and_trains(tmp_path):
+    """``INTEGRITY = False`` through the real CLI: one line says so, the processes get PADDLE_INTEGRITY=0 and the
+    example reaches the same result as with integrity on."""
+    from test_example_fit_a_line import run_example
+
+    res, _, mse_off = run_example(tmp_path / "off", "noint", "--passes", "2", INTEGRITY=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("INTEGRITY = False: frames between trainers and pservers carry no MAC") == 1
+    res_on, _, mse_on = run_example(tmp_path / "on", "int", "--passes", "2")
+    assert res_on.returncode == 0 and "INTEGRITY = False" not in res_on.stderr
+    assert mse_off == mse_on

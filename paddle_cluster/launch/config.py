@@ -103,6 +103,8 @@ class ClusterConfig:
     k8s_namespace: str = "default"
     k8s_pserver_requests: str = ""  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
     k8s_trainer_requests: str = ""
+    # Frames between trainers and pservers carry MACs; False only on an isolated fabric (docs/reliability.md).
+    integrity: bool = True
     source: str = "<built-in local default>"
 
     @property

@@ -115,7 +115,7 @@ def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret,
                  job_dir=spec.job_dir, workspace=spec.workspace or spec.job_dir, barrier_timeout=cfg.barrier_timeout,
                  resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, init=dict(spec.init),
-                 extra=dict(cfg.env))
+                 extra=dict(cfg.env), integrity=cfg.integrity)
     return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses))
 
 

@@ -33,6 +33,8 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
                 say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
                     "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")
             plan = be.plan(spec, addresses)
+            if not plan.env.integrity:
+                say("INTEGRITY = False: frames between trainers and pservers carry no MAC (an isolated fabric only)")
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
                 f"{spec.job_dir}")
             return supervise(plan, be, out, say)
