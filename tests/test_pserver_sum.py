@@ -1,11 +1,12 @@
-"""Sync dense pushes are summed into one buffer per block, in trainer order: bit-identical to summing the
-trainers' gradients in trainer order, whatever the arrival order, for 1-3 trainers and a stateful optimizer."""
+"""Sync dense pushes are summed in trainer order: bit-identical to summing the trainers' gradients in trainer
+order, whatever the arrival order, for 1-3 trainers, a stateful optimizer, and SGD folded segment by segment
+through a tiny accumulator pool."""
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -17,26 +18,20 @@ from paddle_cluster.ps.client import PSClient
 from paddle_cluster.ps.server import PServer
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("trainers,opt", [(1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "momentum"), (3, "momentum")])
-def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
-    env = JobEnv(job_id="sum", pservers=(Endpoint("127.0.0.1", 0),), trainers=trainers, ports_num=1,
-                 ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=20)
+def _train(env: JobEnv, spec: OptimizerSpec, w0: np.ndarray, grads: np.ndarray, max_block: int, delay: float,
+           timeout: float) -> Dict[int, np.ndarray]:
+    """Every trainer (a thread, a real client over TCP to the in-process pserver) pushes ``grads[step, i]``,
+    arriving in a different order every step; each one's last pull."""
     server = PServer(env, 0).start()
-    env = replace(env, pservers=(Endpoint("127.0.0.1", server.ports[0]),))
-    rng = np.random.default_rng(7)
-    w0 = rng.standard_normal((64, 300)).astype(np.float32)
-    steps = 3
-    grads = rng.standard_normal((steps, trainers) + w0.shape).astype(np.float32)
-    spec = OptimizerSpec(opt, lr=0.1)
+    steps, trainers = grads.shape[:2]
     out, errors = {}, []
 
     def trainer(i: int) -> None:
         try:
-            ps = PSClient(env, mode="sync", optimizer=spec, trainer_id=i, max_block_bytes=16 << 10)
+            ps = PSClient(env, mode="sync", optimizer=spec, trainer_id=i, max_block_bytes=max_block)
             ps.register_dense({"w": w0})
             for s in range(steps):
-                time.sleep(0.01 * ((i + s) % trainers))  # vary the arrival order
+                time.sleep(delay * ((i + s) % trainers))  # vary the arrival order
                 ps.push({"w": grads[s, i]})
                 out[i] = ps.pull()["w"].copy()
             ps.close()
@@ -48,25 +43,45 @@ def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(50)
+            t.join(timeout)
     finally:
         server.stop()
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a trainer still waits for its step"
-    # reference: the sum in trainer order, mean, then the optimizer's own formula in float32
-    w, v = w0.copy(), np.zeros_like(w0)
-    lr, mom = np.float32(0.1), np.float32(0.9)
-    for s in range(steps):
-        g = grads[s, 0].copy()
-        for i in range(1, trainers):
-            g += grads[s, i]
-        if trainers > 1:
-            g /= np.float32(trainers)
-        if opt == "momentum":
-            v = mom * v + g
-            g = v
-        w -= lr * g
     assert sorted(out) == list(range(trainers))
+    return out
+
+
+def _reference(w0: np.ndarray, grads: np.ndarray, spec: OptimizerSpec) -> np.ndarray:
+    """The sum in trainer order, the mean, then the optimizer's own formula in float32."""
+    w, v = w0.copy(), np.zeros_like(w0)
+    f = np.float32
+    for step in grads:
+        g = step[0].copy()
+        for gi in step[1:]:
+            g += gi
+        if len(step) > 1:
+            g /= f(len(step))
+        if spec.weight_decay:
+            g = w * f(spec.weight_decay) + g
+        if spec.name == "momentum":
+            v = f(spec.momentum) * v + g
+            g = v
+        w -= f(spec.lr) * g
+    return w
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("trainers,opt", [(1, "sgd"), (2, "sgd"), (3, "sgd"), (2, "momentum"), (3, "momentum")])
+def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
+    env = JobEnv(job_id="sum", pservers=(Endpoint("127.0.0.1", H.free_port_range(1)),), trainers=trainers,
+                 ports_num=1, ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=20)
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal((64, 300)).astype(np.float32)
+    grads = rng.standard_normal((3, trainers) + w0.shape).astype(np.float32)
+    spec = OptimizerSpec(opt, lr=0.1)
+    out = _train(env, spec, w0, grads, 16 << 10, 0.01, 50)
+    w = _reference(w0, grads, spec)
     for i in range(trainers):
         np.testing.assert_allclose(out[i], w, rtol=1e-6, atol=1e-7)
     if opt == "sgd":
@@ -86,43 +101,11 @@ def test_segment_folding_under_a_tiny_pool_is_exact_and_never_deadlocks(tmp_path
     monkeypatch.setattr(fold, "POOL_BYTES", 2 * SEGMENT)
     env = JobEnv(job_id="fold", pservers=(Endpoint("127.0.0.1", H.free_port_range(2)),), trainers=trainers,
                  ports_num=2, ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=30)
-    server = PServer(env, 0).start()
     rng = np.random.default_rng(11)
     w0 = rng.standard_normal((1536, 1024)).astype(np.float32)  # 6 MiB: 6 blocks of 1 MiB, 4 segments each
-    steps = 3
-    grads = rng.standard_normal((steps, trainers) + w0.shape).astype(np.float32)
+    grads = rng.standard_normal((3, trainers) + w0.shape).astype(np.float32)
     spec = OptimizerSpec("sgd", lr=0.1, weight_decay=weight_decay)
-    out, errors = {}, []
-
-    def trainer(i: int) -> None:
-        try:
-            ps = PSClient(env, mode="sync", optimizer=spec, trainer_id=i, max_block_bytes=1 << 20)
-            ps.register_dense({"w": w0})
-            for s in range(steps):
-                time.sleep(0.02 * ((i + s) % trainers))  # vary the arrival order
-                ps.push({"w": grads[s, i]})
-                out[i] = ps.pull()["w"].copy()
-            ps.close()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(trainers)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(80)
-    finally:
-        server.stop()
-    assert not errors, errors
-    w = w0.copy()
-    for s in range(steps):
-        g = grads[s, 0].copy()
-        for i in range(1, trainers):
-            g += grads[s, i]
-        g /= np.float32(trainers)
-        if weight_decay:
-            g = w * np.float32(weight_decay) + g
-        w -= np.float32(0.1) * g
+    out = _train(env, spec, w0, grads, 1 << 20, 0.02, 80)
+    w = _reference(w0, grads, spec)
     for i in range(trainers):
         assert np.array_equal(out[i], w), i

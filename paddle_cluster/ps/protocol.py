@@ -164,6 +164,11 @@ def send_frame(sock: socket.socket, header: bytes, *payload: Any) -> None:
         v = byte_view(p)
         if len(v):
             views.append(v)
+    send_views(sock, views)
+
+
+def send_views(sock: socket.socket, views: list) -> None:
+    """``sendmsg`` every view, resuming after partial sends (``views`` is consumed)."""
     try:
         while views:
             sent = sock.sendmsg(views)

@@ -25,22 +25,6 @@ from .errors import ConnectionLost, IntegrityError, ProtocolError
 SEGMENT = 256 << 10  # fits in L2, so a segment is hashed while its bytes are still cached
 
 
-def _sendmsg(sock: socket.socket, views: list) -> None:
-    try:
-        while views:
-            sent = sock.sendmsg(views)
-            while sent:
-                first = len(views[0])
-                if sent >= first:
-                    sent -= first
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-    except (BrokenPipeError, ConnectionResetError) as e:
-        raise ConnectionLost(f"connection broke while sending: {e}") from None
-
-
 class Stream:
     """Frames over ``sock`` under ``keys`` (None: integrity off). One reader and one writer at a time."""
 
@@ -90,12 +74,12 @@ class Stream:
                 room -= len(piece)
                 if room == 0:
                     out.append(memoryview(mac.tag(run)))
-                    _sendmsg(self.sock, out)
+                    P.send_views(self.sock, out)
                     out, room = [], SEGMENT
         if room != SEGMENT:
             out.append(memoryview(mac.tag(run)))
         if out:
-            _sendmsg(self.sock, out)
+            P.send_views(self.sock, out)
 
     def _send_scratch(self) -> memoryview:
         if self._scratch_tx is None:
