@@ -12,9 +12,10 @@ import numpy as np
 from .common import Procs, Stats, make_env, wait_json
 
 
-def run(rows: int, width: int, batch: int, warmup: int = 1, reps: int = 5, n_pservers: int = 2) -> Dict[str, Any]:
+def run(rows: int, width: int, batch: int, warmup: int = 1, reps: int = 5, n_pservers: int = 2,
+        integrity: bool = True) -> Dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="bench-sparse-")
-    env = make_env(["127.0.0.1"] * n_pservers, 1, tmp)
+    env = make_env(["127.0.0.1"] * n_pservers, 1, tmp, integrity=integrity)
     procs = Procs(os.path.join(tmp, "logs"))
     try:
         for k in range(n_pservers):
