@@ -292,6 +292,62 @@ def make_workspace(path: Path) -> Path:
 
 
 
+# -- the engine backends' jobs (test_backend_mpi.py, test_backend_slurm.py) ---------------------------------
+
+FIT_A_LINE = REPO / "examples" / "fit_a_line"
+FINAL_MSE = re.compile(r"^\[trainer\.0@node0\] final test_mse=(\S+)$", re.M)
+
+# A trainer that prints every PADDLE_* variable it got (one JSON line), then holds until stopped, with a setsid
+# grandchild (which escapes every process group); trainer <t> exits 3 instead when a file crash-<t> is there.
+HOLD_PY = r"""
+import json, os, subprocess, sys, time
+tid = os.environ["PADDLE_TRAINER_ID"]
+if os.path.exists("crash-" + tid):
+    print("about to crash", flush=True)
+    sys.exit(3)
+print("env " + json.dumps({k: v for k, v in os.environ.items() if k.startswith("PADDLE_")}), flush=True)
+subprocess.Popen(["sleep", "300"], start_new_session=True)
+print("holding", tid, flush=True)
+time.sleep(300)
+"""
+
+# What every trainer must see, whichever backend started it: the Fluid names, the v2 PADDLE_INIT_* names the
+# seeds' scripts read, and the job's own.
+TRAINER_VARS = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "PADDLE_TRAINERS",
+                "PADDLE_TRAINER_ID", "PADDLE_CURRENT_IP",
+                "PADDLE_INIT_PSERVERS", "PADDLE_INIT_PORT", "PADDLE_INIT_PORTS_NUM",
+                "PADDLE_INIT_PORTS_NUM_FOR_SPARSE", "PADDLE_INIT_NUM_GRADIENT_SERVERS", "PADDLE_INIT_TRAINER_ID",
+                "PADDLE_INIT_TRAINER_COUNT", "PADDLE_INIT_USE_GPU",
+                "PADDLE_JOB_ID", "PADDLE_PSERVER_ENDPOINTS", "PADDLE_JOB_DIR", "PADDLE_WORKSPACE",
+                "PADDLE_BARRIER_TIMEOUT", "PADDLE_TRAINER_KEY")
+
+
+def check_trainer_env(lines: Iterable[str], ips, port: int, ports_num: int, sparse: int, job_dirs) -> None:
+    """The ``env`` lines of HOLD_PY's trainers, one per node (trainer t on node t, whose address is ips[t] and
+    whose job directory is job_dirs[t]), hold the whole contract with the values of that placement."""
+    envs = {}
+    for line in lines:
+        got = re.match(r"^\[trainer\.(\d+)@node(\d+)\] env (\{.*\})$", line.strip())
+        if got:
+            assert got.group(1) == got.group(2), line  # one trainer per node, in node order
+            envs[int(got.group(1))] = json.loads(got.group(3))
+    assert sorted(envs) == list(range(len(ips))), f"env lines of trainers {sorted(envs)} of {len(ips)}"
+    for t, e in envs.items():
+        missing = [k for k in TRAINER_VARS if k not in e]
+        assert not missing, f"trainer {t} lacks {missing}"
+        assert e["PADDLE_TRAINING_ROLE"] == "TRAINER"
+        assert e["PADDLE_TRAINER_ID"] == e["PADDLE_INIT_TRAINER_ID"] == str(t)
+        assert e["PADDLE_TRAINERS"] == e["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == str(len(ips))
+        assert e["PADDLE_PSERVER_IPS"] == e["PADDLE_INIT_PSERVERS"] == ",".join(ips)
+        assert e["PADDLE_PSERVER_PORT"] == e["PADDLE_INIT_PORT"] == str(port)
+        assert e["PADDLE_PSERVER_ENDPOINTS"] == ",".join(f"{ip}:{port}" for ip in ips)
+        assert (e["PADDLE_INIT_PORTS_NUM"], e["PADDLE_INIT_PORTS_NUM_FOR_SPARSE"]) == (str(ports_num), str(sparse))
+        assert e["PADDLE_CURRENT_IP"] == ips[t] and e["PADDLE_JOB_DIR"] == str(job_dirs[t])
+        assert len(e["PADDLE_TRAINER_KEY"]) == 64 and "PADDLE_JOB_SECRET" not in e
+    assert len({e["PADDLE_JOB_ID"] for e in envs.values()}) == 1
+    assert len({e["PADDLE_TRAINER_KEY"] for e in envs.values()}) == len(envs)  # a key per trainer
+
+
 # -- a checkpointing job on the SSH cluster (fault and security tests) ---------------------------------------
 
 # train.py pushes a gradient of ones with SGD lr=0.5 every step, so in sync mode the final parameters are

@@ -1,34 +1,30 @@
 """``run --backend mpi``: the real CLI, real ``mpirun`` over the namespace hosts' sshd, one rank per host running the
-node bootstrap. fit_a_line trains to its target with 3 pservers x 3 trainers on 3 hosts; Ctrl+C, ``kill`` and a
-killed launcher leave no process on any host (setsid grandchildren included); a failing trainer fails the job
-fast with its last lines."""
+node bootstrap. fit_a_line trains to its target with 3 pservers x 3 trainers on 3 hosts; every trainer sees the
+whole env contract of its placement; ``status`` and ``logs`` show the job; Ctrl+C, ``kill`` and a killed
+launcher leave no process on any host (setsid grandchildren included); a failing trainer fails the job fast
+with its last lines."""
 
 from __future__ import annotations
 
-import re
+import json
 import signal
-import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import (
+    FINAL_MSE,
+    FIT_A_LINE,
+    HOLD_PY,
+    ROOT,
+    assert_nothing_left,
+    check_trainer_env,
+    cli,
+    no_traceback,
+    start_cli,
+    wait_for,
+    write_conf,
+)
 from helpers import LISTEN_PS_PY as PS_PY
-from helpers import assert_nothing_left, cli, no_traceback, start_cli, wait_for, write_conf
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fit_a_line"
-FINAL = re.compile(r"^\[trainer\.0@node0\] final test_mse=(\S+)$", re.M)
-
-# A trainer that holds (with a setsid grandchild, which escapes every process group) until stopped.
-HOLD_PY = textwrap.dedent('''
-    import os, subprocess, sys, time
-    tid = os.environ["PADDLE_TRAINER_ID"]
-    if os.path.exists("crash-" + tid):
-        print("about to crash", flush=True)
-        sys.exit(3)
-    subprocess.Popen(["sleep", "300"], start_new_session=True)
-    print("holding", tid, flush=True)
-    time.sleep(300)
-''')
 
 
 @pytest.fixture
@@ -53,10 +49,10 @@ def _conf(tmp: Path, cluster, **over) -> Path:
 
 def test_fit_a_line_trains_to_target_under_mpirun(hosts, tmp_path):
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} -m paddle_cluster.ps", START_TIMEOUT=60.0)
-    res = cli(conf, "run", "--job_dispatch_package", str(EXAMPLE), "--job_name", "fitmpi", timeout=600)
+    res = cli(conf, "run", "--job_dispatch_package", str(FIT_A_LINE), "--job_name", "fitmpi", timeout=600)
     no_traceback(res)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    mse = float(FINAL.search(res.stdout).group(1))
+    mse = float(FINAL_MSE.search(res.stdout).group(1))
     assert mse < 30, res.stdout[-2000:]
     assert "all 3 trainer(s) exited 0" in res.stderr
     for i in range(3):  # every trainer ran on its own host and wrote its metrics there
@@ -65,7 +61,8 @@ def test_fit_a_line_trains_to_target_under_mpirun(hosts, tmp_path):
     assert_nothing_left(hosts)
 
 
-def _start_holding(conf: Path, ws: Path, job: str) -> subprocess.Popen:
+def _start_holding(conf: Path, ws: Path, job: str):
+    """``run`` of the holding workspace, once its 3 trainers hold; (the process, its output lines so far)."""
     p = start_cli(conf, "run", "--job_workspace", str(ws), "--job_name", job)
     lines = []
 
@@ -78,12 +75,14 @@ def _start_holding(conf: Path, ws: Path, job: str) -> subprocess.Popen:
     except AssertionError:
         p.kill()
         raise AssertionError("".join(lines) + p.communicate()[1]) from None
-    return p
+    return p, lines
 
 
 def test_ctrl_c_stops_every_rank_and_setsid_grandchild(hosts, tmp_path):
     ws = _hold_workspace(tmp_path)
-    p = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpictrlc")
+    p, lines = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpictrlc")
+    # Each rank's trainer got the contract of its host, Fluid and v2 names alike.
+    check_trainer_env(lines, hosts.ips, 7164, 2, 1, [f"{ROOT}/mpictrlc"] * 3)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -91,10 +90,18 @@ def test_ctrl_c_stops_every_rank_and_setsid_grandchild(hosts, tmp_path):
     assert_nothing_left(hosts)
 
 
-def test_kill_command_stops_the_job_everywhere(hosts, tmp_path):
+def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     ws = _hold_workspace(tmp_path)
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py")
-    p = _start_holding(conf, ws, "mpikill")
+    p, _ = _start_holding(conf, ws, "mpikill")
+    st = cli(conf, "status", "--json", "--job_name", "mpikill")
+    assert st.returncode == 0, st.stderr
+    rows = {(r["node"], r["name"]): r for r in json.loads(st.stdout)}
+    assert sorted(rows) == [(f"node{i}", f"{role}.{i}") for i in range(3) for role in ("pserver", "trainer")]
+    assert {r["state"] for r in rows.values()} == {"running"}
+    assert rows[("node1", "trainer.1")]["last_line"] == "holding 1"
+    lg = cli(conf, "logs", "node2", "--role", "trainer", "--job_name", "mpikill")
+    assert lg.returncode == 0 and "holding 2" in lg.stdout, lg.stderr
     res = cli(conf, "kill", "--job_name", "mpikill")
     assert res.returncode == 0, res.stderr
     p.communicate(timeout=60)
@@ -104,7 +111,7 @@ def test_kill_command_stops_the_job_everywhere(hosts, tmp_path):
 
 def test_killed_launcher_leaves_nothing(hosts, tmp_path):
     ws = _hold_workspace(tmp_path)
-    p = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpidead")
+    p, _ = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpidead")
     p.kill()
     p.wait(timeout=10)
     assert_nothing_left(hosts, within=30)

@@ -1,7 +1,8 @@
 """``run --backend slurm``: the real CLI against a real Slurm cluster (slurmctld, one slurmd per namespace host),
 ROOT_DIR on the shared filesystem. fit_a_line trains to its target with 3 pservers x 3 trainers on 3 nodes; Ctrl+C
 (running or pending) and ``kill`` leave no job in squeue and no process on any host; a failing trainer fails the
-job fast with its last lines; ``--detach`` + ``status``/``logs``/``kill``."""
+job fast with its last lines; every trainer sees the whole env contract of its node; ``--detach`` +
+``status``/``logs``/``kill``."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import FINAL_MSE, FIT_A_LINE, HOLD_PY, check_trainer_env, no_traceback, wait_for
 from helpers import LISTEN_PS_PY as PS_PY
-from helpers import no_traceback, wait_for
-from test_backend_mpi import EXAMPLE, FINAL, HOLD_PY
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,22 +57,26 @@ class _Run:
                                   env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
         self.out, self.err = [], []
-        for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")), daemon=True).start()
+        self.readers = [threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, "")),
+                                         daemon=True) for stream, sink in ((self.p.stdout, self.out),
+                                                                           (self.p.stderr, self.err))]
+        for t in self.readers:
+            t.start()
 
     def wait(self, timeout=60):
         rc = self.p.wait(timeout=timeout)
-        wait_for(lambda: True, 1, "")
+        for t in self.readers:  # everything it printed
+            t.join(timeout)
         return rc
 
 
 def test_fit_a_line_trains_to_target_in_a_slurm_job(slurm, tmp_path):
     conf, env, _ = _setup(slurm, tmp_path, hold=False)
-    res = _cli(conf, env, "run", "--backend", "slurm", "--nodes", "3", "--job_dispatch_package", str(EXAMPLE),
+    res = _cli(conf, env, "run", "--backend", "slurm", "--nodes", "3", "--job_dispatch_package", str(FIT_A_LINE),
                "--job_name", "fitslurm", timeout=600)
     no_traceback(res)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    mse = float(FINAL.search(res.stdout).group(1))
+    mse = float(FINAL_MSE.search(res.stdout).group(1))
     assert mse < 30
     assert re.search(r"submitted Slurm job \d+", res.stderr) and "running on node[0-2]" in res.stderr
     job_dir = slurm.shared_dir / tmp_path.name / "fitslurm"
@@ -86,6 +90,9 @@ def test_ctrl_c_cancels_the_running_job(slurm, tmp_path):
     conf, env, ws = _setup(slurm, tmp_path)
     r = _Run(conf, env, "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmctrlc")
     wait_for(lambda: sum("holding" in x for x in r.out) == 3, 90, "3 trainers holding")
+    # Node i's trainer got the contract of its node: the addresses the nodes published, its own directory.
+    job_dir = slurm.shared_dir / tmp_path.name / "slurmctrlc"
+    check_trainer_env(list(r.out), slurm.cluster.ips, 7164, 2, 2, [job_dir / f"node{i}" for i in range(3)])
     r.p.send_signal(signal.SIGINT)
     assert r.wait() == 130, "".join(r.err)
     slurm.wait_quiet()  # no job in squeue, no process on any host (setsid grandchildren included)
