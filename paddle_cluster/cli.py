@@ -271,7 +271,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
         _out(ops.as_json(rows))
         return
     _table(["node", "host", "address", "process", "pid", "state", "progress", "last log line"],
-           [[r.node, r.host, r.address, r.name, str(r.pid), r.state, r.progress, r.last_line[-60:]] for r in rows])
+           [[r.node, r.host, r.address, r.name, r.pid_text, r.state, r.progress, r.last_line[-60:]] for r in rows])
 
 
 @main.command()

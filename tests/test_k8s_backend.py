@@ -19,11 +19,11 @@ from kubernetes.client import models as M
 from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
-from paddle_cluster.launch import k8s
+from paddle_cluster.launch import k8s, ops
 from paddle_cluster.launch.backends.base import NodeLost
 from paddle_cluster.launch.backends.k8s import K8sOptions, PodWatch, k8s_plan, log_events
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.kubectl import INDEX_ANNOTATION, Kubectl, PodState, describe, pod_states
+from paddle_cluster.launch.kubectl import INDEX_ANNOTATION, Kubectl, PodState, describe, pod_row, pod_states
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import messages as m
 
@@ -115,6 +115,15 @@ def test_pod_states_from_kubectl_json() -> None:
         "exited ? (Evicted: The node was low on resource: memory.)"]
     assert got[2].pod_ip == "10.1.0.10" and got[2].node_name == "worker-3" and got[2].name == "fit-trainer-0-x7k2p"
 
+
+def test_status_names_each_pod_where_a_pid_would_be() -> None:
+    (p,) = pod_states(listing(pod("trainer", 1, "Running", {"running": {}})))
+    row = pod_row(p, "Pass 0: loss 3.2")
+    assert (row.node, row.host, row.address, row.name, row.state) == (
+        "fit-trainer-1", "worker-3", "10.1.0.11", "trainer.1", "running")
+    assert row.pid is None and row.pod == "fit-trainer-1-x7k2p"  # no pid of ours: the process is in the pod
+    assert row.pid_text == "pod/fit-trainer-1-x7k2p"
+    assert json.loads(ops.as_json([row]))[0]["pod"] == "fit-trainer-1-x7k2p"
 
 def _watch() -> PodWatch:
     return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})

@@ -185,6 +185,11 @@ def kill_job(k: Kubectl) -> List[str]:
     return k.run(k.delete(wait=True), timeout=600).splitlines()
 
 
+def pod_row(p: PodState, last_line: str) -> ProcRow:
+    """A pod as a row of ``status``: its process runs in a container on another machine, so no pid; the pod."""
+    return ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, None, describe(p), "", last_line, p.name)
+
+
 def job_status(k: Kubectl) -> List[ProcRow]:
     """One row per pod, with the last line of its log."""
     rows = []
@@ -193,7 +198,7 @@ def job_status(k: Kubectl) -> List[ProcRow]:
             last = k.run(k.logs(p.name, follow=False, tail=1), timeout=30).strip() if p.state else ""
         except ClusterError:
             last = ""
-        rows.append(ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, 0, describe(p), "", last))
+        rows.append(pod_row(p, last))
     if not rows:
         raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} (finished and deleted, or "
                            "another namespace: --namespace / K8S_NAMESPACE)")

@@ -48,10 +48,16 @@ class ProcRow:
     address: str
     name: str
     role: str
-    pid: int
+    pid: Optional[int]  # None where there is no pid to show: a Kubernetes pod's process (see ``pod``)
     state: str
     progress: str
     last_line: str
+    pod: str = ""  # Kubernetes: the pod the process is
+
+    @property
+    def pid_text(self) -> str:
+        """What the ``pid`` column shows: the pid, or the pod."""
+        return str(self.pid) if self.pid is not None else f"pod/{self.pod}" if self.pod else "-"
 
 
 def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
