@@ -7,9 +7,9 @@ on every host; its events come back on mpirun's standard output, which mpirun ga
 HOSTS, the key, known_hosts and host-key policy of the config, the user's ssh_config included), and wires
 itself over the network of ``PADDLE_NIC`` (``oob``/``btl_tcp_if_include``).
 
-Stopping: SIGTERM to mpirun, which forwards it to every rank (each agent stops its processes within the grace
-period; orted waits that long before SIGKILL), then a sweep of every host (``node kill``) for anything that
-left its process group: Open MPI itself only kills its ranks' process groups. mpirun dies with the launcher
+Stopping: ``node kill`` on every host (the agent stops its processes within the grace period, then anything
+left, ``setsid`` ones included: Open MPI itself only kills its ranks' process groups); mpirun then ends with its
+ranks, or gets SIGTERM, which it forwards to every rank. mpirun dies with the launcher
 (``PR_SET_PDEATHSIG``), so a killed launcher still stops every rank.
 """
 
@@ -143,14 +143,21 @@ class MPIBackend(SSHBackend):
         p = self.mpirun
         if p is None:
             return []
-        self.request_stop(grace)
+        self.events.closing = True
+        # The agents first, over the hosts' SSH connections: each stops its processes within ``grace`` and
+        # exits, and mpirun ends with its ranks. A SIGTERM to mpirun first took ~10 s of its own teardown.
+        unswept = self.sweep(grace)
         try:
-            p.wait(timeout=grace + 15)
+            p.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            self.request_stop(grace)
+            try:
+                p.wait(timeout=grace + 15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         self.mpirun = None
-        return self.sweep(grace)
+        return unswept
 
     def sweep(self, grace: float) -> List[int]:
         """``node kill`` on every host: anything of the job still running there (Open MPI kills its ranks'
