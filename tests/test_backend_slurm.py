@@ -14,8 +14,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import FINAL_MSE, FIT_A_LINE, HOLD_PY, check_trainer_env, no_traceback, wait_for
+from helpers import FINAL_MSE, FIT_A_LINE, HOLD_PY, check_trainer_env, free_port_range, no_traceback, wait_for
 from helpers import LISTEN_PS_PY as PS_PY
+
+from paddle_cluster.launch.backends.slurm import active, job_info
+from paddle_cluster.launch.errors import ClusterError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,3 +148,17 @@ def test_detach_then_status_logs_and_kill(slurm, tmp_path):
     assert f"Slurm job {job_id}" in k.stdout
     assert job_id not in slurm.active_jobs()
     slurm.wait_quiet()
+
+
+def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch):
+    """A job Slurm has forgotten is gone; a controller that does not answer says nothing of the job: the
+    launcher following it keeps following and ``kill`` keeps trying, neither takes it for gone."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    assert job_info("999999") == {} and active("999999") is False
+    unreachable = tmp_path / "slurm.conf"
+    unreachable.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={free_port_range(1)}",
+                                  slurm.conf.read_text()) + "MessageTimeout=1\n")
+    monkeypatch.setenv("SLURM_CONF", str(unreachable))
+    with pytest.raises(ClusterError, match="looking up Slurm job 999999"):
+        job_info("999999")
+    assert active("999999") is None

@@ -86,6 +86,7 @@ def logs(cfg: ClusterConfig, name: str, node_text: str, role: str, n: int, follo
     job_id = _job_id(cfg, name)
     with stoppable():
         try:
-            return jobdir.print_logs(d, role, n, follow, ended=lambda: not active(job_id), watch_stdin=False)
+            return jobdir.print_logs(d, role, n, follow, ended=lambda: active(job_id) is False,
+                                      watch_stdin=False)
         except KeyboardInterrupt:
             return 0

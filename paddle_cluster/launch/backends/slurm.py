@@ -41,6 +41,7 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE")
 _FIELD = re.compile(r"(\S+?)=(\S*)")
 JOB_ID_FILE = "slurm_job"
+FORGOTTEN = "Invalid job id"  # what scontrol and squeue say of a job Slurm no longer keeps
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,14 @@ def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
 
 
 def job_info(job_id: str) -> Dict[str, str]:
-    """``scontrol show job`` as a dict (``JobState``, ``Reason``, ``NodeList``...); {} once Slurm forgot it."""
+    """``scontrol show job`` as a dict (``JobState``, ``Reason``, ``NodeList``...); {} once Slurm forgot it.
+    ``ClusterError`` when Slurm gives no answer now (a busy controller times out): that says nothing of the job."""
     try:
         out = slurm(["scontrol", "-o", "show", "job", job_id], f"looking up Slurm job {job_id}", 30)
-    except ClusterError:
-        return {}
+    except ClusterError as e:
+        if FORGOTTEN in str(e):
+            return {}
+        raise
     return dict(_FIELD.findall(out))
 
 
@@ -197,7 +201,10 @@ class SlurmBackend(Backend):
             return
         reason = ""
         while True:
-            info = job_info(self.job_id)
+            try:
+                info = job_info(self.job_id)
+            except ClusterError as e:  # no answer this time: ask again (Ctrl+C cancels the job)
+                info = {"JobState": "PENDING", "Reason": f"no answer from Slurm ({e})"}
             state = info.get("JobState", "")
             if state != "PENDING":
                 self.events.starting(self.cfg.start_timeout)
@@ -248,7 +255,10 @@ class SlurmBackend(Backend):
             return self.srun.poll() is not None
         if self.job_id is None:
             return True
-        return job_info(self.job_id).get("JobState", "COMPLETED") in ENDED
+        try:
+            return job_info(self.job_id).get("JobState", "COMPLETED") in ENDED
+        except ClusterError:  # no answer now; the nodes' events files still tell what runs
+            return False
 
     def next_event(self, timeout: float) -> Optional[Event]:
         return self.events.get(timeout)
@@ -286,25 +296,37 @@ class SlurmBackend(Backend):
         self._done.set()
 
 
-def active(job_id: str) -> bool:
-    """Slurm still has the job queued, running or completing (``squeue`` lists it)."""
+def active(job_id: str) -> Optional[bool]:
+    """Slurm still has the job queued, running or completing (``squeue`` lists it); None when Slurm gives no
+    answer now."""
     try:
         return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%T"], "", 30).strip())
-    except ClusterError:  # an id Slurm has already forgotten
-        return False
+    except ClusterError as e:
+        return False if FORGOTTEN in str(e) else None
 
 
 def cancel_job(job_id: str, timeout: float) -> str:
-    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state."""
-    if active(job_id):
-        try:
-            slurm(["scancel", job_id], f"cancelling Slurm job {job_id}")
-        except ClusterError:
-            if active(job_id):
-                raise
+    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state. Slurm not
+    answering for a moment is waited out, up to ``timeout``."""
     deadline = time.monotonic() + timeout
-    while active(job_id):
+    cancelled, why = False, "still listed by squeue"
+    while True:
+        listed = active(job_id)
+        if listed is False:
+            break
+        if listed and not cancelled:
+            try:
+                slurm(["scancel", job_id], f"cancelling Slurm job {job_id}")
+                cancelled = True
+            except ClusterError as e:
+                why = str(e)
+        if listed is None:
+            why = "no answer from squeue"
         if time.monotonic() > deadline:
-            raise ClusterError(f"Slurm job {job_id} still listed by squeue {timeout:.0f} s after scancel")
+            raise ClusterError(f"Slurm job {job_id}: {why} after {timeout:.0f} s of cancelling it; check "
+                               f"`squeue -j {job_id}` and `scancel {job_id}` by hand")
         time.sleep(0.2)
-    return job_info(job_id).get("JobState", "gone")
+    try:
+        return job_info(job_id).get("JobState", "gone")
+    except ClusterError:
+        return "gone"
