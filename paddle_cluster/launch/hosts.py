@@ -41,13 +41,20 @@ class CommandResult:
 
 
 class Stream:
-    """A long-running remote command: write lines to its stdin, read lines from its stdout+stderr."""
+    """A long-running remote command: write lines to its stdin, read lines from its stdout+stderr.
+    ``lines()`` is one iterator for the stream's life: a reader may take over where another stopped."""
 
     def write_line(self, text: str) -> None:
+        self.write(text.encode() + b"\n")
+
+    def write(self, data: bytes) -> None:
         raise NotImplementedError
 
     def lines(self) -> Iterator[str]:
         raise NotImplementedError
+
+    def settimeout(self, seconds: Optional[float]) -> None:
+        """Reading ``lines()`` ends (as at EOF) after ``seconds`` of silence; None: never."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -98,15 +105,16 @@ class _PopenStream(Stream):
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
         self._lock = threading.Lock()
+        assert self.proc.stdout is not None
+        self._lines = bounded_lines(self.proc.stdout.readline)
 
-    def write_line(self, text: str) -> None:
+    def write(self, data: bytes) -> None:
         with self._lock:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(text.encode() + b"\n")
+            self.proc.stdin.write(data)
 
     def lines(self) -> Iterator[str]:
-        assert self.proc.stdout is not None
-        yield from bounded_lines(self.proc.stdout.readline)
+        return self._lines
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -150,17 +158,24 @@ class _ChannelStream(Stream):
     def __init__(self, channel: paramiko.Channel) -> None:
         self.channel = channel
         self._lock = threading.Lock()
+        self._lines = self._read()
 
-    def write_line(self, text: str) -> None:
+    def write(self, data: bytes) -> None:
         with self._lock:
-            self.channel.sendall(text.encode() + b"\n")
+            self.channel.sendall(data)
 
     def lines(self) -> Iterator[str]:
+        return self._lines
+
+    def _read(self) -> Iterator[str]:
         f = self.channel.makefile("rb")
         try:
             yield from bounded_lines(f.readline)
         except (OSError, EOFError, paramiko.SSHException):
             return
+
+    def settimeout(self, seconds: Optional[float]) -> None:
+        self.channel.settimeout(seconds)
 
     def close(self) -> None:
         try:
