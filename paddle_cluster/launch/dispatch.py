@@ -16,6 +16,7 @@ import secrets
 import sys
 import tarfile
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -85,11 +86,16 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
     entries = list(_walk(root, SKIP_TOP))
     if not entries:
         raise ClusterError(f"--job_dispatch_package {directory}: the directory is empty")
+    return _cached_tar(entries, str(root.resolve()), cache_dir, "workspace-", keep)
+
+
+def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, prefix: str, keep: int) -> Package:
+    """``_tar(entries)`` from ``cache_dir`` when no entry's path, size, times or mode changed since it was made."""
     stats = []
     for full, arc in entries:
         st = full.lstat()
         stats.append([arc, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode])  # ctime: even `touch -d`
-    key = hashlib.sha256(json.dumps([str(root.resolve()), stats]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([origin, stats]).encode()).hexdigest()
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     tar_path, meta_path = os.path.join(cache_dir, f"{key}.tar"), os.path.join(cache_dir, f"{key}.json")
     try:
@@ -100,7 +106,7 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
             return Package(tar_path, meta["sha256"], meta["size"], meta["files"])
     except (OSError, ValueError, KeyError):
         pass
-    pkg = _tar(entries, cache_dir, "workspace-")
+    pkg = _tar(entries, cache_dir, prefix)
     os.replace(pkg.path, tar_path)
     tmp = meta_path + ".tmp"
     with open(tmp, "w") as f:
@@ -114,15 +120,24 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
 
 
 def workspace_cache_dir() -> str:
+    return os.path.join(_cache_home(), "workspaces")
+
+
+def _cache_home() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "paddle-cluster", "workspaces")
+    return os.path.join(base, "paddle-cluster")
+
+
+def library_package() -> Package:
+    """The node library as a tar, cached like a workspace (made again only when one of its files changed)."""
+    return _cached_tar(_library_entries(), "paddle_cluster node library", os.path.join(_cache_home(), "lib"),
+                       "lib-", keep=2)
 
 
 @contextlib.contextmanager
 def library_archive() -> Iterator[Package]:
-    """The node library as a tar that exists only inside the ``with`` (its sha256 stays valid after)."""
-    with tempfile.TemporaryDirectory(prefix="paddle-cluster-") as tmp:
-        yield pack_library(tmp)
+    """The node library as a tar (``library_package``), for a ``with``."""
+    yield library_package()
 
 
 def install_library(nodes: Sequence[Node]) -> Package:
@@ -133,6 +148,10 @@ def install_library(nodes: Sequence[Node]) -> Package:
 
 
 def pack_library(out_dir: str) -> Package:
+    return _tar(_library_entries(), out_dir, "lib-")
+
+
+def _library_entries() -> List[Tuple[Path, str]]:
     pkg = Path(paddle_cluster.__file__).parent
     entries: List[Tuple[Path, str]] = []
     for part in NODE_SIDE:
@@ -141,7 +160,7 @@ def pack_library(out_dir: str) -> Package:
             entries.append((p, f"paddle_cluster/{part}"))
         else:
             entries.extend((full, f"paddle_cluster/{part}/{arc}") for full, arc in _walk(p, set()))
-    return _tar(entries, out_dir, "lib-")
+    return entries
 
 
 # Runs on the node with nothing but Python: is the archive there, and if asked, verify and install it.
@@ -212,8 +231,36 @@ def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float =
     return node.run_json(agent_argv(node, lib, *args), what, timeout)
 
 
+@contextlib.contextmanager
+def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
+    """``bar(name, total)`` gives an upload's progress callback; the bars (stderr) appear only once one is asked
+    for, so a launch that sends nothing pays nothing for them."""
+    shown: List[Any] = []
+    lock = threading.Lock()
+
+    def bar(name: str, total: int) -> Callable[[int, int], None]:
+        with lock:
+            if not shown:
+                from rich.console import Console
+                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+                shown.append(Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), transient=not sys.stderr.isatty(),
+                                      console=Console(stderr=True)))
+                shown[0].start()
+            task = shown[0].add_task(f"upload {name}", total=total)
+        return lambda done, _total: shown[0].update(task, completed=done)
+
+    try:
+        yield bar
+    finally:
+        if shown:
+            shown[0].stop()
+
+
 def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: Callable[[str], None]) -> None:
-    """Dispatch the workspace (``--job_dispatch_package``) or check it exists (``--job_workspace``)."""
+    """Dispatch the workspace (``--job_dispatch_package``) or check it exists (``--job_workspace``), one step
+    per command: for a backend without node sessions (Slurm's shared directory; SSH uses ``session``)."""
     if spec.workspace:
         def has(n: Node) -> None:
             if n.run(["test", "-d", spec.workspace], timeout=60).exit_code != 0:
@@ -224,17 +271,10 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
     assert spec.dispatch_dir is not None
     pkg = pack_workspace(spec.dispatch_dir, workspace_cache_dir())
     say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
     sent: Dict[int, bool] = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=not sys.stderr.isatty(), console=Console(stderr=True)) as bar:
-        tasks = {n.index: bar.add_task(f"upload {n.name}", total=pkg.size) for n in nodes}
-
+    with upload_progress() as bar:
         def send(n: Node) -> None:
-            archive, sent[n.index] = ensure_package(
-                n, pkg, "workspace", lambda done, total: bar.update(tasks[n.index], completed=done))
+            archive, sent[n.index] = ensure_package(n, pkg, "workspace", bar(n.name, pkg.size))
             # The archive is ours: exactly pkg.files members, contents no bigger than the archive (the default).
             doc = agent_json(n, lib, "unpack", "--archive", archive, "--dest", spec.job_dir,
                              "--max-members", str(max(pkg.files, 1)),

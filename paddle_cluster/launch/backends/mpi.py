@@ -38,6 +38,8 @@ INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: 
 
 
 class MPIBackend(SSHBackend):
+    agents_in_sessions = False  # mpirun starts the agents
+
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         super().__init__(cfg)
         self.mpirun: Optional[subprocess.Popen] = None

@@ -12,12 +12,14 @@ import threading
 from typing import Callable, Dict, List, Optional
 
 from paddle_cluster.node import messages as m
+from paddle_cluster.node.session import Request
 
 from .. import dispatch, machines
 from ..config import ClusterConfig
 from ..errors import HostError
 from ..hosts import Node, Stream, fanout, make_nodes
 from ..plan import JobPlan, JobSpec
+from ..session import NodeSession
 from .base import Backend, Event, EventQueue
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
@@ -26,6 +28,8 @@ PING_S = 2.0
 
 
 class SSHBackend(Backend):
+    agents_in_sessions = True  # the prepared sessions become the agents (a subclass that starts them otherwise: no)
+
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.nodes = make_nodes(cfg)
@@ -34,6 +38,7 @@ class SSHBackend(Backend):
         self.lib: Optional[dispatch.Package] = None
         self.streams: Dict[int, Stream] = {}
         self.events = EventQueue([], cfg.orphan_timeout)
+        self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
 
@@ -41,55 +46,90 @@ class SSHBackend(Backend):
     def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
         """Install the node library everywhere and probe every node (NIC address, free ports, numpy, ROOT_DIR);
         each node's address on PADDLE_NIC."""
+        return self._prepare(None, say, check_ports)
+
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        return self._prepare(spec, say, True, agent=self.agents_in_sessions)
+
+    def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
+        """Only the workspace (and the probe that comes with it), as ``prepare`` does."""
+        self._prepare(spec, say, False)
+
+    def _prepare(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
+                 agent: bool = False) -> List[str]:
+        """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
+        waits for its ``Start``): see ``launch/session.py``."""
         cfg = self.cfg
-        ports = ",".join(map(str, cfg.node_ports())) if check_ports else ""
+        pkg = None
+        if spec is not None and spec.dispatch_dir:
+            pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir())
+            say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
+        req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
+                      workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
+                      max_members=pkg.files if pkg else 0, workspace_dir=(spec.workspace or "") if spec else "",
+                      agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
+        lib = self.lib = dispatch.library_package()
+        sessions: Dict[int, NodeSession] = {}
+        sent: Dict[int, bool] = {}
+        with dispatch.upload_progress() as bar:
+            def open_one(n: Node) -> dict:
+                s = sessions[n.index] = NodeSession(n, lib, req)
+                doc = s.open()
+                self._check_probe(n, doc)
+                ws = doc["workspace"]
+                if spec is not None and spec.workspace and not ws.get("exists"):
+                    raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
+                                    "workspace to every node first, or use --job_dispatch_package")
+                if pkg is not None and "need" in ws:
+                    n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
+                    ws = s.uploaded(ws["need"])
+                if pkg is not None and not ws.get("ok"):
+                    raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
+                sent[n.index] = bool(ws.get("sent"))
+                return doc
 
-        def probe(n: Node) -> dict:
-            dispatch.ensure_package(n, lib, "lib")
-            doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports, "--root",
-                                      cfg.root_dir, what="probing the node")
-            if not doc["address"]:
-                have = ", ".join(f"{k} ({v or 'no IPv4'})" for k, v in doc["interfaces"].items())
-                raise HostError(n.label, f"PADDLE_NIC = {cfg.paddle_nic!r} has no IPv4 address there"
-                                f"{'' if cfg.paddle_nic in doc['interfaces'] else ' (no such interface)'}; "
-                                f"it has: {have}. Set PADDLE_NIC to one of them")
-            if doc["numpy"] is None:
-                raise HostError(n.label, f"numpy is not installed for {cfg.python} ({doc['python_path']}); "
-                                f"install it there: {cfg.python} -m pip install numpy")
-            if doc["ports_taken"]:
-                raise HostError(n.label, f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} "
-                                "are already in use (another job?); choose another PADDLE_PORT or stop that job")
-            if not doc["root"].get("writable"):
-                raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
-            return doc
-
-        with dispatch.library_archive() as lib:
-            docs = fanout(self.nodes, probe).ok("probing the nodes")
+            res = fanout(self.nodes, open_one)
+        if res.errors or not agent:
+            for s in sessions.values():
+                s.close()
+        else:
+            self.sessions = {i: s.stream for i, s in sessions.items()}
+        docs = res.ok("preparing the nodes")
         self.networks = [d.get("network") for d in docs]
-        self.lib = lib
         machines.refuse_same_machines(self.labels, docs, cfg.source)
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
+        skipped = [self.nodes[i].name for i, s in sorted(sent.items()) if not s]
+        if pkg is not None and skipped:
+            say(f"{', '.join(skipped)} already held this package: not sent again")
         return addresses
 
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        addresses = self.probe_cluster(say)
-        self.deliver(spec, say)
-        return addresses
-
-    def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
-        assert self.lib is not None, "probe_cluster first"
-        dispatch.deliver_workspace(self.nodes, self.lib, spec, say)
+    def _check_probe(self, n: Node, doc: dict) -> None:
+        cfg = self.cfg
+        if not doc["address"]:
+            have = ", ".join(f"{k} ({v or 'no IPv4'})" for k, v in doc["interfaces"].items())
+            raise HostError(n.label, f"PADDLE_NIC = {cfg.paddle_nic!r} has no IPv4 address there"
+                            f"{'' if cfg.paddle_nic in doc['interfaces'] else ' (no such interface)'}; "
+                            f"it has: {have}. Set PADDLE_NIC to one of them")
+        if doc["numpy"] is None:
+            raise HostError(n.label, f"numpy is not installed for {cfg.python} ({doc['python_path']}); "
+                            f"install it there: {cfg.python} -m pip install numpy")
+        if doc["ports_taken"]:
+            raise HostError(n.label, f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} "
+                            "are already in use (another job?); choose another PADDLE_PORT or stop that job")
+        if not doc["root"].get("writable"):
+            raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
 
     # -- running --------------------------------------------------------------------------------------
     def start(self, plan: JobPlan) -> None:
         assert self.lib is not None and not self.streams, "prepare first, and stop before starting again"
         lib, cfg = self.lib, self.cfg
         self.events = events = EventQueue([n.node for n in plan.nodes], cfg.orphan_timeout)
+        held, self.sessions = self.sessions, {}  # the prepared sessions' agents; a restart starts new ones
 
         def start(n: Node) -> Stream:
-            s = n.stream(dispatch.agent_argv(n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout),
-                                             "--grace", str(cfg.kill_grace)))
+            s = held.pop(n.index, None) or n.stream(dispatch.agent_argv(
+                n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout), "--grace", str(cfg.kill_grace)))
             s.write_line(m.encode(m.Start(plan.nodes[n.index])))
             return s
 
@@ -150,6 +190,9 @@ class SSHBackend(Backend):
         return fanout([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
 
     def close(self) -> None:
+        for s in self.sessions.values():  # prepared, never started: their agents end with their stdin
+            s.close()
+        self.sessions = {}
         fanout(self.nodes, lambda n: n.close())
 
 

@@ -1,0 +1,101 @@
+"""The launcher's side of a node session (``node/session.py``): one command on the node's one connection that
+installs the node library when its hash is new, probes, puts the workspace in place and, for ``run``, becomes
+the job's agent -- so a launch costs each node one channel and one interpreter, and no round trip is serial.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from paddle_cluster.node.session import REPLY, Request
+
+from .dispatch import Package
+from .errors import HostError
+from .hosts import Node, Stream
+
+# Runs on the node with nothing but Python: the library of this hash is installed (sent on stdin, after a
+# 16-digit length, when the node says it lacks it), then the session runs from it.
+BOOT = r"""
+import os, sys
+root, sha = sys.argv[1], sys.argv[2]
+lib = os.path.join(root, ".paddle_cluster", "lib", sha)
+def read(n):
+    b = b""
+    while len(b) < n:
+        c = os.read(0, n - len(b))
+        if not c:
+            sys.exit(1)
+        b += c
+    return b
+if not os.path.isdir(lib):
+    import hashlib, io, json, shutil, tarfile
+    os.makedirs(os.path.dirname(lib), mode=0o700, exist_ok=True)
+    os.write(1, b'{"session": "need-lib"}\n')
+    data = read(int(read(16)))
+    if hashlib.sha256(data).hexdigest() != sha:
+        print(json.dumps({"session": "error", "error": "node library: checksum mismatch after upload"}))
+        sys.exit(1)
+    tmp = lib + ".tmp-%d" % os.getpid()
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:
+        for m in t:  # our own archive, but stay inside tmp regardless
+            if m.name.startswith("/") or ".." in m.name.split("/") or not (m.isfile() or m.isdir()):
+                sys.exit("bad member " + m.name)
+            t.extract(m, tmp)
+    try:
+        os.rename(tmp, lib)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another launcher installed the same library meanwhile
+sys.path.insert(0, lib)
+from paddle_cluster.node.session import main
+sys.exit(main(sys.argv[3]))
+"""
+
+REPLY_TIMEOUT = 300.0  # an answer can wait for unpacking a large workspace
+
+
+class NodeSession:
+    """One node's session; after ``open`` (and ``receive``) its ``stream`` carries the agent's messages."""
+
+    def __init__(self, node: Node, lib: Package, req: Request) -> None:
+        self.node, self.lib, self.req = node, lib, req
+        self.stream: Stream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
+                                           req.to_json()])
+        self._other: List[str] = []
+
+    def open(self) -> Dict[str, Any]:
+        """The node's probe, with ``workspace``: its state there; the library is sent first if it is new."""
+        doc = self._reply("starting the node session")
+        if doc[REPLY] == "need-lib":
+            with open(self.lib.path, "rb") as f:
+                data = f.read()
+            self.stream.write(b"%016d" % len(data) + data)
+            doc = self._reply("installing paddle_cluster")
+        return doc
+
+    def uploaded(self, part: str) -> Dict[str, Any]:
+        """Tell the node the archive is at ``part``; its verdict (hash, unpack, copy into the job directory)."""
+        self.stream.write_line(json.dumps({"uploaded": part}))
+        return self._reply("unpacking the workspace")["workspace"]
+
+    def _reply(self, what: str) -> Dict[str, Any]:
+        self.stream.settimeout(REPLY_TIMEOUT)
+        try:
+            for line in self.stream.lines():
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict) and REPLY in doc:
+                    if doc[REPLY] == "error":
+                        raise HostError(self.node.label, f"{what}: {doc.get('error')}")
+                    return doc
+                self._other.append(line)
+        finally:
+            self.stream.settimeout(None)
+        detail = " | ".join(x.strip() for x in self._other[-5:] if x.strip()) or "the session ended without an answer"
+        raise HostError(self.node.label, f"{what} failed: {detail}")
+
+    def close(self) -> None:
+        self.stream.close()
+
