@@ -266,6 +266,7 @@ class Supervisor:
         node's pservers dies first or ``start_timeout`` passes."""
         deadline = time.monotonic() + plan.start_timeout
         pending = list(plan.endpoints)
+        pause = 0.01  # a pserver usually listens within a few tens of ms: look again soon, then less often
         while pending:
             dead = [p.name for p in plan.pservers
                     if p.name not in self.popens or self.popens[p.name].poll() is not None]
@@ -282,7 +283,8 @@ class Supervisor:
                 return False
             pending = [e for e in pending if not _accepts(e)]
             if pending:
-                self.channel.get(0.1)
+                self.channel.get(pause)
+                pause = min(0.1, 2 * pause)
         return True
 
     def _heartbeat(self, stop: threading.Event) -> None:
