@@ -1,0 +1,122 @@
+"""Getting a job onto the nodes: one session per node (library, probe, workspace, agent), the per-node cache of
+unpacked workspaces (node/trees.py), and a job on 16 hosts."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+
+import pytest
+from helpers import assert_nothing_left, cli, make_workspace, no_traceback, write_conf
+
+from paddle_cluster.node import trees
+from paddle_cluster.node.unpack import UnsafeArchive
+
+# Reads its workspace file, then writes into it in place (same inode), and says who its agent is.
+WRITER_PY = r'''
+import os
+with open("data/part-0", "r+") as f:
+    before = f.read().strip()
+    f.seek(0)
+    f.write("changed by the job\n")
+agent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+print(f"BEFORE {before!r} SESSION-AGENT {'paddle_cluster.node.session' in agent}", flush=True)
+'''
+
+
+# -- the cache, on this machine ----------------------------------------------------------------------------
+def _archive(tmp_path, files):
+    src = tmp_path / "src"
+    for name, data in files.items():
+        p = src / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    out = tmp_path / "ws.tar"
+    with tarfile.open(out, "w") as t:
+        for name in files:
+            t.add(src / name, arcname=name)
+    return str(out)
+
+
+def test_a_job_writing_into_its_copy_leaves_the_cache_and_other_jobs_alone(tmp_path):
+    root = str(tmp_path / "root")
+    archive = _archive(tmp_path, {"train.py": b"print(1)\n", "data/part-0": b"1 2 3\n"})
+    assert not trees.materialize(root, "a" * 64, f"{root}/job1")  # nothing cached yet: nothing done
+    assert not os.path.exists(f"{root}/job1")
+    trees.store(root, archive, "a" * 64, max_members=10)
+    assert trees.materialize(root, "a" * 64, f"{root}/job1")
+    assert trees.materialize(root, "a" * 64, f"{root}/job2")
+    with open(f"{root}/job1/data/part-0", "r+") as f:  # in place: a hard link would change the cache
+        f.write("XXXXX")
+    assert open(f"{root}/job2/data/part-0").read() == "1 2 3\n"
+    assert trees.materialize(root, "a" * 64, f"{root}/job3")
+    assert open(f"{root}/job3/data/part-0").read() == "1 2 3\n"
+    assert open(f"{root}/job3/train.py").read() == "print(1)\n"
+    assert os.stat(f"{root}/job3").st_mode & 0o777 == 0o700
+    assert os.stat(f"{root}/job3/data/part-0").st_ino != os.stat(f"{root}/job2/data/part-0").st_ino
+    with pytest.raises(UnsafeArchive, match="not empty"):
+        trees.materialize(root, "a" * 64, f"{root}/job1")
+
+
+def test_the_cache_keeps_the_most_recent_trees(tmp_path):
+    root = str(tmp_path / "root")
+    for k in range(trees.KEEP + 2):
+        trees.store(root, _archive(tmp_path / str(k), {"f": str(k).encode()}), f"{k}" * 64, max_members=5)
+    kept = sorted(os.listdir(os.path.dirname(trees.tree_dir(root, "0" * 64))))
+    assert len(kept) == trees.KEEP and "0" * 64 not in kept and f"{trees.KEEP + 1}" * 64 in kept
+
+
+def test_an_unsafe_archive_is_not_cached(tmp_path):
+    root = str(tmp_path / "root")
+    bad = tmp_path / "bad.tar"
+    with tarfile.open(bad, "w") as t:
+        info = tarfile.TarInfo("../escape")
+        t.addfile(info)
+    with pytest.raises(UnsafeArchive):
+        trees.store(root, str(bad), "b" * 64, max_members=5)
+    assert not os.path.exists(trees.tree_dir(root, "b" * 64))
+
+
+# -- on the SSH cluster ------------------------------------------------------------------------------------------
+def test_one_session_per_node_and_an_unchanged_workspace_is_not_sent(cluster, tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "train.py").write_text(WRITER_PY)
+    conf = write_conf(tmp_path, cluster)
+    first = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    for i in range(3):  # the agent that started the trainer is the session that probed and placed the workspace
+        assert f"[trainer.{i}@node{i}] BEFORE '1 2 3' SESSION-AGENT True" in first.stdout, first.stdout
+    lib = cluster.root_dir(0) / ".paddle_cluster" / "lib"
+    installed = {p.name: p.stat().st_ino for p in lib.iterdir()}
+
+    again = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache2")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "node0, node1, node2 already held this package: not sent again" in again.stderr
+    for i in range(3):  # the first job wrote into its copy in place; the cache and this job did not see it
+        assert f"[trainer.{i}@node{i}] BEFORE '1 2 3' SESSION-AGENT True" in again.stdout, again.stdout
+        assert (cluster.root_dir(i) / "cache1" / "data" / "part-0").read_text() == "changed by the job\n"
+    assert {p.name: p.stat().st_ino for p in lib.iterdir()} == installed  # the library was not sent again
+
+    (ws / "data" / "part-0").write_text("4 5 6\n")
+    changed = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache3")
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    assert "not sent again" not in changed.stderr
+    assert "[trainer.1@node1] BEFORE '4 5 6'" in changed.stdout
+    no_traceback(changed)
+    assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_on_16_hosts(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(16)
+    ws = make_workspace(tmp_path / "ws")
+    conf = write_conf(tmp_path, c, PADDLE_PORTS_NUM=1, START_TIMEOUT=120.0, ORPHAN_TIMEOUT=30.0,
+                      SSH_CONNECT_TIMEOUT=20.0)
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "wide", timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for i in range(16):
+        assert f"[trainer.{i}@node{i}] ENV OK trainer {i} of 16 on node {i}" in res.stdout
+        assert f"[pserver.{i}@node{i}] pserver {i} listening on {c.ips[i]}" in res.stdout
+        assert (c.root_dir(i) / "wide" / "data" / "part-0").read_text() == "1 2 3\n"
+    assert "job wide finished: all 16 trainer(s) exited 0" in res.stderr
+    assert_nothing_left(c)
