@@ -3,7 +3,8 @@
 Needs root (``tests/sshcluster.py``). ``run`` is driven through the CLI exactly as a user would; every
 trainer prints its wall-clock start time, so "ready" is when the last trainer of the job started (the
 launcher starts trainers only after every pserver listens). Dispatch is timed through the launcher's own
-``deliver`` (the step of ``run`` that ships ``--job_dispatch_package``), against ``scp`` of the same file.
+``deliver`` (the node sessions of ``run``, without the agents), against ``scp`` of the same file. The floor is
+what each node costs whatever the launcher does: one SSH command, one interpreter.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
         for n in counts:
             conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
             out[f"launch_{n}"] = Stats([_run_cli(conf, ws, n) for _ in range(reps)])
+        out.update(_floor(cl, work, sorted({min(counts), max(counts)}), reps))
         # -- dispatch of a big workspace -------------------------------------------------------------------
         big = work / "big"
         big.mkdir()
@@ -89,6 +91,30 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
         (big / "train.py").write_text(TRAIN_PY)
         out.update(_dispatch(cl, work, big, blob, dispatch_hosts, dispatch_reps))
     shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _floor(cl, work: Path, counts: List[int], reps: int) -> Dict[str, Any]:
+    """What every launch costs each node whatever the launcher does, on open connections: one SSH command
+    (sshd's session and the user's login shell, which runs its rc files) and one Python interpreter."""
+    sys.path.insert(0, REPO)
+    from paddle_cluster.launch.config import load_config
+    from paddle_cluster.launch.hosts import fanout, make_nodes
+
+    out: Dict[str, Any] = {}
+    for n in counts:
+        nodes = make_nodes(load_config(str(write_conf(work / f"conf-floor{n}.py", cl, cl.hosts[:n]))))
+        try:
+            fanout(nodes, lambda x: x.run(["true"])).ok("warming up")
+            for key, argv in (("floor_ssh", ["true"]), ("floor_python", [cl.python, "-c", "pass"])):
+                samples = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fanout(nodes, lambda x: x.run(argv)).ok(key)  # noqa: B023 - called before the loop moves on
+                    samples.append(time.perf_counter() - t0)
+                out[f"{key}_{n}"] = Stats(samples)
+        finally:
+            fanout(nodes, lambda x: x.close())
     return out
 
 
