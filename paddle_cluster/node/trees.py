@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import List
 
-from .unpack import UnsafeArchive, safe_extract
+from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
 KEEP = 4  # unpacked trees kept per ROOT_DIR, least recently used dropped first
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
@@ -29,20 +29,7 @@ def materialize(root: str, sha: str, dest: str) -> bool:
     src = tree_dir(root, sha)
     if not os.path.isdir(src):
         return False
-    dest = os.path.realpath(dest)
-    if os.path.exists(dest) and os.listdir(dest):
-        raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
-    tmp = f"{dest}.copying-{os.getpid()}"
-    try:
-        os.makedirs(tmp, mode=0o700)
-        os.chmod(tmp, 0o700)  # owner-only, as an unpacked job directory
-        _copy_tree(src, tmp)
-        if os.path.isdir(dest):
-            os.rmdir(dest)
-        os.rename(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+    fresh_dir(dest, lambda tmp: _copy_tree(src, tmp), "copying")
     os.utime(src)  # most recently used
     return True
 

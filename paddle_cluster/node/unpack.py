@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import tarfile
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, TypeVar
 
 # Bounds on what an archive may make the unpacker hold or write; the byte cap defaults to the archive's own
 # size, which a plain tar's contents can never exceed.
 MAX_HEADER_BYTES = 1 << 20  # one pax / GNU long-name header (a path is at most a few KiB)
 MAX_MEMBERS = 100_000
+T = TypeVar("T")
 
 
 class UnsafeArchive(Exception):
@@ -68,33 +69,45 @@ def _normal_mode(m: tarfile.TarInfo) -> int:
 _TRUSTED = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
-def safe_extract(archive: str, dest: str, max_bytes: Optional[int] = None, max_members: int = MAX_MEMBERS) -> int:
-    """Extract a plain tar into a fresh ``dest`` (via a temporary sibling, renamed at the end); returns the
-    member count. ``max_bytes`` (default: the archive's size) caps every member and their sum."""
+def fresh_dir(dest: str, fill: Callable[[str], T], what: str = "unpacking") -> T:
+    """``fill(tmp)`` an owner-only temporary sibling of ``dest`` and rename it to ``dest``, which must not exist
+    or be empty; ``fill``'s value. Nothing is left behind when ``fill`` fails."""
     dest = os.path.realpath(dest)
-    if max_bytes is None:
-        max_bytes = os.path.getsize(archive)
     if os.path.exists(dest) and os.listdir(dest):
         raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
-    tmp = f"{dest}.unpacking-{os.getpid()}"
-    n = 0
+    tmp = f"{dest}.{what}-{os.getpid()}"
     try:
         os.makedirs(tmp, mode=0o700)
         os.chmod(tmp, 0o700)  # owner-only from the start: logs, checkpoints and the secret's processes live here
-        real_tmp = os.path.realpath(tmp)
+        out = fill(os.path.realpath(tmp))
+        if os.path.isdir(dest):
+            os.rmdir(dest)
+        os.rename(tmp, dest)
+        return out
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def safe_extract(archive: str, dest: str, max_bytes: Optional[int] = None, max_members: int = MAX_MEMBERS) -> int:
+    """Extract a plain tar into a fresh ``dest`` (via a temporary sibling, renamed at the end); returns the
+    member count. ``max_bytes`` (default: the archive's size) caps every member and their sum."""
+    cap = os.path.getsize(archive) if max_bytes is None else max_bytes
+
+    def extract(real_tmp: str) -> int:
+        n = total = 0
+        files = set()
         with tarfile.open(archive, "r:", tarinfo=_BoundedTarInfo) as tar:
-            total = 0
-            files = set()
             for m in tar:
                 n += 1
                 if n > max_members:
                     raise UnsafeArchive(f"archive has more than {max_members} members")
-                check_member(m, real_tmp, max_bytes)
+                check_member(m, real_tmp, cap)
                 if m.islnk() and m.linkname not in files:
                     raise UnsafeArchive(f"hard link {m.name!r} -> {m.linkname!r}: no such file earlier in the archive")
                 total += m.size
-                if total > max_bytes:
-                    raise UnsafeArchive(f"archive expands to more than {max_bytes} bytes")
+                if total > cap:
+                    raise UnsafeArchive(f"archive expands to more than {cap} bytes")
                 if os.path.realpath(os.path.join(real_tmp, m.name)) == real_tmp:
                     continue  # a '.' member: the job directory keeps its own owner-only mode
                 m.mode = _normal_mode(m)
@@ -103,13 +116,9 @@ def safe_extract(archive: str, dest: str, max_bytes: Optional[int] = None, max_m
                 tar.extract(m, real_tmp, set_attrs=not m.issym(), **_TRUSTED)  # checked above
                 if m.isfile():
                     files.add(m.name)
-        if os.path.isdir(dest):
-            os.rmdir(dest)
-        os.rename(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return n
+        return n
+
+    return fresh_dir(dest, extract)
 
 
 def unpack_report(archive: str, dest: str, max_bytes: Optional[int] = None,
