@@ -359,12 +359,15 @@ from paddle_cluster.ps import OptimizerSpec, connect
 total, every, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 delay = float(os.environ.get("STEP_DELAY", "0.05"))
 n = int(os.environ.get("PARAM_SIZE", "40000"))
+hold = os.environ.get("HOLD_FILE")  # every trainer waits at step ``every`` while this file exists
 # Small blocks, so every pserver holds a part of w (and of every checkpoint).
 ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=0.5), max_block_bytes=max(1 << 15, n * 4 // 8))
 w = ps.register_dense({"w": np.zeros(n, np.float32)})["w"]
 print(f"start step={ps.step} w0={w[0]:g}", flush=True)   # a resumed job starts at the checkpoint's step
 g = np.ones(n, np.float32)
 while ps.step < total:
+    while hold and ps.step == every and os.path.exists(hold):
+        time.sleep(0.05)
     ps.pull()
     ps.push({"w": g})
     if ps.trainer_id == 0 and ps.step % every == 0:

@@ -289,12 +289,15 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_second_job_on_the_same_ports_is_refused(cluster, tmp_path):
-    cfg = conf(tmp_path, cluster, ENV={"STEP_DELAY": "0.1"})
+    hold = tmp_path / "hold"  # the first job waits at step 10 until the second was refused, however slow
+    hold.touch()
+    cfg = conf(tmp_path, cluster, ENV={"HOLD_FILE": str(hold)})
     ws = workspace(tmp_path)
     first = Launch(cfg, *_run_args(ws, "f_ports1"))
     first.wait_line(r"checkpoint step=10", 60)
     second = Launch(cfg, *_run_args(ws, "f_ports2"))
     assert second.finish(60) == 1
+    hold.unlink()
     for i in range(3):
         assert f"node{i} ({cluster.hosts[i]}): port(s) 7164 on {cluster.ips[i]} are already in use" in second.stderr
     assert not (cluster.root_dir(0) / "f_ports2" / "log").exists()  # refused before anything started
