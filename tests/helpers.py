@@ -311,6 +311,15 @@ print("holding", tid, flush=True)
 time.sleep(300)
 """
 
+
+def small_workspace(tmp: Path, train: str = HOLD_PY, ps: str = LISTEN_PS_PY) -> Path:
+    """``tmp/ws`` with ``train.py`` and a ``ps.py`` pserver stand-in (PSERVER_COMMAND = "{python} ps.py")."""
+    ws = tmp / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(train)
+    (ws / "ps.py").write_text(ps)
+    return ws
+
 # What every trainer must see, whichever backend started it: the Fluid names, the v2 PADDLE_INIT_* names the
 # seeds' scripts read, and the job's own.
 TRAINER_VARS = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "PADDLE_TRAINERS",

@@ -14,17 +14,16 @@ import pytest
 from helpers import (
     FINAL_MSE,
     FIT_A_LINE,
-    HOLD_PY,
     ROOT,
     assert_nothing_left,
     check_trainer_env,
     cli,
     no_traceback,
+    small_workspace,
     start_cli,
     wait_for,
     write_conf,
 )
-from helpers import LISTEN_PS_PY as PS_PY
 
 
 @pytest.fixture
@@ -33,14 +32,6 @@ def hosts(mpi_env):
     yield cluster
     for i in range(cluster.n):
         cluster.kill_all(i)
-
-
-def _hold_workspace(tmp: Path) -> Path:
-    ws = tmp / "ws"
-    ws.mkdir()
-    (ws / "train.py").write_text(HOLD_PY)
-    (ws / "ps.py").write_text(PS_PY)
-    return ws
 
 
 def _conf(tmp: Path, cluster, **over) -> Path:
@@ -79,7 +70,7 @@ def _start_holding(conf: Path, ws: Path, job: str):
 
 
 def test_ctrl_c_stops_every_rank_and_setsid_grandchild(hosts, tmp_path):
-    ws = _hold_workspace(tmp_path)
+    ws = small_workspace(tmp_path)
     p, lines = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpictrlc")
     # Each rank's trainer got the contract of its host, Fluid and v2 names alike.
     check_trainer_env(lines, hosts.ips, 7164, 2, 1, [f"{ROOT}/mpictrlc"] * 3)
@@ -91,7 +82,7 @@ def test_ctrl_c_stops_every_rank_and_setsid_grandchild(hosts, tmp_path):
 
 
 def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
-    ws = _hold_workspace(tmp_path)
+    ws = small_workspace(tmp_path)
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py")
     p, _ = _start_holding(conf, ws, "mpikill")
     st = cli(conf, "status", "--json", "--job_name", "mpikill")
@@ -110,7 +101,7 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
 
 
 def test_killed_launcher_leaves_nothing(hosts, tmp_path):
-    ws = _hold_workspace(tmp_path)
+    ws = small_workspace(tmp_path)
     p, _ = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpidead")
     p.kill()
     p.wait(timeout=10)
@@ -118,7 +109,7 @@ def test_killed_launcher_leaves_nothing(hosts, tmp_path):
 
 
 def test_failing_trainer_fails_the_job_fast_with_its_last_lines(hosts, tmp_path):
-    ws = _hold_workspace(tmp_path)
+    ws = small_workspace(tmp_path)
     (ws / "crash-1").touch()
     res = cli(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), "run", "--job_workspace", str(ws),
               "--job_name", "mpifail", timeout=120)

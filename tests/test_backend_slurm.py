@@ -14,8 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import FINAL_MSE, FIT_A_LINE, HOLD_PY, check_trainer_env, free_port_range, no_traceback, wait_for
-from helpers import LISTEN_PS_PY as PS_PY
+from helpers import FINAL_MSE, FIT_A_LINE, check_trainer_env, free_port_range, no_traceback, small_workspace, wait_for
 
 from paddle_cluster.launch.backends.slurm import active, job_info
 from paddle_cluster.launch.errors import ClusterError
@@ -40,11 +39,7 @@ def _setup(slurm, tmp: Path, hold: bool = True, **over):
     conf.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
     env = {k: v for k, v in slurm.env.items() if not k.startswith(("PADDLE_", "XDG_", "SLURM_JOB"))}
     env.update(HOME=str(tmp), PYTHONPATH=str(REPO), SLURM_CONF=str(slurm.conf))
-    ws = tmp / "ws"
-    ws.mkdir()
-    (ws / "train.py").write_text(HOLD_PY)
-    (ws / "ps.py").write_text(PS_PY)
-    return conf, env, ws
+    return conf, env, small_workspace(tmp)
 
 
 def _cli(conf, env, *args, timeout=300):

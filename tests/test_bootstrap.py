@@ -9,7 +9,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from helpers import wait_for
+from helpers import small_workspace, wait_for
 
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec, mint_plan
@@ -49,14 +49,6 @@ TRAIN_PY = textwrap.dedent('''
 ''')
 
 
-def _workspace(tmp: Path) -> Path:
-    ws = tmp / "ws"
-    ws.mkdir()
-    (ws / "ps.py").write_text(PS_PY)
-    (ws / "train.py").write_text(TRAIN_PY)
-    return ws
-
-
 def _plan_file(tmp: Path, ws: Path, root: str, addresses, name: str) -> Path:
     cfg = parse_config({"HOSTS": [f"h{i}" for i in range(len(addresses))], "ROOT_DIR": root, "PADDLE_NIC": "eth0",
                         "PSERVER_COMMAND": "{python} ps.py", "PYTHON": os.sys.executable, "PADDLE_PORT": 7164,
@@ -77,7 +69,7 @@ def _events(text: str):
 
 def test_bootstrap_under_mpirun(mpi_env, tmp_path):
     cluster = mpi_env.cluster
-    ws = _workspace(tmp_path)
+    ws = small_workspace(tmp_path, TRAIN_PY, PS_PY)
     plan = _plan_file(tmp_path, ws, "/home/paddle", cluster.ips, "boot")
     env = {**mpi_env.env, "PYTHONPATH": str(REPO)}
     res = subprocess.run(mpi_env.argv(_bootstrap("--engine", "mpi", "--plan", str(plan)), None, "-x", "PYTHONPATH"),
@@ -97,7 +89,7 @@ def test_bootstrap_under_mpirun(mpi_env, tmp_path):
 def test_bootstrap_fails_fast_under_mpirun(mpi_env, tmp_path):
     """A trainer exits 3: its agent stops its node and exits 1, and mpirun ends the other ranks."""
     cluster = mpi_env.cluster
-    ws = _workspace(tmp_path)
+    ws = small_workspace(tmp_path, TRAIN_PY, PS_PY)
     (ws / "crash.1").touch()
     plan = _plan_file(tmp_path, ws, "/home/paddle", cluster.ips, "bootfail")
     env = {**mpi_env.env, "PYTHONPATH": str(REPO)}
@@ -114,7 +106,7 @@ def test_bootstrap_under_srun_completes_the_plan_with_published_addresses(slurm_
     slurm = slurm_cluster
     shared = Path(slurm.shared_dir) / "boot"
     shared.mkdir()
-    ws = _workspace(shared)
+    ws = small_workspace(shared, TRAIN_PY, PS_PY)
     plan = _plan_file(shared, ws, "/home/paddle", [placeholder(i) for i in range(3)], "srunboot")
     events = shared / "events.{node}.jsonl"
     res = slurm.run(["srun", "-N3", "--ntasks-per-node=1", "--export=ALL,PYTHONPATH=" + str(REPO),
