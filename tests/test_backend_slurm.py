@@ -114,12 +114,18 @@ def test_ctrl_c_cancels_a_pending_job(slurm, tmp_path):
 def test_failing_trainer_fails_the_job_fast_with_its_last_lines(slurm, tmp_path):
     conf, env, ws = _setup(slurm, tmp_path)
     (ws / "crash-1").touch()
-    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmfail")
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmfail",
+               "--max_restarts", "1")
     no_traceback(res)
     assert res.returncode == 1, res.stderr
     assert "trainer.1 on node1" in res.stderr and "exited with code 3" in res.stderr
     assert "| about to crash" in res.stderr
     assert "slurmfail/node1/log/train.log" in res.stderr  # where that log is, on the shared filesystem
+    # The restart is a second Slurm job (no checkpoint: from scratch), where trainer 1 fails again.
+    assert "restarting the job from scratch (no complete checkpoint yet) (restart 1 of 1)" in res.stderr
+    jobs = re.findall(r"submitted Slurm job (\d+)", res.stderr)
+    assert len(set(jobs)) == 2, res.stderr
+    assert res.stdout.count("[trainer.1@node1] about to crash") == 2 and "no restarts left" in res.stderr
     slurm.wait_quiet()
 
 
