@@ -74,12 +74,15 @@ class Suite:
     def dense(self) -> None:
         """Integrity on (the default) and off (``INTEGRITY = False``) in the same run: the peer and raw-TCP
         ratios use the integrity-off figures (the same work: no frame MACs), the integrity targets both."""
+        from paddle_cluster.ps.auth import SUITES
+
         from . import dense
 
         c = self.cfg
         size, w, r = c["size"], c["warmup"], c["reps"]
+        mac = SUITES[max(SUITES)].__name__.replace("Mac", "")  # what trainers and pservers here negotiate
         for integrity, tag in ((True, ""), (False, "_off")):
-            label = "integrity on" if integrity else "integrity off"
+            label = f"integrity on ({mac})" if integrity else "integrity off"
             res = dense.run(size, 1, warmup=w, reps=r, phases=("push", "pull", "pushpull"), integrity=integrity)
             chk = dense.check(res)
             for ph, nbytes in (("push", size), ("pull", size), ("pushpull", 2 * size)):
@@ -89,13 +92,21 @@ class Suite:
                              "GB/s", st.spread(), check=chk, extra=st.to_dict()))
             if integrity:
                 self._memory("1 trainer sync", res, size, 1)
+        if mac != "HmacSha256":  # what a node with only the standard library gets
+            res = dense.run(size, 1, warmup=w, reps=r, integrity=True, stdlib_mac=True)
+            st = dense.step_stats(res, "pushpull")
+            rate = 2 * size / st.median
+            self.add(Row("dense", f"1 trainer pushpull {size // MB} MB, integrity on (HmacSha256, stdlib only)",
+                         gbs(rate), "GB/s", st.spread(), check=dense.check(res), extra=st.to_dict(),
+                         note=f"= {rate / self.m['dense1_pushpull_off']:.2f} of integrity off"))
         for mode, integrity in (("sync", True), ("sync", False), ("async", True)):
             tag = "" if integrity else "_off"
             res = dense.run(size, 2, mode=mode, warmup=w, reps=r, integrity=integrity)
             st = dense.step_stats(res, "pushpull")
             self.m[f"dense2_{mode}{tag}"] = 4 * size / st.median
             self.m[f"dense2_{mode}_step{tag}"] = st.median
-            self.add(Row("dense", f"2 trainers {mode} push+pull, aggregate, integrity {'on' if integrity else 'off'}",
+            label = f"integrity on ({mac})" if integrity else "integrity off"
+            self.add(Row("dense", f"2 trainers {mode} push+pull, aggregate, {label}",
                          gbs(4 * size / st.median), "GB/s", st.spread(), note=f"step {1e3 * st.median:.1f} ms",
                          check=dense.check(res), extra=st.to_dict()))
             if mode == "sync" and integrity:

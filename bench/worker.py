@@ -31,6 +31,10 @@ def _wait_for_all(done_dir: str, me: int, n: int, timeout: float = 300.0) -> Non
 def dense(a: dict) -> dict:
     mode, size, warmup, reps = a["mode"], int(a["size"]), int(a["warmup"]), int(a["reps"])
     phases = a.get("phases", ["pushpull"])
+    if a.get("stdlib_mac"):  # as a node without the cryptography package: HMAC-SHA256 only
+        from paddle_cluster.ps import auth
+
+        auth.OFFER = auth.HmacSha256.CODE
     n_elems = size // 4
     shape = (n_elems // 1024, 1024) if n_elems >= 1024 * 8 else (n_elems,)
     ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=LR), max_block_bytes=int(a["max_block"]))

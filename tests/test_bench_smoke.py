@@ -24,9 +24,12 @@ def test_bench_smoke_raw_dense_sparse(tmp_path):
     assert {r["section"] for r in rows} >= {"raw", "dense", "sparse", "memory"}
     assert all(not r["check"].startswith("FAILED") for r in rows), [r for r in rows if r["check"] != "ok"]
     assert all(r["value"] is not None and r["value"] > 0 for r in rows)
-    names = {t["name"] for t in doc["targets"]}
-    assert {"dense push+pull / raw TCP 2 streams (integrity off)", "integrity on / off: dense push+pull",
-            "integrity on / off: 2-trainer sync"} <= names
+    # The data-path and integrity goals, each with a figure and PASS/MISS.
+    want = {"dense push+pull / raw TCP 2 streams (integrity off)", "integrity on / off: dense push+pull",
+            "integrity on / off: 2-trainer sync", "2-trainer sync aggregate / raw TCP 2 streams (integrity off)",
+            "pserver 0 memory / bytes held, 2 trainers sync"}
+    got = {t["name"]: t for t in doc["targets"] if t["name"] in want}
+    assert set(got) == want and all(t["met"] is not None and t["value"] is not None for t in got.values()), got
     # Integrity on and off in the same run, each checked.
     dense = {r["name"] for r in rows if r["section"] == "dense"}
     assert any("integrity on" in n for n in dense) and any("integrity off" in n for n in dense)

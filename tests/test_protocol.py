@@ -36,16 +36,19 @@ def test_header_roundtrip_and_checks():
         P.dtype_code(np.complex64)
 
 
-def _keys():
+SUITES = sorted(A.SUITES.values(), key=lambda m: m.CODE)
+
+
+def _keys(mac=A.HmacSha256):
     """Both ends' keys of one connection, as the handshake would derive them."""
-    c2s, s2c = A.Mac(b"k" * 32), A.Mac(b"j" * 32)
+    c2s, s2c = mac(b"k" * 32), mac(b"j" * 32)
     return A.Keys(send=c2s, recv=s2c), A.Keys(send=s2c, recv=c2s)
 
 
-@pytest.mark.parametrize("integrity", [True, False])
-def test_big_array_goes_through_one_frame_unchanged(integrity):
+@pytest.mark.parametrize("mac", [None, *SUITES])
+def test_big_array_goes_through_one_frame_unchanged(mac):
     a, b = socket.socketpair()
-    ka, kb = _keys() if integrity else (None, None)
+    ka, kb = _keys(mac) if mac else (None, None)
     src = np.random.default_rng(0).standard_normal((1 << 20) + 3).astype(np.float32)
     dst = np.empty_like(src)
     sa, sb = Stream(a, ka), Stream(b, kb)
@@ -64,13 +67,74 @@ def test_big_array_goes_through_one_frame_unchanged(integrity):
 
 def test_mac_is_hmac_sha256_and_streams():
     key, data = b"secret key" * 3, np.arange(100_000, dtype=np.uint8).tobytes()
-    m = A.Mac(key)
     prefix = (7).to_bytes(8, "little") + b"H" * 40
-    run = m.start(7, b"H" * 40)
-    assert m.tag(run) == hmac.new(key, prefix, hashlib.sha256).digest()[: A.TAG_SIZE]
+    run = A.HmacSha256(key).start(7, b"H" * 40)
+    assert run.tag() == hmac.new(key, prefix, hashlib.sha256).digest()[: A.TAG_SIZE]
     run.update(data[:1000])
     run.update(data[1000:])
-    assert m.tag(run) == hmac.new(key, prefix + data, hashlib.sha256).digest()[: A.TAG_SIZE]
+    assert run.tag() == hmac.new(key, prefix + data, hashlib.sha256).digest()[: A.TAG_SIZE]
+
+
+@pytest.mark.skipif(A.Poly1305Mac.CODE not in A.SUITES, reason="cryptography is not installed")
+def test_poly1305_tags_each_piece_under_its_own_key_and_small_frames_take_hmac():
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    key, data = b"secret key" * 3, np.arange(100_000, dtype=np.uint8).tobytes()
+    big = P.pack_header(P.Op.DATA, length=A.Poly1305Mac.BIG)
+    small = P.pack_header(P.Op.DATA, length=A.Poly1305Mac.BIG - 1)
+
+    def sub(label):
+        return hmac.new(key, label, hashlib.sha256).digest()
+
+    def one_time_key(seq, n):
+        return hashlib.blake2b((seq).to_bytes(8, "little") + n.to_bytes(4, "little"), key=sub(b"poly1305 keys"),
+                               digest_size=32).digest()
+
+    run = A.Poly1305Mac(key).start(7, big)
+    assert run.tag() == Poly1305.generate_tag(one_time_key(7, 0), big)
+    run.update(data[:1000])
+    run.update(data[1000:])
+    assert run.tag() == Poly1305.generate_tag(one_time_key(7, 1), data)
+    # The same bytes in another frame get another tag.
+    assert A.Poly1305Mac(key).start(8, big).tag() != Poly1305.generate_tag(one_time_key(7, 0), big)
+    # A frame under 64 KiB is HMAC-SHA256 under a key of its own.
+    run = A.Poly1305Mac(key).start(7, small)
+    assert run.tag() == hmac.new(sub(b"small frames"), (7).to_bytes(8, "little") + small,
+                                 hashlib.sha256).digest()[:A.TAG_SIZE]
+
+
+@pytest.mark.parametrize("mac", SUITES)
+def test_payload_is_verified_segment_by_segment_as_it_arrives(mac):
+    """The receiver hands out the first segment, verified, while the rest of the frame is not even sent; a
+    flipped byte in a later segment still fails at that segment's tag."""
+    ka, kb = _keys(mac)
+    payload = np.arange(3 * SEGMENT, dtype=np.uint8)
+    tap = _Tap()
+    Stream(tap, ka).send(P.pack_header(P.Op.DATA, length=payload.nbytes), payload)
+    wire = bytearray(b"".join(tap.out))
+    first = P.HEADER_SIZE + A.TAG_SIZE + SEGMENT + A.TAG_SIZE
+    wire[first + 5] ^= 1  # in the second segment
+    a, b = socket.socketpair()
+    got_first = threading.Event()
+
+    def sender():
+        _send_quietly(a, bytes(wire[:first]))  # the header and the first segment only
+        if got_first.wait(10):
+            _send_quietly(a, bytes(wire[first:]))
+
+    t = threading.Thread(target=sender)
+    t.start()
+    sb = Stream(b, kb)
+    sb.recv_header()
+    chunks = sb.chunks()
+    off, seg = next(chunks)
+    assert off == 0 and bytes(seg) == payload[:SEGMENT].tobytes()
+    got_first.set()
+    with pytest.raises(E.IntegrityError, match="payload failed its MAC"):
+        next(chunks)
+    b.close()
+    t.join()
+    a.close()
 
 
 class _Tap:
@@ -91,10 +155,11 @@ def _send_quietly(sock, data):
         pass  # the reader gave up at the bad tag
 
 
+@pytest.mark.parametrize("mac", SUITES)
 @pytest.mark.parametrize("where", [0, 41, P.HEADER_SIZE + A.TAG_SIZE + SEGMENT + 3])
-def test_a_flipped_bit_anywhere_fails_its_mac(where):
+def test_a_flipped_bit_anywhere_fails_its_mac(where, mac):
     """Header, first segment or a later one: the frame fails before its bytes are used."""
-    ka, kb = _keys()
+    ka, kb = _keys(mac)
     payload = np.zeros(SEGMENT + 100, np.uint8)
     tap = _Tap()
     Stream(tap, ka).send(P.pack_header(P.Op.DATA, length=payload.nbytes), payload)
@@ -113,7 +178,7 @@ def test_a_flipped_bit_anywhere_fails_its_mac(where):
     a.close()
 
 
-def _handshake(server_secret, client_key, *, trainer=1, client_ps=0, integrity=(True, True)):
+def _handshake(server_secret, client_key, *, trainer=1, client_ps=0, integrity=(True, True), offer=None):
     env = JobEnv("job", (Endpoint("h", 1),), 2, secret=server_secret)
     a, b = socket.socketpair()
     result = {}
@@ -128,7 +193,7 @@ def _handshake(server_secret, client_key, *, trainer=1, client_ps=0, integrity=(
     t = threading.Thread(target=server)
     t.start()
     try:
-        keys = A.client_handshake(a, client_key, "job", client_ps, trainer, integrity[1])
+        keys = A.client_handshake(a, client_key, "job", client_ps, trainer, integrity[1], offer=offer)
     finally:
         t.join()
         a.close()
@@ -141,9 +206,15 @@ def test_handshake_proves_the_trainer_key_and_binds_pserver_and_integrity():
     res, keys = _handshake(secret, derive_trainer_key(secret, "job", 1))
     assert res["trainer"] == 1
     # The two ends agree on the keys, and each direction has its own.
-    tag = lambda m: m.tag(m.start(0, b"x"))  # noqa: E731
+    tag = lambda m: m.start(0, P.pack_header(P.Op.OK)).tag()  # noqa: E731
     assert tag(keys.send) == tag(res["keys"].recv) and tag(keys.recv) == tag(res["keys"].send)
     assert tag(keys.send) != tag(keys.recv)
+    # The fastest frame MAC both ends have; a trainer that has only the standard library gets HMAC-SHA256.
+    assert type(keys.send) is A.SUITES[max(A.SUITES)] is type(res["keys"].recv)
+    res, keys = _handshake(secret, derive_trainer_key(secret, "job", 1), offer=A.HmacSha256.CODE)
+    assert type(keys.send) is A.HmacSha256 is type(res["keys"].recv)
+    with pytest.raises(E.AuthError, match="refused our answer"):
+        _handshake(secret, derive_trainer_key(secret, "job", 1), offer=8)  # nothing in common
     bad = [dict(client_key=derive_trainer_key("guess" * 8, "job", 1)),  # another secret
            dict(client_key=derive_trainer_key(secret, "job", 0)),  # trainer 0's key claiming id 1
            dict(client_key=derive_trainer_key(secret, "job", 1), client_ps=1),  # meant for another pserver

@@ -26,7 +26,7 @@ from paddle_cluster.contract import TRAINER, Endpoint
 from paddle_cluster.ps import AuthError, OptimizerSpec, connect
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
-from paddle_cluster.ps.errors import PSError
+from paddle_cluster.ps.errors import IntegrityError, PSError
 from paddle_cluster.ps.stream import Stream
 
 MAX_FRAME = 64 * 1024
@@ -250,6 +250,32 @@ def test_on_path_relay_is_detected(tmp_path, attack):
         assert all(b["lr"] == 0.5 for s in ps.status() for b in s["blocks"].values())
         ps.close()
         assert H.wait_all(pr, servers, 20) == [0, 0]  # nothing left: both pservers end with the job
+
+
+@pytest.mark.timeout(60)
+def test_trainer_without_cryptography_gets_hmac_sha256_and_is_protected_alike(tmp_path, monkeypatch):
+    """A trainer with only the standard library offers HMAC-SHA256 alone (``auth.OFFER``): the pserver agrees
+    to it, and a relay's flipped gradient byte is detected the same way."""
+    monkeypatch.setattr(A, "OFFER", A.HmacSha256.CODE)
+    env = H.make_env(2, 1, tmp_path, ports_num=1, sparse_ports=0, barrier_timeout=5.0)
+    zeros = np.zeros(16384, np.float32)
+    with H.procs(tmp_path) as pr:
+        servers = [pr.pserver(env, k) for k in range(2)]
+        relay, via = _relay(pr, "flip", env)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(via, 0),
+                     max_block_bytes=32768)
+        assert {type(ch.stream.keys.send) for ch in ps._all} == {A.HmacSha256}
+        ps.register_dense({"w0": zeros, "w1": zeros})
+        with pytest.raises(IntegrityError, match="payload failed its MAC"):
+            ps.wait(ps.push({"w0": np.ones_like(zeros), "w1": np.ones_like(zeros)}))
+        ps._shutdown_channels()  # like a trainer process that fails: no CLOSE
+        assert "RELAY_DID flip" in _relay_did(relay)
+        honest = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0),
+                         max_block_bytes=32768)
+        got = honest.register_dense({"w0": zeros, "w1": zeros})
+        assert {float(v) for w in got.values() for v in np.unique(w)} <= {0.0, -0.5}
+        honest.close()
+        assert H.wait_all(pr, servers, 20) == [0, 0]
 
 
 @pytest.mark.timeout(60)

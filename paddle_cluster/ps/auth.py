@@ -16,10 +16,18 @@ MACs (so an on-path relay cannot downgrade integrity). Both sides then derive on
 ``K_t``, both nonces and the same context: a frame recorded on one connection, in one direction, or to
 another pserver verifies nowhere else.
 
-Frame MAC: HMAC-SHA256 truncated to 16 bytes, chosen by measurement (docs/reliability.md): with the CPU's
-SHA extensions hashlib's SHA-256 is the fastest sound MAC the standard library has -- faster than keyed
-BLAKE2 -- and an HMAC built from two SHA-256 states hashed once per key and ``copy()``-ed per frame runs at
-SHA-256 speed and can be fed chunk by chunk as bytes arrive (``hmac.new`` per frame cannot be reused).
+Frame MAC: negotiated. The trainer offers the MACs it has (``AUTH_RESPONSE``'s aux field, a bit mask), the
+pserver picks the fastest both have (``AUTH_OK``'s aux); the offer is inside the trainer's answer and the choice
+inside the pserver's proof and the session keys, so a relay cannot change either. Chosen by measurement
+(docs/reliability.md, ``python -m bench.macs``):
+
+- ``HmacSha256`` (always there: nodes need only Python and numpy): HMAC-SHA256 truncated to 16 bytes, built
+  from two SHA-256 states hashed once per key and ``copy()``-ed per frame -- with the CPU's SHA extensions
+  the fastest sound MAC of the standard library, and fed chunk by chunk as bytes arrive;
+- ``Poly1305Mac`` (when both ends have the ``cryptography`` package): Poly1305, ~3.5x faster per byte, for
+  frames of 64 KiB and more (HMAC-SHA256 costs less per small frame). It is a one-time MAC, so every tag
+  has its own key, keyed BLAKE2b(frame number | piece number): the header's tag and each segment's tag
+  authenticate exactly that piece at exactly that place of that frame.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import protocol as P
 from .errors import AuthError, ConnectionLost, ProtocolError
@@ -43,34 +51,117 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds for the whole handshake, however the peer tr
 _SEQ = struct.Struct("<Q")
 
 
-class Mac:
-    """HMAC-SHA256 under one key; ``start`` a frame, feed it as bytes arrive, ``tag`` any prefix of it."""
+class _Hmac:
+    """HMAC-SHA256 under one key from two precomputed states (``run`` a message, ``finish`` it)."""
 
     def __init__(self, key: bytes) -> None:
         k = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in k))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in k))
 
-    def start(self, seq: int, header: Any) -> Any:
-        """A running MAC of frame number ``seq`` (never sent: both ends count) starting with its header."""
-        h = self._inner.copy()
-        h.update(_SEQ.pack(seq))
-        h.update(header)
-        return h
+    def run(self) -> Any:
+        return self._inner.copy()
 
-    def tag(self, running: Any) -> bytes:
-        """The tag of everything fed to ``running`` so far (it can be fed on)."""
+    def finish(self, running: Any) -> bytes:
         o = self._outer.copy()
         o.update(running.copy().digest())
-        return o.digest()[:TAG_SIZE]
+        return o.digest()
+
+
+class HmacSha256:
+    """Frame MAC: HMAC-SHA256-128 of the frame number, the header and the payload so far, at every tag."""
+
+    CODE = 1
+
+    def __init__(self, key: bytes) -> None:
+        self._h = _Hmac(key)
+
+    def start(self, seq: int, header: Any) -> _HmacFrame:
+        """A running MAC of frame number ``seq`` (never sent: both ends count) starting with its header."""
+        run = self._h.run()
+        run.update(_SEQ.pack(seq))
+        run.update(header)
+        return _HmacFrame(self._h, run)
+
+
+class _HmacFrame:
+    def __init__(self, h: _Hmac, run: Any) -> None:
+        self._h, self._run = h, run
+        self.update = run.update
+
+    def tag(self) -> bytes:
+        """The tag of everything fed so far (it can be fed on)."""
+        return self._h.finish(self._run)[:TAG_SIZE]
+
+
+class Poly1305Mac:
+    """Frame MAC: Poly1305 of each piece (the header, then each segment) under its own one-time key, for frames
+    of at least ``BIG`` payload bytes; smaller ones (requests, replies, sparse rows) take HMAC-SHA256, which
+    costs less per frame. Which one follows from the header's length field: a changed length selects the
+    other MAC, under another key, and fails."""
+
+    CODE = 2
+    BIG = 64 << 10
+
+    def __init__(self, key: bytes) -> None:
+        self._small = HmacSha256(hmac.new(key, b"small frames", hashlib.sha256).digest())
+        # Keyed BLAKE2b as the PRF of the one-time keys: one hash per piece.
+        self._prf = hashlib.blake2b(key=hmac.new(key, b"poly1305 keys", hashlib.sha256).digest(), digest_size=32)
+
+    def start(self, seq: int, header: Any) -> Any:
+        if P.HEADER.unpack_from(header)[8] < self.BIG:
+            return self._small.start(seq, header)
+        f = _PolyFrame(self._prf, seq)
+        f.update(header)
+        return f
+
+
+class _PolyFrame:
+    """One frame's pieces; piece ``n``'s key is PRF(frame number | n)."""
+
+    def __init__(self, prf: Any, seq: int) -> None:
+        self._prf, self._seq, self._n, self._p = prf, seq, 0, None
+
+    def update(self, data: Any) -> None:
+        if self._p is None:
+            h = self._prf.copy()
+            h.update(_PIECE.pack(self._seq, self._n))
+            self._p = _Poly1305(h.digest())  # type: ignore[misc]
+        self._p.update(data)
+
+    def tag(self) -> bytes:
+        """The tag of what was fed since the last tag; the next piece gets the next key."""
+        if self._p is None:
+            self.update(b"")
+        t = self._p.finalize()
+        self._p, self._n = None, self._n + 1
+        return t
+
+
+_PIECE = struct.Struct("<QI")
+
+try:
+    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
+
+    _Poly1305(bytes(32)).finalize()  # a FIPS-only OpenSSL refuses it: then it is not offered
+    SUITES: Dict[int, Any] = {HmacSha256.CODE: HmacSha256, Poly1305Mac.CODE: Poly1305Mac}
+except Exception:  # not installed, or unusable
+    SUITES = {HmacSha256.CODE: HmacSha256}
+OFFER = sum(SUITES)  # what this side offers and accepts (a bit mask of the CODEs)
+
+
+def choose(offer: int, have: int) -> int:
+    """The fastest frame MAC in both masks (0: none in common)."""
+    common = offer & have
+    return max((c for c in SUITES if c & common), default=0)
 
 
 @dataclass(frozen=True)
 class Keys:
     """One connection's frame keys: what this side sends with, what it expects."""
 
-    send: Mac
-    recv: Mac
+    send: Any  # HmacSha256 or Poly1305Mac
+    recv: Any
 
 
 def _context(job_id: str, pserver: int, trainer: int, integrity: bool, version: int) -> bytes:
@@ -82,11 +173,12 @@ def _answer(key: bytes, label: bytes, first: bytes, second: bytes, context: byte
     return hmac.new(key, label + first + second + context, hashlib.sha256).digest()
 
 
-def _session(key: bytes, sn: bytes, cn: bytes, context: bytes) -> Tuple[Mac, Mac]:
-    """(trainer -> pserver, pserver -> trainer) frame keys."""
+def _session(key: bytes, sn: bytes, cn: bytes, context: bytes, suite: int) -> Tuple[Any, Any]:
+    """(trainer -> pserver, pserver -> trainer) frame MACs of the chosen ``suite``."""
     base = hmac.new(key, b"session" + sn + cn + context, hashlib.sha256).digest()
-    return (Mac(hmac.new(base, b"c2s frames", hashlib.sha256).digest()),
-            Mac(hmac.new(base, b"s2c frames", hashlib.sha256).digest()))
+    mac = SUITES[suite]
+    return (mac(hmac.new(base, b"c2s frames", hashlib.sha256).digest()),
+            mac(hmac.new(base, b"s2c frames", hashlib.sha256).digest()))
 
 
 # -- raw socket reads with one deadline --------------------------------------------------------------------
@@ -137,36 +229,47 @@ def server_handshake(sock: socket.socket, key_of: Callable[[int], str], job_id: 
     if not 0 <= h.trainer < n_trainers:
         raise AuthError(f"trainer id {h.trainer} is outside [0, {n_trainers})")
     key = bytes.fromhex(key_of(h.trainer))
-    context = _context(job_id, pserver, h.trainer, integrity, P.VERSION)
+    context = _context(job_id, pserver, h.trainer, integrity, P.VERSION) + b"|offer%d" % h.aux
     answer, cn = body[:MAC_SIZE], body[MAC_SIZE:]
     if not hmac.compare_digest(answer, _answer(key, b"c2s", sn, cn, context)):
         raise AuthError(f"trainer {h.trainer}: wrong answer to the challenge (not this trainer's key, another "
                         f"job or pserver, integrity {'on' if integrity else 'off'} here, or a replay)")
-    sock.sendall(P.pack_header(P.Op.AUTH_OK, trainer=h.trainer, length=MAC_SIZE)
+    suite = choose(h.aux, OFFER)
+    if not suite:
+        raise AuthError(f"trainer {h.trainer} offers frame MACs {h.aux:#x}, this pserver has {OFFER:#x}: none in "
+                        "common (a different paddle_cluster version?)")
+    context += b"|suite%d" % suite
+    sock.sendall(P.pack_header(P.Op.AUTH_OK, trainer=h.trainer, length=MAC_SIZE, aux=suite)
                  + _answer(key, b"s2c", cn, sn, context))
-    c2s, s2c = _session(key, sn, cn, context)
+    c2s, s2c = _session(key, sn, cn, context, suite)
     return h.trainer, (Keys(send=s2c, recv=c2s) if integrity else None)
 
 
 def client_handshake(sock: socket.socket, key_hex: str, job_id: str, pserver: int, trainer: int,
-                     integrity: bool, timeout: float = HANDSHAKE_TIMEOUT) -> Optional[Keys]:
-    """Answer pserver ``pserver``'s challenge as ``trainer`` and check that it, too, knows the key."""
+                     integrity: bool, timeout: float = HANDSHAKE_TIMEOUT, offer: Optional[int] = None
+                     ) -> Optional[Keys]:
+    """Answer pserver ``pserver``'s challenge as ``trainer`` and check that it, too, knows the key.
+    ``offer``: the frame MACs to offer (default: every one this side has)."""
+    offer = OFFER if offer is None else offer
     deadline = time.monotonic() + timeout
     key = bytes.fromhex(key_hex)
-    context = _context(job_id, pserver, trainer, integrity, P.VERSION)
+    context = _context(job_id, pserver, trainer, integrity, P.VERSION) + b"|offer%d" % offer
     _, sn = _recv_frame(sock, P.Op.AUTH_CHALLENGE, NONCE_SIZE, deadline)
     cn = os.urandom(NONCE_SIZE)
     sock.settimeout(timeout)
-    sock.sendall(P.pack_header(P.Op.AUTH_RESPONSE, trainer=trainer, length=MAC_SIZE + NONCE_SIZE)
+    sock.sendall(P.pack_header(P.Op.AUTH_RESPONSE, trainer=trainer, length=MAC_SIZE + NONCE_SIZE, aux=offer)
                  + _answer(key, b"c2s", sn, cn, context) + cn)
     try:
-        _, proof = _recv_frame(sock, P.Op.AUTH_OK, MAC_SIZE, deadline)
+        ok, proof = _recv_frame(sock, P.Op.AUTH_OK, MAC_SIZE, deadline)
     except ConnectionLost:
         raise AuthError("the pserver refused our answer (same PADDLE_JOB_SECRET / PADDLE_TRAINER_KEY, job id, "
                         "pserver and INTEGRITY setting on both sides?)") from None
     except ProtocolError as e:
         raise AuthError(f"bad answer from the pserver: {e}") from None
+    context += b"|suite%d" % ok.aux
     if not hmac.compare_digest(proof, _answer(key, b"s2c", cn, sn, context)):
         raise AuthError("the pserver failed to prove it knows the job secret")
-    c2s, s2c = _session(key, sn, cn, context)
+    if not ok.aux & offer or ok.aux not in SUITES:
+        raise AuthError(f"the pserver chose frame MAC {ok.aux}, which this trainer did not offer")
+    c2s, s2c = _session(key, sn, cn, context, ok.aux)
     return Keys(send=c2s, recv=s2c) if integrity else None

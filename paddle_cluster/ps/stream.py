@@ -5,11 +5,13 @@ With integrity on (the default) a frame is its header, a tag, then the payload w
 
     header(40) tag | payload[0:S] tag | payload[S:2S] tag | ... | payload[kS:n] tag
 
-Every tag is the MAC (``auth.Mac``, this direction's key) of the frame's sequence number -- counted by both
-ends, never sent -- its header and all payload bytes before the tag. So a header is verified before anything
-acts on it, every segment before it is used, and a flipped, replayed, reordered, reflected or spliced frame
-fails at its first tag. The MAC is fed each chunk as ``recv_into`` delivers it (still in cache), and a sender
-hashes a segment right before handing it to ``sendmsg``. Without integrity a frame is header + payload.
+Every tag is the negotiated frame MAC (``auth``: HMAC-SHA256 or Poly1305, this direction's key) bound to the
+frame's sequence number -- counted by both ends, never sent -- and to its place in the frame: HMAC covers the
+header and all payload bytes before the tag, Poly1305 the piece since the last tag under a key of its own.
+So a header is verified before anything acts on it, every segment before it is used, and a flipped,
+replayed, reordered, reflected or spliced frame fails at its first tag. The MAC is fed each chunk as
+``recv_into`` delivers it (still in cache), and a sender hashes a segment right before handing it to
+``sendmsg``. Without integrity a frame is header + payload.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Stream:
         mac = self.keys.send
         run = mac.start(self.tx_seq, header)
         self.tx_seq += 1
-        out = [memoryview(header), memoryview(mac.tag(run))]
+        out = [memoryview(header), memoryview(run.tag())]
         room = SEGMENT
         copy = self._send_scratch() if volatile else None
         for p in payload:
@@ -73,11 +75,11 @@ class Stream:
                 off += len(piece)
                 room -= len(piece)
                 if room == 0:
-                    out.append(memoryview(mac.tag(run)))
+                    out.append(memoryview(run.tag()))
                     P.send_views(self.sock, out)
                     out, room = [], SEGMENT
         if room != SEGMENT:
-            out.append(memoryview(mac.tag(run)))
+            out.append(memoryview(run.tag()))
         if out:
             P.send_views(self.sock, out)
 
@@ -102,7 +104,7 @@ class Stream:
             mac = self.keys.recv
             self._run = mac.start(self.rx_seq, view[:P.HEADER_SIZE])
             self.rx_seq += 1
-            if not hmac.compare_digest(mac.tag(self._run), view[P.HEADER_SIZE:]):
+            if not hmac.compare_digest(self._run.tag(), view[P.HEADER_SIZE:]):
                 raise IntegrityError(f"frame {self.rx_seq - 1}: header failed its MAC (tampered, replayed, "
                                      "reordered, reflected or from another connection)")
         h = P.unpack_header(view[:P.HEADER_SIZE], self.max_frame)
@@ -174,5 +176,5 @@ class Stream:
 
     def _check_tag(self) -> None:
         P.recv_into(self.sock, memoryview(self._tag))
-        if not hmac.compare_digest(self.keys.recv.tag(self._run), self._tag):
+        if not hmac.compare_digest(self._run.tag(), self._tag):
             raise IntegrityError(f"frame {self.rx_seq - 1}: payload failed its MAC (tampered in transit)")
