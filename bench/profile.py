@@ -1,0 +1,105 @@
+"""``python -m bench.profile``: where one dense push+pull's time goes (the numbers behind docs/benchmarks.md).
+
+Two pservers and ``--trainers`` trainers as separate processes, a ``--mb`` MB model in 4 MB blocks, SGD;
+prints the median step (push, pull, push+pull) and each process's CPU time per step (user, system), so a
+step can be read as CPU work vs waiting. ``--off``: integrity off. ``--perf FILE``: also record the processes
+with ``perf record -g`` for ``perf report -i FILE --no-children --sort dso,sym``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Tuple
+
+from .common import MB, TRAINER, Procs, make_env, proc_environ
+
+_HZ = os.sysconf("SC_CLK_TCK")
+_TRAINER = """
+import json, sys, time, numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5))
+w = np.zeros(({n} // 1024, 1024), np.float32)
+ps.register_dense({{"w": w}})
+g = np.ones_like(w)
+for _ in range(2):
+    ps.push({{"w": g}}); ps.pull()
+print("READY", flush=True); sys.stdin.readline()
+t = {{"push": [], "pull": [], "pushpull": []}}
+for _ in range({steps}):
+    t0 = time.perf_counter(); ps.wait(ps.push({{"w": g}}))
+    t1 = time.perf_counter(); ps.pull(); t2 = time.perf_counter()
+    t["push"].append(t1 - t0); t["pull"].append(t2 - t1); t["pushpull"].append(t2 - t0)
+print(json.dumps({{k: sorted(v)[len(v) // 2] for k, v in t.items()}}), flush=True)
+ps.close()
+"""
+
+
+def cpu(pid: int) -> Tuple[float, float]:
+    """(user, system) CPU seconds of a process so far."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(f[11]) / _HZ, int(f[12]) / _HZ
+
+
+def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[str] = None) -> str:
+    tmp = tempfile.mkdtemp(prefix="bench-profile-")
+    env = make_env(["127.0.0.1"] * 2, trainers, tmp, integrity=integrity)
+    procs = Procs(os.path.join(tmp, "logs"))
+    try:
+        ps = [procs.pserver(env, k) for k in range(2)]
+        code = _TRAINER.format(n=size // 4, steps=steps)
+        tr = [procs.start([sys.executable, "-c", code], proc_environ(env, TRAINER, i, "127.0.0.1"), f"trainer{i}")
+              for i in range(trainers)]
+        for p in tr:
+            if not p.stdout.readline().startswith(b"READY"):
+                raise RuntimeError(open(p.log_path).read()[-2000:])
+        pids: List[int] = [p.pid for p in ps + tr]
+        before = [cpu(p) for p in pids]
+        rec = None
+        if perf:
+            rec = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", perf, "-p", ",".join(map(str, pids))],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        for p in tr:
+            p.stdin.write(b"\n")
+            p.stdin.flush()
+        med = [json.loads(p.stdout.readline()) for p in tr][0]
+        after = [cpu(p) for p in pids]
+        if rec:
+            rec.send_signal(signal.SIGINT)
+            rec.wait()
+        names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
+        per = [(n, 1e3 * (a[0] - b[0]) / steps, 1e3 * (a[1] - b[1]) / steps) for n, b, a in zip(names, before, after)]
+        total = sum(u + s for _, u, s in per)
+        for p in tr:
+            p.wait(30)
+        return (f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB: step push "
+                f"{1e3 * med['push']:.1f} / pull {1e3 * med['pull']:.1f} / push+pull {1e3 * med['pushpull']:.1f} ms "
+                f"({2 * trainers * size / med['pushpull'] / 1e9:.2f} GB/s); CPU ms per step (user+sys): "
+                + ", ".join(f"{n} {u:.0f}+{s:.0f}" for n, u, s in per)
+                + f"; total {total:.0f} ms = {total / (1e3 * med['pushpull']):.2f} cores; "
+                f"load {os.getloadavg()[0]:.1f}")
+    finally:
+        procs.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n")[0])
+    ap.add_argument("--off", action="store_true", help="integrity off")
+    ap.add_argument("--trainers", type=int, default=1)
+    ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--perf", help="also write a perf record here")
+    a = ap.parse_args(argv)
+    print(run(a.mb * MB, a.trainers, not a.off, a.steps, a.perf), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
