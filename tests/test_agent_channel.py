@@ -48,10 +48,10 @@ def launch(conf, *args: str, **kw) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, **kw)
 
 
-# What the agent's command prints before the agent starts: lines that are not events, one nested too deeply
-# for json, and one 150 MB line.
+# What the agent's command (the node session that becomes the agent, or a restart's ``supervise``) prints before
+# the agent starts: lines that are not events, one nested too deeply for json, and one 150 MB line.
 NOISY_PYTHON = """#!/bin/sh
-case " $* " in *" supervise "*)
+case " $* " in *" supervise "*|*"node.session import main"*)
   printf '[1, 2]\\n"just a string"\\n{"type": "Log"}\\n'
   head -c 100000 /dev/zero | tr '\\0' '['; echo
   printf '{"type":"Note","node":0,"line":"'; head -c 157286400 /dev/zero | tr '\\0' a; printf '"}\\n'

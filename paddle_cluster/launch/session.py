@@ -6,7 +6,8 @@ the job's agent -- so a launch costs each node one channel and one interpreter, 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from collections import deque
+from typing import Any, Deque, Dict
 
 from paddle_cluster.node.session import REPLY, Request
 
@@ -52,6 +53,9 @@ sys.exit(main(sys.argv[3]))
 """
 
 REPLY_TIMEOUT = 300.0  # an answer can wait for unpacking a large workspace
+# Lines a node prints that are not the session's answers (a login script's, a wrapper's): the last ones are kept,
+# each cut short, to be shown with the agent's output and named in an error -- never held whole or without end.
+KEPT_LINES, KEPT_CHARS = 50, 4096
 
 
 class NodeSession:
@@ -61,7 +65,7 @@ class NodeSession:
         self.node, self.lib, self.req = node, lib, req
         self.stream: Stream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
                                            req.to_json()])
-        self._other: List[str] = []
+        self.other: Deque[str] = deque(maxlen=KEPT_LINES)
 
     def open(self) -> Dict[str, Any]:
         """The node's probe, with ``workspace``: its state there; the library is sent first if it is new."""
@@ -84,16 +88,17 @@ class NodeSession:
             for line in self.stream.lines():
                 try:
                     doc = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # not an answer, however odd: kept, never fatal
                     doc = None
                 if isinstance(doc, dict) and REPLY in doc:
                     if doc[REPLY] == "error":
                         raise HostError(self.node.label, f"{what}: {doc.get('error')}")
                     return doc
-                self._other.append(line)
+                self.other.append(line[:KEPT_CHARS])
         finally:
             self.stream.settimeout(None)
-        detail = " | ".join(x.strip() for x in self._other[-5:] if x.strip()) or "the session ended without an answer"
+        last = [x.strip() for x in list(self.other)[-5:] if x.strip()]
+        detail = " | ".join(last) or "the session ended without an answer"
         raise HostError(self.node.label, f"{what} failed: {detail}")
 
     def close(self) -> None:

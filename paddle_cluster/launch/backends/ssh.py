@@ -38,6 +38,7 @@ class SSHBackend(Backend):
         self.lib: Optional[dispatch.Package] = None
         self.streams: Dict[int, Stream] = {}
         self.events = EventQueue([], cfg.orphan_timeout)
+        self.early: Dict[int, List[str]] = {}  # lines of the prepared sessions that were not their answers
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
@@ -94,6 +95,7 @@ class SSHBackend(Backend):
                 s.close()
         else:
             self.sessions = {i: s.stream for i, s in sessions.items()}
+            self.early = {i: list(s.other) for i, s in sessions.items() if s.other}
         docs = res.ok("preparing the nodes")
         self.networks = [d.get("network") for d in docs]
         machines.refuse_same_machines(self.labels, docs, cfg.source)
@@ -126,6 +128,10 @@ class SSHBackend(Backend):
         lib, cfg = self.lib, self.cfg
         self.events = events = EventQueue([n.node for n in plan.nodes], cfg.orphan_timeout)
         held, self.sessions = self.sessions, {}  # the prepared sessions' agents; a restart starts new ones
+        early, self.early = self.early, {}
+        for i, lines in early.items():  # what the nodes printed before their agents spoke is shown as theirs
+            for line in lines:
+                events.put(i, m.Note(i, line[:NOTE_MAX]))
 
         def start(n: Node) -> Stream:
             s = held.pop(n.index, None) or n.stream(dispatch.agent_argv(
