@@ -120,3 +120,21 @@ def test_a_job_on_16_hosts(make_ssh_cluster, tmp_path):
         assert (c.root_dir(i) / "wide" / "data" / "part-0").read_text() == "1 2 3\n"
     assert "job wide finished: all 16 trainer(s) exited 0" in res.stderr
     assert_nothing_left(c)
+
+
+@pytest.mark.timeout(200)
+def test_prepared_agents_wait_for_a_slow_upload_to_another_node(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(2)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "big.bin").write_bytes(os.urandom(4 << 20))
+    one = write_conf(tmp_path, c, "one.py", hosts=c.hosts[:1])
+    first = cli(one, "run", "--job_dispatch_package", str(ws), "--job_name", "slow1")  # node0 caches it
+    assert first.returncode == 0, first.stdout + first.stderr
+    c.shape(1, "4mbit")  # 4 MB to node1 take ~8 s, longer than ORPHAN_TIMEOUT: node0's agent must not give up
+    res = cli(write_conf(tmp_path, c, ORPHAN_TIMEOUT=5.0), "run", "--job_dispatch_package", str(ws),
+              "--job_name", "slow2", timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "node0 already held this package: not sent again" in res.stderr
+    assert "[trainer.0@node0] ENV OK trainer 0 of 2" in res.stdout and "[trainer.1@node1] ENV OK" in res.stdout
+    assert (c.root_dir(1) / "slow2" / "data" / "big.bin").read_bytes() == (ws / "data" / "big.bin").read_bytes()
+    assert_nothing_left(c)

@@ -70,11 +70,16 @@ class SSHBackend(Backend):
                       max_members=pkg.files if pkg else 0, workspace_dir=(spec.workspace or "") if spec else "",
                       agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
         lib = self.lib = dispatch.library_package()
+        with open(lib.path, "rb") as f:  # read now: a concurrent launcher may replace the cached file
+            lib_data = f.read()
         sessions: Dict[int, NodeSession] = {}
         sent: Dict[int, bool] = {}
+        waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
+        prepared = threading.Event()
+        threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
         with dispatch.upload_progress() as bar:
             def open_one(n: Node) -> dict:
-                s = sessions[n.index] = NodeSession(n, lib, req)
+                s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
                 doc = s.open()
                 self._check_probe(n, doc)
                 ws = doc["workspace"]
@@ -87,9 +92,12 @@ class SSHBackend(Backend):
                 if pkg is not None and not ws.get("ok"):
                     raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
                 sent[n.index] = bool(ws.get("sent"))
+                if agent:
+                    waiting[n.index] = s.stream
                 return doc
 
             res = fanout(self.nodes, open_one)
+        prepared.set()
         if res.errors or not agent:
             for s in sessions.values():
                 s.close()
@@ -200,6 +208,17 @@ class SSHBackend(Backend):
             s.close()
         self.sessions = {}
         fanout(self.nodes, lambda n: n.close())
+
+
+def _keep_alive(waiting: Dict[int, Stream], done: threading.Event) -> None:
+    """Ping the agents that are ready while others are still being prepared: an agent that hears nothing for
+    ORPHAN_TIMEOUT stops, and uploading a large workspace to one node can take longer than that."""
+    while not done.wait(PING_S):
+        for s in list(waiting.values()):
+            try:
+                s.write_line(m.encode(m.Ping()))
+            except Exception:  # noqa: BLE001 - a dead stream is reported when the job starts
+                pass
 
 
 def _read(i: int, stream: Stream, events: EventQueue) -> None:
