@@ -13,6 +13,7 @@ import json
 import os
 import posixpath
 import secrets
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -129,15 +130,22 @@ def _cache_home() -> str:
 
 
 def library_package() -> Package:
-    """The node library as a tar, cached like a workspace (made again only when one of its files changed)."""
-    return _cached_tar(_library_entries(), "paddle_cluster node library", os.path.join(_cache_home(), "lib"),
-                       "lib-", keep=2)
+    """The node library as a tar, cached like a workspace (made again only when one of its files changed), in a
+    directory of this installation's own: launchers of other versions prune theirs, never ours."""
+    here = str(Path(paddle_cluster.__file__).resolve().parent)
+    cache = os.path.join(_cache_home(), "lib", hashlib.sha256(here.encode()).hexdigest()[:16])
+    return _cached_tar(_library_entries(), here, cache, "lib-", keep=2)
 
 
 @contextlib.contextmanager
 def library_archive() -> Iterator[Package]:
-    """The node library as a tar (``library_package``), for a ``with``."""
-    yield library_package()
+    """The node library as a tar of its own that exists only inside the ``with`` (a concurrent launcher may
+    replace the cached one; the sha256 stays valid after)."""
+    lib = library_package()
+    with tempfile.TemporaryDirectory(prefix="paddle-cluster-") as tmp:
+        own = os.path.join(tmp, os.path.basename(lib.path))
+        shutil.copyfile(lib.path, own)
+        yield Package(own, lib.sha256, lib.size, lib.files)
 
 
 def install_library(nodes: Sequence[Node]) -> Package:

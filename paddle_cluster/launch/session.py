@@ -61,8 +61,8 @@ KEPT_LINES, KEPT_CHARS = 50, 4096
 class NodeSession:
     """One node's session; after ``open`` (and ``receive``) its ``stream`` carries the agent's messages."""
 
-    def __init__(self, node: Node, lib: Package, req: Request) -> None:
-        self.node, self.lib, self.req = node, lib, req
+    def __init__(self, node: Node, lib: Package, lib_data: bytes, req: Request) -> None:
+        self.node, self.lib, self.lib_data, self.req = node, lib, lib_data, req
         self.stream: Stream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
                                            req.to_json()])
         self.other: Deque[str] = deque(maxlen=KEPT_LINES)
@@ -71,9 +71,7 @@ class NodeSession:
         """The node's probe, with ``workspace``: its state there; the library is sent first if it is new."""
         doc = self._reply("starting the node session")
         if doc[REPLY] == "need-lib":
-            with open(self.lib.path, "rb") as f:
-                data = f.read()
-            self.stream.write(b"%016d" % len(data) + data)
+            self.stream.write(b"%016d" % len(self.lib_data) + self.lib_data)
             doc = self._reply("installing paddle_cluster")
         return doc
 
