@@ -80,7 +80,7 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
         for n in counts:
             conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
             out[f"launch_{n}"] = Stats([_run_cli(conf, ws, n) for _ in range(reps)])
-        out.update(_floor(cl, work, sorted({min(counts), max(counts)}), reps))
+        out.update(_floor(cl, work, sorted({min(counts), 8 if 8 in counts else max(counts), max(counts)}), reps))
         # -- dispatch of a big workspace -------------------------------------------------------------------
         big = work / "big"
         big.mkdir()
@@ -132,7 +132,8 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[
 
     def clear() -> None:
         for i in range(n):
-            shutil.rmtree(cl.root_dir(i) / ".paddle_cluster" / "packages", ignore_errors=True)
+            for cache in ("packages", "trees"):  # archives and unpacked trees: the next delivery sends again
+                shutil.rmtree(cl.root_dir(i) / ".paddle_cluster" / cache, ignore_errors=True)
             for d in cl.root_dir(i).glob("BENCHJOB*"):
                 shutil.rmtree(d, ignore_errors=True)
 
