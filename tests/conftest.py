@@ -72,10 +72,11 @@ def mpi_env(request, tmp_path_factory) -> MPIEnv:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A real Slurm cluster on 3 hosts of its own, up once per session (~0.4 s); leave it quiet
+    """A real Slurm cluster on 3 hosts of its own, up once per session (~0.4 s; over 20 s seen on a machine
+    loaded 10 times over its cores, hence the 90 s limit on the bring-up); leave it quiet
     (``slurm_cluster.wait_quiet()``: no job active, every node idle, no job process on any host)."""
     reason = slurm_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with SSHCluster(3, tmp_path_factory.mktemp("slurm_hosts")) as hosts, SlurmCluster(hosts) as slurm:
+    with SSHCluster(3, tmp_path_factory.mktemp("slurm_hosts")) as hosts, SlurmCluster(hosts, timeout=90.0) as slurm:
         yield slurm

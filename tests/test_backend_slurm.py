@@ -96,6 +96,18 @@ def test_ctrl_c_cancels_the_running_job(slurm, tmp_path):
     slurm.wait_quiet()  # no job in squeue, no process on any host (setsid grandchildren included)
 
 
+
+def test_kill_from_another_terminal_ends_the_followed_job(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    r = _Run(conf, env, "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmkill")
+    wait_for(lambda: sum("holding" in x for x in r.out) == 3, 90, "3 trainers holding")
+    k = _cli(conf, env, "kill", "--job_name", "slurmkill")
+    assert k.returncode == 0 and "nothing of it is left in squeue" in k.stdout, k.stderr
+    assert r.wait() == 1  # the run following it reports the processes scancel ended, as for any backend's kill
+    err = "".join(r.err)
+    assert "killed by SIGTERM" in err and "Traceback" not in err, err
+    slurm.wait_quiet()  # no job in squeue, no process on any host
+
 def test_ctrl_c_cancels_a_pending_job(slurm, tmp_path):
     conf, env, ws = _setup(slurm, tmp_path)
     go = tmp_path / "go"

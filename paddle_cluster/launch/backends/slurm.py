@@ -213,7 +213,7 @@ class SlurmBackend(Backend):
                 return
             if info.get("Reason") != reason:
                 reason = info.get("Reason", "")
-                self.say(f"Slurm job {self.job_id} pending: {reason}")
+                self.say(f"Slurm job {self.job_id} pending" + (f": {reason}" if reason not in ("", "None") else ""))
             for i in self.events.last_heard:  # a queued job is not a silent agent
                 self.events.last_heard[i] = time.monotonic()
             time.sleep(POLL_S)
