@@ -108,6 +108,39 @@ def test_kill_from_another_terminal_ends_the_followed_job(slurm, tmp_path):
     assert "killed by SIGTERM" in err and "Traceback" not in err, err
     slurm.wait_quiet()  # no job in squeue, no process on any host
 
+
+# Node 0 finishes first: its pserver exits 0 once its trainer is done, and trainer 0 is done at once; the
+# other trainers take longer than ORPHAN_TIMEOUT. (Files in the shared workspace, $PADDLE_WORKSPACE.)
+EARLY_PS_PY = """
+import os, socket, time
+from paddle_cluster.contract import JobEnv
+env = JobEnv.from_environ()
+socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
+print("listening", flush=True)
+while not os.path.exists(os.path.join(os.environ["PADDLE_WORKSPACE"], f"done.{env.pserver_id}")):
+    time.sleep(0.05)
+"""
+LATE_TRAIN_PY = """
+import os, time
+tid = int(os.environ["PADDLE_TRAINER_ID"])
+time.sleep(0 if tid == 0 else 9)
+open(os.path.join(os.environ["PADDLE_WORKSPACE"], f"done.{tid}"), "w").close()
+print("done", tid, flush=True)
+"""
+
+
+def test_a_node_that_finishes_first_is_neither_a_failure_nor_lost(slurm, tmp_path):
+    conf, env, _ = _setup(slurm, tmp_path, ORPHAN_TIMEOUT=6.0)
+    ws = tmp_path / "early"
+    ws.mkdir()
+    (ws / "train.py").write_text(LATE_TRAIN_PY)
+    (ws / "ps.py").write_text(EARLY_PS_PY)
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmearly")
+    no_traceback(res)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "finished: all 3 trainer(s) exited 0" in res.stderr
+    slurm.wait_quiet()
+
 def test_ctrl_c_cancels_a_pending_job(slurm, tmp_path):
     conf, env, ws = _setup(slurm, tmp_path)
     go = tmp_path / "go"

@@ -105,8 +105,14 @@ class Attempt:
             self.out(f"[agent@{self.backend.names[ev.node]}] {ev.line}")
         elif isinstance(ev, NodeLost):
             raise JobFailed(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}")
-        elif isinstance(ev, m.Stopped) and not self.stopping:
+        elif isinstance(ev, m.Stopped) and not self.stopping and not self.node_done(ev.node):
             raise JobFailed(f"the agent on {self.backend.labels[ev.node]} stopped the job: {ev.reason}")
+
+    def node_done(self, node: int) -> bool:
+        """Every process of ``node`` exited 0: an agent an engine started (no launcher to wait for) then ends,
+        which is no failure while other nodes' processes are still finishing (their events may come later)."""
+        mine = [p for p in self.procs.values() if p.node == node]
+        return bool(mine) and all(p.finished and not p.failed for p in mine)
 
     def pump(self, until: Callable[[], bool], timeout: Optional[float] = None,
              check: Optional[Callable[[], None]] = None) -> bool:

@@ -140,9 +140,9 @@ class EventQueue:
             self._report_lost(NodeLost(node, "its agent's connection closed"))
 
     def silent(self) -> List[int]:
-        """The nodes not heard from for ``orphan_timeout`` s."""
+        """The nodes not heard from for ``orphan_timeout`` s (an agent that said it stopped is not silent)."""
         now = time.monotonic()
-        return [i for i, t in self.last_heard.items() if now - t > self.orphan_timeout]
+        return [i for i, t in self.last_heard.items() if now - t > self.orphan_timeout and i not in self.stopped]
 
     def get(self, timeout: float) -> Optional[Event]:
         try:
