@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import traceback
 import warnings
@@ -16,14 +17,17 @@ from .contract import ContractError, check_job_name
 from .launch import journal, k8s, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
 from .launch.entry import settle
-from .launch.errors import ClusterError
+from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job
 from .launch.supervise import JobResult
 
 
 def _say(msg: str) -> None:
-    click.echo(f"paddle-cluster: {msg}", err=True)
+    try:
+        click.echo(f"paddle-cluster: {msg}", err=True)
+    except OSError:  # the terminal is gone (SIGHUP): the command still stops what it started
+        pass
 
 
 def _out(line: str) -> None:
@@ -50,10 +54,9 @@ def _handled(fn):
             click.echo("paddle-cluster: interrupted", err=True)
             sys.exit(130)
         if isinstance(result, JobResult):
+            _say(f"error: {result.message}" if result.is_error else result.message)
             if not result.ok:
-                click.echo(f"paddle-cluster: error: {result.message}", err=True)
                 sys.exit(result.exit_code)
-            _say(result.message)
 
     return wrapper
 
@@ -106,7 +109,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
         logging.getLogger("paramiko").propagate = True
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command(context_settings={"ignore_unknown_options": True},
+              epilog="Exit status: " + ", ".join(f"{code} {what}" for code, what in OUTCOMES.items()) + ".")
 @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every node.")
 @click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every node.")
 @click.option("--job_name", metavar="NAME", callback=_checked_name,
@@ -136,6 +140,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "TRAINERS_PER_NODE).")
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
+@click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
+              "files; warnings and errors are always shown).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 @_handled
@@ -143,7 +149,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], trainer_args: Tuple[str, ...]) -> JobResult:
+        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -172,7 +178,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         _say(note)
     spec = JobSpec(settled.cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
-                   tuple(settled.init.items()))
+                   tuple(settled.init.items()), verbose)
     if cfg.backend != "slurm":
         if nodes or partition or time_limit or account or detach:
             raise click.UsageError("--nodes, --partition, --time, --account and --detach are for --backend slurm")
@@ -226,10 +232,12 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 
 @main.command()
 @click.argument("node")
-@click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True,
+              help="Whose logs: the trainers', the pservers' or both.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends or Ctrl+C.")
 @click.option("-n", "lines", type=int, default=50, show_default=True, help="How many last lines to show.")
-@click.option("--job_name", metavar="NAME", callback=_checked_name)
+@click.option("--job_name", metavar="NAME", callback=_checked_name,
+              help="Job whose logs to show (default: the latest started with this config).")
 @click.pass_context
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
@@ -249,7 +257,8 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", callback=_checked_name)
+@click.option("--job_name", metavar="NAME", callback=_checked_name,
+              help="Job to show (default: the latest started with this config).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @_handled
@@ -257,6 +266,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
+    ended = journal.outcome(cfg, name)
     k = _on_k8s(cfg, name)
     if slurm_ops.is_slurm_job(cfg, name):
         head, rows = slurm_ops.status(cfg, name)
@@ -266,12 +276,15 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 
         rows = kubectl.job_status(k)
     else:
-        rows = ops.job_status(cfg, name)
+        rows = ops.job_status(cfg, name, ended)
     if as_json:
         _out(ops.as_json(rows))
         return
-    _table(["node", "host", "address", "process", "pid", "state", "progress", "last log line"],
-           [[r.node, r.host, r.address, r.name, r.pid_text, r.state, r.progress, r.last_line[-60:]] for r in rows])
+    how = f"{ended['outcome']} (exit {ended['exit_code']})" if ended else (
+        "in progress" if any(r.state == "running" for r in rows) else "ended (no outcome recorded on this machine)")
+    _table(["process", "node", "address", "pid", "state", "progress", "last log line"],
+           [[r.name, r.node, r.address, r.pid_text, r.state, r.progress, r.last_line] for r in rows],
+           title=f"job {name}: {how}", wrap=("address", "pid", "progress"))
 
 
 @main.command()
@@ -285,9 +298,9 @@ def check(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _out(ops.as_json(rows))
     else:
-        _table(["node", "host", "ssh", "python", "numpy", "nic", "ports", "ROOT_DIR", "disk free", "problem"],
-               [[r.node, r.host, r.ssh, r.python, r.numpy, r.nic, r.ports, r.root_dir, r.disk_free, r.problem]
-                for r in rows])
+        _table(["node", "host", "ssh", "python", "numpy", "nic", "ports", "ROOT_DIR", "disk free"],
+               [[r.node, r.host, r.ssh, r.python, r.numpy, r.nic, r.ports, r.root_dir, r.disk_free] for r in rows],
+               wrap=("host", "nic", "disk free"))
     bad = [r for r in rows if not r.ok]
     if bad:
         raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"
@@ -295,7 +308,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", callback=_checked_name)
+@click.option("--job_name", metavar="NAME", callback=_checked_name,
+              help="Job to plot (default: the latest started with this config).")
 @click.option("-o", "--out", "out_path", metavar="FILE", help="PNG to write (default: <job name>.png here).")
 @click.pass_context
 @_handled
@@ -311,7 +325,7 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     for c in cs:
         _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
              f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
-    _say(f"wrote {path}")
+    _say(f"wrote {os.path.abspath(path)}")
 
 
 @main.group()
@@ -353,11 +367,16 @@ def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str
     click.echo(k8s.render(job), nl=False)
 
 
-def _table(headers, rows) -> None:
+def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = ()) -> None:
+    """A table as wide as the terminal, or unwrapped up to 200 columns for a pipe. To fit, the ``wrap`` columns
+    and the last one wrap; the others stay whole."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(*headers)
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for h in headers:
+        t.add_column(h, overflow="fold", no_wrap=h not in wrap and h != headers[-1])
     for r in rows:
         t.add_row(*r)
     Console(width=200 if not sys.stdout.isatty() else None).print(t)

@@ -174,7 +174,7 @@ def test_link_down_fails_cleanly_and_leaves_nothing(make_ssh_cluster, tmp_path):
     try:
         rc = run.finish(5 + 10)  # ORPHAN_TIMEOUT + teardown
         t_exit = time.monotonic()
-        assert rc == 1, run.text()[-3000:]
+        assert rc == 4, run.text()[-3000:]  # lost contact: its own exit status
         assert f"lost contact with node2 ({c.hosts[2]})" in run.stderr, run.stderr
         assert not c.pids(0) and not c.pids(1), "processes left on the reachable nodes"
         # Cut off, node2's agent stops its processes after ORPHAN_TIMEOUT of silence.
@@ -274,6 +274,15 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
         assert f"node1 ({c.hosts[1]}): unpacking the workspace into {ROOT}/f_disk2 refused: [Errno 28] No space " \
             "left on device" in full.stderr, full.stderr
         full.assert_no_launcher_traceback()
+        # A new workspace that does not fit: the preflight refuses before it is sent, naming host and fix.
+        (ws / "more.bin").write_bytes(os.urandom(1 << 20))
+        new = Launch(cfg, *_run_args(ws, "f_disk2b"))
+        assert new.finish(60) == 1
+        assert re.search(rf"node1 \({re.escape(c.hosts[1])}\): ROOT_DIR {ROOT} has 0\.\d MB free, the workspace "
+                         r"needs \d+\.\d MB \(archive and unpacked\); free space there or set ROOT_DIR", new.stderr), \
+            new.stderr
+        assert c.exec(1, ["test", "-e", f"{ROOT}/f_disk2b"], check=False).returncode != 0  # nothing started there
+        new.assert_no_launcher_traceback()
         # Completely full: the preflight already refuses, naming the host and the cause.
         c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler2", "bs=4096"], check=False)
         fuller = Launch(cfg, *_run_args(ws, "f_disk3"))
@@ -282,7 +291,8 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
         assert_nothing_left(c)
     finally:
         c.exec(1, ["umount", "-l", ROOT], check=False)
-    report("disk full on node1's ROOT_DIR", "recovered after space returned; unpack refused with ENOSPC",
+    report("disk full on node1's ROOT_DIR", "recovered after space returned; unpack refused with ENOSPC, a new "
+           "workspace by the preflight",
            detect_s=f"{t_det - t_fill:.1f} (from the fill; the next checkpoint is 2 s later)",
            recover_s=f"{t_back - t_fill:.1f}", final_w=w)
 

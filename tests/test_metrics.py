@@ -86,6 +86,9 @@ def test_write_final(tmp_path, capsys):
     M.write_final("steps", np.int64(30), str(out))
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["final accuracy=0.75", "final loss=0.1", "final steps=30"]
+    M.write_final("rmse", 0.9123456789012345, str(tmp_path / "o2"))  # 7 significant digits, printed and stored
+    assert capsys.readouterr().out == "final rmse=0.9123457\n"
+    assert json.loads((tmp_path / "o2" / "metrics.json").read_text()) == {"rmse": 0.9123457}
     with open(path) as f:
         assert json.load(f) == {"accuracy": 0.75, "loss": 0.1, "steps": 30}
     assert os.listdir(out) == ["metrics.json"]  # no temporary file left behind

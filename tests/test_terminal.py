@@ -5,6 +5,7 @@ ends by itself when the job ends. Local mode (``HOSTS = ["localhost"]``): the sa
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -110,3 +111,38 @@ def test_long_running_commands_end_on_ctrl_c_sigterm_and_sighup(local):
     logs = local.spawn("logs", "node0", "-f")
     logs.expect("trainer up")
     assert ended(logs, timeout=10) == 0, "logs -f of a finished job ends by itself"
+
+
+def table_lines(child: pexpect.spawn) -> List[str]:
+    child.expect(pexpect.EOF, timeout=60)
+    child.close()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", child.before.replace("\r", ""))  # what the terminal shows
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def test_kill_is_an_outcome_and_status_shows_what_run_printed(local):
+    """Finding 3: ``kill`` ends the ``run`` it stops with its own exit status (3), no "error"; ``status`` shows
+    the recorded outcome and each process as stopped, in a table that fits 80 columns and names the job
+    (finding 5); a finished job's pservers are "finished", however their stop raced with their exit."""
+    run = local.spawn("run", "--job_dispatch_package", str(local.ws), "--job_name", "victim", "--", "--forever")
+    try:
+        run.expect("sleeping")
+        killer = local.spawn("kill")
+        assert ended(killer, timeout=60) == 0
+        assert ended(run, timeout=30) == 3
+        said = run.before
+        assert "stopped by paddle-cluster kill" in said and "error" not in said, said
+    finally:
+        run.terminate(force=True)
+    lines = table_lines(local.spawn("status"))
+    assert all(len(ln) <= 80 for ln in lines), "\n".join(lines)
+    assert lines[0].startswith("job victim: stopped by paddle-cluster kill (exit 3)"), lines
+    text = "\n".join(lines)
+    assert text.count("stopped (kill)") == 2, text
+
+    fin = local.spawn("run", "--job_dispatch_package", str(local.ws), "--job_name", "done")
+    assert ended(fin, timeout=120) == 0
+    lines = table_lines(local.spawn("status"))
+    assert lines[0].startswith("job done: finished (exit 0)"), lines
+    states = [ln for ln in lines if "pserver.0" in ln or "trainer.0" in ln]
+    assert len(states) == 2 and all("finished" in ln for ln in states), lines

@@ -74,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _, test_idx = movielens.split(len(ds.ratings), float(config["test_fraction"]), int(config["split_seed"]))
     test = ds.ratings[test_idx]
     value = rmse(predict(model, ds, test, tables), test[:, 2])
-    print(f"model {model_dir}: test_rmse={value!r} on {len(test)} test ratings")
+    print(f"model {model_dir}: test_rmse={value:.7g} on {len(test)} test ratings")
     return 0
 
 

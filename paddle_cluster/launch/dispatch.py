@@ -216,9 +216,7 @@ def ensure_package(node: Node, pkg: Package, kind: str,
     state = node.run_json([*remote, "has", root, pkg.sha256], f"looking for the {kind} archive under {root}", 300)
     final = f"{root}/.paddle_cluster/packages/{pkg.sha256}.tar"
     if state["has"] and (kind != "lib" or state["lib"]):
-        if progress:
-            progress(pkg.size, pkg.size)
-        return final, False
+        return final, False  # no progress reported: nothing was sent
     part = f"{state['part']}-{secrets.token_hex(4)}"
     node.put(pkg.path, part, progress)
     res = node.run_json([*remote, kind, root, pkg.sha256, part], f"installing the {kind} archive", 300)
@@ -242,7 +240,7 @@ def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float =
 @contextlib.contextmanager
 def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
     """``bar(name, total)`` gives an upload's progress callback; the bars (stderr) appear only once one is asked
-    for, so a launch that sends nothing pays nothing for them."""
+    for, so a launch that sends nothing pays nothing for them, and only on a terminal (no stray line on a pipe)."""
     shown: List[Any] = []
     lock = threading.Lock()
 
@@ -253,7 +251,7 @@ def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None
                 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
                 shown.append(Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), transient=not sys.stderr.isatty(),
+                                      TransferSpeedColumn(), disable=not sys.stderr.isatty(),
                                       console=Console(stderr=True)))
                 shown[0].start()
             task = shown[0].add_task(f"upload {name}", total=total)

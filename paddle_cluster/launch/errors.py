@@ -55,8 +55,25 @@ class HostsFailed(ClusterError):
         self.what, self.failures = what, failures
 
 
+# How a command ends, by exit status: the CLI's help and docs/troubleshooting.md list the same.
+OUTCOMES = {0: "finished", 1: "failed", 2: "configuration or usage error", 3: "stopped by paddle-cluster kill",
+            4: "lost contact with a node", 130: "interrupted (Ctrl+C, SIGTERM or SIGHUP)"}
+
+
 class JobFailed(ClusterError):
     """The job ran and failed: the report says which process, how, and its last log lines."""
+
+
+class StoppedByKill(JobFailed):
+    """``paddle-cluster kill`` stopped the job: an outcome, not an error."""
+
+    exit_code = 3
+
+
+class LostContact(JobFailed):
+    """A node's agent could no longer be heard; the job was stopped everywhere else."""
+
+    exit_code = 4
 
 
 class Interrupted(ClusterError):

@@ -20,22 +20,47 @@ def _state_file(cfg: ClusterConfig) -> Path:
     return base / f"{key}.json"
 
 
-def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-             where: Optional[Dict[str, str]] = None) -> None:
-    """``where``: what the backend needs to find the job again (Kubernetes: its namespace; Slurm: its job id)."""
+def _read(cfg: ClusterConfig) -> Dict[str, Any]:
+    try:
+        doc = json.loads(_state_file(cfg).read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(cfg: ClusterConfig, doc: Dict[str, Any]) -> None:
     path = _state_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"latest": job_name, "workspace": workspace, "where": where or {}}))
+    tmp.write_text(json.dumps(doc))
     tmp.replace(path)
 
 
+def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
+             where: Optional[Dict[str, str]] = None) -> None:
+    """``where``: what the backend needs to find the job again (Kubernetes: its namespace; Slurm: its job id)."""
+    doc = _read(cfg)
+    outcomes = {k: v for k, v in doc.get("outcomes", {}).items() if k != job_name}
+    _write(cfg, {"latest": job_name, "workspace": workspace, "where": where or {},
+                 "outcomes": dict(list(outcomes.items())[-20:])})
+
+
+def record_outcome(cfg: ClusterConfig, job_name: str, exit_code: int, outcome: str, message: str) -> None:
+    """How ``run`` ended the job, as it printed it; ``status`` shows the same."""
+    doc = _read(cfg)
+    doc.setdefault("outcomes", {})[job_name] = {"exit_code": exit_code, "outcome": outcome,
+                                                "message": message.splitlines()[0] if message else ""}
+    _write(cfg, doc)
+
+
+def outcome(cfg: ClusterConfig, job_name: str) -> Optional[Dict[str, Any]]:
+    """The recorded outcome of ``job_name`` (None: still running, or started elsewhere)."""
+    return _read(cfg).get("outcomes", {}).get(job_name)
+
+
 def _latest(cfg: ClusterConfig) -> Dict[str, Any]:
-    try:
-        doc = json.loads(_state_file(cfg).read_text())
-    except (OSError, ValueError):
-        doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("latest"), str):
+    doc = _read(cfg)
+    if not isinstance(doc.get("latest"), str):
         raise ClusterError("no job of this configuration was started from this machine; name one with --job_name")
     return doc
 

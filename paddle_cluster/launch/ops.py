@@ -60,7 +60,9 @@ class ProcRow:
         return str(self.pid) if self.pid is not None else f"pod/{self.pod}" if self.pod else "-"
 
 
-def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
+def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) -> List[ProcRow]:
+    """Every process of the job as its node records it; with ``ended`` (the outcome ``run`` recorded) a job that
+    finished shows every process it stopped as finished (a pserver's own exit races with its stop)."""
     nodes, lib = nodes_with_lib(cfg)
     job_dir = cfg.job_dir(job_name)
 
@@ -75,6 +77,9 @@ def job_status(cfg: ClusterConfig, job_name: str) -> List[ProcRow]:
         rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
     finally:
         fanout(nodes, lambda n: n.close())
+    if ended and ended.get("exit_code") == 0:
+        rows = [dataclasses.replace(r, state="finished") if r.state in ("exited 0", "stopped (launcher)")
+                else r for r in rows]
     if not rows:
         raise ClusterError(f"job {job_name} has no recorded processes under {job_dir} on any node")
     return rows

@@ -35,6 +35,7 @@ class JobSpec:
     max_restarts: int = 0  # whole-job restarts from the latest complete checkpoint after a process dies
     elastic: bool = False  # a dead trainer is reported and the others go on (async mode)
     init: Tuple[Tuple[str, str], ...] = ()  # v2 options (launch/entry.py): PADDLE_INIT_* of every process
+    verbose: bool = False  # also show the pservers' INFO log lines (they are always in the log files)
 
     @property
     def job_dir(self) -> str:

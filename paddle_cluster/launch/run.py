@@ -16,9 +16,18 @@ from .supervise import JobResult, supervise
 
 def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None],
             backend: Optional[Backend] = None) -> JobResult:
+    """``_run`` the job, and record how it ended for ``status`` (once it started)."""
+    started = []
+    result = _run(spec, out, lambda: started.append(True), say, backend)
+    if started:
+        journal.record_outcome(spec.cfg, spec.name, result.exit_code, result.outcome, result.message)
+    return result
+
+
+def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None], say: Callable[[str], None],
+         backend: Optional[Backend] = None) -> JobResult:
     """Run the whole job and leave nothing running; ``out`` gets the processes' lines, ``say`` the launcher's.
-    Every way the job can end is a ``JobResult``: 0 finished, 1 failed, 130 interrupted (Ctrl+C,
-    SIGTERM, SIGHUP)."""
+    Every way the job can end is a ``JobResult``: exit codes as in ``errors.OUTCOMES``."""
     be = backend or backend_for(spec.cfg)
 
     def skip_grace() -> None:
@@ -29,6 +38,7 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
         try:
             addresses = be.prepare(spec, say)
             journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
+            on_start()
             if spec.elastic:
                 say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
                     "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")

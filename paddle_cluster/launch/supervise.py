@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -14,10 +15,12 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from .backends.base import Backend, Event, NodeLost
-from .errors import ClusterError, JobFailed
+from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
 from .plan import JobPlan
 
 TAIL_LINES = 20
+# A pserver's own INFO/DEBUG log line (ps/server.py's format): kept in its log file, shown only with --verbose.
+RUNTIME_CHATTER = re.compile(r"^\S+ \S+ pserver\[\d+\] (DEBUG|INFO) ")
 
 
 @dataclass
@@ -58,7 +61,8 @@ class ProcessFailed(JobFailed):
 
 @dataclass(frozen=True)
 class JobResult:
-    """How a job ended: ``exit_code`` 0 (finished), 1 (failed) or 130 (interrupted), and what to tell the user."""
+    """How a job ended: ``exit_code`` (``errors.OUTCOMES``: 0 finished, 1 failed, 3 stopped by
+    ``paddle-cluster kill``, 4 lost contact with a node, 130 interrupted) and what to tell the user."""
 
     name: str
     exit_code: int
@@ -68,6 +72,15 @@ class JobResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def outcome(self) -> str:
+        return OUTCOMES.get(self.exit_code, "failed")
+
+    @property
+    def is_error(self) -> bool:
+        """Finished, stopped by ``kill`` and interrupted are what the user asked for, not errors."""
+        return self.exit_code not in (0, StoppedByKill.exit_code, 130)
 
 
 class Attempt:
@@ -89,6 +102,8 @@ class Attempt:
             p = self.procs.get(ev.proc)
             if p is not None:
                 p.tail.append(ev.line)
+                if p.plan.role == PSERVER and not self.plan.spec.verbose and RUNTIME_CHATTER.match(ev.line):
+                    return
             self.out(f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}")
         elif isinstance(ev, m.Started):
             self.procs[ev.proc].pid = ev.pid
@@ -104,9 +119,12 @@ class Attempt:
         elif isinstance(ev, m.Note):
             self.out(f"[agent@{self.backend.names[ev.node]}] {ev.line}")
         elif isinstance(ev, NodeLost):
-            raise JobFailed(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}")
-        elif isinstance(ev, m.Stopped) and not self.stopping and not self.node_done(ev.node):
-            raise JobFailed(f"the agent on {self.backend.labels[ev.node]} stopped the job: {ev.reason}")
+            raise LostContact(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}; the job was stopped")
+        elif isinstance(ev, (m.Stopping, m.Stopped)) and not self.stopping:
+            if getattr(ev, "by_kill", False) or ev.reason == "stopped by paddle-cluster kill":
+                raise StoppedByKill(f"job {self.plan.spec.name} stopped by paddle-cluster kill")
+            if isinstance(ev, m.Stopped) and not self.node_done(ev.node):
+                raise JobFailed(f"the agent on {self.backend.labels[ev.node]} stopped the job: {ev.reason}")
 
     def node_done(self, node: int) -> bool:
         """Every process of ``node`` exited 0: an agent an engine started (no launcher to wait for) then ends,

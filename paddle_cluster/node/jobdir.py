@@ -23,6 +23,7 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     agent = state.get("agent", {})
     pid, started = agent.get("pid", -1), agent.get("start_time")
     if procs.alive_as_recorded(pid, started):
+        procs.request_kill(job_dir)  # the agent then reports "stopped by paddle-cluster kill", not a failure
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 6
         while time.monotonic() < deadline and procs.alive_as_recorded(pid, started):
@@ -66,6 +67,8 @@ def progress(job_dir: str, name: str) -> str:
 def _state_of(p: Dict[str, Any], job_id: str) -> str:
     if procs.job_group_alive(p, job_id):
         return "running"
+    if p.get("stopped"):  # still running when the agent stopped the job: whatever its exit status says
+        return f"stopped ({p['stopped']})"
     if p.get("exit_code") is not None:
         return f"exited {p['exit_code']}"
     if p.get("signal") is not None:

@@ -128,6 +128,16 @@ class Heartbeat:
 
 
 @dataclass(frozen=True)
+class Stopping:
+    """The agent is stopping its processes (their exits follow, then ``Stopped``); ``by_kill``: because
+    ``paddle-cluster kill`` asked, so the launcher names that outcome instead of a failure."""
+
+    node: int
+    reason: str
+    by_kill: bool = False
+
+
+@dataclass(frozen=True)
 class Stopped:
     """The agent stopped every process it started (``killed``: those still running then) and exits."""
 
@@ -137,9 +147,9 @@ class Stopped:
 
 
 COMMANDS = (Start, Ping, Stop)
-EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopped)
+EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped)
 Command = Union[Start, Ping, Stop]
-Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopped]
+Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped]
 _TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + EVENTS}
 
 

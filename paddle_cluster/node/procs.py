@@ -21,6 +21,7 @@ from paddle_cluster import contract
 
 STATE_DIR = ".paddle_cluster"
 PROCS_FILE = "procs.json"
+KILL_FILE = "kill-requested"  # written by the 'kill' sub-command before it signals the agent
 
 
 def _stat_fields(pid: int) -> Optional[List[str]]:
@@ -213,6 +214,17 @@ class Records:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.data, f, indent=1)
             os.replace(tmp, self.path)
+
+
+def request_kill(job_dir: str) -> None:
+    fd = os.open(os.path.join(job_dir, STATE_DIR, KILL_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{time.time()}\n")
+
+
+def kill_requested(job_dir: str) -> bool:
+    return os.path.exists(os.path.join(job_dir, STATE_DIR, KILL_FILE))
 
 
 def load_records(job_dir: str) -> Optional[Dict[str, Any]]:

@@ -30,8 +30,8 @@ REPLY = "session"  # the key every answer of a session carries, so other output 
 @dataclass(frozen=True)
 class Request:
     """What the launcher asks of a node: probe (``nic``, ``ports``, ``root``), then the workspace -- the
-    archive ``workspace_sha`` copied into ``job_dir``, or (``workspace_dir``) a directory that must exist --
-    and, with ``agent``, run the job's agent afterwards."""
+    archive ``workspace_sha`` copied into ``job_dir``, or (``workspace_dir``) a directory that must exist, with
+    ``workspace_script`` in it -- and, with ``agent``, run the job's agent afterwards."""
 
     nic: str
     root: str
@@ -40,6 +40,7 @@ class Request:
     job_dir: str = ""
     max_members: int = 0
     workspace_dir: str = ""
+    workspace_script: str = ""  # the trainer command's script, relative to workspace_dir (is it there?)
     agent: bool = False
     orphan_timeout: float = 20.0
     grace: float = 5.0
@@ -74,7 +75,8 @@ def _line(fd: int = 0) -> Optional[str]:
 
 def _workspace(req: Request) -> Dict[str, Any]:
     if req.workspace_dir:
-        return {"exists": os.path.isdir(req.workspace_dir)}
+        return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
+                or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}
     if not req.workspace_sha:
         return {}
     try:

@@ -153,6 +153,7 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             stop_track.set()
+            reason = self._stopping(reason)
             hit = procs.stop_job(self.records.data, grace) if self.records else []
             for p in self.popens.values():
                 try:
@@ -165,6 +166,25 @@ class Supervisor:
             stop_hb.set()
             self.emit(m.Stopped, reason=reason, killed=tuple(hit))
         return 1 if self.failed else 0
+
+    def _stopping(self, reason: str) -> str:
+        """Record every process still running as stopped (``status`` shows that, not its exit status, which
+        races with the signal) and tell the launcher why, before the exits arrive."""
+        by_kill = self.plan is not None and procs.kill_requested(self.plan.job_dir)
+        reason = "stopped by paddle-cluster kill" if by_kill else reason
+        if self.records is not None:
+            why = "kill" if by_kill else "launcher" if reason == "stopped by the launcher" else reason
+            with self.records.lock:  # save() may be dumping these records from the tracking thread
+                for rec in self.records.procs:
+                    p = self.popens.get(rec["name"])
+                    if p is not None and p.poll() is None:
+                        rec["stopped"] = why
+            try:
+                self.records.save()
+            except OSError:
+                pass
+        self.emit(m.Stopping, reason=reason, by_kill=by_kill)
+        return reason
 
     def _check_done(self, channel: NoChannel) -> None:
         """Without a launcher: stop when a process failed (fail-fast) or when every process has finished."""

@@ -193,6 +193,8 @@ def write_final(metric_name: str, value: Any, output_dir: str = "output") -> str
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"final metric {metric_name} must be a number, got {value!r}")
+    if isinstance(value, float):  # 7 significant digits (float32's): 0.91234568, not 0.9123456789012345
+        value = float(f"{value:.7g}")
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.json")
     current: Dict[str, Any] = {}

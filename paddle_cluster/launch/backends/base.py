@@ -30,7 +30,7 @@ class NodeLost:
     why: str
 
 
-Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopped, NodeLost]
+Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopping, m.Stopped, NodeLost]
 
 
 class Backend(ABC):

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
-from .. import dispatch, machines
+from .. import dispatch, machines, preflight
 from ..config import ClusterConfig
 from ..errors import HostError
 from ..hosts import Node, Stream, fanout, make_nodes
@@ -68,6 +68,7 @@ class SSHBackend(Backend):
         req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
                       workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
                       max_members=pkg.files if pkg else 0, workspace_dir=(spec.workspace or "") if spec else "",
+                      workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
                       agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
         lib = self.lib = dispatch.library_package()
         with open(lib.path, "rb") as f:  # read now: a concurrent launcher may replace the cached file
@@ -86,6 +87,8 @@ class SSHBackend(Backend):
                 if spec is not None and spec.workspace and not ws.get("exists"):
                     raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
                                     "workspace to every node first, or use --job_dispatch_package")
+                if spec is not None:
+                    preflight.check_node(n.label, spec, doc, pkg.size if pkg is not None else 0)
                 if pkg is not None and "need" in ws:
                     n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
                     ws = s.uploaded(ws["need"])

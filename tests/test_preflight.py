@@ -1,0 +1,82 @@
+"""Finding 4: what a job needs is checked before anything is sent or started (local mode, real agent)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from rt_helpers import free_port_range
+
+from paddle_cluster.launch.config import load_config
+from paddle_cluster.launch.errors import HostError
+from paddle_cluster.launch.plan import JobSpec
+from paddle_cluster.launch.preflight import check_node, trainer_script
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _conf(tmp: Path, **extra: str) -> Path:
+    conf = tmp / "conf.py"
+    conf.write_text(textwrap.dedent(f"""
+        HOSTS = ["localhost"]
+        ROOT_DIR = {str(tmp / "root")!r}
+        PADDLE_NIC = "lo"
+        PADDLE_PORT = {free_port_range(4)}
+        PSERVERS_PER_NODE = 1
+        TRAINERS_PER_NODE = 1
+        PYTHON = {sys.executable!r}
+        """) + "".join(f"{k} = {v!r}\n" for k, v in extra.items()))
+    return conf
+
+
+def _run(tmp: Path, conf: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), XDG_CACHE_HOME=str(tmp / "cache"),
+               PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", *args],
+                          capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_missing_trainer_script_is_found_before_dispatch(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "trian.py").write_text("print('typo in the name')\n")
+    res = _run(tmp_path, _conf(tmp_path), "--job_dispatch_package", str(ws), "--job_name", "nope")
+    assert res.returncode == 2  # the entry script (ENTRY, --entry): launch/entry.py's check
+    assert f"cannot read {ws}/train.py" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "root" / "nope").exists(), "nothing may be dispatched or started"
+
+
+def test_missing_script_in_job_workspace_names_the_host(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    res = _run(tmp_path, _conf(tmp_path, TRAINER_COMMAND="{python} bin/train.py"), "--job_workspace", str(ws),
+               "--job_name", "nope")
+    assert res.returncode == 1
+    assert f"node0 (localhost): {ws}/bin/train.py (the trainer command's script) does not exist there" in res.stderr
+    assert not (tmp_path / "root" / "nope").exists()
+
+
+def test_workspace_larger_than_the_free_space_is_refused(tmp_path):
+    """Against a node's session answer: a workspace to send (``need``) must fit twice (archive and unpacked)
+    in ROOT_DIR's free space; one the node already holds is not sent. (test_faults fills a real disk.)"""
+    cfg = load_config(str(_conf(tmp_path)))
+    spec = JobSpec(cfg, "big", dispatch_dir=str(tmp_path))
+    to_send = {"root": {"free_bytes": 1_500_000}, "workspace": {"need": "/x.part"}}
+    with pytest.raises(HostError) as e:
+        check_node("node0 (localhost)", spec, to_send, size=1_000_000)
+    assert (f"node0 (localhost): ROOT_DIR {cfg.root_dir} has 1.5 MB free, the workspace needs 2.0 MB (archive and "
+            "unpacked); free space there or set ROOT_DIR to a larger disk") in str(e.value)
+    check_node("node0 (localhost)", spec, {**to_send, "root": {"free_bytes": 2_000_000}}, size=1_000_000)
+    check_node("node0 (localhost)", spec, {**to_send, "workspace": {"ok": True, "sent": False}}, size=1_000_000)
+
+
+def test_trainer_script_of_a_command():
+    assert trainer_script("python3 train.py") == "train.py"
+    assert trainer_script("/usr/bin/python3 -u src/train.py --x 1") == "src/train.py"
+    assert trainer_script("./run.sh") == "./run.sh"
+    assert trainer_script("python3 -m mypkg.train") is None
+    assert trainer_script("/opt/bin/train") is None
