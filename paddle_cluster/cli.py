@@ -284,7 +284,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
         "in progress" if any(r.state == "running" for r in rows) else "ended (no outcome recorded on this machine)")
     _table(["process", "node", "address", "pid", "state", "progress", "last log line"],
            [[r.name, r.node, r.address, r.pid_text, r.state, r.progress, r.last_line] for r in rows],
-           title=f"job {name}: {how}", wrap=("address", "pid", "progress"))
+           title=f"job {name}: {how}", wrap=("address", "pid", "progress"), caption=ended["message"] if ended else None)
 
 
 @main.command()
@@ -298,9 +298,10 @@ def check(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         _out(ops.as_json(rows))
     else:
-        _table(["node", "host", "ssh", "python", "numpy", "nic", "ports", "ROOT_DIR", "disk free"],
-               [[r.node, r.host, r.ssh, r.python, r.numpy, r.nic, r.ports, r.root_dir, r.disk_free] for r in rows],
-               wrap=("host", "nic", "disk free"))
+        _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
+               [[r.node, r.host, r.ssh, f"{r.python}, {r.numpy}" if r.python != "-" else "-", r.nic, r.ports,
+                 f"{r.root_dir}, {r.disk_free} free" if r.disk_free != "-" else r.root_dir] for r in rows],
+               wrap=("host", "nic", "ports"))
     bad = [r for r in rows if not r.ok]
     if bad:
         raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"
@@ -367,14 +368,16 @@ def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str
     click.echo(k8s.render(job), nl=False)
 
 
-def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = ()) -> None:
+def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = (),
+           caption: Optional[str] = None) -> None:
     """A table as wide as the terminal, or unwrapped up to 200 columns for a pipe. To fit, the ``wrap`` columns
-    and the last one wrap; the others stay whole."""
+    and the last one wrap; the others stay whole. ``caption``: a line below it."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for h in headers:
         t.add_column(h, overflow="fold", no_wrap=h not in wrap and h != headers[-1])
     for r in rows:

@@ -24,6 +24,7 @@ from helpers import (
     TOTAL,
     Launch,
     assert_nothing_left,
+    cli,
     conf,
     final_w,
     local_conf,
@@ -167,7 +168,8 @@ def test_sigstop_pserver_is_a_hang_that_times_out_and_restarts(cluster, tmp_path
 @pytest.mark.timeout(150)
 def test_link_down_fails_cleanly_and_leaves_nothing(make_ssh_cluster, tmp_path):
     c = make_ssh_cluster(3)
-    run = Launch(conf(tmp_path, c), *_run_args(workspace(tmp_path), "f_link", total=100000))
+    conf_path = conf(tmp_path, c)
+    run = Launch(conf_path, *_run_args(workspace(tmp_path), "f_link", total=100000))
     run.wait_line(r"checkpoint step=10")
     c.link_down(2)
     t_down = time.monotonic()
@@ -185,6 +187,10 @@ def test_link_down_fails_cleanly_and_leaves_nothing(make_ssh_cluster, tmp_path):
     # The launcher has exited and every node is empty, so nothing is left that the network's return could wake.
     assert_nothing_left(c, within=5)
     run.assert_no_launcher_traceback()
+    said = re.search(r"^paddle-cluster: error: (lost contact with node2 .*)$", run.stderr, re.M).group(1)
+    st = cli(conf_path, "status", "--job_name", "f_link")  # shows the outcome run printed
+    assert st.returncode == 0 and st.stdout.startswith("job f_link: lost contact with a node (exit 4)"), st.stdout
+    assert said in st.stdout, (said, st.stdout)
     report("link down on node2, then up", "failed cleanly", launcher_exit_s=f"{t_exit - t_down:.1f}",
            node2_clean_s=f"{t_clean - t_down:.1f}")
 

@@ -4,6 +4,7 @@ kill, Ctrl+C, a killed launcher, a crashing trainer, and the errors for unreacha
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -85,7 +86,11 @@ def test_status_logs_and_ctrl_c(cluster, tmp_path):
         lg = cli(conf, "logs", cluster.hosts[2], "--role", "pserver", "-n", "1")
         assert "pserver 2 listening" in lg.stdout
         busy = cli(conf, "check")
-        assert busy.returncode == 1 and "ports in use: 7164" in busy.stdout + busy.stderr
+        assert busy.returncode == 1, busy.stdout + busy.stderr
+        for i in range(3):  # the same line as run's preflight: host, port, address and the fix
+            assert re.search(rf"node{i} \({re.escape(cluster.hosts[i])}\): port\(s\) 7164(, \d+)* on "
+                             rf"{re.escape(cluster.ips[i])} are already in use \(another job\?\); choose another "
+                             "PADDLE_PORT or stop that job", busy.stderr), busy.stderr
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

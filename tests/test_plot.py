@@ -50,5 +50,9 @@ def test_plot_draws_the_metrics_files(tmp_path):
     assert any("trainer1" in ln and "loss" in ln and "20 -> 1 (20 points, steps 0-19)" in ln for ln in lines)
     assert any("trainer1" in ln and "accuracy" in ln and "0 -> 0.95" in ln for ln in lines)
     assert not any("samples_per_s" in ln and "trainer" in ln and "nan" in ln for ln in lines)
+    assert f"paddle-cluster: wrote {tmp_path / 'c.png'}" in res.stderr.splitlines(), res.stderr
+    here = cli("plot")  # default: <job name>.png in the working directory, said with its full path
+    assert here.returncode == 0 and f"paddle-cluster: wrote {tmp_path / 'curves.png'}" in here.stderr, here.stderr
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
     missing = cli("plot", "--job_name", "nosuchjob")
     assert missing.returncode == 1 and "no metrics records" in missing.stderr

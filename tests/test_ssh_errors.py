@@ -115,3 +115,12 @@ def test_each_ssh_failure_is_one_documented_line(make_ssh_cluster, tmp_path):
     no_traceback(res)
     dbg = paddle(conf, "--debug", "status", "--job_name", "nothing")
     assert "Traceback" in dbg.stderr and "NoValidConnectionsError" in dbg.stderr
+    # run names the host and the cause, not "installing paddle_cluster on the nodes failed"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('never started')\n")
+    res = paddle(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "never")
+    assert res.returncode == 1, res.stderr
+    assert f"{label}: {ip}:22: {phrase}" in res.stderr, res.stderr
+    assert "installing paddle_cluster" not in res.stderr, res.stderr
+    no_traceback(res)

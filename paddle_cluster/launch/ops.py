@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from . import dispatch, machines
+from . import dispatch, machines, preflight
 from .config import ClusterConfig
 from .errors import ClusterError, HostError
 from .hosts import Node, fanout, make_nodes
@@ -160,19 +160,12 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
         doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports,
                                   "--root", cfg.root_dir, what="probing")
         probes[n.index] = doc
-        problems = []
-        if doc["numpy"] is None:
-            problems.append(f"numpy missing for {cfg.python}")
-        if not doc["address"]:
-            problems.append(f"{cfg.paddle_nic} has no IPv4 (interfaces: {', '.join(doc['interfaces'])})")
-        if doc["ports_taken"]:
-            problems.append(f"ports in use: {', '.join(map(str, doc['ports_taken']))}")
+        problems = preflight.probe_problems(cfg, doc)
         root = doc["root"]
-        if not root.get("writable"):
-            problems.append(f"ROOT_DIR not writable: {root.get('error')}")
         free = root.get("free_bytes")
         if free is not None and free < 1 << 30:
-            problems.append(f"only {free / 2**30:.2f} GiB free under ROOT_DIR")
+            problems.append(f"only {free / 2**30:.2f} GiB free under ROOT_DIR; free space there or set ROOT_DIR "
+                            "to a larger disk")
         return CheckRow(
             n.name, n.spec.text, not problems, "local" if n.spec.is_local else "ok", doc["python"],
             doc["numpy"] or "MISSING",

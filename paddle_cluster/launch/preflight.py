@@ -1,15 +1,16 @@
-"""Checks on the nodes before anything is sent or started, from each node's session answer: the trainer
+"""Checks on the nodes before anything is sent or started, from each node's session answer: its probe (NIC
+address, numpy, free ports, a writable ROOT_DIR; the same sentences for ``run`` and ``check``), the trainer
 command's script is in ``--job_workspace``, the workspace fits ROOT_DIR's free space. (``entry.settle`` checks
-the script of ``--job_dispatch_package`` on this machine; ports, NIC, numpy and ROOT_DIR are probed by the
-backend.) Each failure names the host and the fix."""
+the script of ``--job_dispatch_package`` on this machine.) Each failure names the host and the fix."""
 
 from __future__ import annotations
 
 import os
 import posixpath
 import shlex
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+from .config import ClusterConfig
 from .errors import HostError
 from .plan import JobSpec
 
@@ -30,6 +31,25 @@ def trainer_script(command: str) -> Optional[str]:
     if not words or words[0].startswith("/") or ("/" not in words[0] and not words[0].endswith(".py")):
         return None
     return words[0]
+
+
+def probe_problems(cfg: ClusterConfig, doc: Dict[str, Any]) -> List[str]:
+    """What keeps a node from running a job, from its probe (``node/probe.py``): one sentence each, with the fix."""
+    problems = []
+    if not doc["address"]:
+        have = ", ".join(f"{k} ({v or 'no IPv4'})" for k, v in doc["interfaces"].items())
+        problems.append(f"PADDLE_NIC = {cfg.paddle_nic!r} has no IPv4 address there"
+                        f"{'' if cfg.paddle_nic in doc['interfaces'] else ' (no such interface)'}; "
+                        f"it has: {have}. Set PADDLE_NIC to one of them")
+    if doc["numpy"] is None:
+        problems.append(f"numpy is not installed for {cfg.python} ({doc['python_path']}); "
+                        f"install it there: {cfg.python} -m pip install numpy")
+    if doc["ports_taken"]:
+        problems.append(f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} are already in use "
+                        "(another job?); choose another PADDLE_PORT or stop that job")
+    if not doc["root"].get("writable"):
+        problems.append(f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
+    return problems
 
 
 def check_node(label: str, spec: JobSpec, doc: Dict[str, Any], size: int) -> None:

@@ -118,20 +118,9 @@ class SSHBackend(Backend):
         return addresses
 
     def _check_probe(self, n: Node, doc: dict) -> None:
-        cfg = self.cfg
-        if not doc["address"]:
-            have = ", ".join(f"{k} ({v or 'no IPv4'})" for k, v in doc["interfaces"].items())
-            raise HostError(n.label, f"PADDLE_NIC = {cfg.paddle_nic!r} has no IPv4 address there"
-                            f"{'' if cfg.paddle_nic in doc['interfaces'] else ' (no such interface)'}; "
-                            f"it has: {have}. Set PADDLE_NIC to one of them")
-        if doc["numpy"] is None:
-            raise HostError(n.label, f"numpy is not installed for {cfg.python} ({doc['python_path']}); "
-                            f"install it there: {cfg.python} -m pip install numpy")
-        if doc["ports_taken"]:
-            raise HostError(n.label, f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} "
-                            "are already in use (another job?); choose another PADDLE_PORT or stop that job")
-        if not doc["root"].get("writable"):
-            raise HostError(n.label, f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
+        problems = preflight.probe_problems(self.cfg, doc)
+        if problems:
+            raise HostError(n.label, "; ".join(problems))
 
     # -- running --------------------------------------------------------------------------------------
     def start(self, plan: JobPlan) -> None:
