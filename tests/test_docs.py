@@ -183,8 +183,9 @@ def test_runnable_blocks(path: Path, tmp_path: Path) -> None:
                             "(another job or test?)")
         code, out, took = run_block(block, work, env, n)
         assert code == 0, f"{block.where}: exit status {code} after {took:.1f} s; output:\n{out[-4000:]}"
-        for text in _expectations(block):
-            assert text in out, f"{block.where}: output lacks {text!r}; output:\n{out[-4000:]}"
+        for text in _expectations(block):  # a quoted number is the printed one, not a prefix of it
+            assert re.search(re.escape(text) + (r"(?![\d.])" if text[-1:].isdigit() else ""), out), \
+                f"{block.where}: output lacks {text!r}; output:\n{out[-4000:]}"
 
 
 def test_required_blocks_are_marked() -> None:
@@ -194,6 +195,10 @@ def test_required_blocks_are_marked() -> None:
     assert marked("README.md", "sh", "paddle-cluster run --job_dispatch_package examples/fit_a_line")
     assert marked("docs/quickstart.md", "sh", "paddle-cluster run --job_dispatch_package examples/fit_a_line")
     assert marked("docs/quickstart.md", "sh", "paddle-cluster plot")
+    # followed word for word: step 6's workspace and run, step 7's status and logs -f run too
+    assert marked("docs/quickstart.md", "sh", "paddle-cluster run --job_dispatch_package ./ws")
+    assert marked("docs/quickstart.md", "sh", "paddle-cluster status")
+    assert marked("docs/quickstart.md", "sh", "paddle-cluster logs node0 --role trainer -f")
     assert marked("docs/runtime.md", "python", "register_sparse")
     assert marked("docs/checkpoints.md", "python", "PADDLE_RESUME")
     assert marked("docs/backends.md", "sh", "paddle-cluster render k8s")
