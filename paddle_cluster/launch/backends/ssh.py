@@ -136,7 +136,10 @@ class SSHBackend(Backend):
         def start(n: Node) -> Stream:
             s = held.pop(n.index, None) or n.stream(dispatch.agent_argv(
                 n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout), "--grace", str(cfg.kill_grace)))
-            s.write_line(m.encode(m.Start(plan.nodes[n.index])))
+            try:
+                s.write_line(m.encode(m.Start(plan.nodes[n.index])))
+            except (OSError, EOFError) as e:  # its session ended between preparing and starting
+                raise HostError(n.label, f"its agent ended before the job started ({e}); run again") from None
             return s
 
         res = fanout(self.nodes, start)
