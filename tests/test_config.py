@@ -410,8 +410,8 @@ def test_lookup_order_cli(tmp_path):
     env_var = clean_environ(PADDLE_CLUSTER_CONF=str(cwd / "env.py"), HOME=str(roots["home"]))
     no_var = clean_environ(HOME=str(roots["home"]))
 
-    def created() -> set:
-        return {k for k, p in roots.items() if p.exists()}
+    def created() -> set:  # HOME's ROOT_DIR is ~/paddle_cluster_jobs (HOME itself also gets ~/.cache)
+        return {k for k, p in roots.items() if (p / "paddle_cluster_jobs" if k == "home" else p).exists()}
 
     check_json(cli("--conf", "explicit.py", "check", "--json", cwd=cwd, env=env_var))
     assert created() == {"explicit"}
