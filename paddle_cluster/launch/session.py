@@ -75,6 +75,11 @@ class NodeSession:
             doc = self._reply("installing paddle_cluster")
         return doc
 
+    def workspace(self) -> Dict[str, Any]:
+        """Let the node put the workspace in place (every probe agreed); its state there."""
+        self.stream.write_line(json.dumps({"go": True}))
+        return self._reply("preparing the workspace")["workspace"]
+
     def uploaded(self, part: str) -> Dict[str, Any]:
         """Tell the node the archive is at ``part``; its verdict (hash, unpack, copy into the job directory)."""
         self.stream.write_line(json.dumps({"uploaded": part}))

@@ -1,9 +1,10 @@
 """``node session``: everything the launcher needs from a node before a job, in one process on one channel.
 
 The launcher starts it with a ``Request`` (``launch/session.py`` installs the library first, on the same
-channel, when its hash is new). It answers with one JSON line: the probe, and the workspace's state -- copied
-into the job directory from this node's cache when it holds that archive's tree (nothing is sent), else the
-path where the launcher is to upload the archive. After an upload the launcher names the file on stdin and
+channel, when its hash is new). It answers with one JSON line: the probe. Only when the launcher says ``go``
+(every node's probe agreed) does it touch the workspace and answer with its state -- copied into the job
+directory from this node's cache when it holds that archive's tree (nothing is sent), else the path where the
+launcher is to upload the archive. After an upload the launcher names the file on stdin and
 the session verifies its hash, caches its tree and copies it in. With ``agent`` the process then becomes the
 job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one interpreter and one channel.
 """
@@ -45,6 +46,10 @@ class Request:
     orphan_timeout: float = 20.0
     grace: float = 5.0
 
+    @property
+    def wants_workspace(self) -> bool:
+        return bool(self.workspace_sha or self.workspace_dir)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
@@ -71,6 +76,15 @@ def _line(fd: int = 0) -> Optional[str]:
         buf += b
         if len(buf) > 1 << 16:
             return None
+
+
+def _command() -> Dict[str, Any]:
+    line = _line()
+    try:
+        doc = json.loads(line) if line else {}
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _workspace(req: Request) -> Dict[str, Any]:
@@ -111,15 +125,18 @@ def _receive(req: Request, part: str) -> Dict[str, Any]:
 
 def main(text: str) -> int:
     req = Request.from_json(text)
-    doc = probe.probe(req.nic, req.ports, req.root)
-    doc["workspace"] = ws = _workspace(req)
-    _reply("probe", **doc)
-    if "need" in ws:
-        line = _line()
-        cmd = json.loads(line) if line else {}
-        if cmd.get("uploaded") != ws["need"]:
+    _reply("probe", **probe.probe(req.nic, req.ports, req.root))
+    if req.wants_workspace:
+        # Nothing is written before the launcher has every node's probe: it may refuse the job (a machine
+        # listed twice would race itself into one job directory).
+        if _command().get("go") is not True:
             return 1  # the launcher gave up (another node failed): nothing to do
-        _reply("workspace", workspace=_receive(req, ws["need"]))
+        ws = _workspace(req)
+        _reply("workspace", workspace=ws)
+        if "need" in ws:
+            if _command().get("uploaded") != ws["need"]:
+                return 1
+            _reply("workspace", workspace=_receive(req, ws["need"]))
     if not req.agent:
         return 0
     sys.stdout.flush()

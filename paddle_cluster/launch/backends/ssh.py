@@ -78,38 +78,52 @@ class SSHBackend(Backend):
         waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
-        with dispatch.upload_progress() as bar:
-            def open_one(n: Node) -> dict:
-                s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
-                doc = s.open()
-                self._check_probe(n, doc)
-                ws = doc["workspace"]
-                if spec is not None and spec.workspace and not ws.get("exists"):
-                    raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
-                                    "workspace to every node first, or use --job_dispatch_package")
-                if spec is not None:
-                    preflight.check_node(n.label, spec, doc, pkg.size if pkg is not None else 0)
-                if pkg is not None and "need" in ws:
-                    n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
-                    ws = s.uploaded(ws["need"])
-                if pkg is not None and not ws.get("ok"):
-                    raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
-                sent[n.index] = bool(ws.get("sent"))
-                if agent:
-                    waiting[n.index] = s.stream
-                return doc
 
-            res = fanout(self.nodes, open_one)
-        prepared.set()
-        if res.errors or not agent:
-            for s in sessions.values():
-                s.close()
-        else:
-            self.sessions = {i: s.stream for i, s in sessions.items()}
-            self.early = {i: list(s.other) for i, s in sessions.items() if s.other}
-        docs = res.ok("preparing the nodes")
+        probes: Dict[int, dict] = {}
+
+        def open_one(n: Node) -> dict:
+            s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
+            doc = probes[n.index] = s.open()
+            self._check_probe(n, doc)
+            if agent and not req.wants_workspace:  # the session is the agent now
+                waiting[n.index] = s.stream
+            return doc
+
+        def place(n: Node) -> None:
+            s = sessions[n.index]
+            ws = s.workspace()
+            if spec is not None and spec.workspace and not ws.get("exists"):
+                raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
+                                "workspace to every node first, or use --job_dispatch_package")
+            if spec is not None:
+                preflight.check_node(n.label, spec, {**probes[n.index], "workspace": ws}, pkg.size if pkg else 0)
+            if pkg is not None and "need" in ws:
+                n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
+                ws = s.uploaded(ws["need"])
+            if pkg is not None and not ws.get("ok"):
+                raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
+            sent[n.index] = bool(ws.get("sent"))
+            if agent:
+                waiting[n.index] = s.stream
+
+        ok = False
+        try:
+            # Every node is probed, and the probes agree (no machine twice), before any node writes anything.
+            docs = fanout(self.nodes, open_one).ok("preparing the nodes")
+            machines.refuse_same_machines(self.labels, docs, cfg.source)
+            if req.wants_workspace:
+                with dispatch.upload_progress() as bar:
+                    fanout(self.nodes, place).ok("preparing the nodes")
+            ok = True
+        finally:
+            prepared.set()
+            if ok and agent:
+                self.sessions = {i: s.stream for i, s in sessions.items()}
+                self.early = {i: list(s.other) for i, s in sessions.items() if s.other}
+            else:
+                for s in sessions.values():
+                    s.close()
         self.networks = [d.get("network") for d in docs]
-        machines.refuse_same_machines(self.labels, docs, cfg.source)
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
         skipped = [self.nodes[i].name for i, s in sorted(sent.items()) if not s]
