@@ -73,7 +73,8 @@ def test_seed_dist_train_local_default_layout(tmp_path):
     job = tmp_path / "root" / "seed"
     assert [c.split()[-1] for c in pserver_cmds(job)] == ["dist_train.py", "dist_train.py"]
     # each pserver on its own loopback address, as PADDLE_PSERVER_IPS x PADDLE_PSERVER_PORT says
-    assert "listening on 127.0.0.1 " in res.stdout and "listening on 127.0.0.2 " in res.stdout
+    # (the pservers' INFO "listening" lines stay in their logs without --verbose; their ready lines are shown)
+    assert "PSERVER_READY 0 127.0.0.1 " in res.stdout and "PSERVER_READY 1 127.0.0.2 " in res.stdout
     assert (job / "nodefile").read_text() == "0\n"
     for info, log in (("paddle_trainer.0.INFO", "train.0.log"), ("paddle_pserver2.1.INFO", "server.1.log")):
         assert os.readlink(job / "log" / info) == log and "PSERVER_READY" in (job / "log" / "server.1.log").read_text()
