@@ -79,11 +79,9 @@ class SSHBackend(Backend):
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
 
-        probes: Dict[int, dict] = {}
-
         def open_one(n: Node) -> dict:
             s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
-            doc = probes[n.index] = s.open()
+            doc = s.open()
             self._check_probe(n, doc)
             if agent and not req.wants_workspace:  # the session is the agent now
                 waiting[n.index] = s.stream
@@ -96,7 +94,7 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
                                 "workspace to every node first, or use --job_dispatch_package")
             if spec is not None:
-                preflight.check_node(n.label, spec, {**probes[n.index], "workspace": ws}, pkg.size if pkg else 0)
+                preflight.check_node(n.label, spec, {**docs[n.index], "workspace": ws}, pkg.size if pkg else 0)
             if pkg is not None and "need" in ws:
                 n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
                 ws = s.uploaded(ws["need"])
