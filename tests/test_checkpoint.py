@@ -12,6 +12,7 @@ import rt_helpers as H
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.ps import CheckpointError, OptimizerSpec, connect
 from paddle_cluster.ps import checkpoint as ckpt
+from paddle_cluster.ps.resume import load_shard
 
 ADAM = OptimizerSpec("adam", lr=0.05)
 
@@ -60,7 +61,7 @@ def test_shard_roundtrip_exact(tmp_path):
     shard = ckpt.ShardState(7, 1, 2, "sync", {"name": "adam"}, blocks, tables)
     d = ckpt.save_shard(ckpt.step_dir(str(tmp_path), 7), shard)
     assert sorted(os.listdir(d)) == ["manifest.json", "shard.npz"]  # no temporary files left behind
-    back = ckpt.load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 2)
+    back = load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 2)
     assert back.step == 7 and back.mode == "sync"
     np.testing.assert_array_equal(back.blocks[0].param, blocks[0].param)
     np.testing.assert_array_equal(back.blocks[0].opt_state["m"], blocks[0].opt_state["m"])
@@ -68,12 +69,12 @@ def test_shard_roundtrip_exact(tmp_path):
     np.testing.assert_array_equal(back.tables[0].rows, tables[0].rows)
     np.testing.assert_array_equal(back.tables[0].slots["t"], [1, 2, 3])
     with pytest.raises(CheckpointError, match="pserver 1 of 2, but this is pserver 1 of 3"):
-        ckpt.load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 3)
+        load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 3)
     with pytest.raises(CheckpointError, match="no shard directory for pserver 0"):
-        ckpt.load_shard(ckpt.step_dir(str(tmp_path), 7), 0, 2)
+        load_shard(ckpt.step_dir(str(tmp_path), 7), 0, 2)
     _flip_byte(os.path.join(d, "shard.npz"))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        ckpt.load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 2)
+        load_shard(ckpt.step_dir(str(tmp_path), 7), 1, 2)
 
 
 @pytest.mark.timeout(30)

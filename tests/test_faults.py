@@ -37,9 +37,9 @@ from helpers import (
 # so a test can SIGKILL it in the middle of the write.
 SLOW_PS_PY = r'''
 import os, sys, time
-from paddle_cluster.ps import checkpoint as ckpt
+from paddle_cluster.ps import atomic
 from paddle_cluster.ps import __main__ as pserver
-real = ckpt.write_atomic
+real = atomic.write_atomic
 def write_atomic(path, write):
     stall = os.environ.get("SLOW_SAVE_STEP")
     if stall and f"step-{int(stall):08d}" in path and path.endswith("shard.npz"):
@@ -51,7 +51,7 @@ def write_atomic(path, write):
             time.sleep(3600)
         return real(path, slow)
     return real(path, write)
-ckpt.write_atomic = write_atomic
+atomic.write_atomic = write_atomic
 sys.exit(pserver.main())
 '''
 

@@ -103,7 +103,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif a.cmd == "status":
         doc = jobdir.status(a.job_dir)
     elif a.cmd == "checkpoints":
-        from paddle_cluster.ps.checkpoint import CheckpointError, complete_steps  # numpy: only this one needs it
+        from paddle_cluster.ps.checkpoint import complete_steps  # numpy: only this one needs it
+        from paddle_cluster.ps.errors import CheckpointError
 
         try:
             doc = {"ok": True, "steps": complete_steps(a.root, [int(k) for k in a.pservers.split(",") if k])}

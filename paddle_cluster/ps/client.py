@@ -28,10 +28,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..contract import PSERVER, Endpoint, JobEnv
+from . import atomic
 from . import checkpoint as ckpt
 from . import protocol as P
 from .channel import Channel, gather, gather_all, reply_timeout
-from .errors import ConfigMismatch, PSError, UnknownKey
+from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
 from .placement import DEFAULT_MAX_BLOCK_BYTES
@@ -116,7 +117,7 @@ class PSClient:
         steps = {r["pserver_id"]: r["step"] for r in replies}
         if len(set(steps.values())) != 1:
             self._shutdown_channels()
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 "pservers resumed from different steps: " + ", ".join(f"pserver {k} at step {s}"
                                                                        for k, s in sorted(steps.items()))
                 + " (a checkpoint is incomplete on some pserver; resume all from the same step)")
@@ -291,7 +292,7 @@ class PSClient:
         params = self.pull()
         if not path.endswith(".npz"):
             path = os.path.join(path, "params.npz")
-        ckpt.save_npz_atomic(path, params)
+        atomic.save_npz_atomic(path, params)
         return path
 
     def close(self) -> None:
@@ -328,7 +329,7 @@ class PSClient:
 
 def load_dense(path: str) -> Dict[str, np.ndarray]:
     """Read a file written by ``save_dense`` (never unpickles)."""
-    return ckpt.load_npz(path)
+    return atomic.load_npz(path)
 
 
 def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optional[JobEnv] = None,

@@ -17,6 +17,7 @@ from . import handlers
 from . import protocol as P
 from .errors import CheckpointError
 from .net import Conn, Listener
+from .resume import resolve_resume, restore
 from .shards import DenseBlock, TableShard
 from .sync import Sync
 
@@ -26,7 +27,7 @@ log = logging.getLogger("paddle_cluster.ps")
 class PServer:
     """Pserver ``pserver_id`` of the job described by ``env``.
 
-    ``resume`` is a loaded checkpoint shard (see ``checkpoint.resolve_resume``). ``ports`` overrides the
+    ``resume`` is a loaded checkpoint shard (see ``resume.resolve_resume``). ``ports`` overrides the
     contract's ports (0 = any free port), which the in-process local mode uses.
     """
 
@@ -55,7 +56,7 @@ class PServer:
         if resume is not None:
             self.sync.mode, self.optimizer, self.base_step = resume.mode, resume.optimizer, resume.step
             self.resumed_from = resume.path
-            self.blocks, self.tables = ckpt.restore(resume)
+            self.blocks, self.tables = restore(resume)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
                      resume.step, len(self.blocks), len(self.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
@@ -124,7 +125,7 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
                         format=f"%(asctime)s pserver[{k}] %(levelname)s %(message)s")
     root = env.checkpoint_dir or ckpt.default_root(env.job_dir)
     try:
-        shard = ckpt.resolve_resume(env.resume, root, k, len(env.pservers))
+        shard = resolve_resume(env.resume, root, k, len(env.pservers))
     except (CheckpointError, ValueError) as e:
         log.error("cannot resume (%s): %s", env.resume, e)
         return 3

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..contract import PSERVER, ContractError, Endpoint, JobEnv, ProcessEnv, job_secret
-from ..ps import checkpoint as ckpt
+from ..ps import atomic
 from ..ps.client import PSClient, connect, load_dense
 from ..ps.optim import OptimizerSpec
 from ..ps.server import serve
@@ -418,7 +418,7 @@ def save_params(executor: Optional[Executor], dirname: str, main_program: Option
     if trainer is not None and trainer.client is not None:
         return trainer.save(dirname)
     path = os.path.join(dirname, "params.npz")
-    ckpt.save_npz_atomic(path, L.dense_values(program.model))
+    atomic.save_npz_atomic(path, L.dense_values(program.model))
     return path
 
 

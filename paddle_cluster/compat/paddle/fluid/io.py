@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ....ps import checkpoint as ckpt
+from ....ps import atomic
 from ...missing import module_getattr
 from . import framework as F
 from . import kernels as K
@@ -58,7 +58,7 @@ def save_persistables(executor: Any, dirname: str, main_program: Optional[F.Prog
     program = main_program if main_program is not None else F.default_main_program()
     os.makedirs(dirname, exist_ok=True)
     path = _path(dirname, filename)
-    ckpt.save_npz_atomic(path, _values(program, program.all_parameters()))
+    atomic.save_npz_atomic(path, _values(program, program.all_parameters()))
     return path
 
 
@@ -72,7 +72,7 @@ def load_persistables(executor: Any, dirname: str, main_program: Optional[F.Prog
     A sparse table becomes a local, dense one: right for inference and evaluation. To resume training with the
     tables on the pservers, resume from the pservers' checkpoints (docs/checkpoints.md)."""
     program = main_program if main_program is not None else F.default_main_program()
-    values = ckpt.load_npz(_path(dirname, filename))
+    values = atomic.load_npz(_path(dirname, filename))
     missing = [p.name for p in program.all_parameters() if p.name not in values]
     if missing:
         raise ValueError(f"{_path(dirname, filename)} has no values for parameters {missing}")
@@ -106,7 +106,7 @@ def save_inference_model(dirname: str, feeded_var_names: Sequence[str], target_v
                  "params": {role: p.name for role, p in op.params.items()}} for op in ops],
     }
     os.makedirs(dirname, exist_ok=True)
-    ckpt.save_npz_atomic(_path(dirname, params_filename), _values(program, params))
+    atomic.save_npz_atomic(_path(dirname, params_filename), _values(program, params))
     tmp = os.path.join(dirname, f".{model_filename or MODEL}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(graph, f, indent=1)
@@ -119,7 +119,7 @@ def load_inference_model(dirname: str, executor: Any, model_filename: Optional[s
     """``[program, feed_names, fetch_targets]`` for ``executor.run(program, feed=..., fetch_list=fetch_targets)``."""
     with open(os.path.join(dirname, model_filename or MODEL), encoding="utf-8") as f:
         graph = json.load(f)
-    values = ckpt.load_npz(_path(dirname, params_filename))
+    values = atomic.load_npz(_path(dirname, params_filename))
     prog = F.Program()
     for name, v in graph["vars"].items():
         prog.create_var(name, v["shape"], v["dtype"], is_data=True, stop_gradient=True)
