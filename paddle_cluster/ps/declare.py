@@ -1,0 +1,162 @@
+"""The ops that set a job up on a pserver: DECLARE (mode, optimizer, staleness bound), DEF_DENSE and
+DEF_SPARSE (what a block or table is and which optimizer updates it), SET_HYPER (a hyper-parameter change
+from a given step). Every trainer must agree with trainer 0's declaration; a disagreement is a
+``ConfigMismatch`` naming both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Dict
+
+import numpy as np
+
+from . import protocol as P
+from .errors import ConfigMismatch, ProtocolError
+from .net import Conn
+from .optim import OptimizerSpec
+from .shards import DenseBlock, TableShard
+
+if TYPE_CHECKING:
+    from .server import PServer
+
+MODES = ("sync", "async")
+_HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"name"}
+
+
+def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:
+    return OptimizerSpec.from_dict(d).to_dict()
+
+
+def _check_declared(ps: PServer) -> None:
+    if ps.sync.mode is None:
+        raise ConfigMismatch("no DECLARE yet: the trainer must declare the mode first")
+
+
+def _parse_spec(ps: PServer, body: Dict[str, Any]) -> Dict[str, Any]:
+    """The optimizer a definition names, else the job's declared one."""
+    try:
+        return _spec_key(body.get("optimizer") or ps.optimizer or {})
+    except (ValueError, TypeError) as e:
+        raise ConfigMismatch(f"bad optimizer spec: {e}") from None
+
+
+def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
+    body = conn.read_json(h)
+    mode = body.get("mode")
+    if mode not in MODES:
+        raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    try:
+        opt = _spec_key(body.get("optimizer") or {})
+    except (ValueError, TypeError) as e:
+        raise ConfigMismatch(f"bad optimizer spec: {e}") from None
+    if body.get("trainers") != ps.env.trainers or body.get("n_pservers") != ps.n_pservers:
+        raise ConfigMismatch(
+            f"trainer {conn.trainer} thinks the job has {body.get('trainers')} trainers and "
+            f"{body.get('n_pservers')} pservers; this pserver was started for {ps.env.trainers} and "
+            f"{ps.n_pservers}")
+    staleness = body.get("staleness")
+    if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
+        raise ConfigMismatch(f"staleness {staleness!r}: expected a non-negative integer or null")
+    sync = ps.sync
+    with sync.lock:
+        if conn.trainer == 0 and sync.mode is None:
+            sync.mode, ps.optimizer, ps.staleness = mode, opt, staleness
+            sync.lock.notify_all()
+        sync.wait(sync.lock, lambda: sync.mode is not None, ps.base_step, "waiting for trainer 0 to declare",
+                  lambda: {0})
+        if mode != sync.mode:
+            raise ConfigMismatch(f"trainer {conn.trainer} asks for mode {mode!r} but the job runs in "
+                                 f"{sync.mode!r} mode (declared by trainer 0)")
+        if staleness != ps.staleness:
+            raise ConfigMismatch(f"trainer {conn.trainer} asks for staleness bound {staleness} but trainer 0 "
+                                 f"declared {ps.staleness}")
+        if opt != ps.optimizer:
+            raise ConfigMismatch(f"trainer {conn.trainer} declares optimizer {opt} but trainer 0 declared "
+                                 f"{ps.optimizer}")
+    conn.reply_ok({"pserver_id": ps.pserver_id, "step": ps.base_step, "mode": sync.mode,
+                   "resumed_from": ps.resumed_from})
+
+
+def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
+    body = conn.read_json(h)
+    _check_declared(ps)
+    try:
+        meta = {"name": str(body["name"]), "lo": int(body["lo"]), "hi": int(body["hi"]),
+                "shape": [int(s) for s in body["shape"]], "dtype": np.dtype(body["dtype"]).name}
+        P.dtype_code(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"bad dense block definition: {e!r}") from None
+    if any(s < 0 for s in meta["shape"]):
+        raise ProtocolError(f"bad dense block shape {meta['shape']}")
+    spec = _parse_spec(ps, body)
+    with ps.sync.lock:
+        b = ps.blocks.get(h.key)
+        if b is None:
+            nbytes = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+            if nbytes > ps.max_frame:
+                raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
+            b = DenseBlock(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step)
+            ps.sync.hyper.start(b, [*ps.blocks.values(), *ps.tables.values()])
+            ps.blocks[h.key] = b
+        elif b.meta != meta:
+            raise ConfigMismatch(f"dense block {h.key}: trainer {conn.trainer} defines {meta} but it is "
+                                 f"{b.meta} (do all trainers register the same parameters?)")
+        elif b.declared != spec:
+            raise ConfigMismatch(f"dense block {b.describe()}: trainer {conn.trainer} uses optimizer {spec}, "
+                                 f"the job uses {b.declared}")
+    conn.reply_ok({"step": b.step, "initialized": b.initialized}, key=h.key)
+
+
+def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
+    body = conn.read_json(h)
+    _check_declared(ps)
+    try:
+        meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
+                "init_scale": float(body["init_scale"]), "seed": int(body["seed"])}
+        P.dtype_code(meta["dtype"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"bad sparse table definition: {e!r}") from None
+    if meta["width"] < 1:
+        raise ProtocolError(f"bad sparse table width {meta['width']}")
+    spec = _parse_spec(ps, body)
+    with ps.sync.lock:
+        t = ps.tables.get(h.key)
+        if t is None:
+            try:
+                t = TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step, ps.pserver_id,
+                               ps.n_pservers)
+            except ValueError as e:
+                raise ConfigMismatch(str(e)) from None
+            ps.sync.hyper.start(t, [*ps.blocks.values(), *ps.tables.values()])
+            ps.tables[h.key] = t
+        elif t.meta != meta:
+            raise ConfigMismatch(f"sparse table {h.key}: trainer {conn.trainer} defines {meta} but it is {t.meta}")
+        elif t.declared != spec:
+            raise ConfigMismatch(f"{t.describe()}: trainer {conn.trainer} uses optimizer {spec}, the job uses "
+                                 f"{t.declared}")
+    conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
+
+
+def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
+    body = conn.read_json(h)
+    values = body.get("values")
+    if not isinstance(values, dict) or not values:
+        raise ConfigMismatch("SET_HYPER needs a non-empty 'values' object")
+    bad = sorted(set(values) - _HYPER_KEYS)
+    if bad:
+        raise ConfigMismatch(f"cannot set {bad}: settable are {sorted(_HYPER_KEYS)}")
+    try:
+        base = dict(ps.optimizer or OptimizerSpec().to_dict())
+        OptimizerSpec.from_dict({**base, **values})
+        values = {k: float(v) for k, v in values.items()}
+        from_step = int(body.get("from_step", 0))
+        names = body.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ValueError("'names' must be a list of parameter/table names")
+    except (ValueError, TypeError) as e:
+        raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
+    with ps.sync.lock:
+        ps.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
+                          [*ps.blocks.values(), *ps.tables.values()])
+    conn.reply_ok()
