@@ -25,7 +25,11 @@ _HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"n
 
 
 def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:
-    return OptimizerSpec.from_dict(d).to_dict()
+    """``d`` in its normal form (defaults filled in), so two trainers' specs compare equal when they mean the same."""
+    try:
+        return OptimizerSpec.from_dict(d).to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConfigMismatch(f"bad optimizer spec: {e}") from None
 
 
 def _check_declared(ps: PServer) -> None:
@@ -35,10 +39,7 @@ def _check_declared(ps: PServer) -> None:
 
 def _parse_spec(ps: PServer, body: Dict[str, Any]) -> Dict[str, Any]:
     """The optimizer a definition names, else the job's declared one."""
-    try:
-        return _spec_key(body.get("optimizer") or ps.optimizer or {})
-    except (ValueError, TypeError) as e:
-        raise ConfigMismatch(f"bad optimizer spec: {e}") from None
+    return _spec_key(body.get("optimizer") or ps.optimizer or {})
 
 
 def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -46,10 +47,7 @@ def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
     mode = body.get("mode")
     if mode not in MODES:
         raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-    try:
-        opt = _spec_key(body.get("optimizer") or {})
-    except (ValueError, TypeError) as e:
-        raise ConfigMismatch(f"bad optimizer spec: {e}") from None
+    opt = _spec_key(body.get("optimizer") or {})
     if body.get("trainers") != ps.env.trainers or body.get("n_pservers") != ps.n_pservers:
         raise ConfigMismatch(
             f"trainer {conn.trainer} thinks the job has {body.get('trainers')} trainers and "
