@@ -12,15 +12,20 @@ from helpers import assert_nothing_left, cli, make_workspace, no_traceback, writ
 from paddle_cluster.node import trees
 from paddle_cluster.node.unpack import UnsafeArchive
 
-# Reads its workspace file, then writes into it in place (same inode), and says who its agent is.
+# Reads its workspace file, says who its agent is, then changes the file: replaced by rename (allowed), or in
+# place when its job's name ends in "inplace" (root ignores the read-only mode: the node must notice).
 WRITER_PY = r'''
 import os
-with open("data/part-0", "r+") as f:
-    before = f.read().strip()
-    f.seek(0)
-    f.write("changed by the job\n")
+before = open("data/part-0").read().strip()
 agent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\0", b" ").decode()
 print(f"BEFORE {before!r} SESSION-AGENT {'paddle_cluster.node.session' in agent}", flush=True)
+if os.getcwd().endswith("inplace"):
+    with open("data/part-0", "r+") as f:
+        f.write("changed in place\n")
+else:
+    with open("data/part-0.new", "w") as f:
+        f.write("replaced by the job\n")
+    os.replace("data/part-0.new", "data/part-0")
 '''
 
 
@@ -38,24 +43,48 @@ def _archive(tmp_path, files):
     return str(out)
 
 
-def test_a_job_writing_into_its_copy_leaves_the_cache_and_other_jobs_alone(tmp_path):
+def test_a_job_directory_is_hard_links_to_the_read_only_cache(tmp_path):
     root = str(tmp_path / "root")
-    archive = _archive(tmp_path, {"train.py": b"print(1)\n", "data/part-0": b"1 2 3\n"})
+    archive = _archive(tmp_path, {"train.py": b"print(1)\n", "data/part-0": b"1 2 3\n", "data/part-1": b"4\n"})
     assert not trees.materialize(root, "a" * 64, f"{root}/job1")  # nothing cached yet: nothing done
     assert not os.path.exists(f"{root}/job1")
     trees.store(root, archive, "a" * 64, max_members=10)
     assert trees.materialize(root, "a" * 64, f"{root}/job1")
-    assert trees.materialize(root, "a" * 64, f"{root}/job2")
-    with open(f"{root}/job1/data/part-0", "r+") as f:  # in place: a hard link would change the cache
-        f.write("XXXXX")
+    cached = os.path.join(trees.tree_dir(root, "a" * 64), "tree", "data", "part-0")
+    job_file = f"{root}/job1/data/part-0"
+    assert os.stat(job_file).st_ino == os.stat(cached).st_ino  # linked, not copied
+    assert os.stat(job_file).st_mode & 0o222 == 0  # read-only
+    assert not os.path.islink(f"{root}/job1/data") and os.stat(f"{root}/job1").st_mode & 0o777 == 0o700
+    # What a job may do: new files, a workspace file replaced by rename, one deleted -- its own directory only.
+    with open(f"{root}/job1/data/new", "w") as f:
+        f.write("out")
+    with open(f"{root}/job1/data/part-0.tmp", "w") as f:
+        f.write("replaced")
+    os.replace(f"{root}/job1/data/part-0.tmp", job_file)
+    os.unlink(f"{root}/job1/data/part-1")
+    assert trees.materialize(root, "a" * 64, f"{root}/job2")  # the same tree, still intact
+    assert os.stat(f"{root}/job2/data/part-0").st_ino == os.stat(cached).st_ino
+    assert sorted(os.listdir(f"{root}/job2/data")) == ["part-0", "part-1"]
     assert open(f"{root}/job2/data/part-0").read() == "1 2 3\n"
-    assert trees.materialize(root, "a" * 64, f"{root}/job3")
-    assert open(f"{root}/job3/data/part-0").read() == "1 2 3\n"
-    assert open(f"{root}/job3/train.py").read() == "print(1)\n"
-    assert os.stat(f"{root}/job3").st_mode & 0o777 == 0o700
-    assert os.stat(f"{root}/job3/data/part-0").st_ino != os.stat(f"{root}/job2/data/part-0").st_ino
     with pytest.raises(UnsafeArchive, match="not empty"):
         trees.materialize(root, "a" * 64, f"{root}/job1")
+
+
+def test_a_tree_written_into_in_place_is_dropped_not_reused(tmp_path):
+    root = str(tmp_path / "root")
+    archive = _archive(tmp_path, {"train.py": b"print(1)\n", "data/part-0": b"1 2 3\n"})
+    trees.store(root, archive, "a" * 64, max_members=10)
+    assert trees.materialize(root, "a" * 64, f"{root}/job1")
+    if os.geteuid() != 0:  # root writes in place without asking
+        os.chmod(f"{root}/job1/data/part-0", 0o644)
+    with open(f"{root}/job1/data/part-0", "r+") as f:
+        f.write("XXXXX")
+    assert not trees.materialize(root, "a" * 64, f"{root}/job2")  # the next job is not given the damage
+    assert not os.path.exists(f"{root}/job2") and not os.path.exists(trees.tree_dir(root, "a" * 64))
+    trees.store(root, archive, "a" * 64, max_members=10)  # sent again
+    assert trees.materialize(root, "a" * 64, f"{root}/job2")
+    assert open(f"{root}/job2/data/part-0").read() == "1 2 3\n"
+    assert open(f"{root}/job1/data/part-0").read() == "XXXXX\n"  # the job's own damage stays its own
 
 
 def test_the_cache_keeps_the_most_recent_trees(tmp_path):
@@ -89,16 +118,24 @@ def test_one_session_per_node_and_an_unchanged_workspace_is_not_sent(cluster, tm
     lib = cluster.root_dir(0) / ".paddle_cluster" / "lib"
     installed = {p.name: p.stat().st_ino for p in lib.iterdir()}
 
-    again = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache2")
+    again = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache2-inplace")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "node0, node1, node2 already held this package: not sent again" in again.stderr
-    for i in range(3):  # the first job wrote into its copy in place; the cache and this job did not see it
+    for i in range(3):  # the first job replaced its file by rename; the cache and this job did not see it
         assert f"[trainer.{i}@node{i}] BEFORE '1 2 3' SESSION-AGENT True" in again.stdout, again.stdout
-        assert (cluster.root_dir(i) / "cache1" / "data" / "part-0").read_text() == "changed by the job\n"
+        assert (cluster.root_dir(i) / "cache1" / "data" / "part-0").read_text() == "replaced by the job\n"
     assert {p.name: p.stat().st_ino for p in lib.iterdir()} == installed  # the library was not sent again
 
+    # The second job wrote in place into the files it shares with the cache: the next job is not given that.
+    third = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache3")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert ("node0, node1, node2: a job wrote into its cached copy of this workspace in place (the workspace is "
+            "read-only input; write outputs to new files): dropped and sent again") in third.stderr
+    for i in range(3):
+        assert f"[trainer.{i}@node{i}] BEFORE '1 2 3'" in third.stdout, third.stdout
+
     (ws / "data" / "part-0").write_text("4 5 6\n")
-    changed = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache3")
+    changed = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "cache4")
     assert changed.returncode == 0, changed.stdout + changed.stderr
     assert "not sent again" not in changed.stderr
     assert "[trainer.1@node1] BEFORE '4 5 6'" in changed.stdout

@@ -34,8 +34,10 @@ def prepare(job_dir: str, node: int, workspace: str = "") -> None:
         raise LayoutError(f"{job_dir} is already node {claimed}'s job directory: ROOT_DIR is on a filesystem the "
                           "nodes share; give each node a ROOT_DIR of its own (its local disk)")
     for path in (claim, os.path.join(job_dir, "nodefile")):
-        with open(path, "w") as f:
+        # Replaced, never written in place: a workspace's own nodefile is a link into the node's cache.
+        with open(f"{path}.tmp", "w") as f:
             f.write(f"{node}\n")
+        os.replace(f"{path}.tmp", path)
     for name in ("log", "output"):
         os.makedirs(os.path.join(job_dir, name), exist_ok=True)
     try:

@@ -95,13 +95,15 @@ def _workspace(req: Request) -> Dict[str, Any]:
         return {}
     try:
         contract.check_job_name(os.path.basename(req.job_dir))
+        held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
         if trees.materialize(req.root, req.workspace_sha, req.job_dir):
             return {"ok": True, "sent": False}
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}
     packages = os.path.join(req.root, ".paddle_cluster", "packages")
     os.makedirs(packages, mode=0o700, exist_ok=True)
-    return {"need": os.path.join(packages, f"{req.workspace_sha}.tar.part-{secrets.token_hex(4)}")}
+    return {"need": os.path.join(packages, f"{req.workspace_sha}.tar.part-{secrets.token_hex(4)}"),
+            "damaged": held}  # its cached tree was written into since it was unpacked: dropped
 
 
 def _receive(req: Request, part: str) -> Dict[str, Any]:

@@ -1,50 +1,111 @@
-"""A node's cache of unpacked workspaces: one tree per archive hash, copied into each job directory.
+"""A node's cache of unpacked workspaces: one tree per archive hash, hard-linked into each job directory.
 
-A job gets its own copy, never links into the cache: a job that writes into its workspace (a file opened
-for writing, not replaced) would otherwise change the cache and every other job made from it. The copy is
-a reflink (shared blocks, copy-on-write) where the filesystem has them (btrfs, XFS), else an in-kernel copy.
+``trees/<sha>/tree/`` holds the files, made read-only, and ``trees/<sha>/manifest.json`` what each file was
+when it was unpacked (inode, size, mtime, mode). A job directory is made of real directories whose files are
+hard links to the cached ones: no byte is copied. Before a tree is linked again, every file is checked against
+its record (one ``stat`` each); a tree something wrote into -- root ignores the read-only mode -- is dropped
+and the archive is sent again. So a job that writes into a workspace file in place can change what it reads
+itself (and another job linked to the same tree while both run), never what the next job is given. The rule
+for jobs: the workspace is read-only input; outputs go to new files (a file replaced by rename is the job's own).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
+import json
 import os
 import shutil
-from typing import List
+import stat
+from typing import Any, Dict, List, Optional
 
 from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
 KEEP = 4  # unpacked trees kept per ROOT_DIR, least recently used dropped first
-FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+READ_ONLY = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
 
 
 def tree_dir(root: str, sha: str) -> str:
     return os.path.join(root, ".paddle_cluster", "trees", sha)
 
 
+def _record(st: os.stat_result) -> List[int]:
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode]
+
+
 def materialize(root: str, sha: str, dest: str) -> bool:
-    """Copy the tree of archive ``sha`` into a fresh ``dest`` (via a temporary sibling, renamed at the end);
-    False, with nothing done, when this node holds no such tree."""
-    src = tree_dir(root, sha)
-    if not os.path.isdir(src):
+    """Make a fresh ``dest`` of the tree of archive ``sha`` (via a temporary sibling, renamed at the end);
+    False, with nothing done, when this node holds no such tree or the one it holds was written into."""
+    manifest = _intact(root, sha)
+    if manifest is None:
         return False
-    fresh_dir(dest, lambda tmp: _copy_tree(src, tmp), "copying")
-    os.utime(src)  # most recently used
+    files = os.path.join(tree_dir(root, sha), "tree")
+    fresh_dir(dest, lambda tmp: _link_tree(files, manifest, tmp), "linking")
+    os.utime(tree_dir(root, sha))  # most recently used
     return True
 
 
-def store(root: str, archive: str, sha: str, max_members: int) -> None:
-    """Unpack a verified archive into the cache (refusing what ``safe_extract`` refuses); drop old trees."""
-    dst = tree_dir(root, sha)
-    os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
+def _intact(root: str, sha: str) -> Optional[Dict[str, Any]]:
+    """The tree's manifest when every file is as it was unpacked; else None, and a damaged tree is dropped."""
+    top = tree_dir(root, sha)
     try:
-        safe_extract(archive, dst, max_members=max_members)
-    except (UnsafeArchive, OSError):
-        if not os.path.isdir(dst) or not os.listdir(dst):
+        with open(os.path.join(top, "manifest.json")) as f:
+            manifest = json.load(f)
+        files = os.path.join(top, "tree")
+        if all(_record(os.lstat(os.path.join(files, rel))) == rec for rel, rec in manifest["files"].items()):
+            return manifest
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    if os.path.lexists(top):
+        drop(root, sha)
+    return None
+
+
+def drop(root: str, sha: str) -> None:
+    """Remove a cached tree (renamed away first, so no one links from it half-removed)."""
+    top = tree_dir(root, sha)
+    gone = f"{top}.drop-{os.getpid()}"
+    try:
+        os.rename(top, gone)
+    except OSError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def store(root: str, archive: str, sha: str, max_members: int) -> None:
+    """Unpack a verified archive into the cache (refusing what ``safe_extract`` refuses), its files made
+    read-only and recorded; drop old trees."""
+    top = tree_dir(root, sha)
+    os.makedirs(os.path.dirname(top), mode=0o700, exist_ok=True)
+    if _intact(root, sha) is not None:
+        return  # another launcher stored the same archive meanwhile
+    try:
+        fresh_dir(top, lambda tmp: _unpack_sealed(archive, tmp, max_members), "unpacking")
+    except UnsafeArchive:
+        if _intact(root, sha) is None:
             raise
-        # another launcher unpacked the same archive at the same moment: its tree is as good as ours
-    _prune(os.path.dirname(dst), keep=KEEP)
+        # another launcher stored the same archive at the same moment: its tree is as good as ours
+    _prune(os.path.dirname(top), keep=KEEP)
+
+
+def _unpack_sealed(archive: str, top: str, max_members: int) -> None:
+    files = os.path.join(top, "tree")
+    safe_extract(archive, files, max_members=max_members)
+    manifest: Dict[str, Any] = {"dirs": {}, "files": {}, "links": {}}
+    for dirpath, dirnames, filenames in os.walk(files):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, files)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                manifest["links"][rel] = os.readlink(full)
+            elif stat.S_ISDIR(st.st_mode):
+                manifest["dirs"][rel] = st.st_mode & 0o777
+            else:
+                os.chmod(full, st.st_mode & 0o777 & READ_ONLY)
+                manifest["files"][rel] = _record(os.lstat(full))
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+    with open(os.path.join(top, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
 
 
 def _prune(parent: str, keep: int) -> None:
@@ -54,37 +115,17 @@ def _prune(parent: str, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _copy_tree(src: str, dst: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel = os.path.relpath(dirpath, src)
-        out = dst if rel == "." else os.path.join(dst, rel)
-        for name in dirnames + filenames:
-            s, d = os.path.join(dirpath, name), os.path.join(out, name)
-            st = os.lstat(s)
-            if os.path.islink(s):  # os.walk lists a link to a directory among dirnames and does not enter it
-                os.symlink(os.readlink(s), d)
-            elif name in dirnames:
-                os.mkdir(d, st.st_mode & 0o777)
-            else:
-                _copy_file(s, d, st.st_mode & 0o777)
-        dirnames[:] = [n for n in dirnames if not os.path.islink(os.path.join(dirpath, n))]
-
-
-def _copy_file(src: str, dst: str, mode: int) -> None:
-    with open(src, "rb") as fi, open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fo:
+def _link_tree(src: str, manifest: Dict[str, Any], dst: str) -> None:
+    for rel in sorted(manifest["dirs"]):  # parents sort before their children
+        os.mkdir(os.path.join(dst, rel), manifest["dirs"][rel])
+    for rel, target in manifest["links"].items():
+        os.symlink(target, os.path.join(dst, rel))
+    for rel in manifest["files"]:
+        s, d = os.path.join(src, rel), os.path.join(dst, rel)
         try:
-            fcntl.ioctl(fo.fileno(), FICLONE, fi.fileno())
-            return
-        except OSError:
-            pass
-        left = os.fstat(fi.fileno()).st_size
-        try:
-            while left > 0:
-                n = os.copy_file_range(fi.fileno(), fo.fileno(), left)
-                if n == 0:
-                    break
-                left -= n
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            os.link(s, d)
+        except OSError as e:  # the job directory is on another filesystem than the cache: copy that file
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise
-            shutil.copyfileobj(fi, fo, 1 << 20)  # no in-kernel copy here; fi and fo are at the same offset
+            shutil.copy2(s, d)
+

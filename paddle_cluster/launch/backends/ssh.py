@@ -9,6 +9,7 @@ lost node; a silent launcher makes every agent stop on its own.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Dict, List, Optional
 
 from paddle_cluster.node import messages as m
@@ -42,6 +43,7 @@ class SSHBackend(Backend):
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
+        self.workspace_seconds = 0.0  # the last workspace step: from 'go' to every job directory in place
 
     # -- preparing ------------------------------------------------------------------------------------
     def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
@@ -75,6 +77,7 @@ class SSHBackend(Backend):
             lib_data = f.read()
         sessions: Dict[int, NodeSession] = {}
         sent: Dict[int, bool] = {}
+        damaged: List[str] = []  # nodes whose cached tree of this workspace a job wrote into
         waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
@@ -95,6 +98,8 @@ class SSHBackend(Backend):
                                 "workspace to every node first, or use --job_dispatch_package")
             if spec is not None:
                 preflight.check_node(n.label, spec, {**docs[n.index], "workspace": ws}, pkg.size if pkg else 0)
+            if ws.get("damaged"):
+                damaged.append(n.name)
             if pkg is not None and "need" in ws:
                 n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
                 ws = s.uploaded(ws["need"])
@@ -110,8 +115,10 @@ class SSHBackend(Backend):
             docs = fanout(self.nodes, open_one).ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.wants_workspace:
+                t0 = time.perf_counter()
                 with dispatch.upload_progress() as bar:
                     fanout(self.nodes, place).ok("preparing the nodes")
+                self.workspace_seconds = time.perf_counter() - t0
             ok = True
         finally:
             prepared.set()
@@ -127,6 +134,9 @@ class SSHBackend(Backend):
         skipped = [self.nodes[i].name for i, s in sorted(sent.items()) if not s]
         if pkg is not None and skipped:
             say(f"{', '.join(skipped)} already held this package: not sent again")
+        if damaged:
+            say(f"{', '.join(sorted(damaged))}: a job wrote into its cached copy of this workspace in place (the "
+                "workspace is read-only input; write outputs to new files): dropped and sent again")
         return addresses
 
     def _check_probe(self, n: Node, doc: dict) -> None:
