@@ -10,44 +10,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Type
 
+_BY_CODE: Dict[int, Type[PSError]] = {}
+
 
 class PSError(Exception):
-    """Base class of every runtime error."""
+    """Base class of every runtime error. A kind declares its status code on the wire in its class line
+    (``class UnknownKey(PSError, code=5)``); a kind without one travels as its parent."""
 
     code = 1
+
+    def __init_subclass__(cls, code: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            if code in _BY_CODE:
+                raise TypeError(f"status code {code} is {_BY_CODE[code].__name__}'s already")
+            cls.code = code
+            _BY_CODE[code] = cls
 
     def to_wire(self) -> Dict[str, Any]:
         return {"message": str(self)}
 
 
-class ProtocolError(PSError):
+_BY_CODE[PSError.code] = PSError
+
+
+class ProtocolError(PSError, code=2):
     """A malformed, oversized, truncated or out-of-order frame."""
 
-    code = 2
 
-
-class AuthError(PSError):
+class AuthError(PSError, code=3):
     """The peer failed the challenge-response authentication (wrong or missing secret, replay)."""
 
-    code = 3
 
-
-class ConfigMismatch(PSError):
+class ConfigMismatch(PSError, code=4):
     """Trainers disagree on the mode, optimizer, or parameter/table definitions."""
 
-    code = 4
 
-
-class UnknownKey(PSError):
+class UnknownKey(PSError, code=5):
     """A request named a dense block or sparse table the pserver does not hold."""
 
-    code = 5
 
-
-class CheckpointError(PSError):
+class CheckpointError(PSError, code=6):
     """A checkpoint is missing, torn, corrupt or does not match the job."""
-
-    code = 6
 
 
 class CheckpointUnreadable(CheckpointError):
@@ -55,28 +59,20 @@ class CheckpointUnreadable(CheckpointError):
     one, never a reason to start from an older step or from scratch."""
 
 
-class ConnectionLost(PSError):
+class ConnectionLost(PSError, code=7):
     """The connection to a pserver broke (it exited, crashed or dropped us)."""
 
-    code = 7
 
-
-class RemoteError(PSError):
+class RemoteError(PSError, code=8):
     """An unexpected failure inside the pserver while serving a request."""
 
-    code = 8
 
-
-class IntegrityError(ProtocolError):
+class IntegrityError(ProtocolError, code=10):
     """A frame failed its MAC: changed, replayed, reordered, reflected or spliced in by someone on the path."""
 
-    code = 10
 
-
-class Forbidden(PSError):
+class Forbidden(PSError, code=11):
     """The request is not allowed to this trainer's role (e.g. SAVE from a trainer other than 0)."""
-
-    code = 11
 
 
 @dataclass(frozen=True)
@@ -91,10 +87,8 @@ class MissingTrainer:
         return f"trainer {self.trainer_id} ({seen})"
 
 
-class BarrierTimeout(PSError):
+class BarrierTimeout(PSError, code=9):
     """A sync-mode barrier waited longer than ``barrier_timeout``; names the trainers it waited for."""
-
-    code = 9
 
     def __init__(self, message: str, step: int = -1, pserver_id: int = -1,
                  missing: Optional[List[MissingTrainer]] = None) -> None:
@@ -114,13 +108,6 @@ class BarrierTimeout(PSError):
             "pserver_id": self.pserver_id,
             "missing": [[m.trainer_id, m.last_seen] for m in self.missing],
         }
-
-
-_BY_CODE: Dict[int, Type[PSError]] = {
-    cls.code: cls
-    for cls in (PSError, ProtocolError, AuthError, ConfigMismatch, UnknownKey, CheckpointError,
-                ConnectionLost, RemoteError, BarrierTimeout, IntegrityError, Forbidden)
-}
 
 
 def from_wire(code: int, body: Dict[str, Any]) -> PSError:
