@@ -7,7 +7,7 @@ from a given step). Every trainer must agree with trainer 0's declaration; a dis
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict, TypeVar, Union
 
 import numpy as np
 
@@ -19,6 +19,8 @@ from .shards import DenseBlock, TableShard
 
 if TYPE_CHECKING:
     from .server import PServer
+
+S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 
 MODES = ("sync", "async")
 _HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"name"}
@@ -40,6 +42,25 @@ def _check_declared(ps: PServer) -> None:
 def _parse_spec(ps: PServer, body: Dict[str, Any]) -> Dict[str, Any]:
     """The optimizer a definition names, else the job's declared one."""
     return _spec_key(body.get("optimizer") or ps.optimizer or {})
+
+
+def _define(ps: PServer, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str, meta: Dict[str, Any],
+            spec: Dict[str, Any], make: Callable[[], S]) -> S:
+    """The shard ``h.key`` of ``shards``: made by ``make`` at its first definition; a later definition must
+    say the same (what it is, which optimizer), else ``ConfigMismatch`` naming both."""
+    with ps.sync.lock:
+        shard = shards.get(h.key)
+        if shard is None:
+            shard = make()
+            ps.sync.hyper.start(shard, [*ps.blocks.values(), *ps.tables.values()])
+            shards[h.key] = shard
+        elif shard.meta != meta:
+            raise ConfigMismatch(f"{kind} {h.key}: trainer {conn.trainer} defines {meta} but it is {shard.meta} "
+                                 "(do all trainers register the same parameters?)")
+        elif shard.declared != spec:
+            raise ConfigMismatch(f"{shard.describe()}: trainer {conn.trainer} uses optimizer {spec}, the job uses "
+                                 f"{shard.declared}")
+    return shard
 
 
 def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -88,21 +109,14 @@ def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
     if any(s < 0 for s in meta["shape"]):
         raise ProtocolError(f"bad dense block shape {meta['shape']}")
     spec = _parse_spec(ps, body)
-    with ps.sync.lock:
-        b = ps.blocks.get(h.key)
-        if b is None:
-            nbytes = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
-            if nbytes > ps.max_frame:
-                raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
-            b = DenseBlock(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step)
-            ps.sync.hyper.start(b, [*ps.blocks.values(), *ps.tables.values()])
-            ps.blocks[h.key] = b
-        elif b.meta != meta:
-            raise ConfigMismatch(f"dense block {h.key}: trainer {conn.trainer} defines {meta} but it is "
-                                 f"{b.meta} (do all trainers register the same parameters?)")
-        elif b.declared != spec:
-            raise ConfigMismatch(f"dense block {b.describe()}: trainer {conn.trainer} uses optimizer {spec}, "
-                                 f"the job uses {b.declared}")
+
+    def make() -> DenseBlock:
+        nbytes = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+        if nbytes > ps.max_frame:
+            raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
+        return DenseBlock(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step)
+
+    b = _define(ps, conn, h, ps.blocks, "dense block", meta, spec, make)
     conn.reply_ok({"step": b.step, "initialized": b.initialized}, key=h.key)
 
 
@@ -118,21 +132,15 @@ def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
     if meta["width"] < 1:
         raise ProtocolError(f"bad sparse table width {meta['width']}")
     spec = _parse_spec(ps, body)
-    with ps.sync.lock:
-        t = ps.tables.get(h.key)
-        if t is None:
-            try:
-                t = TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step, ps.pserver_id,
-                               ps.n_pservers)
-            except ValueError as e:
-                raise ConfigMismatch(str(e)) from None
-            ps.sync.hyper.start(t, [*ps.blocks.values(), *ps.tables.values()])
-            ps.tables[h.key] = t
-        elif t.meta != meta:
-            raise ConfigMismatch(f"sparse table {h.key}: trainer {conn.trainer} defines {meta} but it is {t.meta}")
-        elif t.declared != spec:
-            raise ConfigMismatch(f"{t.describe()}: trainer {conn.trainer} uses optimizer {spec}, the job uses "
-                                 f"{t.declared}")
+
+    def make() -> TableShard:
+        try:
+            return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step, ps.pserver_id,
+                              ps.n_pservers)
+        except ValueError as e:
+            raise ConfigMismatch(str(e)) from None
+
+    t = _define(ps, conn, h, ps.tables, "sparse table", meta, spec, make)
     conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
 
 
