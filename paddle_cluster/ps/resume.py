@@ -37,15 +37,21 @@ from .shards import DenseBlock, TableShard
 log = logging.getLogger("paddle_cluster.ps")
 
 
+def _require(path: str, missing: str) -> None:
+    """``CheckpointError(missing)`` when ``path`` does not exist, ``CheckpointUnreadable`` when it cannot be
+    looked at (a checkpoint that may be there is never taken for an absent one)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(missing) from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
 def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
     """Load and verify this pserver's shard of the checkpoint in ``step_path``."""
     d = shard_dir(step_path, pserver_id)
-    try:
-        os.stat(d)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})") from None
-    except OSError as e:
-        raise unreadable(d, e) from None
+    _require(d, f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})")
     body = read_manifest(d)
     if body is None:
         raise CheckpointError(f"checkpoint {d}: manifest.json missing (the save did not finish); refusing it")
@@ -159,12 +165,7 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
     if resume == "latest":
         return load_latest(root, pserver_id, n_pservers)
     path = step_dir(root, int(resume)) if resume.isdigit() else resume
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except OSError as e:
-        raise unreadable(path, e) from None
+    _require(path, f"checkpoint {path} does not exist")
     shard = load_shard(path, pserver_id, n_pservers)
     why = _siblings_complete(path, pserver_id)
     if why is not None:

@@ -12,7 +12,6 @@ cache is used even when its MD5 differs (a copy you placed, a slice for tests): 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -21,6 +20,7 @@ import urllib.request
 from typing import Optional, Sequence, Set
 
 from ....contract import dataset_home
+from ....ps.atomic import file_digest
 from ...missing import module_getattr
 
 __all__ = ["DATA_HOME", "DatasetError", "download", "md5file"]
@@ -44,11 +44,7 @@ class DatasetError(RuntimeError):
 
 
 def md5file(fname: str) -> str:
-    h = hashlib.md5()
-    with open(fname, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_digest(fname, "md5")
 
 
 def _name(url: str) -> str:
