@@ -39,8 +39,8 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:  #
 
 
 def _handled(fn):
-    """Every ClusterError becomes one clean message and its exit code, never a bare traceback; so does a
-    returned ``JobResult``."""
+    """A command given the click context (its config); every ClusterError becomes one clean message and its
+    exit code, never a bare traceback; so does a returned ``JobResult``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -58,7 +58,7 @@ def _handled(fn):
             if not result.ok:
                 sys.exit(result.exit_code)
 
-    return wrapper
+    return click.pass_context(wrapper)
 
 
 def _debug_trace(e: ClusterError) -> None:
@@ -91,6 +91,33 @@ def _checked_resume(ctx: click.Context, param: click.Parameter, value: Optional[
         return value if value is None or value.startswith("/") else check_job_name(value)
     except ContractError as e:
         raise click.BadParameter(f"{e}; or give an absolute checkpoint directory") from None
+
+
+def _options(*decorators):
+    """One decorator applying ``decorators`` as if written one above the other."""
+    def apply(fn):
+        for d in reversed(decorators):
+            fn = d(fn)
+        return fn
+    return apply
+
+
+# The pods of a Kubernetes job, for `run --backend k8s` and `render k8s` alike (K8sOptions.from_config).
+_k8s_pods = _options(
+    click.option("--image", metavar="IMAGE", help="k8s: the image holding Python 3, numpy, paddle-cluster and the "
+                 "workspace (docs/backends.md; default: K8S_IMAGE)."),
+    click.option("--namespace", metavar="NS", help="k8s: the namespace (default: K8S_NAMESPACE, default)."),
+    click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="k8s: pserver pods (default: HOSTS x "
+                 "PSERVERS_PER_NODE)."),
+    click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="k8s: trainer pods (default: HOSTS x "
+                 "TRAINERS_PER_NODE)."),
+)
+
+
+def _earlier_job(what: str):
+    """``--job_name`` of a command about a job started earlier: ``what`` it names, the latest by default."""
+    return click.option("--job_name", metavar="NAME", callback=_checked_name,
+                        help=f"{what} (default: the latest started with this config).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -132,18 +159,12 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
 @click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
               "kill find the job later.")
-@click.option("--image", metavar="IMAGE", help="k8s: the image holding the workspace (default: K8S_IMAGE).")
-@click.option("--namespace", metavar="NS", help="k8s: the namespace (default: K8S_NAMESPACE, default).")
-@click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="k8s: pserver pods (default: HOSTS x "
-              "PSERVERS_PER_NODE).")
-@click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="k8s: trainer pods (default: HOSTS x "
-              "TRAINERS_PER_NODE).")
+@_k8s_pods
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
@@ -207,9 +228,7 @@ def _on_k8s(cfg: ClusterConfig, name: str):
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", callback=_checked_name,
-              help="Job to stop (default: the latest started with this config).")
-@click.pass_context
+@_earlier_job("Job to stop")
 @_handled
 def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     """Stop a job on every node (only the processes recorded for that job)."""
@@ -236,9 +255,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
               help="Whose logs: the trainers', the pservers' or both.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends or Ctrl+C.")
 @click.option("-n", "lines", type=int, default=50, show_default=True, help="How many last lines to show.")
-@click.option("--job_name", metavar="NAME", callback=_checked_name,
-              help="Job whose logs to show (default: the latest started with this config).")
-@click.pass_context
+@_earlier_job("Job whose logs to show")
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
     """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
@@ -257,10 +274,8 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", callback=_checked_name,
-              help="Job to show (default: the latest started with this config).")
+@_earlier_job("Job to show")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.pass_context
 @_handled
 def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
@@ -289,7 +304,6 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.pass_context
 @_handled
 def check(ctx: click.Context, as_json: bool) -> None:
     """Preflight every host: SSH without prompts, Python+numpy, NIC, ports, ROOT_DIR, disk."""
@@ -309,10 +323,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--job_name", metavar="NAME", callback=_checked_name,
-              help="Job to plot (default: the latest started with this config).")
+@_earlier_job("Job to plot")
 @click.option("-o", "--out", "out_path", metavar="FILE", help="PNG to write (default: <job name>.png here).")
-@click.pass_context
 @_handled
 def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -> None:
     """Draw loss and every reported metric per trainer against step, as a PNG and in the terminal."""
@@ -335,13 +347,7 @@ def render() -> None:
 
 
 @render.command("k8s", context_settings={"ignore_unknown_options": True})
-@click.option("--image", metavar="IMAGE", help="Image holding Python 3, numpy, paddle-cluster and the workspace "
-              "(docs/backends.md; default: K8S_IMAGE).")
-@click.option("--namespace", metavar="NS", help="Default: K8S_NAMESPACE of the config, default.")
-@click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="Pserver pods (default: HOSTS x "
-              "PSERVERS_PER_NODE of the config).")
-@click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="Trainer pods (default: HOSTS x "
-              "TRAINERS_PER_NODE of the config).")
+@_k8s_pods
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
               help="Where the workspace is inside the image (the pods' working directory).")
@@ -350,7 +356,6 @@ def render() -> None:
 @click.option("--trainer-requests", metavar="R", help="The same for each trainer pod; an extended resource such as "
               "nvidia.com/gpu=1 is also set as its limit (default: K8S_TRAINER_REQUESTS).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
-@click.pass_context
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
                trainers: Optional[int], job_name: Optional[str], workspace: str, pserver_requests: Optional[str],
