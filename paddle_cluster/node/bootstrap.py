@@ -32,16 +32,6 @@ class BootstrapError(Exception):
     """This process cannot become a node of the job; the message says why and what to fix."""
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where the engine put this process: node ``node`` of ``nodes``, on the host the engine calls ``host``."""
-
-    engine: str
-    node: int
-    nodes: int
-    host: str
-
-
 def _int(environ: Mapping[str, str], name: str, engine: str) -> int:
     text = environ.get(name, "")
     if not (text.isascii() and text.isdigit()):
@@ -59,6 +49,16 @@ def slurm_hostnames(nodelist: str) -> List[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return res.stdout.split() if res.returncode == 0 else []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine put this process: node ``node`` of ``nodes``, on the host the engine calls ``host``."""
+
+    engine: str
+    node: int
+    nodes: int
+    host: str
 
 
 def placement(engine: str, environ: Mapping[str, str]) -> Placement:

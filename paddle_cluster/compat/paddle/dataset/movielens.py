@@ -130,28 +130,26 @@ train = functools.partial(_reader_creator, is_test=False)
 test = functools.partial(_reader_creator, is_test=True)
 
 
-def get_movie_title_dict() -> Dict[str, int]:
+def _loaded(name: str) -> Any:
+    """The module's global ``name`` (``MOVIE_INFO``, ...), read from the dataset on first use, as in Paddle."""
     _initialize_meta_info()
-    assert MOVIE_TITLE_DICT is not None
-    return MOVIE_TITLE_DICT
+    return globals()[name]
+
+
+def get_movie_title_dict() -> Dict[str, int]:
+    return _loaded("MOVIE_TITLE_DICT")
 
 
 def movie_categories() -> Dict[str, int]:
-    _initialize_meta_info()
-    assert CATEGORIES_DICT is not None
-    return CATEGORIES_DICT
+    return _loaded("CATEGORIES_DICT")
 
 
 def movie_info() -> Dict[int, MovieInfo]:
-    _initialize_meta_info()
-    assert MOVIE_INFO is not None
-    return MOVIE_INFO
+    return _loaded("MOVIE_INFO")
 
 
 def user_info() -> Dict[int, UserInfo]:
-    _initialize_meta_info()
-    assert USER_INFO is not None
-    return USER_INFO
+    return _loaded("USER_INFO")
 
 
 def max_movie_id() -> int:
