@@ -98,7 +98,7 @@ def timeit(fn: Callable[[], Any], reps: int, warmup: int = 1) -> Stats:
 
 def free_port_range(n: int) -> int:
     """First of ``n`` consecutive free ports on 127.0.0.1: the tests' finder (tests/helpers.py)."""
-    return _tests_module("helpers").free_port_range(n)
+    return tests_helpers().free_port_range(n)
 
 
 def make_env(hosts: Sequence[str], trainers: int, job_dir: str, *, ports_num: int = 1, sparse_ports: int = 1,
@@ -153,20 +153,7 @@ class Procs:
                           f"trainer{i}", prefix)
 
     def close(self) -> None:
-        import signal
-
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            if p.stdout:
-                p.stdout.close()
+        tests_helpers().stop_groups(self.procs)
         self.procs = []
 
 
@@ -235,10 +222,15 @@ def _tests_module(name: str):
         sys.path.pop(0)
 
 
+def tests_helpers():
+    """``tests/helpers.py``: the free-port finder, the stand-in processes, the process-group sweep."""
+    return _tests_module("helpers")
+
+
 def sshcluster_module():
     """``tests/sshcluster.py``: the reusable namespace cluster."""
     return _tests_module("sshcluster")
 
 
 __all__ = ["MB", "Stats", "Row", "Target", "timeit", "make_env", "Procs", "wait_json", "proc_mem", "loadavg",
-           "enter_netns", "sshcluster_module", "TRAINER", "PSERVER", "JobEnv"]
+           "enter_netns", "sshcluster_module", "tests_helpers", "TRAINER", "PSERVER", "JobEnv"]

@@ -20,23 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from .common import REPO, Stats, sshcluster_module
+from .common import REPO, Stats, sshcluster_module, tests_helpers
 
 TRAIN_PY = ("import time, os\n"
             "print('BENCH_READY %.6f %s' % (time.time(), os.environ['PADDLE_TRAINER_ID']), flush=True)\n")
-PS_PY = r'''
-import socket, time
-from paddle_cluster.contract import JobEnv
-env = JobEnv.from_environ()
-socks = []
-for port in env.all_ports(env.pserver_id):
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((env.current_ip, port))
-    s.listen()
-    socks.append(s)
-time.sleep(3600)
-'''
 
 
 def write_conf(path: Path, cl, hosts: List[str]) -> Path:
@@ -73,7 +60,7 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
     ws = work / "ws"
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN_PY)
-    (ws / "ps.py").write_text(PS_PY)
+    (ws / "ps.py").write_text(tests_helpers().LISTEN_PS_PY)
     with sc.SSHCluster(max(counts + (dispatch_hosts,)), work / "cluster") as cl:
         # -- run -> all processes ready ---------------------------------------------------------------
         _run_cli(write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # installs lib

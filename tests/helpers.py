@@ -1,5 +1,6 @@
 """Helpers shared by the test modules (their fixtures are in conftest.py): free ports, waiting on a condition
-with a deadline, the process sweep of the SSH cluster, config files, the CLI, and a checkpointing job.
+with a deadline, the process sweep of the SSH cluster and of local process groups, config files, the CLI, the
+stand-in processes (also the benchmarks': bench/common.py), and a checkpointing job.
 
 Test modules import from here, from rt_helpers.py (pserver/trainer processes) and from sshcluster.py, never
 from each other.
@@ -11,6 +12,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -84,6 +86,23 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+def stop_groups(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL the process group of each of ``procs`` (each started with ``start_new_session``), reap it and
+    close its stdout: what a test's or a benchmark's ``finally`` does with the processes it started."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if p.stdout:
+            p.stdout.close()
 
 
 def assert_nothing_left(cluster, within: float = 15.0) -> None:

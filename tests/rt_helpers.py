@@ -7,7 +7,6 @@ trainer's contract in the environment (that is how the multi-process tests start
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from helpers import checkout_env, free_port_range  # noqa: E402
+from helpers import checkout_env, free_port_range, stop_groups  # noqa: E402
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
@@ -85,18 +84,7 @@ class Procs:
             return f.read()
 
     def kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            if p.stdout:
-                p.stdout.close()
+        stop_groups(self.procs)
 
 
 @contextmanager
