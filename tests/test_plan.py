@@ -24,11 +24,11 @@ def spec(**over) -> JobSpec:
     return JobSpec(dataclasses.replace(cfg, **fields), "job1", **{"dispatch_dir": "/ws", **over})
 
 
-def test_processes_are_placed_node_major_pservers_first():
+def test_processes_are_placed_node_major_pservers_first_on_each_node():
     plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
-    assert [(pp.node, pp.proc.name) for pp in plan.procs] == [
-        (0, "pserver.0"), (0, "pserver.1"), (1, "pserver.2"), (1, "pserver.3"), (2, "pserver.4"), (2, "pserver.5"),
-        (0, "trainer.0"), (1, "trainer.1"), (2, "trainer.2")]
+    assert [[p.name for p in n.procs] for n in plan.nodes] == [
+        ["pserver.0", "pserver.1", "trainer.0"], ["pserver.2", "pserver.3", "trainer.1"],
+        ["pserver.4", "pserver.5", "trainer.2"]]
     n1 = plan.nodes[1]
     assert (n1.node, n1.address, n1.job_dir, n1.cwd) == (1, "10.0.0.2", "/r/job1", "/r/job1")
     assert [p.log for p in n1.procs] == ["server.2.log", "server.3.log", "train.log"]

@@ -65,14 +65,6 @@ def default_job_name() -> str:
 
 
 @dataclass(frozen=True)
-class PlannedProc:
-    """A process of the plan and the node it runs on."""
-
-    node: int
-    proc: ProcPlan
-
-
-@dataclass(frozen=True)
 class JobPlan:
     """The whole job: the contract every process shares (id, secret, pservers) and each node's share."""
 
@@ -84,12 +76,6 @@ class JobPlan:
     @property
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def procs(self) -> Tuple[PlannedProc, ...]:
-        """Every process: all pservers first, then all trainers, each node-major."""
-        every = [PlannedProc(n.node, p) for n in self.nodes for p in n.procs]
-        return tuple(sorted(every, key=lambda pp: (pp.proc.role != PSERVER, pp.proc.index)))
 
     def pserver_ids(self) -> Dict[int, List[int]]:
         """The pserver ids on each node that runs any."""

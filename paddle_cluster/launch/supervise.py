@@ -89,7 +89,10 @@ class Attempt:
     def __init__(self, plan: JobPlan, backend: Backend, out: Callable[[str], None],
                  say: Callable[[str], None]) -> None:
         self.plan, self.backend, self.out, self.say = plan, backend, out, say
-        self.procs: Dict[str, ProcState] = {pp.proc.name: ProcState(pp.node, pp.proc) for pp in plan.procs}
+        every = [ProcState(n.node, p) for n in plan.nodes for p in n.procs]
+        # All pservers first, then all trainers, each node-major: the order of the report's lines.
+        every.sort(key=lambda s: (s.plan.role != PSERVER, s.plan.index))
+        self.procs: Dict[str, ProcState] = {s.plan.name: s for s in every}
         self.ready: Dict[int, str] = {}  # node -> "" (ready) or why not
         self.abandoned: List[str] = []  # trainers that died under --elastic
         self.stopping = False  # a stop confirmation is then expected, not a failure
