@@ -274,8 +274,9 @@ def test_full_conf_sets_every_key(tmp_path, home):
     for f in dataclasses.fields(ClusterConfig):
         if f.name != "source":
             assert getattr(cfg, f.name) != getattr(default, f.name), f.name  # the file set every key
-    assert cfg.hosts == (HostSpec("root@192.168.100.17", "192.168.100.17", "root"),
-                         HostSpec("paddle@node2:2222", "node2", "paddle", 2222), HostSpec("gpu-box", "gpu-box"))
+    assert cfg.hosts == (HostSpec("root@192.168.100.17", "192.168.100.17", "root", None),
+                         HostSpec("paddle@node2:2222", "node2", "paddle", 2222),
+                         HostSpec("gpu-box", "gpu-box", None, None))
     assert cfg.env == {"OMP_NUM_THREADS": "1", "SEED": "7"}
     assert cfg.node_ports() == tuple(range(9000, 9008))
     # "~" in the SSH paths means the launching user's home

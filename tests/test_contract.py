@@ -242,7 +242,7 @@ def test_sparse_shares_dense_ports_when_none_configured():
 
 
 def test_config_and_contract_agree_on_the_port_layout():
-    cfg = ClusterConfig(hosts=(HostSpec("a", "a"),), paddle_port=9000, paddle_ports_num=2,
+    cfg = ClusterConfig(hosts=(HostSpec.parse("a"),), paddle_port=9000, paddle_ports_num=2,
                         paddle_ports_num_for_sparse=1, pservers_per_node=3)
     env = JobEnv("j", tuple(Endpoint("a", cfg.pserver_ports(k)[0]) for k in range(3)), 1,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse)

@@ -16,7 +16,7 @@ ADDRS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
 
 
 def spec(**over) -> JobSpec:
-    cfg = ClusterConfig(hosts=tuple(HostSpec(a, a) for a in ADDRS), root_dir="/r", paddle_port=9000,
+    cfg = ClusterConfig(hosts=tuple(HostSpec.parse(a) for a in ADDRS), root_dir="/r", paddle_port=9000,
                         paddle_ports_num=2, paddle_ports_num_for_sparse=1, pservers_per_node=2, trainers_per_node=1,
                         python="py", trainer_command="{python} train.py", ld_library_path="/x/lib",
                         env={"MY": "1"}, start_timeout=42.0)

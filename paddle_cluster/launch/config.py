@@ -40,12 +40,13 @@ _HOST_RE = re.compile(
 
 @dataclass(frozen=True)
 class HostSpec:
-    """One entry of ``HOSTS``: ``user@host[:port]``, an alias from ``~/.ssh/config``, or ``localhost``."""
+    """One entry of ``HOSTS``: ``user@host[:port]``, an alias from ``~/.ssh/config``, or ``localhost``; made from
+    the entry's text by ``parse``, which names the entry and the fix when it is wrong."""
 
     text: str
     host: str
-    user: Optional[str] = None
-    port: Optional[int] = None
+    user: Optional[str]
+    port: Optional[int]
 
     @property
     def is_local(self) -> bool:
@@ -144,7 +145,7 @@ _REQUIRED = ("HOSTS",)
 def builtin_default() -> ClusterConfig:
     """Two pservers and two trainers on this machine over loopback; no SSH needed."""
     return ClusterConfig(
-        hosts=(HostSpec("localhost", "localhost"),),
+        hosts=(HostSpec.parse("localhost"),),
         root_dir=str(Path.home() / "paddle_cluster_jobs"),
         paddle_nic="lo",
         paddle_ports_num=1,

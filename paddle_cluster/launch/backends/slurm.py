@@ -113,7 +113,7 @@ class SlurmBackend(Backend):
         self.cfg, self.opts = cfg, opts
         self.names = [f"node{i}" for i in range(opts.nodes)]
         self.labels = [f"node{i} (Slurm)" for i in range(opts.nodes)]
-        self.local = LocalNode(0, HostSpec("localhost", "localhost"), cfg)
+        self.local = LocalNode(0, HostSpec.parse("localhost"), cfg)
         self.lib: Optional[dispatch.Package] = None
         self.spec: Optional[JobSpec] = None
         self.say: Callable[[str], None] = lambda _s: None
