@@ -271,3 +271,32 @@ def test_sparse_rows_are_deterministic_whatever_the_order_or_shard():
     assert not np.array_equal(init_rows(ids, 8, 0.05, seed=10), a)
     assert len(np.unique(a[:, 0])) == len(ids)
     np.testing.assert_array_equal(shard_of(np.array([0, 1, 2, 3, -1]), 2), [0, 1, 0, 1, 1])
+
+
+def test_a_pserver_that_stops_answering_costs_the_trainer_its_io_timeout():
+    """Trainer sockets time out by SO_RCVTIMEO (no poll before every call): a pserver that authenticates and then
+    never answers is a ConnectionLost that names the wait, and the channel stays broken."""
+    from paddle_cluster.ps.channel import Channel
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    env = JobEnv("job", (Endpoint("127.0.0.1", ls.getsockname()[1]),), 1, secret="s3cret" * 8)
+    done = threading.Event()
+
+    def server():
+        s, _ = ls.accept()
+        A.server_handshake(s, env.key_of, "job", 0, 1, True)
+        done.wait(20)
+        s.close()
+
+    t = threading.Thread(target=server)
+    t.start()
+    ch = Channel(env, env.key_of(0), 0, 0, ls.getsockname()[1], 5.0, io_timeout=0.3)
+    try:
+        for _ in range(2):
+            with pytest.raises(E.ConnectionLost, match="no answer in 0.3 s"):
+                ch.submit(Channel.call_json, P.Op.STATUS, {}).result(10)
+    finally:
+        done.set()
+        ch.close()
+        t.join()
+        ls.close()

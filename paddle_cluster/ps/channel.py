@@ -30,7 +30,7 @@ class Channel:
         try:
             P.tune_socket(self.sock)
             keys = auth.client_handshake(self.sock, key, env.job_id, pserver, trainer, env.integrity)
-            self.sock.settimeout(io_timeout)
+            P.set_io_timeout(self.sock, io_timeout)
         except AuthError as e:
             self.sock.close()
             raise AuthError(f"{self.where}: {e}") from None
@@ -50,7 +50,7 @@ class Channel:
             raise ConnectionLost(f"{self.where}: connection is broken ({self.broken})")
         try:
             return fn(self, *args)
-        except socket.timeout:
+        except (socket.timeout, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO / SO_SNDTIMEO expired
             self.broken = f"no answer in {self.io_timeout:g} s (pserver hung or unreachable)"
             raise ConnectionLost(f"{self.where}: {self.broken}") from None
         except ConnectionLost as e:

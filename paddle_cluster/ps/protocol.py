@@ -186,15 +186,42 @@ def send_views(sock: socket.socket, views: list) -> None:
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` completely from the socket; a peer that closes early raises ``ConnectionLost``."""
-    got, n = 0, len(view)
+    recv_views(sock, [view])
+
+
+def recv_views(sock: socket.socket, views: list) -> None:
+    """Fill every view in turn with one ``recvmsg_into`` (``MSG_WAITALL``: on a blocking socket the kernel
+    fills them all in one call, so a segment and its tag cost one syscall); resumes after a short read."""
+    views = [v for v in views if len(v)]
+    n = sum(len(v) for v in views)
+    got = 0
     try:
-        while got < n:
-            r = sock.recv_into(view[got:], n - got)
+        while views:
+            r = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0] if len(views) > 1 else \
+                sock.recv_into(views[0], len(views[0]), socket.MSG_WAITALL)
             if r == 0:
                 raise ConnectionLost(f"connection closed after {got} of {n} bytes")
             got += r
+            while r:
+                first = len(views[0])
+                if r >= first:
+                    r -= first
+                    views.pop(0)
+                else:
+                    views[0] = views[0][r:]
+                    r = 0
     except ConnectionResetError as e:
         raise ConnectionLost(f"connection reset: {e}") from None
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking I/O that fails (``BlockingIOError``) after ``seconds`` without progress, by SO_RCVTIMEO and
+    SO_SNDTIMEO: unlike ``settimeout`` no poll() before every call, and ``MSG_WAITALL`` fills a whole
+    buffer in one ``recv``."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 # -- JSON control messages --------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ Every tag is the negotiated frame MAC (``auth``: HMAC-SHA256 or Poly1305, this d
 frame's sequence number -- counted by both ends, never sent -- and to its place in the frame: HMAC covers the
 header and all payload bytes before the tag, Poly1305 the piece since the last tag under a key of its own.
 So a header is verified before anything acts on it, every segment before it is used, and a flipped,
-replayed, reordered, reflected or spliced frame fails at its first tag. The MAC is fed each chunk as
-``recv_into`` delivers it (still in cache), and a sender hashes a segment right before handing it to
-``sendmsg``. Without integrity a frame is header + payload.
+replayed, reordered, reflected or spliced frame fails at its first tag. A receiver reads a segment and its
+tag with one ``recvmsg_into`` and hashes the segment right after (still in cache); a sender hashes a
+segment right before handing it and its tag to one ``sendmsg``. Without integrity a frame is header +
+payload.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from . import protocol as P
 from .auth import TAG_SIZE, Keys
 from .errors import ConnectionLost, IntegrityError, ProtocolError
 
-SEGMENT = 256 << 10  # fits in L2, so a segment is hashed while its bytes are still cached
+SEGMENT = 1 << 20  # per tag and per fold: fewer calls per byte than 256 KiB, still cached (docs/benchmarks.md)
 
 
 class Stream:
@@ -153,28 +154,17 @@ class Stream:
         off, n = 0, len(view)
         while off < n:
             seg = view[off:off + self._room]
-            self._recv_hashing(seg)
-            off += len(seg)
             self._room -= len(seg)
             self.left -= len(seg)
-            if self._room == 0 or self.left == 0:
-                self._check_tag()
+            off += len(seg)
+            ends = self._room == 0 or self.left == 0
+            # The segment and its tag in one call; hashed right after, while the bytes are still cached.
+            try:
+                P.recv_views(self.sock, [seg, memoryview(self._tag)] if ends else [seg])
+            except ConnectionLost as e:
+                raise ConnectionLost(f"connection closed in the middle of a frame ({e})") from None
+            self._run.update(seg)
+            if ends:
+                if not hmac.compare_digest(self._run.tag(), self._tag):
+                    raise IntegrityError(f"frame {self.rx_seq - 1}: payload failed its MAC (tampered in transit)")
                 self._room = SEGMENT
-
-    def _recv_hashing(self, view: memoryview) -> None:
-        got, n, run = 0, len(view), self._run
-        try:
-            while got < n:
-                r = self.sock.recv_into(view[got:], n - got)
-                if r == 0:
-                    raise ConnectionLost(f"connection closed in the middle of a frame ({self.left - got} bytes "
-                                         "missing)")
-                run.update(view[got:got + r])
-                got += r
-        except ConnectionResetError as e:
-            raise ConnectionLost(f"connection reset: {e}") from None
-
-    def _check_tag(self) -> None:
-        P.recv_into(self.sock, memoryview(self._tag))
-        if not hmac.compare_digest(self._run.tag(), self._tag):
-            raise IntegrityError(f"frame {self.rx_seq - 1}: payload failed its MAC (tampered in transit)")
