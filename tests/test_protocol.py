@@ -273,6 +273,35 @@ def test_sparse_rows_are_deterministic_whatever_the_order_or_shard():
     np.testing.assert_array_equal(shard_of(np.array([0, 1, 2, 3, -1]), 2), [0, 1, 0, 1, 1])
 
 
+def test_poly1305_implementations_agree_with_each_other_and_rfc8439():
+    """Whichever Poly1305 is used (the system's libcrypto through ctypes, or ``cryptography``), the tags are
+    the same: fed whole or in pieces, from read-only or writable buffers."""
+    from paddle_cluster.ps import poly1305
+
+    impls = []
+    for make in (poly1305._libcrypto, poly1305._cryptography):
+        try:
+            impls.append(make())
+        except Exception:
+            pass
+    if not impls:
+        pytest.skip("neither libcrypto 3 nor cryptography here")
+    rng = np.random.default_rng(5)
+    key, data = rng.bytes(32), rng.bytes(3 * SEGMENT + 7)
+    tags = set()
+    for cls in impls:
+        p = cls(poly1305._KEY)
+        p.update(poly1305._MSG)
+        assert p.finalize() == poly1305._TAG
+        whole = cls(key)
+        whole.update(memoryview(data))
+        pieces = cls(key)
+        for off in range(0, len(data), 100_003):
+            pieces.update(memoryview(bytearray(data))[off:off + 100_003])
+        tags |= {whole.finalize(), pieces.finalize()}
+    assert len(tags) == 1
+
+
 def test_a_pserver_that_stops_answering_costs_the_trainer_its_io_timeout():
     """Trainer sockets time out by SO_RCVTIMEO (no poll before every call): a pserver that authenticates and then
     never answers is a ConnectionLost that names the wait, and the channel stays broken."""

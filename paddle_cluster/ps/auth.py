@@ -24,7 +24,7 @@ inside the pserver's proof and the session keys, so a relay cannot change either
 - ``HmacSha256`` (always there: nodes need only Python and numpy): HMAC-SHA256 truncated to 16 bytes, built
   from two SHA-256 states hashed once per key and ``copy()``-ed per frame -- with the CPU's SHA extensions
   the fastest sound MAC of the standard library, and fed chunk by chunk as bytes arrive;
-- ``Poly1305Mac`` (when both ends have the ``cryptography`` package): Poly1305, ~3.5x faster per byte, for
+- ``Poly1305Mac`` (when both ends have OpenSSL 3 or ``cryptography``, ``ps.poly1305``): Poly1305, ~3.5x faster, for
   frames of 64 KiB and more (HMAC-SHA256 costs less per small frame). It is a one-time MAC, so every tag
   has its own key, keyed BLAKE2b(frame number | piece number): the header's tag and each segment's tag
   authenticate exactly that piece at exactly that place of that frame.
@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import protocol as P
 from .errors import AuthError, ConnectionLost, ProtocolError
+from .poly1305 import Poly1305 as _Poly1305
 
 NONCE_SIZE = 32
 MAC_SIZE = 32  # handshake answers: full HMAC-SHA256
@@ -140,13 +141,9 @@ class _PolyFrame:
 
 _PIECE = struct.Struct("<QI")
 
-try:
-    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
-
-    _Poly1305(bytes(32)).finalize()  # a FIPS-only OpenSSL refuses it: then it is not offered
-    SUITES: Dict[int, Any] = {HmacSha256.CODE: HmacSha256, Poly1305Mac.CODE: Poly1305Mac}
-except Exception:  # not installed, or unusable
-    SUITES = {HmacSha256.CODE: HmacSha256}
+SUITES: Dict[int, Any] = {HmacSha256.CODE: HmacSha256}
+if _Poly1305 is not None:
+    SUITES[Poly1305Mac.CODE] = Poly1305Mac
 OFFER = sum(SUITES)  # what this side offers and accepts (a bit mask of the CODEs)
 
 
