@@ -47,6 +47,11 @@ def proc_env(env: JobEnv, role: str, index: int, extra: Optional[Dict[str, str]]
     return checkout_env(out, **(extra or {}))
 
 
+def trainer_env(env: JobEnv, i: int) -> JobEnv:
+    """Trainer ``i``'s view of ``env`` on 127.0.0.1, for a client this test process connects itself."""
+    return env.for_process(TRAINER, i, "127.0.0.1")
+
+
 class Procs:
     """Every process a test starts; ``kill_all`` in a finally never leaves one running."""
 

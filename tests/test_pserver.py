@@ -11,13 +11,9 @@ import threading
 import numpy as np
 import pytest
 import rt_helpers as H
+from rt_helpers import trainer_env
 
-from paddle_cluster.contract import TRAINER
 from paddle_cluster.ps import BarrierTimeout, ConfigMismatch, OptimizerSpec, UnknownKey, connect
-
-
-def trainer_env(env, i):
-    return env.for_process(TRAINER, i, "127.0.0.1")
 
 
 @pytest.mark.timeout(90)

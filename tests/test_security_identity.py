@@ -12,15 +12,12 @@ import threading
 import numpy as np
 import pytest
 import rt_helpers as H
+from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
 from paddle_cluster.ps import ConfigMismatch, OptimizerSpec, PServer, connect
 from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import Forbidden
-
-
-def trainer_env(env, i):
-    return env.for_process(TRAINER, i, "127.0.0.1")
 
 
 @pytest.mark.timeout(90)

@@ -12,15 +12,11 @@ import numpy as np
 import pytest
 import rt_helpers as H
 from helpers import wait_for
+from rt_helpers import trainer_env
 
-from paddle_cluster.contract import TRAINER
 from paddle_cluster.ps import OptimizerSpec, connect
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
-
-
-def trainer_env(env, i):
-    return env.for_process(TRAINER, i, "127.0.0.1")
 
 
 def _addr(env):

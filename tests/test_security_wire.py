@@ -21,8 +21,9 @@ import pytest
 import rt_helpers as H
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rt_helpers import trainer_env
 
-from paddle_cluster.contract import TRAINER, Endpoint
+from paddle_cluster.contract import Endpoint
 from paddle_cluster.ps import AuthError, OptimizerSpec, connect
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
@@ -37,9 +38,6 @@ DATA_OPS = [P.Op.PUSH_DENSE, P.Op.PULL_DENSE, P.Op.INIT_DENSE, P.Op.PUSH_SPARSE,
 JSON_OPS = [P.Op.DECLARE, P.Op.DEF_DENSE, P.Op.DEF_SPARSE, P.Op.SET_HYPER]
 RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.py")
 
-
-def trainer_env(env, i):
-    return env.for_process(TRAINER, i, "127.0.0.1")
 
 
 @pytest.fixture
