@@ -145,9 +145,10 @@ class LocalNode(Node):
         return CommandResult(p.stdout, p.stderr, p.returncode)
 
     def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
-        shutil.copyfile(local, remote)
+        with open(local, "rb") as fi, open(remote, "wb") as fo:  # remote may be a FIFO (node/chain.py)
+            shutil.copyfileobj(fi, fo, 1 << 20)
         if progress:
-            size = os.path.getsize(remote)
+            size = os.path.getsize(local)
             progress(size, size)
 
     def stream(self, argv: Sequence[str]) -> Stream:
@@ -269,7 +270,8 @@ class SSHNode(Node):
         try:
             sftp = conn.client.open_sftp()
             try:
-                sftp.put(local, remote, callback=progress, confirm=True)
+                # No size check afterwards: remote may be a FIFO, and the node checks the SHA-256 anyway.
+                sftp.put(local, remote, callback=progress, confirm=False)
             finally:
                 sftp.close()
         except (paramiko.SSHException, EOFError, OSError) as e:

@@ -9,6 +9,7 @@ import json
 from collections import deque
 from typing import Any, Deque, Dict
 
+from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY, Request
 
 from .dispatch import Package
@@ -69,23 +70,23 @@ class NodeSession:
 
     def open(self) -> Dict[str, Any]:
         """The node's probe, with ``workspace``: its state there; the library is sent first if it is new."""
-        doc = self._reply("starting the node session")
+        doc = self.reply("starting the node session")
         if doc[REPLY] == "need-lib":
             self.stream.write(b"%016d" % len(self.lib_data) + self.lib_data)
-            doc = self._reply("installing paddle_cluster")
+            doc = self.reply("installing paddle_cluster")
         return doc
 
-    def workspace(self) -> Dict[str, Any]:
-        """Let the node put the workspace in place (every probe agreed); its state there."""
-        self.stream.write_line(json.dumps({"go": True}))
-        return self._reply("preparing the workspace")["workspace"]
+    def go(self, token: str) -> Dict[str, Any]:
+        """Let the node put the workspace in place (every probe agreed); its state there. ``token`` authenticates
+        the chain links of this dispatch (``node/chain.py``)."""
+        self.stream.write_line(m.encode(m.Go(token)))
+        return self.reply("preparing the workspace")["workspace"]
 
-    def uploaded(self, part: str) -> Dict[str, Any]:
-        """Tell the node the archive is at ``part``; its verdict (hash, unpack, copy into the job directory)."""
-        self.stream.write_line(json.dumps({"uploaded": part}))
-        return self._reply("unpacking the workspace")["workspace"]
+    def send(self, msg: m.SessionCommand) -> None:
+        self.stream.write_line(m.encode(msg))
 
-    def _reply(self, what: str) -> Dict[str, Any]:
+    def reply(self, what: str) -> Dict[str, Any]:
+        """The node's next answer (``REPLY`` says which); other lines are kept, an error answer raised."""
         self.stream.settimeout(REPLY_TIMEOUT)
         try:
             for line in self.stream.lines():

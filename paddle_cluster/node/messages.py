@@ -77,6 +77,31 @@ class Stop:
     grace: Optional[float] = None  # seconds between SIGTERM and SIGKILL; None: the agent's own
 
 
+# -- launcher -> node session (before the agent: node/session.py) -------------------------------------------
+@dataclass(frozen=True)
+class Go:
+    """Every node's probe agreed: put the workspace in place. ``token`` (hex) authenticates this dispatch's
+    chain links (node/chain.py)."""
+
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Receive the archive from ``source`` ("launcher": over SSH into the node's FIFO; "chain": from the node
+    before it), forwarding it to ``forward`` (``host:port`` of the next node's listener, or "")."""
+
+    source: str
+    forward: str = ""
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop waiting for the node before (its link to this node could not be made)."""
+
+    why: str
+
+
 # -- agent -> launcher --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Log:
@@ -147,18 +172,20 @@ class Stopped:
 
 
 COMMANDS = (Start, Ping, Stop)
+SESSION = (Go, Fetch, Abort)
 EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped)
 Command = Union[Start, Ping, Stop]
+SessionCommand = Union[Go, Fetch, Abort]
 Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped]
-_TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + EVENTS}
+_TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + SESSION + EVENTS}
 
 
-def encode(msg: Union[Command, Event]) -> str:
+def encode(msg: Union[Command, SessionCommand, Event]) -> str:
     """One JSON line (without the newline)."""
     return json.dumps({"type": type(msg).__name__, **dataclasses.asdict(msg)}, separators=(",", ":"))
 
 
-def decode(line: str) -> Union[Command, Event]:
+def decode(line: str) -> Union[Command, SessionCommand, Event]:
     """The message on ``line``; ``MessageError`` names what is wrong with it."""
     try:
         doc = json.loads(line)

@@ -1,18 +1,18 @@
 """``node session``: everything the launcher needs from a node before a job, in one process on one channel.
 
 The launcher starts it with a ``Request`` (``launch/session.py`` installs the library first, on the same
-channel, when its hash is new). It answers with one JSON line: the probe. Only when the launcher says ``go``
-(every node's probe agreed) does it touch the workspace and answer with its state -- copied into the job
-directory from this node's cache when it holds that archive's tree (nothing is sent), else the path where the
-launcher is to upload the archive. After an upload the launcher names the file on stdin and
-the session verifies its hash, caches its tree and copies it in. With ``agent`` the process then becomes the
-job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one interpreter and one channel.
+channel, when its hash is new). It answers with one JSON line: the probe. Only when the launcher says ``Go``
+(every node's probe agreed) does it touch the workspace and answer with its state -- hard-linked into the job
+directory from this node's cache when it holds that archive's tree (nothing is sent), else where the archive
+can come in (``node/chain.py``: a FIFO the launcher writes into, a port the node before connects to). The
+launcher's ``Fetch`` says which; the session checks the hash, caches the tree and links it in. With ``agent``
+the process then becomes the job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one
+interpreter and one channel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import secrets
@@ -22,7 +22,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from paddle_cluster import contract
 
-from . import probe, supervisor, trees
+from . import chain, probe, supervisor, trees
+from . import messages as m
 from .unpack import UnsafeArchive
 
 REPLY = "session"  # the key every answer of a session carries, so other output (a warning) is told apart
@@ -40,6 +41,7 @@ class Request:
     workspace_sha: str = ""
     job_dir: str = ""
     max_members: int = 0
+    workspace_size: int = 0
     workspace_dir: str = ""
     workspace_script: str = ""  # the trainer command's script, relative to workspace_dir (is it there?)
     agent: bool = False
@@ -78,67 +80,81 @@ def _line(fd: int = 0) -> Optional[str]:
             return None
 
 
-def _command() -> Dict[str, Any]:
-    line = _line()
-    try:
-        doc = json.loads(line) if line else {}
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
+def _command() -> Optional[m.SessionCommand]:
+    """The launcher's next session command (a stray ``Abort`` skipped); None when it gave up or sent garbage."""
+    while True:
+        line = _line()
+        try:
+            msg = m.decode(line) if line else None
+        except m.MessageError:
+            return None
+        if not isinstance(msg, m.Abort):
+            return msg if isinstance(msg, m.SESSION) else None
 
 
-def _workspace(req: Request) -> Dict[str, Any]:
+def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[chain.Receiver]]:
+    """The workspace's state on this node, and the receiver to fill when the archive must be sent."""
     if req.workspace_dir:
         return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
-                or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}
+                or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}, None
     if not req.workspace_sha:
-        return {}
+        return {}, None
     try:
         contract.check_job_name(os.path.basename(req.job_dir))
         held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
         if trees.materialize(req.root, req.workspace_sha, req.job_dir):
-            return {"ok": True, "sent": False}
+            return {"ok": True, "sent": False}, None
+        packages = os.path.join(req.root, ".paddle_cluster", "packages")
+        os.makedirs(packages, mode=0o700, exist_ok=True)
+        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.tar.part-{secrets.token_hex(4)}"))
     except (contract.ContractError, UnsafeArchive, OSError) as e:
-        return {"ok": False, "error": str(e)}
-    packages = os.path.join(req.root, ".paddle_cluster", "packages")
-    os.makedirs(packages, mode=0o700, exist_ok=True)
-    return {"need": os.path.join(packages, f"{req.workspace_sha}.tar.part-{secrets.token_hex(4)}"),
-            "damaged": held}  # its cached tree was written into since it was unpacked: dropped
+        return {"ok": False, "error": str(e)}, None
+    # damaged: its cached tree was written into since it was unpacked, and dropped
+    return {"need": rx.fifo, "port": rx.port, "damaged": held}, rx
 
 
-def _receive(req: Request, part: str) -> Dict[str, Any]:
-    """The uploaded archive at ``part``: hash checked, its tree cached, copied into the job directory."""
+def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str, Any]]:
+    """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
+    launcher), then cache its tree and link it into the job directory; None when the launcher gave up."""
+    def forward_failed(why: str, linked: bool) -> None:
+        _reply("forward", error=why, linked=linked)
+
+    while True:
+        cmd = _command()
+        if not isinstance(cmd, m.Fetch):
+            return None
+        why = rx.receive(cmd.source, cmd.forward, token, req.workspace_sha, req.workspace_size, 0, forward_failed)
+        if not why:
+            break
+        _reply("workspace", workspace={"retry": why})
     try:
-        h = hashlib.sha256()
-        with open(part, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != req.workspace_sha:
-            return {"ok": False, "error": "checksum mismatch after upload"}
-        trees.store(req.root, part, req.workspace_sha, max(req.max_members, 1))
+        trees.store(req.root, rx.part, req.workspace_sha, max(req.max_members, 1))
         trees.materialize(req.root, req.workspace_sha, req.job_dir)
         return {"ok": True, "sent": True}
     except (UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}
-    finally:
-        if os.path.exists(part):
-            os.unlink(part)
 
 
 def main(text: str) -> int:
     req = Request.from_json(text)
-    _reply("probe", **probe.probe(req.nic, req.ports, req.root))
+    found = probe.probe(req.nic, req.ports, req.root)
+    _reply("probe", **found)
     if req.wants_workspace:
         # Nothing is written before the launcher has every node's probe: it may refuse the job (a machine
         # listed twice would race itself into one job directory).
-        if _command().get("go") is not True:
+        go = _command()
+        if not isinstance(go, m.Go):
             return 1  # the launcher gave up (another node failed): nothing to do
-        ws = _workspace(req)
+        ws, rx = _workspace(req, found.get("address") or "")
         _reply("workspace", workspace=ws)
-        if "need" in ws:
-            if _command().get("uploaded") != ws["need"]:
+        if rx is not None:
+            try:
+                done = _fetch(req, rx, bytes.fromhex(go.token))
+            finally:
+                rx.close()
+            if done is None:
                 return 1
-            _reply("workspace", workspace=_receive(req, ws["need"]))
+            _reply("workspace", workspace=done)
     if not req.agent:
         return 0
     sys.stdout.flush()

@@ -8,6 +8,7 @@ lost node; a silent launcher makes every agent stop on its own.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -15,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
-from .. import dispatch, machines, preflight
+from .. import dispatch, machines, preflight, relay
 from ..config import ClusterConfig
 from ..errors import HostError
 from ..hosts import Node, Stream, fanout, make_nodes
@@ -69,14 +70,18 @@ class SSHBackend(Backend):
             say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
         req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
                       workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
-                      max_members=pkg.files if pkg else 0, workspace_dir=(spec.workspace or "") if spec else "",
+                      max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
+                      workspace_dir=(spec.workspace or "") if spec else "",
                       workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
                       agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
         lib = self.lib = dispatch.library_package()
         with open(lib.path, "rb") as f:  # read now: a concurrent launcher may replace the cached file
             lib_data = f.read()
         sessions: Dict[int, NodeSession] = {}
-        sent: Dict[int, bool] = {}
+        sent_to: Dict[int, bool] = {}
+        needs: Dict[int, relay.Need] = {}  # the nodes that lack the archive
+        told: List[str] = []
+        token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
         damaged: List[str] = []  # nodes whose cached tree of this workspace a job wrote into
         waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
         prepared = threading.Event()
@@ -92,7 +97,7 @@ class SSHBackend(Backend):
 
         def place(n: Node) -> None:
             s = sessions[n.index]
-            ws = s.workspace()
+            ws = s.go(token)
             if spec is not None and spec.workspace and not ws.get("exists"):
                 raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
                                 "workspace to every node first, or use --job_dispatch_package")
@@ -101,13 +106,16 @@ class SSHBackend(Backend):
             if ws.get("damaged"):
                 damaged.append(n.name)
             if pkg is not None and "need" in ws:
-                n.put(pkg.path, ws["need"], bar(n.name, pkg.size))
-                ws = s.uploaded(ws["need"])
+                needs[n.index] = relay.Need(n, s, ws["need"], f"{docs[n.index]['address']}:{ws['port']}")
+                return
             if pkg is not None and not ws.get("ok"):
                 raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
-            sent[n.index] = bool(ws.get("sent"))
+            placed(n.index, sent=False)
+
+        def placed(i: int, sent: bool) -> None:
+            sent_to[i] = sent
             if agent:
-                waiting[n.index] = s.stream
+                waiting[i] = sessions[i].stream
 
         ok = False
         try:
@@ -116,8 +124,12 @@ class SSHBackend(Backend):
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.wants_workspace:
                 t0 = time.perf_counter()
-                with dispatch.upload_progress() as bar:
-                    fanout(self.nodes, place).ok("preparing the nodes")
+                fanout(self.nodes, place).ok("preparing the nodes")
+                if needs:
+                    with dispatch.upload_progress() as bar:
+                        told = relay.send([needs[i] for i in sorted(needs)], pkg, bar)
+                    for i in needs:
+                        placed(i, sent=True)
                 self.workspace_seconds = time.perf_counter() - t0
             ok = True
         finally:
@@ -131,7 +143,9 @@ class SSHBackend(Backend):
         self.networks = [d.get("network") for d in docs]
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
-        skipped = [self.nodes[i].name for i, s in sorted(sent.items()) if not s]
+        for line in told:
+            say(line)
+        skipped = [self.nodes[i].name for i, s in sorted(sent_to.items()) if not s]
         if pkg is not None and skipped:
             say(f"{', '.join(skipped)} already held this package: not sent again")
         if damaged:

@@ -1,0 +1,101 @@
+"""The workspace sent down a chain of nodes (node/chain.py, launch/relay.py): the launcher's link carries it
+once, every node lands the same tree, a link that cannot be made falls back to the launcher sending directly,
+and a connection that cannot prove the dispatch's token gets nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from helpers import make_workspace, write_conf
+
+from paddle_cluster.launch.backends.ssh import SSHBackend
+from paddle_cluster.launch.config import load_config
+from paddle_cluster.launch.plan import JobSpec
+from paddle_cluster.node import chain
+
+
+def _tree_digest(top: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(top.rglob("*")):
+        if p.is_file() and p.parts[len(top.parts)] not in ("log", "output", "nodefile", ".paddle_cluster"):
+            h.update(str(p.relative_to(top)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _tx_bytes(dev: str) -> int:
+    return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+
+
+def _deliver(c, tmp_path, ws, job, sent=None):
+    """Deliver ``ws`` as ``job`` with the launcher's own code; what it said. ``sent``: a list that gets the bytes
+    the launcher sent into the cluster network for the workspace (the library is installed before)."""
+    backend = SSHBackend(load_config(str(write_conf(tmp_path, c))))
+    said = []
+    try:
+        backend.probe_cluster(said.append, check_ports=False)
+        before = _tx_bytes(c.bridge)  # node-to-node traffic is forwarded between bridge ports: not counted here
+        backend.deliver(JobSpec(backend.cfg, job, dispatch_dir=str(ws)), said.append)
+        if sent is not None:
+            sent.append(_tx_bytes(c.bridge) - before)
+    finally:
+        backend.close()
+    return said
+
+
+def test_a_chain_dispatch_sends_the_archive_once_and_lands_identical_trees(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    sent = []
+    said = _deliver(c, tmp_path, ws, "chain1", sent)
+    want = _tree_digest(ws)
+    assert [_tree_digest(c.root_dir(i) / "chain1") for i in range(3)] == [want] * 3
+    assert 6 << 20 < sent[0] < 1.3 * (6 << 20), f"the launcher sent {sent[0]} bytes for a 6 MiB workspace to 3 nodes"
+    assert not any("directly" in line for line in said), said
+
+
+def test_a_refused_chain_link_falls_back_to_the_launcher(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(1 << 20))
+    # node0 may not reach node1 (SSH from the launcher still works): its link down the chain is refused.
+    c.exec(0, ["ip", "route", "add", "prohibit", f"{c.ips[1]}/32"])
+    said = _deliver(c, tmp_path, ws, "chain2")
+    want = _tree_digest(ws)
+    assert [_tree_digest(c.root_dir(i) / "chain2") for i in range(3)] == [want] * 3
+    line = next((x for x in said if x.startswith("node1: the chain link from node0 failed")), None)
+    assert line and f"cannot connect to {c.ips[1]}:" in line, said
+    assert line.endswith("the launcher sent it the workspace directly"), said
+    # No part file, FIFO or listener is left behind.
+    for i in range(3):
+        assert not list((c.root_dir(i) / ".paddle_cluster" / "packages").iterdir())
+
+
+def test_a_link_without_the_token_gets_nothing(tmp_path):
+    token, data = os.urandom(32), os.urandom(3 << 20)
+    sha = hashlib.sha256(data).hexdigest()
+    rx = chain.Receiver("127.0.0.1", str(tmp_path / "part"))
+    r_stop, w_stop = os.pipe()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(
+        why=rx.receive("chain", "", token, sha, len(data), r_stop, lambda *a: None)))
+    t.start()
+    try:
+        with pytest.raises(chain.LinkError):  # the receiver drops a wrong token
+            chain.connect(f"127.0.0.1:{rx.port}", os.urandom(32), sha)
+        with socket.create_connection(("127.0.0.1", rx.port)) as rogue:  # and a peer that says nothing
+            rogue.recv(32)
+        with chain.connect(f"127.0.0.1:{rx.port}", token, sha) as link:
+            link.sendall(data)
+        t.join(30)
+        assert got == {"why": ""} and (tmp_path / "part").read_bytes() == data
+    finally:
+        os.write(w_stop, b"\n")
+        t.join(30)
+        rx.close()
+    assert not os.path.exists(rx.fifo) and not os.path.exists(rx.part)
