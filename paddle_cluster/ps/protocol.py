@@ -167,19 +167,24 @@ def send_frame(sock: socket.socket, header: bytes, *payload: Any) -> None:
     send_views(sock, views)
 
 
+def _consume(views: list, n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (what one call sent or received): whole views from the
+    front, then the start of the next."""
+    while n:
+        first = len(views[0])
+        if n >= first:
+            n -= first
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 def send_views(sock: socket.socket, views: list) -> None:
     """``sendmsg`` every view, resuming after partial sends (``views`` is consumed)."""
     try:
         while views:
-            sent = sock.sendmsg(views)
-            while sent:
-                first = len(views[0])
-                if sent >= first:
-                    sent -= first
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
+            _consume(views, sock.sendmsg(views))
     except (BrokenPipeError, ConnectionResetError) as e:
         raise ConnectionLost(f"connection broke while sending: {e}") from None
 
@@ -202,14 +207,7 @@ def recv_views(sock: socket.socket, views: list) -> None:
             if r == 0:
                 raise ConnectionLost(f"connection closed after {got} of {n} bytes")
             got += r
-            while r:
-                first = len(views[0])
-                if r >= first:
-                    r -= first
-                    views.pop(0)
-                else:
-                    views[0] = views[0][r:]
-                    r = 0
+            _consume(views, r)
     except ConnectionResetError as e:
         raise ConnectionLost(f"connection reset: {e}") from None
 
