@@ -207,13 +207,20 @@ class Suite:
                          st.spread(), note="" if ours is None else f"our 2-trainer sync step = {ours / st.median:.2f}x",
                          check=chk, extra=st.to_dict()))
 
-    def shaped(self) -> None:
-        from . import dense, shaped
+    def _no_cluster(self, section: str) -> bool:
+        """True, with a skipped row, when the SSH test cluster ``section`` runs on cannot be built here."""
+        from . import shaped
 
         why = shaped.unavailable()
         if why:
-            self.skipped["shaped"] = why
-            self.add(Row("shaped", "SSH test cluster", None, "", note=f"skipped: {why}", check="-"))
+            self.skipped[section] = why
+            self.add(Row(section, "SSH test cluster", None, "", note=f"skipped: {why}", check="-"))
+        return bool(why)
+
+    def shaped(self) -> None:
+        from . import dense, shaped
+
+        if self._no_cluster("shaped"):
             return
         c = self.cfg
         size = c["shaped_size"]
@@ -235,12 +242,9 @@ class Suite:
                          note=f"{2 * size / st.median / 1e6:.1f} MB/s", check=dense.check(res), extra=st.to_dict()))
 
     def launcher(self) -> None:
-        from . import launcher, shaped
+        from . import launcher
 
-        why = shaped.unavailable()
-        if why:
-            self.skipped["launcher"] = why
-            self.add(Row("launcher", "SSH test cluster", None, "", note=f"skipped: {why}", check="-"))
+        if self._no_cluster("launcher"):
             return
         c = self.cfg
         out = launcher.run(counts=tuple(c["launch_counts"]), reps=c["launch_reps"], dispatch_mb=c["dispatch_mb"],
