@@ -60,3 +60,14 @@ def test_node_side_imports_no_launcher_library():
     assert not offenders, f"node-side modules that load launcher-only libraries: {offenders}"
     # Detection works: importing the CLI loads click (and the rest of the launcher's libraries).
     assert "click" in out["launcher_loads"], out["launcher_loads"]
+
+
+def test_a_node_session_does_not_import_numpy():
+    """The session (probe, workspace, then the agent) runs on every node for every job: numpy (and the pserver
+    package, which imports it) would cost each node ~0.2 s of CPU that it does not need."""
+    code = ("import sys; import paddle_cluster.node.session; "
+            "print(sorted(m for m in ('numpy', 'paddle_cluster.ps') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=checkout_env(), stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

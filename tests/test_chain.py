@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import tarfile
 import threading
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from helpers import make_workspace, write_conf
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
 from paddle_cluster.launch.plan import JobSpec
-from paddle_cluster.node import chain
+from paddle_cluster.node import chain, trees
+from paddle_cluster.node.unpack import UnsafeArchive
 
 
 def _tree_digest(top: Path) -> str:
@@ -79,11 +81,12 @@ def test_a_refused_chain_link_falls_back_to_the_launcher(make_ssh_cluster, tmp_p
 def test_a_link_without_the_token_gets_nothing(tmp_path):
     token, data = os.urandom(32), os.urandom(3 << 20)
     sha = hashlib.sha256(data).hexdigest()
-    rx = chain.Receiver("127.0.0.1", str(tmp_path / "part"))
+    rx = chain.Receiver("127.0.0.1", str(tmp_path / "fifo"))
     r_stop, w_stop = os.pipe()
     got = {}
+    out = open(tmp_path / "part", "wb")
     t = threading.Thread(target=lambda: got.update(
-        why=rx.receive("chain", "", token, sha, len(data), r_stop, lambda *a: None)))
+        why=rx.receive("chain", "", token, sha, len(data), out, r_stop, lambda *a: None)))
     t.start()
     try:
         with pytest.raises(chain.LinkError):  # the receiver drops a wrong token
@@ -93,9 +96,31 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
         with chain.connect(f"127.0.0.1:{rx.port}", token, sha) as link:
             link.sendall(data)
         t.join(30)
+        out.close()
         assert got == {"why": ""} and (tmp_path / "part").read_bytes() == data
     finally:
         os.write(w_stop, b"\n")
         t.join(30)
         rx.close()
-    assert not os.path.exists(rx.fifo) and not os.path.exists(rx.part)
+        out.close()
+    assert not os.path.exists(rx.fifo)
+
+
+def test_a_streamed_archive_is_cached_only_once_its_hash_is_right(tmp_path):
+    src = tmp_path / "src"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "part-0").write_bytes(os.urandom(3 << 20))
+    (src / "train.py").write_text("print(1)\n")
+    archive = tmp_path / "ws.tar"
+    with tarfile.open(archive, "w") as t:
+        t.add(src / "train.py", arcname="train.py")
+        t.add(src / "data", arcname="data")
+    root, sha, size = str(tmp_path / "root"), "c" * 64, archive.stat().st_size
+    with open(archive, "rb") as f, pytest.raises(UnsafeArchive, match="checksum mismatch"):
+        trees.store(root, f, sha, 10, size, verified=lambda: False)  # unpacked as it came, then refused
+    assert not os.path.exists(trees.tree_dir(root, sha))
+    assert os.listdir(os.path.dirname(trees.tree_dir(root, sha))) == []  # nothing half-made is left either
+    with open(archive, "rb") as f:
+        trees.store(root, f, sha, 10, size, verified=lambda: True)
+    assert trees.materialize(root, sha, f"{root}/job")
+    assert (Path(root) / "job" / "data" / "part-0").read_bytes() == (src / "data" / "part-0").read_bytes()

@@ -16,10 +16,7 @@ import secrets
 import select
 import socket
 import time
-from typing import Callable, Optional
-
-from paddle_cluster.ps.auth import recv_by
-from paddle_cluster.ps.errors import PSError
+from typing import BinaryIO, Callable, Optional
 
 CHUNK = 1 << 20
 NONCE = 32
@@ -30,6 +27,22 @@ IDLE_TIMEOUT = 60.0  # a source that sends nothing for this long is given up
 
 class LinkError(Exception):
     """A chain link could not be made or broke; the message says which and why."""
+
+
+def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes before ``deadline`` (time.monotonic), else LinkError. (Not ps.auth's: importing paddle_cluster.ps
+    imports numpy, ~0.2 s of CPU a node's session does not need.)"""
+    buf = bytearray()
+    while len(buf) < n:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            got = sock.recv(n - len(buf))
+        except socket.timeout:
+            raise LinkError("the other end did not answer in time") from None
+        if not got:
+            raise LinkError(f"the other end closed the link after {len(buf)} of {n} bytes")
+        buf += got
+    return bytes(buf)
 
 
 def _proof(token: bytes, label: bytes, sha: str, nonce: bytes) -> bytes:
@@ -52,25 +65,25 @@ def connect(address: str, token: bytes, sha: str) -> socket.socket:
             raise LinkError(f"{address} did not prove it holds this dispatch's token")
         sock.settimeout(IDLE_TIMEOUT)
         return sock
-    except (OSError, PSError, LinkError) as e:
+    except (OSError, LinkError) as e:
         sock.close()
         raise LinkError(e if isinstance(e, LinkError) else f"link to {address}: {e}") from None
 
 
 class Receiver:
-    """One node's end of the dispatch: its FIFO (``fifo``), its listener (``port``) and the part file."""
+    """One node's end of the dispatch: its FIFO (``fifo``) and its listener (``port``)."""
 
-    def __init__(self, address: str, part: str) -> None:
-        self.part, self.fifo = part, part + ".fifo"
+    def __init__(self, address: str, fifo: str) -> None:
+        self.fifo = fifo
         self.listener = socket.create_server((address, 0))
         self.port = self.listener.getsockname()[1]
         os.mkfifo(self.fifo, 0o600)
         # Opened for reading and writing, so it never reads as ended: the archive's size says when it is whole.
         self._fifo_fd = os.open(self.fifo, os.O_RDWR)
 
-    def receive(self, source: str, forward: str, token: bytes, sha: str, size: int, stop_fd: int,
+    def receive(self, source: str, forward: str, token: bytes, sha: str, size: int, out: BinaryIO, stop_fd: int,
                 forward_failed: Callable[[str, bool], None]) -> str:
-        """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into the part file,
+        """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into ``out``,
         forwarding each piece to ``forward`` (``host:port``, or ""); "" when it arrived whole with the right
         hash, else why not. A line on ``stop_fd`` (the launcher) ends the wait. ``forward_failed(why, linked)``
         says a link to the next node failed: never made (it still waits), or broken (it sees its sender stop)."""
@@ -86,8 +99,8 @@ class Receiver:
                 if sock is None:
                     return why
                 with sock:
-                    return self._pump(sock.fileno(), size, sha, stop_fd, fwd, forward_failed)
-            return self._pump(self._fifo_fd, size, sha, stop_fd, fwd, forward_failed)
+                    return self._pump(sock.fileno(), size, sha, out, stop_fd, fwd, forward_failed)
+            return self._pump(self._fifo_fd, size, sha, out, stop_fd, fwd, forward_failed)
         finally:
             if fwd is not None:
                 fwd.close()
@@ -111,41 +124,45 @@ class Receiver:
                     sock.sendall(_proof(token, b"recv", sha, theirs))
                     sock.settimeout(None)
                     return sock, ""
-            except (OSError, PSError):
+            except (OSError, LinkError):
                 pass
             sock.close()
 
-    def _pump(self, fd: int, size: int, sha: str, stop_fd: int, fwd: Optional[socket.socket],
+    @staticmethod
+    def _pump(fd: int, size: int, sha: str, out: BinaryIO, stop_fd: int, fwd: Optional[socket.socket],
               forward_failed: Callable[[str, bool], None]) -> str:
         h = hashlib.sha256()
         buf = memoryview(bytearray(CHUNK))
         got = 0
-        with open(self.part, "wb") as out:
-            while got < size:
+        while got < size:
+            # A whole chunk is gathered before it is passed on: per piece, forwarding, hashing and the unpacker's
+            # wake-up cost far more CPU than the reads (a socket read returns ~64 KiB at a time).
+            want, n = min(CHUNK, size - got), 0
+            while n < want:
                 r, _, _ = select.select([fd, stop_fd], [], [], IDLE_TIMEOUT)
                 if stop_fd in r:
-                    return f"stopped by the launcher after {got} of {size} bytes"
+                    return f"stopped by the launcher after {got + n} of {size} bytes"
                 if not r:
-                    return f"nothing arrived for {IDLE_TIMEOUT:g} s after {got} of {size} bytes"
-                n = os.readv(fd, [buf[:min(CHUNK, size - got)]])
-                if n == 0:
-                    return f"the sender stopped after {got} of {size} bytes"
-                piece = buf[:n]
-                out.write(piece)
-                h.update(piece)
-                got += n
-                if fwd is not None:
-                    try:
-                        fwd.sendall(piece)
-                    except OSError as e:
-                        forward_failed(f"forwarding to the next node broke after {got - n} bytes: {e}", True)
-                        fwd.close()
-                        fwd = None
+                    return f"nothing arrived for {IDLE_TIMEOUT:g} s after {got + n} of {size} bytes"
+                k = os.readv(fd, [buf[n:want]])
+                if k == 0:
+                    return f"the sender stopped after {got + n} of {size} bytes"
+                n += k
+            piece = buf[:n]
+            got += n
+            if fwd is not None:  # first: the next node's link is the chain's critical path
+                try:
+                    fwd.sendall(piece)
+                except OSError as e:
+                    forward_failed(f"forwarding to the next node broke after {got - n} bytes: {e}", True)
+                    fwd.close()
+                    fwd = None
+            h.update(piece)
+            out.write(piece)
         return "" if h.hexdigest() == sha else "checksum mismatch after the transfer"
 
     def close(self) -> None:
         self.listener.close()
         os.close(self._fifo_fd)
-        for path in (self.fifo, self.part):
-            if os.path.lexists(path):
-                os.unlink(path)
+        if os.path.lexists(self.fifo):
+            os.unlink(self.fifo)

@@ -13,12 +13,13 @@ interpreter and one channel.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
-import secrets
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster import contract
 
@@ -26,6 +27,7 @@ from . import chain, probe, supervisor, trees
 from . import messages as m
 from .unpack import UnsafeArchive
 
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # linux/fcntl.h; in fcntl from Python 3.10
 REPLY = "session"  # the key every answer of a session carries, so other output (a warning) is told apart
 
 
@@ -106,7 +108,7 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
             return {"ok": True, "sent": False}, None
         packages = os.path.join(req.root, ".paddle_cluster", "packages")
         os.makedirs(packages, mode=0o700, exist_ok=True)
-        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.tar.part-{secrets.token_hex(4)}"))
+        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.fifo-{os.getpid()}"))
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
@@ -115,7 +117,8 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
 
 def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str, Any]]:
     """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
-    launcher), then cache its tree and link it into the job directory; None when the launcher gave up."""
+    launcher), unpacking it into the cache as it arrives, then link it into the job directory; None when the
+    launcher gave up."""
     def forward_failed(why: str, linked: bool) -> None:
         _reply("forward", error=why, linked=linked)
 
@@ -123,16 +126,57 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str,
         cmd = _command()
         if not isinstance(cmd, m.Fetch):
             return None
-        why = rx.receive(cmd.source, cmd.forward, token, req.workspace_sha, req.workspace_size, 0, forward_failed)
+        why, error = _receive(req, rx, cmd, token, forward_failed)
         if not why:
             break
         _reply("workspace", workspace={"retry": why})
+    if error is not None:
+        return {"ok": False, "error": str(error)}
     try:
-        trees.store(req.root, rx.part, req.workspace_sha, max(req.max_members, 1))
         trees.materialize(req.root, req.workspace_sha, req.job_dir)
         return {"ok": True, "sent": True}
     except (UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}
+
+
+def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
+             forward_failed: Callable[[str, bool], None]) -> Tuple[str, Optional[Exception]]:
+    """One try: the archive streamed through a pipe into the cache's unpacker while it arrives (the tree is put
+    in place only once its hash is right); why the transfer failed ("" if not), and the unpacker's error."""
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, F_SETPIPE_SZ, chain.CHUNK)
+    except OSError:
+        pass  # a smaller pipe only means more wake-ups
+    done, verdict = threading.Event(), {"ok": False}
+    failed: List[Exception] = []
+
+    def unpack() -> None:
+        with os.fdopen(r, "rb") as f:
+            def verified() -> bool:
+                while f.read(chain.CHUNK):  # the tar's padding: let the transfer finish before asking
+                    pass
+                done.wait()
+                return verdict["ok"]
+            try:
+                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1), req.workspace_size, verified)
+            except Exception as e:  # noqa: BLE001 - whatever a bad archive provokes is answered, never a traceback
+                failed.append(e)
+            finally:
+                while f.read(chain.CHUNK):  # refused or failed: still drain it, the nodes after this one need it
+                    pass
+
+    t = threading.Thread(target=unpack, name="unpack")
+    t.start()
+    try:
+        with os.fdopen(w, "wb", buffering=0) as out:
+            why = rx.receive(cmd.source, cmd.forward, token, req.workspace_sha, req.workspace_size, out, 0,
+                             forward_failed)
+            verdict["ok"] = not why
+    finally:
+        done.set()
+        t.join()
+    return why, (failed[0] if failed and not why else None)
 
 
 def main(text: str) -> int:

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import stat
-from typing import Any, Dict, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Union
 
 from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
@@ -71,15 +71,21 @@ def drop(root: str, sha: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def store(root: str, archive: str, sha: str, max_members: int) -> None:
-    """Unpack a verified archive into the cache (refusing what ``safe_extract`` refuses), its files made
-    read-only and recorded; drop old trees."""
+def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, max_bytes: Optional[int] = None,
+          verified: Callable[[], bool] = lambda: True) -> None:
+    """Unpack an archive (a path, or a stream as it arrives) into the cache (refusing what ``safe_extract``
+    refuses), its files made read-only and recorded; drop old trees. The tree is put in place only if
+    ``verified()`` (asked once all is unpacked: is the archive's hash the expected one?)."""
     top = tree_dir(root, sha)
     os.makedirs(os.path.dirname(top), mode=0o700, exist_ok=True)
-    if _intact(root, sha) is not None:
-        return  # another launcher stored the same archive meanwhile
+
+    def fill(tmp: str) -> None:
+        _unpack_sealed(archive, tmp, max_members, max_bytes)
+        if not verified():
+            raise UnsafeArchive("checksum mismatch: the archive is not the one the launcher packed")
+
     try:
-        fresh_dir(top, lambda tmp: _unpack_sealed(archive, tmp, max_members), "unpacking")
+        fresh_dir(top, fill, "unpacking")
     except UnsafeArchive:
         if _intact(root, sha) is None:
             raise
@@ -87,9 +93,9 @@ def store(root: str, archive: str, sha: str, max_members: int) -> None:
     _prune(os.path.dirname(top), keep=KEEP)
 
 
-def _unpack_sealed(archive: str, top: str, max_members: int) -> None:
+def _unpack_sealed(archive: Union[str, BinaryIO], top: str, max_members: int, max_bytes: Optional[int]) -> None:
     files = os.path.join(top, "tree")
-    safe_extract(archive, files, max_members=max_members)
+    safe_extract(archive, files, max_bytes, max_members=max_members)
     manifest: Dict[str, Any] = {"dirs": {}, "files": {}, "links": {}}
     for dirpath, dirnames, filenames in os.walk(files):
         for name in dirnames + filenames:
