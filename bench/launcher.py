@@ -52,7 +52,7 @@ def _run_cli(conf: Path, ws: Path, n: int) -> float:
     return max(stamps.values()) - t0
 
 
-def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hosts: int = 3,
+def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_counts=(1, 3, 8),
         dispatch_reps: int = 3) -> Dict[str, Any]:
     sc = sshcluster_module()
     out: Dict[str, Any] = {}
@@ -61,22 +61,23 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_hos
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN_PY)
     (ws / "ps.py").write_text(tests_helpers().LISTEN_PS_PY)
-    with sc.SSHCluster(max(counts + (dispatch_hosts,)), work / "cluster") as cl:
+    with sc.SSHCluster(max(counts + tuple(dispatch_counts)), work / "cluster") as cl:
         # -- run -> all processes ready ---------------------------------------------------------------
         _run_cli(write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # installs lib
         for n in counts:
             conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
             out[f"launch_{n}"] = Stats([_run_cli(conf, ws, n) for _ in range(reps)])
         out.update(_floor(cl, work, sorted({min(counts), 8 if 8 in counts else max(counts), max(counts)}), reps))
-        # -- dispatch of a big workspace -------------------------------------------------------------------
-        big = work / "big"
-        big.mkdir()
-        blob = big / "data.bin"
-        with open(blob, "wb") as f:
-            for _ in range(dispatch_mb):
-                f.write(os.urandom(1 << 20))
-        (big / "train.py").write_text(TRAIN_PY)
-        out.update(_dispatch(cl, work, big, blob, dispatch_hosts, dispatch_reps))
+        # -- dispatch of a big workspace, on 1 Gbit/s links (the launcher's own link too) --------------------
+        big, blob = _workspace_of(work / "big", dispatch_mb)
+        for rate, key, ws_dir, file, hosts in (("1gbit", "", big, blob, dispatch_counts),
+                                               # where the shared cores are not the limit (see docs)
+                                               ("100mbit", "slow_", *_workspace_of(work / "small", dispatch_mb // 4),
+                                                (max(dispatch_counts),))):
+            for i in range(cl.n):
+                cl.shape(i, rate)
+            cl.shape_uplink(rate)
+            out.update(_dispatch(cl, work, ws_dir, file, hosts, dispatch_reps, key))
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -105,48 +106,69 @@ def _floor(cl, work: Path, counts: List[int], reps: int) -> Dict[str, Any]:
     return out
 
 
-def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[str, Any]:
+def _workspace_of(ws: Path, mb: int):
+    """A workspace of ``mb`` MiB of random bytes (data.bin) and a train.py; (its directory, data.bin)."""
+    ws.mkdir()
+    blob = ws / "data.bin"
+    with open(blob, "wb") as f:
+        for _ in range(mb):
+            f.write(os.urandom(1 << 20))
+    (ws / "train.py").write_text(TRAIN_PY)
+    return ws, blob
+
+
+def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str = "") -> Dict[str, Any]:
+    """Full dispatch to each count of hosts (nothing cached), the same again unchanged on 3 hosts (the whole
+    ``deliver`` and its workspace step: from 'go' to every job directory in place), and one ``scp``."""
     sys.path.insert(0, REPO)
     from paddle_cluster.launch.backends.ssh import SSHBackend
     from paddle_cluster.launch.config import load_config
     from paddle_cluster.launch.plan import JobSpec
 
-    cfg = load_config(str(write_conf(work / "conf-dispatch.py", cl, cl.hosts[:n])))
     quiet = lambda _msg: None  # noqa: E731
-    backend = SSHBackend(cfg)
-    backend.probe_cluster(quiet, check_ports=False)
     want = hashlib.sha256(blob.read_bytes()).hexdigest()
+    out: Dict[str, Any] = {f"{key}dispatch_ok": True}
 
-    def clear() -> None:
+    def clear(n: int) -> None:
         for i in range(n):
             for cache in ("packages", "trees"):  # archives and unpacked trees: the next delivery sends again
                 shutil.rmtree(cl.root_dir(i) / ".paddle_cluster" / cache, ignore_errors=True)
             for d in cl.root_dir(i).glob("BENCHJOB*"):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def verify(name: str) -> bool:
+    def verify(name: str, n: int) -> bool:
         return all(hashlib.sha256((cl.root_dir(i) / name / "data.bin").read_bytes()).hexdigest() == want
                    for i in range(n))
 
-    full, again, ok = [], [], True
-    try:
-        for r in range(reps + 1):
-            clear()
-            spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
-            t0 = time.perf_counter()
-            backend.deliver(spec, quiet)
-            t1 = time.perf_counter()
-            ok = ok and verify(spec.name)
-            spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
-            t2 = time.perf_counter()
-            backend.deliver(spec2, quiet)
-            t3 = time.perf_counter()
-            ok = ok and verify(spec2.name)
-            if r:  # the first round is the warm-up
-                full.append(t1 - t0)
-                again.append(t3 - t2)
-    finally:
-        backend.close()
+    for n in counts:
+        cfg = load_config(str(write_conf(work / f"conf-dispatch{n}.py", cl, cl.hosts[:n])))
+        backend = SSHBackend(cfg)
+        backend.probe_cluster(quiet, check_ports=False)
+        full, again, step = [], [], []
+        try:
+            for r in range(reps + 1):
+                clear(n)
+                spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
+                t0 = time.perf_counter()
+                backend.deliver(spec, quiet)
+                t1 = time.perf_counter()
+                out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n)
+                if r:  # the first round is the warm-up
+                    full.append(t1 - t0)
+                if n == 3:
+                    spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
+                    t2 = time.perf_counter()
+                    backend.deliver(spec2, quiet)
+                    t3 = time.perf_counter()
+                    out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec2.name, n)
+                    if r:
+                        again.append(t3 - t2)
+                        step.append(backend.workspace_seconds)
+        finally:
+            backend.close()
+        out[f"{key}dispatch_full_{n}"] = Stats(full)
+        if again:
+            out[f"{key}dispatch_again"], out[f"{key}dispatch_again_step"] = Stats(again), Stats(step)
     scp = []
     for r in range(reps + 1):
         t0 = time.perf_counter()
@@ -155,7 +177,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, n: int, reps: int) -> Dict[
                         f"root@{cl.ips[0]}:/home/paddle/scp-data.bin"], check=True, stdin=subprocess.DEVNULL)
         if r:
             scp.append(time.perf_counter() - t0)
-    scp_ok = hashlib.sha256((cl.root_dir(0) / "scp-data.bin").read_bytes()).hexdigest() == want
-    clear()
-    return {"dispatch_full": Stats(full), "dispatch_again": Stats(again), "dispatch_ok": ok,
-            "scp": Stats(scp), "scp_ok": scp_ok}
+    out[f"{key}scp"] = Stats(scp)
+    out[f"{key}scp_ok"] = hashlib.sha256((cl.root_dir(0) / "scp-data.bin").read_bytes()).hexdigest() == want
+    clear(max(counts))
+    return out

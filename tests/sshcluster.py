@@ -407,6 +407,12 @@ class SSHCluster:
         _run(["tc", "qdisc", "replace", "dev", self._veths[i], *tbf])
         _run(["ip", "netns", "exec", self._netns[i], "tc", "qdisc", "replace", "dev", "eth0", *tbf])
 
+    def shape_uplink(self, rate: str = "1gbit") -> None:
+        """Limit what this machine (the launcher) sends into the cluster network to ``rate``: tbf on the bridge
+        device, which carries only this machine's own packets (node-to-node traffic passes between ports)."""
+        _run(["tc", "qdisc", "replace", "dev", self.bridge, "root", "tbf", "rate", rate, "burst", "256kb",
+              "latency", "50ms"])
+
     def unshape(self, i: int) -> None:
         _run(["tc", "qdisc", "del", "dev", self._veths[i], "root"], check=False)
         _run(["ip", "netns", "exec", self._netns[i], "tc", "qdisc", "del", "dev", "eth0", "root"],
