@@ -13,13 +13,14 @@ from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_j
 
 def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
         phases: Sequence[str] = ("pushpull",), n_pservers: int = 2, hosts: Optional[List[str]] = None,
-        prefix_ps=None, prefix_tr=None, trainer_ip: str = "127.0.0.1", workdir: Optional[str] = None,
+        prefix_ps=None, prefix_tr=None, trainer_ip: Any = "127.0.0.1", workdir: Optional[str] = None,
         integrity: bool = True, stdlib_mac: bool = False) -> Dict[str, Any]:
     """Start ``n_pservers`` pservers and ``trainers`` trainers, run the worker, return its timings.
 
-    ``prefix_ps(k)`` / ``prefix_tr(i)``: command prefixes (e.g. entering a namespace) per process.
+    ``prefix_ps(k)`` / ``prefix_tr(i)``: command prefixes (e.g. entering a namespace) per process; ``trainer_ip``:
+    the trainers' address, or ``trainer_ip(i)`` for each.
     ``integrity``: frames carry MACs (the default) or not (``INTEGRITY = False``); ``stdlib_mac``: the trainers
-    offer only HMAC-SHA256, as on a node without the ``cryptography`` package.
+    offer only HMAC-SHA256, as on a node with neither OpenSSL 3 nor the ``cryptography`` package.
     Also returns every pserver's memory (idle before registration, and at the end).
     """
     hosts = hosts or ["127.0.0.1"] * n_pservers
@@ -34,7 +35,8 @@ def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * M
         os.makedirs(done, exist_ok=True)
         args = json.dumps({"mode": mode, "size": size, "max_block": max_block, "warmup": warmup, "reps": reps,
                            "phases": list(phases), "done_dir": done, "hold": True, "stdlib_mac": stdlib_mac})
-        tr = [procs.trainer(env, i, ["dense", args], trainer_ip, prefix_tr(i) if prefix_tr else ())
+        tr = [procs.trainer(env, i, ["dense", args], trainer_ip(i) if callable(trainer_ip) else trainer_ip,
+                            prefix_tr(i) if prefix_tr else ())
               for i in range(trainers)]
         results = [read_json_line(p) for p in tr]
         end = [proc_mem(p.pid) for p in ps]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .common import Stats, free_port_range
+from .common import Stats, enter_netns, free_port_range
 
 LR = np.float32(0.5)
 _CTX = mp.get_context("fork")
@@ -156,12 +156,16 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
 # -- torch.distributed gloo ---------------------------------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, port: int, size: int, warmup: int, reps: int, q) -> None:
+def _gloo_worker(rank: int, world: int, master: str, port: int, size: int, warmup: int, reps: int, q,
+                 netns: Optional[str]) -> None:
+    if netns:  # first thing, while this (spawned) process has one thread: its sockets live in the namespace
+        enter_netns(netns)
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
     t = torch.empty(size // 4, dtype=torch.float32)
     times, ok = [], True
     for i in range(warmup + reps):
@@ -177,14 +181,19 @@ def _gloo_worker(rank: int, world: int, port: int, size: int, warmup: int, reps:
     q.put((rank, times, ok))
 
 
-def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2) -> Tuple[Optional[Stats], str]:
+def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optional[Sequence[str]] = None,
+                   netns: Optional[Sequence[str]] = None) -> Tuple[Optional[Stats], str]:
+    """``world`` workers all-reducing ``size`` bytes of float32 (gloo's ring); rank ``r`` in namespace
+    ``netns[r]`` at ``ips[r]`` when given, else all on loopback. Per step: the slowest rank."""
     why = _missing("torch")
     if why:
         return None, why
     port = free_port_range(1)
+    master = ips[0] if ips else "127.0.0.1"
     ctx = mp.get_context("spawn")  # torch must not be forked with threads running
     q = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, size, warmup, reps, q)) for r in range(world)]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, master, port, size, warmup, reps, q,
+                                                    netns[r] if netns else None)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -200,3 +209,27 @@ def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2) -> Tuple[O
     per_step = [max(ts) for ts in zip(*(res[r][0] for r in range(world)))]
     ok = all(res[r][1] for r in range(world))
     return Stats(per_step), "ok" if ok else "FAILED: all-reduce sum is wrong"
+
+
+# -- PS vs all-reduce: bytes per worker and per step ------------------------------------------------------
+
+
+def ring_bytes(size: int, world: int) -> float:
+    """What each worker of a ring all-reduce sends (and receives) per step: reduce-scatter + all-gather."""
+    return 2 * (world - 1) / world * size
+
+
+def ps_sync(size: int, warmup: int, reps: int, workers: int, pservers: int, cluster: Any = None
+            ) -> Tuple[Stats, str]:
+    """Our sync PS (integrity off, the same work as gloo: no MACs) with ``workers`` trainers and ``pservers``
+    pservers; per step: push + pull of the slowest trainer. On ``cluster`` (tests/sshcluster.py) trainer
+    ``i`` runs on node ``i`` and pserver ``k`` on node ``k``: with as many pservers as workers each node is
+    a worker and a pserver, as a ring all-reduce's nodes are."""
+    from . import dense
+
+    kw: Dict[str, Any] = {}
+    if cluster is not None:
+        kw = dict(hosts=[cluster.ips[k] for k in range(pservers)], prefix_ps=cluster._enter,
+                  prefix_tr=cluster._enter, trainer_ip=lambda i: cluster.ips[i])
+    res = dense.run(size, workers, warmup=warmup, reps=reps, n_pservers=pservers, integrity=False, **kw)
+    return dense.step_stats(res, "pushpull"), dense.check(res)

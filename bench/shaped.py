@@ -20,11 +20,15 @@ def unavailable() -> Optional[str]:
     return sshcluster_module().unavailable_reason()
 
 
-def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3)) -> Dict[str, Any]:
+def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3), peer_size: int = 0,
+        peer_workers=(2, 4), peer_pservers=(2, 4)) -> Dict[str, Any]:
+    """The figures above; with ``peer_size``, also PS vs gloo all-reduce on the same shaped links
+    (``peers[("gloo", n)]``, ``peers[("ps", n, p)]``: (Stats, check))."""
     sc = sshcluster_module()
     out: Dict[str, Any] = {}
     work = tempfile.mkdtemp(prefix="bench-cluster-")
-    with sc.SSHCluster(max(node_counts), work) as cl:
+    nodes = max(*node_counts, *(peer_workers if peer_size else ()), *(peer_pservers if peer_size else ()))
+    with sc.SSHCluster(nodes, work) as cl:
         ns = [cl.netns(i) for i in range(cl.n)]
         # the bridge, unshaped
         for streams in (1, 2):
@@ -40,4 +44,18 @@ def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3)) ->
                             prefix_ps=lambda k: cl._enter(k + 1), prefix_tr=lambda i: cl._enter(0),
                             trainer_ip=cl.ips[0], workdir=tempfile.mkdtemp(prefix="bench-shaped-"))
             out[f"shaped_{n}"] = res
+        if peer_size:
+            out["peers"] = _peers(cl, ns, peer_size, warmup, reps, peer_workers, peer_pservers)
+    return out
+
+
+def _peers(cl: Any, ns, size: int, warmup: int, reps: int, workers, pservers) -> Dict[Any, Any]:
+    """gloo ring all-reduce on nodes 0..n-1 and our sync PS with trainer i and pserver k on nodes i and k."""
+    from . import peers
+
+    out: Dict[Any, Any] = {}
+    for n in workers:
+        out[("gloo", n)] = peers.gloo_allreduce(size, warmup, reps, world=n, ips=cl.ips[:n], netns=ns[:n])
+        for p in pservers:
+            out[("ps", n, p)] = peers.ps_sync(size, warmup, reps, n, p, cluster=cl)
     return out
