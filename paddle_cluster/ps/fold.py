@@ -28,7 +28,7 @@ from .stream import SEGMENT
 if TYPE_CHECKING:
     from .sync import Sync
 
-POOL_BYTES = 4 << 20  # per pserver: how far one trainer may run ahead of another, summed over its blocks
+POOL_BYTES = 2 << 20  # per pserver: how far one trainer may run ahead of another, summed over its blocks
 
 
 @dataclass
