@@ -130,6 +130,7 @@ def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, chunks: It
                 else:
                     np.add(s.acc, g, out=s.acc)
                     s.who.add(t)
+                    b.cv.notify_all()  # the next trainer in order may add now (else it sleeps out its 1 s poll)
                     continue
             if s is not None:
                 _free(b, pool, i)
