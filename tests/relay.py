@@ -100,28 +100,30 @@ class Conn:
             f = read_frame(self.down)
             push = op_of(f) == P.Op.PUSH_DENSE
             mode = self.mode
+            # Each attack is reported before its frames go up: once they do, the trainer may fail and the test
+            # kill this relay at once.
             if held is not None:
+                did("reorder")
                 self.send_up(f)
                 self.send_up(held)
                 held = None
-                did("reorder")
                 continue
             if push and mode == "flip" and once("flip"):
                 f = f[:P.HEADER_SIZE + TAG_SIZE + 10] + bytes([f[P.HEADER_SIZE + TAG_SIZE + 10] ^ 0x40]) \
                     + f[P.HEADER_SIZE + TAG_SIZE + 11:]
-                self.send_up(f)
                 did("flip")
+                self.send_up(f)
                 continue
             if push and mode == "hyper" and once("hyper"):
-                self.send_up(forged(P.Op.SET_HYPER, {"from_step": 0, "values": {"lr": 1000.0}}))
                 did("hyper")
+                self.send_up(forged(P.Op.SET_HYPER, {"from_step": 0, "values": {"lr": 1000.0}}))
             if push and mode.startswith("save:") and once("save"):
-                self.send_up(forged(P.Op.SAVE, {"step": 0, "path": mode[5:]}))
                 did("save")
+                self.send_up(forged(P.Op.SAVE, {"step": 0, "path": mode[5:]}))
             if push and mode == "replay" and once("replay"):
-                self.send_up(f)
-                self.send_up(f)
                 did("replay")
+                self.send_up(f)
+                self.send_up(f)
                 continue
             if push and mode == "reorder" and once("reorder"):
                 held = f
@@ -132,8 +134,8 @@ class Conn:
                     _have_capture.set()
                 elif self.index == 1 and once("splice"):
                     _have_capture.wait(10)
-                    self.send_up(_captured.get("frame", f))
                     did("splice")
+                    self.send_up(_captured.get("frame", f))
                     continue
             self.send_up(f)
 
@@ -144,8 +146,8 @@ class Conn:
             f = read_frame(self.up)
             self.down.sendall(f)
             if self.mode == "reflect" and once("reflect"):
-                self.send_up(f)
                 did("reflect")
+                self.send_up(f)
 
 
 def pump(c: Conn, fn) -> None:
