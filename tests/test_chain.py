@@ -124,3 +124,25 @@ def test_a_streamed_archive_is_cached_only_once_its_hash_is_right(tmp_path):
         trees.store(root, f, sha, 10, size, verified=lambda: True)
     assert trees.materialize(root, sha, f"{root}/job")
     assert (Path(root) / "job" / "data" / "part-0").read_bytes() == (src / "data" / "part-0").read_bytes()
+
+
+def test_a_changed_workspace_sends_only_the_changed_files(make_ssh_cluster, tmp_path):
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    (ws / "data" / "old.txt").write_text("to be deleted\n")
+    _deliver(c, tmp_path, ws, "v1")
+    (ws / "data" / "part-0").write_text("4 5 6\n")  # changed
+    (ws / "data" / "new.txt").write_text("added\n")  # new
+    (ws / "data" / "old.txt").unlink()  # gone
+    sent = []
+    said = _deliver(c, tmp_path, ws, "v2", sent)
+    assert "node0, node1, node2: sent only the 2 changed file(s)" in " ".join(said), said
+    assert sent[0] < 1 << 20, f"the launcher sent {sent[0]} bytes for 2 small changed files"
+    want = _tree_digest(ws)
+    for i in range(3):
+        job1, job2 = c.root_dir(i) / "v1", c.root_dir(i) / "v2"
+        assert _tree_digest(job2) == want and not (job2 / "data" / "old.txt").exists()
+        assert (job2 / "data" / "blob.bin").stat().st_ino == (job1 / "data" / "blob.bin").stat().st_ino
+    again = _deliver(c, tmp_path, ws, "v3")  # the tree made from the delta is the workspace's, like any other
+    assert "node0, node1, node2 already held this package: not sent again" in again, again

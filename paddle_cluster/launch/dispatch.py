@@ -54,20 +54,38 @@ def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:
             yield full, posixpath.normpath(posixpath.join(rel_dir.replace(os.sep, "/"), name))
 
 
-def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str) -> Package:
-    """A deterministic tar (sorted, no owner names), so an unchanged tree has an unchanged hash."""
+class _Hashing:
+    """A file read through ``read`` while its SHA-256 is taken."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.h = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.f.read(n)
+        self.h.update(b)
+        return b
+
+
+def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str,
+         manifest: Optional[Dict[str, str]] = None) -> Package:
+    """A deterministic tar (sorted, no owner names), so an unchanged tree has an unchanged hash; ``manifest``
+    gets what each entry is (``delta.py``: the content's SHA-256 and whether it is executable, or a link)."""
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tar", dir=out_dir)
     os.close(fd)
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+    files = {} if manifest is None else manifest
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT, copybufsize=1 << 20) as tar:
         for full, arc in entries:
             info = tar.gettarinfo(str(full), arcname=arc)
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             if info.isfile():
                 with open(full, "rb") as f:
-                    tar.addfile(info, f)
+                    hashing = _Hashing(f)
+                    tar.addfile(info, hashing)
+                files[arc] = hashing.h.hexdigest() + ("x" if info.mode & 0o111 else "")
             elif info.issym():
                 tar.addfile(info)
+                files[arc] = "link:" + info.linkname
     h = hashlib.sha256()
     with open(tmp, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -107,11 +125,12 @@ def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, pr
             return Package(tar_path, meta["sha256"], meta["size"], meta["files"])
     except (OSError, ValueError, KeyError):
         pass
-    pkg = _tar(entries, cache_dir, prefix)
+    manifest: Dict[str, str] = {}
+    pkg = _tar(entries, cache_dir, prefix, manifest)
     os.replace(pkg.path, tar_path)
     tmp = meta_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files}, f)
+        json.dump({"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files, "manifest": manifest}, f)
     os.replace(tmp, meta_path)
     metas = sorted(Path(cache_dir).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in metas[keep:]:

@@ -5,12 +5,14 @@ A node whose chain link fails is sent the archive by the launcher directly, whic
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY
 
+from . import delta, dispatch
 from .dispatch import Package
 from .errors import HostError
 from .hosts import Node, fanout
@@ -27,27 +29,48 @@ class Need:
     session: NodeSession
     fifo: str
     listener: str  # host:port on its PADDLE_NIC address
+    base: str = ""  # the hash of its most recent cached tree (what a changed workspace can be sent against)
 
 
-def send(needs: List[Need], pkg: Package, bar: Progress) -> List[str]:
-    """Put ``pkg`` on every node of ``needs`` (in this order down the chain); the lines to tell the user."""
+def send_all(needs: List[Need], pkg: Package, directory: str, bar: Progress) -> List[str]:
+    """Put the workspace ``pkg`` (packed from ``directory``) on every node of ``needs``: one chain per tree they
+    hold, each sent only the files changed since that tree when this launcher made it too; the lines to say."""
+    told: List[str] = []
+    groups: Dict[str, List[Need]] = {}
+    for nd in needs:
+        groups.setdefault(nd.base, []).append(nd)
+    with tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-") as tmp:
+        for base, group in groups.items():
+            made = delta.make(pkg, directory, dispatch.workspace_cache_dir(), base, tmp) if base else None
+            if made is None:
+                told += send(group, pkg, bar)
+                continue
+            part, count = made
+            told.append(f"{', '.join(nd.node.name for nd in group)}: sent only the {count} changed file(s) "
+                        f"({_size(part.size)} of {_size(pkg.size)}) against the workspace held there")
+            told += send(group, part, bar, base, pkg)
+    return told
+
+
+def send(needs: List[Need], pkg: Package, bar: Progress, base: str = "", whole: Optional[Package] = None) -> List[str]:
+    """Put ``pkg`` on every node of ``needs`` (in this order down the chain): the workspace archive, or with
+    ``base`` a delta against that tree (a node that cannot use it is sent ``whole``); the lines to tell the user."""
     told: List[str] = []
     at: Dict[int, int] = {nd.node.index: k for k, nd in enumerate(needs)}
     broken: Dict[int, str] = {}  # chain position -> why the link into it failed, as its sender said
 
-    def feed(nd: Need) -> None:
-        nd.session.send(m.Fetch("launcher"))
-        nd.node.put(pkg.path, nd.fifo, bar(nd.node.name, pkg.size))
+    def feed(nd: Need, it: Package, forward: str = "", on: str = "") -> None:
+        nd.session.send(m.Fetch("launcher", forward, it.sha256, it.size, on))
+        nd.node.put(it.path, nd.fifo, bar(nd.node.name, it.size))
 
     def one(n: Node) -> None:
         k = at[n.index]
         nd, nxt = needs[k], needs[k + 1] if k + 1 < len(needs) else None
-        direct = k == 0
+        it, on, direct = pkg, base, k == 0
         if direct:
-            nd.session.send(m.Fetch("launcher", nxt.listener if nxt else ""))
-            nd.node.put(pkg.path, nd.fifo, bar(n.name, pkg.size))
+            feed(nd, it, nxt.listener if nxt else "", on)
         else:
-            nd.session.send(m.Fetch("chain", nxt.listener if nxt else ""))
+            nd.session.send(m.Fetch("chain", nxt.listener if nxt else "", it.sha256, it.size, on))
         while True:
             doc = nd.session.reply("receiving the workspace")
             if doc[REPLY] == "forward":  # its link to the next node failed: that one falls back by itself
@@ -60,7 +83,12 @@ def send(needs: List[Need], pkg: Package, bar: Progress) -> List[str]:
                 told.append(f"{n.name}: the chain link from {needs[k - 1].node.name} failed "
                             f"({broken.get(k) or ws['retry']}); the launcher sent it the workspace directly")
                 direct = True
-                feed(nd)
+                feed(nd, it, on=on)
+                continue
+            if "retry" in ws and on and whole is not None:
+                told.append(f"{n.name}: {ws['retry']}; the launcher sent it the whole workspace")
+                it, on = whole, ""
+                feed(nd, it)
                 continue
             if "retry" in ws:
                 raise HostError(n.label, f"receiving the workspace: {ws['retry']}")
@@ -70,3 +98,7 @@ def send(needs: List[Need], pkg: Package, bar: Progress) -> List[str]:
 
     fanout([nd.node for nd in needs], one).ok("sending the workspace")
     return sorted(told)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"

@@ -88,11 +88,15 @@ class Go:
 
 @dataclass(frozen=True)
 class Fetch:
-    """Receive the archive from ``source`` ("launcher": over SSH into the node's FIFO; "chain": from the node
-    before it), forwarding it to ``forward`` (``host:port`` of the next node's listener, or "")."""
+    """Receive an archive from ``source`` ("launcher": over SSH into the node's FIFO; "chain": from the node
+    before it), forwarding it to ``forward`` (``host:port`` of the next node's listener, or ""): the workspace
+    archive itself, or with ``base``, a delta (``sha``, ``size``) against the tree of that hash."""
 
     source: str
     forward: str = ""
+    sha: str = ""
+    size: int = 0
+    base: str = ""
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
-    return {"need": rx.fifo, "port": rx.port, "damaged": held}, rx
+    return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": trees.newest(req.root)}, rx
 
 
 def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str, Any]]:
@@ -127,6 +127,8 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str,
         if not isinstance(cmd, m.Fetch):
             return None
         why, error = _receive(req, rx, cmd, token, forward_failed)
+        if not why and error is not None and cmd.base:
+            why = f"the changed files could not be put on the tree held here: {error}"
         if not why:
             break
         _reply("workspace", workspace={"retry": why})
@@ -143,6 +145,7 @@ def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
              forward_failed: Callable[[str, bool], None]) -> Tuple[str, Optional[Exception]]:
     """One try: the archive streamed through a pipe into the cache's unpacker while it arrives (the tree is put
     in place only once its hash is right); why the transfer failed ("" if not), and the unpacker's error."""
+    sha, size = (cmd.sha, cmd.size) if cmd.sha else (req.workspace_sha, req.workspace_size)
     r, w = os.pipe()
     try:
         fcntl.fcntl(w, F_SETPIPE_SZ, chain.CHUNK)
@@ -159,7 +162,7 @@ def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
                 done.wait()
                 return verdict["ok"]
             try:
-                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1), req.workspace_size, verified)
+                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1) + 1, size, verified, cmd.base)
             except Exception as e:  # noqa: BLE001 - whatever a bad archive provokes is answered, never a traceback
                 failed.append(e)
             finally:
@@ -170,8 +173,7 @@ def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
     t.start()
     try:
         with os.fdopen(w, "wb", buffering=0) as out:
-            why = rx.receive(cmd.source, cmd.forward, token, req.workspace_sha, req.workspace_size, out, 0,
-                             forward_failed)
+            why = rx.receive(cmd.source, cmd.forward, token, sha, size, out, 0, forward_failed)
             verdict["ok"] = not why
     finally:
         done.set()

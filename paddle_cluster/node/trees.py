@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Union
 from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
 KEEP = 4  # unpacked trees kept per ROOT_DIR, least recently used dropped first
+DELTA_NAME = ".paddle-delta.json"  # a delta archive's listing of the files kept from its base (launch/delta.py)
 READ_ONLY = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
 
 
@@ -71,16 +72,29 @@ def drop(root: str, sha: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+def newest(root: str) -> str:
+    """The hash of the most recently used intact tree here (""  if none): what a changed workspace can be sent
+    against."""
+    parent = os.path.dirname(tree_dir(root, "x"))
+    try:
+        names = [n for n in os.listdir(parent) if "." not in n]
+    except OSError:
+        return ""
+    names.sort(key=lambda n: os.stat(os.path.join(parent, n)).st_mtime, reverse=True)
+    return next((n for n in names if _intact(root, n) is not None), "")
+
+
 def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, max_bytes: Optional[int] = None,
-          verified: Callable[[], bool] = lambda: True) -> None:
+          verified: Callable[[], bool] = lambda: True, base: str = "") -> None:
     """Unpack an archive (a path, or a stream as it arrives) into the cache (refusing what ``safe_extract``
     refuses), its files made read-only and recorded; drop old trees. The tree is put in place only if
-    ``verified()`` (asked once all is unpacked: is the archive's hash the expected one?)."""
+    ``verified()`` (asked once all is unpacked: is the archive's hash the expected one?). With ``base``, the
+    archive is a delta (``launch/delta.py``): the files it lists are linked from that tree, the rest is in it."""
     top = tree_dir(root, sha)
     os.makedirs(os.path.dirname(top), mode=0o700, exist_ok=True)
 
     def fill(tmp: str) -> None:
-        _unpack_sealed(archive, tmp, max_members, max_bytes)
+        _unpack_sealed(archive, tmp, max_members, max_bytes, root, base)
         if not verified():
             raise UnsafeArchive("checksum mismatch: the archive is not the one the launcher packed")
 
@@ -93,9 +107,12 @@ def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, 
     _prune(os.path.dirname(top), keep=KEEP)
 
 
-def _unpack_sealed(archive: Union[str, BinaryIO], top: str, max_members: int, max_bytes: Optional[int]) -> None:
+def _unpack_sealed(archive: Union[str, BinaryIO], top: str, max_members: int, max_bytes: Optional[int],
+                   root: str = "", base: str = "") -> None:
     files = os.path.join(top, "tree")
     safe_extract(archive, files, max_bytes, max_members=max_members)
+    if base:
+        _apply_delta(root, base, files)
     manifest: Dict[str, Any] = {"dirs": {}, "files": {}, "links": {}}
     for dirpath, dirnames, filenames in os.walk(files):
         for name in dirnames + filenames:
@@ -112,6 +129,32 @@ def _unpack_sealed(archive: Union[str, BinaryIO], top: str, max_members: int, ma
         dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
     with open(os.path.join(top, "manifest.json"), "w") as f:
         json.dump(manifest, f)
+
+
+def _apply_delta(root: str, base: str, files: str) -> None:
+    """Link into ``files`` (a delta just unpacked) the unchanged files its listing names, from tree ``base``."""
+    listing = os.path.join(files, DELTA_NAME)
+    try:
+        with open(listing) as f:
+            doc = json.load(f)
+        keep = doc["keep"]
+        assert doc["base"] == base and isinstance(keep, list)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise UnsafeArchive(f"a delta archive without a valid {DELTA_NAME}") from None
+    os.unlink(listing)
+    manifest = _intact(root, base)
+    if manifest is None:
+        raise UnsafeArchive(f"the tree {base[:12]} a delta is based on is gone or was written into")
+    src = os.path.join(tree_dir(root, base), "tree")
+    for rel in keep:
+        if not isinstance(rel, str) or (rel not in manifest["files"] and rel not in manifest["links"]):
+            raise UnsafeArchive(f"a delta keeps {rel!r}, which the tree {base[:12]} does not have")
+        dst = os.path.join(files, rel)
+        os.makedirs(os.path.dirname(dst), mode=0o755, exist_ok=True)
+        if rel in manifest["links"]:
+            os.symlink(manifest["links"][rel], dst)
+        else:
+            os.link(os.path.join(src, rel), dst)
 
 
 def _prune(parent: str, keep: int) -> None:

@@ -106,7 +106,8 @@ class SSHBackend(Backend):
             if ws.get("damaged"):
                 damaged.append(n.name)
             if pkg is not None and "need" in ws:
-                needs[n.index] = relay.Need(n, s, ws["need"], f"{docs[n.index]['address']}:{ws['port']}")
+                needs[n.index] = relay.Need(n, s, ws["need"], f"{docs[n.index]['address']}:{ws['port']}",
+                                            str(ws.get("base") or ""))
                 return
             if pkg is not None and not ws.get("ok"):
                 raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
@@ -127,7 +128,7 @@ class SSHBackend(Backend):
                 fanout(self.nodes, place).ok("preparing the nodes")
                 if needs:
                     with dispatch.upload_progress() as bar:
-                        told = relay.send([needs[i] for i in sorted(needs)], pkg, bar)
+                        told = relay.send_all([needs[i] for i in sorted(needs)], pkg, spec.dispatch_dir, bar)
                     for i in needs:
                         placed(i, sent=True)
                 self.workspace_seconds = time.perf_counter() - t0
