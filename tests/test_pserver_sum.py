@@ -92,20 +92,23 @@ def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
 @pytest.mark.parametrize("trainers,weight_decay", [(2, 0.0), (3, 0.0), (3, 0.01)])
 def test_segment_folding_under_a_tiny_pool_is_exact_and_never_deadlocks(tmp_path, monkeypatch, trainers,
                                                                         weight_decay):
-    """Sync SGD folds pushes 256 KiB at a time into a bounded pool of accumulators. With two slots for the
+    """Sync SGD folds pushes a segment at a time into a bounded pool of accumulators. With two slots for the
     whole pserver, several blocks per connection, two connections per trainer and trainers arriving in any
-    order, every trainer waits its turn and the result is bit-identical to summing in trainer order."""
-    from paddle_cluster.ps import fold
+    order, every trainer waits its turn and the result is bit-identical to summing in trainer order. Every
+    wait is woken by the change it waits for: with the waits' periodic look made longer than the barrier
+    timeout, a missed wake-up would end in a BarrierTimeout."""
+    from paddle_cluster.ps import fold, sync
     from paddle_cluster.ps.stream import SEGMENT
 
     monkeypatch.setattr(fold, "POOL_BYTES", 2 * SEGMENT)
+    monkeypatch.setattr(sync, "POLL", 3600.0)
     env = JobEnv(job_id="fold", pservers=(Endpoint("127.0.0.1", H.free_port_range(2)),), trainers=trainers,
                  ports_num=2, ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=30)
     rng = np.random.default_rng(11)
-    w0 = rng.standard_normal((1536, 1024)).astype(np.float32)  # 6 MiB: 6 blocks of 1 MiB, 4 segments each
+    w0 = rng.standard_normal((1536, 1024)).astype(np.float32)  # 6 MiB: 3 blocks of 2 segments
     grads = rng.standard_normal((3, trainers) + w0.shape).astype(np.float32)
     spec = OptimizerSpec("sgd", lr=0.1, weight_decay=weight_decay)
-    out = _train(env, spec, w0, grads, 1 << 20, 0.02, 80)
+    out = _train(env, spec, w0, grads, 2 * SEGMENT, 0.02, 80)
     w = _reference(w0, grads, spec)
     for i in range(trainers):
         assert np.array_equal(out[i], w), i

@@ -26,6 +26,7 @@ from .shards import DenseBlock, Shard, TableShard
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
 MAX_HYPER_NAMES = 4096  # distinct names hyper-parameter changes may name
+POLL = 1.0  # s between looks at the deadline and at shutdown while waiting; a notify wakes a waiter sooner
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class Sync:
                 raise BarrierTimeout(
                     f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for {waiting} "
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
-            cv.wait(min(left, 1.0))
+            cv.wait(min(left, POLL))
 
     def wait_step(self, shard: Shard, step: int, what: str) -> None:
         """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it."""
