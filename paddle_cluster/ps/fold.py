@@ -61,6 +61,16 @@ class AccPool:
             self.left -= 1
             return np.empty(SEGMENT, dtype=np.uint8)
 
+    def try_take(self) -> Optional[np.ndarray]:
+        """A free slot if there is one now, else None (never waits)."""
+        with self.cv:
+            if self.free:
+                return self.free.pop()
+            if self.left > 0:
+                self.left -= 1
+                return np.empty(SEGMENT, dtype=np.uint8)
+            return None
+
     def give(self, slot: np.ndarray) -> None:
         with self.cv:
             self.free.append(slot)
@@ -90,36 +100,65 @@ def _may_add(sync: Sync, b: DenseBlock, i: int, t: int) -> bool:
     return all(u in who for u in order if u < t) or (t in first_two and who <= first_two)
 
 
-def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, chunks: Iterable[Tuple[int, memoryview]]
-         ) -> None:
-    """Fold trainer ``t``'s gradient for ``step`` (``chunks``: ``Stream.chunks()`` of its payload) into ``b``.
+def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,
+         chunks: Callable[[Callable[[int], Optional[np.ndarray]]], Iterable[Tuple[int, memoryview]]]) -> None:
+    """Fold trainer ``t``'s gradient for ``step`` (``chunks``: its payload's ``Stream.chunks``) into ``b``.
 
-    The caller has checked ``step == b.step`` and marked ``t`` as receiving. A segment ``t`` is already in
-    (a resent push) is skipped, so it never counts twice."""
+    A segment that nobody started yet is received straight into a free pool slot when there is one (no
+    copy: it becomes the sum); otherwise into the stream's scratch, then copied or added. The caller has
+    checked ``step == b.step`` and marked ``t`` as receiving. A segment ``t`` is already in (a resent push)
+    is skipped, so it never counts twice."""
     item = b.dtype.itemsize
     pflat = b.param.reshape(-1)
     what = f"push {b.describe()}"
-    for off, view in chunks:
-        g = np.frombuffer(view, dtype=b.dtype)
-        i = off // SEGMENT
+    held: List[np.ndarray] = []  # the slot the current segment is being received into
+
+    def into(off: int) -> Optional[np.ndarray]:
         with b.cv:
-            sync.wait(b.cv, lambda i=i: b.step != step or _may_add(sync, b, i, t), step,
-                      f"{what}: summing in trainer order",
-                      lambda i=i: {u for u in sync.active if u < t} - _who(b, i))
+            first = (off // SEGMENT not in b.segs and b.step == step and not sync.active <= {t}
+                     and t in sorted(sync.active | {t})[:2])
+        slot = pool.try_take() if first else None
+        if slot is not None:
+            held.append(slot)
+        return slot
+
+    try:
+        for off, view in chunks(into):
+            _fold(sync, pool, b, t, step, off, view, held.pop() if held else None, pflat, item, what)
+    finally:
+        for slot in held:  # received into, never folded (the connection broke)
+            pool.give(slot)
+
+
+def _fold(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, off: int, view: memoryview,
+          mine: Optional[np.ndarray], pflat: np.ndarray, item: int, what: str) -> None:
+    """Fold one verified segment of trainer ``t`` (received into ``mine``, a pool slot, or not); ``mine`` ends
+    as the segment's sum or back in the pool."""
+    g = np.frombuffer(view, dtype=b.dtype)
+    i = off // SEGMENT
+    kept = False
+    try:
+        with b.cv:
+            sync.wait(b.cv, lambda: b.step != step or _may_add(sync, b, i, t), step,
+                      f"{what}: summing in trainer order", lambda: {u for u in sync.active if u < t} - _who(b, i))
             s = b.segs.get(i)
             if s is None and b.step == step and not sync.active <= {t}:
-                slot = _take(b, pool, sync, step, what, lambda i=i: i in b.segs or b.step != step)
+                slot = mine if mine is not None else _take(b, pool, sync, step, what,
+                                                           lambda: i in b.segs or b.step != step)
                 s = b.segs.get(i)  # another trainer may have started the segment meanwhile
                 if s is None and b.step == step and slot is not None:
                     s = b.segs[i] = Segment(slot, slot[:len(view)].view(b.dtype))
-                    np.copyto(s.acc, g)
+                    if slot is mine:
+                        kept = True
+                    else:
+                        np.copyto(s.acc, g)
                     s.who.add(t)
                     pool.poke()
-                    continue
-                if slot is not None:
+                    return
+                if slot is not None and slot is not mine:
                     pool.give(slot)
             if b.step != step or (s is not None and t in s.who):
-                continue
+                return
             p = pflat[off // item:off // item + len(g)]
             with sync.rw.shared():
                 sync.apply_hyper(b, step)
@@ -131,10 +170,13 @@ def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, chunks: It
                     np.add(s.acc, g, out=s.acc)
                     s.who.add(t)
                     b.cv.notify_all()  # the next trainer in order may add now (else it sleeps out its 1 s poll)
-                    continue
+                    return
             if s is not None:
                 _free(b, pool, i)
             _segment_done(b, pool)
+    finally:
+        if mine is not None and not kept:  # its bytes were added (or not needed): the slot goes back
+            pool.give(mine)
 
 
 def _take(b: DenseBlock, pool: AccPool, sync: Sync, step: int, what: str, unless: Callable[[], bool]

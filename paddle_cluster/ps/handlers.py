@@ -108,7 +108,7 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
             b.receiving.add(t)
     if segments:
         try:
-            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks())
+            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks)
         except BaseException:
             with b.cv:
                 b.receiving.discard(t)

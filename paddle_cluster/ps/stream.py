@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hmac
 import socket
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import protocol as P
 from .auth import TAG_SIZE, Keys
@@ -122,17 +122,20 @@ class Stream:
         for v in vs:
             self._fill(v)
 
-    def chunks(self) -> Iterator[Tuple[int, memoryview]]:
-        """The rest of the payload as (offset, verified bytes) pieces of at most ``SEGMENT`` bytes, in a
-        reused scratch buffer (valid until the next piece)."""
+    def chunks(self, into: Optional[Callable[[int], Any]] = None) -> Iterator[Tuple[int, memoryview]]:
+        """The rest of the payload as (offset, verified bytes) pieces of at most ``SEGMENT`` bytes, each
+        received into ``into(offset)`` (a buffer of ``SEGMENT`` bytes) or, where that is None, into a reused
+        scratch buffer (valid until the next piece)."""
         if self._scratch is None:
             self._scratch = memoryview(bytearray(SEGMENT))
         off = 0
         while self.left:
-            v = self._scratch[:min(self.left, self._room)]
+            n = min(self.left, self._room)
+            dest = into(off) if into is not None else None
+            v = self._scratch[:n] if dest is None else P.byte_view(dest)[:n]
             self._fill(v)
             yield off, v
-            off += len(v)
+            off += n
 
     def discard(self) -> None:
         """Read (and still verify) the rest of the payload, so the stream stays in step."""
