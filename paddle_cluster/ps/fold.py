@@ -1,7 +1,8 @@
 """Sync-mode SGD pushes, folded segment by segment as they arrive.
 
 A dense push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.chunks``). For each segment
-of a block the first contribution of a step is copied into an accumulator slot, later ones are added to it
+of a block the first contribution of a step is received into an accumulator slot (copied there when no slot
+was free as it arrived), later ones are added to it
 in trainer order (the first two in either order: float addition commutes), and the last one is added,
 averaged and applied to the parameter while the segment is in cache; the slot goes back to the pool. With
 one trainer a segment is applied straight from the receive buffer. So a pserver holds its parameters plus
