@@ -8,8 +8,10 @@ the parameters pulled after the run equal ``-lr * value * steps``.
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
+import queue
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -158,27 +160,31 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
 
 def _gloo_worker(rank: int, world: int, master: str, port: int, size: int, warmup: int, reps: int, q,
                  netns: Optional[str]) -> None:
-    if netns:  # first thing, while this (spawned) process has one thread: its sockets live in the namespace
-        enter_netns(netns)
-        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
-    import torch
-    import torch.distributed as dist
+    try:
+        if netns:  # first thing, while this (spawned) process has one thread: its sockets live in the namespace
+            enter_netns(netns)
+            os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        import torch
+        import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world)
-    t = torch.empty(size // 4, dtype=torch.float32)
-    times, ok = [], True
-    for i in range(warmup + reps):
-        t.fill_(rank + 1)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        dt = time.perf_counter() - t0
-        ok = ok and float(t[0]) == world * (world + 1) / 2 and float(t[-1]) == world * (world + 1) / 2
-        if i >= warmup:
-            times.append(dt)
-    dist.destroy_process_group()
-    q.put((rank, times, ok))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        t = torch.empty(size // 4, dtype=torch.float32)
+        times, ok = [], True
+        for i in range(warmup + reps):
+            t.fill_(rank + 1)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            dt = time.perf_counter() - t0
+            ok = ok and float(t[0]) == world * (world + 1) / 2 and float(t[-1]) == world * (world + 1) / 2
+            if i >= warmup:
+                times.append(dt)
+        dist.destroy_process_group()
+        q.put((rank, times, ok))
+    except Exception as e:  # said by the parent as the reason the all-reduce was not measured
+        q.put((rank, None, f"gloo rank {rank}{f' in {netns}' if netns else ''}: {e!r}"[:300]))
 
 
 def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optional[Sequence[str]] = None,
@@ -196,14 +202,24 @@ def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optio
                                                     netns[r] if netns else None)) for r in range(world)]
     for p in procs:
         p.start()
+    res: Dict[int, Any] = {}
     try:
-        res: Dict[int, Any] = {}
-        for _ in range(world):
-            r, times, ok = q.get(timeout=300)
+        deadline = time.monotonic() + 300
+        while len(res) < world:
+            try:
+                r, times, ok = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [f"gloo rank {r} exited with code {p.exitcode} before reporting"
+                        for r, p in enumerate(procs) if p.exitcode is not None and r not in res]
+                if dead or time.monotonic() > deadline:
+                    return None, dead[0] if dead else "gloo all-reduce did not finish within 300 s"
+                continue
+            if times is None:
+                return None, ok  # the rank's error
             res[r] = (times, ok)
     finally:
         for p in procs:
-            p.join(30)
+            p.join(30 if len(res) == world else 1)
             if p.is_alive():
                 p.kill()
     per_step = [max(ts) for ts in zip(*(res[r][0] for r in range(world)))]
