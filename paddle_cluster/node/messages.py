@@ -139,6 +139,10 @@ class Ready:
 
 @dataclass(frozen=True)
 class NotReady:
+    """This node cannot run its share, so its trainers never start: a pserver of the job did not accept
+    connections within START_TIMEOUT or exited first (or, under an engine, the agent could not become a node;
+    on Kubernetes, a pod's entry failed). ``why`` says which; the launcher fails the job with it."""
+
     node: int
     why: str
 
