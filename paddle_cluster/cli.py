@@ -293,7 +293,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     else:
         rows = ops.job_status(cfg, name, ended)
     if as_json:
-        _out(ops.as_json(rows))
+        _out(ops.status_json(name, ended, rows))
         return
     how = f"{ended['outcome']} (exit {ended['exit_code']})" if ended else (
         "in progress" if any(r.state == "running" for r in rows) else "ended (no outcome recorded on this machine)")

@@ -87,7 +87,9 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     p, _ = _start_holding(conf, ws, "mpikill")
     st = cli(conf, "status", "--json", "--job_name", "mpikill")
     assert st.returncode == 0, st.stderr
-    rows = {(r["node"], r["name"]): r for r in json.loads(st.stdout)}
+    doc = json.loads(st.stdout)
+    assert doc["job"] == "mpikill" and doc["outcome"] is None  # still running
+    rows = {(r["node"], r["name"]): r for r in doc["processes"]}
     assert sorted(rows) == [(f"node{i}", f"{role}.{i}") for i in range(3) for role in ("pserver", "trainer")]
     assert {r["state"] for r in rows.values()} == {"running"}
     assert rows[("node1", "trainer.1")]["last_line"] == "holding 1"

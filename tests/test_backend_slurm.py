@@ -6,6 +6,7 @@ job fast with its last lines; every trainer sees the whole env contract of its n
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -186,7 +187,7 @@ def test_detach_then_status_logs_and_kill(slurm, tmp_path):
     st = _cli(conf, env, "status", "--json")
     assert st.returncode == 0, st.stderr
     assert f"Slurm job {job_id}: RUNNING" in st.stderr
-    assert st.stdout.count('"state": "running"') == 6, st.stdout
+    assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["running"] * 6, st.stdout
     lg = _cli(conf, env, "logs", "node1", "--role", "trainer")
     assert lg.returncode == 0 and "holding 1" in lg.stdout, lg.stderr
     k = _cli(conf, env, "kill")

@@ -38,7 +38,9 @@ def test_plot_draws_the_metrics_files(tmp_path):
     assert run.returncode == 0, run.stderr
     st = cli("status", "--json")  # each trainer's progress: its latest metrics record
     assert st.returncode == 0, st.stderr
-    progress = {r["name"]: r["progress"] for r in json.loads(st.stdout)}
+    doc = json.loads(st.stdout)
+    assert (doc["job"], doc["outcome"], doc["exit_code"]) == ("curves", "finished", 0), doc
+    progress = {r["name"]: r["progress"] for r in doc["processes"]}
     assert progress == {"pserver.0": "", "trainer.0": "pass 0 step 19 loss 0.5", "trainer.1": "pass 0 step 19 loss 1"}
     res = cli("plot", "--out", str(tmp_path / "c.png"))  # default job: the latest of this config
     assert res.returncode == 0, res.stderr

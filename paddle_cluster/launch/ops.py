@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from . import dispatch, machines, preflight
 from .config import ClusterConfig
@@ -198,3 +198,10 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
 
 def as_json(rows: list) -> str:
     return json.dumps([r.__dict__ for r in rows], indent=1)
+
+
+def status_json(job_name: str, ended: Optional[Dict[str, Any]], rows: List[ProcRow]) -> str:
+    """``status --json``: the job, how it ended (null fields while it runs or when it ended elsewhere), its rows."""
+    ended = ended or {}
+    return json.dumps({"job": job_name, "outcome": ended.get("outcome"), "exit_code": ended.get("exit_code"),
+                       "message": ended.get("message"), "processes": [r.__dict__ for r in rows]}, indent=1)
