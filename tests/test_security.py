@@ -170,13 +170,24 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                                                                                  max_size=4), max_leaves=12)
 
 
+def _strict(name):
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("text", [b'{"lr": NaN}', b'{"lr": Infinity}', b'{"lr": [1, -Infinity]}'])
+def test_json_decoder_refuses_nan_and_infinity(text):
+    """Python's json reads NaN and Infinity; the protocol never writes them, so a frame carrying one is refused."""
+    with pytest.raises(ProtocolError, match="is not JSON"):
+        P.decode_json(text)
+
+
 @FUZZ
 @given(st.one_of(st.binary(max_size=2048), _json.map(lambda v: json.dumps(v).encode()),
                  st.dictionaries(st.text(max_size=10), _json, max_size=4).map(P.encode_json)))
 def test_fuzz_json_decoder(data):
     """Exactly the UTF-8 JSON objects are accepted, with the values json reads; anything else is a ProtocolError."""
     try:
-        expected = json.loads(data.decode("utf-8"))
+        expected = json.loads(data.decode("utf-8"), parse_constant=_strict)
     except ValueError:  # UnicodeDecodeError included
         expected = None
     if isinstance(expected, dict):

@@ -229,9 +229,13 @@ def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # encode_json never writes NaN or Infinity: a peer that does is wrong
+
+
 def decode_json(data: Any) -> Dict[str, Any]:
     try:
-        obj = json.loads(bytes(data).decode("utf-8"))
+        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"bad JSON payload: {e}") from None
     if not isinstance(obj, dict):
