@@ -301,7 +301,11 @@ class Supervisor:
                 self.emit(m.NotReady, why=f"nothing listening on {', '.join(map(str, pending))} within "
                                           f"{plan.start_timeout:.0f} s")
                 return False
-            pending = [e for e in pending if not _accepts(e)]
+            # In order, up to the first that does not accept yet: probing every pending port each round made N
+            # agents send up to N * ports connection attempts per round (~20k SYNs/s at 32 nodes on 2 cores),
+            # CPU the pservers being waited for needed to start.
+            while pending and _accepts(pending[0]):
+                pending.pop(0)
             if pending:
                 self.channel.get(pause)
                 pause = min(0.1, 2 * pause)
