@@ -289,13 +289,16 @@ class Suite:
             self.add(Row("launcher", f"{label}, {n} host(s)", out[key].median, "s", out[key].spread(), check="ok",
                          extra=out[key].to_dict()))
         mb = c["dispatch_mb"]
-        rows = [(f"dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links")
-                for n in c["dispatch_counts"]]
+        rows = []
+        for n in c["dispatch_counts"]:
+            rows += [(f"dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links"),
+                     (f"dispatch_moved_{n}", "  of which the sending (go -> trees in place)")]
         rows += [("dispatch_again", "dispatch again, unchanged, 3 hosts: whole deliver"),
                  ("dispatch_again_step", "  of which the workspace step (go -> job dirs)"),
                  ("scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s")]
         top = max(c["dispatch_counts"])
         rows += [(f"slow_dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links"),
+                 (f"slow_dispatch_moved_{top}", "  of which the sending (go -> trees in place)"),
                  ("slow_scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s")]
         for key, label in rows:
             if key not in out:

@@ -118,8 +118,9 @@ def _workspace_of(ws: Path, mb: int):
 
 
 def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str = "") -> Dict[str, Any]:
-    """Full dispatch to each count of hosts (nothing cached), the same again unchanged on 3 hosts (the whole
-    ``deliver`` and its workspace step: from 'go' to every job directory in place), and one ``scp``."""
+    """Full dispatch to each count of hosts (nothing cached; the whole ``deliver``, and its workspace step: from
+    'go' to every job directory in place, i.e. the sending without the sessions), the same again unchanged on
+    3 hosts, and one ``scp``."""
     sys.path.insert(0, REPO)
     from paddle_cluster.launch.backends.ssh import SSHBackend
     from paddle_cluster.launch.config import load_config
@@ -144,7 +145,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
         cfg = load_config(str(write_conf(work / f"conf-dispatch{n}.py", cl, cl.hosts[:n])))
         backend = SSHBackend(cfg)
         backend.probe_cluster(quiet, check_ports=False)
-        full, again, step = [], [], []
+        full, again, step, moved = [], [], [], []
         try:
             for r in range(reps + 1):
                 clear(n)
@@ -155,6 +156,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
                 out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n)
                 if r:  # the first round is the warm-up
                     full.append(t1 - t0)
+                    moved.append(backend.workspace_seconds)
                 if n == 3:
                     spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
                     t2 = time.perf_counter()
@@ -166,7 +168,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
                         step.append(backend.workspace_seconds)
         finally:
             backend.close()
-        out[f"{key}dispatch_full_{n}"] = Stats(full)
+        out[f"{key}dispatch_full_{n}"], out[f"{key}dispatch_moved_{n}"] = Stats(full), Stats(moved)
         if again:
             out[f"{key}dispatch_again"], out[f"{key}dispatch_again_step"] = Stats(again), Stats(step)
     scp = []
