@@ -271,21 +271,22 @@ def test_disk_full_on_one_node(make_ssh_cluster, tmp_path):
         assert w == -0.5 * 40
         assert_nothing_left(c)
 
-        # A workspace unpacked onto a full disk: the package is already there, unpacking fails, named.
+        # The cached workspace on a full disk: its job directory is hard links into the node's cache and needs
+        # no space, so the job starts; the first checkpoint then fails there, named.
         free = int(c.exec(1, ["df", "-B1", "--output=avail", ROOT]).stdout.split()[-1])
         c.exec(1, ["dd", "if=/dev/zero", f"of={ROOT}/filler", "bs=4096", f"count={(free - 64 * 1024) // 4096}"],
                check=False)
         full = Launch(cfg, *_run_args(ws, "f_disk2"))
         assert full.finish(60) == 1
-        assert f"node1 ({c.hosts[1]}): unpacking the workspace into {ROOT}/f_disk2 refused: [Errno 28] No space " \
-            "left on device" in full.stderr, full.stderr
+        assert "node0, node1 already held this package: not sent again" in full.stderr, full.stderr
+        assert "No space left on device" in full.stderr, full.stderr
         full.assert_no_launcher_traceback()
         # A new workspace that does not fit: the preflight refuses before it is sent, naming host and fix.
         (ws / "more.bin").write_bytes(os.urandom(1 << 20))
         new = Launch(cfg, *_run_args(ws, "f_disk2b"))
         assert new.finish(60) == 1
         assert re.search(rf"node1 \({re.escape(c.hosts[1])}\): ROOT_DIR {ROOT} has 0\.\d MB free, the workspace "
-                         r"needs \d+\.\d MB \(archive and unpacked\); free space there or set ROOT_DIR", new.stderr), \
+                         r"needs \d+\.\d MB \(unpacked\); free space there or set ROOT_DIR", new.stderr), \
             new.stderr
         assert c.exec(1, ["test", "-e", f"{ROOT}/f_disk2b"], check=False).returncode != 0  # nothing started there
         new.assert_no_launcher_traceback()

@@ -61,16 +61,17 @@ def test_missing_script_in_job_workspace_names_the_host(tmp_path):
 
 
 def test_workspace_larger_than_the_free_space_is_refused(tmp_path):
-    """Against a node's session answer: a workspace to send (``need``) must fit twice (archive and unpacked)
-    in ROOT_DIR's free space; one the node already holds is not sent. (test_faults fills a real disk.)"""
+    """Against a node's session answer: a workspace to send (``need``) must fit unpacked (it is unpacked as it
+    arrives, no archive is kept) in ROOT_DIR's free space; one the node already holds is not sent. (test_faults
+    fills a real disk.)"""
     cfg = load_config(str(_conf(tmp_path)))
     spec = JobSpec(cfg, "big", dispatch_dir=str(tmp_path))
-    to_send = {"root": {"free_bytes": 1_500_000}, "workspace": {"need": "/x.part"}}
+    to_send = {"root": {"free_bytes": 900_000}, "workspace": {"need": "/x.fifo"}}
     with pytest.raises(HostError) as e:
         check_node("node0 (localhost)", spec, to_send, size=1_000_000)
-    assert (f"node0 (localhost): ROOT_DIR {cfg.root_dir} has 1.5 MB free, the workspace needs 2.0 MB (archive and "
-            "unpacked); free space there or set ROOT_DIR to a larger disk") in str(e.value)
-    check_node("node0 (localhost)", spec, {**to_send, "root": {"free_bytes": 2_000_000}}, size=1_000_000)
+    assert (f"node0 (localhost): ROOT_DIR {cfg.root_dir} has 0.9 MB free, the workspace needs 1.0 MB (unpacked); "
+            "free space there or set ROOT_DIR to a larger disk") in str(e.value)
+    check_node("node0 (localhost)", spec, {**to_send, "root": {"free_bytes": 1_000_000}}, size=1_000_000)
     check_node("node0 (localhost)", spec, {**to_send, "workspace": {"ok": True, "sent": False}}, size=1_000_000)
 
 

@@ -55,14 +55,14 @@ def probe_problems(cfg: ClusterConfig, doc: Dict[str, Any]) -> List[str]:
 def check_node(label: str, spec: JobSpec, doc: Dict[str, Any], size: int) -> None:
     """One node's session answer (``node/session.py``: its probe and the workspace's state there) against what
     the job needs: the script is in ``--job_workspace``; ROOT_DIR has room for a workspace of ``size`` bytes
-    that must be sent (an archive, then unpacked: twice that)."""
+    that must be sent (unpacked as it arrives: no archive is kept)."""
     ws = doc.get("workspace") or {}
     if spec.workspace and ws.get("exists") and ws.get("script") is False:
         path = posixpath.join(spec.workspace, trainer_script(spec.cfg.commands()[1]) or "")
         raise HostError(label, f"{path} (the trainer command's script) does not exist there; copy the workspace "
                         "there, or set TRAINER_COMMAND")
     free = doc["root"].get("free_bytes")
-    if size and "need" in ws and free is not None and free < 2 * size:
+    if size and "need" in ws and free is not None and free < size:
         raise HostError(label, f"ROOT_DIR {spec.cfg.root_dir} has {free / 1e6:.1f} MB free, the workspace needs "
-                        f"{2 * size / 1e6:.1f} MB (archive and unpacked); free space there or set ROOT_DIR to a "
+                        f"{size / 1e6:.1f} MB (unpacked); free space there or set ROOT_DIR to a "
                         f"larger disk (df -h {shlex.quote(spec.cfg.root_dir)})")

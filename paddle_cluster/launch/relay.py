@@ -32,7 +32,7 @@ class Need:
     base: str = ""  # the hash of its most recent cached tree (what a changed workspace can be sent against)
 
 
-def send_all(needs: List[Need], pkg: Package, directory: str, bar: Progress) -> List[str]:
+def send_all(needs: List[Need], pkg: Package, directory: str, job_dir: str, bar: Progress) -> List[str]:
     """Put the workspace ``pkg`` (packed from ``directory``) on every node of ``needs``: one chain per tree they
     hold, each sent only the files changed since that tree when this launcher made it too; the lines to say."""
     told: List[str] = []
@@ -43,16 +43,17 @@ def send_all(needs: List[Need], pkg: Package, directory: str, bar: Progress) -> 
         for base, group in groups.items():
             made = delta.make(pkg, directory, dispatch.workspace_cache_dir(), base, tmp) if base else None
             if made is None:
-                told += send(group, pkg, bar)
+                told += send(group, pkg, job_dir, bar)
                 continue
             part, count = made
             told.append(f"{', '.join(nd.node.name for nd in group)}: sent only the {count} changed file(s) "
                         f"({_size(part.size)} of {_size(pkg.size)}) against the workspace held there")
-            told += send(group, part, bar, base, pkg)
+            told += send(group, part, job_dir, bar, base, pkg)
     return told
 
 
-def send(needs: List[Need], pkg: Package, bar: Progress, base: str = "", whole: Optional[Package] = None) -> List[str]:
+def send(needs: List[Need], pkg: Package, job_dir: str, bar: Progress, base: str = "",
+         whole: Optional[Package] = None) -> List[str]:
     """Put ``pkg`` on every node of ``needs`` (in this order down the chain): the workspace archive, or with
     ``base`` a delta against that tree (a node that cannot use it is sent ``whole``); the lines to tell the user."""
     told: List[str] = []
@@ -93,7 +94,7 @@ def send(needs: List[Need], pkg: Package, bar: Progress, base: str = "", whole: 
             if "retry" in ws:
                 raise HostError(n.label, f"receiving the workspace: {ws['retry']}")
             if not ws.get("ok"):
-                raise HostError(n.label, f"unpacking the workspace refused: {ws.get('error')}")
+                raise HostError(n.label, f"unpacking the workspace into {job_dir} refused: {ws.get('error')}")
             return
 
     fanout([nd.node for nd in needs], one).ok("sending the workspace")

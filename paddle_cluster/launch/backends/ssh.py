@@ -128,7 +128,8 @@ class SSHBackend(Backend):
                 fanout(self.nodes, place).ok("preparing the nodes")
                 if needs:
                     with dispatch.upload_progress() as bar:
-                        told = relay.send_all([needs[i] for i in sorted(needs)], pkg, spec.dispatch_dir, bar)
+                        told = relay.send_all([needs[i] for i in sorted(needs)], pkg, spec.dispatch_dir,
+                                              req.job_dir, bar)
                     for i in needs:
                         placed(i, sent=True)
                 self.workspace_seconds = time.perf_counter() - t0
