@@ -86,7 +86,7 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
     got = {}
     out = open(tmp_path / "part", "wb")
     t = threading.Thread(target=lambda: got.update(
-        why=rx.receive("chain", "", token, sha, len(data), out, r_stop, lambda *a: None)))
+        why=rx.receive("chain", "", token, sha, len(data), out, r_stop, lambda *a, **k: None)))
     t.start()
     try:
         with pytest.raises(chain.LinkError):  # the receiver drops a wrong token

@@ -62,7 +62,11 @@ def send(needs: List[Need], pkg: Package, job_dir: str, bar: Progress, base: str
 
     def feed(nd: Need, it: Package, forward: str = "", on: str = "") -> None:
         nd.session.send(m.Fetch("launcher", forward, it.sha256, it.size, on))
-        nd.node.put(it.path, nd.fifo, bar(nd.node.name, it.size))
+        try:
+            nd.node.put(it.path, nd.fifo, bar(nd.node.name, it.size))
+        except HostError as e:  # the node stops waiting for it, and the nodes after it stop waiting for that one
+            nd.session.send(m.Abort(str(e)))
+            raise
 
     def one(n: Node) -> None:
         k = at[n.index]
@@ -74,6 +78,8 @@ def send(needs: List[Need], pkg: Package, job_dir: str, bar: Progress, base: str
             nd.session.send(m.Fetch("chain", nxt.listener if nxt else "", it.sha256, it.size, on))
         while True:
             doc = nd.session.reply("receiving the workspace")
+            if doc[REPLY] == "progress":  # still receiving (a large archive can take longer than REPLY_TIMEOUT)
+                continue
             if doc[REPLY] == "forward":  # its link to the next node failed: that one falls back by itself
                 broken[k + 1] = str(doc.get("error"))
                 if nxt is not None and not doc.get("linked"):

@@ -23,6 +23,8 @@ NONCE = 32
 LINK_TIMEOUT = 10.0  # connecting to the next node and proving the token, each way
 ACCEPT_TIMEOUT = 30.0  # how long a node waits for the node before it to connect (a refused link says so sooner)
 IDLE_TIMEOUT = 60.0  # a source that sends nothing for this long is given up
+PROGRESS_S = 10.0  # how often a node receiving an archive tells the launcher how far it is
+Report = Callable[..., None]  # report(kind, **doc): one line to the launcher (node/session.py)
 
 
 class LinkError(Exception):
@@ -82,25 +84,27 @@ class Receiver:
         self._fifo_fd = os.open(self.fifo, os.O_RDWR)
 
     def receive(self, source: str, forward: str, token: bytes, sha: str, size: int, out: BinaryIO, stop_fd: int,
-                forward_failed: Callable[[str, bool], None]) -> str:
+                report: Report) -> str:
         """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into ``out``,
         forwarding each piece to ``forward`` (``host:port``, or ""); "" when it arrived whole with the right
-        hash, else why not. A line on ``stop_fd`` (the launcher) ends the wait. ``forward_failed(why, linked)``
-        says a link to the next node failed: never made (it still waits), or broken (it sees its sender stop)."""
+        hash, else why not. A line on ``stop_fd`` (the launcher) ends the wait. ``report("forward", error=...,
+        linked=...)`` says the link to the next node failed: never made (that node still waits), or broken (it
+        sees its sender stop); ``report("progress", got=...)`` every PROGRESS_S, so the launcher hears the node
+        is alive however long the archive takes."""
         fwd: Optional[socket.socket] = None
         if forward:
             try:
                 fwd = connect(forward, token, sha)
             except LinkError as e:
-                forward_failed(str(e), False)
+                report("forward", error=str(e), linked=False)
         try:
             if source == "chain":
                 sock, why = self._accept(token, sha, stop_fd)
                 if sock is None:
                     return why
                 with sock:
-                    return self._pump(sock.fileno(), size, sha, out, stop_fd, fwd, forward_failed)
-            return self._pump(self._fifo_fd, size, sha, out, stop_fd, fwd, forward_failed)
+                    return self._pump(sock.fileno(), size, sha, out, stop_fd, fwd, report)
+            return self._pump(self._fifo_fd, size, sha, out, stop_fd, fwd, report)
         finally:
             if fwd is not None:
                 fwd.close()
@@ -130,11 +134,14 @@ class Receiver:
 
     @staticmethod
     def _pump(fd: int, size: int, sha: str, out: BinaryIO, stop_fd: int, fwd: Optional[socket.socket],
-              forward_failed: Callable[[str, bool], None]) -> str:
+              report: Report) -> str:
         h = hashlib.sha256()
         buf = memoryview(bytearray(CHUNK))
-        got = 0
+        got, said = 0, time.monotonic()
         while got < size:
+            if time.monotonic() - said > PROGRESS_S:
+                report("progress", got=got)
+                said = time.monotonic()
             # A whole chunk is gathered before it is passed on: per piece, forwarding, hashing and the unpacker's
             # wake-up cost far more CPU than the reads (a socket read returns ~64 KiB at a time).
             want, n = min(CHUNK, size - got), 0
@@ -154,7 +161,8 @@ class Receiver:
                 try:
                     fwd.sendall(piece)
                 except OSError as e:
-                    forward_failed(f"forwarding to the next node broke after {got - n} bytes: {e}", True)
+                    why = f"forwarding to the next node broke after {got - n} bytes: {e}"
+                    report("forward", error=why, linked=True)
                     fwd.close()
                     fwd = None
             h.update(piece)

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from paddle_cluster import contract
 
@@ -119,14 +119,11 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str,
     """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
     launcher), unpacking it into the cache as it arrives, then link it into the job directory; None when the
     launcher gave up."""
-    def forward_failed(why: str, linked: bool) -> None:
-        _reply("forward", error=why, linked=linked)
-
     while True:
         cmd = _command()
         if not isinstance(cmd, m.Fetch):
             return None
-        why, error = _receive(req, rx, cmd, token, forward_failed)
+        why, error = _receive(req, rx, cmd, token)
         if not why and error is not None and cmd.base:
             why = f"the changed files could not be put on the tree held here: {error}"
         if not why:
@@ -141,8 +138,7 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str,
         return {"ok": False, "error": str(e)}
 
 
-def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
-             forward_failed: Callable[[str, bool], None]) -> Tuple[str, Optional[Exception]]:
+def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes) -> Tuple[str, Optional[Exception]]:
     """One try: the archive streamed through a pipe into the cache's unpacker while it arrives (the tree is put
     in place only once its hash is right); why the transfer failed ("" if not), and the unpacker's error."""
     sha, size = (cmd.sha, cmd.size) if cmd.sha else (req.workspace_sha, req.workspace_size)
@@ -173,7 +169,7 @@ def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes,
     t.start()
     try:
         with os.fdopen(w, "wb", buffering=0) as out:
-            why = rx.receive(cmd.source, cmd.forward, token, sha, size, out, 0, forward_failed)
+            why = rx.receive(cmd.source, cmd.forward, token, sha, size, out, 0, _reply)
             verdict["ok"] = not why
     finally:
         done.set()
