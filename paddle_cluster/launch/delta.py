@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from paddle_cluster.node.trees import DELTA_NAME
+
 from .dispatch import Package, _tar
 
-DELTA_NAME = ".paddle-delta.json"  # the same name in node/trees.py
 WORTH = 0.5  # a delta is sent only when it is at most this fraction of the whole archive
 
 

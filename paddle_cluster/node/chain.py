@@ -1,8 +1,9 @@
 """A workspace archive passed down a chain of nodes, so the launcher's uplink carries it once.
 
 Every node that lacks the archive opens a ``Receiver``: a FIFO the launcher writes into over SSH (``cat >``)
-and a TCP listener on its PADDLE_NIC address. The launcher feeds the first node; each node writes what it
-reads to its part file and forwards it at once to the next node's listener. A link is authenticated both ways
+and a TCP listener on its PADDLE_NIC address. The launcher feeds the first node; each node forwards every
+piece it reads to the next node's listener at once, then hashes it and hands it to its unpacker (a pipe into
+``trees.store``: no archive file is kept). A link is authenticated both ways
 by the dispatch's one-time token (HMAC-SHA256 over fresh nonces and the archive's hash); the bytes themselves
 travel in the clear on the cluster network, and every node checks the archive's SHA-256 before using it.
 """

@@ -75,13 +75,23 @@ def drop(root: str, sha: str) -> None:
 def newest(root: str) -> str:
     """The hash of the most recently used intact tree here (""  if none): what a changed workspace can be sent
     against."""
-    parent = os.path.dirname(tree_dir(root, "x"))
+    recent = _by_recency(os.path.dirname(tree_dir(root, "x")))
+    return next((n for n in map(os.path.basename, recent) if _intact(root, n) is not None), "")
+
+
+def _by_recency(parent: str) -> List[str]:
+    """The cached trees under ``parent``, most recently used first (one being dropped meanwhile is left out)."""
     try:
-        names = [n for n in os.listdir(parent) if "." not in n]
+        names = [n for n in os.listdir(parent) if "." not in n]  # not "<sha>.drop-<pid>" nor a temporary
     except OSError:
-        return ""
-    names.sort(key=lambda n: os.stat(os.path.join(parent, n)).st_mtime, reverse=True)
-    return next((n for n in names if _intact(root, n) is not None), "")
+        return []
+    used: Dict[str, float] = {}
+    for n in names:
+        try:
+            used[os.path.join(parent, n)] = os.stat(os.path.join(parent, n)).st_mtime
+        except OSError:
+            pass
+    return sorted(used, key=used.__getitem__, reverse=True)
 
 
 def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, max_bytes: Optional[int] = None,
@@ -158,9 +168,7 @@ def _apply_delta(root: str, base: str, files: str) -> None:
 
 
 def _prune(parent: str, keep: int) -> None:
-    trees: List[str] = [os.path.join(parent, n) for n in os.listdir(parent) if "." not in n]
-    trees.sort(key=lambda p: os.stat(p).st_mtime, reverse=True)
-    for old in trees[keep:]:
+    for old in _by_recency(parent)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 
