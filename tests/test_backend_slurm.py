@@ -104,10 +104,15 @@ def test_kill_from_another_terminal_ends_the_followed_job(slurm, tmp_path):
     wait_for(lambda: sum("holding" in x for x in r.out) == 3, 90, "3 trainers holding")
     k = _cli(conf, env, "kill", "--job_name", "slurmkill")
     assert k.returncode == 0 and "nothing of it is left in squeue" in k.stdout, k.stderr
-    assert r.wait() == 1  # the run following it reports the processes scancel ended, as for any backend's kill
+    assert r.wait() == 3  # the run following it ends as a kill, as on every backend: no failure, no "error"
     err = "".join(r.err)
-    assert "killed by SIGTERM" in err and "Traceback" not in err, err
+    assert "stopped by paddle-cluster kill" in err and "error" not in err and "Traceback" not in err, err
     slurm.wait_quiet()  # no job in squeue, no process on any host
+    st = _cli(conf, env, "status", "--json", "--job_name", "slurmkill")
+    assert st.returncode == 0, st.stderr
+    doc = json.loads(st.stdout)
+    assert doc["outcome"] == "stopped by paddle-cluster kill" and doc["exit_code"] == 3, doc
+    assert [p["state"] for p in doc["processes"]] == ["stopped (kill)"] * 6, doc
 
 
 # Node 0 finishes first: its pserver exits 0 once its trainer is done, and trainer 0 is done at once; the
@@ -195,6 +200,8 @@ def test_detach_then_status_logs_and_kill(slurm, tmp_path):
     assert f"Slurm job {job_id}" in k.stdout
     assert job_id not in slurm.active_jobs()
     slurm.wait_quiet()
+    st = _cli(conf, env, "status", "--json")
+    assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["stopped (kill)"] * 6, st.stdout
 
 
 def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch):

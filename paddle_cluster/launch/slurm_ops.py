@@ -45,8 +45,15 @@ def _job_id(cfg: ClusterConfig, name: str) -> str:
     return job_id
 
 
+def _node_dirs(cfg: ClusterConfig, name: str) -> List[str]:
+    return sorted(glob.glob(f"{cfg.job_dir(name)}/node*"), key=lambda p: int(p.rsplit("node", 1)[1] or 0))
+
+
 def kill(cfg: ClusterConfig, name: str) -> str:
     job_id = _job_id(cfg, name)
+    for d in _node_dirs(cfg, name):
+        if procs.load_records(d) is not None:  # its agent then says "stopped by paddle-cluster kill", as on ssh
+            procs.request_kill(d)
     state = cancel_job(job_id, cfg.kill_grace + 60)
     return f"Slurm job {job_id} (job {name}): {state}; nothing of it is left in squeue"
 
@@ -62,15 +69,11 @@ def status(cfg: ClusterConfig, name: str) -> tuple:
     if info.get("NodeList") not in (None, "(null)"):
         head += f" on {info['NodeList']}"
     rows: List[ProcRow] = []
-    for d in sorted(glob.glob(f"{cfg.job_dir(name)}/node*"), key=lambda p: int(p.rsplit("node", 1)[1] or 0)):
+    for d in _node_dirs(cfg, name):
         rec = procs.load_records(d)
         for p in (rec or {}).get("procs", []):
-            if p.get("exit_code") is not None:
-                st = f"exited {p['exit_code']}"
-            elif p.get("signal") is not None:
-                st = f"killed by signal {p['signal']}"
-            else:  # the pids are on the nodes, not here: Slurm's state tells
-                st = "running" if state == "RUNNING" else f"ended ({state})"
+            # The pids are on the nodes, not here: while the record says nothing, Slurm's state tells.
+            st = jobdir.ended_state(p) or ("running" if state == "RUNNING" else f"ended ({state})")
             rows.append(ProcRow(os.path.basename(d), "", "", p["name"], p["role"], p["pid"], st,
                                 jobdir.progress(d, p["name"]), jobdir.last_line(p["log"])))
     return head, rows
@@ -81,7 +84,7 @@ def logs(cfg: ClusterConfig, name: str, node_text: str, role: str, n: int, follo
     idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
     d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
     if idx is None or not os.path.isdir(d):
-        have = ", ".join(os.path.basename(x) for x in sorted(glob.glob(f"{cfg.job_dir(name)}/node*"))) or "none yet"
+        have = ", ".join(os.path.basename(x) for x in _node_dirs(cfg, name)) or "none yet"
         raise ClusterError(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have}")
     job_id = _job_id(cfg, name)
     with stoppable():

@@ -64,16 +64,21 @@ def progress(job_dir: str, name: str) -> str:
     return " ".join(parts)
 
 
-def _state_of(p: Dict[str, Any], job_id: str) -> str:
-    if procs.job_group_alive(p, job_id):
-        return "running"
+def ended_state(p: Dict[str, Any]) -> Optional[str]:
+    """How a recorded process ended, from its record alone; None when the record says nothing yet."""
     if p.get("stopped"):  # still running when the agent stopped the job: whatever its exit status says
         return f"stopped ({p['stopped']})"
     if p.get("exit_code") is not None:
         return f"exited {p['exit_code']}"
     if p.get("signal") is not None:
         return f"killed by {signal.Signals(p['signal']).name}"
-    return "gone"
+    return None
+
+
+def _state_of(p: Dict[str, Any], job_id: str) -> str:
+    if procs.job_group_alive(p, job_id):
+        return "running"
+    return ended_state(p) or "gone"
 
 
 def status(job_dir: str) -> Dict[str, Any]:
