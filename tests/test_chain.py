@@ -5,6 +5,7 @@ and a connection that cannot prove the dispatch's token gets nothing."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import tarfile
@@ -12,10 +13,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import make_workspace, write_conf
+from helpers import make_workspace, wait_for, write_conf
 
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
+from paddle_cluster.launch.errors import ClusterError
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import chain, trees
 from paddle_cluster.node.unpack import UnsafeArchive
@@ -146,3 +148,62 @@ def test_a_changed_workspace_sends_only_the_changed_files(make_ssh_cluster, tmp_
         assert (job2 / "data" / "blob.bin").stat().st_ino == (job1 / "data" / "blob.bin").stat().st_ino
     again = _deliver(c, tmp_path, ws, "v3")  # the tree made from the delta is the workspace's, like any other
     assert "node0, node1, node2 already held this package: not sent again" in again, again
+
+
+def test_a_node_that_cannot_use_the_delta_is_sent_the_whole_workspace(make_ssh_cluster, tmp_path, monkeypatch):
+    """The launcher's record of the tree a node holds disagrees with that tree (here: the record is edited to
+    claim a file the tree lacks; in life, the tree was dropped between the probe and the delta): the node
+    refuses the delta, and the launcher sends it the whole workspace, which lands intact."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = make_ssh_cluster(2)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(2 << 20))
+    _deliver(c, tmp_path, ws, "w1")
+    extra = b"claimed by the record only\n"
+    for meta in (tmp_path / "cache" / "paddle-cluster" / "workspaces").glob("*.json"):
+        doc = json.loads(meta.read_text())
+        doc["manifest"]["data/extra.txt"] = hashlib.sha256(extra).hexdigest()
+        meta.write_text(json.dumps(doc))
+    (ws / "data" / "extra.txt").write_bytes(extra)
+    (ws / "data" / "part-0").write_text("7 8 9\n")
+    said = " ".join(_deliver(c, tmp_path, ws, "w2"))
+    assert "sent only the 1 changed file(s)" in said, said
+    for i in range(2):
+        assert f"node{i}: the changed files could not be put on the tree held here" in said, said
+        assert "the launcher sent it the whole workspace" in said, said
+        assert _tree_digest(c.root_dir(i) / "w2") == _tree_digest(ws)
+    again = _deliver(c, tmp_path, ws, "w3")
+    assert "node0, node1 already held this package: not sent again" in again, again
+
+
+FAILING_SSH = """#!/bin/sh
+# An OpenSSH client whose connection drops after the first MiB of an upload.
+head -c 1048576 > /dev/null
+echo "client_loop: send disconnect: Connection reset by peer" >&2
+exit 1
+"""
+
+
+def test_a_failed_upload_stops_every_node_waiting_and_leaves_no_tree(make_ssh_cluster, tmp_path, monkeypatch):
+    """The launcher's upload into the head of the chain breaks off: the dispatch fails naming that node and why,
+    every node stops waiting (no session is left on any node), none keeps a tree or a job directory, and the
+    next dispatch sends the workspace whole and lands it."""
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text(FAILING_SSH)
+    fake.chmod(0o755)
+    path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", f"{fake.parent}:{path}")
+    with pytest.raises(ClusterError) as e:
+        _deliver(c, tmp_path, ws, "up1")
+    assert "node0" in str(e.value) and "Connection reset by peer" in str(e.value), str(e.value)
+    for i in range(3):
+        wait_for(lambda i=i: c.pids(i) == [], 30, f"node{i}'s session to end")
+        assert not any((c.root_dir(i) / ".paddle_cluster" / "trees").glob("[0-9a-f]*")), i
+        assert not (c.root_dir(i) / "up1").exists()
+    monkeypatch.setenv("PATH", path)
+    _deliver(c, tmp_path, ws, "up2")
+    assert [_tree_digest(c.root_dir(i) / "up2") for i in range(3)] == [_tree_digest(ws)] * 3
