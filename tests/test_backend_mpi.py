@@ -97,9 +97,14 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     assert lg.returncode == 0 and "holding 2" in lg.stdout, lg.stderr
     res = cli(conf, "kill", "--job_name", "mpikill")
     assert res.returncode == 0, res.stderr
-    p.communicate(timeout=60)
-    assert p.returncode != 0
+    _, err = p.communicate(timeout=60)
+    err = err.decode() if isinstance(err, bytes) else err
+    assert p.returncode == 3 and "stopped by paddle-cluster kill" in err and "error" not in err, err
     assert_nothing_left(hosts)
+    st = cli(conf, "status", "--json", "--job_name", "mpikill")
+    doc = json.loads(st.stdout)
+    assert doc["outcome"] == "stopped by paddle-cluster kill" and doc["exit_code"] == 3, doc
+    assert [r["state"] for r in doc["processes"]] == ["stopped (kill)"] * 6, doc
 
 
 def test_killed_launcher_leaves_nothing(hosts, tmp_path):
