@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from . import targets as goals
 from .common import MB, REPO, Row, loadavg
+from .cpu import Cpu
 
 SECTIONS = ("raw", "dense", "sparse", "peers", "shaped", "launcher")
 
@@ -49,10 +50,16 @@ class Suite:
         self.only = only
         self.outdir = outdir
         self.rows: List[Row] = []
-        self.m: Dict[str, Any] = {}  # headline numbers the targets are computed from
+        self.m: Dict[str, Any] = {"size": cfg["size"], "cpu": {}}  # what the targets are computed from
         self.skipped: Dict[str, str] = {}
 
-    def add(self, row: Row) -> None:
+    def add(self, row: Row, cpu: Optional[Cpu] = None, key: str = "") -> None:
+        """Record (and print) ``row``; ``cpu``: what its processes spent, in its note, JSON and ``m["cpu"][key]``."""
+        if cpu is not None:
+            row.note = f"{row.note}; {cpu.note()}" if row.note else cpu.note()
+            row.extra["cpu"] = cpu.to_dict()
+            if key:
+                self.m["cpu"][key] = cpu
         self.rows.append(row)
         v = "-" if row.value is None else f"{row.value:.4g}"
         sp = "" if row.spread is None else f" ±{100 * row.spread / 2:.0f}%"
@@ -66,11 +73,11 @@ class Suite:
 
         c = self.cfg
         for streams in (1, 2):
-            st, ok = rawtcp.measure(streams, c["size"], c["raw_reps"])
+            st, ok, cpu = rawtcp.measure(streams, c["size"], c["raw_reps"])
             self.m[f"raw{streams}"] = st.median
             self.add(Row("raw", f"loopback TCP, {streams} stream(s), {c['size'] // MB} MB msgs", gbs(st.median),
                          "GB/s", st.spread(), check="ok" if ok else "FAILED: payload mismatch",
-                         extra=st.to_dict()))
+                         extra=st.to_dict()), cpu, f"raw{streams}")
 
     def dense(self) -> None:
         """Integrity on (the default) and off (``INTEGRITY = False``) in the same run: the peer and raw-TCP
@@ -90,7 +97,8 @@ class Suite:
                 st = dense.step_stats(res, ph)
                 self.m[f"dense1_{ph}{tag}"] = nbytes / st.median
                 self.add(Row("dense", f"1 trainer {ph} {size // MB} MB, 2 pservers, {label}", gbs(nbytes / st.median),
-                             "GB/s", st.spread(), check=chk, extra=st.to_dict()))
+                             "GB/s", st.spread(), check=chk, extra=st.to_dict()), dense.cpu_stats(res, ph),
+                         f"dense1{tag}" if ph == "pushpull" else "")
             if integrity:
                 self._memory("1 trainer sync", res, size, 1)
         if mac != "HmacSha256":  # what a node with only the standard library gets
@@ -109,10 +117,13 @@ class Suite:
             label = f"integrity on ({mac})" if integrity else "integrity off"
             self.add(Row("dense", f"2 trainers {mode} push+pull, aggregate, {label}",
                          gbs(4 * size / st.median), "GB/s", st.spread(), note=f"step {1e3 * st.median:.1f} ms",
-                         check=dense.check(res), extra=st.to_dict()))
+                         check=dense.check(res), extra=st.to_dict()), dense.cpu_stats(res, "pushpull"),
+                     f"dense2{tag}" if mode == "sync" else "")
             if mode == "sync" and integrity:
                 self._memory("2 trainers sync", res, size, 2)
         sweep = []
+        for n in (1, 2):
+            self._sgd(n)
         for mb in c["blocks"]:
             res = dense.run(size, 1, max_block=mb, warmup=w, reps=max(3, r - 2))
             st = dense.step_stats(res, "pushpull")
@@ -128,6 +139,23 @@ class Suite:
             self.add(Row("dense", f"barrier round trip, {c['tiny']} B model, {trainers} trainer(s)",
                          1e3 * st.median, "ms p50", None, note=f"p99 {1e3 * st.pct(99):.3f} ms",
                          check=dense.check(res), extra={"p50": st.median, "p99": st.pct(99), "max": st.hi}))
+
+    def _sgd(self, trainers: int) -> None:
+        """The pserver's SGD path alone for ``trainers`` sync trainers (bench.cpu.sgd_alone), and for 1 and 2 the
+        same loop without the update (what the fold's Python and locks cost), once per run."""
+        from . import cpu as cpumod
+
+        c = self.cfg
+        size = c["size"]
+        for no_sgd in (False, True) if trainers <= 2 else (False,):
+            key = f"{'fold' if no_sgd else 'sgd'}{trainers}"
+            if key in self.m["cpu"]:
+                continue
+            cpu, chk = cpumod.sgd_alone(size, trainers, c["reps"], no_sgd=no_sgd)
+            what = "the same fold loop, SGD removed (bench only)" if no_sgd else "pserver SGD path alone (fold.push)"
+            self.add(Row("cpu", f"{what}, {trainers} trainer(s), {size // MB} MB", 1e3 * cpu.per_step, "ms CPU",
+                         None, check=chk, extra={"cpu": cpu.to_dict()}))
+            self.m["cpu"][key] = cpu
 
     def _memory(self, what: str, res: Dict[str, Any], size: int, trainers: int) -> None:
         held = size // 2  # SGD: parameters only, no optimizer state; half the model per pserver
@@ -185,7 +213,7 @@ class Suite:
         c = self.cfg
         size = c["size"]
         for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS", peers.ray_ps)):
-            st, chk = fn(size, c["warmup"], c["reps"])
+            st, chk, cpu = fn(size, c["warmup"], c["reps"])
             key = "zmq" if "zmq" in name else "ray"
             if st is None:
                 self.skipped[key] = chk
@@ -196,7 +224,7 @@ class Suite:
             ours = self.m.get("dense1_pushpull_off")
             self.add(Row("peers", f"{name}: 1 trainer push+pull {size // MB} MB", gbs(2 * size / st.median), "GB/s",
                          st.spread(), note="" if ours is None else f"ours = {ours / self.m[key]:.2f}x",
-                         check=chk, extra=st.to_dict()))
+                         check=chk, extra=st.to_dict()), cpu, key)
         self.m["ps_vs_ring"] = self._ps_vs_ring("peers", "loopback", size, c["warmup"], c["reps"],
                                                peers.gloo_allreduce, peers.ps_sync)
         if ("gloo", 2) in self.m["ps_vs_ring"]:
@@ -210,8 +238,11 @@ class Suite:
         from . import peers
 
         out: Dict[Any, float] = {}
+        loop = section == "peers"  # loopback: CPU recorded for the bounds
         for n in workers:
-            st, chk = gloo(size, warmup, reps, n)
+            if loop:
+                self._sgd(n)
+            st, chk, cpu = gloo(size, warmup, reps, n)
             ring = peers.ring_bytes(size, n)
             if st is None:
                 self.skipped["gloo"] = chk
@@ -221,14 +252,16 @@ class Suite:
                 out[("gloo", n)] = st.median
                 self.add(Row(section, f"gloo ring all-reduce {size // MB} MB, {n} workers, {where}", 1e3 * st.median,
                              "ms", st.spread(), check=chk, extra=st.to_dict(),
-                             note=f"per worker {ring / MB:.0f} MB out + in, all {n * ring / MB:.0f} MB"))
+                             note=f"per worker {ring / MB:.0f} MB out + in, all {n * ring / MB:.0f} MB"),
+                         cpu if loop else None, f"gloo{n}")
             for p in pservers:
-                st, chk = ps(size, warmup, reps, n, p)
+                st, chk, cpu = ps(size, warmup, reps, n, p)
                 out[("ps", n, p)] = st.median
                 vs = f", {st.median / out[('gloo', n)]:.2f}x gloo" if ("gloo", n) in out else ""
                 self.add(Row(section, f"our sync PS push+pull {size // MB} MB, {n} workers, {p} pservers, {where}",
                              1e3 * st.median, "ms", st.spread(), check=chk, extra=st.to_dict(),
-                             note=f"per worker {size / MB:.0f} MB out + in, all {2 * n * size / MB:.0f} MB{vs}"))
+                             note=f"per worker {size / MB:.0f} MB out + in, all {2 * n * size / MB:.0f} MB{vs}"),
+                         cpu if loop else None, f"ps{n}_{p}")
         return out
 
     def _no_cluster(self, section: str) -> bool:
@@ -344,16 +377,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     targets = goals.targets(suite.m, suite.skipped, cfg)
     print("\ntargets:")
     for tg in targets:
-        state = "skipped" if tg.met is None else "PASS" if tg.met else "MISS"
         v = "-" if tg.value is None else f"{tg.value:.3g}"
-        print(f"  {tg.name:<52} {v:>8}  goal {tg.goal:<8} {state} {tg.detail}")
+        print(f"  {tg.name:<52} {v:>8}  goal {tg.goal:<8} {tg.verdict}" + (f"\n      {tg.detail}" if tg.detail else ""))
     doc = {
         "preset": preset, "sections": only, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": round(time.time() - started, 1), "load_before": load0, "load_after": loadavg(),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release(), "mem_gb": round(os.sysconf("SC_PAGE_SIZE")
                                                                    * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-        "config": {k: v for k, v in cfg.items()},
+        "config": {k: v for k, v in cfg.items()}, "cpu_bound": goals.CPU_BOUND,
         "rows": [r.to_dict() for r in suite.rows], "targets": [t.to_dict() for t in targets],
         "failed_sections": failed,
     }

@@ -80,6 +80,8 @@ class Target:
     goal: str
     met: Optional[bool]  # None: not measured (skipped)
     detail: str = ""
+    bound: Optional[float] = None  # the best value the cores allow, where both sides are CPU-bound (bench.targets)
+    verdict: str = ""  # PASS/MISS and what the bound says of it
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -9,6 +9,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_json
+from .cpu import Cpu, combine
 
 
 def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
@@ -33,11 +34,13 @@ def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * M
         idle = [proc_mem(p.pid) for p in ps]
         done = os.path.join(tmp, "done")
         os.makedirs(done, exist_ok=True)
-        args = json.dumps({"mode": mode, "size": size, "max_block": max_block, "warmup": warmup, "reps": reps,
-                           "phases": list(phases), "done_dir": done, "hold": True, "stdlib_mac": stdlib_mac})
-        tr = [procs.trainer(env, i, ["dense", args], trainer_ip(i) if callable(trainer_ip) else trainer_ip,
-                            prefix_tr(i) if prefix_tr else ())
+        args = {"mode": mode, "size": size, "max_block": max_block, "warmup": warmup, "reps": reps,
+                "phases": list(phases), "done_dir": done, "hold": True, "stdlib_mac": stdlib_mac}
+        names = {str(p.pid): f"pserver {k}" for k, p in enumerate(ps)}
+        tr = [procs.trainer(env, i, ["dense", json.dumps({**args, "cpu_pids": [p.pid for p in ps] if i == 0 else []})],
+                            trainer_ip(i) if callable(trainer_ip) else trainer_ip, prefix_tr(i) if prefix_tr else ())
               for i in range(trainers)]
+        names.update({str(p.pid): f"trainer {i}" for i, p in enumerate(tr)})
         results = [read_json_line(p) for p in tr]
         end = [proc_mem(p.pid) for p in ps]
         for p in tr:
@@ -46,13 +49,20 @@ def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * M
             p.wait(20)
     finally:
         procs.close()
-    return {"trainers": results, "idle_mem": idle, "end_mem": end}
+    return {"trainers": results, "idle_mem": idle, "end_mem": end, "names": names}
 
 
 def step_stats(res: Dict[str, Any], phase: str) -> Stats:
     """Per-step time: the slowest trainer of each step (steps are lock-step in sync mode)."""
     per = [r["times"][phase] for r in res["trainers"]]
     return Stats([max(ts) for ts in zip(*per)])
+
+
+def cpu_stats(res: Dict[str, Any], phase: str) -> Cpu:
+    """The CPU of every pserver and trainer over the timed repetitions of ``phase`` (each trainer read its own
+    at its first start and last end, trainer 0 the pservers' too)."""
+    reps = len(res["trainers"][0]["times"][phase])
+    return combine([Cpu.between(*r["cpu"][phase], reps, res["names"]) for r in res["trainers"]], reps)
 
 
 def check(res: Dict[str, Any]) -> str:

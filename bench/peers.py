@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .common import Stats, enter_netns, free_port_range
+from .cpu import Cpu, Meter, descendants, machine_cpu
 
 LR = np.float32(0.5)
 _CTX = mp.get_context("fork")
@@ -55,10 +56,10 @@ def _zmq_server(port: int, n: int) -> None:
             return
 
 
-def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str]:
+def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str, Optional[Cpu]]:
     why = _missing("zmq")
     if why:
-        return None, why
+        return None, why, None
     import zmq
 
     n = size // 4 // n_servers
@@ -87,12 +88,16 @@ def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
             for k, s in enumerate(socks):
                 pulled[k] = np.frombuffer(s.recv(copy=False).buffer, dtype=np.float32)
 
+        meter = Meter(lambda: {p.pid: f"server {k}" for k, p in enumerate(procs)})
         times = []
         for i in range(warmup + reps):
+            if i == warmup:
+                meter.start()
             t0 = time.perf_counter()
             step()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+        cpu = meter.stop(reps)
         want = -LR * np.float32(warmup + reps)
         ok = all(np.all(p == want) for p in pulled)
         for s in socks:
@@ -106,16 +111,18 @@ def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
             p.join(5)
             if p.is_alive():
                 p.kill()
-    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps"
+    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps", cpu
 
 
 # -- Ray actors ---------------------------------------------------------------------------------------------
 
 
-def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str]:
+def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str, Optional[Cpu]]:
+    """Ray on one machine passes each array through its shared-memory object store (one copy in, read in
+    place), not over TCP; its CPU counts every process Ray started (all below this one: gcs, raylet, workers)."""
     why = _missing("ray")
     if why:
-        return None, why
+        return None, why, None
     import ray
 
     @ray.remote
@@ -142,17 +149,33 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
         shards = [g[k * n:(k + 1) * n] for k in range(n_servers)]
         pulled = []
         times = []
+        meter = Meter(_ray_procs)
         for i in range(warmup + reps):
+            if i == warmup:
+                meter.start()
             t0 = time.perf_counter()
             ray.get([a.push.remote(sh) for a, sh in zip(actors, shards)])
             pulled = ray.get([a.pull.remote() for a in actors])
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+        cpu = meter.stop(reps)
         want = -LR * np.float32(warmup + reps)
         ok = all(np.all(p == want) for p in pulled)
     finally:
         ray.shutdown()
-    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps"
+    return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps", cpu
+
+
+def _ray_procs() -> Dict[int, str]:
+    """Every process below this one, named by its command (Ray's gcs_server, raylet, workers, ...)."""
+    out = {}
+    for pid in descendants(os.getpid()):
+        try:
+            name = open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            continue
+        out[pid] = name
+    return out
 
 
 # -- torch.distributed gloo ---------------------------------------------------------------------------------
@@ -171,29 +194,33 @@ def _gloo_worker(rank: int, world: int, master: str, port: int, size: int, warmu
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         t = torch.empty(size // 4, dtype=torch.float32)
-        times, ok = [], True
+        times, ok, cpu, machine = [], True, 0.0, 0.0
         for i in range(warmup + reps):
             t.fill_(rank + 1)
             dist.barrier()
-            t0 = time.perf_counter()
+            m0, c0, t0 = machine_cpu(), time.process_time(), time.perf_counter()
             dist.all_reduce(t)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0  # the process: gloo's threads too
+            if i >= warmup:
+                cpu += dc
+                machine += machine_cpu() - m0
             ok = ok and float(t[0]) == world * (world + 1) / 2 and float(t[-1]) == world * (world + 1) / 2
             if i >= warmup:
                 times.append(dt)
         dist.destroy_process_group()
-        q.put((rank, times, ok))
+        q.put((rank, times, (ok, cpu, machine)))
     except Exception as e:  # said by the parent as the reason the all-reduce was not measured
         q.put((rank, None, f"gloo rank {rank}{f' in {netns}' if netns else ''}: {e!r}"[:300]))
 
 
 def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optional[Sequence[str]] = None,
-                   netns: Optional[Sequence[str]] = None) -> Tuple[Optional[Stats], str]:
+                   netns: Optional[Sequence[str]] = None) -> Tuple[Optional[Stats], str, Optional[Cpu]]:
     """``world`` workers all-reducing ``size`` bytes of float32 (gloo's ring); rank ``r`` in namespace
-    ``netns[r]`` at ``ips[r]`` when given, else all on loopback. Per step: the slowest rank."""
+    ``netns[r]`` at ``ips[r]`` when given, else all on loopback. Per step: the slowest rank. CPU: every rank's
+    own over its timed all-reduces (the machine's as rank 0 saw it)."""
     why = _missing("torch")
     if why:
-        return None, why
+        return None, why, None
     port = free_port_range(1)
     master = ips[0] if ips else "127.0.0.1"
     ctx = mp.get_context("spawn")  # torch must not be forked with threads running
@@ -212,10 +239,10 @@ def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optio
                 dead = [f"gloo rank {r} exited with code {p.exitcode} before reporting"
                         for r, p in enumerate(procs) if p.exitcode is not None and r not in res]
                 if dead or time.monotonic() > deadline:
-                    return None, dead[0] if dead else "gloo all-reduce did not finish within 300 s"
+                    return None, dead[0] if dead else "gloo all-reduce did not finish within 300 s", None
                 continue
             if times is None:
-                return None, ok  # the rank's error
+                return None, ok, None  # the rank's error
             res[r] = (times, ok)
     finally:
         for p in procs:
@@ -223,8 +250,10 @@ def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optio
             if p.is_alive():
                 p.kill()
     per_step = [max(ts) for ts in zip(*(res[r][0] for r in range(world)))]
-    ok = all(res[r][1] for r in range(world))
-    return Stats(per_step), "ok" if ok else "FAILED: all-reduce sum is wrong"
+    ok = all(res[r][1][0] for r in range(world))
+    procs = {f"rank {r}": res[r][1][1] for r in range(world)}
+    cpu = Cpu(sum(procs.values()), sum(per_step), reps, res[0][1][2], procs)
+    return Stats(per_step), "ok" if ok else "FAILED: all-reduce sum is wrong", cpu
 
 
 # -- PS vs all-reduce: bytes per worker and per step ------------------------------------------------------
@@ -236,7 +265,7 @@ def ring_bytes(size: int, world: int) -> float:
 
 
 def ps_sync(size: int, warmup: int, reps: int, workers: int, pservers: int, cluster: Any = None
-            ) -> Tuple[Stats, str]:
+            ) -> Tuple[Stats, str, Cpu]:
     """Our sync PS (integrity off, the same work as gloo: no MACs) with ``workers`` trainers and ``pservers``
     pservers; per step: push + pull of the slowest trainer. On ``cluster`` (tests/sshcluster.py) trainer
     ``i`` runs on node ``i`` and pserver ``k`` on node ``k``: with as many pservers as workers each node is
@@ -248,4 +277,4 @@ def ps_sync(size: int, warmup: int, reps: int, workers: int, pservers: int, clus
         kw = dict(hosts=[cluster.ips[k] for k in range(pservers)], prefix_ps=cluster._enter,
                   prefix_tr=cluster._enter, trainer_ip=lambda i: cluster.ips[i])
     res = dense.run(size, workers, warmup=warmup, reps=reps, n_pservers=pservers, integrity=False, **kw)
-    return dense.step_stats(res, "pushpull"), dense.check(res)
+    return dense.step_stats(res, "pushpull"), dense.check(res), dense.cpu_stats(res, "pushpull")

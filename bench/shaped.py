@@ -32,11 +32,11 @@ def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3), pe
         ns = [cl.netns(i) for i in range(cl.n)]
         # the bridge, unshaped
         for streams in (1, 2):
-            st, ok = rawtcp.measure(streams, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
+            st, ok, _ = rawtcp.measure(streams, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
             out[f"raw_bridge_{streams}"] = (st, ok)
         for i in range(cl.n):
             cl.shape(i, "1gbit")
-        st, ok = rawtcp.measure(1, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
+        st, ok, _ = rawtcp.measure(1, size, raw_reps, host=cl.ips[1], recv_ns=ns[1], send_ns=ns[0])
         out["raw_shaped_1"] = (st, ok)
         for n in node_counts:
             hosts = [cl.ips[k] for k in range(1, n)]

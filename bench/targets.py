@@ -1,43 +1,100 @@
 """The issue's goals as targets over a run's headline numbers (``Suite.m``): each a ratio or a figure with its
-goal, met or missed, or skipped with the reason its section gave."""
+goal, met or missed, or skipped with the reason its section gave.
+
+A data-path goal also gets its CPU bound (docs/benchmarks.md, "CPU bounds"): the best ratio this many cores
+allow given the work each side must do, from the CPU per step measured in the same run (``m["cpu"]``). Our
+least work for a step is raw TCP's CPU per byte times the bytes the step moves, plus the pserver's SGD path
+measured alone. It is computed only where both sides are CPU-bound (the machine's cores busy for at least
+``CPU_BOUND`` of the cores over the side's repetitions): there a side's time is its CPU over the cores.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .common import Target
+from .cpu import Cpu
+
+CPU_BOUND = 0.85  # of the cores busy: a side this busy is taken as CPU-bound
+FAR = 0.9  # a miss by more than this fraction of its bound is ours to fix
+
+
+def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, lower: bool
+           ) -> Tuple[Optional[float], str]:
+    """(bound, why) of the ratio ours / ``peer`` (rates; ``lower``: step times, ours over peer). ``peer`` is a
+    CPU key or "raw" (raw TCP moving the bytes our step moves)."""
+    cpu: Dict[str, Cpu] = m.get("cpu", {})
+    need = [k for k in ("raw2", sgd, ours, peer) if k not in cpu]
+    if need:
+        return None, f"no CPU bound: {', '.join(need)} not measured"
+    raw = cpu["raw2"].per_step / (2 * m["size"]) * bytes_moved  # raw TCP's CPU for our bytes
+    least = raw + cpu[sgd].per_step
+    cores = os.cpu_count() or 1
+    idle = [f"{k} {cpu[k].machine_busy:.2f}" for k in dict.fromkeys(("raw2", ours, peer))
+            if cpu[k].machine_busy < CPU_BOUND * cores]
+    if idle:
+        return None, (f"no CPU bound: machine's cores busy {', '.join(idle)} of {cores} (a bound needs >= "
+                      f"{CPU_BOUND * cores:.1f})")
+    other = raw if peer == "raw2" else cpu[peer].per_step
+    b = least / other if lower else other / least
+    return b, (f"CPU/step: ours at least {1e3 * least:.0f} ms (raw TCP {1e3 * raw:.0f} + SGD "
+               f"{1e3 * cpu[sgd].per_step:.0f}), measured {1e3 * cpu[ours].per_step:.0f}; {peer} {1e3 * other:.0f}; "
+               f"cores busy ours {cpu[ours].busy:.2f}, {peer} {cpu[peer].busy:.2f}")
+
+
+def _verdict(v: Optional[float], met: Optional[bool], ok: Callable[[float], bool], b: Optional[float],
+             why: str, lower: bool) -> str:
+    if met is None:
+        return "skipped"
+    if b is None:
+        return ("PASS" if met else "MISS") + " (no CPU bound)"
+    far = v > b / FAR if lower else v < b * FAR
+    if met:
+        return f"PASS (CPU bound {b:.2f})"
+    if not ok(b):
+        return f"MISS (CPU bound {b:.2f}" + (", measured far from it: ours to fix)" if far else ")")
+    return f"MISS (below the CPU bound {b:.2f}: ours to fix)" if far else f"MISS (CPU bound {b:.2f}, near it)"
 
 
 def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> List[Target]:
     T: List[Target] = []
 
-    def t(name: str, value: Optional[float], goal: str, ok: Callable[[float], bool], detail: str = "") -> None:
-        T.append(Target(name, value, goal, None if value is None else bool(ok(value)), detail))
+    def t(name: str, value: Optional[float], goal: str, ok: Callable[[float], bool], detail: str = "",
+          bound: Optional[Tuple[Optional[float], str]] = None, lower: bool = False) -> None:
+        met = None if value is None else bool(ok(value))
+        b, why = bound or (None, "")
+        verdict = ("PASS" if met else "MISS") if met is not None and bound is None else _verdict(
+            value, met, ok, b, why, lower)
+        T.append(Target(name, value, goal, met, detail or why, b, "skipped" if met is None else verdict))
 
     def ratio(a: str, b: str) -> Optional[float]:
         return m[a] / m[b] if a in m and b in m else None
 
+    s = m.get("size", 0)
     t("dense push+pull / raw TCP 2 streams (integrity off)", ratio("dense1_pushpull_off", "raw2"), ">= 0.90",
-      lambda v: v >= 0.90)
+      lambda v: v >= 0.90, bound=_bound(m, "raw2", "dense1_off", 2 * s, "sgd1", False))
     t("2-trainer sync aggregate / raw TCP 2 streams (integrity off)", ratio("dense2_sync_off", "raw2"),
-      ">= 0.85", lambda v: v >= 0.85)
+      ">= 0.85", lambda v: v >= 0.85, bound=_bound(m, "raw2", "dense2_off", 4 * s, "sgd2", False))
     t("integrity on / off: dense push+pull", ratio("dense1_pushpull", "dense1_pushpull_off"), ">= 0.70",
       lambda v: v >= 0.70)
     t("integrity on / off: 2-trainer sync", ratio("dense2_sync", "dense2_sync_off"), ">= 0.70",
       lambda v: v >= 0.70)
     t("ours / Ray-actor PS (push+pull)", ratio("dense1_pushpull_off", "ray"), ">= 2.5", lambda v: v >= 2.5,
-      skipped.get("ray", ""))
+      skipped.get("ray", ""), _bound(m, "ray", "dense1_off", 2 * s, "sgd1", False))
     t("ours / pyzmq PS (push+pull)", ratio("dense1_pushpull_off", "zmq"), ">= 3", lambda v: v >= 3.0,
-      skipped.get("zmq", ""))
+      skipped.get("zmq", ""), _bound(m, "zmq", "dense1_off", 2 * s, "sgd1", False))
     t("2-trainer sync step / gloo all-reduce time", ratio("dense2_sync_step_off", "gloo"), "<= 1.2",
-      lambda v: v <= 1.2, skipped.get("gloo", ""))
+      lambda v: v <= 1.2, skipped.get("gloo", ""), _bound(m, "gloo2", "dense2_off", 4 * s, "sgd2", True), True)
     for key, where in (("ps_vs_ring", "loopback"), ("ps_vs_ring_shaped", "1 Gbit/s links")):
         r = m.get(key, {})
         for n in (2, 4):
-            best = min((r[k] for k in r if k[0] == "ps" and k[1] == n), default=None)
-            v = None if best is None or ("gloo", n) not in r else best / r[("gloo", n)]
+            best = min((k for k in r if k[0] == "ps" and k[1] == n), key=lambda k: r[k], default=None)
+            v = None if best is None or ("gloo", n) not in r else r[best] / r[("gloo", n)]
+            b = (_bound(m, f"gloo{n}", f"ps{n}_{best[2]}", 2 * n * s, f"sgd{n}", True)
+                 if key == "ps_vs_ring" and best else None)
             t(f"sync PS step (best of 2, 4 pservers) / gloo, {n} workers, {where}", v, "<= 1.2",
-              lambda v: v <= 1.2, skipped.get("gloo", ""))
+              lambda v: v <= 1.2, skipped.get("gloo", ""), b, True)
     for n in (1, 2):
         v = m.get(f"barrier{n}_p99")
         t(f"barrier round trip p99, {n} trainer(s) (ms)", None if v is None else 1e3 * v, "<= 1 ms",

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from bench.cpu import snapshot
 from paddle_cluster.ps import OptimizerSpec, connect
 
 LR = 0.5
@@ -68,10 +69,12 @@ def dense(a: dict) -> dict:
         check_pull(ps.pull()["w"])
 
     fns = {"pushpull": pushpull, "push": push, "pull": pull}
-    out = {"trainer": tid, "times": {}, "starts": {}}
+    out = {"trainer": tid, "times": {}, "starts": {}, "cpu": {}}
+    watch = [os.getpid(), *a.get("cpu_pids", [])]  # its own CPU and the pservers' (given to trainer 0)
     for _ in range(warmup):
         pushpull()
     for ph in phases:
+        cpu0 = snapshot(watch)
         ts, starts = [], []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -81,6 +84,7 @@ def dense(a: dict) -> dict:
             starts.append(t0)
         out["times"][ph] = ts
         out["starts"][ph] = starts
+        out["cpu"][ph] = [cpu0, snapshot(watch)]
     # final check: the whole array equals what the known gradients must have produced
     if mode == "async":
         ps.wait()

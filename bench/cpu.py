@@ -1,0 +1,242 @@
+"""CPU accounting of the data-path rows, and the pserver's SGD measured alone.
+
+A row's ``Cpu`` is the CPU seconds (user + system, every thread) of every process doing its work over the
+timed repetitions, read from ``/proc/<pid>/stat`` at the repetitions' first start and last end, beside the
+whole machine's (``/proc/stat``) over the same wall time: CPU per step and cores busy. ``targets`` turns
+them into the CPU bound of each data-path goal (docs/benchmarks.md, "CPU bounds").
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+_HZ = os.sysconf("SC_CLK_TCK")
+MB = 1 << 20
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads); 0 once it is gone."""
+    try:
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(f[11]) + int(f[12])) / _HZ
+
+
+def machine_cpu() -> float:
+    """CPU seconds every core of the machine spent not idle (nor waiting for I/O) since boot."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / _HZ
+
+
+def descendants(root: int) -> List[int]:
+    """Every process below ``root`` (children, theirs, ...), by their parent pid."""
+    kids: Dict[int, List[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def snapshot(pids: Iterable[int]) -> Dict[str, float]:
+    """CPU so far of each of ``pids`` (keys are the pids as strings: JSON), the machine's, and the time."""
+    out = {str(p): proc_cpu(p) for p in pids}
+    out["machine"] = machine_cpu()
+    out["t"] = time.perf_counter()
+    return out
+
+
+@dataclass
+class Cpu:
+    """What the processes doing one row's work spent over its timed repetitions."""
+
+    seconds: float  # CPU of those processes
+    wall: float  # wall time of the repetitions, first start to last end
+    steps: int
+    machine: float  # every process's CPU on the machine over that wall time (ours and anyone else's)
+    procs: Dict[str, float] = field(default_factory=dict)  # seconds per process (or kind of process)
+
+    @property
+    def per_step(self) -> float:
+        return self.seconds / self.steps
+
+    @property
+    def busy(self) -> float:
+        """Cores these processes kept busy."""
+        return self.seconds / self.wall if self.wall > 0 else 0.0
+
+    @property
+    def machine_busy(self) -> float:
+        return self.machine / self.wall if self.wall > 0 else 0.0
+
+    def note(self) -> str:
+        return (f"CPU {1e3 * self.per_step:.1f} ms/step, {self.busy:.2f} cores busy "
+                f"(machine {self.machine_busy:.2f})")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "per_step": self.per_step, "busy": self.busy, "machine_busy": self.machine_busy}
+
+    @staticmethod
+    def between(a: Dict[str, float], b: Dict[str, float], steps: int, names: Optional[Dict[str, str]] = None
+                ) -> Cpu:
+        """From two ``snapshot``s: every process in both (a process started between them counts from 0)."""
+        names = names or {}
+        procs: Dict[str, float] = {}
+        for k in b:
+            if k not in ("machine", "t"):
+                n = names.get(k, k)
+                procs[n] = procs.get(n, 0.0) + b[k] - a.get(k, 0.0)
+        return Cpu(sum(procs.values()), b["t"] - a["t"], steps, b["machine"] - a["machine"], procs)
+
+
+def combine(parts: Iterable[Cpu], steps: int) -> Cpu:
+    """Processes measured separately over the same repetitions (one ``Cpu`` each): summed; the wall time and
+    the machine's CPU are the longest part's."""
+    parts = list(parts)
+    longest = max(parts, key=lambda c: c.wall)
+    procs: Dict[str, float] = {}
+    for c in parts:
+        for k, v in c.procs.items():
+            procs[k] = procs.get(k, 0.0) + v
+    return Cpu(sum(c.seconds for c in parts), longest.wall, steps, longest.machine, procs)
+
+
+class Meter:
+    """The CPU of ``pids()`` (re-read at ``stop``: processes that appeared meanwhile count from 0) and of this
+    process between ``start`` and ``stop``."""
+
+    def __init__(self, pids: Callable[[], Dict[int, str]]) -> None:
+        self.pids = pids
+        self.a: Dict[str, float] = {}
+        self.names: Dict[str, str] = {}
+
+    def _snap(self) -> Dict[str, float]:
+        named = {os.getpid(): "driver", **self.pids()}
+        self.names.update({str(p): n for p, n in named.items()})
+        return snapshot(named)
+
+    def start(self) -> None:
+        self.a = self._snap()
+
+    def stop(self, steps: int) -> Cpu:
+        return Cpu.between(self.a, self._snap(), steps, self.names)
+
+
+# -- the pserver's SGD path alone ---------------------------------------------------------------------------
+
+
+def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: int, no_sgd: bool) -> Dict[str, Any]:
+    """(In a fresh process.) ``fold.push``, the pserver's own sync SGD path, for ``trainers`` trainers (one thread
+    each, as a pserver has one connection thread per trainer) over ``size`` bytes of float32 in blocks of
+    ``max_block``, segments handed over from memory instead of a socket; returns the process's CPU."""
+    import numpy as np
+
+    from paddle_cluster.ps import fold
+    from paddle_cluster.ps.optim import OptimizerSpec
+    from paddle_cluster.ps.shards import DenseBlock
+    from paddle_cluster.ps.stream import SEGMENT
+    from paddle_cluster.ps.sync import Sync
+
+    if no_sgd:  # bench-only: the same loop with the update removed, to see what the rest of it costs
+        fold._sgd = lambda *a, **k: None
+    block = min(max_block, size)
+    rows = block // 4 // 1024
+    nblk = size // block
+    sync = Sync(0, trainers, 60.0, threading.Event())
+    sync.mode = "sync"
+    blocks = []
+    for k in range(nblk):
+        meta = {"name": "w", "dtype": "float32", "shape": [rows, 1024], "lo": k * rows, "hi": (k + 1) * rows}
+        spec = OptimizerSpec("sgd", lr=1.0)  # SGD overwrites its gradient with lr * g: 1.0 keeps it as it came
+        b = DenseBlock(k, meta, spec, spec.to_dict(), 0)
+        b.initialized = True
+        blocks.append(b)
+    filled = set()
+    grads = [np.full(block // 4, np.float32(t + 1)) for t in range(trainers)]
+
+    def chunks_of(g: np.ndarray):
+        raw = memoryview(g).cast("B")
+
+        def chunks(into):
+            for off in range(0, len(raw), SEGMENT):
+                n = min(SEGMENT, len(raw) - off)
+                dest = into(off)
+                if dest is None:
+                    yield off, raw[off:off + n]
+                    continue
+                if id(dest) not in filled:  # a new pool slot: the socket would have written it; once is enough
+                    np.frombuffer(dest, dtype=np.uint8)[:n] = np.frombuffer(raw[off:off + n], dtype=np.uint8)
+                    filled.add(id(dest))
+                yield off, memoryview(dest)[:n]
+        return chunks
+
+    def trainer(t: int, first: int, last: int) -> None:
+        for step in range(first, last):
+            for b in blocks:
+                with b.cv:
+                    sync.wait_step(b, step, "push")
+                fold.push(sync, sync.pool, b, t, step, chunks_of(grads[t]))
+
+    def run(first: int, last: int) -> None:
+        ths = [threading.Thread(target=trainer, args=(t, first, last)) for t in range(trainers)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+
+    run(0, warmup)
+    c0, t0, m0 = time.process_time(), time.perf_counter(), machine_cpu()
+    run(warmup, warmup + steps)
+    cpu, wall, machine = time.process_time() - c0, time.perf_counter() - t0, machine_cpu() - m0
+    done = all(b.step == warmup + steps for b in blocks)
+    ok = done
+    if trainers == 1 and not no_sgd:  # the values too: every element took every update
+        want = -np.float32(warmup + steps)
+        ok = ok and all(np.all(b.param == want) for b in blocks)
+    sync.apply_pool.shutdown()
+    check = "ok" if ok else f"FAILED: {'values wrong' if done else 'not every step was applied'}"
+    return {"cpu": cpu, "wall": wall, "machine": machine, "check": check}
+
+
+def _child(q, *args: Any) -> None:
+    try:
+        q.put(_fold_steps(*args))
+    except BaseException as e:  # said by the parent
+        q.put({"error": repr(e)})
+
+
+def sgd_alone(size: int, trainers: int, steps: int, warmup: int = 1, max_block: int = 4 * MB,
+              no_sgd: bool = False) -> tuple:
+    """(Cpu of the SGD path alone over ``steps`` steps, its check) -- in a fresh forked process, so nothing else
+    of the benchmark runs in it."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, size, trainers, steps, warmup, max_block, no_sgd), daemon=True)
+    p.start()
+    try:
+        out = q.get(timeout=600)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if "error" in out:
+        raise RuntimeError(f"SGD alone ({trainers} trainers): {out['error']}")
+    what = "fold without SGD" if no_sgd else "SGD path"
+    return (Cpu(out["cpu"], out["wall"], steps, out["machine"], {what: out["cpu"]}), out["check"])
+
+
+__all__ = ["Cpu", "Meter", "combine", "descendants", "machine_cpu", "proc_cpu", "sgd_alone", "snapshot"]
