@@ -107,7 +107,8 @@ class Suite:
             rate = 2 * size / st.median
             self.add(Row("dense", f"1 trainer pushpull {size // MB} MB, integrity on (HmacSha256, stdlib only)",
                          gbs(rate), "GB/s", st.spread(), check=dense.check(res), extra=st.to_dict(),
-                         note=f"= {rate / self.m['dense1_pushpull_off']:.2f} of integrity off"))
+                         note=f"= {rate / self.m['dense1_pushpull_off']:.2f} of integrity off"),
+                     dense.cpu_stats(res, "pushpull"))
         for mode, integrity in (("sync", True), ("sync", False), ("async", True)):
             tag = "" if integrity else "_off"
             res = dense.run(size, 2, mode=mode, warmup=w, reps=r, integrity=integrity)
@@ -129,7 +130,7 @@ class Suite:
             st = dense.step_stats(res, "pushpull")
             sweep.append((mb, 2 * size / st.median, st.spread()))
             self.add(Row("dense", f"block size {mb >> 10} KB: 1 trainer push+pull", gbs(2 * size / st.median), "GB/s",
-                         st.spread(), check=dense.check(res), extra=st.to_dict()))
+                         st.spread(), check=dense.check(res), extra=st.to_dict()), dense.cpu_stats(res, "pushpull"))
         self.m["sweep"] = sweep
         self._plot_sweep(sweep)
         for trainers in (1, 2):

@@ -30,6 +30,12 @@ def test_bench_smoke_raw_dense_sparse(tmp_path):
             "pserver 0 memory / bytes held, 2 trainers sync"}
     got = {t["name"]: t for t in doc["targets"] if t["name"] in want}
     assert set(got) == want and all(t["met"] is not None and t["value"] is not None for t in got.values()), got
+    # The CPU of every data-path row's processes, the SGD path alone, and each data-path goal's CPU bound or
+    # why there is none.
+    assert all("cpu" in r["extra"] for r in rows if r["section"] == "raw" or "pushpull" in r["name"]
+               or "aggregate" in r["name"])
+    assert sum("SGD path alone" in r["name"] for r in rows if r["section"] == "cpu") == 2
+    assert all(t["bound"] is not None or "no CPU bound" in t["detail"] for t in got.values() if "raw TCP" in t["name"])
     # Integrity on and off in the same run, each checked.
     dense = {r["name"] for r in rows if r["section"] == "dense"}
     assert any("integrity on" in n for n in dense) and any("integrity off" in n for n in dense)
