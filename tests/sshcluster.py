@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from sshstate import STATE_DIR, _comm, _netns_pids, _ppid, _run, _starttime, _teardown, reap_stale_clusters
+
 SSHD = "/usr/sbin/sshd"
 SKIP_REASON = "needs root and openssh-server/iproute2: run scripts/test, which installs them"
-STATE_DIR = Path("/run/paddle-sshcluster")
 SUBNET_FIRST_OCTETS = "10.77"
 _counter = 0
 
@@ -50,15 +51,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _run(argv: Sequence[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
-    kw.setdefault("capture_output", True)
-    kw.setdefault("text", True)
-    res = subprocess.run(list(argv), **kw)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): {(res.stderr or '').strip()}")
-    return res
-
-
 def _b36(n: int) -> str:
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"
     out = ""
@@ -67,74 +59,6 @@ def _b36(n: int) -> str:
         out = digits[r] + out
         if n == 0:
             return out
-
-
-def _starttime(pid: int) -> str | None:
-    """The kernel start time of pid (so a reused pid is not mistaken for the owner), or None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _netns_pids(name: str) -> list[int]:
-    res = _run(["ip", "netns", "pids", name], check=False)
-    if res.returncode != 0:
-        return []
-    return sorted(int(p) for p in res.stdout.split())
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split("(", 1)[1].rsplit(")", 1)[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _teardown(state: dict) -> None:
-    """Remove everything a state record names; every step tolerates 'already gone'."""
-    for ns in state["netns"]:
-        # Kill everything in the namespace until nothing is left (a dying parent may spawn once more).
-        deadline = time.monotonic() + 5
-        while True:
-            pids = _netns_pids(ns)
-            if not pids or time.monotonic() > deadline:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
-        _run(["ip", "netns", "del", ns], check=False)
-    for link in [*state["veths"], state["bridge"]]:
-        if _run(["ip", "link", "show", link], check=False).returncode == 0:
-            _run(["ip", "link", "del", link], check=False)
-    with contextlib.suppress(FileNotFoundError):
-        Path(state["state_file"]).unlink()
-
-
-def reap_stale_clusters() -> list[str]:
-    """Tear down clusters whose owning process is gone; returns their tokens."""
-    reaped = []
-    if not STATE_DIR.is_dir():
-        return reaped
-    for f in sorted(STATE_DIR.glob("*.json")):
-        try:
-            state = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if _starttime(state["owner_pid"]) == state["owner_start"]:
-            continue  # still alive: not ours to touch
-        _teardown(state)
-        reaped.append(state["token"])
-    return reaped
 
 
 class SSHCluster:
