@@ -1,5 +1,5 @@
 """What an ``SSHCluster`` (``sshcluster.py``) created, recorded in a state file under ``STATE_DIR``, and its
-teardown: everything in its namespaces killed, then namespaces, veths and bridge removed -- also for a cluster
+teardown: everything in its namespaces killed, then namespaces, cgroups, veths and bridge removed -- also for a cluster
 whose owning process died without cleaning up (:func:`reap_stale_clusters`).
 """
 
@@ -33,6 +33,19 @@ def _starttime(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _cgroup2_root() -> Path | None:
+    """Where cgroup v2 is mounted (``/sys/fs/cgroup``, or ``.../unified`` on hybrid hosts), or None."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2" and os.access(fields[1], os.W_OK):
+            return Path(fields[1])
+    return None
 
 
 def _netns_pids(name: str) -> list[int]:
@@ -70,6 +83,15 @@ def _teardown(state: dict) -> None:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.02)
         _run(["ip", "netns", "del", ns], check=False)
+    for cg in state.get("cgroups", []):
+        deadline = time.monotonic() + 5
+        while Path(cg).exists():  # a killed process leaves its cgroup once it is reaped
+            try:
+                os.rmdir(cg)
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
     for link in [*state["veths"], state["bridge"]]:
         if _run(["ip", "link", "show", link], check=False).returncode == 0:
             _run(["ip", "link", "del", link], check=False)

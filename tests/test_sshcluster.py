@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import socket
 import subprocess
 from pathlib import Path
@@ -162,3 +163,34 @@ def test_close_leaves_nothing_behind(make_ssh_cluster):
     assert not (STATE_DIR / f"{cluster.token}.json").exists()
     assert f" {cluster.gateway}/" not in subprocess.run(
         ["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+
+
+def test_cpu_seconds_counts_one_host_and_its_exited_processes(ssh_cluster):
+    if ssh_cluster.cpu_seconds(0) is None:
+        pytest.skip("no writable cgroup v2 mount: CPU accounting is unavailable here")
+    before = [ssh_cluster.cpu_seconds(i) for i in range(3)]
+    burn = "import time\nwhile time.process_time() < 0.3: pass"  # 0.3 s of CPU, in a process that then exits
+    with ssh_cluster.connection(1) as c:
+        c.run(f"{ssh_cluster.python} -c {shlex.quote(burn)}", hide=True)
+    wait_for(lambda: ssh_cluster.pids(1, include_ssh_sessions=True) == [], 10, "node1's session to end", interval=0.02)
+    after = [ssh_cluster.cpu_seconds(i) for i in range(3)]
+    assert after[1] - before[1] >= 0.3
+    assert after[0] == before[0] and after[2] == before[2]  # nothing ran there
+
+
+def test_plain_shell_hides_root_rc_on_every_host_and_back(ssh_cluster):
+    rc = Path("~root/.bashrc").expanduser()
+    if not rc.is_file():
+        pytest.skip(f"{rc} does not exist here: nothing to hide")
+
+    def remote_rc(i):
+        with ssh_cluster.connection(i) as c:
+            return c.run(f"cat {rc}", hide=True).stdout
+
+    try:
+        ssh_cluster.set_plain_shell(True)
+        assert [remote_rc(i) for i in range(3)] == ["", "", ""]
+        assert rc.read_text() != "" or rc.stat().st_size == 0  # the machine's own file is untouched
+    finally:
+        ssh_cluster.set_plain_shell(False)
+    assert remote_rc(2) == rc.read_text()
