@@ -311,37 +311,7 @@ class Suite:
         c = self.cfg
         out = launcher.run(counts=tuple(c["launch_counts"]), reps=c["launch_reps"], dispatch_mb=c["dispatch_mb"],
                            dispatch_counts=tuple(c["dispatch_counts"]), dispatch_reps=c["dispatch_reps"])
-        for n in c["launch_counts"]:
-            st = out[f"launch_{n}"]
-            self.m[f"launch_{n}"] = st.median
-            self.add(Row("launcher", f"run -> all processes ready, {n} host(s)", st.median, "s", st.spread(),
-                         check="ok", extra=st.to_dict()))
-        for key in sorted(k for k in out if k.startswith("floor_")):
-            what, n = key.rsplit("_", 1)
-            label = {"floor_ssh": "floor: one SSH command on every host", "floor_python": "floor: one "
-                     "interpreter over SSH on every host"}[what]
-            self.add(Row("launcher", f"{label}, {n} host(s)", out[key].median, "s", out[key].spread(), check="ok",
-                         extra=out[key].to_dict()))
-        mb = c["dispatch_mb"]
-        rows = []
-        for n in c["dispatch_counts"]:
-            rows += [(f"dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links"),
-                     (f"dispatch_moved_{n}", "  of which the sending (go -> trees in place)")]
-        rows += [("dispatch_again", "dispatch again, unchanged, 3 hosts: whole deliver"),
-                 ("dispatch_again_step", "  of which the workspace step (go -> job dirs)"),
-                 ("scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s")]
-        top = max(c["dispatch_counts"])
-        rows += [(f"slow_dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links"),
-                 (f"slow_dispatch_moved_{top}", "  of which the sending (go -> trees in place)"),
-                 ("slow_scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s")]
-        for key, label in rows:
-            if key not in out:
-                continue
-            st = out[key]
-            self.m[key] = st.median
-            good = out["slow_" * key.startswith("slow_") + ("scp_ok" if key.endswith("scp") else "dispatch_ok")]
-            self.add(Row("launcher", label, st.median, "s", st.spread(), check="ok" if good else "FAILED",
-                         extra=st.to_dict()))
+        launcher.report(out, c, self.add, self.m)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -12,24 +12,25 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
-from .common import REPO, Stats, sshcluster_module, tests_helpers
+from .common import REPO, Row, Stats, sshcluster_module, tests_helpers
 
 TRAIN_PY = ("import time, os\n"
             "print('BENCH_READY %.6f %s' % (time.time(), os.environ['PADDLE_TRAINER_ID']), flush=True)\n")
 
 
-def write_conf(path: Path, cl, hosts: List[str]) -> Path:
+def write_conf(path: Path, cl, hosts: List[str], python: str = "") -> Path:
     settings = {
         "HOSTS": hosts, "ROOT_DIR": "/home/paddle", "PADDLE_NIC": "eth0", "PADDLE_PORT": 7164,
-        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PYTHON": cl.python,
+        "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "PYTHON": python or cl.python,
         "PSERVER_COMMAND": "{python} ps.py", "SSH_IDENTITY_FILE": str(cl.key_path),
         "SSH_KNOWN_HOSTS": str(cl.known_hosts), "SSH_CONNECT_TIMEOUT": 10.0, "START_TIMEOUT": 60.0,
         "KILL_GRACE": 2.0,
@@ -38,22 +39,48 @@ def write_conf(path: Path, cl, hosts: List[str]) -> Path:
     return path
 
 
-def _run_cli(conf: Path, ws: Path, n: int) -> float:
+def _cpu_self() -> float:
+    """CPU seconds of this process and its waited-for children (the launcher, and its ``ssh`` clients)."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def _cpu_nodes(cl, n: int) -> List[float]:
+    return [cl.cpu_seconds(i) or 0.0 for i in range(n)]
+
+
+def _settle(cl, n: int, sessions: bool) -> None:
+    """Wait (a deadline, not a sleep) until what a launch or dispatch started on the first ``n`` nodes has ended,
+    so its CPU is all counted; ``sessions``: the SSH sessions too (their connection is closed)."""
+    deadline = time.monotonic() + 15
+    for i in range(n):
+        while cl.pids(i, include_ssh_sessions=sessions) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _run_cli(cl, conf: Path, ws: Path, n: int) -> Tuple[float, float, float]:
+    """One ``run`` through the CLI: (seconds to the last trainer's start, the launcher's CPU seconds -- the CLI
+    and its children --, the nodes' CPU seconds: sshd, shells, session, agent, pservers, trainers)."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    c0, n0 = _cpu_self(), _cpu_nodes(cl, n)
     t0 = time.time()
     res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run",
                           "--job_dispatch_package", str(ws)], capture_output=True, text=True, timeout=300, env=env,
                          stdin=subprocess.DEVNULL, cwd=REPO)
+    c1 = _cpu_self()
     if res.returncode != 0:
         raise RuntimeError(f"run failed ({res.returncode}): {res.stderr[-2000:]}")
     stamps = {m.group(2): float(m.group(1)) for m in re.finditer(r"BENCH_READY (\d+\.\d+) (\d+)", res.stdout)}
     if len(stamps) != n:
         raise RuntimeError(f"expected {n} trainers to report, got {sorted(stamps)}: {res.stdout[-1000:]}")
-    return max(stamps.values()) - t0
+    _settle(cl, n, sessions=True)
+    return max(stamps.values()) - t0, c1 - c0, sum(_cpu_nodes(cl, n)) - sum(n0)
 
 
 def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_counts=(1, 3, 8),
         dispatch_reps: int = 3) -> Dict[str, Any]:
+    """Every row on the machine as it is, and the launch, floor and 1 Gbit/s dispatch rows again with hosts whose
+    login shell reads no rc file (``plain_``), in one run on one cluster."""
     sc = sshcluster_module()
     out: Dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
@@ -61,19 +88,25 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_cou
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN_PY)
     (ws / "ps.py").write_text(tests_helpers().LISTEN_PS_PY)
+    plain = tuple(sorted({min(counts), 8 if 8 in counts else max(counts)}))
     with sc.SSHCluster(max(counts + tuple(dispatch_counts)), work / "cluster") as cl:
+        out["cpu_accounting"] = cl.cpu_seconds(0) is not None
         # -- run -> all processes ready ---------------------------------------------------------------
-        _run_cli(write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # installs lib
-        for n in counts:
-            conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
-            out[f"launch_{n}"] = Stats([_run_cli(conf, ws, n) for _ in range(reps)])
-        out.update(_floor(cl, work, sorted({min(counts), 8 if 8 in counts else max(counts), max(counts)}), reps))
+        _run_cli(cl, write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # the lib
+        for key, launch_counts in (("", counts), ("plain_", plain)):
+            cl.set_plain_shell(bool(key))
+            out.update(_launches(cl, work, ws, launch_counts, reps, key))
+            out.update(_floor(cl, work, sorted({*plain, max(launch_counts)}), reps, key))
+        out.update(_census(cl, work, ws, plain))
+        cl.set_plain_shell(False)
         # -- dispatch of a big workspace, on 1 Gbit/s links (the launcher's own link too) --------------------
         big, blob = _workspace_of(work / "big", dispatch_mb)
         for rate, key, ws_dir, file, hosts in (("1gbit", "", big, blob, dispatch_counts),
                                                # where the shared cores are not the limit (see docs)
                                                ("100mbit", "slow_", *_workspace_of(work / "small", dispatch_mb // 4),
-                                                (max(dispatch_counts),))):
+                                                (max(dispatch_counts),)),
+                                               ("1gbit", "plain_", big, blob, dispatch_counts)):
+            cl.set_plain_shell(key == "plain_")
             for i in range(cl.n):
                 cl.shape(i, rate)
             cl.shape_uplink(rate)
@@ -82,7 +115,38 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_cou
     return out
 
 
-def _floor(cl, work: Path, counts: List[int], reps: int) -> Dict[str, Any]:
+def _launches(cl, work: Path, ws: Path, counts, reps: int, key: str) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for n in counts:
+        conf = write_conf(work / f"conf{n}.py", cl, cl.hosts[:n])
+        wall, mine, nodes = zip(*(_run_cli(cl, conf, ws, n) for _ in range(reps)))
+        out[f"{key}launch_{n}"], out[f"{key}launch_cpu_{n}"] = Stats(list(wall)), Stats(list(mine))
+        out[f"{key}launch_node_cpu_{n}"] = Stats(list(nodes))
+    return out
+
+
+def _census(cl, work: Path, ws: Path, counts) -> Dict[str, Any]:
+    """What one launch costs each host in SSH exec channels (sshd's 'Starting session' lines) and Python
+    interpreters (PYTHON is a wrapper that notes each start), on the largest of ``counts``."""
+    n = max(counts)
+    wrapper = work / "python-counted"
+    wrapper.write_text(f"#!/bin/sh\necho $$ >> /home/paddle/interpreters\nexec {cl.python} \"$@\"\n")
+    wrapper.chmod(0o755)
+    conf = write_conf(work / "conf-census.py", cl, cl.hosts[:n], python=str(wrapper))
+    before = [_sessions_started(cl, i) for i in range(n)]
+    for i in range(n):
+        (cl.root_dir(i) / "interpreters").unlink(missing_ok=True)
+    _run_cli(cl, conf, ws, n)
+    return {"census_hosts": n,
+            "census_channels": [_sessions_started(cl, i) - before[i] for i in range(n)],
+            "census_interpreters": [len((cl.root_dir(i) / "interpreters").read_text().split()) for i in range(n)]}
+
+
+def _sessions_started(cl, i: int) -> int:
+    return (cl.workdir / f"sshd{i}.log").read_text().count("Starting session:")
+
+
+def _floor(cl, work: Path, counts: List[int], reps: int, prefix: str = "") -> Dict[str, Any]:
     """What every launch costs each node whatever the launcher does, on open connections: one SSH command
     (sshd's session and the user's login shell, which runs its rc files) and one Python interpreter."""
     sys.path.insert(0, REPO)
@@ -100,7 +164,7 @@ def _floor(cl, work: Path, counts: List[int], reps: int) -> Dict[str, Any]:
                     t0 = time.perf_counter()
                     fanout(nodes, lambda x: x.run(argv)).ok(key)  # noqa: B023 - called before the loop moves on
                     samples.append(time.perf_counter() - t0)
-                out[f"{key}_{n}"] = Stats(samples)
+                out[f"{prefix}{key}_{n}"] = Stats(samples)
         finally:
             fanout(nodes, lambda x: x.close())
     return out
@@ -145,18 +209,23 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
         cfg = load_config(str(write_conf(work / f"conf-dispatch{n}.py", cl, cl.hosts[:n])))
         backend = SSHBackend(cfg)
         backend.probe_cluster(quiet, check_ports=False)
-        full, again, step, moved = [], [], [], []
+        full, again, step, moved, mine, nodes = [], [], [], [], [], []
         try:
             for r in range(reps + 1):
                 clear(n)
                 spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
+                c0, n0 = _cpu_self(), _cpu_nodes(cl, n)
                 t0 = time.perf_counter()
                 backend.deliver(spec, quiet)
                 t1 = time.perf_counter()
+                c1 = _cpu_self()
+                _settle(cl, n, sessions=False)  # the connections stay open: their sshd is idle
                 out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n)
                 if r:  # the first round is the warm-up
                     full.append(t1 - t0)
                     moved.append(backend.workspace_seconds)
+                    mine.append(c1 - c0)
+                    nodes.append(sum(_cpu_nodes(cl, n)) - sum(n0))
                 if n == 3:
                     spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
                     t2 = time.perf_counter()
@@ -169,17 +238,109 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
         finally:
             backend.close()
         out[f"{key}dispatch_full_{n}"], out[f"{key}dispatch_moved_{n}"] = Stats(full), Stats(moved)
+        out[f"{key}dispatch_cpu_{n}"], out[f"{key}dispatch_node_cpu_{n}"] = Stats(mine), Stats(nodes)
         if again:
             out[f"{key}dispatch_again"], out[f"{key}dispatch_again_step"] = Stats(again), Stats(step)
-    scp = []
+    scp, mine, nodes = [], [], []
     for r in range(reps + 1):
+        c0, n0 = _cpu_self(), _cpu_nodes(cl, 1)
         t0 = time.perf_counter()
         subprocess.run(["scp", "-q", "-i", cl.key_path, "-o", f"UserKnownHostsFile={cl.known_hosts}",
                         "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", str(blob),
                         f"root@{cl.ips[0]}:/home/paddle/scp-data.bin"], check=True, stdin=subprocess.DEVNULL)
+        t1, c1 = time.perf_counter(), _cpu_self()
+        _settle(cl, 1, sessions=True)
         if r:
-            scp.append(time.perf_counter() - t0)
-    out[f"{key}scp"] = Stats(scp)
+            scp.append(t1 - t0)
+            mine.append(c1 - c0)
+            nodes.append(_cpu_nodes(cl, 1)[0] - n0[0])
+    out[f"{key}scp"], out[f"{key}scp_cpu_1"], out[f"{key}scp_node_cpu_1"] = Stats(scp), Stats(mine), Stats(nodes)
     out[f"{key}scp_ok"] = hashlib.sha256((cl.root_dir(0) / "scp-data.bin").read_bytes()).hexdigest() == want
     clear(max(counts))
     return out
+
+
+PLAIN = ", plain login shell"  # rows measured on hosts whose login shell reads no rc file (SSHCluster.set_plain_shell)
+
+
+def _cpu_note(out: Dict[str, Any], cpu: str, n: int) -> str:
+    """'CPU: launcher a s, nodes b s (c per host)' for the results ``cpu`` (a key without its ``_cpu_{n}``)."""
+    mine, nodes = out.get(f"{cpu}_cpu_{n}"), out.get(f"{cpu}_node_cpu_{n}")
+    if mine is None or not out.get("cpu_accounting"):
+        return ""
+    return f"CPU: launcher {mine.median:.2f} s, nodes {nodes.median:.2f} s ({nodes.median / n:.3f} per host)"
+
+
+def bound(m: Dict[str, Any], cpu: str, n: int) -> Optional[float]:
+    """Seconds the CPU of a launch or dispatch needs on this machine's cores at best: (launcher + nodes) / cores;
+    None without CPU accounting."""
+    mine, nodes = m.get(f"{cpu}_cpu_{n}"), m.get(f"{cpu}_node_cpu_{n}")
+    return None if mine is None or nodes is None or not m.get("cpu_accounting") else (mine + nodes) / m["cores"]
+
+
+def launch_detail(m: Dict[str, Any], key: str, n: int) -> str:
+    """The launch target's CPU accounting: what grows on the launcher with the hosts (ours), the nodes' share
+    (each machine's own on a real cluster), and the bound on these cores against the 1-host launch."""
+    b, one = bound(m, f"{key}launch", n), m.get(f"{key}launch_1")
+    if b is None or one is None:
+        return ""
+    l1, ln, nodes = m[f"{key}launch_cpu_1"], m[f"{key}launch_cpu_{n}"], m[f"{key}launch_node_cpu_{n}"]
+    return (f"launcher CPU {l1:.2f} s at 1 host, {ln:.2f} s at {n} ({1e3 * (ln - l1) / (n - 1):+.0f} ms per added "
+            f"host); nodes {nodes / n:.2f} s per host; bound (launcher + nodes) / {m['cores']} cores {b:.2f} s "
+            f"= {b / one:.2f}x 1 host")
+
+
+def dispatch_detail(m: Dict[str, Any], key: str, n: int) -> str:
+    b, scp = bound(m, f"{key}dispatch", n), m.get(f"{key}scp")
+    if b is None or scp is None:
+        return ""
+    return (f"launcher CPU {m[f'{key}dispatch_cpu_{n}']:.2f} s, nodes {m[f'{key}dispatch_node_cpu_{n}'] / n:.2f} s "
+            f"per host; bound {b:.2f} s = {b / scp:.2f}x scp")
+
+
+def report(out: Dict[str, Any], c: Dict[str, Any], add, m: Dict[str, Any]) -> None:
+    """The launcher section's rows (``add``) and the headline numbers the targets use (``m``), from ``run``."""
+    m["cores"], m["cpu_accounting"] = os.cpu_count() or 1, out.get("cpu_accounting", False)
+    for k, st in out.items():
+        if isinstance(st, Stats):
+            m[k] = st.median
+    for key, suffix in (("", ""), ("plain_", PLAIN)):
+        for n in sorted(int(k.rsplit("_", 1)[1]) for k in out if re.fullmatch(f"{key}launch_\\d+", k)):
+            st = out[f"{key}launch_{n}"]
+            add(Row("launcher", f"run -> all processes ready, {n} host(s){suffix}", st.median, "s", st.spread(),
+                    check="ok", note=_cpu_note(out, f"{key}launch", n), extra=st.to_dict()))
+        for k in sorted(k for k in out if re.fullmatch(f"{key}floor_(ssh|python)_\\d+", k)):
+            what, n = k[len(key):].rsplit("_", 1)
+            label = {"floor_ssh": "floor: one SSH command on every host", "floor_python": "floor: one "
+                     "interpreter over SSH on every host"}[what]
+            add(Row("launcher", f"{label}, {n} host(s){suffix}", out[k].median, "s", out[k].spread(), check="ok",
+                    extra=out[k].to_dict()))
+    if "census_channels" in out:
+        ch, py = out["census_channels"], out["census_interpreters"]
+        m["census"] = (max(ch), max(py))
+        add(Row("launcher", f"one launch on {out['census_hosts']} hosts: SSH exec channels per host", max(ch), "",
+                note=f"Python interpreters per host: {max(py)} (session -> agent, pserver, trainer)"
+                + (f"; per host: channels {ch}, interpreters {py}" if len(set(ch)) + len(set(py)) > 2 else "")))
+    mb = c["dispatch_mb"]
+    rows = []
+    for key, suffix in (("", ""), ("plain_", PLAIN)):
+        for n in c["dispatch_counts"]:
+            rows += [(f"{key}dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links{suffix}",
+                      f"{key}dispatch", n),
+                     (f"{key}dispatch_moved_{n}", "  of which the sending (go -> trees in place)", "", n)]
+        rows += [(f"{key}dispatch_again", f"dispatch again, unchanged, 3 hosts: whole deliver{suffix}", "", 3),
+                 (f"{key}dispatch_again_step", "  of which the workspace step (go -> job dirs)", "", 3),
+                 (f"{key}scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s{suffix}", f"{key}scp", 1)]
+    top = max(c["dispatch_counts"])
+    rows += [(f"slow_dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links",
+              "slow_dispatch", top),
+             (f"slow_dispatch_moved_{top}", "  of which the sending (go -> trees in place)", "", top),
+             ("slow_scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s", "slow_scp", 1)]
+    for key, label, cpu, n in rows:
+        if key not in out:
+            continue
+        st = out[key]
+        prefix = next((p for p in ("slow_", "plain_") if key.startswith(p)), "")
+        good = out[prefix + ("scp_ok" if key.endswith("scp") else "dispatch_ok")]
+        add(Row("launcher", label, st.median, "s", st.spread(), check="ok" if good else "FAILED",
+                note=_cpu_note(out, cpu, n) if cpu else "", extra=st.to_dict()))
