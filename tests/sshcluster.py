@@ -75,6 +75,22 @@ def _b36(n: int) -> str:
             return out
 
 
+def _neighbour_room(n: int) -> None:
+    """Make the kernel's ARP table hold what ``n`` hosts talking to each other need (raise only, never lower).
+
+    The table and its limits are one for the whole machine, every network namespace's entries in it: each host
+    holds an entry per peer, ~n*n in all.  At the default hard limit (gc_thresh3 = 1024) 32 hosts overflow it,
+    new entries are refused, and the SYNs that needed one are dropped -- connects between some hosts then wait
+    ~20 s for TCP's retries (measured: /proc/net/stat/arp_cache table_fulls rising, every other counter quiet).
+    """
+    base = Path("/proc/sys/net/ipv4/neigh/default")
+    want = {"gc_thresh3": max(1024, 8 * n * n), "gc_thresh2": max(512, 4 * n * n)}
+    for name, value in want.items():
+        with contextlib.suppress(OSError, ValueError):
+            if int((base / name).read_text()) < value:
+                (base / name).write_text(str(value))
+
+
 class SSHCluster:
     """``n`` SSH hosts ``node0..node{n-1}`` in network namespaces; build on construction, ``close()`` to end.
 
@@ -143,6 +159,7 @@ class SSHCluster:
             net = ipaddress.ip_network(self.subnet)
             self.gateway = str(net[1])
             self.ips = [str(net[10 + i]) for i in range(self.n)]
+            _neighbour_room(self.n)
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             # Bridged frames skip the host's iptables (br_netfilter + a FORWARD DROP policy, as Docker
