@@ -213,7 +213,8 @@ class Suite:
 
         c = self.cfg
         size = c["size"]
-        for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS", peers.ray_ps)):
+        for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS (arrays via shared memory, not TCP)",
+                                                       peers.ray_ps)):
             st, chk, cpu = fn(size, c["warmup"], c["reps"])
             key = "zmq" if "zmq" in name else "ray"
             if st is None:
