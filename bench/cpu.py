@@ -1,9 +1,11 @@
 """CPU accounting of the data-path rows, and the pserver's SGD measured alone.
 
 A row's ``Cpu`` is the CPU seconds (user + system, every thread) of every process doing its work over the
-timed repetitions, read from ``/proc/<pid>/stat`` at the repetitions' first start and last end, beside the
-whole machine's (``/proc/stat``) over the same wall time: CPU per step and cores busy. ``targets`` turns
-them into the CPU bound of each data-path goal (docs/benchmarks.md, "CPU bounds").
+timed repetitions, read from ``/proc/<pid>/stat`` at the repetitions' first start and last end, and the time
+their threads waited in a run queue for a core (``schedstat``), beside the whole machine's CPU
+(``/proc/stat``) over the same wall time: CPU per step, cores busy, and cores wanted (busy + waiting for a
+core: what tells a CPU-bound side from one that waits on something else, even while other processes take
+cores). ``targets`` turns them into the CPU bound of each data-path goal (docs/benchmarks.md, "CPU bounds").
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ def proc_cpu(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(f[11]) + int(f[12])) / _HZ
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the threads of ``pid`` now alive have waited in a run queue for a core; 0 once it is gone."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            total += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
 
 
 def machine_cpu() -> float:
@@ -53,8 +70,10 @@ def descendants(root: int) -> List[int]:
 
 
 def snapshot(pids: Iterable[int]) -> Dict[str, float]:
-    """CPU so far of each of ``pids`` (keys are the pids as strings: JSON), the machine's, and the time."""
+    """CPU so far of each of ``pids`` (keys are the pids as strings: JSON) and its run-queue wait (``pid:wait``),
+    the machine's, and the time."""
     out = {str(p): proc_cpu(p) for p in pids}
+    out.update({f"{p}:wait": run_delay(p) for p in pids})
     out["machine"] = machine_cpu()
     out["t"] = time.perf_counter()
     return out
@@ -69,6 +88,7 @@ class Cpu:
     steps: int
     machine: float  # every process's CPU on the machine over that wall time (ours and anyone else's)
     procs: Dict[str, float] = field(default_factory=dict)  # seconds per process (or kind of process)
+    wait: float = 0.0  # seconds their threads waited in a run queue for a core
 
     @property
     def per_step(self) -> float:
@@ -80,15 +100,21 @@ class Cpu:
         return self.seconds / self.wall if self.wall > 0 else 0.0
 
     @property
+    def wanted(self) -> float:
+        """Cores these processes wanted: busy, or ready to run and waiting for a core."""
+        return (self.seconds + self.wait) / self.wall if self.wall > 0 else 0.0
+
+    @property
     def machine_busy(self) -> float:
         return self.machine / self.wall if self.wall > 0 else 0.0
 
     def note(self) -> str:
-        return (f"CPU {1e3 * self.per_step:.1f} ms/step, {self.busy:.2f} cores busy "
+        return (f"CPU {1e3 * self.per_step:.1f} ms/step, {self.busy:.2f} cores busy, {self.wanted:.2f} wanted "
                 f"(machine {self.machine_busy:.2f})")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {**asdict(self), "per_step": self.per_step, "busy": self.busy, "machine_busy": self.machine_busy}
+        return {**asdict(self), "per_step": self.per_step, "busy": self.busy, "wanted": self.wanted,
+                "machine_busy": self.machine_busy}
 
     @staticmethod
     def between(a: Dict[str, float], b: Dict[str, float], steps: int, names: Optional[Dict[str, str]] = None
@@ -96,11 +122,14 @@ class Cpu:
         """From two ``snapshot``s: every process in both (a process started between them counts from 0)."""
         names = names or {}
         procs: Dict[str, float] = {}
+        wait = 0.0
         for k in b:
-            if k not in ("machine", "t"):
+            if k.endswith(":wait"):
+                wait += b[k] - a.get(k, 0.0)
+            elif k not in ("machine", "t"):
                 n = names.get(k, k)
                 procs[n] = procs.get(n, 0.0) + b[k] - a.get(k, 0.0)
-        return Cpu(sum(procs.values()), b["t"] - a["t"], steps, b["machine"] - a["machine"], procs)
+        return Cpu(sum(procs.values()), b["t"] - a["t"], steps, b["machine"] - a["machine"], procs, wait)
 
 
 def combine(parts: Iterable[Cpu], steps: int) -> Cpu:
@@ -112,7 +141,7 @@ def combine(parts: Iterable[Cpu], steps: int) -> Cpu:
     for c in parts:
         for k, v in c.procs.items():
             procs[k] = procs.get(k, 0.0) + v
-    return Cpu(sum(c.seconds for c in parts), longest.wall, steps, longest.machine, procs)
+    return Cpu(sum(c.seconds for c in parts), longest.wall, steps, longest.machine, procs, sum(c.wait for c in parts))
 
 
 class Meter:
@@ -239,4 +268,5 @@ def sgd_alone(size: int, trainers: int, steps: int, warmup: int = 1, max_block: 
     return (Cpu(out["cpu"], out["wall"], steps, out["machine"], {what: out["cpu"]}), out["check"])
 
 
-__all__ = ["Cpu", "Meter", "combine", "descendants", "machine_cpu", "proc_cpu", "sgd_alone", "snapshot"]
+__all__ = ["Cpu", "Meter", "combine", "descendants", "machine_cpu", "proc_cpu", "run_delay", "sgd_alone",
+           "snapshot"]

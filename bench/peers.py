@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from .common import Stats, enter_netns, free_port_range
-from .cpu import Cpu, Meter, descendants, machine_cpu
+from .cpu import Cpu, Meter, descendants, machine_cpu, run_delay
 
 LR = np.float32(0.5)
 _CTX = mp.get_context("fork")
@@ -194,21 +194,22 @@ def _gloo_worker(rank: int, world: int, master: str, port: int, size: int, warmu
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         t = torch.empty(size // 4, dtype=torch.float32)
-        times, ok, cpu, machine = [], True, 0.0, 0.0
+        times, ok, cpu, machine, wait = [], True, 0.0, 0.0, 0.0
         for i in range(warmup + reps):
             t.fill_(rank + 1)
             dist.barrier()
-            m0, c0, t0 = machine_cpu(), time.process_time(), time.perf_counter()
+            m0, w0, c0, t0 = machine_cpu(), run_delay(os.getpid()), time.process_time(), time.perf_counter()
             dist.all_reduce(t)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0  # the process: gloo's threads too
             if i >= warmup:
                 cpu += dc
                 machine += machine_cpu() - m0
+                wait += run_delay(os.getpid()) - w0
             ok = ok and float(t[0]) == world * (world + 1) / 2 and float(t[-1]) == world * (world + 1) / 2
             if i >= warmup:
                 times.append(dt)
         dist.destroy_process_group()
-        q.put((rank, times, (ok, cpu, machine)))
+        q.put((rank, times, (ok, cpu, machine, wait)))
     except Exception as e:  # said by the parent as the reason the all-reduce was not measured
         q.put((rank, None, f"gloo rank {rank}{f' in {netns}' if netns else ''}: {e!r}"[:300]))
 
@@ -252,7 +253,7 @@ def gloo_allreduce(size: int, warmup: int, reps: int, world: int = 2, ips: Optio
     per_step = [max(ts) for ts in zip(*(res[r][0] for r in range(world)))]
     ok = all(res[r][1][0] for r in range(world))
     procs = {f"rank {r}": res[r][1][1] for r in range(world)}
-    cpu = Cpu(sum(procs.values()), sum(per_step), reps, res[0][1][2], procs)
+    cpu = Cpu(sum(procs.values()), sum(per_step), reps, res[0][1][2], procs, sum(res[r][1][3] for r in range(world)))
     return Stats(per_step), "ok" if ok else "FAILED: all-reduce sum is wrong", cpu
 
 

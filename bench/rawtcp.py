@@ -10,6 +10,7 @@ Each process also records its own CPU time over the timed messages (``cpu``), se
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import struct
 import time
@@ -18,13 +19,13 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .common import Stats, enter_netns
-from .cpu import Cpu, machine_cpu
+from .cpu import Cpu, machine_cpu, run_delay
 
 _CTX = mp.get_context("fork")
 
 
-def _receiver(host: str, port_q, size: int, total: int, netns: Optional[str], bad, cpu, slot: int, warmup: int
-              ) -> None:
+def _receiver(host: str, port_q, size: int, total: int, netns: Optional[str], bad, cpu, wait, slot: int,
+              warmup: int) -> None:
     if netns:
         enter_netns(netns)
     ls = socket.socket()
@@ -38,7 +39,7 @@ def _receiver(host: str, port_q, size: int, total: int, netns: Optional[str], ba
     view = memoryview(buf)
     for i in range(total):
         if i == warmup:  # blocked until the message comes: what it spent so far is the warm-up's
-            cpu[slot] = time.process_time()
+            cpu[slot], wait[slot] = time.process_time(), run_delay(os.getpid())
         got = 0
         while got < size:
             r = s.recv_into(view[got:], size - got)
@@ -48,12 +49,12 @@ def _receiver(host: str, port_q, size: int, total: int, netns: Optional[str], ba
         if struct.unpack_from("<q", buf, 0)[0] != i or struct.unpack_from("<q", buf, size - 8)[0] != i:
             bad.value += 1
         s.sendall(b"k")
-    cpu[slot + 1] = time.process_time()
+    cpu[slot + 1], wait[slot + 1] = time.process_time(), run_delay(os.getpid())
     s.close()
 
 
 def _sender(host: str, port: int, size: int, total: int, barrier, times, slot: int, netns: Optional[str], cpu,
-            cslot: int, warmup: int) -> None:
+            wait, cslot: int, warmup: int) -> None:
     if netns:
         enter_netns(netns)
     s = socket.create_connection((host, port))
@@ -66,7 +67,7 @@ def _sender(host: str, port: int, size: int, total: int, barrier, times, slot: i
         struct.pack_into("<q", buf, size - 8, i)
         barrier.wait()
         if i == warmup:
-            cpu[cslot] = time.process_time()
+            cpu[cslot], wait[cslot] = time.process_time(), run_delay(os.getpid())
             if slot == 0:
                 cpu[-2] = machine_cpu()
         t0 = time.perf_counter()
@@ -75,7 +76,7 @@ def _sender(host: str, port: int, size: int, total: int, barrier, times, slot: i
         t1 = time.perf_counter()
         times[2 * (slot * total + i)] = t0
         times[2 * (slot * total + i) + 1] = t1
-    cpu[cslot + 1] = time.process_time()
+    cpu[cslot + 1], wait[cslot + 1] = time.process_time(), run_delay(os.getpid())
     barrier.wait()
     if slot == 0:  # the machine's CPU once every stream is done
         cpu[-1] = machine_cpu()
@@ -91,19 +92,20 @@ def measure(streams: int, size: int, reps: int, warmup: int = 1, host: str = "12
     times = _CTX.Array("d", 2 * streams * total, lock=False)
     barrier = _CTX.Barrier(streams)
     cpu = _CTX.Array("d", 4 * streams + 2, lock=False)  # start, end per process; the machine's at the end
+    wait = _CTX.Array("d", 4 * streams, lock=False)  # run-queue wait so far, at the same points
     procs: List[mp.Process] = []
     try:
         ports = []
         for k in range(streams):
             q = _CTX.Queue()
-            p = _CTX.Process(target=_receiver, args=(host, q, size, total, recv_ns, bad, cpu, 2 * k, warmup),
+            p = _CTX.Process(target=_receiver, args=(host, q, size, total, recv_ns, bad, cpu, wait, 2 * k, warmup),
                              daemon=True)
             p.start()
             procs.append(p)
             ports.append(q.get(timeout=20))
         for k in range(streams):
             p = _CTX.Process(target=_sender, args=(host, ports[k], size, total, barrier, times, k, send_ns, cpu,
-                                                                2 * (streams + k), warmup),
+                                                                wait, 2 * (streams + k), warmup),
                              daemon=True)
             p.start()
             procs.append(p)
@@ -122,4 +124,5 @@ def measure(streams: int, size: int, reps: int, warmup: int = 1, host: str = "12
     wall = sum(streams * size / r for r in rates)
     procs = {f"{'receiver' if j < streams else 'sender'} {j % streams}": cpu[2 * j + 1] - cpu[2 * j]
              for j in range(2 * streams)}
-    return Stats(rates), ok, Cpu(sum(procs.values()), wall, reps, cpu[-1] - cpu[-2], procs)
+    waited = sum(wait[2 * j + 1] - wait[2 * j] for j in range(2 * streams))
+    return Stats(rates), ok, Cpu(sum(procs.values()), wall, reps, cpu[-1] - cpu[-2], procs, waited)
