@@ -30,6 +30,9 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
     need = [k for k in ("raw2", sgd, ours, peer) if k not in cpu]
     if need:
         return None, f"no CPU bound: {', '.join(need)} not measured", 1.0, lower
+    zero = [k for k in ("raw2", ours, peer) if cpu[k].per_step <= 0]
+    if zero:
+        return None, f"no CPU bound: {', '.join(zero)} too short to measure its CPU (10 ms ticks)", 1.0, lower
     raw = cpu["raw2"].per_step / (2 * m["size"]) * bytes_moved  # raw TCP's CPU for our bytes
     least = raw + cpu[sgd].per_step
     other = raw if peer == "raw2" else cpu[peer].per_step
@@ -40,7 +43,7 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
     busy = ", ".join(f"{k} {cpu[k].busy:.2f} busy / {cpu[k].wanted:.2f} wanted" for k in sides)
     others = [k for k in sides if cpu[k].machine_busy - cpu[k].busy >= 0.25 * cores]
     busy += f" of {cores} cores" + (f" (others took cores during {', '.join(others)})" if others else "")
-    eff = least / cpu[ours].per_step if cpu[ours].per_step > 0 else 1.0
+    eff = least / cpu[ours].per_step
     by_cpu = cpu[ours].per_step / other if lower else other / cpu[ours].per_step
     work += f"; by CPU (both sides on equal cores) the ratio is {by_cpu:.2f}"
     if min(cpu[k].wanted for k in sides) < CPU_BOUND * cores:
