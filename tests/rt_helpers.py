@@ -213,17 +213,22 @@ def _connect(mode: str, lr: float, **kw: object):
     return connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=lr), **kw)
 
 
-def scenario_dense(out: str, steps: str = "5", lr: str = "0.5", mode: str = "sync") -> None:
+def scenario_dense(out: str, steps: str = "5", lr: str = "0.5", mode: str = "sync", pushpull: str = "0") -> None:
+    """``pushpull=1``: each step is one ``push_pull`` instead of ``push`` then ``pull``."""
     ps = _connect(mode, float(lr), max_block_bytes=32 * 1024)
     init = dense_init() if ps.trainer_id == 0 else {k: np.full_like(v, 9.0) for k, v in dense_init().items()}
     start = {k: v.copy() for k, v in ps.register_dense(init).items()}
     losses = []
+    p = ps.pull()
     for t in range(int(steps)):
-        p = ps.pull()
         x, y = dense_batch(ps.trainer_id, t if mode == "sync" else t % 4)
         loss, gw, gb, _ = softmax_grad(x, y, p["w"], p["b"])
         losses.append(loss)
-        ps.push({"w": gw, "b": gb})
+        if pushpull == "1":
+            p = ps.push_pull({"w": gw, "b": gb})
+        else:
+            ps.push({"w": gw, "b": gb})
+            p = ps.pull()
     final = ps.pull()
     np.savez(out, start_w=start["w"], start_b=start["b"], w=final["w"], b=final["b"], losses=np.array(losses),
              step=ps.step)
@@ -262,9 +267,10 @@ def scenario_die_after_step(out: str) -> None:
 
 
 def scenario_ones(out: str, steps: str = "3", lr: str = "0.5", mode: str = "sync", n: str = "16384",
-                  block: str = "32768") -> None:
+                  block: str = "32768", pushpull: str = "0") -> None:
     """Two equal parameters in blocks of ``block`` bytes spread over the pservers, gradient 1 for ``steps``
-    steps. A runtime error ends the process with ``TRAINER_FAILED <type>: <message>`` and exit code 3."""
+    steps (``pushpull=1``: by ``push_pull``). A runtime error ends the process with ``TRAINER_FAILED <type>:
+    <message>`` and exit code 3."""
     from paddle_cluster.ps import PSError
 
     try:
@@ -273,8 +279,11 @@ def scenario_ones(out: str, steps: str = "3", lr: str = "0.5", mode: str = "sync
         ps.register_dense(zeros)
         ones = {k: np.ones_like(v) for k, v in zeros.items()}
         for _ in range(int(steps)):
-            ps.pull()
-            ps.push(ones)
+            if pushpull == "1":
+                ps.push_pull(ones)
+            else:
+                ps.pull()
+                ps.push(ones)
         final = ps.pull()
         np.savez(out, w0=final["w0"], w1=final["w1"], step=ps.step)
         ps.close()

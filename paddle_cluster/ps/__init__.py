@@ -7,16 +7,15 @@ Native API::
     params = ps.register_dense({"w": w0})
     ps.register_sparse("emb", width=32, init_scale=0.05, seed=1)
     for batch in data:
-        params = ps.pull()
         rows = ps.pull_sparse("emb", ids)
         ps.push_sparse("emb", ids, row_grads)
-        ps.push({"w": gw})
+        params = ps.push_pull({"w": gw})  # = ps.push({"w": gw}); params = ps.pull()
     ps.close()
 
-``pull()`` returns the client's own buffers (valid until the next pull); ``pull_sparse`` returns one row
-per id in the shape ``ids.shape + (width,)``; ``push_sparse`` sums duplicate ids. In sync mode every step's
-``push`` is a barrier across trainers; errors are typed (``BarrierTimeout`` names the missing trainers).
-A pserver is ``python -m paddle_cluster.ps`` (see its docstring for the variables it reads).
+``pull()`` and ``push_pull()`` return the client's own buffers (valid until the next pull); ``pull_sparse``
+returns one row per id in the shape ``ids.shape + (width,)``; ``push_sparse`` sums duplicate ids. In sync
+mode every step's ``push`` is a barrier across trainers; errors are typed (``BarrierTimeout`` names the
+missing trainers). A pserver is ``python -m paddle_cluster.ps`` (see its docstring for the variables it reads).
 """
 
 from .client import CheckpointInfo, PSClient, PushHandle, connect, load_dense

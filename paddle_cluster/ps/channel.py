@@ -1,8 +1,9 @@
 """The trainer's connections: one authenticated ``Channel`` per (pserver, port), each driven by one worker
 thread, and the helpers that pipeline requests over a channel and gather results across channels.
 
-Within one channel requests are pipelined (all frames sent, then all replies read); array bytes go
-straight between numpy buffers and the socket.
+Within one channel requests are pipelined: all frames sent, then all replies read (``pipeline``), or, when
+the replies may not fit the socket buffers, read by the channel's reader thread while they are sent
+(``exchange``); array bytes go straight between numpy buffers and the socket.
 """
 
 from __future__ import annotations
@@ -40,10 +41,19 @@ class Channel:
         self.io_timeout = io_timeout
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
+        # Reads replies while the worker sends (``exchange``); its thread starts on first use.
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}-rx")
         self.broken: Optional[str] = None
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self.pool.submit(self._guard, fn, *args)
+
+    def abort(self) -> None:
+        """Break the connection both ways, so a send or a read blocked on it returns at once."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.broken:
@@ -83,6 +93,7 @@ class Channel:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+        self.reader.shutdown(wait=False)
         try:
             self.sock.close()
         except OSError:
@@ -122,15 +133,56 @@ def gather(futures: Sequence[Future]) -> List[Any]:
     return results
 
 
-def pipeline(ch: Channel, frames: Sequence[Tuple[bytes, Tuple[Any, ...]]],
-              on_reply: Sequence[Callable[[Channel, P.Header], None]]) -> None:
+Frame = Tuple[bytes, Tuple[Any, ...]]
+OnReply = Callable[[Channel, P.Header], None]
+# Replies up to this size fit the socket buffers (a receive buffer starts at 128 KB): they can wait until
+# every frame is sent, so ``exchange`` reads them on the sending thread, without a hand-off.
+INLINE_REPLY_BYTES = 64 << 10
+
+
+def pipeline(ch: Channel, frames: Sequence[Frame], on_reply: Sequence[OnReply]) -> None:
     """Send every frame, then read one reply per frame; the first error wins, later ones are drained."""
-    first: Optional[BaseException] = None
+    _read_replies(ch, on_reply, _send_frames(ch, frames))
+
+
+def exchange(ch: Channel, frames: Sequence[Frame], on_reply: Sequence[OnReply], reply_bytes: int) -> None:
+    """``pipeline``, reading the replies (``reply_bytes`` of payload in all) while the frames are sent.
+
+    Needed once replies may fill the socket buffers: a pserver blocked writing a reply nobody reads stops
+    reading requests, and a trainer blocked sending them would never read it. Errors as ``pipeline``'s;
+    a lost connection is broken both ways, so neither side of the exchange waits on the other."""
+    if reply_bytes <= INLINE_REPLY_BYTES:
+        pipeline(ch, frames, on_reply)
+        return
+    reading = ch.reader.submit(ch._guard, _read_replies, on_reply, None, True)
+    try:
+        first = _send_frames(ch, frames)
+    except BaseException:
+        ch.abort()  # the reader must not wait for replies to frames never sent
+        reading.exception()
+        raise
+    try:
+        reading.result()
+    except PSError as e:
+        raise (first if isinstance(e, ConnectionLost) and first is not None else e) from None
+    if first is not None:
+        raise first
+
+
+def _send_frames(ch: Channel, frames: Sequence[Frame]) -> Optional[ConnectionLost]:
+    """Send every frame; a lost connection is returned, not raised: the pserver may have said why."""
     try:
         for header, payload in frames:
             ch.send(header, *payload)
     except ConnectionLost as e:
-        first = e  # the pserver may have said why before closing: read on
+        return e
+    return None
+
+
+def _read_replies(ch: Channel, on_reply: Sequence[OnReply], first: Optional[BaseException],
+                  abort: bool = False) -> None:
+    """One reply per callback, the first error raised after the rest are drained (``abort``: break the
+    connection when it is lost, so a sender blocked on it returns)."""
     for cb in on_reply:
         try:
             cb(ch, ch.reply())
@@ -139,6 +191,12 @@ def pipeline(ch: Channel, frames: Sequence[Tuple[bytes, Tuple[Any, ...]]],
                 first = e
             if isinstance(e, ConnectionLost):
                 break
+        except BaseException:
+            if abort:
+                ch.abort()
+            raise
+    if abort and isinstance(first, ConnectionLost):
+        ch.abort()
     if first is not None:
         raise first
 

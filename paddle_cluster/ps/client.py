@@ -2,16 +2,18 @@
 
 Every (pserver, port) pair gets its own TCP connection and its own worker thread, so a push or pull fans
 out to all pservers and all their ports at once; within one connection requests are pipelined (all
-frames sent, then all replies read) and array bytes go straight between numpy buffers and the socket.
+frames sent while the replies are read) and array bytes go straight between numpy buffers and the socket.
 
 Steps: ``ps.step`` starts at 0 (or at the step a resumed pserver loaded). ``pull()`` returns the dense
 values for ``ps.step``; ``push(grads)`` sends the gradients for ``ps.step`` and advances it. In sync mode
 the pservers hold a pull for step ``t`` until every active trainer's gradient for ``t - 1`` has been
 applied, so the canonical loop is simply::
 
+    params = ps.pull()
     for batch in data:
-        params = ps.pull()
-        ps.push(grads_of(params, batch))
+        params = ps.push_pull(grads_of(params, batch))
+
+(``push_pull`` is ``push`` then ``pull`` as one exchange per connection: one round trip per step.)
 """
 
 from __future__ import annotations
@@ -194,6 +196,23 @@ class PSClient:
         futures += self._sparse.end_step(step, sync=self.mode == "sync")
         self.step += 1
         return self._track(PushHandle(step, futures))
+
+    def push_pull(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+        """``push(grads)`` then ``pull()`` in one exchange: returns every dense value for the next step.
+
+        Each block's pull follows its push on the same connection, so the step is one round trip and the
+        links carry gradients one way and values the other at once. Results equal push-then-pull's; use
+        ``push`` and ``pull`` apart when something is computed between them.
+        """
+        self._check_open()
+        send = self._dense.gradients(dict(grads or {}))
+        step = self.step
+        futures = self._sparse.end_step(step, sync=self.mode == "sync")
+        futures += self._dense.push_pull(send, step)
+        self.step += 1
+        self._track(PushHandle(step, futures))
+        self.wait()
+        return dict(self._dense.values)
 
     # -- sparse ---------------------------------------------------------------------------------------------
 

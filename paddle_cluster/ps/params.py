@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import numpy as np
 
 from . import protocol as P
-from .channel import Channel, expect_ok, gather, json_request, pipeline
+from .channel import Channel, Frame, exchange, expect_ok, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
 
@@ -81,16 +81,7 @@ class DenseParams:
             raise KeyError(f"dense parameters {unknown} are not registered")
 
         def fetch(ch: Channel, blocks: List[Block]) -> None:
-            frames = [(P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), key=b.key, step=step), ()) for b in blocks]
-
-            def into(b: Block) -> Callable[[Channel, P.Header], None]:
-                def cb(ch: Channel, h: P.Header) -> None:
-                    if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
-                        raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
-                    ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
-                    self.versions[b.key] = h.step
-                return cb
-            pipeline(ch, frames, [into(b) for b in blocks])
+            pipeline(ch, [self._pull_frame(b, step) for b in blocks], [self._into(b) for b in blocks])
 
         blocks = [b for n in names for b in self.blocks[n]]
         gather([ch.submit(fetch, bl) for ch, bl in self._by_channel(blocks).items()])
@@ -99,6 +90,29 @@ class DenseParams:
     def push(self, grads: Mapping[str, Any], step: int) -> List[Future]:
         """Send a gradient of every registered parameter for ``step`` (without copying: the caller keeps
         the arrays unchanged until the push is waited for)."""
+        send = self.gradients(grads)
+
+        def push_blocks(ch: Channel, blocks: List[Block]) -> None:
+            pipeline(ch, [self._push_frame(b, send, step) for b in blocks], [expect_ok] * len(blocks))
+
+        return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
+
+    def push_pull(self, send: Mapping[str, np.ndarray], step: int) -> List[Future]:
+        """Push ``send`` (from ``gradients``) for ``step`` and pull every value for ``step + 1``, block by
+        block: on each channel a block's pull follows its push, so the pserver answers it as soon as that
+        block's step is applied while later blocks' gradients are still on their way."""
+
+        def blocks_both_ways(ch: Channel, blocks: List[Block]) -> None:
+            frames, replies = [], []
+            for b in blocks:
+                frames += [self._push_frame(b, send, step), self._pull_frame(b, step + 1)]
+                replies += [expect_ok, self._into(b)]
+            exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
+
+        return [ch.submit(blocks_both_ways, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
+
+    def gradients(self, grads: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+        """``grads`` checked against the registered parameters, as contiguous arrays of their dtypes."""
         missing = sorted(set(self.values) - set(grads))
         extra = sorted(set(grads) - set(self.values))
         if missing or extra:
@@ -111,14 +125,27 @@ class DenseParams:
             if g.shape != want.shape:
                 raise ValueError(f"gradient of {name!r} has shape {g.shape}, the parameter has {want.shape}")
             send[name] = g
+        return send
 
-        def push_blocks(ch: Channel, blocks: List[Block]) -> None:
-            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
-                                     aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],)) for b in blocks]
-            pipeline(ch, frames, [expect_ok] * len(blocks))
+    def _blocks_of(self, send: Mapping[str, np.ndarray]) -> List[Block]:
+        return [b for n in sorted(send) for b in self.blocks[n]]
 
-        blocks = [b for n in sorted(send) for b in self.blocks[n]]
-        return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(blocks).items()]
+    def _push_frame(self, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
+                              aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
+
+    @staticmethod
+    def _pull_frame(b: Block, step: int) -> Frame:
+        return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), key=b.key, step=step), ()
+
+    def _into(self, b: Block) -> Callable[[Channel, P.Header], None]:
+        """Reads a pull's reply into ``b``'s place in the receive buffers."""
+        def cb(ch: Channel, h: P.Header) -> None:
+            if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+                raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
+            ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
+            self.versions[b.key] = h.step
+        return cb
 
 
 @dataclass(frozen=True)

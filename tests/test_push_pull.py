@@ -1,0 +1,163 @@
+"""``PSClient.push_pull`` over real TCP with real pserver processes: replies larger than the socket buffers
+read while the gradients are still being sent, 2-trainer sync and async results equal to push-then-pull's,
+and a pserver error or death in the middle of the exchange raised, never waited on forever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+import rt_helpers as H
+from helpers import wait_for
+from rt_helpers import trainer_env
+
+from paddle_cluster.ps import BarrierTimeout, ConnectionLost, OptimizerSpec, connect
+from paddle_cluster.ps.channel import INLINE_REPLY_BYTES
+
+BIG = 40 << 20  # per block: more than a pserver's send buffer and a trainer's receive buffer hold together
+
+
+def _buffers_max() -> int:
+    """What the kernel may buffer of one reply: the pserver's send buffer plus the trainer's receive buffer."""
+    def most(name: str) -> int:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return int(f.read().split()[2])
+    return most("tcp_wmem") + most("tcp_rmem")
+
+
+@pytest.mark.timeout(120)
+def test_blocks_larger_than_socket_buffers_flow_both_ways(tmp_path):
+    assert BIG > _buffers_max() and BIG > INLINE_REPLY_BYTES
+    env = H.make_env(1, 1, tmp_path, ports_num=1, sparse_ports=0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0),
+                     max_block_bytes=BIG)
+        try:
+            n = BIG // 4
+            ps.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
+            assert len({(b.pserver, b.conn) for bl in ps._dense.blocks.values() for b in bl}) == 1  # one channel
+            g = {"a": np.ones(n, np.float32), "b": np.full(n, 2.0, np.float32)}
+            for step in range(1, 3):
+                out = ps.push_pull(g)
+                assert ps.step == step
+                assert np.all(out["a"] == -0.5 * step) and np.all(out["b"] == -1.0 * step)
+            assert [s["blocks"]["0"]["step"] for s in ps.status()] == [2]
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 15) == [0]
+
+
+@pytest.mark.timeout(120)
+def test_two_trainers_sync_push_pull_equals_push_then_pull(tmp_path):
+    runs = {}
+    for pushpull in ("0", "1"):
+        env = H.make_env(2, 2, tmp_path / pushpull, ports_num=2, sparse_ports=1)
+        os.makedirs(tmp_path / pushpull)
+        runs[pushpull] = [np.load(o) for o in H.run_job(env, tmp_path / pushpull, "dense", steps=6, lr=0.5,
+                                                         pushpull=pushpull)]
+    ref = H.reference_dense(6, 2, 0.5)
+    for old, new in zip(runs["0"], runs["1"]):
+        for k in ("w", "b", "losses", "step"):
+            np.testing.assert_array_equal(new[k], old[k])  # bit for bit
+        np.testing.assert_allclose(new["w"], ref["w"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_two_trainers_async_push_pull_with_large_blocks(tmp_path):
+    env = H.make_env(2, 2, tmp_path, ports_num=1, sparse_ports=0)
+    n, steps = 3 << 20, 4  # two 12 MB parameters in 6 MB blocks: 2 blocks per pserver, on one channel each
+    with H.procs(tmp_path) as pr:
+        servers = [pr.pserver(env, k) for k in range(2)]
+        clients = [connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, i),
+                           max_block_bytes=6 << 20) for i in range(2)]
+        seen = {}
+
+        def train(c) -> None:
+            c.register_dense({"w0": np.zeros(n, np.float32), "w1": np.zeros(n, np.float32)})
+            ones = {"w0": np.ones(n, np.float32), "w1": np.ones(n, np.float32)}
+            seen[c.trainer_id] = []
+            for s in range(1, steps + 1):
+                out = c.push_pull(ones)
+                # its own pushes are in what it pulls, the other trainer's in part
+                seen[c.trainer_id].append(all(float(v.max()) <= -0.5 * s and float(v.min()) >= -0.5 * (s + steps)
+                                              for v in out.values()))
+
+        try:
+            threads = [threading.Thread(target=train, args=(c,)) for c in clients]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(90)
+            assert seen == {0: [True] * steps, 1: [True] * steps}, seen
+            final = clients[0].pull()
+            for k in ("w0", "w1"):  # every gradient of both trainers applied exactly once
+                assert np.all(final[k] == np.float32(-0.5 * steps * 2)), (k, final[k].min(), final[k].max())
+        finally:
+            for c in clients:
+                c.close()
+        assert H.wait_all(pr, servers, 15) == [0, 0]
+
+
+def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
+    """Trainer 0 in a push_pull of two parameters of ``n`` floats that waits for trainer 1 (connected, never
+    pushing): (procs, server, clients, the thread, what it raised)."""
+    env = H.make_env(1, 2, tmp_path, ports_num=2, sparse_ports=0, barrier_timeout=barrier_timeout)
+    pr = H.Procs(str(tmp_path))
+    server = pr.pserver(env, 0)
+    opt = OptimizerSpec("sgd", lr=0.5)
+    clients = [connect(mode="sync", optimizer=opt, env=trainer_env(env, i), max_block_bytes=8 << 20)
+               for i in range(2)]
+    for c in clients:
+        c.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
+    raised = []
+
+    def step() -> None:
+        try:
+            clients[0].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
+        except BaseException as e:  # noqa: B036 - the test asserts on it
+            raised.append(e)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    wait_for(lambda: clients[0].step == 1, 10, "push_pull to start")
+    return pr, server, clients, t, raised
+
+
+@pytest.mark.timeout(60)
+def test_push_pull_raises_barrier_timeout_naming_the_missing_trainer(tmp_path):
+    n = 64 << 10  # 256 KB each: trainer 0's gradients are all taken in, its pulls wait
+    pr, server, clients, t, raised = _stuck_exchange(tmp_path, barrier_timeout=2.0, n=n)
+    try:
+        t.join(30)
+        assert not t.is_alive(), "push_pull still waiting after the barrier timeout"
+        assert len(raised) == 1 and isinstance(raised[0], BarrierTimeout), raised
+        assert raised[0].missing_trainers == [1] and "waiting for trainer 1" in str(raised[0])
+        # the connections stay usable: trainer 1 catches up and the step completes for both
+        out = clients[1].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
+        assert np.all(out["a"] == np.float32(-0.5))
+        assert np.all(clients[0].pull()["b"] == np.float32(-0.5))
+    finally:
+        for c in clients:
+            c.close()
+        pr.kill_all()
+
+
+@pytest.mark.timeout(60)
+def test_pserver_killed_mid_push_pull_raises_connection_lost(tmp_path):
+    # 16 MB each in 8 MB blocks over both channels: killed while gradients and pulls are in flight
+    pr, server, clients, t, raised = _stuck_exchange(tmp_path, barrier_timeout=60.0, n=4 << 20)
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
+        t.join(20)  # far below the barrier and reply timeouts: the lost connection ends the exchange
+        assert not t.is_alive(), "push_pull still waiting after its pserver was killed"
+        assert len(raised) == 1 and isinstance(raised[0], ConnectionLost), raised
+        assert "pserver 0 at 127.0.0.1:" in str(raised[0]), raised[0]
+    finally:
+        for c in clients:
+            c.close()
+        pr.kill_all()
