@@ -75,14 +75,23 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
 
 
 def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
+    """Reply with the block's value for ``h.step``; in sync mode one not applied yet is waited for by the
+    connection's writer thread, while this one reads the trainer's next requests (``net.Outbox``)."""
     b = _block(ps, h, payload=False)
+
+    def send() -> None:
+        with b.cv:
+            ps.sync.wait_step(b, h.step, "pull", gone=lambda: conn.gone)
+            step = b.step
+        # Sent outside the lock: in sync mode nothing can update this block until this trainer pushes again
+        # (after it has read this reply), and a stalled reader must never block the other trainers. Async
+        # pulls may see a concurrent update.
+        conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
+                         b.param, volatile=ps.sync.mode != "sync")
+
     with b.cv:
-        ps.sync.wait_step(b, h.step, "pull")
-        step = b.step
-    # Sent outside the lock: in sync mode nothing can update this block until this trainer pushes again,
-    # and a stalled reader must never block the other trainers. Async pulls may see a concurrent update.
-    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
-                     b.param, volatile=ps.sync.mode != "sync")
+        waits = ps.sync.mode == "sync" and b.initialized and b.step < h.step
+    conn.reply(send, waits)
 
 
 def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -193,8 +202,8 @@ def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
             rows = t.table[pos]
         step = t.step
-    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes,
-                                   aux=n), rows)
+    header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
+    conn.reply(lambda: conn.stream.send(header, rows))
 
 
 def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set,
 import numpy as np
 
 from . import fold
-from .errors import BarrierTimeout, ConfigMismatch, MissingTrainer, RemoteError
+from .errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
 from .shards import DenseBlock, Shard, TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
@@ -183,14 +183,17 @@ class Sync:
     # -- waiting -------------------------------------------------------------------------------------------
 
     def wait(self, cv: threading.Condition, ready: Callable[[], bool], step: int, what: str,
-             missing: Callable[[], Any]) -> None:
-        """Wait (holding ``cv``) until ``ready()``; on timeout raise a BarrierTimeout naming ``missing()``."""
+             missing: Callable[[], Any], gone: Optional[Callable[[], bool]] = None) -> None:
+        """Wait (holding ``cv``) until ``ready()``; on timeout raise a BarrierTimeout naming ``missing()``;
+        ``gone()``: the trainer waiting has gone (ConnectionLost)."""
         if ready():
             return
         deadline = time.monotonic() + self.barrier_timeout
         while not ready():
             if self.done.is_set():
                 raise RemoteError(f"pserver {self.pserver_id} is shutting down")
+            if gone is not None and gone():
+                raise ConnectionLost(f"pserver {self.pserver_id}: the trainer went away during {what}")
             left = deadline - time.monotonic()
             if left <= 0:
                 missing_now = self._missing(missing())
@@ -200,8 +203,9 @@ class Sync:
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
             cv.wait(min(left, POLL))
 
-    def wait_step(self, shard: Shard, step: int, what: str) -> None:
-        """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it."""
+    def wait_step(self, shard: Shard, step: int, what: str, gone: Optional[Callable[[], bool]] = None) -> None:
+        """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it
+        (``gone``: see ``wait``)."""
         if isinstance(shard, DenseBlock) and shard.error:
             raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
         if isinstance(shard, DenseBlock) and not shard.initialized:
@@ -209,7 +213,7 @@ class Sync:
                       lambda: {0} - self.closed)
         if self.mode == "sync":
             self.wait(shard.cv, lambda: shard.step >= step, step, f"{what} {shard.describe()}",
-                      lambda: set(self.active) - set(shard.pending) - shard.receiving)
+                      lambda: set(self.active) - set(shard.pending) - shard.receiving, gone)
 
     def ready_to_apply(self, shard: Shard) -> bool:
         return bool(shard.pending) and self.active.issubset(shard.pending.keys())
