@@ -1,9 +1,10 @@
 """``python -m bench.profile``: where one dense push+pull's time goes (the numbers behind docs/benchmarks.md).
 
 Two pservers and ``--trainers`` trainers as separate processes, a ``--mb`` MB model in 4 MB blocks, SGD;
-prints the median step (push, pull, push+pull) and each process's CPU time per step (user, system), so a
-step can be read as CPU work vs waiting. ``--off``: integrity off. ``--perf FILE``: also record the processes
-with ``perf record -g`` for ``perf report -i FILE --no-children --sort dso,sym``.
+prints, for a step as ``push`` then ``pull`` and as one ``push_pull``, the median step (and its push and
+pull) and each process's CPU time per step (user, system), so a step can be read as CPU work vs waiting.
+``--off``: integrity off. ``--perf FILE``: also record the processes with ``perf record -g`` for
+``perf report -i FILE --no-children --sort dso,sym``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,23 @@ w = np.zeros(({n} // 1024, 1024), np.float32)
 ps.register_dense({{"w": w}})
 g = np.ones_like(w)
 for _ in range(2):
-    ps.push({{"w": g}}); ps.pull()
-print("READY", flush=True); sys.stdin.readline()
-t = {{"push": [], "pull": [], "pushpull": []}}
-for _ in range({steps}):
-    t0 = time.perf_counter(); ps.wait(ps.push({{"w": g}}))
-    t1 = time.perf_counter(); ps.pull(); t2 = time.perf_counter()
-    t["push"].append(t1 - t0); t["pull"].append(t2 - t1); t["pushpull"].append(t2 - t0)
-print(json.dumps({{k: sorted(v)[len(v) // 2] for k, v in t.items()}}), flush=True)
+    ps.push_pull({{"w": g}})
+print("READY", flush=True)
+for phase in ("apart", "push_pull"):
+    sys.stdin.readline()
+    t = {{"push": [], "pull": [], "step": []}}
+    for _ in range({steps}):
+        t0 = time.perf_counter()
+        if phase == "apart":
+            ps.wait(ps.push({{"w": g}})); t1 = time.perf_counter(); ps.pull()
+        else:
+            ps.push_pull({{"w": g}}); t1 = t0
+        t2 = time.perf_counter()
+        t["push"].append(t1 - t0); t["pull"].append(t2 - t1); t["step"].append(t2 - t0)
+    print(json.dumps({{k: sorted(v)[len(v) // 2] for k, v in t.items()}}), flush=True)
 ps.close()
 """
+PHASES = (("apart", "push then pull"), ("push_pull", "push_pull"))
 
 
 def cpu(pid: int) -> Tuple[float, float]:
@@ -60,31 +68,34 @@ def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[st
             if not p.stdout.readline().startswith(b"READY"):
                 raise RuntimeError(open(p.log_path).read()[-2000:])
         pids: List[int] = [p.pid for p in ps + tr]
-        before = [cpu(p) for p in pids]
         rec = None
         if perf:
             rec = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-o", perf, "-p", ",".join(map(str, pids))],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
-        for p in tr:
-            p.stdin.write(b"\n")
-            p.stdin.flush()
-        med = [json.loads(p.stdout.readline()) for p in tr][0]
-        after = [cpu(p) for p in pids]
+        names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
+        lines = [f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB"]
+        for _, label in PHASES:
+            before = [cpu(p) for p in pids]
+            for p in tr:
+                p.stdin.write(b"\n")
+                p.stdin.flush()
+            med = [json.loads(p.stdout.readline()) for p in tr][0]
+            after = [cpu(p) for p in pids]
+            per = [(n, 1e3 * (a[0] - b[0]) / steps, 1e3 * (a[1] - b[1]) / steps)
+                   for n, b, a in zip(names, before, after)]
+            total = sum(u + s for _, u, s in per)
+            split = f"push {1e3 * med['push']:.1f} / pull {1e3 * med['pull']:.1f} / " if med["push"] else ""
+            lines.append(f"  {label}: step {split}push+pull {1e3 * med['step']:.1f} ms "
+                         f"({2 * trainers * size / med['step'] / 1e9:.2f} GB/s); CPU ms per step (user+sys): "
+                         + ", ".join(f"{n} {u:.0f}+{s:.0f}" for n, u, s in per)
+                         + f"; total {total:.0f} ms = {total / (1e3 * med['step']):.2f} cores")
         if rec:
             rec.send_signal(signal.SIGINT)
             rec.wait()
-        names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
-        per = [(n, 1e3 * (a[0] - b[0]) / steps, 1e3 * (a[1] - b[1]) / steps) for n, b, a in zip(names, before, after)]
-        total = sum(u + s for _, u, s in per)
         for p in tr:
             p.wait(30)
-        return (f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB: step push "
-                f"{1e3 * med['push']:.1f} / pull {1e3 * med['pull']:.1f} / push+pull {1e3 * med['pushpull']:.1f} ms "
-                f"({2 * trainers * size / med['pushpull'] / 1e9:.2f} GB/s); CPU ms per step (user+sys): "
-                + ", ".join(f"{n} {u:.0f}+{s:.0f}" for n, u, s in per)
-                + f"; total {total:.0f} ms = {total / (1e3 * med['pushpull']):.2f} cores; "
-                f"load {os.getloadavg()[0]:.1f}")
+        return "\n".join(lines) + f"\nload {os.getloadavg()[0]:.1f}"
     finally:
         procs.close()
 
