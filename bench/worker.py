@@ -1,7 +1,8 @@
 """A benchmark trainer: ``python -m bench.worker KIND JSON`` with the job contract in the environment.
 
 Prints one JSON line with its timings and the result of its correctness check. KIND is ``dense`` or
-``sparse``.
+``sparse``. A dense step (phase ``pushpull``) is one ``push_pull``; phase ``apart`` is the same step as
+``push`` then ``pull``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def dense(a: dict) -> dict:
 
     def pushpull() -> None:
         nonlocal steps
+        out = ps.push_pull({"w": g})
+        steps += 1
+        check_pull(out["w"])
+
+    def apart() -> None:  # the same step as push, then pull
+        nonlocal steps
         ps.push({"w": g})
         steps += 1
         check_pull(ps.pull()["w"])
@@ -68,7 +75,7 @@ def dense(a: dict) -> dict:
     def pull() -> None:
         check_pull(ps.pull()["w"])
 
-    fns = {"pushpull": pushpull, "push": push, "pull": pull}
+    fns = {"pushpull": pushpull, "apart": apart, "push": push, "pull": pull}
     out = {"trainer": tid, "times": {}, "starts": {}, "cpu": {}}
     watch = [os.getpid(), *a.get("cpu_pids", [])]  # its own CPU and the pservers' (given to trainer 0)
     for _ in range(warmup):
