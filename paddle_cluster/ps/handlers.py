@@ -75,8 +75,9 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
 
 
 def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
-    """Reply with the block's value for ``h.step``; in sync mode one not applied yet is waited for by the
-    connection's writer thread, while this one reads the trainer's next requests (``net.Outbox``)."""
+    """Reply with the block's value for ``h.step``. In sync mode one not applied yet, with more requests
+    behind it, is waited for by the connection's writer thread while this one reads them (``net.Outbox``);
+    the last one is waited for here (no hand-off)."""
     b = _block(ps, h, payload=False)
 
     def send() -> None:
@@ -91,7 +92,7 @@ def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
 
     with b.cv:
         waits = ps.sync.mode == "sync" and b.initialized and b.step < h.step
-    conn.reply(send, waits)
+    conn.reply(send, waits and conn.more_coming())
 
 
 def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:

@@ -150,6 +150,13 @@ class Conn:
         the connection's writer thread runs it and requests behind it are read meanwhile."""
         self.outbox.put(send, waits)
 
+    def more_coming(self) -> bool:
+        """The trainer has already sent more (it pipelines requests behind the current one)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+
     def abort(self) -> None:
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
