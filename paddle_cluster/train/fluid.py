@@ -180,6 +180,7 @@ class TrainerProgram:
         self.mode = mode
         self.client: Optional[PSClient] = None
         self.closed = False
+        self.ready: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) push_pull brought
 
     def _connect(self) -> PSClient:
         if self.closed:
@@ -197,14 +198,15 @@ class TrainerProgram:
 
     def step(self, feed: Mapping[str, Any]) -> Tuple[np.ndarray, Optional[float]]:
         ps = self._connect()
-        # pull also waits for our previous push, so the gradient buffers are free to reuse.
-        L.set_dense_values(self.program.model, ps.pull())
+        ready, self.ready = self.ready, None
+        L.set_dense_values(self.program.model, ready[1] if ready is not None and ready[0] == ps.step else ps.pull())
         L.zero_grads(self.program.model)
         pred, loss = self.program.forward(feed)
         if loss is None:
             raise FluidError(f"a training step needs the label {self.program.label!r} in the feed")
         self.program.backward()
-        ps.push(L.dense_grads(self.program.model))
+        pulled = ps.push_pull(L.dense_grads(self.program.model))  # the next step's values, same round trip
+        self.ready = (ps.step, pulled)
         return pred, loss
 
     def save(self, dirname: str) -> str:

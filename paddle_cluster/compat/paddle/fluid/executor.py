@@ -33,6 +33,7 @@ class Session:
         self.client: Optional[PSClient] = None
         self.closed = False
         self.dense: List[F.Parameter] = []
+        self.ready: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) push_pull brought
 
     def connect(self) -> PSClient:
         if self.closed:
@@ -64,15 +65,17 @@ class Session:
         return client
 
     def pull(self) -> PSClient:
-        """Copy the pservers' dense values for this step into the parameters."""
+        """Copy the pservers' dense values for this step into the parameters (those the last step's
+        ``push_pull`` brought, unless the step moved on since)."""
         ps = self.connect()
-        values = ps.pull()
+        ready, self.ready = self.ready, None
+        values = ready[1] if ready is not None and ready[0] == ps.step else ps.pull()
         for p in self.dense:
             p.param.value[...] = values[p.name]
         return ps
 
     def step(self, ops: List[F.Operator], feed: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        ps = self.pull()  # also waits for the previous push, whose gradient buffers are reused below
+        ps = self.pull()
         lookups = _zero_grads(ops)
         values = run_forward(ops, feed, _row_source(ps, lookups, feed))
         run_backward(ops, values, self.program.loss)
@@ -84,7 +87,8 @@ class Session:
         for name, grads in per_table.items():
             g = L.SparseGrad.merge(grads)
             ps.push_sparse(name, g.ids, g.rows)
-        ps.push({p.name: p.param.grad for p in self.dense})
+        pulled = ps.push_pull({p.name: p.param.grad for p in self.dense})  # the next step's values, same trip
+        self.ready = (ps.step, pulled)
         return values
 
     def close(self) -> None:
