@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 _HZ = os.sysconf("SC_CLK_TCK")
 MB = 1 << 20
@@ -30,19 +30,26 @@ def proc_cpu(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / _HZ
 
 
-def run_delay(pid: int) -> float:
-    """Seconds the threads of ``pid`` now alive have waited in a run queue for a core; 0 once it is gone."""
-    total = 0
+def threads(pid: int) -> Tuple[float, float]:
+    """(seconds on a core, seconds waiting in a run queue for one) of the threads of ``pid`` now alive, to the
+    nanosecond (``schedstat``); (0, 0) once it is gone."""
+    run = wait = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     for tid in tids:
         try:
-            total += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[1])
+            f = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()
+            run, wait = run + int(f[0]), wait + int(f[1])
         except (OSError, IndexError, ValueError):
             pass
-    return total / 1e9
+    return run / 1e9, wait / 1e9
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the threads of ``pid`` now alive have waited in a run queue for a core."""
+    return threads(pid)[1]
 
 
 def machine_cpu() -> float:
@@ -73,7 +80,8 @@ def snapshot(pids: Iterable[int]) -> Dict[str, float]:
     """CPU so far of each of ``pids`` (keys are the pids as strings: JSON) and its run-queue wait (``pid:wait``),
     the machine's, and the time."""
     out = {str(p): proc_cpu(p) for p in pids}
-    out.update({f"{p}:wait": run_delay(p) for p in pids})
+    for p in pids:
+        out[f"{p}:run"], out[f"{p}:wait"] = threads(p)
     out["machine"] = machine_cpu()
     out["t"] = time.perf_counter()
     return out
@@ -126,9 +134,12 @@ class Cpu:
         for k in b:
             if k.endswith(":wait"):
                 wait += b[k] - a.get(k, 0.0)
-            elif k not in ("machine", "t"):
+            elif k not in ("machine", "t") and not k.endswith(":run"):
                 n = names.get(k, k)
-                procs[n] = procs.get(n, 0.0) + b[k] - a.get(k, 0.0)
+                ticks, run = b[k] - a.get(k, 0.0), b[f"{k}:run"] - a.get(f"{k}:run", 0.0)
+                # /proc/<pid>/stat counts every thread, dead ones too, in 10 ms ticks; schedstat the live ones
+                # to the ns: take the exact one unless a thread died meanwhile (they then differ by > 2 ticks)
+                procs[n] = procs.get(n, 0.0) + (run if abs(run - ticks) <= 2 / _HZ else ticks)
         return Cpu(sum(procs.values()), b["t"] - a["t"], steps, b["machine"] - a["machine"], procs, wait)
 
 
@@ -269,4 +280,4 @@ def sgd_alone(size: int, trainers: int, steps: int, warmup: int = 1, max_block: 
 
 
 __all__ = ["Cpu", "Meter", "combine", "descendants", "machine_cpu", "proc_cpu", "run_delay", "sgd_alone",
-           "snapshot"]
+           "snapshot", "threads"]

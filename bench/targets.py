@@ -32,7 +32,7 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
         return None, f"no CPU bound: {', '.join(need)} not measured", 1.0, lower
     zero = [k for k in ("raw2", ours, peer) if cpu[k].per_step <= 0]
     if zero:
-        return None, f"no CPU bound: {', '.join(zero)} too short to measure its CPU (10 ms ticks)", 1.0, lower
+        return None, f"no CPU bound: {', '.join(zero)} too short to measure its CPU", 1.0, lower
     raw = cpu["raw2"].per_step / (2 * m["size"]) * bytes_moved  # raw TCP's CPU for our bytes
     least = raw + cpu[sgd].per_step
     other = raw if peer == "raw2" else cpu[peer].per_step
@@ -46,6 +46,9 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
     eff = least / cpu[ours].per_step
     by_cpu = cpu[ours].per_step / other if lower else other / cpu[ours].per_step
     work += f"; by CPU (both sides on equal cores) the ratio is {by_cpu:.2f}"
+    if eff > 1 / FAR:  # less than the least: the rows' CPU per byte differed (other load, caches), not ours
+        return None, (f"no CPU bound: ours spent {1 / eff:.2f}x the least its work needs, so the rows did not "
+                      f"cost the same per byte (other load between them); {busy}; {work}"), eff, lower
     if min(cpu[k].wanted for k in sides) < CPU_BOUND * cores:
         return None, f"no CPU bound (a side wanted < {CPU_BOUND * cores:.1f} cores): {busy}; {work}", eff, lower
     return (least / other if lower else other / least), f"{work}; {busy}", eff, lower

@@ -63,3 +63,12 @@ def test_step_time_goals_bound_from_below():
     t = _goal(m, "2-trainer sync step / gloo")
     assert t.bound == pytest.approx((0.120 + 0.030) / 0.080)
     assert t.verdict == "MISS (CPU bound 1.88)"
+
+
+def test_no_bound_when_ours_spent_less_than_its_least():
+    # raw TCP measured under heavier load than ours: its CPU per byte is no floor for ours then
+    m = {"size": 64 * MB, "raw2": 3.0e9, "dense1_pushpull_off": 2.0e9,
+         "cpu": {"raw2": _cpu(0.120, 0.95), "sgd1": _cpu(0.020, 0.5), "dense1_off": _cpu(0.100, 0.9)}}
+    t = _goal(m, "dense push+pull / raw TCP")
+    assert t.bound is None and t.verdict == "MISS (no CPU bound)"
+    assert t.detail.startswith("no CPU bound: ours spent 0.71x the least its work needs")
