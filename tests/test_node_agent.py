@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ from typing import List
 
 import numpy as np
 import pytest
-from helpers import free_port_range
+from helpers import free_port_range, wait_for
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node import messages as m
@@ -204,3 +205,32 @@ def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers
     doc = json.loads(bad.stdout)
     assert bad.returncode == 1 and doc["ok"] is False and "not-a-dir cannot be read" in doc["error"]
     assert "Traceback" not in bad.stderr
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_the_agents_look_below_itself_reads_its_subtree_not_every_process():
+    if procs.subtree(os.getpid()) is None:
+        pytest.skip("this kernel keeps no per-thread child lists (CONFIG_PROC_CHILDREN)")
+    tree = subprocess.Popen(["sh", "-c", "sleep 60 & setsid sleep 60 & sh -c 'sleep 60' & wait"])
+    dead = subprocess.Popen(["true"])  # exits and stays a zombie child until waited for
+    try:
+        def settled():
+            table, zombies = procs.subtree(os.getpid())
+            full = procs.process_table()
+            sleeps = [p for p in procs.descendants([tree.pid], table) if _cmdline(p) == b"sleep\x0060\x00"]
+            return (table, zombies, full) if len(sleeps) == 3 and dead.pid in zombies else None
+        table, zombies, full = wait_for(settled, 10, "the tree of sleeps and the zombie", interval=0.02)
+        assert set(table) == procs.descendants([os.getpid()], full)  # the same processes a scan of /proc finds
+        assert zombies == [dead.pid] and dead.pid not in table
+    finally:
+        for pid in {tree.pid} | procs.descendants([tree.pid], procs.process_table()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        tree.wait()
+        dead.wait()

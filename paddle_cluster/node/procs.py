@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from paddle_cluster import contract
 
@@ -59,6 +59,42 @@ def process_table() -> Table:
             if fields is not None and fields[0] != "Z":
                 table[int(entry)] = fields
     return table
+
+
+def subtree(root: int) -> Optional[Tuple[Table, List[int]]]:
+    """The live processes below ``root`` (as ``process_table``) and its zombie children, from the kernel's child
+    list of each thread: this reads the job's processes only, where ``process_table`` reads every process of the
+    machine (the agent looks twice a second). None where the kernel keeps no child lists (CONFIG_PROC_CHILDREN)."""
+    table: Table = {}
+    zombies: List[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone meanwhile
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except FileNotFoundError:
+                if os.path.isdir(f"/proc/{pid}/task/{tid}"):
+                    return None  # the thread is there, its child list is not: the kernel has none
+                continue
+            except OSError:
+                continue
+            for kid in kids:
+                fields = _stat_fields(kid)
+                if fields is None or kid in table:
+                    continue
+                if fields[0] == "Z":
+                    if pid == root:
+                        zombies.append(kid)
+                    continue
+                table[kid] = fields
+                todo.append(kid)
+    return table, zombies
 
 
 def _matches(table: Table, rec: Mapping[str, Any]) -> bool:
@@ -162,17 +198,23 @@ def become_subreaper() -> None:
         libc.prctl(36, 1, 0, 0, 0)
 
 
-def reap_orphans(table: Table, own: Set[int]) -> None:
-    """Collect the exit status of dead children the agent adopted (not the ones ``subprocess`` waits for)."""
-    me = str(os.getpid())
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in own and int(entry) not in table:
-            fields = _stat_fields(int(entry))
-            if fields is not None and fields[0] == "Z" and fields[1] == me:
-                try:
-                    os.waitpid(int(entry), os.WNOHANG)
-                except ChildProcessError:
-                    pass
+def reap_orphans(table: Table, own: Set[int], zombies: Optional[List[int]] = None) -> None:
+    """Collect the exit status of dead children the agent adopted (not the ones ``subprocess`` waits for):
+    ``zombies`` (``subtree``'s), else every zombie child of the agent in /proc."""
+    if zombies is None:
+        me = str(os.getpid())
+        zombies = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in table:
+                fields = _stat_fields(int(entry))
+                if fields is not None and fields[0] == "Z" and fields[1] == me:
+                    zombies.append(int(entry))
+    for pid in zombies:
+        if pid not in own:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 class Records:

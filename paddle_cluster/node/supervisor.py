@@ -324,13 +324,13 @@ class Supervisor:
         """Keep procs.json's list of descendants current and reap the orphans the agent adopted."""
         while not stop.wait(TRACK_S):
             with self.spawn_lock:
-                table = procs.process_table()
+                table, zombies = procs.subtree(os.getpid()) or (procs.process_table(), None)
                 if self.records is not None:
                     try:
                         self.records.track(table)
                     except OSError:
                         pass  # a full disk: the record stays as it was; teardown scans /proc anyway
-                procs.reap_orphans(table, {p.pid for p in self.popens.values()})
+                procs.reap_orphans(table, {p.pid for p in self.popens.values()}, zombies)
 
 
 def _accepts(e: Any) -> bool:
