@@ -22,7 +22,10 @@ _TAG = bytes.fromhex("a8061dc1305136c6c22b8baf0c0127a9")
 
 def _libcrypto() -> Any:
     """A ``Poly1305`` class over libcrypto's EVP_MAC (OpenSSL 3), or raises."""
-    lib = ctypes.CDLL(ctypes.util.find_library("crypto") or "libcrypto.so.3")
+    try:  # by its OpenSSL 3 soname first: find_library runs ldconfig, ~12-30 ms in every pserver and trainer
+        lib = ctypes.CDLL("libcrypto.so.3")
+    except OSError:
+        lib = ctypes.CDLL(ctypes.util.find_library("crypto") or "libcrypto.so.3")
     vp, size = ctypes.c_void_p, ctypes.c_size_t
     lib.EVP_MAC_fetch.restype = vp
     lib.EVP_MAC_fetch.argtypes = [vp, ctypes.c_char_p, ctypes.c_char_p]
