@@ -4,7 +4,10 @@ Needs root (``tests/sshcluster.py``). ``run`` is driven through the CLI exactly 
 trainer prints its wall-clock start time, so "ready" is when the last trainer of the job started (the
 launcher starts trainers only after every pserver listens). Dispatch is timed through the launcher's own
 ``deliver`` (the node sessions of ``run``, without the agents), against ``scp`` of the same file. The floor is
-what each node costs whatever the launcher does: one SSH command, one interpreter.
+what each node costs whatever the launcher does: one SSH command, one interpreter. Every launch, dispatch and
+``scp`` also reports its CPU: the launcher's (with its ``ssh`` children) and every host's (its cgroup), so the
+goals can show the bound (launcher + hosts) / cores beside the time. The launch, floor and 1 Gbit/s dispatch
+rows are measured again on hosts whose login shell reads no rc file (``plain_``), in the same run.
 """
 
 from __future__ import annotations
