@@ -232,8 +232,11 @@ class SSHCluster:
                 stdin=subprocess.DEVNULL, stdout=errf, stderr=errf, start_new_session=True)
         self._procs.append(proc)
         if self._cgroups:  # before sshd's first fork (nothing connects before _wait_listening), so it counts all
-            self._cgroups[i].mkdir()
-            (self._cgroups[i] / "cgroup.procs").write_text(str(proc.pid))
+            try:
+                self._cgroups[i].mkdir()
+                (self._cgroups[i] / "cgroup.procs").write_text(str(proc.pid))
+            except OSError:  # a cgroup tree we may not use after all: no accounting (teardown removes what was made)
+                self._cgroups = []
 
     def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
