@@ -4,9 +4,10 @@ goal, met or missed, or skipped with the reason its section gave.
 A data-path goal also gets its CPU bound (docs/benchmarks.md, "CPU bounds"): the best ratio this many cores
 allow given the work each side must do, from the CPU per step measured in the same run (``m["cpu"]``). Our
 least work for a step is raw TCP's CPU per byte times the bytes the step moves, plus the pserver's SGD path
-measured alone. It is computed only where both sides are CPU-bound (their processes wanted at least ``CPU_BOUND``
-of the cores over their repetitions: running, or ready and waiting for a core): there a side's time is its CPU
-over the cores. Ours spending more than its least CPU by more than ``1 / FAR`` is ours to fix.
+measured alone. It is computed only where both sides are CPU-bound: their processes wanted at least
+``CPU_BOUND`` of the cores over their repetitions (running, or ready and waiting for a core) and the
+machine's cores were that busy (by them or others); there a side's time is its CPU over the cores. Ours
+spending more than its least CPU by more than ``1 / FAR`` is ours to fix.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
     if eff > 1 / FAR:  # less than the least: the rows' CPU per byte differed (other load, caches), not ours
         return None, (f"no CPU bound: ours spent {1 / eff:.2f}x the least its work needs, so the rows did not "
                       f"cost the same per byte (other load between them); {busy}; {work}"), eff, lower
-    if min(cpu[k].wanted for k in sides) < CPU_BOUND * cores:
-        return None, f"no CPU bound (a side wanted < {CPU_BOUND * cores:.1f} cores): {busy}; {work}", eff, lower
+    # CPU-bound: it wanted the cores, and they were all busy (had some been idle, it would have had them)
+    if any(min(cpu[k].wanted, cpu[k].machine_busy) < CPU_BOUND * cores for k in sides):
+        return None, (f"no CPU bound (a side wanted < {CPU_BOUND * cores:.1f} cores, or the machine had them idle): "
+                      f"{busy}; {work}"), eff, lower
     return (least / other if lower else other / least), f"{work}; {busy}", eff, lower
 
 

@@ -13,11 +13,11 @@ MB = 1 << 20
 CORES = os.cpu_count() or 1
 
 
-def _cpu(per_step: float, busy: float, wanted: float = 0.0) -> Cpu:
+def _cpu(per_step: float, busy: float, wanted: float = 0.0, machine: float = 0.0) -> Cpu:
     """A side that spent ``per_step`` CPU seconds per step keeping ``busy`` of the cores busy and wanting
-    ``wanted`` of them (busy or waiting for one), over 5 steps."""
+    ``wanted`` of them (busy or waiting for one) while the machine's cores were ``machine`` busy, over 5 steps."""
     wall = 5 * per_step / (busy * CORES)
-    return Cpu(5 * per_step, wall, 5, 5 * per_step, {}, max(0.0, wanted - busy) * CORES * wall)
+    return Cpu(5 * per_step, wall, 5, max(busy, machine) * CORES * wall, {}, max(0.0, wanted - busy) * CORES * wall)
 
 
 def _goal(m, name):
@@ -44,10 +44,13 @@ def test_no_bound_unless_both_sides_want_the_cores():
                  "zmq": _cpu(0.150, 0.5)}}
     t = _goal(m, "ours / pyzmq PS")
     assert t.bound is None and t.verdict == "MISS (no CPU bound)"
-    assert t.detail.startswith(f"no CPU bound (a side wanted < {0.8 * CORES:.1f} cores)")
+    assert t.detail.startswith(f"no CPU bound (a side wanted < {0.8 * CORES:.1f} cores, or the machine had them")
     assert f"zmq {0.5 * CORES:.2f} busy / {0.5 * CORES:.2f} wanted" in t.detail
+    # wanting the cores while some were idle: not CPU-bound
+    m["cpu"]["zmq"] = _cpu(0.150, 0.5, wanted=0.9, machine=0.6)
+    assert _goal(m, "ours / pyzmq PS").bound is None
     # the same CPU, but half the cores were taken by other processes while pyzmq waited for them: CPU-bound
-    m["cpu"]["zmq"] = _cpu(0.150, 0.5, wanted=0.9)
+    m["cpu"]["zmq"] = _cpu(0.150, 0.5, wanted=0.9, machine=1.0)
     t = _goal(m, "ours / pyzmq PS")
     assert t.bound == pytest.approx(0.150 / 0.080)
     assert t.verdict == "MISS (beyond its CPU bound 1.88: uneven load, see the CPU figures)"  # measured 2.0
