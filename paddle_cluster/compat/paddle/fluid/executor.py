@@ -87,8 +87,12 @@ class Session:
         for name, grads in per_table.items():
             g = L.SparseGrad.merge(grads)
             ps.push_sparse(name, g.ids, g.rows)
-        pulled = ps.push_pull({p.name: p.param.grad for p in self.dense})  # the next step's values, same trip
-        self.ready = (ps.step, pulled)
+        grads = {p.name: p.param.grad for p in self.dense}
+        if ps.mode == "sync":  # the next step's values are fixed once every trainer pushed: same round trip
+            pulled = ps.push_pull(grads)
+            self.ready = (ps.step, pulled)
+        else:  # async: the next pull, made when it is needed, sees the other trainers' latest pushes
+            ps.push(grads)
         return values
 
     def close(self) -> None:
