@@ -1,8 +1,9 @@
 """``python -m bench.profile``: where one dense push+pull's time goes (the numbers behind docs/benchmarks.md).
 
 Two pservers and ``--trainers`` trainers as separate processes, a ``--mb`` MB model in 4 MB blocks, SGD;
-prints, for a step as ``push`` then ``pull`` and as one ``push_pull``, the median step (and its push and
-pull) and each process's CPU time per step (user, system), so a step can be read as CPU work vs waiting.
+prints, for a step as ``push`` then ``pull`` and as one ``push_pull`` (``ROUNDS`` alternating rounds of
+``--steps`` each), the median step (and its push and pull) and each process's CPU time per step (user,
+system), so a step can be read as CPU work vs waiting.
 ``--off``: integrity off. ``--perf FILE``: also record the processes with ``perf record -g`` for
 ``perf report -i FILE --no-children --sort dso,sym``.
 """
@@ -32,8 +33,10 @@ g = np.ones_like(w)
 for _ in range(2):
     ps.push_pull({{"w": g}})
 print("READY", flush=True)
-for phase in ("apart", "push_pull"):
-    sys.stdin.readline()
+while True:
+    phase = sys.stdin.readline().strip()
+    if not phase:
+        break
     t = {{"push": [], "pull": [], "step": []}}
     for _ in range({steps}):
         t0 = time.perf_counter()
@@ -43,10 +46,11 @@ for phase in ("apart", "push_pull"):
             ps.push_pull({{"w": g}}); t1 = t0
         t2 = time.perf_counter()
         t["push"].append(t1 - t0); t["pull"].append(t2 - t1); t["step"].append(t2 - t0)
-    print(json.dumps({{k: sorted(v)[len(v) // 2] for k, v in t.items()}}), flush=True)
+    print(json.dumps(t), flush=True)
 ps.close()
 """
 PHASES = (("apart", "push then pull"), ("push_pull", "push_pull"))
+ROUNDS = 3  # the phases alternate, a round of each at a time, so neither gets the load of a moment alone
 
 
 def cpu(pid: int) -> Tuple[float, float]:
@@ -75,20 +79,30 @@ def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[st
             time.sleep(0.5)
         names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
         lines = [f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB"]
-        for _, label in PHASES:
-            before = [cpu(p) for p in pids]
-            for p in tr:
-                p.stdin.write(b"\n")
-                p.stdin.flush()
-            med = [json.loads(p.stdout.readline()) for p in tr][0]
-            after = [cpu(p) for p in pids]
-            per = [(n, 1e3 * (a[0] - b[0]) / steps, 1e3 * (a[1] - b[1]) / steps)
-                   for n, b, a in zip(names, before, after)]
+        times = {ph: {"push": [], "pull": [], "step": []} for ph, _ in PHASES}
+        used = {ph: [(0.0, 0.0)] * len(pids) for ph, _ in PHASES}
+        for _ in range(ROUNDS):
+            for ph, _ in PHASES:
+                before = [cpu(p) for p in pids]
+                for p in tr:
+                    p.stdin.write(ph.encode() + b"\n")
+                    p.stdin.flush()
+                for k, v in [json.loads(p.stdout.readline()) for p in tr][0].items():
+                    times[ph][k] += v
+                used[ph] = [(u + a[0] - b[0], s + a[1] - b[1])
+                            for (u, s), b, a in zip(used[ph], before, [cpu(p) for p in pids])]
+        for p in tr:
+            p.stdin.write(b"\n")
+            p.stdin.flush()
+        n = ROUNDS * steps
+        for ph, label in PHASES:
+            med = {k: sorted(v)[len(v) // 2] for k, v in times[ph].items()}
+            per = [(name, 1e3 * u / n, 1e3 * s / n) for name, (u, s) in zip(names, used[ph])]
             total = sum(u + s for _, u, s in per)
             split = f"push {1e3 * med['push']:.1f} / pull {1e3 * med['pull']:.1f} / " if med["push"] else ""
             lines.append(f"  {label}: step {split}push+pull {1e3 * med['step']:.1f} ms "
                          f"({2 * trainers * size / med['step'] / 1e9:.2f} GB/s); CPU ms per step (user+sys): "
-                         + ", ".join(f"{n} {u:.0f}+{s:.0f}" for n, u, s in per)
+                         + ", ".join(f"{name} {u:.0f}+{s:.0f}" for name, u, s in per)
                          + f"; total {total:.0f} ms = {total / (1e3 * med['step']):.2f} cores")
         if rec:
             rec.send_signal(signal.SIGINT)
