@@ -197,7 +197,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script)
     for note in settled.notes:
         _say(note)
-    spec = JobSpec(settled.cfg, job_name or default_job_name(), dispatch_dir, workspace, tuple(trainer_args),
+    spec = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace, tuple(trainer_args),
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
                    tuple(settled.init.items()), verbose)
     if cfg.backend != "slurm":
@@ -366,7 +366,7 @@ def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str
 
     cfg = _config(ctx)
     opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pserver_requests, trainer_requests)
-    job = opts.build(cfg, job_name or default_job_name(), workspace, tuple(trainer_args))
+    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args))
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
              "built-in default's counts (--pservers/--trainers set them)")

@@ -136,3 +136,20 @@ def test_plan_with_wrong_types_is_refused():
     doc["plan"]["environ"]["PADDLE_X"] = 1
     with pytest.raises(m.MessageError, match="object of strings"):
         m.decode(json.dumps(doc))
+
+
+def test_default_job_names_of_one_config_never_repeat(tmp_path, monkeypatch):
+    """Two runs started within one second get two job directories, not one refused as "already exists"."""
+    from paddle_cluster.launch import journal
+    from paddle_cluster.launch.plan import default_job_name
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    cfg = spec().cfg
+    names = []
+    for _ in range(3):
+        names.append(default_job_name(cfg))
+        journal.remember(cfg, names[-1], None)
+        journal.record_outcome(cfg, names[-1], 0, "finished", "")
+    assert len(set(names)) == 3 and all(n.startswith("JOB") for n in names), names
+    if names[0][:17] == names[2][:17]:  # all three within one second
+        assert names[1:] == [names[0] + "-2", names[0] + "-3"], names

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set
 
 from .config import ClusterConfig
 from .errors import ClusterError
@@ -63,6 +63,12 @@ def _latest(cfg: ClusterConfig) -> Dict[str, Any]:
     if not isinstance(doc.get("latest"), str):
         raise ClusterError("no job of this configuration was started from this machine; name one with --job_name")
     return doc
+
+
+def job_names(cfg: ClusterConfig) -> Set[str]:
+    """The names of this config's jobs the journal still knows (the latest, and those with an outcome)."""
+    doc = _read(cfg)
+    return {n for n in [doc.get("latest"), *doc.get("outcomes", {})] if isinstance(n, str)}
 
 
 def latest_job(cfg: ClusterConfig) -> str:

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node.messages import NodePlan, ProcPlan
 
+from . import journal
 from .config import ClusterConfig
 
 
@@ -60,8 +61,15 @@ class JobSpec:
         return self.resume_root or f"{self.job_dir}/checkpoints"
 
 
-def default_job_name() -> str:
-    return datetime.now().strftime("JOB%Y%m%d%H%M%S")
+def default_job_name(cfg: ClusterConfig) -> str:
+    """``JOB<date><time>``, with ``-2``, ``-3``... when a job of this config already has that name: two runs
+    started within one second would otherwise meet in one job directory."""
+    stamp = datetime.now().strftime("JOB%Y%m%d%H%M%S")
+    used, name, k = journal.job_names(cfg), stamp, 1
+    while name in used:
+        k += 1
+        name = f"{stamp}-{k}"
+    return name
 
 
 @dataclass(frozen=True)
