@@ -6,7 +6,7 @@ launcher starts trainers only after every pserver listens). Dispatch is timed th
 ``deliver`` (the node sessions of ``run``, without the agents), against ``scp`` of the same file. The floor is
 what each node costs whatever the launcher does: one SSH command, one interpreter. Every launch, dispatch and
 ``scp`` also reports its CPU: the launcher's (with its ``ssh`` children) and every host's (its cgroup), so the
-goals can show the bound (launcher + hosts) / cores beside the time. The launch, floor and 1 Gbit/s dispatch
+goals can show the bound (launcher + hosts) / cores beside the time. The launch, floor and dispatch
 rows are measured again on hosts whose login shell reads no rc file (``plain_``), in the same run.
 """
 
@@ -82,8 +82,8 @@ def _run_cli(cl, conf: Path, ws: Path, n: int) -> Tuple[float, float, float]:
 
 def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_counts=(1, 3, 8),
         dispatch_reps: int = 3) -> Dict[str, Any]:
-    """Every row on the machine as it is, and the launch, floor and 1 Gbit/s dispatch rows again with hosts whose
-    login shell reads no rc file (``plain_``), in one run on one cluster."""
+    """Every row on the machine as it is, and the launch, floor and dispatch rows again with hosts whose login
+    shell reads no rc file (``plain_``, ``plainslow_``), in one run on one cluster."""
     sc = sshcluster_module()
     out: Dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
@@ -104,12 +104,14 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_cou
         cl.set_plain_shell(False)
         # -- dispatch of a big workspace, on 1 Gbit/s links (the launcher's own link too) --------------------
         big, blob = _workspace_of(work / "big", dispatch_mb)
+        small, small_blob = _workspace_of(work / "small", dispatch_mb // 4)
+        top = (max(dispatch_counts),)
         for rate, key, ws_dir, file, hosts in (("1gbit", "", big, blob, dispatch_counts),
                                                # where the shared cores are not the limit (see docs)
-                                               ("100mbit", "slow_", *_workspace_of(work / "small", dispatch_mb // 4),
-                                                (max(dispatch_counts),)),
-                                               ("1gbit", "plain_", big, blob, dispatch_counts)):
-            cl.set_plain_shell(key == "plain_")
+                                               ("100mbit", "slow_", small, small_blob, top),
+                                               ("1gbit", "plain_", big, blob, dispatch_counts),
+                                               ("100mbit", "plainslow_", small, small_blob, top)):
+            cl.set_plain_shell(key.startswith("plain"))
             for i in range(cl.n):
                 cl.shape(i, rate)
             cl.shape_uplink(rate)
@@ -335,15 +337,16 @@ def report(out: Dict[str, Any], c: Dict[str, Any], add, m: Dict[str, Any]) -> No
                  (f"{key}dispatch_again_step", "  of which the workspace step (go -> job dirs)", "", 3),
                  (f"{key}scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s{suffix}", f"{key}scp", 1)]
     top = max(c["dispatch_counts"])
-    rows += [(f"slow_dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links",
-              "slow_dispatch", top),
-             (f"slow_dispatch_moved_{top}", "  of which the sending (go -> trees in place)", "", top),
-             ("slow_scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s", "slow_scp", 1)]
+    for key, suffix in (("slow_", ""), ("plainslow_", PLAIN)):
+        rows += [(f"{key}dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links{suffix}",
+                  f"{key}dispatch", top),
+                 (f"{key}dispatch_moved_{top}", "  of which the sending (go -> trees in place)", "", top),
+                 (f"{key}scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s{suffix}", f"{key}scp", 1)]
     for key, label, cpu, n in rows:
         if key not in out:
             continue
         st = out[key]
-        prefix = next((p for p in ("slow_", "plain_") if key.startswith(p)), "")
+        prefix = next((p for p in ("plainslow_", "slow_", "plain_") if key.startswith(p)), "")
         good = out[prefix + ("scp_ok" if key.endswith("scp") else "dispatch_ok")]
         add(Row("launcher", label, st.median, "s", st.spread(), check="ok" if good else "FAILED",
                 note=_cpu_note(out, cpu, n) if cpu else "", extra=st.to_dict()))

@@ -131,9 +131,10 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
             t(f"dispatch to {n} host(s) / scp to 1 (1 Gbit/s){shell}", ratio(f"{key}dispatch_full_{n}", f"{key}scp"),
               "<= 1.3", lambda v: v <= 1.3, why or launcher.dispatch_detail(m, key, n))
     top = max(cfg["dispatch_counts"])
-    t(f"dispatch to {top} hosts / scp to 1 (100 Mbit/s: the cores not the limit)",
-      ratio(f"slow_dispatch_full_{top}", "slow_scp"), "<= 1.3", lambda v: v <= 1.3,
-      why or launcher.dispatch_detail(m, "slow_", top))
+    for key, shell in (("slow_", ""), ("plainslow_", ", plain shell")):
+        t(f"dispatch to {top} hosts / scp to 1 (100 Mbit/s: the cores not the limit){shell}",
+          ratio(f"{key}dispatch_full_{top}", f"{key}scp"), "<= 1.3", lambda v: v <= 1.3,
+          why or launcher.dispatch_detail(m, key, top))
     t("unchanged re-dispatch: workspace step (s)", m.get("dispatch_again_step"), "< 0.3 s", lambda v: v < 0.3,
       skipped.get("launcher", ""))
     for what, k, r, _peak, _idle in m.get("mem", []):
