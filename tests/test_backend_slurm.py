@@ -216,3 +216,21 @@ def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch
     with pytest.raises(ClusterError, match="looking up Slurm job 999999"):
         job_info("999999")
     assert active("999999") is None
+
+
+def test_node_directories_are_only_node_n_directories(tmp_path):
+    """A dispatched workspace is the shared job directory: its own files named node* are not nodes."""
+    from paddle_cluster.launch.config import load_config
+    from paddle_cluster.launch.slurm_ops import _node_dirs
+
+    conf = tmp_path / "conf.py"
+    conf.write_text(f"HOSTS = ['localhost']\nROOT_DIR = {str(tmp_path / 'root')!r}\n")
+    cfg = load_config(str(conf))
+    top = Path(cfg.job_dir("j"))
+    for name in ("node10", "node2", "node0", "nodeX"):
+        (top / name).mkdir(parents=True)
+    (top / "nodes.txt").write_text("a\n")
+    (top / "node_config.py").write_text("x = 1\n")
+    (top / "node3").write_text("a file, not a node\n")
+    assert [Path(d).name for d in _node_dirs(cfg, "j")] == ["node0", "node2", "node10"]
+    assert _node_dirs(cfg, "missing") == []

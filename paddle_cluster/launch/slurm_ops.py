@@ -3,8 +3,8 @@ holds each node's records and logs (``backends/slurm.py`` for the layout)."""
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 from typing import Callable, List, Optional
 
 from paddle_cluster.node import jobdir, procs
@@ -46,7 +46,15 @@ def _job_id(cfg: ClusterConfig, name: str) -> str:
 
 
 def _node_dirs(cfg: ClusterConfig, name: str) -> List[str]:
-    return sorted(glob.glob(f"{cfg.job_dir(name)}/node*"), key=lambda p: int(p.rsplit("node", 1)[1] or 0))
+    """Each node's directory, in node order. Only ``node<N>`` directories: a dispatched workspace is the
+    shared job directory, and its own files may start with "node" too."""
+    top = cfg.job_dir(name)
+    try:
+        found = [(int(e.name[4:]), e.path) for e in os.scandir(top)
+                 if re.fullmatch(r"node\d+", e.name) and e.is_dir()]
+    except OSError:
+        return []
+    return [path for _, path in sorted(found)]
 
 
 def kill(cfg: ClusterConfig, name: str) -> str:
