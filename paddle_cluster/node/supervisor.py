@@ -268,9 +268,10 @@ class Supervisor:
 
         def exited(code: int) -> None:
             rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
-            if code < 0 and procs.kill_requested(self.plan.job_dir):
+            if code < 0 and not rec.get("stopped") and procs.kill_requested(self.plan.job_dir):
                 # A kill that signals the whole job at once (Slurm's scancel) reaches this process before the
-                # agent's own handler runs: say it is a kill before its exit reads as a failure.
+                # agent's own handler runs: say it is a kill before its exit reads as a failure. (One the agent
+                # stopped itself was recorded and said by ``_stopping`` already.)
                 rec["stopped"] = "kill"
                 self.emit(m.Stopping, reason="stopped by paddle-cluster kill", by_kill=True)
             try:
