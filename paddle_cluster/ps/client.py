@@ -91,6 +91,7 @@ class PSClient:
         self._closed = False
         self._lock = threading.Lock()
         self._outstanding: List[PushHandle] = []
+        self._brought: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) finish_step brought
         # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
         # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
         io_timeout = reply_timeout(env.barrier_timeout)
@@ -213,6 +214,22 @@ class PSClient:
         self._track(PushHandle(step, futures))
         self.wait()
         return dict(self._dense.values)
+
+    def finish_step(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> None:
+        """End a training step with its dense gradients. Sync mode: ``push_pull``, the next step's values
+        being fixed once every trainer pushed (``step_values`` returns them); async: ``push``, so the next
+        pull, made when it is needed, sees the other trainers' latest pushes."""
+        if self.mode == "sync":
+            values = self.push_pull(grads)
+            self._brought = (self.step, values)
+        else:
+            self.push(grads)
+
+    def step_values(self) -> Dict[str, np.ndarray]:
+        """The dense values for ``self.step``: those the last ``finish_step`` brought, unless the step moved on
+        since, else ``pull()`` (which waits for this trainer's last push: its gradient buffers are free)."""
+        brought, self._brought = self._brought, None
+        return brought[1] if brought is not None and brought[0] == self.step else self.pull()
 
     # -- sparse ---------------------------------------------------------------------------------------------
 

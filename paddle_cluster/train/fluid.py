@@ -180,7 +180,6 @@ class TrainerProgram:
         self.mode = mode
         self.client: Optional[PSClient] = None
         self.closed = False
-        self.ready: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) push_pull brought
 
     def _connect(self) -> PSClient:
         if self.closed:
@@ -198,18 +197,13 @@ class TrainerProgram:
 
     def step(self, feed: Mapping[str, Any]) -> Tuple[np.ndarray, Optional[float]]:
         ps = self._connect()
-        ready, self.ready = self.ready, None  # a pull waits for our last push: its gradient buffers are free
-        L.set_dense_values(self.program.model, ready[1] if ready is not None and ready[0] == ps.step else ps.pull())
+        L.set_dense_values(self.program.model, ps.step_values())
         L.zero_grads(self.program.model)
         pred, loss = self.program.forward(feed)
         if loss is None:
             raise FluidError(f"a training step needs the label {self.program.label!r} in the feed")
         self.program.backward()
-        if ps.mode == "sync":  # the next step's values are fixed once every trainer pushed: same round trip
-            pulled = ps.push_pull(L.dense_grads(self.program.model))
-            self.ready = (ps.step, pulled)
-        else:  # async: the next pull, made when it is needed, sees the other trainers' latest pushes
-            ps.push(L.dense_grads(self.program.model))
+        ps.finish_step(L.dense_grads(self.program.model))
         return pred, loss
 
     def save(self, dirname: str) -> str:

@@ -33,7 +33,6 @@ class Session:
         self.client: Optional[PSClient] = None
         self.closed = False
         self.dense: List[F.Parameter] = []
-        self.ready: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) push_pull brought
 
     def connect(self) -> PSClient:
         if self.closed:
@@ -68,8 +67,7 @@ class Session:
         """Copy the pservers' dense values for this step into the parameters (those the last step's
         ``push_pull`` brought, unless the step moved on since)."""
         ps = self.connect()
-        ready, self.ready = self.ready, None
-        values = ready[1] if ready is not None and ready[0] == ps.step else ps.pull()
+        values = ps.step_values()
         for p in self.dense:
             p.param.value[...] = values[p.name]
         return ps
@@ -87,12 +85,7 @@ class Session:
         for name, grads in per_table.items():
             g = L.SparseGrad.merge(grads)
             ps.push_sparse(name, g.ids, g.rows)
-        grads = {p.name: p.param.grad for p in self.dense}
-        if ps.mode == "sync":  # the next step's values are fixed once every trainer pushed: same round trip
-            pulled = ps.push_pull(grads)
-            self.ready = (ps.step, pulled)
-        else:  # async: the next pull, made when it is needed, sees the other trainers' latest pushes
-            ps.push(grads)
+        ps.finish_step({p.name: p.param.grad for p in self.dense})
         return values
 
     def close(self) -> None:
