@@ -110,7 +110,7 @@ def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, 
 
     try:
         fresh_dir(top, fill, "unpacking")
-    except UnsafeArchive:
+    except (UnsafeArchive, OSError):  # OSError: it was put in place between our check and our rename
         if _intact(root, sha) is None:
             raise
         # another launcher stored the same archive at the same moment: its tree is as good as ours
