@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for sel in np.array_split(rng.permutation(len(mine)), steps):
                 s = mine[sel]
                 b = Batch(ds, s[:, 0], s[:, 1])
-                set_dense_values(model, ps.pull())
+                set_dense_values(model, ps.step_values())
                 rows = {name: ps.pull_sparse(name, ids) for name, ids in b.ids().items()}
                 zero_grads(model)
                 diff = model.forward(b, rows) - s[:, 2]
@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 model.backward((2 * scale) * diff)
                 for name, g in sparse_grads(model).items():
                     ps.push_sparse(name, g.ids, g.rows * gscale)
-                ps.push({k: v * scale for k, v in dense_grads(model).items()})
+                ps.finish_step({k: v * scale for k, v in dense_grads(model).items()})  # sync: brings the next values
                 mse = float(np.mean(diff * diff)) if len(diff) else 0.0
                 mse_pass.add(mse, len(diff))
                 metrics.log(p, step, mse, samples=len(diff), rmse=math.sqrt(mse))

@@ -132,7 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for k, sel in enumerate(np.array_split(rng.permutation(len(mine)), steps)):
                 s = mine[sel]
                 ctx = s[:, :-1]
-                set_dense_values(model, ps.pull())
+                set_dense_values(model, ps.step_values())
                 zero_grads(model)
                 if len(s):
                     rows = ps.pull_sparse(EMB_TABLE, np.unique(ctx))
@@ -141,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     ps.push_sparse(EMB_TABLE, g.ids, g.rows)
                 else:  # a share smaller than the step count: push zeros so sync barriers still count us
                     loss = 0.0
-                ps.push(dense_grads(model))
+                ps.finish_step(dense_grads(model))  # sync: one exchange brings the next step's values
                 nll.add(loss, len(s))
                 nll_log.add(loss, len(s))
                 metrics.log(p, step, loss, samples=len(s), ppl=math.exp(min(loss, 50.0)))
