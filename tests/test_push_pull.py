@@ -4,9 +4,11 @@ and a pserver error or death in the middle of the exchange raised, never waited 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,7 +17,9 @@ from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import BarrierTimeout, ConnectionLost, OptimizerSpec, connect
+from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.channel import INLINE_REPLY_BYTES
+from paddle_cluster.ps.stream import SEGMENT
 
 BIG = 40 << 20  # per block: more than a pserver's send buffer and a trainer's receive buffer hold together
 
@@ -161,3 +165,99 @@ def test_pserver_killed_mid_push_pull_raises_connection_lost(tmp_path):
         for c in clients:
             c.close()
         pr.kill_all()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("integrity", [True, False])
+def test_a_pull_streams_each_segment_once_every_trainer_sent_it(tmp_path, integrity):
+    """One 2-segment block, 2 sync trainers: trainer 1 holds back the second segment of its push, and
+    trainer 0 already receives (and verifies) the first segment of its pull reply, with the step's value;
+    the rest follows once trainer 1 sends the rest, the whole frame bit-identical to push then pull."""
+    env = dataclasses.replace(H.make_env(1, 2, tmp_path, ports_num=1, sparse_ports=0), integrity=integrity)
+    n = SEGMENT // 2  # float32: 2 segments (a pserver lets one trainer run 2 segments ahead of another)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        clients = [connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, i))
+                   for i in range(2)]
+        try:
+            for c in clients:
+                c.register_dense({"w": np.zeros(n, np.float32)})
+            (block,) = clients[0]._dense.blocks["w"]
+            ch0, ch1 = (c._dense_ch[0][0] for c in clients)
+            g = {0: np.ones(n, np.float32), 1: np.full(n, 3.0, np.float32)}
+            hold = threading.Event()
+            gated = []
+
+            def gate(end: int) -> None:
+                if end > SEGMENT:
+                    gated.append(end)
+                    assert hold.wait(60)
+
+            push = {t: P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=block.key, step=0,
+                                     length=4 * n) for t in (0, 1)}
+            with ThreadPoolExecutor(2) as pool:
+                held = pool.submit(ch1.stream.send, push[1], g[1], ready=gate)
+                ch0.send(push[0], g[0])
+                ch0.send(P.pack_header(P.Op.PULL_DENSE, P.dtype_code(np.float32), key=block.key, step=1))
+                assert ch0.reply().op == P.Op.OK  # the push taken in
+                h = ch0.reply()
+                assert (h.op, h.key, h.step, h.length) == (P.Op.DATA, block.key, 1, 4 * n)
+                pieces = ch0.stream.chunks()
+                off, first = pool.submit(next, pieces).result(30)
+                assert off == 0 and len(first) == SEGMENT and not hold.is_set() and gated == [2 * SEGMENT]
+                assert np.all(np.frombuffer(first, np.float32) == np.float32(-0.5 * 2.0))  # mean 2, lr 0.5
+                hold.set()
+                held.result(30)
+                rest = [np.frombuffer(v, np.float32).copy() for _, v in pieces]
+                assert sum(len(r) for r in rest) == n - SEGMENT // 4
+                assert all(np.all(r == np.float32(-1.0)) for r in rest)
+                assert ch1.reply().op == P.Op.OK
+            clients[1].step = clients[0].step = 1
+            # both trainers' next step goes through the client as usual: the streams are still in step
+            outs = list(ThreadPoolExecutor(2).map(lambda c: c.push_pull({"w": g[c.trainer_id]}), clients))
+            for out in outs:
+                np.testing.assert_array_equal(out["w"], np.full(n, -2.0, np.float32))
+        finally:
+            for c in clients:
+                c.close()
+        assert H.wait_all(pr, [server], 15) == [0]
+
+
+@pytest.mark.timeout(90)
+def test_a_barrier_timeout_in_the_middle_of_a_streamed_reply_ends_that_connection_only(tmp_path):
+    """Trainer 1 stops after the first segment of its push: trainer 0 gets that segment of its pull reply,
+    then, at the barrier timeout, its connection breaks (the reply's header is out: an error frame now would
+    be read as payload). The pserver serves on: trainer 1's push completes the step."""
+    env = H.make_env(1, 2, tmp_path, ports_num=1, sparse_ports=0, barrier_timeout=2.0)
+    n = SEGMENT // 2
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        clients = [connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, i))
+                   for i in range(2)]
+        hold = threading.Event()
+        try:
+            for c in clients:
+                c.register_dense({"w": np.zeros(n, np.float32)})
+            (block,) = clients[0]._dense.blocks["w"]
+            ch0, ch1 = (c._dense_ch[0][0] for c in clients)
+            push = P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=block.key, step=0, length=4 * n)
+            with ThreadPoolExecutor(1) as pool:
+                held = pool.submit(ch1.stream.send, push, np.ones(n, np.float32),
+                                   ready=lambda end: end <= SEGMENT or hold.wait(60))
+                ch0.send(push, np.ones(n, np.float32))
+                ch0.send(P.pack_header(P.Op.PULL_DENSE, P.dtype_code(np.float32), key=block.key, step=1))
+                assert ch0.reply().op == P.Op.OK
+                assert ch0.reply().op == P.Op.DATA
+                pieces = ch0.stream.chunks()
+                assert next(pieces)[0] == 0
+                with pytest.raises(ConnectionLost, match="middle of a frame"):
+                    next(pieces)
+                assert server.poll() is None
+                hold.set()
+                held.result(30)
+                assert ch1.reply().op == P.Op.OK
+            assert clients[1].status()[0]["blocks"][str(block.key)]["step"] == 1
+        finally:
+            hold.set()
+            for c in clients:
+                c.close()

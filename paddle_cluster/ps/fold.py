@@ -4,7 +4,8 @@ A dense push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.
 of a block the first contribution of a step is received into an accumulator slot (copied there when no slot
 was free as it arrived), later ones are added to it
 in trainer order (the first two in either order: float addition commutes), and the last one is added,
-averaged and applied to the parameter while the segment is in cache; the slot goes back to the pool. With
+averaged and applied to the parameter while the segment is in cache; the slot goes back to the pool, and
+a pull waiting for the step sends the segment (``wait_segment``, ``handlers.pull_dense``). With
 one trainer a segment is applied straight from the receive buffer. So a pserver holds its parameters plus
 the segments some trainer has sent and another not yet -- bounded by ``AccPool``: a trainer that runs
 ahead by more than the pool waits (TCP holds its bytes), which costs nothing in sync mode, where every
@@ -16,6 +17,7 @@ same order on every element.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Set, Tuple
@@ -23,12 +25,14 @@ from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Set, Tuple
 import numpy as np
 
 from . import optim
+from .errors import ConnectionLost, PSError
 from .shards import DenseBlock
 from .stream import SEGMENT
 
 if TYPE_CHECKING:
     from .sync import Sync
 
+log = logging.getLogger("paddle_cluster.ps")
 POOL_BYTES = 2 << 20  # per pserver: how far one trainer may run ahead of another, summed over its blocks
 
 
@@ -174,7 +178,7 @@ def _fold(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, off: int,
                     return
             if s is not None:
                 _free(b, pool, i)
-            _segment_done(b, pool)
+            _segment_done(b, pool, i)
     finally:
         if mine is not None and not kept:  # its bytes were added (or not needed): the slot goes back
             pool.give(mine)
@@ -209,14 +213,32 @@ def _free(b: DenseBlock, pool: AccPool, i: int) -> None:
     pool.give(b.segs.pop(i).slot)
 
 
-def _segment_done(b: DenseBlock, pool: AccPool) -> None:
+def _segment_done(b: DenseBlock, pool: AccPool, i: int) -> None:
     b.segs_done += 1
+    b.applied.add(i)
     if b.segs_done == b.n_segs:
         b.segs_done = 0
+        b.applied.clear()
         b.step += 1
         b.pending.clear()
         pool.poke()
     b.cv.notify_all()
+
+
+def wait_segment(sync: Sync, b: DenseBlock, step: int, end: int, gone: Callable[[], bool]) -> None:
+    """Return once the segment of ``b`` ending at byte ``end`` holds its value of ``step`` (a sync pull sent
+    as the segments are applied). Past the first segment the reply's header is out, so a failure can no
+    longer be told in order: it ends the connection (``ConnectionLost``) and the trainer sees it break."""
+    i = (end - 1) // SEGMENT
+    with b.cv:
+        try:
+            sync.wait(b.cv, lambda: b.ready(i, step), step, f"pull {b.describe()} segment {i}",
+                      lambda: set(sync.active) - _who(b, i), gone)
+        except PSError as e:
+            if i == 0:
+                raise
+            log.warning("%s", e)
+            raise ConnectionLost(f"{e} (in the middle of a reply)") from None
 
 
 def close(sync: Sync, pool: AccPool, b: DenseBlock) -> None:
@@ -229,4 +251,4 @@ def close(sync: Sync, pool: AccPool, b: DenseBlock) -> None:
                 sync.apply_hyper(b, b.step)
                 _sgd(b, b.param.reshape(-1)[lo:lo + len(s.acc)], s.acc, None, len(s.who))
             _free(b, pool, i)
-            _segment_done(b, pool)
+            _segment_done(b, pool, i)

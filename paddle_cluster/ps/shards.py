@@ -58,9 +58,14 @@ class DenseBlock(Shard):
         self.segs: Dict[int, Any] = {}
         self.segs_done = 0
         self.n_segs = max(1, -(-self.nbytes // SEGMENT))
+        self.applied: Set[int] = set()  # segments already at ``step + 1`` (a pull of it may send them)
 
     def describe(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
+
+    def ready(self, i: int, step: int) -> bool:
+        """(Holding ``cv``.) Does segment ``i`` hold its value of ``step``?"""
+        return self.step >= step or (self.step == step - 1 and i in self.applied)
 
     @property
     def acc(self) -> np.ndarray:

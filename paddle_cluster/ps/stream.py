@@ -48,14 +48,24 @@ class Stream:
 
     # -- sending ---------------------------------------------------------------------------------------------
 
-    def send(self, header: bytes, *payload: Any, volatile: bool = False) -> None:
+    def send(self, header: bytes, *payload: Any, volatile: bool = False,
+             ready: Optional[Callable[[int], None]] = None) -> None:
         """Send one frame (header from ``protocol.pack_header``) with ``payload`` buffers, never joined.
 
         ``volatile``: the payload may change while it is sent (an async pull racing an update); each
-        segment is then copied before it is hashed, so the bytes sent are the bytes MACed."""
-        if self.keys is None:
+        segment is then copied before it is hashed, so the bytes sent are the bytes MACed. ``ready(end)``:
+        returns once the payload up to ``end`` (a segment's end) is final; called before that segment is
+        hashed or sent, the first time before the header is (a sync pull sent as its segments are applied)."""
+        if self.keys is None and ready is None:
             P.send_frame(self.sock, header, *payload)
             return
+        total = sum(len(P.byte_view(p)) for p in payload)
+        if ready is not None and total:
+            ready(min(SEGMENT, total))  # before anything is counted or sent: a failure here leaves no trace
+        if self.keys is None:
+            self._send_plain(header, payload, ready)
+            return
+        pos = 0
         mac = self.keys.send
         run = mac.start(self.tx_seq, header)
         self.tx_seq += 1
@@ -66,6 +76,8 @@ class Stream:
             v = P.byte_view(p)
             off = 0
             while off < len(v):
+                if ready is not None and room == SEGMENT and pos:
+                    ready(min(pos + SEGMENT, total))
                 piece = v[off:off + room]
                 if copy is not None:  # at its place in the segment: a segment may span two buffers
                     at = SEGMENT - room
@@ -74,6 +86,7 @@ class Stream:
                 run.update(piece)
                 out.append(piece)
                 off += len(piece)
+                pos += len(piece)
                 room -= len(piece)
                 if room == 0:
                     out.append(memoryview(run.tag()))
@@ -81,6 +94,19 @@ class Stream:
                     out, room = [], SEGMENT
         if room != SEGMENT:
             out.append(memoryview(run.tag()))
+        if out:
+            P.send_views(self.sock, out)
+
+    def _send_plain(self, header: bytes, payload: Tuple[Any, ...], ready: Any) -> None:
+        """``send`` without integrity of one payload buffer, a segment at a time as ``ready`` lets it."""
+        (v,) = [P.byte_view(p) for p in payload] or [memoryview(b"")]
+        out = [memoryview(header)]
+        for off in range(0, len(v), SEGMENT):
+            if off:
+                ready(min(off + SEGMENT, len(v)))
+            out.append(v[off:off + SEGMENT])
+            P.send_views(self.sock, out)
+            out = []
         if out:
             P.send_views(self.sock, out)
 
