@@ -35,10 +35,11 @@ def _tx_bytes(dev: str) -> int:
     return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
 
 
-def _deliver(c, tmp_path, ws, job, sent=None):
+def _deliver(c, tmp_path, ws, job, sent=None, **over):
     """Deliver ``ws`` as ``job`` with the launcher's own code; what it said. ``sent``: a list that gets the bytes
-    the launcher sent into the cluster network for the workspace (the library is installed before)."""
-    backend = SSHBackend(load_config(str(write_conf(tmp_path, c))))
+    the launcher sent into the cluster network for the workspace (the library is installed before); ``over``:
+    more conf keys."""
+    backend = SSHBackend(load_config(str(write_conf(tmp_path, c, **over))))
     said = []
     try:
         backend.probe_cluster(said.append, check_ports=False)
@@ -67,17 +68,35 @@ def test_a_refused_chain_link_falls_back_to_the_launcher(make_ssh_cluster, tmp_p
     c = make_ssh_cluster(3)
     ws = make_workspace(tmp_path / "ws")
     (ws / "data" / "blob.bin").write_bytes(os.urandom(1 << 20))
-    # node0 may not reach node1 (SSH from the launcher still works): its link down the chain is refused.
-    c.exec(0, ["ip", "route", "add", "prohibit", f"{c.ips[1]}/32"])
+    # No node may reach another (SSH from the launcher still works): every link down the chain is refused, in
+    # whatever order the nodes join it.
+    for i in range(3):
+        for j in range(3):
+            if i != j:
+                c.exec(i, ["ip", "route", "add", "prohibit", f"{c.ips[j]}/32"])
     said = _deliver(c, tmp_path, ws, "chain2")
     want = _tree_digest(ws)
     assert [_tree_digest(c.root_dir(i) / "chain2") for i in range(3)] == [want] * 3
-    line = next((x for x in said if x.startswith("node1: the chain link from node0 failed")), None)
-    assert line and f"cannot connect to {c.ips[1]}:" in line, said
-    assert line.endswith("the launcher sent it the workspace directly"), said
-    # No part file, FIFO or listener is left behind.
+    lines = [x for x in said if " the chain link from " in x]
+    assert len(lines) == 2, said  # the nodes after the first: each sent the workspace directly
+    for line in lines:
+        i = int(line[len("node"):line.index(":")])
+        assert f"cannot connect to {c.ips[i]}:" in line, said
+        assert line.endswith("the launcher sent it the workspace directly"), said
+    # No part file, FIFO, spool or listener is left behind.
     for i in range(3):
         assert not list((c.root_dir(i) / ".paddle_cluster" / "packages").iterdir())
+
+
+class _Orders(chain.Orders):
+    """Orders from a pipe: any line stops the receiver; no node follows it."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd)
+        self.forward = ""
+
+    def take(self) -> None:
+        self.stop = os.read(self.fd, 100).decode() or "ended"
 
 
 def test_a_link_without_the_token_gets_nothing(tmp_path):
@@ -88,7 +107,7 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
     got = {}
     out = open(tmp_path / "part", "wb")
     t = threading.Thread(target=lambda: got.update(
-        why=rx.receive("chain", "", token, sha, len(data), out, r_stop, lambda *a, **k: None)))
+        why=rx.receive("chain", token, sha, len(data), out, _Orders(r_stop), lambda *a, **k: None)))
     t.start()
     try:
         with pytest.raises(chain.LinkError):  # the receiver drops a wrong token
@@ -105,7 +124,7 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
         t.join(30)
         rx.close()
         out.close()
-    assert not os.path.exists(rx.fifo)
+    assert not os.path.exists(rx.fifo) and not os.path.exists(rx.where)
 
 
 def test_a_streamed_archive_is_cached_only_once_its_hash_is_right(tmp_path):
@@ -207,3 +226,72 @@ def test_a_failed_upload_stops_every_node_waiting_and_leaves_no_tree(make_ssh_cl
     monkeypatch.setenv("PATH", path)
     _deliver(c, tmp_path, ws, "up2")
     assert [_tree_digest(c.root_dir(i) / "up2") for i in range(3)] == [_tree_digest(ws)] * 3
+
+
+LATE_PYTHON = """#!/bin/sh
+# This node's session starts only once node0 has unpacked the first MiB of the workspace: it joins the chain
+# after the first bytes flowed. (A session without a workspace, the probe before, starts at once.)
+case "$*" in *'"job_dir":""'*) exec {python} "$@";; esac
+end=$(( $(date +%s) + 60 ))
+until find {root0}/.paddle_cluster/trees -path '*.unpacking-*' -name blob.bin -size +1024k 2>/dev/null | grep -q .; do
+  [ "$(date +%s)" -lt "$end" ] || {{ echo "node0 unpacked nothing within 60 s" >&2; exit 1; }}
+  sleep 0.05
+done
+touch /home/paddle/joined-late
+exec {python} "$@"
+"""
+
+
+def _late_joiners(c, nodes):
+    """PYTHON for ``c``: on ``nodes``, a wrapper whose session waits until node0 is receiving (see LATE_PYTHON)."""
+    for i in range(c.n):
+        wrapper = c.root_dir(i) / "python.sh"
+        wrapper.write_text(LATE_PYTHON.format(root0=c.root_dir(0), python=c.python) if i in nodes
+                           else f"#!/bin/sh\nexec {c.python} \"$@\"\n")
+        wrapper.chmod(0o755)
+        c.shape(i, "40mbit")  # 6 MiB take ~1.3 s a hop: the later nodes join while it flows
+    return "/home/paddle/python.sh"
+
+
+def test_later_nodes_join_the_chain_after_the_first_bytes_flowed(make_ssh_cluster, tmp_path):
+    """node1 and node2 come up only once node0 is receiving: each is linked in at the end of the chain, gets what
+    went by before it from the node before it (its spool) and then the live stream, and the launcher still sends
+    the archive once."""
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    sent = []
+    said = _deliver(c, tmp_path, ws, "late1", sent, PYTHON=_late_joiners(c, {1, 2}))
+    assert all((c.root_dir(i) / "joined-late").exists() for i in (1, 2))
+    assert [_tree_digest(c.root_dir(i) / "late1") for i in range(3)] == [_tree_digest(ws)] * 3
+    assert 6 << 20 < sent[0] < 1.3 * (6 << 20), f"the launcher sent {sent[0]} bytes for a 6 MiB workspace to 3 nodes"
+    assert not any("directly" in line for line in said), said
+    for i in range(3):  # no FIFO or spool is left
+        assert not list((c.root_dir(i) / ".paddle_cluster" / "packages").iterdir())
+
+
+def test_a_node_that_joins_late_and_fails_stops_the_dispatch_and_leaves_nothing(make_ssh_cluster, tmp_path):
+    """node2 joins after node0 is receiving, and cannot unpack (its cache is a 2 MB disk): the dispatch fails
+    naming node2 and why, every node stops (no session left), and no node keeps a tree, a job directory, a FIFO or
+    a spool -- node0 and node1 had the whole archive, and drop it too. Then, with room again, it lands."""
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    python = _late_joiners(c, {1, 2})
+    small = c.root_dir(2) / ".paddle_cluster" / "trees"
+    small.mkdir(parents=True, exist_ok=True)
+    c.exec(2, ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", "/home/paddle/.paddle_cluster/trees"])
+    try:
+        with pytest.raises(ClusterError) as e:
+            _deliver(c, tmp_path, ws, "fail1", PYTHON=python)
+        assert "node2" in str(e.value) and "No space left on device" in str(e.value), str(e.value)
+        assert "node0" not in str(e.value) and "node1" not in str(e.value), str(e.value)
+        for i in range(3):
+            wait_for(lambda i=i: c.pids(i) == [], 30, f"node{i}'s session to end")
+            assert not any((c.root_dir(i) / ".paddle_cluster" / "trees").iterdir()), i
+            assert not (c.root_dir(i) / "fail1").exists()
+            assert not list((c.root_dir(i) / ".paddle_cluster" / "packages").iterdir())
+    finally:
+        c.exec(2, ["umount", "/home/paddle/.paddle_cluster/trees"])
+    _deliver(c, tmp_path, ws, "fail2", PYTHON=python)
+    assert [_tree_digest(c.root_dir(i) / "fail2") for i in range(3)] == [_tree_digest(ws)] * 3

@@ -1,13 +1,15 @@
-"""Sending a workspace archive to the nodes that lack it, once over the launcher's uplink: the launcher feeds
-the first such node over SSH, and each forwards what it receives to the next as it arrives (``node/chain.py``).
-A node whose chain link fails is sent the archive by the launcher directly, which is said in one line.
+"""Sending a workspace archive to the nodes that lack it, once over the launcher's uplink: the launcher feeds the
+first such node over SSH as soon as its session says it lacks it, and each node that says so later joins the end
+of the chain while it runs; every node forwards what it receives to the next (``node/chain.py``). A node whose
+chain link fails is sent the archive by the launcher directly, which is said in one line.
 """
 
 from __future__ import annotations
 
-import tempfile
+import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY
@@ -15,7 +17,6 @@ from paddle_cluster.node.session import REPLY
 from . import delta, dispatch
 from .dispatch import Package
 from .errors import HostError
-from .hosts import Node, fanout
 from .session import NodeSession
 
 Progress = Callable[[str, int], Callable[[int, int], None]]
@@ -25,86 +26,171 @@ Progress = Callable[[str, int], Callable[[int, int], None]]
 class Need:
     """A node that lacks the archive: its session, the FIFO the launcher writes into, its listener."""
 
-    node: Node
     session: NodeSession
     fifo: str
     listener: str  # host:port on its PADDLE_NIC address
     base: str = ""  # the hash of its most recent cached tree (what a changed workspace can be sent against)
 
-
-def send_all(needs: List[Need], pkg: Package, directory: str, job_dir: str, bar: Progress) -> List[str]:
-    """Put the workspace ``pkg`` (packed from ``directory``) on every node of ``needs``: one chain per tree they
-    hold, each sent only the files changed since that tree when this launcher made it too; the lines to say."""
-    told: List[str] = []
-    groups: Dict[str, List[Need]] = {}
-    for nd in needs:
-        groups.setdefault(nd.base, []).append(nd)
-    with tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-") as tmp:
-        for base, group in groups.items():
-            made = delta.make(pkg, directory, dispatch.workspace_cache_dir(), base, tmp) if base else None
-            if made is None:
-                told += send(group, pkg, job_dir, bar)
-                continue
-            part, count = made
-            told.append(f"{', '.join(nd.node.name for nd in group)}: sent only the {count} changed file(s) "
-                        f"({_size(part.size)} of {_size(pkg.size)}) against the workspace held there")
-            told += send(group, part, job_dir, bar, base, pkg)
-    return told
+    @property
+    def name(self) -> str:
+        return self.session.node.name
 
 
-def send(needs: List[Need], pkg: Package, job_dir: str, bar: Progress, base: str = "",
-         whole: Optional[Package] = None) -> List[str]:
-    """Put ``pkg`` on every node of ``needs`` (in this order down the chain): the workspace archive, or with
-    ``base`` a delta against that tree (a node that cannot use it is sent ``whole``); the lines to tell the user."""
-    told: List[str] = []
-    at: Dict[int, int] = {nd.node.index: k for k, nd in enumerate(needs)}
-    broken: Dict[int, str] = {}  # chain position -> why the link into it failed, as its sender said
+class Stopped(Exception):
+    """This node's part ended because the dispatch failed on another node (that one's error is the one to say)."""
 
-    def feed(nd: Need, it: Package, forward: str = "", on: str = "") -> None:
-        nd.session.send(m.Fetch("launcher", forward, it.sha256, it.size, on))
+
+class Dispatch:
+    """One workspace dispatch (``pkg``, packed from ``directory``) to ``nodes`` sessions. Each says whether it
+    lacks the archive (``join``) or holds it (``settled``) as soon as it is up; a node that lacks it is put at
+    the end of the chain of what it is to be sent (the whole archive, or the changed files against the tree it
+    holds, when this launcher made that tree too), the first of a chain fed by the launcher. Once every node
+    has said, the last of each chain is told no one follows it. ``abort`` stops every node of the dispatch."""
+
+    def __init__(self, pkg: Package, directory: str, job_dir: str, nodes: int, bar: Progress, tmp: str) -> None:
+        self.pkg, self.directory, self.job_dir, self.bar, self.tmp = pkg, directory, job_dir, bar, tmp
+        self.started: Optional[float] = None  # when the launcher began to send (time.perf_counter)
+        self.failed = False
+        self._lock = threading.Lock()
+        self._pending = nodes
+        self._tails: Dict[str, Need] = {}  # archive sha -> the last node of its chain, told of no successor yet
+        self._after: Dict[str, Need] = {}  # node name -> the node after it
+        self._before: Dict[str, Need] = {}
+        self._members: List[Need] = []
+        self._deltas: Dict[str, Optional[Tuple[Package, int]]] = {}  # base -> the delta against it, and its files
+        self._by_delta: Dict[str, List[str]] = {}  # base -> the nodes sent that delta
+        self._told: List[str] = []
+        self._broken: Dict[str, str] = {}  # node name -> why the link into it failed, as its sender said
+
+    # -- who goes where ----------------------------------------------------------------------------------------
+    def settled(self) -> None:
+        """A node holds the archive."""
+        with self._lock:
+            self._settle()
+
+    def join(self, nd: Need) -> None:
+        """Put ``nd`` at the end of its chain, and receive the archive there (or from the launcher, at the head
+        of a chain, or when its link fails); returns once the node has it whole and unpacked."""
+        with self._lock:
+            if self.failed:
+                raise Stopped()
+            it, on = self.pkg, ""
+            made = self._delta(nd.base) if nd.base else None
+            if made is not None:
+                it, on = made[0], nd.base
+                self._by_delta[on].append(nd.name)
+            tail = self._tails.get(it.sha256)
+            self._tails[it.sha256] = nd
+            self._members.append(nd)
+            if tail is not None:
+                self._before[nd.name], self._after[tail.name] = tail, nd
+                nd.session.send(m.Fetch("chain", it.sha256, it.size, on))
+                tail.session.send(m.Forward(nd.listener))
+            self._settle()
         try:
-            nd.node.put(it.path, nd.fifo, bar(nd.node.name, it.size))
+            self._receive(nd, it, on, direct=tail is None)
+        except Exception:
+            if self.failed:
+                raise Stopped() from None
+            raise
+
+    def abort(self, why: str) -> bool:
+        """Stop every node of the dispatch; False when it had been stopped already (by another node's failure)."""
+        with self._lock:
+            if self.failed:
+                return False
+            self.failed = True
+            members = list(self._members)
+        for nd in members:
+            try:
+                nd.session.send(m.Abort(why))
+            except Exception:  # noqa: BLE001 - its session may be gone: it stops by itself then
+                pass
+        return True
+
+    def lines(self) -> List[str]:
+        """What to tell the user: what went as deltas, and the nodes the launcher had to feed directly."""
+        out = []
+        for base, names in self._by_delta.items():
+            made = self._deltas[base]
+            if names and made is not None:
+                out.append(f"{', '.join(sorted(names))}: sent only the {made[1]} changed file(s) "
+                           f"({_size(made[0].size)} of {_size(self.pkg.size)}) against the workspace held there")
+        return out + sorted(self._told)
+
+    def _settle(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:  # every node has said: no one else joins
+            for tail in self._tails.values():
+                tail.session.send(m.Forward(""))
+            self._tails.clear()
+
+    def _delta(self, base: str) -> Optional[Tuple[Package, int]]:
+        if base not in self._deltas:
+            self._deltas[base] = delta.make(self.pkg, self.directory, dispatch.workspace_cache_dir(), base, self.tmp)
+            self._by_delta[base] = []
+        return self._deltas[base]
+
+    def _leave(self, nd: Need, sha: str) -> None:
+        """``nd`` is sent another archive than its chain's: it forwards nothing (a later node joins elsewhere)."""
+        with self._lock:
+            if self._tails.get(sha) is nd:
+                del self._tails[sha]
+                nd.session.send(m.Forward(""))
+
+    # -- one node ----------------------------------------------------------------------------------------------
+    def _feed(self, nd: Need, it: Package, on: str) -> None:
+        nd.session.send(m.Fetch("launcher", it.sha256, it.size, on))
+        if self.started is None:
+            self.started = time.perf_counter()
+        node = nd.session.node
+        try:
+            node.put(it.path, nd.fifo, self.bar(node.name, it.size))
         except HostError as e:  # the node stops waiting for it, and the nodes after it stop waiting for that one
             nd.session.send(m.Abort(str(e)))
             raise
 
-    def one(n: Node) -> None:
-        k = at[n.index]
-        nd, nxt = needs[k], needs[k + 1] if k + 1 < len(needs) else None
-        it, on, direct = pkg, base, k == 0
+    def _receive(self, nd: Need, it: Package, on: str, direct: bool) -> None:
+        node = nd.session.node
         if direct:
-            feed(nd, it, nxt.listener if nxt else "", on)
-        else:
-            nd.session.send(m.Fetch("chain", nxt.listener if nxt else "", it.sha256, it.size, on))
+            self._feed(nd, it, on)
         while True:
             doc = nd.session.reply("receiving the workspace")
+            if self.failed:
+                raise Stopped()
             if doc[REPLY] == "progress":  # still receiving (a large archive can take longer than REPLY_TIMEOUT)
                 continue
             if doc[REPLY] == "forward":  # its link to the next node failed: that one falls back by itself
-                broken[k + 1] = str(doc.get("error"))
-                if nxt is not None and not doc.get("linked"):
-                    nxt.session.send(m.Abort(broken[k + 1]))
+                nxt = self._after.get(nd.name)
+                if nxt is not None:
+                    self._broken_into(nxt, str(doc.get("error")), bool(doc.get("linked")))
                 continue
             ws = doc["workspace"]
+            if ws.get("received"):
+                return
             if "retry" in ws and not direct:
-                told.append(f"{n.name}: the chain link from {needs[k - 1].node.name} failed "
-                            f"({broken.get(k) or ws['retry']}); the launcher sent it the workspace directly")
+                before = self._before[nd.name].name
+                broken = self._broken.pop(nd.name, "") or ws["retry"]
+                self._told.append(f"{node.name}: the chain link from {before} failed ({broken}); the launcher sent "
+                                  "it the workspace directly")
                 direct = True
-                feed(nd, it, on=on)
+                self._feed(nd, it, on)
                 continue
-            if "retry" in ws and on and whole is not None:
-                told.append(f"{n.name}: {ws['retry']}; the launcher sent it the whole workspace")
-                it, on = whole, ""
-                feed(nd, it)
+            if "retry" in ws and on:
+                self._told.append(f"{node.name}: {ws['retry']}; the launcher sent it the whole workspace")
+                self._leave(nd, it.sha256)
+                it, on = self.pkg, ""
+                self._feed(nd, it, on)
                 continue
             if "retry" in ws:
-                raise HostError(n.label, f"receiving the workspace: {ws['retry']}")
-            if not ws.get("ok"):
-                raise HostError(n.label, f"unpacking the workspace into {job_dir} refused: {ws.get('error')}")
-            return
+                raise HostError(node.label, f"receiving the workspace: {ws['retry']}")
+            raise HostError(node.label, f"unpacking the workspace into {self.job_dir} refused: {ws.get('error')}")
 
-    fanout([nd.node for nd in needs], one).ok("sending the workspace")
-    return sorted(told)
+    def _broken_into(self, nxt: Need, why: str, linked: bool) -> None:
+        with self._lock:
+            self._broken[nxt.name] = why
+        if not linked:  # never made: that node still waits for it
+            nxt.session.send(m.Abort(why))
 
 
 def _size(n: int) -> str:

@@ -77,10 +77,15 @@ class NodeSession:
         return doc
 
     def go(self, token: str) -> Dict[str, Any]:
-        """Let the node put the workspace in place (every probe agreed); its state there. ``token`` authenticates
-        the chain links of this dispatch (``node/chain.py``)."""
+        """What the node holds of the workspace (it writes nothing yet). ``token`` authenticates the chain links
+        of this dispatch (``node/chain.py``)."""
         self.stream.write_line(m.encode(m.Go(token)))
         return self.reply("preparing the workspace")["workspace"]
+
+    def place(self) -> Dict[str, Any]:
+        """Let the node put the workspace in place (every probe agreed, every node has it); its state there."""
+        self.stream.write_line(m.encode(m.Place()))
+        return self.reply("putting the workspace in place")["workspace"]
 
     def send(self, msg: m.SessionCommand) -> None:
         self.stream.write_line(m.encode(msg))

@@ -1,11 +1,14 @@
 """A workspace archive passed down a chain of nodes, so the launcher's uplink carries it once.
 
 Every node that lacks the archive opens a ``Receiver``: a FIFO the launcher writes into over SSH (``cat >``)
-and a TCP listener on its PADDLE_NIC address. The launcher feeds the first node; each node forwards every
-piece it reads to the next node's listener at once, then hashes it and hands it to its unpacker (a pipe into
-``trees.store``: no archive file is kept). A link is authenticated both ways
-by the dispatch's one-time token (HMAC-SHA256 over fresh nonces and the archive's hash); the bytes themselves
-travel in the clear on the cluster network, and every node checks the archive's SHA-256 before using it.
+and a TCP listener on its PADDLE_NIC address. The chain starts as soon as the first node is ready: the launcher
+feeds it, and each later node joins at the end as its session comes up. A node keeps what it receives in a
+spool file (no name: it is gone when the node closes it, however the node ends) until the launcher says
+which node comes next (``Forward``); it then sends the spool and, caught up, every piece as it arrives, and
+drops the spool. Each piece is also hashed and handed to the node's unpacker (a pipe into ``trees.store``).
+A link is authenticated both ways by the dispatch's one-time token (HMAC-SHA256 over fresh nonces and the
+archive's hash); the bytes themselves travel in the clear on the cluster network, and every node checks the
+archive's SHA-256 before using it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import secrets
 import select
 import socket
+import tempfile
 import time
 from typing import BinaryIO, Callable, Optional
 
@@ -73,50 +77,166 @@ def connect(address: str, token: bytes, sha: str) -> socket.socket:
         raise LinkError(e if isinstance(e, LinkError) else f"link to {address}: {e}") from None
 
 
-class Receiver:
-    """One node's end of the dispatch: its FIFO (``fifo``) and its listener (``port``)."""
+class Orders:
+    """What the launcher says while a node receives, read off ``fd`` one order per ``take()`` (the session's
+    stdin, ``node/session.py``): the next node (``forward``: None not said yet, "" none) and ``stop`` (why)."""
 
-    def __init__(self, address: str, fifo: str) -> None:
-        self.fifo = fifo
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.forward: Optional[str] = None
+        self.stop = ""
+
+    def take(self) -> None:
+        raise NotImplementedError
+
+
+class _Onward:
+    """The way on to the next node: every piece spooled until the launcher names that node (or says there is
+    none), then the spool sent (``sendfile``, as the link takes it), then, caught up, each piece as it arrives."""
+
+    def __init__(self, spool_dir: str, token: bytes, sha: str, report: Report) -> None:
+        self.token, self.sha, self.report = token, sha, report
+        self.sock: Optional[socket.socket] = None
+        self.spool: Optional[BinaryIO] = tempfile.TemporaryFile(dir=spool_dir, prefix="spool-", buffering=0)
+        self.spooled = self.sent = 0
+        self.decided = False
+
+    def decide(self, to: str) -> None:
+        self.decided = True
+        if to:
+            try:
+                self.sock = connect(to, self.token, self.sha)
+                self.sock.settimeout(0)  # while it catches up: sent only when select says the link takes more
+            except LinkError as e:
+                self.report("forward", error=str(e), linked=False)
+        if self.sock is None or self.sent == self.spooled:
+            self._caught_up()
+
+    def behind(self) -> bool:
+        return self.sock is not None and self.spool is not None
+
+    def done(self) -> bool:
+        return self.decided and not self.behind()
+
+    def feed(self, piece: memoryview) -> None:
+        if self.spool is not None:
+            self.spool.write(piece)
+            self.spooled += len(piece)
+        elif self.sock is not None:
+            try:
+                self.sock.sendall(piece)
+                self.sent += len(piece)
+            except OSError as e:
+                self._broken(e)
+
+    def send_spooled(self) -> None:
+        assert self.sock is not None and self.spool is not None
+        try:
+            self.sent += os.sendfile(self.sock.fileno(), self.spool.fileno(), self.sent, self.spooled - self.sent)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._broken(e)
+            return
+        if self.sent == self.spooled:
+            self._caught_up()
+
+    def stalled(self) -> None:
+        self._broken(OSError(f"the next node took nothing for {IDLE_TIMEOUT:g} s"))
+
+    def _caught_up(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+        if self.sock is not None:
+            self.sock.settimeout(IDLE_TIMEOUT)
+
+    def _broken(self, e: OSError) -> None:
+        self.report("forward", error=f"forwarding to the next node broke after {self.sent} bytes: {e}", linked=True)
+        self.close()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+
+
+class Receiver:
+    """One node's end of the dispatch: its FIFO (``fifo``, alone in a directory of its own, ``where``) and its
+    listener (``port``). The spool goes into ``where`` too."""
+
+    def __init__(self, address: str, where: str) -> None:
+        self.where, self.fifo = where, os.path.join(where, "fifo")
         self.listener = socket.create_server((address, 0))
         self.port = self.listener.getsockname()[1]
-        os.mkfifo(self.fifo, 0o600)
-        # Opened for reading and writing, so it never reads as ended: the archive's size says when it is whole.
-        self._fifo_fd = os.open(self.fifo, os.O_RDWR)
+        self._fifo_fd: Optional[int] = None
+        self._make_fifo()
 
-    def receive(self, source: str, forward: str, token: bytes, sha: str, size: int, out: BinaryIO, stop_fd: int,
+    def _make_fifo(self) -> None:
+        os.mkdir(self.where, 0o700)
+        os.mkfifo(self.fifo, 0o600)
+
+    def _drop_fifo(self) -> None:
+        """Make any upload into the FIFO fail rather than wait: one writing (EPIPE), one blocked opening it (it
+        opens, then gets EPIPE), one yet to come (the directory is gone: ENOENT, never a file made in its place)."""
+        if self._fifo_fd is not None:
+            os.close(self._fifo_fd)
+            self._fifo_fd = None
+        if os.path.lexists(self.fifo):
+            try:
+                os.close(os.open(self.fifo, os.O_RDONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+            os.unlink(self.fifo)
+        if os.path.isdir(self.where):
+            os.rmdir(self.where)
+
+    def receive(self, source: str, token: bytes, sha: str, size: int, out: BinaryIO, orders: Orders,
                 report: Report) -> str:
         """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into ``out``,
-        forwarding each piece to ``forward`` (``host:port``, or ""); "" when it arrived whole with the right
-        hash, else why not. A line on ``stop_fd`` (the launcher) ends the wait. ``report("forward", error=...,
-        linked=...)`` says the link to the next node failed: never made (that node still waits), or broken (it
-        sees its sender stop); ``report("progress", got=...)`` every PROGRESS_S, so the launcher hears the node
-        is alive however long the archive takes."""
-        fwd: Optional[socket.socket] = None
-        if forward:
-            try:
-                fwd = connect(forward, token, sha)
-            except LinkError as e:
-                report("forward", error=str(e), linked=False)
+        passing it on as ``orders`` say; "" when it arrived whole with the right hash (and went on whole, or
+        the link on failed), else why not. ``report("forward", error=..., linked=...)`` says the link to the
+        next node failed: never made (that node still waits), or broken (it sees its sender stop);
+        ``report("progress", got=...)`` every PROGRESS_S, so the launcher hears the node is alive however long
+        the archive takes. ``orders.forward`` is used up once acted on: after a failed try, no node follows."""
+        if not os.path.isdir(self.where):  # a try from the launcher failed before: the launcher's upload ended
+            self._make_fifo()
+        onward = _Onward(self.where, token, sha, report)
+        why = "unfinished"
         try:
             if source == "chain":
-                sock, why = self._accept(token, sha, stop_fd)
+                sock, why = self._accept(token, sha, orders)
                 if sock is None:
                     return why
                 with sock:
-                    return self._pump(sock.fileno(), size, sha, out, stop_fd, fwd, report)
-            return self._pump(self._fifo_fd, size, sha, out, stop_fd, fwd, report)
+                    why = self._pump(sock.fileno(), size, sha, out, orders, onward, report)
+                    return why
+            if self._fifo_fd is None:
+                # Opened for reading and writing, so it never reads as ended: the archive's size says when it is whole.
+                self._fifo_fd = os.open(self.fifo, os.O_RDWR)
+            why = self._pump(self._fifo_fd, size, sha, out, orders, onward, report)
+            return why
         finally:
-            if fwd is not None:
-                fwd.close()
+            onward.close()
+            if why:
+                if source != "chain":
+                    self._drop_fifo()
+                if onward.decided:
+                    orders.forward = ""  # that node saw this one stop (or never heard from it): it is sent it otherwise
 
-    def _accept(self, token: bytes, sha: str, stop_fd: int):
+    def _accept(self, token: bytes, sha: str, orders: Orders):
         deadline = time.monotonic() + ACCEPT_TIMEOUT
         while True:
             left = deadline - time.monotonic()
-            r, _, _ = select.select([self.listener, stop_fd], [], [], max(left, 0))
-            if stop_fd in r:
-                return None, "the link from the node before failed"
+            r, _, _ = select.select([self.listener, orders.fd], [], [], max(left, 0))
+            if orders.fd in r:
+                orders.take()
+                if orders.stop:
+                    return None, f"the link from the node before failed ({orders.stop})"
+                continue
             if not r:
                 return None, f"the node before did not connect within {ACCEPT_TIMEOUT:g} s"
             sock, _peer = self.listener.accept()
@@ -134,44 +254,48 @@ class Receiver:
             sock.close()
 
     @staticmethod
-    def _pump(fd: int, size: int, sha: str, out: BinaryIO, stop_fd: int, fwd: Optional[socket.socket],
-              report: Report) -> str:
+    def _pump(fd: int, size: int, sha: str, out: BinaryIO, orders: Orders, onward: _Onward, report: Report) -> str:
         h = hashlib.sha256()
         buf = memoryview(bytearray(CHUNK))
-        got, said = 0, time.monotonic()
-        while got < size:
+        got, n, said = 0, 0, time.monotonic()  # n: bytes in buf not yet hashed and unpacked
+        while got < size or not onward.done():
+            if orders.forward is not None and not onward.decided:
+                onward.decide(orders.forward)
+                continue
             if time.monotonic() - said > PROGRESS_S:
                 report("progress", got=got)
                 said = time.monotonic()
-            # A whole chunk is gathered before it is passed on: per piece, forwarding, hashing and the unpacker's
-            # wake-up cost far more CPU than the reads (a socket read returns ~64 KiB at a time).
-            want, n = min(CHUNK, size - got), 0
-            while n < want:
-                r, _, _ = select.select([fd, stop_fd], [], [], IDLE_TIMEOUT)
-                if stop_fd in r:
-                    return f"stopped by the launcher after {got + n} of {size} bytes"
-                if not r:
-                    return f"nothing arrived for {IDLE_TIMEOUT:g} s after {got + n} of {size} bytes"
-                k = os.readv(fd, [buf[n:want]])
+            reading, sending = got < size, onward.behind()
+            r, w, _ = select.select([orders.fd] + ([fd] if reading else []), [onward.sock] if sending else [], [],
+                                    IDLE_TIMEOUT if reading or sending else PROGRESS_S)
+            if orders.fd in r:
+                orders.take()
+                if orders.stop:
+                    return f"stopped by the launcher after {got} of {size} bytes ({orders.stop})"
+                continue
+            if not r and not w:
+                if reading:
+                    return f"nothing arrived for {IDLE_TIMEOUT:g} s after {got} of {size} bytes"
+                if sending:
+                    onward.stalled()
+                continue
+            if w:
+                onward.send_spooled()
+            if fd in r:
+                k = os.readv(fd, [buf[n:min(CHUNK, n + size - got)]])
                 if k == 0:
-                    return f"the sender stopped after {got + n} of {size} bytes"
-                n += k
-            piece = buf[:n]
-            got += n
-            if fwd is not None:  # first: the next node's link is the chain's critical path
-                try:
-                    fwd.sendall(piece)
-                except OSError as e:
-                    why = f"forwarding to the next node broke after {got - n} bytes: {e}"
-                    report("forward", error=why, linked=True)
-                    fwd.close()
-                    fwd = None
-            h.update(piece)
-            out.write(piece)
+                    return f"the sender stopped after {got} of {size} bytes"
+                # Each piece goes on at once (the next node's link is the chain's critical path: a hop adds only
+                # the time of one read), while hashing and the unpacker take whole chunks: per piece their CPU
+                # and the unpacker's wake-ups would cost far more than the reads.
+                onward.feed(buf[n:n + k])
+                got, n = got + k, n + k
+                if n == CHUNK or got == size:
+                    h.update(buf[:n])
+                    out.write(buf[:n])
+                    n = 0
         return "" if h.hexdigest() == sha else "checksum mismatch after the transfer"
 
     def close(self) -> None:
         self.listener.close()
-        os.close(self._fifo_fd)
-        if os.path.lexists(self.fifo):
-            os.unlink(self.fifo)
+        self._drop_fifo()

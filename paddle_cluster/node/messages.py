@@ -80,8 +80,8 @@ class Stop:
 # -- launcher -> node session (before the agent: node/session.py) -------------------------------------------
 @dataclass(frozen=True)
 class Go:
-    """Every node's probe agreed: put the workspace in place. ``token`` (hex) authenticates this dispatch's
-    chain links (node/chain.py)."""
+    """Say what this node holds of the workspace (nothing is written yet: the launcher may still refuse the job).
+    ``token`` (hex) authenticates this dispatch's chain links (node/chain.py)."""
 
     token: str = ""
 
@@ -89,19 +89,31 @@ class Go:
 @dataclass(frozen=True)
 class Fetch:
     """Receive an archive from ``source`` ("launcher": over SSH into the node's FIFO; "chain": from the node
-    before it), forwarding it to ``forward`` (``host:port`` of the next node's listener, or ""): the workspace
-    archive itself, or with ``base``, a delta (``sha``, ``size``) against the tree of that hash."""
+    before it): the workspace archive itself, or with ``base``, a delta (``sha``, ``size``) against the tree of
+    that hash. Where it goes on to, the launcher says with ``Forward``, when it knows."""
 
     source: str
-    forward: str = ""
     sha: str = ""
     size: int = 0
     base: str = ""
 
 
 @dataclass(frozen=True)
+class Forward:
+    """Pass everything of the archive, what arrived already and what is still to come, to ``to`` (``host:port``
+    of the next node's listener); ``to`` "": no node comes after this one."""
+
+    to: str = ""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Every node has the workspace: put the tree in the cache and the job directory in place."""
+
+
+@dataclass(frozen=True)
 class Abort:
-    """Stop waiting for the node before (its link to this node could not be made)."""
+    """Stop receiving (the link into this node could not be made, or the dispatch failed elsewhere)."""
 
     why: str
 
@@ -180,10 +192,10 @@ class Stopped:
 
 
 COMMANDS = (Start, Ping, Stop)
-SESSION = (Go, Fetch, Abort)
+SESSION = (Go, Fetch, Forward, Place, Abort)
 EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped)
 Command = Union[Start, Ping, Stop]
-SessionCommand = Union[Go, Fetch, Abort]
+SessionCommand = Union[Go, Fetch, Forward, Place, Abort]
 Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped]
 _TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + SESSION + EVENTS}
 

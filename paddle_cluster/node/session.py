@@ -1,11 +1,12 @@
 """``node session``: everything the launcher needs from a node before a job, in one process on one channel.
 
 The launcher starts it with a ``Request`` (``launch/session.py`` installs the library first, on the same
-channel, when its hash is new). It answers with one JSON line: the probe. Only when the launcher says ``Go``
-(every node's probe agreed) does it touch the workspace and answer with its state -- hard-linked into the job
-directory from this node's cache when it holds that archive's tree (nothing is sent), else where the archive
-can come in (``node/chain.py``: a FIFO the launcher writes into, a port the node before connects to). The
-launcher's ``Fetch`` says which; the session checks the hash, caches the tree and links it in. With ``agent``
+channel, when its hash is new). It answers with one JSON line: the probe. On ``Go`` it answers what it holds
+of the workspace: that archive's tree in its cache (nothing is sent), or where the archive can come in
+(``node/chain.py``: a FIFO the launcher writes into, a port the node before connects to). The launcher's
+``Fetch`` says which, and ``Forward`` where it goes on to; the session unpacks it as it arrives and checks the
+hash. Only on ``Place`` (every node's probe agreed and every node has the workspace) does it write: the tree
+into its cache and the job directory, hard links into that tree. With ``agent``
 the process then becomes the job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one
 interpreter and one channel.
 """
@@ -82,20 +83,50 @@ def _line(fd: int = 0) -> Optional[str]:
             return None
 
 
-def _command() -> Optional[m.SessionCommand]:
-    """The launcher's next session command (a stray ``Abort`` skipped); None when it gave up or sent garbage."""
-    while True:
+class _Orders(chain.Orders):
+    """The launcher's orders, read off stdin one line at a time (``take``): besides the chain's, ``place`` (every
+    node has the workspace: put it in place), the next ``Go`` or ``Fetch``, and whether the launcher is gone."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.place = False
+        self.next: Optional[m.SessionCommand] = None
+        self.ended = False
+
+    def take(self) -> None:
         line = _line()
         try:
             msg = m.decode(line) if line else None
         except m.MessageError:
-            return None
-        if not isinstance(msg, m.Abort):
-            return msg if isinstance(msg, m.SESSION) else None
+            msg = None
+        if isinstance(msg, m.Forward):
+            self.forward = msg.to
+        elif isinstance(msg, m.Place):
+            self.place = True
+        elif isinstance(msg, m.Abort):
+            self.stop = msg.why
+        elif isinstance(msg, (m.Go, m.Fetch)):
+            self.next = msg
+        else:  # the launcher gave up, or sent garbage
+            self.stop, self.ended = "the launcher ended the session", True
+
+    def command(self) -> Optional[m.SessionCommand]:
+        """The next ``Go`` or ``Fetch`` (other orders noted meanwhile); None when the launcher is gone."""
+        while self.next is None and not self.ended:
+            self.take()
+        cmd, self.next = self.next, None
+        return cmd
+
+    def placed(self) -> bool:
+        """Wait for ``Place``; False when the launcher stopped the dispatch or is gone."""
+        while not self.place and not self.stop:
+            self.take()
+        return self.place and not self.stop
 
 
 def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[chain.Receiver]]:
-    """The workspace's state on this node, and the receiver to fill when the archive must be sent."""
+    """The workspace's state on this node, and the receiver to fill when the archive must be sent. Nothing is
+    written into the job directory yet (``Place``, once every node has the workspace)."""
     if req.workspace_dir:
         return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
                 or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}, None
@@ -103,78 +134,114 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
         return {}, None
     try:
         contract.check_job_name(os.path.basename(req.job_dir))
+        dest = os.path.realpath(req.job_dir)
+        if os.path.exists(dest) and os.listdir(dest):
+            raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
         held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
-        if trees.materialize(req.root, req.workspace_sha, req.job_dir):
-            return {"ok": True, "sent": False}, None
+        if trees.holds(req.root, req.workspace_sha):
+            return {"held": True}, None
         packages = os.path.join(req.root, ".paddle_cluster", "packages")
         os.makedirs(packages, mode=0o700, exist_ok=True)
-        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.fifo-{os.getpid()}"))
+        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.rx-{os.getpid()}"))
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
     return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": trees.newest(req.root)}, rx
 
 
-def _fetch(req: Request, rx: chain.Receiver, token: bytes) -> Optional[Dict[str, Any]]:
+def _place(req: Request, orders: _Orders, unpacking: Optional[_Unpacking] = None) -> Optional[Dict[str, Any]]:
+    """On ``Place``: the received tree into the cache (``unpacking``), then the job directory made of it; None
+    when the launcher stopped the dispatch instead (nothing is kept)."""
+    if not orders.placed():
+        if unpacking is not None:
+            unpacking.finish(False)
+        return None
+    error = unpacking.finish(True) if unpacking is not None else None
+    try:
+        if error is None and not trees.materialize(req.root, req.workspace_sha, req.job_dir):
+            error = UnsafeArchive(f"the cached tree {req.workspace_sha[:12]} is gone or was written into")
+    except (UnsafeArchive, OSError) as e:
+        error = e
+    return {"ok": False, "error": str(error)} if error is not None else {"ok": True, "sent": unpacking is not None}
+
+
+def _fetch(req: Request, rx: chain.Receiver, token: bytes, orders: _Orders) -> Optional[Dict[str, Any]]:
     """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
-    launcher), unpacking it into the cache as it arrives, then link it into the job directory; None when the
-    launcher gave up."""
+    launcher), unpacking it into a temporary tree as it arrives; say so, and on ``Place`` put it in place;
+    None when the launcher gave up."""
     while True:
-        cmd = _command()
+        cmd = orders.command()
         if not isinstance(cmd, m.Fetch):
             return None
-        why, error = _receive(req, rx, cmd, token)
+        orders.stop = ""  # an Abort meant for an earlier try
+        sha, size = (cmd.sha, cmd.size) if cmd.sha else (req.workspace_sha, req.workspace_size)
+        unpacking = _Unpacking(req, size, cmd.base)
+        try:
+            why = rx.receive(cmd.source, token, sha, size, unpacking.out, orders, _reply)
+            error = None if why else unpacking.unpacked()
+        except BaseException:
+            unpacking.finish(False)
+            raise
+        if why or error is not None:
+            unpacking.finish(False)
         if not why and error is not None and cmd.base:
             why = f"the changed files could not be put on the tree held here: {error}"
-        if not why:
-            break
-        _reply("workspace", workspace={"retry": why})
-    if error is not None:
-        return {"ok": False, "error": str(error)}
-    try:
-        trees.materialize(req.root, req.workspace_sha, req.job_dir)
-        return {"ok": True, "sent": True}
-    except (UnsafeArchive, OSError) as e:
-        return {"ok": False, "error": str(e)}
+            orders.forward = ""  # the next node has the changed files; this one is sent the whole archive alone
+        if why:
+            _reply("workspace", workspace={"retry": why})
+            continue
+        if error is not None:
+            return {"ok": False, "error": str(error)}
+        _reply("workspace", workspace={"received": True})
+        return _place(req, orders, unpacking)
 
 
-def _receive(req: Request, rx: chain.Receiver, cmd: m.Fetch, token: bytes) -> Tuple[str, Optional[Exception]]:
-    """One try: the archive streamed through a pipe into the cache's unpacker while it arrives (the tree is put
-    in place only once its hash is right); why the transfer failed ("" if not), and the unpacker's error."""
-    sha, size = (cmd.sha, cmd.size) if cmd.sha else (req.workspace_sha, req.workspace_size)
-    r, w = os.pipe()
-    try:
-        fcntl.fcntl(w, F_SETPIPE_SZ, chain.CHUNK)
-    except OSError:
-        pass  # a smaller pipe only means more wake-ups
-    done, verdict = threading.Event(), {"ok": False}
-    failed: List[Exception] = []
+class _Unpacking:
+    """An archive streamed through a pipe (``out``) into the cache's unpacker while it arrives; the tree is put
+    in the cache only by ``finish(True)`` (its hash was right, and every node has it)."""
 
-    def unpack() -> None:
+    def __init__(self, req: Request, size: int, base: str) -> None:
+        r, w = os.pipe()
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, chain.CHUNK)
+        except OSError:
+            pass  # a smaller pipe only means more wake-ups
+        self.out = os.fdopen(w, "wb", buffering=0)
+        self.ready, self.decided, self.ok = threading.Event(), threading.Event(), False
+        self.failed: List[Exception] = []
+        self.thread = threading.Thread(target=self._run, args=(r, req, size, base), name="unpack")
+        self.thread.start()
+
+    def _run(self, r: int, req: Request, size: int, base: str) -> None:
         with os.fdopen(r, "rb") as f:
             def verified() -> bool:
                 while f.read(chain.CHUNK):  # the tar's padding: let the transfer finish before asking
                     pass
-                done.wait()
-                return verdict["ok"]
+                self.ready.set()
+                self.decided.wait()
+                return self.ok
             try:
-                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1) + 1, size, verified, cmd.base)
+                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1) + 1, size, verified, base)
             except Exception as e:  # noqa: BLE001 - whatever a bad archive provokes is answered, never a traceback
-                failed.append(e)
+                self.failed.append(e)
             finally:
+                self.ready.set()
                 while f.read(chain.CHUNK):  # refused or failed: still drain it, the nodes after this one need it
                     pass
 
-    t = threading.Thread(target=unpack, name="unpack")
-    t.start()
-    try:
-        with os.fdopen(w, "wb", buffering=0) as out:
-            why = rx.receive(cmd.source, cmd.forward, token, sha, size, out, 0, _reply)
-            verdict["ok"] = not why
-    finally:
-        done.set()
-        t.join()
-    return why, (failed[0] if failed and not why else None)
+    def unpacked(self) -> Optional[Exception]:
+        """Once the whole archive went in: the unpacker's error, or None when the tree waits for ``finish``."""
+        self.out.close()
+        self.ready.wait()
+        return self.failed[0] if self.failed else None
+
+    def finish(self, ok: bool) -> Optional[Exception]:
+        """Put the tree in the cache (``ok``) or drop it; the unpacker's error."""
+        self.out.close()
+        self.ok = ok
+        self.decided.set()
+        self.thread.join()
+        return self.failed[0] if self.failed and ok else None
 
 
 def main(text: str) -> int:
@@ -182,18 +249,20 @@ def main(text: str) -> int:
     found = probe.probe(req.nic, req.ports, req.root)
     _reply("probe", **found)
     if req.wants_workspace:
-        # Nothing is written before the launcher has every node's probe: it may refuse the job (a machine
-        # listed twice would race itself into one job directory).
-        go = _command()
+        # Nothing is written before the launcher has every node's probe and every node has the workspace: it
+        # may refuse the job (a machine listed twice would race itself into one job directory).
+        orders = _Orders()
+        go = orders.command()
         if not isinstance(go, m.Go):
             return 1  # the launcher gave up (another node failed): nothing to do
         ws, rx = _workspace(req, found.get("address") or "")
         _reply("workspace", workspace=ws)
-        if rx is not None:
+        if rx is not None or ws.get("held"):
             try:
-                done = _fetch(req, rx, bytes.fromhex(go.token))
+                done = _fetch(req, rx, bytes.fromhex(go.token), orders) if rx else _place(req, orders)
             finally:
-                rx.close()
+                if rx is not None:
+                    rx.close()
             if done is None:
                 return 1
             _reply("workspace", workspace=done)

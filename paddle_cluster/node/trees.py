@@ -45,6 +45,11 @@ def materialize(root: str, sha: str, dest: str) -> bool:
     return True
 
 
+def holds(root: str, sha: str) -> bool:
+    """Whether this node holds the intact tree of archive ``sha`` (a damaged one is dropped)."""
+    return _intact(root, sha) is not None
+
+
 def _intact(root: str, sha: str) -> Optional[Dict[str, Any]]:
     """The tree's manifest when every file is as it was unpacked; else None, and a damaged tree is dropped."""
     top = tree_dir(root, sha)

@@ -8,7 +8,9 @@ lost node; a silent launcher makes every agent stop on its own.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import tempfile
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -44,7 +46,8 @@ class SSHBackend(Backend):
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
-        self.workspace_seconds = 0.0  # the last workspace step: from 'go' to every job directory in place
+        # The last workspace step: what it took after the last node was up, and from the first byte sent
+        self.workspace_seconds = self.sending_seconds = 0.0
 
     # -- preparing ------------------------------------------------------------------------------------
     def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
@@ -79,69 +82,67 @@ class SSHBackend(Backend):
             lib_data = f.read()
         sessions: Dict[int, NodeSession] = {}
         sent_to: Dict[int, bool] = {}
-        needs: Dict[int, relay.Need] = {}  # the nodes that lack the archive
-        told: List[str] = []
         token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
         damaged: List[str] = []  # nodes whose cached tree of this workspace a job wrote into
         waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
+        probed: List[float] = []  # when each probe came in (time.perf_counter)
+        stack = contextlib.ExitStack()  # the progress bars, and where deltas are made
+        chain = None
+        if pkg is not None and spec is not None and spec.dispatch_dir:
+            chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
+                                   stack.enter_context(dispatch.upload_progress()),
+                                   stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
 
-        def open_one(n: Node) -> dict:
-            s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
-            doc = s.open()
-            self._check_probe(n, doc)
-            if agent and not req.wants_workspace:  # the session is the agent now
-                waiting[n.index] = s.stream
-            return doc
+        def open_one(n: Node) -> Optional[dict]:
+            try:
+                s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
+                doc = s.open()
+                self._check_probe(n, doc)
+                probed.append(time.perf_counter())
+                if req.wants_workspace:
+                    self._workspace(n, s, doc, spec, pkg, token, chain, sent_to, damaged)
+                elif agent:  # the session is the agent now
+                    waiting[n.index] = s.stream
+                return doc
+            except relay.Stopped:
+                return None  # another node failed: that one's error is the one to say
+            except BaseException as e:
+                if chain is not None:
+                    chain.abort(f"{n.name} failed: {e}")
+                raise
 
         def place(n: Node) -> None:
-            s = sessions[n.index]
-            ws = s.go(token)
-            if spec is not None and spec.workspace and not ws.get("exists"):
-                raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
-                                "workspace to every node first, or use --job_dispatch_package")
-            if spec is not None:
-                preflight.check_node(n.label, spec, {**docs[n.index], "workspace": ws}, pkg.size if pkg else 0)
-            if ws.get("damaged"):
-                damaged.append(n.name)
-            if pkg is not None and "need" in ws:
-                needs[n.index] = relay.Need(n, s, ws["need"], f"{docs[n.index]['address']}:{ws['port']}",
-                                            str(ws.get("base") or ""))
-                return
-            if pkg is not None and not ws.get("ok"):
+            ws = sessions[n.index].place()
+            if not ws.get("ok"):
                 raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
-            placed(n.index, sent=False)
-
-        def placed(i: int, sent: bool) -> None:
-            sent_to[i] = sent
             if agent:
-                waiting[i] = sessions[i].stream
+                waiting[n.index] = sessions[n.index].stream
 
         ok = False
         try:
-            # Every node is probed, and the probes agree (no machine twice), before any node writes anything.
+            # Each node says what it holds of the workspace as soon as it is up, and the nodes that lack it get it
+            # down a chain that starts with the first; nothing is written before every node's probe is in and
+            # agrees (no machine twice) and every node has the workspace (``place``).
             docs = fanout(self.nodes, open_one).ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
-            if req.wants_workspace:
-                t0 = time.perf_counter()
+            if pkg is not None:
                 fanout(self.nodes, place).ok("preparing the nodes")
-                if needs:
-                    with dispatch.upload_progress() as bar:
-                        told = relay.send_all([needs[i] for i in sorted(needs)], pkg, spec.dispatch_dir,
-                                              req.job_dir, bar)
-                    for i in needs:
-                        placed(i, sent=True)
-                self.workspace_seconds = time.perf_counter() - t0
+            done = time.perf_counter()
+            self.workspace_seconds = done - max(probed) if req.wants_workspace else 0.0
+            self.sending_seconds = done - chain.started if chain is not None and chain.started else 0.0
             ok = True
         finally:
             prepared.set()
+            stack.close()
             if ok and agent:
                 self.sessions = {i: s.stream for i, s in sessions.items()}
                 self.early = {i: list(s.other) for i, s in sessions.items() if s.other}
             else:
                 for s in sessions.values():
                     s.close()
+        told = chain.lines() if chain is not None else []
         self.networks = [d.get("network") for d in docs]
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
@@ -154,6 +155,31 @@ class SSHBackend(Backend):
             say(f"{', '.join(sorted(damaged))}: a job wrote into its cached copy of this workspace in place (the "
                 "workspace is read-only input; write outputs to new files): dropped and sent again")
         return addresses
+
+    def _workspace(self, n: Node, s: NodeSession, doc: dict, spec: Optional[JobSpec],
+                   pkg: Optional[dispatch.Package], token: str, chain: Optional[relay.Dispatch],
+                   sent_to: Dict[int, bool], damaged: List[str]) -> None:
+        """What node ``n`` holds of the workspace; the archive sent to it down the chain when it lacks it."""
+        ws = s.go(token)
+        if spec is not None and spec.workspace and not ws.get("exists"):
+            raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
+                            "workspace to every node first, or use --job_dispatch_package")
+        if spec is not None:
+            preflight.check_node(n.label, spec, {**doc, "workspace": ws}, pkg.size if pkg else 0)
+        if pkg is None:
+            return
+        if ws.get("damaged"):
+            damaged.append(n.name)
+        if chain is not None and "need" in ws:
+            sent_to[n.index] = True
+            chain.join(relay.Need(s, ws["need"], f"{doc['address']}:{ws['port']}", str(ws.get("base") or "")))
+            return
+        if not ws.get("held"):
+            raise HostError(n.label, f"unpacking the workspace into {spec.job_dir if spec else ''} refused: "
+                            f"{ws.get('error')}")
+        sent_to[n.index] = False
+        if chain is not None:
+            chain.settled()
 
     def _check_probe(self, n: Node, doc: dict) -> None:
         problems = preflight.probe_problems(self.cfg, doc)
