@@ -3,7 +3,7 @@
 Two pservers and ``--trainers`` trainers as separate processes, a ``--mb`` MB model in 4 MB blocks, SGD;
 prints, for a step as ``push`` then ``pull`` and as one ``push_pull`` (``ROUNDS`` alternating rounds of
 ``--steps`` each), the median step (and its push and pull) and each process's CPU time per step (user,
-system), so a step can be read as CPU work vs waiting.
+system) and how often its threads were put on a core (wake-ups), so a step can be read as CPU work vs waiting.
 ``--off``: integrity off. ``--perf FILE``: also record the processes with ``perf record -g`` for
 ``perf report -i FILE --no-children --sort dso,sym``.
 """
@@ -53,10 +53,17 @@ PHASES = (("apart", "push then pull"), ("push_pull", "push_pull"))
 ROUNDS = 3  # the phases alternate, a round of each at a time, so neither gets the load of a moment alone
 
 
-def cpu(pid: int) -> Tuple[float, float]:
-    """(user, system) CPU seconds of a process so far."""
+def cpu(pid: int) -> Tuple[float, float, int]:
+    """(user, system) CPU seconds of a process so far, and how many times its live threads were put on a
+    core (schedstat's third field: a wake-up or a preemption each)."""
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return int(f[11]) / _HZ, int(f[12]) / _HZ
+    runs = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            runs += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[2])
+        except (OSError, IndexError, ValueError):  # a thread that just ended
+            pass
+    return int(f[11]) / _HZ, int(f[12]) / _HZ, runs
 
 
 def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[str] = None) -> str:
@@ -80,7 +87,7 @@ def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[st
         names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
         lines = [f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB"]
         times = {ph: {"push": [], "pull": [], "step": []} for ph, _ in PHASES}
-        used = {ph: [(0.0, 0.0)] * len(pids) for ph, _ in PHASES}
+        used = {ph: [(0.0, 0.0, 0)] * len(pids) for ph, _ in PHASES}
         for _ in range(ROUNDS):
             for ph, _ in PHASES:
                 before = [cpu(p) for p in pids]
@@ -89,20 +96,21 @@ def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[st
                     p.stdin.flush()
                 for k, v in [json.loads(p.stdout.readline()) for p in tr][0].items():
                     times[ph][k] += v
-                used[ph] = [(u + a[0] - b[0], s + a[1] - b[1])
-                            for (u, s), b, a in zip(used[ph], before, [cpu(p) for p in pids])]
+                used[ph] = [(u + a[0] - b[0], s + a[1] - b[1], w + a[2] - b[2])
+                            for (u, s, w), b, a in zip(used[ph], before, [cpu(p) for p in pids])]
         for p in tr:
             p.stdin.write(b"\n")
             p.stdin.flush()
         n = ROUNDS * steps
         for ph, label in PHASES:
             med = {k: sorted(v)[len(v) // 2] for k, v in times[ph].items()}
-            per = [(name, 1e3 * u / n, 1e3 * s / n) for name, (u, s) in zip(names, used[ph])]
-            total = sum(u + s for _, u, s in per)
+            per = [(name, 1e3 * u / n, 1e3 * s / n, w / n) for name, (u, s, w) in zip(names, used[ph])]
+            total = sum(u + s for _, u, s, _ in per)
             split = f"push {1e3 * med['push']:.1f} / pull {1e3 * med['pull']:.1f} / " if med["push"] else ""
             lines.append(f"  {label}: step {split}push+pull {1e3 * med['step']:.1f} ms "
-                         f"({2 * trainers * size / med['step'] / 1e9:.2f} GB/s); CPU ms per step (user+sys): "
-                         + ", ".join(f"{name} {u:.0f}+{s:.0f}" for name, u, s in per)
+                         f"({2 * trainers * size / med['step'] / 1e9:.2f} GB/s); CPU ms per step (user+sys, "
+                         "times a thread was put on a core): "
+                         + ", ".join(f"{name} {u:.0f}+{s:.0f} ({w:.0f})" for name, u, s, w in per)
                          + f"; total {total:.0f} ms = {total / (1e3 * med['step']):.2f} cores")
         if rec:
             rec.send_signal(signal.SIGINT)
