@@ -9,6 +9,7 @@ the replies may not fit the socket buffers, read by the channel's reader thread 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -44,9 +45,42 @@ class Channel:
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}-rx")
         self.broken: Optional[str] = None
+        self._mu = threading.Lock()
+        self._queued = 0  # jobs submitted or running here and not finished: ``run_here`` must queue behind them
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return self.pool.submit(self._guard, fn, *args)
+        with self._mu:
+            self._queued += 1
+        return self.pool.submit(self._counted, fn, *args)
+
+    def run_here(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """``submit``, but run on the calling thread when nothing is queued here: the caller waits for it
+        anyway, and two thread hand-offs per request are a fifth of a small round trip."""
+        with self._mu:
+            idle = not self._queued
+            self._queued += idle
+        if not idle:
+            return self.submit(fn, *args)
+        done: Future = Future()
+        try:
+            done.set_result(self._guard(fn, *args))
+        except Exception as e:  # noqa: BLE001 - handed over as the pool would
+            done.set_exception(e)
+        except BaseException:  # interrupted mid-frame: the stream is out of step
+            self.broken = "interrupted in the middle of a request"
+            self.abort()
+            raise
+        finally:
+            with self._mu:
+                self._queued -= 1
+        return done
+
+    def _counted(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return self._guard(fn, *args)
+        finally:
+            with self._mu:
+                self._queued -= 1
 
     def abort(self) -> None:
         """Break the connection both ways, so a send or a read blocked on it returns at once."""
@@ -117,6 +151,16 @@ def open_socket(host: str, port: int, timeout: float, where: str) -> socket.sock
                 raise ConnectionLost(f"cannot connect to {where}: {e} (gave up after {timeout:g} s)") from None
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+
+def fan_out(jobs: Sequence[Tuple[Channel, Callable[..., Any], Tuple[Any, ...]]]) -> List[Future]:
+    """Run each (channel, fn, args) on its channel's thread, the last one on the calling thread (``run_here``):
+    for a caller about to wait for them all."""
+    futures = [ch.submit(fn, *args) for ch, fn, args in jobs[:-1]]
+    if jobs:
+        ch, fn, args = jobs[-1]
+        futures.append(ch.run_here(fn, *args))
+    return futures
 
 
 def gather(futures: Sequence[Future]) -> List[Any]:

@@ -209,8 +209,8 @@ class PSClient:
         send = self._dense.gradients(dict(grads or {}))
         step = self.step
         futures = self._sparse.end_step(step, sync=self.mode == "sync")
+        self.step += 1  # before the exchange, part of which runs on this thread: the step has begun
         futures += self._dense.push_pull(send, step)
-        self.step += 1
         self._track(PushHandle(step, futures))
         self.wait()
         return dict(self._dense.values)

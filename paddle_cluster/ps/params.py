@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import numpy as np
 
 from . import protocol as P
-from .channel import Channel, Frame, exchange, expect_ok, gather, json_request, pipeline
+from .channel import Channel, Frame, exchange, expect_ok, fan_out, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
 
@@ -84,7 +84,7 @@ class DenseParams:
             pipeline(ch, [self._pull_frame(b, step) for b in blocks], [self._into(b) for b in blocks])
 
         blocks = [b for n in names for b in self.blocks[n]]
-        gather([ch.submit(fetch, bl) for ch, bl in self._by_channel(blocks).items()])
+        gather(fan_out([(ch, fetch, (bl,)) for ch, bl in self._by_channel(blocks).items()]))
         return {n: self.values[n] for n in names}
 
     def push(self, grads: Mapping[str, Any], step: int) -> List[Future]:
@@ -109,7 +109,8 @@ class DenseParams:
                 replies += [expect_ok, self._into(b)]
             exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
 
-        return [ch.submit(blocks_both_ways, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
+        # The caller waits for them all (``PSClient.push_pull``): one channel's share runs on its thread.
+        return fan_out([(ch, blocks_both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()])
 
     def gradients(self, grads: Mapping[str, Any]) -> Dict[str, np.ndarray]:
         """``grads`` checked against the registered parameters, as contiguous arrays of their dtypes."""
