@@ -187,9 +187,9 @@ def _workspace_of(ws: Path, mb: int):
 
 
 def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str = "") -> Dict[str, Any]:
-    """Full dispatch to each count of hosts (nothing cached; the whole ``deliver``, and its workspace step: from
-    'go' to every job directory in place, i.e. the sending without the sessions), the same again unchanged on
-    3 hosts, and one ``scp``."""
+    """Full dispatch to each count of hosts (nothing cached; the whole ``deliver``, and the sending: from the first
+    byte sent to every job directory in place, overlapping the later nodes' sessions starting), the same again
+    unchanged on 3 hosts (and its workspace step: from the last node up to every job directory), and one ``scp``."""
     sys.path.insert(0, REPO)
     from paddle_cluster.launch.backends.ssh import SSHBackend
     from paddle_cluster.launch.config import load_config
@@ -228,7 +228,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
                 out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n)
                 if r:  # the first round is the warm-up
                     full.append(t1 - t0)
-                    moved.append(backend.workspace_seconds)
+                    moved.append(backend.sending_seconds)
                     mine.append(c1 - c0)
                     nodes.append(sum(_cpu_nodes(cl, n)) - sum(n0))
                 if n == 3:
@@ -332,15 +332,15 @@ def report(out: Dict[str, Any], c: Dict[str, Any], add, m: Dict[str, Any]) -> No
         for n in c["dispatch_counts"]:
             rows += [(f"{key}dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links{suffix}",
                       f"{key}dispatch", n),
-                     (f"{key}dispatch_moved_{n}", "  of which the sending (go -> trees in place)", "", n)]
+                     (f"{key}dispatch_moved_{n}", "  of which the sending (first byte -> trees in place)", "", n)]
         rows += [(f"{key}dispatch_again", f"dispatch again, unchanged, 3 hosts: whole deliver{suffix}", "", 3),
-                 (f"{key}dispatch_again_step", "  of which the workspace step (go -> job dirs)", "", 3),
+                 (f"{key}dispatch_again_step", "  of which the workspace step (last node up -> job dirs)", "", 3),
                  (f"{key}scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s{suffix}", f"{key}scp", 1)]
     top = max(c["dispatch_counts"])
     for key, suffix in (("slow_", ""), ("plainslow_", PLAIN)):
         rows += [(f"{key}dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links{suffix}",
                   f"{key}dispatch", top),
-                 (f"{key}dispatch_moved_{top}", "  of which the sending (go -> trees in place)", "", top),
+                 (f"{key}dispatch_moved_{top}", "  of which the sending (first byte -> trees in place)", "", top),
                  (f"{key}scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s{suffix}", f"{key}scp", 1)]
     for key, label, cpu, n in rows:
         if key not in out:
