@@ -4,6 +4,7 @@ and a pserver error or death in the middle of the exchange raised, never waited 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -106,36 +107,43 @@ def test_two_trainers_async_push_pull_with_large_blocks(tmp_path):
         assert H.wait_all(pr, servers, 15) == [0, 0]
 
 
+@contextlib.contextmanager
 def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
     """Trainer 0 in a push_pull of two parameters of ``n`` floats that waits for trainer 1 (connected, never
-    pushing): (procs, server, clients, the thread, what it raised)."""
+    pushing): yields (server, clients, the thread, what it raised). However the test or this set-up ends,
+    the clients are closed and the pserver stopped."""
     env = H.make_env(1, 2, tmp_path, ports_num=2, sparse_ports=0, barrier_timeout=barrier_timeout)
-    pr = H.Procs(str(tmp_path))
-    server = pr.pserver(env, 0)
-    opt = OptimizerSpec("sgd", lr=0.5)
-    clients = [connect(mode="sync", optimizer=opt, env=trainer_env(env, i), max_block_bytes=8 << 20)
-               for i in range(2)]
-    for c in clients:
-        c.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
-    raised = []
-
-    def step() -> None:
+    with H.procs(str(tmp_path)) as pr:
+        server = pr.pserver(env, 0)
+        opt = OptimizerSpec("sgd", lr=0.5)
+        clients = []
         try:
-            clients[0].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
-        except BaseException as e:  # noqa: B036 - the test asserts on it
-            raised.append(e)
+            for i in range(2):
+                clients.append(connect(mode="sync", optimizer=opt, env=trainer_env(env, i), max_block_bytes=8 << 20))
+            for c in clients:
+                c.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
+            raised = []
 
-    t = threading.Thread(target=step, daemon=True)
-    t.start()
-    wait_for(lambda: clients[0].step == 1, 10, "push_pull to start")
-    return pr, server, clients, t, raised
+            def step() -> None:
+                try:
+                    clients[0].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
+                except BaseException as e:  # noqa: B036 - the test asserts on it
+                    raised.append(e)
+
+            t = threading.Thread(target=step, daemon=True)
+            t.start()
+            wait_for(lambda: clients[0].step == 1, 10, "push_pull to start")
+            yield server, clients, t, raised
+        finally:
+            for c in clients:
+                with contextlib.suppress(Exception):  # a client of a killed pserver: the pserver goes regardless
+                    c.close()
 
 
 @pytest.mark.timeout(60)
 def test_push_pull_raises_barrier_timeout_naming_the_missing_trainer(tmp_path):
     n = 64 << 10  # 256 KB each: trainer 0's gradients are all taken in, its pulls wait
-    pr, server, clients, t, raised = _stuck_exchange(tmp_path, barrier_timeout=2.0, n=n)
-    try:
+    with _stuck_exchange(tmp_path, barrier_timeout=2.0, n=n) as (server, clients, t, raised):
         t.join(30)
         assert not t.is_alive(), "push_pull still waiting after the barrier timeout"
         assert len(raised) == 1 and isinstance(raised[0], BarrierTimeout), raised
@@ -144,27 +152,18 @@ def test_push_pull_raises_barrier_timeout_naming_the_missing_trainer(tmp_path):
         out = clients[1].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
         assert np.all(out["a"] == np.float32(-0.5))
         assert np.all(clients[0].pull()["b"] == np.float32(-0.5))
-    finally:
-        for c in clients:
-            c.close()
-        pr.kill_all()
 
 
 @pytest.mark.timeout(60)
 def test_pserver_killed_mid_push_pull_raises_connection_lost(tmp_path):
     # 16 MB each in 8 MB blocks over both channels: killed while gradients and pulls are in flight
-    pr, server, clients, t, raised = _stuck_exchange(tmp_path, barrier_timeout=60.0, n=4 << 20)
-    try:
+    with _stuck_exchange(tmp_path, barrier_timeout=60.0, n=4 << 20) as (server, clients, t, raised):
         os.killpg(server.pid, signal.SIGKILL)
         server.wait(10)
         t.join(20)  # far below the barrier and reply timeouts: the lost connection ends the exchange
         assert not t.is_alive(), "push_pull still waiting after its pserver was killed"
         assert len(raised) == 1 and isinstance(raised[0], ConnectionLost), raised
         assert "pserver 0 at 127.0.0.1:" in str(raised[0]), raised[0]
-    finally:
-        for c in clients:
-            c.close()
-        pr.kill_all()
 
 
 @pytest.mark.timeout(90)
