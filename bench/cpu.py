@@ -21,29 +21,42 @@ _HZ = os.sysconf("SC_CLK_TCK")
 MB = 1 << 20
 
 
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all its threads); 0 once it is gone."""
+def proc_times(pid: int) -> Tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid`` so far (all its threads); (0, 0) once it is gone."""
     try:
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(f[11]) + int(f[12])) / _HZ
+        return 0.0, 0.0
+    return int(f[11]) / _HZ, int(f[12]) / _HZ
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads); 0 once it is gone."""
+    return sum(proc_times(pid))
+
+
+def schedstat(pid: int) -> Tuple[int, int, int]:
+    """Summed over the threads of ``pid`` now alive (``/proc/<pid>/task/*/schedstat``): nanoseconds on a core,
+    nanoseconds waiting in a run queue for one, and times put on a core (a wake-up or a preemption each);
+    zeros once it is gone."""
+    run = wait = slices = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0, 0, 0
+    for tid in tids:
+        try:
+            f = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()
+            run, wait, slices = run + int(f[0]), wait + int(f[1]), slices + int(f[2])
+        except (OSError, IndexError, ValueError):  # a thread that just ended
+            pass
+    return run, wait, slices
 
 
 def threads(pid: int) -> Tuple[float, float]:
     """(seconds on a core, seconds waiting in a run queue for one) of the threads of ``pid`` now alive, to the
     nanosecond (``schedstat``); (0, 0) once it is gone."""
-    run = wait = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0, 0.0
-    for tid in tids:
-        try:
-            f = open(f"/proc/{pid}/task/{tid}/schedstat").read().split()
-            run, wait = run + int(f[0]), wait + int(f[1])
-        except (OSError, IndexError, ValueError):
-            pass
+    run, wait, _ = schedstat(pid)
     return run / 1e9, wait / 1e9
 
 

@@ -21,8 +21,8 @@ import time
 from typing import List, Optional, Tuple
 
 from .common import MB, TRAINER, Procs, make_env, proc_environ
+from .cpu import proc_times, schedstat
 
-_HZ = os.sysconf("SC_CLK_TCK")
 _TRAINER = """
 import json, sys, time, numpy as np
 from paddle_cluster.ps import OptimizerSpec, connect
@@ -55,15 +55,8 @@ ROUNDS = 3  # the phases alternate, a round of each at a time, so neither gets t
 
 def cpu(pid: int) -> Tuple[float, float, int]:
     """(user, system) CPU seconds of a process so far, and how many times its live threads were put on a
-    core (schedstat's third field: a wake-up or a preemption each)."""
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    runs = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            runs += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[2])
-        except (OSError, IndexError, ValueError):  # a thread that just ended
-            pass
-    return int(f[11]) / _HZ, int(f[12]) / _HZ, runs
+    core (a wake-up or a preemption each)."""
+    return (*proc_times(pid), schedstat(pid)[2])
 
 
 def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[str] = None) -> str:
