@@ -125,6 +125,7 @@ class Suite:
         sweep = []
         for n in (1, 2):
             self._sgd(n)
+            self._frames(n, 2)
         for mb in c["blocks"]:
             res = dense.run(size, 1, max_block=mb, warmup=w, reps=max(3, r - 2))
             st = dense.step_stats(res, "pushpull")
@@ -157,6 +158,22 @@ class Suite:
             self.add(Row("cpu", f"{what}, {trainers} trainer(s), {size // MB} MB", 1e3 * cpu.per_step, "ms CPU",
                          None, check=chk, extra={"cpu": cpu.to_dict()}))
             self.m["cpu"][key] = cpu
+
+    def _frames(self, trainers: int, servers: int) -> None:
+        """Plain sockets sending our frames with our SGD (bench.frames), once per run: what the PS's traffic
+        pattern costs with nothing of ours, for the CPU bounds."""
+        from . import frames
+
+        c = self.cfg
+        key = f"frames{trainers}_{servers}"
+        if key in self.m["cpu"]:
+            return
+        st, ok, cpu = frames.measure(trainers, c["size"], c["reps"], servers=servers, warmup=c["warmup"])
+        self.add(Row("cpu", f"plain sockets in our frames, {trainers} trainer(s), {servers} servers, "
+                            f"{c['size'] // MB} MB", 1e3 * cpu.per_step, "ms CPU", None,
+                     check="ok" if ok else "FAILED: values", note=f"step {1e3 * st.median:.1f} ms",
+                     extra={"cpu": cpu.to_dict(), **st.to_dict()}))
+        self.m["cpu"][key] = cpu
 
     def _memory(self, what: str, res: Dict[str, Any], size: int, trainers: int) -> None:
         held = size // 2  # SGD: parameters only, no optimizer state; half the model per pserver
@@ -257,6 +274,8 @@ class Suite:
                              note=f"per worker {ring / MB:.0f} MB out + in, all {n * ring / MB:.0f} MB"),
                          cpu if loop else None, f"gloo{n}")
             for p in pservers:
+                if loop:
+                    self._frames(n, p)
                 st, chk, cpu = ps(size, warmup, reps, n, p)
                 out[("ps", n, p)] = st.median
                 vs = f", {st.median / out[('gloo', n)]:.2f}x gloo" if ("gloo", n) in out else ""

@@ -23,17 +23,21 @@ CPU_BOUND = 0.8  # of the cores: a side wanting this many is taken as CPU-bound
 FAR = 0.9  # ours spending more than its least CPU / FAR is ours to fix
 
 
-def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, lower: bool
-           ) -> Tuple[Optional[float], str, float, bool]:
-    """(bound, what it rests on, our least CPU / our CPU, ``lower``) of the ratio ours / ``peer`` (rates;
-    ``lower``: step times, ours over peer). ``peer`` "raw2": raw TCP moving the bytes our step moves."""
+Bound = Tuple[Optional[float], str, float, bool, Optional[float]]
+
+
+def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, lower: bool, frames: str = ""
+           ) -> Bound:
+    """(bound, what it rests on, our least CPU / our CPU, ``lower``, plain sockets' CPU in our frames / ours) of
+    the ratio ours / ``peer`` (rates; ``lower``: step times, ours over peer). ``peer`` "raw2": raw TCP moving the
+    bytes our step moves; ``frames``: the ``bench.frames`` run of the same trainers and servers."""
     cpu: Dict[str, Cpu] = m.get("cpu", {})
     need = [k for k in ("raw2", sgd, ours, peer) if k not in cpu]
     if need:
-        return None, f"no CPU bound: {', '.join(need)} not measured", 1.0, lower
+        return None, f"no CPU bound: {', '.join(need)} not measured", 1.0, lower, None
     zero = [k for k in ("raw2", ours, peer) if cpu[k].per_step <= 0]
     if zero:
-        return None, f"no CPU bound: {', '.join(zero)} too short to measure its CPU", 1.0, lower
+        return None, f"no CPU bound: {', '.join(zero)} too short to measure its CPU", 1.0, lower, None
     raw = cpu["raw2"].per_step / (2 * m["size"]) * bytes_moved  # raw TCP's CPU for our bytes
     least = raw + cpu[sgd].per_step
     other = raw if peer == "raw2" else cpu[peer].per_step
@@ -45,20 +49,25 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
     others = [k for k in sides if cpu[k].machine_busy - cpu[k].busy >= 0.25 * cores]
     busy += f" of {cores} cores" + (f" (others took cores during {', '.join(others)})" if others else "")
     eff = least / cpu[ours].per_step
+    fr = cpu.get(frames)
+    pattern = fr.per_step / cpu[ours].per_step if fr is not None and fr.per_step > 0 else None
+    if pattern is not None:
+        work += (f"; plain sockets sending the same frames with the same SGD {1e3 * fr.per_step:.0f} ms "
+                 f"({pattern / eff:.2f}x the least; ours {1 / pattern:.2f}x them)")
     by_cpu = cpu[ours].per_step / other if lower else other / cpu[ours].per_step
     work += f"; by CPU (both sides on equal cores) the ratio is {by_cpu:.2f}"
     if eff > 1 / FAR:  # less than the least: the rows' CPU per byte differed (other load, caches), not ours
         return None, (f"no CPU bound: ours spent {1 / eff:.2f}x the least its work needs, so the rows did not "
-                      f"cost the same per byte (other load between them); {busy}; {work}"), eff, lower
+                      f"cost the same per byte (other load between them); {busy}; {work}"), eff, lower, pattern
     # CPU-bound: it wanted the cores, and they were all busy (had some been idle, it would have had them)
     if any(min(cpu[k].wanted, cpu[k].machine_busy) < CPU_BOUND * cores for k in sides):
         return None, (f"no CPU bound (a side wanted < {CPU_BOUND * cores:.1f} cores, or the machine had them idle): "
-                      f"{busy}; {work}"), eff, lower
-    return (least / other if lower else other / least), f"{work}; {busy}", eff, lower
+                      f"{busy}; {work}"), eff, lower, pattern
+    return (least / other if lower else other / least), f"{work}; {busy}", eff, lower, pattern
 
 
 def _verdict(v: float, met: Optional[bool], ok: Callable[[float], bool], b: Optional[float], eff: float,
-             lower: bool) -> str:
+             lower: bool, pattern: Optional[float]) -> str:
     if met is None:
         return "skipped"
     if b is None:
@@ -68,6 +77,10 @@ def _verdict(v: float, met: Optional[bool], ok: Callable[[float], bool], b: Opti
     if met:
         return f"PASS (CPU bound {b:.2f})"
     far = eff < FAR  # ours spends more CPU than the least by more than 1 / FAR
+    if far and pattern is not None and pattern >= FAR:  # so do plain sockets sending the same frames
+        why = (f"ours {1 / pattern:.2f}x plain sockets sending the same frames, which need {pattern / eff:.2f}x "
+               "the least: the PS's frame pattern")
+        return f"MISS (CPU bound {b:.2f}; {why})" if not ok(b) else f"MISS (below the CPU bound {b:.2f}; {why})"
     if not ok(b):
         return f"MISS (CPU bound {b:.2f}" + (f"; ours spends {1 / eff:.2f}x its least CPU: ours to fix)"
                                              if far else ")")
@@ -79,11 +92,11 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
     T: List[Target] = []
 
     def t(name: str, value: Optional[float], goal: str, ok: Callable[[float], bool], detail: str = "",
-          bound: Optional[Tuple[Optional[float], str, float, bool]] = None) -> None:
+          bound: Optional[Bound] = None) -> None:
         met = None if value is None else bool(ok(value))
-        b, why, eff, lower = bound or (None, "", 1.0, False)
+        b, why, eff, lower, pattern = bound or (None, "", 1.0, False, None)
         verdict = ("PASS" if met else "MISS") if value is None or bound is None else _verdict(
-            value, met, ok, b, eff, lower)
+            value, met, ok, b, eff, lower, pattern)
         T.append(Target(name, value, goal, met, detail or why, b, "skipped" if met is None else verdict))
 
     def ratio(a: str, b: str) -> Optional[float]:
@@ -91,25 +104,25 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
 
     s = m.get("size", 0)
     t("dense push+pull / raw TCP 2 streams (integrity off)", ratio("dense1_pushpull_off", "raw2"), ">= 0.90",
-      lambda v: v >= 0.90, bound=_bound(m, "raw2", "dense1_off", 2 * s, "sgd1", False))
+      lambda v: v >= 0.90, bound=_bound(m, "raw2", "dense1_off", 2 * s, "sgd1", False, "frames1_2"))
     t("2-trainer sync aggregate / raw TCP 2 streams (integrity off)", ratio("dense2_sync_off", "raw2"),
-      ">= 0.85", lambda v: v >= 0.85, bound=_bound(m, "raw2", "dense2_off", 4 * s, "sgd2", False))
+      ">= 0.85", lambda v: v >= 0.85, bound=_bound(m, "raw2", "dense2_off", 4 * s, "sgd2", False, "frames2_2"))
     t("integrity on / off: dense push+pull", ratio("dense1_pushpull", "dense1_pushpull_off"), ">= 0.70",
       lambda v: v >= 0.70)
     t("integrity on / off: 2-trainer sync", ratio("dense2_sync", "dense2_sync_off"), ">= 0.70",
       lambda v: v >= 0.70)
     t("ours / Ray-actor PS (push+pull)", ratio("dense1_pushpull_off", "ray"), ">= 2.5", lambda v: v >= 2.5,
-      skipped.get("ray", ""), _bound(m, "ray", "dense1_off", 2 * s, "sgd1", False))
+      skipped.get("ray", ""), _bound(m, "ray", "dense1_off", 2 * s, "sgd1", False, "frames1_2"))
     t("ours / pyzmq PS (push+pull)", ratio("dense1_pushpull_off", "zmq"), ">= 3", lambda v: v >= 3.0,
-      skipped.get("zmq", ""), _bound(m, "zmq", "dense1_off", 2 * s, "sgd1", False))
+      skipped.get("zmq", ""), _bound(m, "zmq", "dense1_off", 2 * s, "sgd1", False, "frames1_2"))
     t("2-trainer sync step / gloo all-reduce time", ratio("dense2_sync_step_off", "gloo"), "<= 1.2",
-      lambda v: v <= 1.2, skipped.get("gloo", ""), _bound(m, "gloo2", "dense2_off", 4 * s, "sgd2", True))
+      lambda v: v <= 1.2, skipped.get("gloo", ""), _bound(m, "gloo2", "dense2_off", 4 * s, "sgd2", True, "frames2_2"))
     for key, where in (("ps_vs_ring", "loopback"), ("ps_vs_ring_shaped", "1 Gbit/s links")):
         r = m.get(key, {})
         for n in (2, 4):
             best = min((k for k in r if k[0] == "ps" and k[1] == n), key=lambda k: r[k], default=None)
             v = None if best is None or ("gloo", n) not in r else r[best] / r[("gloo", n)]
-            b = (_bound(m, f"gloo{n}", f"ps{n}_{best[2]}", 2 * n * s, f"sgd{n}", True)
+            b = (_bound(m, f"gloo{n}", f"ps{n}_{best[2]}", 2 * n * s, f"sgd{n}", True, f"frames{n}_{best[2]}")
                  if key == "ps_vs_ring" and best else None)
             t(f"sync PS step (best of 2, 4 pservers) / gloo, {n} workers, {where}", v, "<= 1.2",
               lambda v: v <= 1.2, skipped.get("gloo", ""), b)

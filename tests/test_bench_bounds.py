@@ -75,3 +75,16 @@ def test_no_bound_when_ours_spent_less_than_its_least():
     t = _goal(m, "dense push+pull / raw TCP")
     assert t.bound is None and t.verdict == "MISS (no CPU bound)"
     assert t.detail.startswith("no CPU bound: ours spent 0.71x the least its work needs")
+
+
+def test_frames_tell_the_pattern_from_ours():
+    # ours 1.25x its least; plain sockets sending the same frames spend 95 ms of ours' 100
+    m = {"size": 64 * MB, "raw2": 3.0e9, "dense1_pushpull_off": 2.0e9,
+         "cpu": {"raw2": _cpu(0.060, 0.95), "sgd1": _cpu(0.020, 0.5), "dense1_off": _cpu(0.100, 0.9),
+                 "frames1_2": _cpu(0.095, 0.9)}}
+    t = _goal(m, "dense push+pull / raw TCP")
+    assert t.verdict == ("MISS (CPU bound 0.75; ours 1.05x plain sockets sending the same frames, which need 1.19x "
+                         "the least: the PS's frame pattern)")
+    assert "the same frames with the same SGD 95 ms (1.19x the least; ours 1.05x them)" in t.detail
+    m["cpu"]["frames1_2"] = _cpu(0.080, 0.9)  # the pattern costs no more than the least: the rest is ours
+    assert _goal(m, "dense push+pull / raw TCP").verdict.endswith("ours spends 1.25x its least CPU: ours to fix)")
