@@ -292,8 +292,17 @@ def scenario_ones(out: str, steps: str = "3", lr: str = "0.5", mode: str = "sync
         sys.exit(3)
 
 
+def scenario_wait_in_pull(out: str) -> None:
+    """Push step 0, say so, then pull: trainer 0 never pushes, so the pull waits until the test kills us."""
+    ps = _connect("sync", 0.1)
+    ps.register_dense(dense_init())
+    ps.wait(ps.push({k: np.ones_like(v) for k, v in dense_init().items()}))
+    print("PULLING", flush=True)
+    ps.pull()
+
+
 SCENARIOS = {"dense": scenario_dense, "sparse": scenario_sparse, "die_after_step": scenario_die_after_step,
-             "ones": scenario_ones}
+             "ones": scenario_ones, "wait_in_pull": scenario_wait_in_pull}
 
 if __name__ == "__main__":
     name, out_path = sys.argv[1], sys.argv[2]

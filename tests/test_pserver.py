@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import rt_helpers as H
+from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import BarrierTimeout, ConfigMismatch, OptimizerSpec, UnknownKey, connect
@@ -53,6 +54,30 @@ def test_dead_trainer_barrier_timeout_names_it(tmp_path):
     msg = str(e)
     assert "barrier timeout at step 2" in msg and "waiting for trainer 1 (last seen" in msg, msg
     assert "for more than 2 s" in msg, msg  # the job's barrier_timeout, as the pserver measured it
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_gone_while_its_sync_pull_waits_is_let_go_within_a_poll(tmp_path):
+    """A sync pull waits on its connection's own thread; a trainer killed meanwhile ends that wait within a
+    poll (about a second), not at the barrier timeout (60 s here)."""
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=60.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        a = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            a.register_dense(H.dense_init())
+            victim = pr.trainer(env, 1, "wait_in_pull", os.path.join(tmp_path, "t1.npz"))
+            assert victim.stdout.readline().strip() == b"PULLING"
+            # Its pull is sent once its main thread waits for the reply (blocked in a socket read).
+            wchan = f"/proc/{victim.pid}/task/{victim.pid}/wchan"
+            wait_for(lambda: open(wchan).read() == "wait_woken", 10, "trainer 1 waiting for its pull's reply")
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+            wait_for(lambda: "trainer 1 (127.0.0.1" in pr.log(server) and "during PULL_DENSE" in pr.log(server), 10,
+                     "the pserver to let trainer 1's waiting pull go")
+            assert server.poll() is None
+        finally:
+            a.close()
 
 
 @pytest.mark.timeout(60)

@@ -75,31 +75,27 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
 
 
 def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
-    """Reply with the block's value for ``h.step``. In sync mode one not applied yet, with more requests
-    behind it, is waited for by the connection's writer thread while this one reads them (``net.Outbox``);
-    the last one is waited for here (no hand-off). Where ``fold`` applies the step segment by segment, the
-    reply is sent segment by segment as they are applied, so a block's values flow back while its later
-    segments' gradients still arrive (the same frame: only when its bytes are written changes)."""
+    """Reply with the block's value for ``h.step``. In sync mode one not applied yet is waited for here: the
+    trainer's requests behind it (its next gradients) wait in the socket's buffer, where the kernel keeps
+    taking them in; a writer thread to read them meanwhile cost more CPU than it saved (docs/benchmarks.md).
+    Where ``fold`` applies the step segment by segment, the reply is sent segment by segment as they are
+    applied, so a block's values flow back while its later segments' gradients still arrive (the same frame:
+    only when its bytes are written changes)."""
     b = _block(ps, h, payload=False)
     sync = ps.sync
 
-    def send() -> None:
-        with b.cv:
-            streams = fold.applies(sync, b) and b.initialized and not b.error and b.step < h.step
-            if not streams:
-                sync.wait_step(b, h.step, "pull", gone=lambda: conn.gone)
-            step = h.step if streams else b.step
-        # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
-        # pushes again (after it has read this reply), and a stalled reader must never block the other
-        # trainers. Async pulls may see a concurrent update.
-        conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
-                         b.param, volatile=sync.mode != "sync",
-                         ready=(lambda end: fold.wait_segment(sync, b, step, end, lambda: conn.gone)) if streams
-                         else None)
-
     with b.cv:
-        waits = sync.mode == "sync" and b.initialized and b.step < h.step
-    conn.reply(send, waits and conn.more_coming())
+        streams = fold.applies(sync, b) and b.initialized and not b.error and b.step < h.step
+        if not streams:
+            sync.wait_step(b, h.step, "pull", gone=lambda: conn.gone)
+        step = h.step if streams else b.step
+    # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
+    # pushes again (after it has read this reply), and a stalled reader must never block the other
+    # trainers. Async pulls may see a concurrent update.
+    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
+                     b.param, volatile=sync.mode != "sync",
+                     ready=(lambda end: fold.wait_segment(sync, b, step, end, lambda: conn.gone)) if streams
+                     else None)
 
 
 def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -211,7 +207,7 @@ def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             rows = t.table[pos]
         step = t.step
     header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
-    conn.reply(lambda: conn.stream.send(header, rows))
+    conn.stream.send(header, rows)
 
 
 def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:

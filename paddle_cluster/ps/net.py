@@ -2,8 +2,8 @@
 
 One accept thread per port and one handler thread per connection; a connection serves one request at a
 time, so per-connection state needs no locks. Its replies go out in request order, written by the handler
-thread itself unless one waits for a step (``Outbox``): then a writer thread of the connection sends it and
-every reply after it while the handler reads on. Malformed input from any peer costs that peer its
+thread itself; a sync pull that must wait for other trainers waits there too, while the kernel keeps taking
+in the trainer's next requests (its next gradients still flow in). Malformed input from any peer costs that peer its
 connection and nothing else: the reason is logged in one line, and everyone else keeps being served.
 """
 
@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from ..contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from . import auth
 from . import protocol as P
-from .errors import AuthError, BarrierTimeout, ConnectionLost, ProtocolError, PSError
+from .errors import AuthError, ConnectionLost, ProtocolError, PSError
 from .stream import Stream
 
 log = logging.getLogger("paddle_cluster.ps")
+_HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
 MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
 
 
@@ -52,83 +53,9 @@ class RateLog:
         self.logger.warning("%s", text)
 
 
-class Outbox:
-    """One connection's replies, in request order. The handler thread writes a reply itself while none is
-    queued; one that waits (a sync pull of a step not applied yet) and every reply after it are queued for
-    the connection's writer thread, so the handler reads the requests behind a waiting pull meanwhile: a
-    trainer's next gradients flow in while the values it waits for go out."""
-
-    def __init__(self, conn: Conn) -> None:
-        self.conn = conn
-        self.cv = threading.Condition()
-        self.jobs: Deque[Callable[[], None]] = deque()  # the head is being run by the writer
-        self.writer: Optional[threading.Thread] = None
-        self.broken: Optional[str] = None
-        self.closed = False  # the handler thread has ended
-
-    def put(self, job: Callable[[], None], waits: bool) -> None:
-        with self.cv:
-            if self.broken:
-                raise ConnectionLost(self.broken)
-            inline = not waits and not self.jobs
-            if not inline:
-                self.jobs.append(job)
-                if self.writer is None:
-                    self.writer = threading.Thread(target=self._run, daemon=True,
-                                                   name=f"pserver{self.conn.pserver_id}-reply-{self.conn.peer}")
-                    self.writer.start()
-                self.cv.notify_all()
-        if inline:
-            job()
-
-    def _run(self) -> None:
-        while True:
-            with self.cv:
-                while not self.jobs and not self.closed:
-                    self.cv.wait()
-                if not self.jobs:
-                    return
-                job = self.jobs[0]
-            try:
-                try:
-                    job()
-                except PSError as e:
-                    if isinstance(e, ConnectionLost):
-                        raise
-                    if isinstance(e, BarrierTimeout):
-                        log.warning("%s", e)
-                    self.conn.write_error(e)  # a barrier timeout or a shutdown: the trainer is told, in order
-            except Exception as e:  # noqa: BLE001 - the connection ends; its handler sees why
-                if not isinstance(e, (PSError, OSError)):
-                    log.exception("pserver %d: internal error replying to %s", self.conn.pserver_id, self.conn.peer)
-                with self.cv:
-                    self.broken = f"replying failed: {e}"
-                    self.jobs.clear()
-                    self.cv.notify_all()
-                self.conn.abort()
-                return
-            with self.cv:
-                self.jobs.popleft()
-                self.cv.notify_all()
-
-    def idle(self) -> bool:
-        with self.cv:
-            return not self.jobs
-
-    def close(self) -> None:
-        """(The handler thread, ending.) Stop the writer; a reply still waiting gives up (``gone``)."""
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
-            writer = self.writer
-        if writer is not None:
-            self.conn.abort()
-            writer.join(5.0)
-
-
 class Conn:
-    """One authenticated connection's state (touched only by its handler thread; replies go through
-    ``reply`` / ``reply_ok`` / ``reply_error``, in request order)."""
+    """One authenticated connection's state (touched only by its handler thread, which also writes every
+    reply, in request order)."""
 
     def __init__(self, sock: socket.socket, peer: str, port: int, pserver_id: int) -> None:
         self.sock = sock
@@ -138,24 +65,17 @@ class Conn:
         self.trainer = -1
         self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
-        self.outbox = Outbox(self)
 
     @property
     def gone(self) -> bool:
-        """The connection has ended: a reply still waiting for a step need not."""
-        return self.outbox.closed or self.outbox.broken is not None
-
-    def reply(self, send: Callable[[], None], waits: bool = False) -> None:
-        """Write one reply with ``send`` after the replies before it; ``waits``: it may wait for a step, so
-        the connection's writer thread runs it and requests behind it are read meanwhile."""
-        self.outbox.put(send, waits)
-
-    def more_coming(self) -> bool:
-        """The trainer has already sent more (it pipelines requests behind the current one)."""
+        """The trainer closed or reset the connection: a reply still waiting for a step need not. Asked of
+        the kernel (POLLRDHUP: its FIN arrived), as requests it sent before going may still be unread."""
+        p = select.poll()
+        p.register(self.sock, _HUNG_UP)
         try:
-            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except (BlockingIOError, InterruptedError):
-            return False
+            return bool(p.poll(0))
+        except OSError:
+            return True
 
     def abort(self) -> None:
         try:
@@ -184,12 +104,12 @@ class Conn:
     def reply_ok(self, body: Optional[Dict[str, Any]] = None, *, key: int = 0, step: int = 0) -> None:
         if body is None:
             header = P.pack_header(P.Op.OK, key=key, step=step)
-            self.reply(lambda: self.stream.send(header))
+            self.stream.send(header)
         else:
-            self.reply(lambda: self.stream.send_json(P.Op.OK, body, key=key, step=step))
+            self.stream.send_json(P.Op.OK, body, key=key, step=step)
 
     def reply_error(self, e: PSError) -> None:
-        self.reply(lambda: self.write_error(e))
+        self.write_error(e)
 
     def write_error(self, e: PSError) -> None:
         body = e.to_wire()
@@ -199,12 +119,11 @@ class Conn:
         self.stream.send_json(P.Op.ERROR, body, status=e.code)
 
     def drop(self, why: str, err: Optional[PSError] = None) -> None:
-        """Log why this connection ends; tell an authenticated trainer too, if it still listens (and no
-        earlier reply is still waiting to be written)."""
+        """Log why this connection ends; tell an authenticated trainer too, if it still listens."""
         who = f"trainer {self.trainer}" if self.trainer >= 0 else "unauthenticated peer"
         log.warning("pserver %d: dropped connection from %s (%s, port %d): %s", self.pserver_id, self.peer, who,
                     self.port, why)
-        if err is not None and self.trainer >= 0 and self.outbox.idle():
+        if err is not None and self.trainer >= 0:
             try:
                 self.sock.settimeout(1.0)
                 self.write_error(err)
@@ -379,7 +298,6 @@ class Listener:
             if not self.done.is_set():
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
-            conn.outbox.close()
             self._forget(sock, pending)
             try:
                 sock.close()
