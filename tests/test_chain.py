@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import tarfile
 import threading
@@ -297,3 +298,42 @@ def test_a_node_that_joins_late_and_fails_stops_the_dispatch_and_leaves_nothing(
         c.exec(2, ["umount", "/home/paddle/.paddle_cluster/trees"])
     _deliver(c, tmp_path, ws, "fail2", PYTHON=python)
     assert [_tree_digest(c.root_dir(i) / "fail2") for i in range(3)] == [_tree_digest(ws)] * 3
+
+
+def test_what_a_session_killed_mid_dispatch_leaves_the_next_session_removes(make_ssh_cluster, tmp_path):
+    """node0's session is SIGKILLed while it unpacks the workspace: the dispatch fails at once naming node0 (the
+    upload into its FIFO, which nothing reads any more, is stopped rather than left to wait forever); its FIFO
+    directory and half-unpacked tree stay behind (nothing of it runs to remove them); the next dispatch to node0
+    removes them and lands."""
+    c = make_ssh_cluster(1)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    c.shape(0, "40mbit")  # ~1.3 s for the workspace: time to kill the session while it unpacks
+    root = c.root_dir(0) / ".paddle_cluster"
+    failed = []
+
+    def deliver():
+        try:
+            _deliver(c, tmp_path, ws, "killed1")
+        except ClusterError as e:
+            failed.append(e)
+
+    th = threading.Thread(target=deliver)
+    th.start()
+    try:
+        wait_for(lambda: any(p.stat().st_size > 1 << 20 for p in root.glob("trees/*.unpacking-*/*/data/blob.bin")),
+                 60, "node0 unpacking the workspace", interval=0.05)
+        for pid in c.pids(0):
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        th.join(120)
+    assert not th.is_alive() and failed, "a dispatch whose node was killed must fail, not wait for it"
+    assert "node0" in str(failed[0]) and "session ended while it received the workspace" in str(failed[0]), failed
+    left = [p.name for p in root.glob("packages/*")] + [p.name for p in root.glob("trees/*.*-*")]
+    assert any(".rx-" in n for n in left) and any(".unpacking-" in n for n in left), left
+    c.unshape(0)
+    _deliver(c, tmp_path, ws, "killed2")
+    assert _tree_digest(c.root_dir(0) / "killed2") == _tree_digest(ws)
+    assert not list(root.glob("packages/*")) and not list(root.glob("trees/*.*-*")), \
+        [p.name for p in root.glob("*/*")]
+    assert not (c.root_dir(0) / "killed1").exists()

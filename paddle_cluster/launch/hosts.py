@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
 
@@ -56,6 +57,10 @@ class Stream:
     def settimeout(self, seconds: Optional[float]) -> None:
         """Reading ``lines()`` ends (as at EOF) after ``seconds`` of silence; None: never."""
 
+    def ended(self) -> bool:
+        """The remote command has exited (its output may still be unread)."""
+        return False
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -77,7 +82,10 @@ class Node:
     def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
         raise NotImplementedError
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+            until: Optional[Callable[[], bool]] = None) -> None:
+        """Copy ``local`` to ``remote`` (a file or a FIFO); ``until()``, polled meanwhile, stops the copy once
+        true (a HostError): a FIFO whose reader died would otherwise hold the upload forever."""
         raise NotImplementedError
 
     def stream(self, argv: Sequence[str]) -> Stream:
@@ -116,6 +124,9 @@ class _PopenStream(Stream):
     def lines(self) -> Iterator[str]:
         return self._lines
 
+    def ended(self) -> bool:
+        return self.proc.poll() is not None
+
     def close(self) -> None:
         if self.proc.stdin:
             try:
@@ -144,9 +155,15 @@ class LocalNode(Node):
             raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
         return CommandResult(p.stdout, p.stderr, p.returncode)
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
-        with open(local, "rb") as fi, open(remote, "wb") as fo:  # remote may be a FIFO (node/chain.py)
-            shutil.copyfileobj(fi, fo, 1 << 20)
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+            until: Optional[Callable[[], bool]] = None) -> None:
+        try:
+            with _cancel_when(until, lambda: _unblock_fifo(remote)), open(local, "rb") as fi, \
+                    open(remote, "wb") as fo:  # remote may be a FIFO (node/chain.py)
+                shutil.copyfileobj(fi, fo, 1 << 20)
+        except BrokenPipeError:
+            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} stopped: nothing reads "
+                            "it any more") from None
         if progress:
             size = os.path.getsize(local)
             progress(size, size)
@@ -177,6 +194,9 @@ class _ChannelStream(Stream):
 
     def settimeout(self, seconds: Optional[float]) -> None:
         self.channel.settimeout(seconds)
+
+    def ended(self) -> bool:
+        return self.channel.exit_status_ready()
 
     def close(self) -> None:
         try:
@@ -263,19 +283,22 @@ class SSHNode(Node):
             raise HostError(self.label, f"SSH connection lost: {e}") from None
         return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), code)
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None) -> None:
-        if self._put_openssh(local, remote, progress):
+    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+            until: Optional[Callable[[], bool]] = None) -> None:
+        if self._put_openssh(local, remote, progress, until):
             return
         conn = self._connection()
         try:
             sftp = conn.client.open_sftp()
             try:
                 # No size check afterwards: remote may be a FIFO, and the node checks the SHA-256 anyway.
-                sftp.put(local, remote, callback=progress, confirm=False)
+                with _cancel_when(until, sftp.close):
+                    sftp.put(local, remote, callback=progress, confirm=False)
             finally:
                 sftp.close()
         except (paramiko.SSHException, EOFError, OSError) as e:
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} failed: {e}") from None
+            why = "stopped: nothing reads it any more" if until is not None and until() else f"failed: {e}"
+            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} {why}") from None
 
     def _openssh_argv(self, command: str) -> Optional[List[str]]:
         """``ssh`` running ``command`` on this host with the same key, config and known_hosts as our own
@@ -296,7 +319,8 @@ class SSHNode(Node):
             argv += ["-l", self.spec.user]
         return argv + ["--", self.spec.host, command]
 
-    def _put_openssh(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]]) -> bool:
+    def _put_openssh(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]],
+                     until: Optional[Callable[[], bool]] = None) -> bool:
         """Upload through the OpenSSH client: paramiko's SFTP runs in this process under one GIL (~55 MB/s,
         and parallel uploads to several hosts share it), OpenSSH runs one process per host at line speed.
         False (nothing done) when OpenSSH is missing or cannot log in; the caller then uses SFTP."""
@@ -307,7 +331,7 @@ class SSHNode(Node):
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         done = 0
         try:
-            with open(local, "rb") as f:
+            with _cancel_when(until, p.kill), open(local, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     p.stdin.write(chunk)
                     done += len(chunk)
@@ -318,6 +342,9 @@ class SSHNode(Node):
             pass
         err = p.stderr.read().decode(errors="replace").strip()
         rc = p.wait()
+        if until is not None and done != total and until():
+            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} stopped: nothing reads it "
+                            "any more")
         if rc == 255:  # ssh itself failed (login, host key, network): let paramiko try and report
             return False
         if rc != 0 or done != total:
@@ -425,3 +452,34 @@ def fanout(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32
                 errors[i] = e
     return FanoutResult(values, errors, {n.index: n.label for n in nodes})
 
+
+
+@contextmanager
+def _cancel_when(until: Optional[Callable[[], bool]], cancel: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, call ``cancel()`` once ``until()`` is true (and again at every look after, for a
+    cancel that can come too early: a FIFO's writer not blocked yet)."""
+    if until is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if until():
+                cancel()
+
+    t = threading.Thread(target=watch, daemon=True, name="upload-watch")
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
+def _unblock_fifo(path: str) -> None:
+    """A writer blocked opening the FIFO ``path`` opens it (as a reader came) and then finds no reader (EPIPE)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        pass

@@ -145,8 +145,11 @@ class Dispatch:
             self.started = time.perf_counter()
         node = nd.session.node
         try:
-            node.put(it.path, nd.fifo, self.bar(node.name, it.size))
+            node.put(it.path, nd.fifo, self.bar(node.name, it.size), until=nd.session.stream.ended)
         except HostError as e:  # the node stops waiting for it, and the nodes after it stop waiting for that one
+            if nd.session.stream.ended():  # killed, or it crashed: nothing there reads the upload any more
+                raise HostError(node.label, "its session ended while it received the workspace (the upload was "
+                                "stopped); nothing of it runs there now") from None
             nd.session.send(m.Abort(str(e)))
             raise
 

@@ -26,7 +26,7 @@ from paddle_cluster import contract
 
 from . import chain, probe, supervisor, trees
 from . import messages as m
-from .unpack import UnsafeArchive
+from .unpack import UnsafeArchive, sweep_stale
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # linux/fcntl.h; in fcntl from Python 3.10
 REPLY = "session"  # the key every answer of a session carries, so other output (a warning) is told apart
@@ -135,6 +135,7 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
     try:
         contract.check_job_name(os.path.basename(req.job_dir))
         dest = os.path.realpath(req.job_dir)
+        _sweep(req.root, os.path.dirname(dest))
         if os.path.exists(dest) and os.listdir(dest):
             raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
         held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
@@ -147,6 +148,22 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
     return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": trees.newest(req.root)}, rx
+
+
+def _sweep(root: str, jobs: str) -> None:
+    """Remove what a session killed mid-dispatch left here: its FIFO directory, a half-unpacked or half-dropped
+    tree, a half-linked job directory (each named after its pid, which no longer runs)."""
+    sweep_stale(os.path.join(root, ".paddle_cluster", "packages"), ("rx",))
+    sweep_stale(os.path.dirname(trees.tree_dir(root, "x")), ("unpacking", "drop"))
+    sweep_stale(jobs, ("linking", "unpacking"), _job_name)
+
+
+def _job_name(name: str) -> bool:
+    try:
+        contract.check_job_name(name)
+    except contract.ContractError:
+        return False
+    return True
 
 
 def _place(req: Request, orders: _Orders, unpacking: Optional[_Unpacking] = None) -> Optional[Dict[str, Any]]:

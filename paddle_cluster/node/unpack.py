@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tarfile
-from typing import Any, BinaryIO, Callable, Dict, Optional, TypeVar, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
 # Bounds on what an archive may make the unpacker hold or write; the byte cap defaults to the archive's own
 # size, which a plain tar's contents can never exceed.
@@ -87,6 +88,44 @@ def fresh_dir(dest: str, fill: Callable[[str], T], what: str = "unpacking") -> T
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sweep_stale(parent: str, kinds: Sequence[str], named: Callable[[str], bool] = lambda name: True) -> List[str]:
+    """Remove the entries ``<name>.<kind>-<pid>`` of ``parent`` (what ``fresh_dir``, the chain's receiver and a
+    dropped tree leave while they work) whose process is gone: a node process killed mid-dispatch cannot clean
+    up after itself. One whose pid runs (its owner, or a reuse) stays for a later sweep; ``named(name)`` must
+    hold too. Returns the paths removed."""
+    alt = "|".join(map(re.escape, kinds))
+    pat = re.compile(rf"^(.+)\.(?:{alt})-(\d+)$")
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        mt = pat.match(entry)
+        if mt is None or _running(int(mt.group(2))) or not named(mt.group(1)):
+            continue
+        path = os.path.join(parent, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal: it runs
+        pass
+    return True
 
 
 def safe_extract(archive: Union[str, BinaryIO], dest: str, max_bytes: Optional[int] = None,
