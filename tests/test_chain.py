@@ -337,3 +337,41 @@ def test_what_a_session_killed_mid_dispatch_leaves_the_next_session_removes(make
     assert not list(root.glob("packages/*")) and not list(root.glob("trees/*.*-*")), \
         [p.name for p in root.glob("*/*")]
     assert not (c.root_dir(0) / "killed1").exists()
+
+
+def test_a_node_killed_in_the_middle_of_the_chain_fails_the_dispatch_naming_it(make_ssh_cluster, tmp_path):
+    """node1's session is SIGKILLed while it receives from node0 and forwards to node2: the dispatch fails at once
+    naming node1 alone, every other node stops (no session left anywhere), and the next dispatch lands."""
+    c = make_ssh_cluster(3)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(6 << 20))
+    for i in range(3):
+        c.shape(i, "40mbit")
+    root1 = c.root_dir(1) / ".paddle_cluster"
+    failed = []
+
+    def deliver():
+        try:
+            _deliver(c, tmp_path, ws, "mid1")
+        except ClusterError as e:
+            failed.append(e)
+
+    th = threading.Thread(target=deliver)
+    th.start()
+    try:
+        wait_for(lambda: any(p.stat().st_size > 1 << 20 for p in root1.glob("trees/*.unpacking-*/*/data/blob.bin")),
+                 60, "node1 unpacking the workspace", interval=0.05)
+        for pid in c.pids(1):
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        th.join(120)
+    assert not th.is_alive() and failed, "a dispatch whose node was killed must fail, not wait for it"
+    msg = str(failed[0])
+    assert "node1" in msg and "node0 (" not in msg and "node2 (" not in msg, msg
+    for i in range(3):
+        wait_for(lambda i=i: c.pids(i) == [], 30, f"node{i}'s session to end")
+        assert not (c.root_dir(i) / "mid1").exists()
+    for i in range(3):
+        c.unshape(i)
+    _deliver(c, tmp_path, ws, "mid2")
+    assert [_tree_digest(c.root_dir(i) / "mid2") for i in range(3)] == [_tree_digest(ws)] * 3
