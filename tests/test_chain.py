@@ -18,7 +18,8 @@ from helpers import make_workspace, wait_for, write_conf
 
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
-from paddle_cluster.launch.errors import ClusterError
+from paddle_cluster.launch.errors import ClusterError, HostError
+from paddle_cluster.launch.hosts import make_nodes
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import chain, trees
 from paddle_cluster.node.unpack import UnsafeArchive
@@ -375,3 +376,26 @@ def test_a_node_killed_in_the_middle_of_the_chain_fails_the_dispatch_naming_it(m
         c.unshape(i)
     _deliver(c, tmp_path, ws, "mid2")
     assert [_tree_digest(c.root_dir(i) / "mid2") for i in range(3)] == [_tree_digest(ws)] * 3
+
+
+def test_an_upload_into_a_fifo_nobody_reads_is_stopped_not_left_waiting(make_ssh_cluster, tmp_path):
+    """Opening a FIFO for writing waits for a reader: an upload into the FIFO of a session that died would wait
+    forever. ``put(..., until=)`` stops it (a HostError) once ``until()`` says the reader is gone -- over SSH on
+    a namespace host and on this machine (``localhost``)."""
+    c = make_ssh_cluster(1)
+    src = tmp_path / "blob"
+    src.write_bytes(os.urandom(1 << 20))
+    (c.root_dir(0) / "nobody").mkdir()
+    os.mkfifo(c.root_dir(0) / "nobody" / "fifo")
+    local = tmp_path / "local"
+    local.mkdir()
+    os.mkfifo(local / "fifo")
+    cfg = load_config(str(write_conf(tmp_path, c)))
+    cfg_local = load_config(str(write_conf(tmp_path, c, "local.py", hosts=["localhost"], ROOT_DIR=str(local))))
+    for node, fifo in ((make_nodes(cfg)[0], "/home/paddle/nobody/fifo"),
+                       (make_nodes(cfg_local)[0], str(local / "fifo"))):
+        try:
+            with pytest.raises(HostError, match="stopped: nothing reads it any more"):
+                node.put(str(src), fifo, until=lambda: True)
+        finally:
+            node.close()
