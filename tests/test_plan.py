@@ -153,3 +153,19 @@ def test_default_job_names_of_one_config_never_repeat(tmp_path, monkeypatch):
     assert len(set(names)) == 3 and all(n.startswith("JOB") for n in names), names
     if names[0][:17] == names[2][:17]:  # all three within one second
         assert names[1:] == [names[0] + "-2", names[0] + "-3"], names
+
+
+def test_default_job_names_of_two_configs_on_the_same_hosts_never_repeat(tmp_path, monkeypatch):
+    """Two configs (two conf files) naming the same hosts and ROOT_DIR, run within one second: two job names."""
+    from paddle_cluster.launch import journal
+    from paddle_cluster.launch.plan import default_job_name
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    a = spec().cfg
+    b = dataclasses.replace(a, source=a.source + ".other")
+    first = default_job_name(a)
+    journal.remember(a, first, None)
+    second = default_job_name(b)
+    assert second != first, (first, second)
+    if second[:17] == first[:17]:  # within one second
+        assert second == first + "-2"

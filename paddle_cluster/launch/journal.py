@@ -66,9 +66,17 @@ def _latest(cfg: ClusterConfig) -> Dict[str, Any]:
 
 
 def job_names(cfg: ClusterConfig) -> Set[str]:
-    """The names of this config's jobs the journal still knows (the latest, and those with an outcome)."""
-    doc = _read(cfg)
-    return {n for n in [doc.get("latest"), *doc.get("outcomes", {})] if isinstance(n, str)}
+    """The names of jobs the journal still knows (the latest, and those with an outcome) for every config on this
+    machine: configs may share hosts and a ROOT_DIR, where one name twice would be one job directory for two."""
+    names: Set[str] = set()
+    for path in _state_file(cfg).parent.glob("*.json"):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            names |= {n for n in [doc.get("latest"), *doc.get("outcomes", {})] if isinstance(n, str)}
+    return names
 
 
 def latest_job(cfg: ClusterConfig) -> str:
