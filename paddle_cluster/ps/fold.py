@@ -52,13 +52,18 @@ class AccPool:
         self.cv = threading.Condition()
         self.free: List[np.ndarray] = []
         self.left = max(1, nbytes // SEGMENT)  # slots that may still be allocated
+        self.waiting = 0  # threads in ``take``: give and poke wake no one when there are none
 
     def take(self, sync: Sync, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
         """A free slot; None as soon as ``unless()`` (the slot is no longer needed: another trainer started
         the segment, or the step completed)."""
         with self.cv:
-            sync.wait(self.cv, lambda: bool(self.free) or self.left > 0 or unless(), step,
-                      f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
+            self.waiting += 1
+            try:
+                sync.wait(self.cv, lambda: bool(self.free) or self.left > 0 or unless(), step,
+                          f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
+            finally:
+                self.waiting -= 1
             if unless():
                 return None
             if self.free:
@@ -79,12 +84,14 @@ class AccPool:
     def give(self, slot: np.ndarray) -> None:
         with self.cv:
             self.free.append(slot)
-            self.cv.notify_all()
+            if self.waiting:
+                self.cv.notify_all()
 
     def poke(self) -> None:
         """A segment was started or a step completed: a waiting ``take`` may no longer need its slot."""
-        with self.cv:
-            self.cv.notify_all()
+        if self.waiting:  # read unlocked: a take that starts waiting after this checks ``unless`` first
+            with self.cv:
+                self.cv.notify_all()
 
 
 def applies(sync: Sync, b: DenseBlock) -> bool:
@@ -98,11 +105,9 @@ def _who(b: DenseBlock, i: int) -> Set[int]:
 
 
 def _may_add(sync: Sync, b: DenseBlock, i: int, t: int) -> bool:
-    """May trainer ``t`` add to segment ``i`` now (the trainer-order rule of ``Sync.may_fold``)?"""
-    who = _who(b, i)
-    order = sorted(sync.active | {t})
-    first_two = set(order[:2])
-    return all(u in who for u in order if u < t) or (t in first_two and who <= first_two)
+    """May trainer ``t`` add to segment ``i`` now (``Sync.in_order``)?"""
+    s = b.segs.get(i)
+    return sync.in_order(t, s.who if s is not None else frozenset())
 
 
 def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,
@@ -119,9 +124,8 @@ def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,
     held: List[np.ndarray] = []  # the slot the current segment is being received into
 
     def into(off: int) -> Optional[np.ndarray]:
-        with b.cv:
-            first = (off // SEGMENT not in b.segs and b.step == step and not sync.active <= {t}
-                     and t in sorted(sync.active | {t})[:2])
+        # Unlocked: a stale answer costs a copy (a slot taken for nothing goes back), never a wrong sum.
+        first = off // SEGMENT not in b.segs and b.step == step and sync.first_two(t)
         slot = pool.try_take() if first else None
         if slot is not None:
             held.append(slot)
@@ -144,8 +148,10 @@ def _fold(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, off: int,
     kept = False
     try:
         with b.cv:
-            sync.wait(b.cv, lambda: b.step != step or _may_add(sync, b, i, t), step,
-                      f"{what}: summing in trainer order", lambda: {u for u in sync.active if u < t} - _who(b, i))
+            if not (b.step != step or _may_add(sync, b, i, t)):
+                sync.wait(b.seg_cv[i], lambda: b.step != step or _may_add(sync, b, i, t), step,
+                          f"{what}: summing in trainer order",
+                          lambda: {u for u in sync.active if u < t} - _who(b, i))
             s = b.segs.get(i)
             if s is None and b.step == step and not sync.active <= {t}:
                 slot = mine if mine is not None else _take(b, pool, sync, step, what,
@@ -174,7 +180,7 @@ def _fold(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, off: int,
                 else:
                     np.add(s.acc, g, out=s.acc)
                     s.who.add(t)
-                    b.cv.notify_all()  # the next trainer in order may add now (else it sleeps out its 1 s poll)
+                    b.seg_cv[i].notify_all()  # the next trainer in order may add now (else it sleeps out its poll)
                     return
             if s is not None:
                 _free(b, pool, i)
@@ -192,7 +198,6 @@ def _take(b: DenseBlock, pool: AccPool, sync: Sync, step: int, what: str, unless
         return pool.take(sync, step, what, unless)
     finally:
         b.cv.acquire()
-        b.cv.notify_all()
 
 
 def _sgd(b: DenseBlock, p: np.ndarray, g: np.ndarray, plus: Optional[np.ndarray], n: int) -> None:
@@ -222,7 +227,9 @@ def _segment_done(b: DenseBlock, pool: AccPool, i: int) -> None:
         b.step += 1
         b.pending.clear()
         pool.poke()
-    b.cv.notify_all()
+        b.wake()
+    else:
+        b.seg_cv[i].notify_all()  # its pulls may send it
 
 
 def wait_segment(sync: Sync, b: DenseBlock, step: int, end: int, gone: Callable[[], bool]) -> None:
@@ -231,8 +238,10 @@ def wait_segment(sync: Sync, b: DenseBlock, step: int, end: int, gone: Callable[
     longer be told in order: it ends the connection (``ConnectionLost``) and the trainer sees it break."""
     i = (end - 1) // SEGMENT
     with b.cv:
+        if b.ready(i, step):
+            return
         try:
-            sync.wait(b.cv, lambda: b.ready(i, step), step, f"pull {b.describe()} segment {i}",
+            sync.wait(b.seg_cv[i], lambda: b.ready(i, step), step, f"pull {b.describe()} segment {i}",
                       lambda: set(sync.active) - _who(b, i), gone)
         except PSError as e:
             if i == 0:

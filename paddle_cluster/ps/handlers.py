@@ -66,11 +66,11 @@ def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         except BaseException:
             with b.cv:
                 b.initializing = False
-                b.cv.notify_all()
+                b.wake()
             raise
         with b.cv:
             b.initialized, b.initializing = True, False
-            b.cv.notify_all()
+            b.wake()
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -125,13 +125,13 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         except BaseException:
             with b.cv:
                 b.receiving.discard(t)
-                b.cv.notify_all()
+                b.wake()
             raise
         with b.cv:
             b.receiving.discard(t)
             if b.step == h.step:
                 b.pending[t] = True
-            b.cv.notify_all()
+            b.cv.notify_all()  # no segment's waiter waits on these: its folds and pulls were woken as they landed
         conn.reply_ok(key=h.key, step=b.step)
         return
     with b.cv:
@@ -151,7 +151,7 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         with b.cv:
             b.receiving.discard(t)
             b.acc_busy = b.acc_busy and not direct
-            b.cv.notify_all()
+            b.wake()
         raise
     with b.cv:
         try:
@@ -177,7 +177,7 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
             b.receiving.discard(t)
             if direct:
                 b.acc_busy = False
-            b.cv.notify_all()
+            b.wake()
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -238,7 +238,7 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             elif t.step == h.step:
                 t.pending[tr] = (ids, grads)
                 sync.complete_table(t)
-            t.cv.notify_all()
+            t.wake()
     conn.reply_ok(key=h.key, step=t.step)
 
 

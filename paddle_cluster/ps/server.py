@@ -101,7 +101,7 @@ class PServer:
         self.net.stop()
         for shard in [*self.blocks.values(), *self.tables.values()]:
             with shard.cv:
-                shard.cv.notify_all()
+                shard.wake()
 
     @property
     def stopped(self) -> bool:

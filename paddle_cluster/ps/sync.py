@@ -88,24 +88,30 @@ class HyperHistory:
 
 
 class RWLock:
-    """Optimizer applies share it; a checkpoint snapshot takes it exclusively (a consistent cut)."""
+    """Optimizer applies share it; a checkpoint snapshot takes it exclusively (a consistent cut).
+
+    ``shared()`` is taken for every segment applied, so it is a plain object, not a generator, and a reader
+    leaving wakes no one unless a writer waits for the last one."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._readers = 0
         self._writer = False
+        self._reader = _Shared(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self) -> _Shared:
+        return self._reader
+
+    def _enter(self) -> None:
         with self._cv:
             while self._writer:
                 self._cv.wait()
             self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._readers -= 1
+
+    def _leave(self) -> None:
+        with self._cv:
+            self._readers -= 1
+            if self._writer and not self._readers:
                 self._cv.notify_all()
 
     @contextmanager
@@ -124,6 +130,19 @@ class RWLock:
                 self._cv.notify_all()
 
 
+class _Shared:
+    __slots__ = ("rw",)
+
+    def __init__(self, rw: RWLock) -> None:
+        self.rw = rw
+
+    def __enter__(self) -> None:
+        self.rw._enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rw._leave()
+
+
 class Sync:
     """Who is active, who closed and when each trainer was last heard from; the hyper-parameter history;
     waiting for a step, and completing one once every active trainer has contributed."""
@@ -135,7 +154,7 @@ class Sync:
         self.done = done
         self.lock = threading.Condition()
         self.mode: Optional[str] = None
-        self.active = frozenset(range(trainers))
+        self._set_active(range(trainers))
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
         self.hyper = HyperHistory()
@@ -145,6 +164,31 @@ class Sync:
                                              thread_name_prefix=f"pserver{pserver_id}-apply")
 
     # -- trainers ------------------------------------------------------------------------------------------
+
+    def _set_active(self, active: Iterable[int]) -> None:
+        self.active = frozenset(active)
+        order = sorted(self.active)
+        # The trainer-order rule, worked out once per change of the active set (it is asked per segment).
+        self._first_two = frozenset(order[:2])
+        self._before = {t: frozenset(order[:k]) for k, t in enumerate(order)}
+
+    def in_order(self, t: int, who: Any) -> bool:
+        """May trainer ``t`` add its gradient to a sum that holds ``who`` (a set of trainers) now? After every
+        active trainer before it, or as one of the first two in either order (float addition commutes), so
+        the sum never depends on arrival order."""
+        before = self._before.get(t)
+        if before is not None:
+            first_two = self._first_two
+        else:  # not active (it closed): ordered among the active as if it were
+            order = sorted(self.active | {t})
+            before, first_two = frozenset(order[:order.index(t)]), frozenset(order[:2])
+        return before <= who or (t in first_two and who <= first_two)
+
+    def first_two(self, t: int) -> bool:
+        """Is trainer ``t`` one of the first two in trainer order (and not the only active one)?"""
+        if t in self._before:
+            return t in self._first_two and len(self.active) > 1
+        return bool(self.active) and t in sorted(self.active | {t})[:2]
 
     def touch(self, trainer: int) -> None:
         if trainer >= 0:
@@ -162,7 +206,7 @@ class Sync:
         """Trainer ``t`` is done: its barriers stop counting it. True once every trainer has closed."""
         with self.lock:
             self.closed.add(t)
-            self.active = frozenset(self.active - {t})
+            self._set_active(self.active - {t})
             all_closed = len(self.closed) >= self.trainers
             self.lock.notify_all()
         log.info("pserver %d: trainer %d closed (%d of %d closed)", self.pserver_id, t, len(self.closed),
@@ -177,7 +221,7 @@ class Sync:
                         self.complete_dense(shard)
                     elif isinstance(shard, TableShard):
                         self.complete_table(shard)
-                shard.cv.notify_all()
+                shard.wake()
         return all_closed
 
     # -- waiting -------------------------------------------------------------------------------------------
@@ -222,6 +266,9 @@ class Sync:
 
     def apply_hyper(self, shard: Shard, step: Optional[int]) -> None:
         """Catch ``shard.spec`` up with the hyper-parameter changes effective at ``step`` (None: all)."""
+        changes = self.hyper.changes
+        if not changes or changes[-1].seq <= shard.hyper_seen:  # the common case, once per segment applied
+            return
         for c in self.hyper.pending(shard):
             if step is not None and c.from_step > step:
                 break
@@ -272,7 +319,7 @@ class Sync:
             finally:
                 b.pending.clear()
                 b.applying = False
-                b.cv.notify_all()
+                b.wake()
 
     def complete_table(self, t: TableShard) -> None:
         """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
@@ -281,15 +328,13 @@ class Sync:
         ids, g = t.pending_mean()
         self.advance(t, t.step, lambda: t.apply_rows(ids, g))
         t.pending.clear()
-        t.cv.notify_all()
+        t.wake()
 
     def may_fold(self, b: DenseBlock, t: int) -> bool:
         """(Holding ``b.cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
         if b.acc_busy or b.applying:
             return False
-        order = sorted(self.active | {t})
-        first_two = set(order[:2])
-        return all(u in b.pending for u in order if u < t) or (t in first_two and set(b.pending) <= first_two)
+        return self.in_order(t, b.pending.keys())
 
     def fold(self, b: DenseBlock, t: int, g: np.ndarray) -> None:
         """(Holding ``b.cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to step ``b.step``."""
