@@ -89,7 +89,7 @@ def test_sync_sum_is_in_trainer_order(tmp_path, trainers, opt):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("trainers,weight_decay", [(2, 0.0), (3, 0.0), (3, 0.01)])
+@pytest.mark.parametrize("trainers,weight_decay", [(2, 0.0), (3, 0.0), (3, 0.01), (4, 0.0)])
 def test_segment_folding_under_a_tiny_pool_is_exact_and_never_deadlocks(tmp_path, monkeypatch, trainers,
                                                                         weight_decay):
     """Sync SGD folds pushes a segment at a time into a bounded pool of accumulators. With two slots for the
