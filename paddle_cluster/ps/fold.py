@@ -148,9 +148,10 @@ def _fold(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int, off: int,
     kept = False
     try:
         with b.cv:
-            if not (b.step != step or _may_add(sync, b, i, t)):
-                sync.wait(b.seg_cv[i], lambda: b.step != step or _may_add(sync, b, i, t), step,
-                          f"{what}: summing in trainer order",
+            def turn() -> bool:
+                return b.step != step or _may_add(sync, b, i, t)
+            if not turn():  # checked first: the wait's message is built only when it waits
+                sync.wait(b.seg_cv[i], turn, step, f"{what}: summing in trainer order",
                           lambda: {u for u in sync.active if u < t} - _who(b, i))
             s = b.segs.get(i)
             if s is None and b.step == step and not sync.active <= {t}:

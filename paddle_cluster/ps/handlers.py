@@ -135,8 +135,7 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         conn.reply_ok(key=h.key, step=b.step)
         return
     with b.cv:
-        direct = (in_sync and not dup and not b.pending and not b.acc_busy and sync.active != {t}
-                  and t in sorted(sync.active)[:2])
+        direct = in_sync and not dup and not b.pending and not b.acc_busy and t in sync.active and sync.first_two(t)
         if not dup:
             b.receiving.add(t)
             b.acc_busy = b.acc_busy or direct

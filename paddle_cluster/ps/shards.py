@@ -73,7 +73,7 @@ class DenseBlock(Shard):
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
 
     def wake(self) -> None:
-        self.cv.notify_all()
+        super().wake()
         for c in self.seg_cv:
             c.notify_all()
 

@@ -90,25 +90,24 @@ class HyperHistory:
 class RWLock:
     """Optimizer applies share it; a checkpoint snapshot takes it exclusively (a consistent cut).
 
-    ``shared()`` is taken for every segment applied, so it is a plain object, not a generator, and a reader
-    leaving wakes no one unless a writer waits for the last one."""
+    ``shared()`` is taken for every segment applied, so it is the lock itself (entered as a reader), not a
+    generator, and a reader leaving wakes no one unless a writer waits for the last one."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._readers = 0
         self._writer = False
-        self._reader = _Shared(self)
 
-    def shared(self) -> _Shared:
-        return self._reader
+    def shared(self) -> RWLock:
+        return self
 
-    def _enter(self) -> None:
+    def __enter__(self) -> None:
         with self._cv:
             while self._writer:
                 self._cv.wait()
             self._readers += 1
 
-    def _leave(self) -> None:
+    def __exit__(self, *exc: Any) -> None:
         with self._cv:
             self._readers -= 1
             if self._writer and not self._readers:
@@ -128,19 +127,6 @@ class RWLock:
             with self._cv:
                 self._writer = False
                 self._cv.notify_all()
-
-
-class _Shared:
-    __slots__ = ("rw",)
-
-    def __init__(self, rw: RWLock) -> None:
-        self.rw = rw
-
-    def __enter__(self) -> None:
-        self.rw._enter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.rw._leave()
 
 
 class Sync:
@@ -172,23 +158,26 @@ class Sync:
         self._first_two = frozenset(order[:2])
         self._before = {t: frozenset(order[:k]) for k, t in enumerate(order)}
 
+    def _rank(self, t: int) -> Tuple[frozenset, frozenset]:
+        """(The trainers before ``t``, the first two) in trainer order; one not active (it closed) is ordered
+        among the active as if it were."""
+        before = self._before.get(t)
+        if before is not None:
+            return before, self._first_two
+        order = sorted(self.active | {t})
+        return frozenset(order[:order.index(t)]), frozenset(order[:2])
+
     def in_order(self, t: int, who: Any) -> bool:
         """May trainer ``t`` add its gradient to a sum that holds ``who`` (a set of trainers) now? After every
         active trainer before it, or as one of the first two in either order (float addition commutes), so
         the sum never depends on arrival order."""
-        before = self._before.get(t)
-        if before is not None:
-            first_two = self._first_two
-        else:  # not active (it closed): ordered among the active as if it were
-            order = sorted(self.active | {t})
-            before, first_two = frozenset(order[:order.index(t)]), frozenset(order[:2])
+        before, first_two = self._rank(t)
         return before <= who or (t in first_two and who <= first_two)
 
     def first_two(self, t: int) -> bool:
-        """Is trainer ``t`` one of the first two in trainer order (and not the only active one)?"""
-        if t in self._before:
-            return t in self._first_two and len(self.active) > 1
-        return bool(self.active) and t in sorted(self.active | {t})[:2]
+        """Is trainer ``t`` one of the first two in trainer order, with another trainer active besides it?"""
+        others = len(self.active) - (t in self._before)
+        return others > 0 and t in self._rank(t)[1]
 
     def touch(self, trainer: int) -> None:
         if trainer >= 0:
