@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import paddle_cluster
 
 from .errors import ClusterError, HostError
-from .hosts import Node, fanout
+from .fanout import fanout
+from .hosts import Node
 from .plan import JobSpec
 
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}

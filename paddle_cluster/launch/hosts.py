@@ -1,4 +1,4 @@
-"""Nodes of the cluster and the one fan-out primitive over them.
+"""Nodes of the cluster (the fan-out over them is ``fanout``).
 
 A ``Node`` runs commands, copies files and opens a long-lived command stream on one host. ``localhost``
 is a ``LocalNode`` (subprocess, no SSH); every other host is an ``SSHNode`` (Fabric ``Connection``). Both
@@ -16,17 +16,16 @@ import signal
 import socket
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import paramiko
 
 from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
-from .errors import ConnectError, HostError, HostsFailed
+from .errors import ConnectError, HostError
 
 # paramiko logs a failed handshake (no SSH banner, a reset) as an ERROR with a traceback; with no handler of
 # its own that reaches the terminal above our one-line message. ``--debug`` turns the logging back on.
@@ -417,41 +416,6 @@ def connect_error(label: str, host: str, port: int, user: str, e: BaseException,
 
 def make_nodes(cfg: ClusterConfig) -> List[Node]:
     return [(LocalNode if h.is_local else SSHNode)(i, h, cfg) for i, h in enumerate(cfg.hosts)]
-
-
-T = TypeVar("T")
-
-
-@dataclass
-class FanoutResult(Generic[T]):
-    """Every node's value or exception, in node order. Nothing is dropped."""
-
-    values: Dict[int, T]
-    errors: Dict[int, BaseException]
-    labels: Dict[int, str]
-
-    def ok(self, what: str) -> List[T]:
-        """The values in node order, or ``HostsFailed`` listing every failed host."""
-        if self.errors:
-            raise HostsFailed(what, {self.labels[i]: e for i, e in sorted(self.errors.items())})
-        return [self.values[i] for i in sorted(self.values)]
-
-
-def fanout(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32) -> FanoutResult[T]:
-    """Run ``fn(node)`` on every node concurrently; collect each value or exception."""
-    values: Dict[int, T] = {}
-    errors: Dict[int, BaseException] = {}
-    if not nodes:
-        return FanoutResult(values, errors, {})
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="fanout") as pool:
-        futures = {n.index: pool.submit(fn, n) for n in nodes}
-        for i, fut in futures.items():
-            try:
-                values[i] = fut.result()
-            except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
-                errors[i] = e
-    return FanoutResult(values, errors, {n.index: n.label for n in nodes})
-
 
 
 @contextmanager

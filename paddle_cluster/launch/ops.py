@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, List, Optional
 from . import dispatch, machines, preflight
 from .config import ClusterConfig
 from .errors import ClusterError, HostError
-from .hosts import Node, fanout, make_nodes
+from .fanout import fanout
+from .hosts import Node, make_nodes
 from .interrupt import stoppable
 
 

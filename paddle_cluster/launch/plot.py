@@ -9,7 +9,8 @@ from typing import Dict, List, Sequence
 from . import dispatch
 from .config import ClusterConfig
 from .errors import ClusterError
-from .hosts import Node, fanout
+from .fanout import fanout
+from .hosts import Node
 from .ops import nodes_with_lib
 
 # Keys of a metrics record that are bookkeeping, not curves.

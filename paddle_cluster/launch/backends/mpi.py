@@ -29,7 +29,8 @@ from paddle_cluster.node import messages as m
 
 from .. import dispatch
 from ..errors import ClusterError
-from ..hosts import Node, fanout
+from ..fanout import fanout
+from ..hosts import Node
 from ..plan import JobPlan, JobSpec
 from .base import Event, EventQueue
 from .ssh import SSHBackend

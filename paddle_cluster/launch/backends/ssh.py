@@ -21,7 +21,8 @@ from paddle_cluster.node.session import Request
 from .. import dispatch, machines, preflight, relay
 from ..config import ClusterConfig
 from ..errors import HostError
-from ..hosts import Node, Stream, fanout, make_nodes
+from ..fanout import fanout
+from ..hosts import Node, Stream, make_nodes
 from ..plan import JobPlan, JobSpec
 from ..session import NodeSession
 from .base import Backend, Event, EventQueue

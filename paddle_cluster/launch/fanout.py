@@ -1,0 +1,46 @@
+"""The one fan-out primitive over nodes: run a function on every node at once and keep every result *and*
+every exception, in node order."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Dict, Generic, List, Sequence, TypeVar
+
+from .errors import HostsFailed
+
+if TYPE_CHECKING:
+    from .hosts import Node
+
+T = TypeVar("T")
+
+
+@dataclass
+class FanoutResult(Generic[T]):
+    """Every node's value or exception, in node order. Nothing is dropped."""
+
+    values: Dict[int, T]
+    errors: Dict[int, BaseException]
+    labels: Dict[int, str]
+
+    def ok(self, what: str) -> List[T]:
+        """The values in node order, or ``HostsFailed`` listing every failed host."""
+        if self.errors:
+            raise HostsFailed(what, {self.labels[i]: e for i, e in sorted(self.errors.items())})
+        return [self.values[i] for i in sorted(self.values)]
+
+
+def fanout(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32) -> FanoutResult[T]:
+    """Run ``fn(node)`` on every node concurrently; collect each value or exception."""
+    values: Dict[int, T] = {}
+    errors: Dict[int, BaseException] = {}
+    if not nodes:
+        return FanoutResult(values, errors, {})
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="fanout") as pool:
+        futures = {n.index: pool.submit(fn, n) for n in nodes}
+        for i, fut in futures.items():
+            try:
+                values[i] = fut.result()
+            except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
+                errors[i] = e
+    return FanoutResult(values, errors, {n.index: n.label for n in nodes})
