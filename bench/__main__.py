@@ -230,7 +230,7 @@ class Suite:
 
         c = self.cfg
         size = c["size"]
-        for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS (arrays via shared memory, not TCP)",
+        for name, fn in (("pyzmq PS", peers.zmq_ps), ("Ray-actor PS (actors on a Ray node of their own)",
                                                        peers.ray_ps)):
             st, chk, cpu = fn(size, c["warmup"], c["reps"])
             key = "zmq" if "zmq" in name else "ray"

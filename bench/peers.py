@@ -117,15 +117,21 @@ def zmq_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
 # -- Ray actors ---------------------------------------------------------------------------------------------
 
 
+RAY_WARMUP = 8  # Ray's object stores reach their pace only after several steps (below)
+
+
 def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optional[Stats], str, Optional[Cpu]]:
-    """Ray on one machine passes each array through its shared-memory object store (one copy in, read in
-    place), not over TCP; its CPU counts every process Ray started (all below this one: gcs, raylet, workers)."""
+    """Ray actors as pservers on a Ray node of their own (``ray.cluster_utils.Cluster``: its own raylet and
+    object store), the trainer on the head node: every array crosses between object stores over TCP, as between
+    machines (on one node Ray hands arrays over in shared memory, which no PS across machines can). Its CPU
+    counts every process Ray started (all below this one: gcs, raylets, workers)."""
     why = _missing("ray")
     if why:
         return None, why, None
     import ray
+    from ray.cluster_utils import Cluster
 
-    @ray.remote
+    @ray.remote(resources={"pserver": 1}, num_cpus=0)
     class Shard:
         def __init__(self, n: int) -> None:
             self.param = np.zeros(n, dtype=np.float32)
@@ -140,9 +146,13 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
             return self.param
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=1 << 30, logging_level="ERROR")
+    store = max(1 << 30, 8 * size)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
+                                                            "include_dashboard": False})
     try:
+        cluster.add_node(num_cpus=os.cpu_count() or 2, resources={"pserver": n_servers}, object_store_memory=store)
+        ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+        cluster.wait_for_nodes()
         n = size // 4 // n_servers
         actors = [Shard.remote(n) for _ in range(n_servers)]
         g = np.full(n * n_servers, 1.0, dtype=np.float32)
@@ -150,6 +160,9 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
         pulled = []
         times = []
         meter = Meter(_ray_procs)
+        # The first steps run at a third of the pace of later ones (seen: 180-510 ms for the first 6, then
+        # 180-220): fewer warm-up steps would measure Ray's start, not Ray.
+        warmup = max(warmup, RAY_WARMUP)
         for i in range(warmup + reps):
             if i == warmup:
                 meter.start()
@@ -163,6 +176,7 @@ def ray_ps(size: int, warmup: int, reps: int, n_servers: int = 2) -> Tuple[Optio
         ok = all(np.all(p == want) for p in pulled)
     finally:
         ray.shutdown()
+        cluster.shutdown()
     return Stats(times), "ok" if ok else "FAILED: parameters differ from -lr * steps", cpu
 
 
