@@ -103,11 +103,14 @@ def _max_min(n: int, flows: List[Flow], w: List[float]) -> List[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--spread", type=float, nargs="+", default=[0.0, 1.0, 3.0])
-    ap.add_argument("--hold", type=float, nargs="+", default=[0.1, 0.3, 1.0])
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--lead", type=float, default=float("inf"))
+    ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="nodes, each a trainer and a pserver")
+    ap.add_argument("--spread", type=float, nargs="+", default=[0.0, 1.0, 3.0],
+                    help="flow weights are drawn from [1, 1 + spread]")
+    ap.add_argument("--hold", type=float, nargs="+", default=[0.1, 0.3, 1.0],
+                    help="how long a weight holds, in ideal steps")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per setting")
+    ap.add_argument("--lead", type=float, default=float("inf"),
+                    help="segments a push may run ahead of the other trainers' (default: unlimited)")
     a = ap.parse_args()
     print("nodes  spread  hold   line rate reached (mean of the steps after the first, per seed)")
     for n in a.nodes:
