@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Callable, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -99,15 +99,18 @@ def applies(sync: Sync, b: DenseBlock) -> bool:
     return sync.mode == "sync" and b.spec.name == "sgd" and b.nbytes > 0
 
 
-def _who(b: DenseBlock, i: int) -> Set[int]:
+_NOBODY: FrozenSet[int] = frozenset()
+
+
+def _who(b: DenseBlock, i: int) -> AbstractSet[int]:
+    """The trainers already in segment ``i``'s sum."""
     s = b.segs.get(i)
-    return s.who if s is not None else set()
+    return s.who if s is not None else _NOBODY
 
 
 def _may_add(sync: Sync, b: DenseBlock, i: int, t: int) -> bool:
     """May trainer ``t`` add to segment ``i`` now (``Sync.in_order``)?"""
-    s = b.segs.get(i)
-    return sync.in_order(t, s.who if s is not None else frozenset())
+    return sync.in_order(t, _who(b, i))
 
 
 def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,

@@ -176,8 +176,7 @@ class Sync:
 
     def first_two(self, t: int) -> bool:
         """Is trainer ``t`` one of the first two in trainer order, with another trainer active besides it?"""
-        others = len(self.active) - (t in self._before)
-        return others > 0 and t in self._rank(t)[1]
+        return len(self.active) > (t in self.active) and t in self._rank(t)[1]
 
     def touch(self, trainer: int) -> None:
         if trainer >= 0:
