@@ -49,10 +49,11 @@ def step_times(n: int, spread: float, hold: float, steps: int = 10, seg: int = 1
             for k in range(n):
                 if k == j:
                     continue  # a trainer's own shard never crosses its link
-                cap = min(float(seg), min(got(k, step[j], i) for i in range(n)) + lead)
+                held = min(got(k, step[j], i) for i in range(n))  # of this step, from every trainer
+                cap = min(float(seg), held + lead)
                 if push[j][k] < cap - 1e-9:
                     flows.append((("push", j, k), cap - push[j][k]))
-                ready = min(int(got(k, step[j], i) + 1e-9) for i in range(n))  # whole segments
+                ready = int(held + 1e-9)  # whole segments
                 if reply[k][j] < ready - 1e-9:
                     flows.append((("reply", k, j), ready - reply[k][j]))
         w = [weights.setdefault(f, 1.0 + spread * rng.random()) for f, _ in flows]
