@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import journal, k8s, ops, slurm_ops
+from .launch import cmdline, journal, k8s, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
 from .launch.entry import settle
 from .launch.errors import OUTCOMES, ClusterError
@@ -93,6 +93,24 @@ def _checked_resume(ctx: click.Context, param: click.Parameter, value: Optional[
         raise click.BadParameter(f"{e}; or give an absolute checkpoint directory") from None
 
 
+class _ScriptArgsCommand(click.Command):
+    """A command whose arguments after ``--`` go to the entry script; an option before it must be its own."""
+
+    def parse_args(self, ctx: click.Context, args: list) -> list:
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption as e:
+            known = [o for p in self.get_params(ctx) for o in [*p.opts, *p.secondary_opts] if o.startswith("-")]
+            names, c = [], ctx
+            while c.parent is not None:  # "render k8s", not the program's name (python -m paddle_cluster ...)
+                names.insert(0, c.info_name or "")
+                c = c.parent
+            raise click.UsageError(cmdline.unknown_option(" ".join(names), e.option_name, known, args), ctx) from None
+
+
+_SCRIPT_ARGS = click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS...]")
+
+
 def _options(*decorators):
     """One decorator applying ``decorators`` as if written one above the other."""
     def apply(fn):
@@ -136,7 +154,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
         logging.getLogger("paramiko").propagate = True
 
 
-@main.command(context_settings={"ignore_unknown_options": True},
+@main.command(cls=_ScriptArgsCommand,
               epilog="Exit status: " + ", ".join(f"{code} {what}" for code, what in OUTCOMES.items()) + ".")
 @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every node.")
 @click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every node.")
@@ -164,7 +182,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
-@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@_SCRIPT_ARGS
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
@@ -174,8 +192,11 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
-    The arguments after the options (after --, or directly) reach the entry script of trainers and pservers
-    alike. PaddlePaddle v2 options among them also set the variables paddle.init reads:
+    The arguments after -- reach the entry script of trainers and pservers alike:
+      paddle-cluster run --job_dispatch_package ./ws -- --num_passes 10 --data /data
+    Before --, every option must be one of run's own: a misspelt one is refused (with the closest one) and
+    nothing starts; a word that is not an option is the script's too.
+    PaddlePaddle v2 options among the script's arguments also set the variables paddle.init reads:
       --trainer_count N, --num_passes N, --saving_period N, --log_period N, --dot_period N, --test_period N,
       --use_gpu BOOL, --local BOOL, --save_dir DIR   ->  PADDLE_INIT_TRAINER_COUNT, ... (every process)
       --port N, --ports_num N, --ports_num_for_sparse N  ->  the job's ports (as PADDLE_PORT, ... in conf.py)
@@ -346,7 +367,7 @@ def render() -> None:
     """Write what another system needs to run a job (manifests), without running it."""
 
 
-@render.command("k8s", context_settings={"ignore_unknown_options": True})
+@render.command("k8s", cls=_ScriptArgsCommand)
 @_k8s_pods
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
@@ -355,13 +376,14 @@ def render() -> None:
               "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi).")
 @click.option("--trainer-requests", metavar="R", help="The same for each trainer pod; an extended resource such as "
               "nvidia.com/gpu=1 is also set as its limit (default: K8S_TRAINER_REQUESTS).")
-@click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
+@_SCRIPT_ARGS
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
                trainers: Optional[int], job_name: Optional[str], workspace: str, pserver_requests: Optional[str],
                trainer_requests: Optional[str], trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
-    Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
+    Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -. The entry script's arguments
+    go after --."""
     from .launch.backends.k8s import K8sOptions
 
     cfg = _config(ctx)

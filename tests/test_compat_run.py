@@ -152,7 +152,7 @@ def test_seed_word2vec_workspace_with_v2_options(tmp_path):
     ws = word2vec_workspace(tmp_path)
     before = sorted(p.name for p in ws.iterdir())
     conf = local_default(tmp_path)
-    res = cli(conf, "run", "--job_workspace", str(ws), "--job_name", "w2v", "--trainer_count=2", "--use_gpu",
+    res = cli(conf, "run", "--job_workspace", str(ws), "--job_name", "w2v", "--", "--trainer_count=2", "--use_gpu",
               "false", "--num_passes", "2", "--saving_period=1", timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "train.py does not read PADDLE_TRAINING_ROLE: pservers run the built-in pserver" in res.stderr
@@ -175,7 +175,8 @@ def test_seed_word2vec_workspace_with_v2_options(tmp_path):
 def test_v2_option_errors_are_one_line(tmp_path):
     ws = seed_workspace(tmp_path)
     conf = local_default(tmp_path)
-    for args, words in ((["--trainer_id=1"], "PADDLE_INIT_TRAINER_ID"), (["--num_passes=x"], "whole number"),
+    for args, words in ((["--", "--trainer_id=1"], "PADDLE_INIT_TRAINER_ID"),
+                        (["--", "--num_passes=x"], "whole number"),
                         (["--entry", "missing.py"], "cannot read")):
         res = cli(conf, "run", "--job_dispatch_package", str(ws), *args, timeout=60)
         assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr
