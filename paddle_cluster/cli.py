@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -15,7 +14,7 @@ import click
 
 from .contract import ContractError, check_job_name
 from .launch import cmdline, journal, k8s, ops, slurm_ops
-from .launch.config import BACKENDS, ClusterConfig, load_config
+from .launch.config import BACKENDS, ClusterConfig, load_config, override
 from .launch.entry import settle
 from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
@@ -73,7 +72,7 @@ def _debug_trace(e: ClusterError) -> None:
 def _config(ctx: click.Context) -> ClusterConfig:
     cfg = load_config(ctx.obj["conf"])
     if ctx.obj["accept_new_host_keys"]:
-        cfg = dataclasses.replace(cfg, ssh_accept_new_host_keys=True)
+        cfg = override(cfg, {"ssh_accept_new_host_keys": ("--accept-new-host-keys", True)})
     return cfg
 
 
@@ -204,7 +203,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     """
     cfg = _config(ctx)
     if backend:
-        cfg = dataclasses.replace(cfg, backend=backend)
+        cfg = override(cfg, {"backend": ("--backend", backend)})
     be = None
     if cfg.backend == "k8s":
         from .launch.backends.k8s import K8sBackend, K8sOptions

@@ -177,7 +177,7 @@ def test_v2_option_errors_are_one_line(tmp_path):
     conf = local_default(tmp_path)
     for args, words in ((["--", "--trainer_id=1"], "PADDLE_INIT_TRAINER_ID"),
                         (["--", "--num_passes=x"], "whole number"),
-                        (["--entry", "missing.py"], "cannot read")):
+                        (["--entry", "missing.py"], "--entry missing.py: no such file in the workspace")):
         res = cli(conf, "run", "--job_dispatch_package", str(ws), *args, timeout=60)
         assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert not (tmp_path / "root").exists()

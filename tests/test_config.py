@@ -271,9 +271,9 @@ def same(a: ClusterConfig, b: ClusterConfig) -> bool:
 def test_full_conf_sets_every_key(tmp_path, home):
     cfg = load_config(str(write(tmp_path, FULL_PY)), environ={})
     default = ClusterConfig(hosts=())
-    for f in dataclasses.fields(ClusterConfig):
-        if f.name != "source":
-            assert getattr(cfg, f.name) != getattr(default, f.name), f.name  # the file set every key
+    for key in KEYS:
+        assert getattr(cfg, key.lower()) != getattr(default, key.lower()), key  # the file set every key
+    assert cfg.file_keys == set(KEYS) and cfg.options == ()
     assert cfg.hosts == (HostSpec("root@192.168.100.17", "192.168.100.17", "root", None),
                          HostSpec("paddle@node2:2222", "node2", "paddle", 2222),
                          HostSpec("gpu-box", "gpu-box", None, None))
@@ -530,3 +530,58 @@ def test_backend_key_is_checked_and_slurm_needs_no_hosts(tmp_path):
     assert (cfg.backend, cfg.hosts) == ("slurm", ())
     with pytest.raises(ConfigError, match="HOSTS"):
         parse_config({"BACKEND": "mpi"}, "t")
+
+
+# -- every error names where the wrong value came from: an option, the conf key and file, or the default -----
+def _run_in(tmp_path: Path, conf_body: str, *args: str) -> subprocess.CompletedProcess:
+    """``paddle-cluster run ARGS`` in ``tmp_path`` holding ``conf_body`` as conf.py and ws/ with one script."""
+    (tmp_path / "conf.py").write_text(conf_body)
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    (tmp_path / "ws" / "dist_train.py").write_text("print('hi')\n")
+    return cli("run", *args, cwd=tmp_path, env=clean_environ(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "s")))
+
+
+def _local_body(tmp_path: Path, extra: str = "") -> str:
+    return f'HOSTS = ["localhost"]\nROOT_DIR = "{tmp_path / "root"}"\nPADDLE_NIC = "lo"\n{extra}'
+
+
+@pytest.mark.parametrize("extra, args, message", [
+    ("", ["--job_dispatch_package", "ws", "--entry", "nope.py"],
+     "--entry nope.py: no such file in the workspace {ws} (its scripts: dist_train.py)"),
+    ('ENTRY = "nope.py"\n', ["--job_dispatch_package", "ws"],
+     "ENTRY = 'nope.py' in {conf}: no such file in the workspace {ws} (its scripts: dist_train.py)"),
+    ("", ["--job_dispatch_package", "ws"],
+     "ENTRY = 'train.py' (the default; {conf} does not set ENTRY): no such file in the workspace {ws}"),
+    ("", ["--job_dispatch_package", "./nope"], "--job_dispatch_package ./nope: no such directory ({tmp}/nope)"),
+    ("", ["--job_dispatch_package", "ws/dist_train.py"],
+     "--job_dispatch_package ws/dist_train.py: is not a directory ({ws}/dist_train.py)"),
+    ('ENTRY = "dist_train.py"\n', ["--job_dispatch_package", "ws", "--entry", "../x.py"],
+     "--entry ../x.py: must be a script's path inside the workspace"),
+    ('ENTRY = "dist_train.py"\n', ["--job_dispatch_package", "ws", "--", "--port", "80"],
+     "--port 80: the pservers on a node need ports 80..83"),
+    ('ENTRY = "dist_train.py"\nPSERVERS_PER_NODE = 20000\n', ["--job_dispatch_package", "ws"],
+     "PADDLE_PORT = 7164 (the default; {conf} does not set PADDLE_PORT): the pservers on a node need ports"),
+    ('ENTRY = "dist_train.py"\nPADDLE_PORT = 80\n', ["--job_dispatch_package", "ws"],
+     "PADDLE_PORT = 80 in {conf}: the pservers on a node need ports 80..83"),
+], ids=["entry-option", "entry-conf", "entry-default", "package-missing", "package-file", "entry-option-outside",
+        "port-script-option", "port-default", "port-conf"])
+def test_errors_name_where_the_value_came_from(tmp_path, extra, args, message):
+    res = _run_in(tmp_path, _local_body(tmp_path, extra), *args)
+    expected = message.format(ws=tmp_path / "ws", conf=tmp_path / "conf.py", tmp=tmp_path)
+    assert_clean_config_error(res, f"paddle-cluster: error: {expected}")
+    assert not (tmp_path / "root").exists(), "nothing may start"
+
+
+def test_built_in_default_is_named_as_the_source(tmp_path):
+    (tmp_path / "ws").mkdir()
+    res = cli("run", "--job_dispatch_package", "ws", cwd=tmp_path,
+              env=clean_environ(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "s")))
+    assert_clean_config_error(res, "ENTRY = 'train.py' (the default; no conf.py or cluster.yaml found: the built-in "
+                              f"local cluster): no such file in the workspace {tmp_path / 'ws'} (it has no .py file)")
+
+
+def test_conf_path_is_absolute_in_errors(tmp_path):
+    """A relative --conf still gives its absolute path: the message stands on its own."""
+    (tmp_path / "c.py").write_text(HOSTS_LINE + 'ROOT_DIR = "rel"\n')
+    res = cli("--conf", "c.py", "check", cwd=tmp_path, env=clean_environ(HOME=str(tmp_path)))
+    assert_clean_config_error(res, f"ROOT_DIR = 'rel' in {tmp_path / 'c.py'}: must be an absolute path")

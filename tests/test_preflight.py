@@ -46,7 +46,8 @@ def test_missing_trainer_script_is_found_before_dispatch(tmp_path):
     (ws / "trian.py").write_text("print('typo in the name')\n")
     res = _run(tmp_path, _conf(tmp_path), "--job_dispatch_package", str(ws), "--job_name", "nope")
     assert res.returncode == 2  # the entry script (ENTRY, --entry): launch/entry.py's check
-    assert f"cannot read {ws}/train.py" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert f"ENTRY = 'train.py' (the default; {tmp_path}/conf.py does not set ENTRY): no such file in the " \
+        f"workspace {ws} (its scripts: trian.py)" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "root" / "nope").exists(), "nothing may be dispatched or started"
 
 
@@ -55,7 +56,7 @@ def test_missing_script_in_job_workspace_names_the_host(tmp_path):
     ws.mkdir()
     res = _run(tmp_path, _conf(tmp_path, TRAINER_COMMAND="{python} bin/train.py"), "--job_workspace", str(ws),
                "--job_name", "nope")
-    assert res.returncode == 1
+    assert res.returncode == 2  # the config names a file the workspace lacks: a configuration error
     assert f"node0 (localhost): {ws}/bin/train.py (the trainer command's script) does not exist there" in res.stderr
     assert not (tmp_path / "root" / "nope").exists()
 

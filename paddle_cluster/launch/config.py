@@ -15,7 +15,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -106,11 +106,29 @@ class ClusterConfig:
     k8s_trainer_requests: str = ""
     # Frames between trainers and pservers carry MACs; False only on an isolated fabric (docs/reliability.md).
     integrity: bool = True
+    # Where the values came from, so that an error names it (``error``): the file, the keys it set, and the
+    # keys a command-line option set (KEY, "--entry"); every other key has its default.
     source: str = "<built-in local default>"
+    file_keys: FrozenSet[str] = frozenset()
+    options: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def is_builtin_default(self) -> bool:
         return self.source == BUILTIN_SOURCE
+
+    def error(self, name: str, fix: str, value: Any = None) -> ConfigError:
+        """The ``ConfigError`` for setting ``name`` (a field name), naming where its value came from: the option
+        that gave it, the file that set it, or the default (and that the file does not set it)."""
+        key = name.upper()
+        value = getattr(self, name) if value is None else value
+        option = dict(self.options).get(key)
+        if option:
+            return ConfigError(option, value, fix)
+        if key in self.file_keys:
+            return ConfigError(key, value, fix, self.source)
+        why = "no conf.py or cluster.yaml found: the built-in local cluster" if self.is_builtin_default else \
+            f"{self.source} does not set {key}"
+        return ConfigError(key, value, fix, default=why)
 
     def pserver_ports(self, local_index: int) -> Tuple[int, ...]:
         """Ports of the ``local_index``-th pserver on a node (the contract's port model)."""
@@ -138,7 +156,8 @@ class ClusterConfig:
 
 BUILTIN_SOURCE = "<built-in local default>"
 BACKENDS = ("ssh", "mpi", "slurm", "k8s")
-KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
+_ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
+KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name not in _ORIGIN)
 _REQUIRED = ("HOSTS",)
 
 
@@ -187,7 +206,7 @@ def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.
     if path is None:
         return builtin_default()
     raw = _read_yaml(path) if path.suffix in (".yaml", ".yml") else _read_python(path)
-    return parse_config(raw, str(path))
+    return parse_config(raw, os.path.abspath(path))  # errors name the file wherever the command ran
 
 
 def _read_text(path: Path, key: str) -> str:
@@ -245,18 +264,28 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
             raise ConfigError(key, None, 'missing; list your machines, e.g. HOSTS = ["root@192.168.1.10"]', source)
 
     base = ClusterConfig(hosts=())
-    values: Dict[str, Any] = {"source": source}
+    values: Dict[str, Any] = {"source": source, "file_keys": frozenset(k for k in raw if k in KEYS)}
     for f in dataclasses.fields(ClusterConfig):
         key = f.name.upper()
-        if key in raw and f.name != "source":
+        if key in raw and f.name not in _ORIGIN:
             values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
     values["hosts"] = _hosts(raw["HOSTS"], source) if "HOSTS" in raw else ()
     for name in ("ssh_identity_file", "ssh_config_file", "ssh_known_hosts"):
         if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
             values[name] = os.path.expanduser(values[name])
     cfg = ClusterConfig(**values)
-    validate(cfg, source)
+    validate(cfg)
     return cfg
+
+
+def override(cfg: ClusterConfig, given: Mapping[str, Tuple[str, Any]]) -> ClusterConfig:
+    """``cfg`` with the settings of ``given`` (field name -> (the command-line option, its value)), validated
+    together: an error names the option, not the file."""
+    options = dict(cfg.options)
+    options.update({name.upper(): option for name, (option, _) in given.items()})
+    new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items()}, options=tuple(options.items()))
+    validate(new)
+    return new
 
 
 class ConfigWarning(UserWarning):
@@ -318,48 +347,46 @@ def _hosts(value: Any, source: str) -> Tuple[HostSpec, ...]:
     return hosts
 
 
-def validate(cfg: ClusterConfig, source: str) -> None:
+def validate(cfg: ClusterConfig) -> None:
+    """Each setting alone and together; an error names where the wrong value came from (``ClusterConfig.error``)."""
     if not os.path.isabs(cfg.root_dir):
-        raise ConfigError("ROOT_DIR", cfg.root_dir, "must be an absolute path on every host, e.g. /home/paddle", source)
+        raise cfg.error("root_dir", "must be an absolute path on every host, e.g. /home/paddle")
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):
-        raise ConfigError("PADDLE_NIC", cfg.paddle_nic, "must be an interface name such as eth0, ib0 or lo", source)
+        raise cfg.error("paddle_nic", "must be an interface name such as eth0, ib0 or lo")
     if cfg.paddle_ports_num < 1:
-        raise ConfigError("PADDLE_PORTS_NUM", cfg.paddle_ports_num, "must be at least 1", source)
+        raise cfg.error("paddle_ports_num", "must be at least 1")
     if cfg.paddle_ports_num_for_sparse < 0:
-        raise ConfigError("PADDLE_PORTS_NUM_FOR_SPARSE", cfg.paddle_ports_num_for_sparse, "must be 0 or more", source)
+        raise cfg.error("paddle_ports_num_for_sparse", "must be 0 or more")
     for key in ("pservers_per_node", "trainers_per_node"):
         if getattr(cfg, key) < 0:
-            raise ConfigError(key.upper(), getattr(cfg, key), "must be 0 or more", source)
+            raise cfg.error(key, "must be 0 or more")
     if cfg.max_restarts < 0:
-        raise ConfigError("MAX_RESTARTS", cfg.max_restarts, "must be 0 (fail fast) or more", source)
+        raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
     if cfg.backend not in BACKENDS:
-        raise ConfigError("BACKEND", cfg.backend, f"must be one of {', '.join(BACKENDS)}", source)
+        raise cfg.error("backend", f"must be one of {', '.join(BACKENDS)}")
     nodes = max(1, len(cfg.hosts))  # Slurm's node count comes with the job (--nodes)
     if cfg.pservers_per_node * nodes < 1:
-        raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, "the job needs at least one pserver", source)
+        raise cfg.error("pservers_per_node", "the job needs at least one pserver")
     if cfg.trainers_per_node * nodes < 1:
-        raise ConfigError("TRAINERS_PER_NODE", cfg.trainers_per_node, "the job needs at least one trainer", source)
+        raise cfg.error("trainers_per_node", "the job needs at least one trainer")
     last = cfg.node_ports()[-1]
     if not 1024 <= cfg.paddle_port or last > contract.PORT_MAX:
-        raise ConfigError("PADDLE_PORT", cfg.paddle_port,
-                          f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie within "
-                          f"1024..{contract.PORT_MAX}; choose a PADDLE_PORT such as 7164", source)
+        raise cfg.error("paddle_port", f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie "
+                        f"within 1024..{contract.PORT_MAX}; choose a PADDLE_PORT such as 7164")
     for key in ("ssh_identity_file", "ssh_config_file"):
         path = getattr(cfg, key)
         if path and not os.path.isfile(path):
-            raise ConfigError(key.upper(), path, "no such file on this machine; give an existing file or None "
-                              "for the default", source)
+            raise cfg.error(key, "no such file on this machine; give an existing file or None for the default")
     for key in ("pserver_command", "trainer_command"):
         try:
             getattr(cfg, key).format(python="python3", entry="train.py")
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
-            raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} and {{entry}} "
-                              "are substituted (write {{ and }} for literal braces)", source) from None
+            raise cfg.error(key, f"bad placeholder {e}; only {{python}} and {{entry}} are substituted (write {{{{ "
+                            "and }} for literal braces)") from None
     if not cfg.entry.strip() or os.path.isabs(cfg.entry) or ".." in cfg.entry.split("/"):
-        raise ConfigError("ENTRY", cfg.entry, "must be a script's path inside the workspace, e.g. train.py or "
-                          "dist_train.py", source)
+        raise cfg.error("entry", "must be a script's path inside the workspace, e.g. train.py or dist_train.py")
 
 
 def describe(cfg: ClusterConfig) -> List[str]:
     """One line per setting, for ``paddle-cluster config``-style output and the built-in default notice."""
-    return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name != "source"]
+    return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name not in _ORIGIN]

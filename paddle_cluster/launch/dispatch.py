@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import paddle_cluster
 
-from .errors import ClusterError, HostError
+from .errors import ClusterError, HostConfigError, HostError
 from .fanout import fanout
 from .hosts import Node
 from .plan import JobSpec
@@ -290,8 +290,8 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
     if spec.workspace:
         def has(n: Node) -> None:
             if n.run(["test", "-d", spec.workspace], timeout=60).exit_code != 0:
-                raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
-                                "workspace to every node first, or use --job_dispatch_package")
+                raise HostConfigError(n.label, f"--job_workspace {spec.workspace}: no such directory there; copy "
+                                      "the workspace to every node first, or use --job_dispatch_package")
         fanout(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
         return
     assert spec.dispatch_dir is not None

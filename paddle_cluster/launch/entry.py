@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import contract
-from .config import ClusterConfig, validate
+from .config import ClusterConfig, override
 from .errors import ConfigError
 
 ROLE_VAR = "PADDLE_TRAINING_ROLE"
@@ -39,6 +39,14 @@ def reads_role(source: str) -> bool:
     return any(isinstance(n, ast.Constant) and n.value == ROLE_VAR for n in ast.walk(tree))
 
 
+def check_workspace(dispatch_dir: Optional[str]) -> None:
+    """``--job_dispatch_package DIR`` is a directory here, said before anything is read from it."""
+    if dispatch_dir and not os.path.isdir(dispatch_dir):
+        what = "is not a directory" if os.path.exists(dispatch_dir) else "no such directory"
+        raise ConfigError("--job_dispatch_package", dispatch_dir, f"{what} ({os.path.abspath(dispatch_dir)}); give "
+                          "the local directory to copy to every node")
+
+
 def _source(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[str]) -> Optional[str]:
     """The entry script's text, read on this machine; None when it is only on the nodes (--job_workspace)."""
     path = os.path.join(dispatch_dir or workspace or "", cfg.entry)
@@ -47,8 +55,13 @@ def _source(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional
             return f.read()
     except OSError as e:
         if dispatch_dir:
-            raise ConfigError("ENTRY", cfg.entry, f"cannot read {path}: {e.strerror or e}; the entry script must be "
-                              "in the workspace (--entry NAME, default train.py)", cfg.source) from None
+            ws = os.path.abspath(dispatch_dir)
+            why = f"no such file in the workspace {ws}" if not os.path.lexists(path) else \
+                f"cannot read {os.path.abspath(path)}: {e.strerror or e}"
+            scripts = sorted(n for n in os.listdir(ws) if n.endswith(".py"))[:6]
+            has = f" (its scripts: {', '.join(scripts)})" if scripts else " (it has no .py file)"
+            raise cfg.error("entry", f"{why}{has}; name the script trainers run with --entry SCRIPT or ENTRY in "
+                            "the config (default train.py)") from None
         return None
 
 
@@ -56,17 +69,16 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
            entry: Optional[str] = None) -> EntryPlan:
     """The config a job runs with: ``entry`` (``run --entry``) for ENTRY, the v2 port options applied, and
     PSERVER_COMMAND running the entry script when it handles both roles and was left at its default."""
+    check_workspace(dispatch_dir)
     if entry is not None:
-        cfg = dataclasses.replace(cfg, entry=entry)
-        validate(cfg, "--entry")
+        cfg = override(cfg, {"entry": ("--entry", entry)})
     try:
         opts = contract.v2_options(args)
     except contract.ContractError as e:
-        raise ConfigError("options", " ".join(args), str(e), "the command line") from None
-    ports = {_PORT_KEYS[k]: int(v) for k, v in opts.items() if k in _PORT_KEYS}
+        raise ConfigError("-- (the entry script's arguments)", None, str(e)) from None
+    ports = {_PORT_KEYS[k]: (f"--{k}", int(v)) for k, v in opts.items() if k in _PORT_KEYS}
     if ports:
-        cfg = dataclasses.replace(cfg, **ports)
-        validate(cfg, "the command line")
+        cfg = override(cfg, ports)
     notes = []
     if cfg.pserver_command != DEFAULT_PSERVER:
         notes.append(f"pservers run PSERVER_COMMAND = {cfg.pserver_command!r} (from {cfg.source})")

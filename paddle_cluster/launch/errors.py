@@ -12,13 +12,21 @@ class ClusterError(Exception):
 
 
 class ConfigError(ClusterError):
-    """A wrong configuration value: names the key, the value and the fix."""
+    """A wrong configuration value: names where it came from, the value and the fix. ``key`` is a config key
+    (``ENTRY = 'x.py' in /p/conf.py: ...``; with ``default``, why the default applies: ``ENTRY = 'train.py'
+    (the default; /p/conf.py does not set ENTRY): ...``) or, starting with ``-``, the command-line option that
+    gave it (``--entry x.py: ...``)."""
 
     exit_code = 2
 
-    def __init__(self, key: str, value: object, fix: str, source: str = "") -> None:
-        where = f" in {source}" if source else ""
-        super().__init__(f"{key} = {value!r}{where}: {fix}")
+    def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "") -> None:
+        if key.startswith("-"):
+            head = key if value is None else f"{key} {value}"
+        elif default:
+            head = f"{key} = {value!r} (the default; {default})"
+        else:
+            head = f"{key} = {value!r}" + (f" in {source}" if source else "")
+        super().__init__(f"{head}: {fix}")
         self.key, self.value, self.fix = key, value, fix
 
 
@@ -28,6 +36,13 @@ class HostError(ClusterError):
     def __init__(self, host: str, message: str) -> None:
         super().__init__(f"{host}: {message}")
         self.host, self.message = host, message
+
+
+class HostConfigError(HostError):
+    """A value of the command line or the config that is wrong on one host: the directory ``--job_workspace``
+    names, or the script the config names in it, is not there. A configuration error, found on the host."""
+
+    exit_code = 2
 
 
 class ConnectError(HostError):
@@ -53,6 +68,9 @@ class HostsFailed(ClusterError):
             lines.append(f"  {host}: {msg}")
         super().__init__("\n".join(lines))
         self.what, self.failures = what, failures
+        # Every host refused the configuration itself: a configuration error (2), as when found on this machine.
+        if all(isinstance(e, ClusterError) and e.exit_code == ConfigError.exit_code for e in failures.values()):
+            self.exit_code = ConfigError.exit_code
 
 
 # How a command ends, by exit status: the CLI's help and docs/troubleshooting.md list the same.

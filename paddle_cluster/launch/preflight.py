@@ -11,7 +11,7 @@ import shlex
 from typing import Any, Dict, List, Optional
 
 from .config import ClusterConfig
-from .errors import HostError
+from .errors import HostConfigError, HostError
 from .plan import JobSpec
 
 
@@ -59,8 +59,8 @@ def check_node(label: str, spec: JobSpec, doc: Dict[str, Any], size: int) -> Non
     ws = doc.get("workspace") or {}
     if spec.workspace and ws.get("exists") and ws.get("script") is False:
         path = posixpath.join(spec.workspace, trainer_script(spec.cfg.commands()[1]) or "")
-        raise HostError(label, f"{path} (the trainer command's script) does not exist there; copy the workspace "
-                        "there, or set TRAINER_COMMAND")
+        raise HostConfigError(label, f"{path} (the trainer command's script) does not exist there; copy the "
+                              "workspace there, or set TRAINER_COMMAND")
     free = doc["root"].get("free_bytes")
     if size and "need" in ws and free is not None and free < size:
         raise HostError(label, f"ROOT_DIR {spec.cfg.root_dir} has {free / 1e6:.1f} MB free, the workspace needs "

@@ -31,7 +31,7 @@ from paddle_cluster.node.bootstrap import placeholder
 
 from .. import dispatch
 from ..config import ClusterConfig, HostSpec
-from ..errors import ClusterError
+from ..errors import ClusterError, ConfigError
 from ..hosts import LocalNode
 from ..plan import JobPlan, JobSpec
 from .base import Backend, Event, EventQueue
@@ -129,14 +129,14 @@ class SlurmBackend(Backend):
         for tool in ("sbatch", "srun", "scontrol", "scancel"):
             if shutil.which(tool) is None:
                 slurm([tool], "")  # raises the install hint
+        if spec.workspace and not os.path.isdir(spec.workspace):  # before the job directory is made
+            raise ConfigError("--job_workspace", spec.workspace, "no such directory on this machine; with --backend "
+                              "slurm it must be on the filesystem the nodes share")
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
         with dispatch.library_archive() as lib:
             dispatch.ensure_package(self.local, lib, "lib")
         self.lib = lib
-        if spec.workspace and not os.path.isdir(spec.workspace):
-            raise ClusterError(f"--job_workspace {spec.workspace} does not exist on this machine; with --backend "
-                               "slurm it must be on the filesystem the nodes share")
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
         return [placeholder(i) for i in range(self.opts.nodes)]

@@ -20,7 +20,7 @@ from paddle_cluster.node.session import Request
 
 from .. import dispatch, machines, preflight, relay
 from ..config import ClusterConfig
-from ..errors import HostError
+from ..errors import HostConfigError, HostError
 from ..fanout import fanout
 from ..hosts import Node, Stream, make_nodes
 from ..plan import JobPlan, JobSpec
@@ -163,8 +163,8 @@ class SSHBackend(Backend):
         """What node ``n`` holds of the workspace; the archive sent to it down the chain when it lacks it."""
         ws = s.go(token)
         if spec is not None and spec.workspace and not ws.get("exists"):
-            raise HostError(n.label, f"--job_workspace {spec.workspace} does not exist there; copy the "
-                            "workspace to every node first, or use --job_dispatch_package")
+            raise HostConfigError(n.label, f"--job_workspace {spec.workspace}: no such directory there; copy the "
+                                  "workspace to every node first, or use --job_dispatch_package")
         if spec is not None:
             preflight.check_node(n.label, spec, {**doc, "workspace": ws}, pkg.size if pkg else 0)
         if pkg is None:
