@@ -14,7 +14,7 @@ import click
 
 from .contract import ContractError, check_job_name
 from .launch import cmdline, journal, k8s, ops, slurm_ops
-from .launch.config import BACKENDS, ClusterConfig, load_config, override
+from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
 from .launch.entry import settle
 from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
@@ -69,8 +69,11 @@ def _debug_trace(e: ClusterError) -> None:
         click.echo("".join(traceback.format_exception(type(err), err, err.__traceback__)), err=True)
 
 
-def _config(ctx: click.Context) -> ClusterConfig:
+def _config(ctx: click.Context, announce: bool = False) -> ClusterConfig:
+    """The config of the command line; with ``announce``, the first line says which (a command about a job)."""
     cfg = load_config(ctx.obj["conf"])
+    if announce:
+        _say(origin_line(cfg))
     if ctx.obj["accept_new_host_keys"]:
         cfg = override(cfg, {"ssh_accept_new_host_keys": ("--accept-new-host-keys", True)})
     return cfg
@@ -212,8 +215,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     elif cfg.is_builtin_default:
-        _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
-             f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
+        _say(origin_line(cfg))
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script)
     for note in settled.notes:
         _say(note)
@@ -251,8 +253,8 @@ def _on_k8s(cfg: ClusterConfig, name: str):
 @_earlier_job("Job to stop")
 @_handled
 def kill(ctx: click.Context, job_name: Optional[str]) -> None:
-    """Stop a job on every node (only the processes recorded for that job)."""
-    cfg = _config(ctx)
+    """Stop a job on every node (only the processes recorded for that job) and say what was stopped where."""
+    cfg = _config(ctx, announce=True)
     name = _job_name(cfg, job_name)
     if slurm_ops.is_slurm_job(cfg, name):
         _out(slurm_ops.kill(cfg, name))
@@ -264,9 +266,10 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
         for line in kubectl.kill_job(k) or [f"nothing of job {name} in namespace {k.namespace}"]:
             _out(line)
         return
-    for r in ops.kill_job(cfg, name):
-        what = ", ".join(r.stopped) if r.stopped else "nothing running"
-        _out(f"{r.node}: {what if r.found else f'no job {name} here'}")
+    nodes = ops.kill_job(cfg, name)
+    for r in nodes:
+        _out(r.line(name))
+    _say(ops.kill_summary(cfg, name, nodes))
 
 
 @main.command()
@@ -279,7 +282,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
     """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
-    cfg = _config(ctx)
+    cfg = _config(ctx, announce=True)
     name = _job_name(cfg, job_name)
     if slurm_ops.is_slurm_job(cfg, name):
         slurm_ops.logs(cfg, name, node, role, lines, follow)
@@ -299,7 +302,7 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 @_handled
 def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
-    cfg = _config(ctx)
+    cfg = _config(ctx, announce=True)
     name = _job_name(cfg, job_name)
     ended = journal.outcome(cfg, name)
     k = _on_k8s(cfg, name)
@@ -350,7 +353,7 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     """Draw loss and every reported metric per trainer against step, as a PNG and in the terminal."""
     from .launch import plot as plots
 
-    cfg = _config(ctx)
+    cfg = _config(ctx, announce=True)
     name = _job_name(cfg, job_name)
     cs = plots.curves(plots.collect(cfg, name))
     path = out_path or f"{name}.png"

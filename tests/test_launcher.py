@@ -7,6 +7,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 from helpers import (
     ROOT,
     assert_nothing_left,
+    checkout_env,
     cli,
     local_conf,
     make_workspace,
@@ -252,3 +255,60 @@ def test_ssh_config_aliases_and_proxyjump(cluster, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     for i, name in enumerate(["node0", "node1", "behind2"]):
         assert name in res.stdout and f"eth0={cluster.ips[i]}" in res.stdout
+
+
+def test_kill_says_which_config_and_what_it_stopped(cluster, tmp_path):
+    """Issue 24, items 5 and 8: run from a directory without conf.py, ``kill`` says in its first line that it
+    uses the built-in local cluster (and stops nothing of the 3-host job); with the job's conf.py it names that
+    file first, then what it did to each process on each node."""
+    ws = make_workspace(tmp_path / "ws")
+    conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    run = start_cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "killme")
+    try:
+        wait_for(lambda: all(b"sleeping" in _read(cluster.root_dir(i) / "killme/log/train.log") for i in range(3)),
+                 60, "trainers to start")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        stray = subprocess.run([sys.executable, "-m", "paddle_cluster", "kill"], cwd=elsewhere, capture_output=True,
+                               text=True, timeout=60, env=checkout_env(HOME=str(tmp_path / "home")))
+        first = stray.stderr.splitlines()[0]
+        assert first.startswith(f"paddle-cluster: no conf.py or cluster.yaml in {elsewhere}: using the built-in "
+                                "local cluster (2 pservers and 2 trainers on this machine"), stray.stderr
+        st = cli(conf, "status", "--job_name", "killme")
+        assert st.stderr.splitlines()[0] == f"paddle-cluster: config {conf}", st.stderr
+        assert st.stdout.count("running") == 6, st.stdout  # the stray kill stopped nothing of this job
+        k = cli(conf, "kill")
+        assert k.returncode == 0, k.stderr
+        assert k.stderr.splitlines()[0] == f"paddle-cluster: config {conf}", k.stderr
+        for i in range(3):
+            assert re.search(rf"^node{i} \({re.escape(cluster.hosts[i])}\): pserver\.{i} \(pid \d+\) killed by "
+                             rf"SIGTERM; trainer\.{i} \(pid \d+\) killed by SIGTERM$", k.stdout, re.M), k.stdout
+        assert "job killme: stopped 6 process(es) on 3 node(s) (SIGTERM, SIGKILL after KILL_GRACE=" in k.stderr
+        run.communicate(timeout=30)
+        assert run.returncode == 3
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.communicate(timeout=60)
+    again = cli(conf, "kill", "--job_name", "killme")
+    for i in range(3):
+        assert f"node{i} ({cluster.hosts[i]}): nothing of job killme was running" in again.stdout, again.stdout
+    assert "job killme: nothing was running on any of its 3 node(s); nothing stopped" in again.stderr
+    assert_nothing_left(cluster)
+
+
+def test_status_logs_plot_name_their_config_first(tmp_path):
+    """``status``, ``logs`` and ``plot`` say first which config they read: the file, or the built-in cluster."""
+    ws = make_workspace(tmp_path / "ws")
+    # PSERVER_COMMAND: make_workspace's ps.py only listens; its train.py checks the environment and exits.
+    conf = local_conf(tmp_path, ENV={"MY_SETTING": "42"}, PSERVER_COMMAND="{python} ps.py",
+                      LD_LIBRARY_PATH="/extra/lib")
+    env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    assert cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "named", env=env).returncode == 0
+    for args in (["status"], ["logs", "node0"], ["plot", "-o", str(tmp_path / "p.png")]):
+        res = cli(conf, *args, env=env)
+        assert res.stderr.splitlines()[0] == f"paddle-cluster: config {conf}", (args, res.stderr)
+        builtin = subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=ws, capture_output=True,
+                                 text=True, timeout=60, env=checkout_env(env))
+        assert builtin.stderr.splitlines()[0].startswith(
+            f"paddle-cluster: no conf.py or cluster.yaml in {ws}: using the built-in local cluster"), builtin.stderr

@@ -387,6 +387,15 @@ def validate(cfg: ClusterConfig) -> None:
         raise cfg.error("entry", "must be a script's path inside the workspace, e.g. train.py or dist_train.py")
 
 
+def origin_line(cfg: ClusterConfig) -> str:
+    """The first line of a command about a job: which config it read, so a wrong directory shows at once."""
+    if not cfg.is_builtin_default:
+        return f"config {cfg.source}"
+    return (f"no conf.py or cluster.yaml in {os.getcwd()}: using the built-in local cluster ({cfg.pservers_per_node} "
+            f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir}); for your "
+            "cluster's jobs run where its conf.py is, or give --conf FILE")
+
+
 def describe(cfg: ClusterConfig) -> List[str]:
     """One line per setting, for ``paddle-cluster config``-style output and the built-in default notice."""
     return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name not in _ORIGIN]

@@ -21,25 +21,66 @@ def nodes_with_lib(cfg: ClusterConfig) -> tuple:
 
 
 @dataclass(frozen=True)
+class Stopped:
+    """A process ``kill`` found running, and how it ended (``killed by SIGTERM``, ``still running``, ...)."""
+
+    name: str
+    pid: int
+    how: str
+
+
+@dataclass(frozen=True)
 class NodeKill:
     node: str
-    found: bool
-    stopped: List[str]
+    found: bool  # the job has a directory with process records on this node
+    stopped: List[Stopped]
+
+    def line(self, job_name: str) -> str:
+        """What ``kill`` did on this node, one line."""
+        if not self.found:
+            return f"{self.node}: no job {job_name} here"
+        if not self.stopped:
+            return f"{self.node}: nothing of job {job_name} was running"
+        return f"{self.node}: " + "; ".join(f"{p.name} (pid {p.pid}) {p.how}" for p in self.stopped)
 
 
 def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
-    """Stop every process recorded for ``job_name`` on every node; nothing else is touched."""
+    """Stop every process recorded for ``job_name`` on every node (SIGTERM, KILL_GRACE, SIGKILL); nothing else is
+    touched. Each node says how each process that was running before ended."""
     nodes, lib = nodes_with_lib(cfg)
     job_dir = cfg.job_dir(job_name)
+
+    def running(n: Node) -> List[str]:
+        doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what=f"reading job {job_name}")
+        return [p["name"] for p in doc["procs"] if p["state"] == "running"]
 
     def kill(n: Node) -> NodeKill:
         doc = dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
                                   what=f"stopping job {job_name}", timeout=cfg.kill_grace + 60)
-        return NodeKill(n.label, doc["found"], doc["stopped"])
+        was = before[n.index]
+        return NodeKill(n.label, doc["found"], [Stopped(p["name"], p["pid"], p["how"]) for p in doc["procs"]
+                                                if p["running"] or p["name"] in was])
     try:
+        # What runs everywhere, before any node is told: once one node's agent stops, the running launcher stops
+        # the job on the others, which their own kill then finds ended (and must still report).
+        snapshot = fanout(nodes, running)
+        snapshot.ok(f"reading job {job_name}")
+        before = snapshot.values
         return fanout(nodes, kill).ok(f"kill {job_name}")
     finally:
         fanout(nodes, lambda n: n.close())
+
+
+def kill_summary(cfg: ClusterConfig, job_name: str, nodes: List[NodeKill]) -> str:
+    """The last line of ``kill``: how many processes it stopped where, or that nothing of the job ran."""
+    hit = [n for n in nodes if n.stopped]
+    if not hit:
+        return (f"job {job_name}: nothing was running on any of its {len(nodes)} node(s); nothing stopped "
+                "(paddle-cluster status shows how it ended)")
+    total = sum(len(n.stopped) for n in hit)
+    left = sum(1 for n in hit for p in n.stopped if p.how == "still running")
+    return (f"job {job_name}: stopped {total - left} process(es) on {len(hit)} node(s) (SIGTERM, SIGKILL after "
+            f"KILL_GRACE={cfg.kill_grace:g} s)" + (f"; {left} still running" if left else ""))
 
 
 @dataclass(frozen=True)

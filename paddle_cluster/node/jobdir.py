@@ -14,15 +14,19 @@ from . import procs
 
 
 def kill(job_dir: str, grace: float) -> Dict[str, Any]:
-    """Stop the job's agent (it stops its own children first), then any recorded process still alive."""
+    """Stop the job's agent (it stops its own children first), then any recorded process still alive. Says
+    how each recorded process stands afterwards: ``procs`` of {name, pid, running (before the kill), how}, ``how``
+    as its record ends (``killed by SIGTERM``, ``exited 0``, ``killed by SIGKILL`` after the grace period) or
+    ``still running``."""
     state = procs.load_records(job_dir)
     if state is None:
-        return {"found": False, "stopped": []}
+        return {"found": False, "stopped": [], "procs": []}
     job_id = state["job_id"]
     running = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
     agent = state.get("agent", {})
     pid, started = agent.get("pid", -1), agent.get("start_time")
-    if procs.alive_as_recorded(pid, started):
+    by_agent = procs.alive_as_recorded(pid, started)
+    if by_agent:
         procs.request_kill(job_dir)  # the agent then reports "stopped by paddle-cluster kill", not a failure
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 6
@@ -34,7 +38,20 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     if procs.alive_as_recorded(pid, started):
         os.kill(pid, signal.SIGKILL)
     left = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
-    return {"found": True, "stopped": running, "left": left}
+    after = procs.load_records(job_dir) or state  # with the exits the agent saw
+
+    def how(rec: Dict[str, Any]) -> str:
+        if rec["name"] in left:
+            return "still running"
+        if rec.get("signal") is not None:
+            return f"killed by {signal.Signals(rec['signal']).name}"
+        if rec.get("exit_code") is not None:
+            return f"exited {rec['exit_code']}"
+        return "gone after SIGTERM" if rec["name"] in running else "gone"
+
+    return {"found": True, "stopped": running, "left": left,
+            "procs": [{"name": p["name"], "pid": p["pid"], "running": p["name"] in running, "how": how(p)}
+                      for p in after["procs"]]}
 
 
 def last_line(path: str) -> str:
