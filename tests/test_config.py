@@ -585,3 +585,16 @@ def test_conf_path_is_absolute_in_errors(tmp_path):
     (tmp_path / "c.py").write_text(HOSTS_LINE + 'ROOT_DIR = "rel"\n')
     res = cli("--conf", "c.py", "check", cwd=tmp_path, env=clean_environ(HOME=str(tmp_path)))
     assert_clean_config_error(res, f"ROOT_DIR = 'rel' in {tmp_path / 'c.py'}: must be an absolute path")
+
+
+@pytest.mark.parametrize("extra, args, message", [
+    ('K8S_NAMESPACE = "Bad"\n', [], "K8S_NAMESPACE = 'Bad' in {conf}: must be a Kubernetes namespace name"),
+    ('K8S_NAMESPACE = "ml"\n', ["--namespace", "Bad_NS"], "--namespace Bad_NS: must be a Kubernetes namespace name"),
+    ('K8S_TRAINER_REQUESTS = "cpu"\n', [], "K8S_TRAINER_REQUESTS = 'cpu' in {conf}: 'cpu' is not NAME=QUANTITY"),
+    ("", ["--trainer-requests", "gpu"], "--trainer-requests gpu: 'gpu' is not NAME=QUANTITY"),
+], ids=["namespace-conf", "namespace-option", "requests-conf", "requests-option"])
+def test_k8s_keys_name_their_source(tmp_path, extra, args, message):
+    """The K8S_* keys and the flags that override them: the same mechanism (``config.override``)."""
+    (tmp_path / "conf.py").write_text(_local_body(tmp_path, extra))
+    res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path, env=clean_environ(HOME=str(tmp_path)))
+    assert_clean_config_error(res, message.format(conf=tmp_path / "conf.py"))

@@ -138,6 +138,13 @@ def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
     return name
 
 
+NAMESPACE_FIX = "must be a Kubernetes namespace name (lower-case letters, digits and '-', at most 63 characters)"
+
+
+def namespace_ok(namespace: str) -> bool:
+    return bool(_NAMESPACE.fullmatch(namespace)) and len(namespace) <= 63
+
+
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
           trainer_args: Tuple[str, ...] = (), pserver_requests: Requests = Requests(),
@@ -149,9 +156,8 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
         raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
     if not image or any(c.isspace() for c in image):
         raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
-    if not _NAMESPACE.fullmatch(namespace) or len(namespace) > 63:
-        raise ConfigError("--namespace", namespace, "must be a Kubernetes namespace name (lower-case letters, "
-                          "digits and '-', at most 63 characters)")
+    if not namespace_ok(namespace):
+        raise ConfigError("--namespace", namespace, NAMESPACE_FIX)
     if not workspace.startswith("/"):
         raise ConfigError("--job_workspace", workspace, "must be an absolute path inside the image")
     name = k8s_name(job_name, n_tr, n_ps)

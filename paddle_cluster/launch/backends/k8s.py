@@ -22,7 +22,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 
 from .. import k8s
-from ..config import ClusterConfig
+from ..config import ClusterConfig, override
 from ..errors import ClusterError, ConfigError
 from ..kubectl import Kubectl, PodState, pod_states
 from ..plan import JobPlan, JobSpec
@@ -49,16 +49,29 @@ class K8sOptions:
     def from_config(cls, cfg: ClusterConfig, image: Optional[str] = None, namespace: Optional[str] = None,
                     pservers: Optional[int] = None, trainers: Optional[int] = None,
                     pserver_requests: Optional[str] = None, trainer_requests: Optional[str] = None) -> K8sOptions:
-        """The flags given, else the config's K8S_* keys."""
-        image = image or cfg.k8s_image
-        if not image:
+        """The flags given, else the config's K8S_* keys; a wrong value is named as the flag, or as the key in
+        its file, or as the default."""
+        given = {name: (flag, v) for name, flag, v in (
+            ("k8s_image", "--image", image), ("k8s_namespace", "--namespace", namespace),
+            ("k8s_pserver_requests", "--pserver-requests", pserver_requests),
+            ("k8s_trainer_requests", "--trainer-requests", trainer_requests)) if v}
+        cfg = override(cfg, given) if given else cfg
+        if not cfg.k8s_image:
             raise ConfigError("--image", None, "give the image holding the workspace (--image IMAGE or K8S_IMAGE "
                               "in the config; docs/backends.md says how to build it)")
-        return cls(image, namespace or cfg.k8s_namespace, pservers, trainers,
-                   k8s.Requests.parse(pserver_requests or cfg.k8s_pserver_requests,
-                                      "--pserver-requests" if pserver_requests else "K8S_PSERVER_REQUESTS"),
-                   k8s.Requests.parse(trainer_requests or cfg.k8s_trainer_requests,
-                                      "--trainer-requests" if trainer_requests else "K8S_TRAINER_REQUESTS"))
+        if any(c.isspace() for c in cfg.k8s_image):
+            raise cfg.error("k8s_image", "give the image holding the workspace, e.g. registry.example/ml/job:1")
+        if not k8s.namespace_ok(cfg.k8s_namespace):
+            raise cfg.error("k8s_namespace", k8s.NAMESPACE_FIX)
+
+        def requests(name: str) -> k8s.Requests:
+            try:
+                return k8s.Requests.parse(getattr(cfg, name), name.upper())
+            except ConfigError as e:
+                raise cfg.error(name, e.fix) from None
+
+        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, requests("k8s_pserver_requests"),
+                   requests("k8s_trainer_requests"))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
               trainer_args: Tuple[str, ...]) -> k8s.K8sJob:
