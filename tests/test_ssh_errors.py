@@ -110,7 +110,9 @@ def test_each_ssh_failure_is_one_documented_line(make_ssh_cluster, tmp_path):
     assert f"{ip}:22: {phrase}" in line and f"ssh -o BatchMode=yes -p 22 -i {cluster.key_path} root@{ip}" in line
     assert phrase in TROUBLESHOOTING
     res = paddle(conf, "status", "--job_name", "nothing")
-    assert res.stderr.startswith("paddle-cluster: error: cannot reach 1 host(s) over SSH:"), res.stderr
+    config, error = res.stderr.split("\n", 1)  # the first line names the config it read
+    assert config == f"paddle-cluster: config {conf}", res.stderr
+    assert error.startswith("paddle-cluster: error: cannot reach 1 host(s) over SSH:"), res.stderr
     assert f"{label}: {ip}:22: {phrase}" in res.stderr
     no_traceback(res)
     dbg = paddle(conf, "--debug", "status", "--job_name", "nothing")

@@ -139,8 +139,10 @@ def outcome_line(text: str) -> str:
 
 def assert_status_says(local: Local, job: str, outcome: str, said: str) -> None:
     """``status`` of ``job`` in an 80-column terminal: every line fits, the title names the job and its
-    outcome, and the caption is the line ``run`` printed (``said``), as recorded."""
-    lines = table_lines(local.spawn("status", "--job_name", job))
+    outcome, and the caption is the line ``run`` printed (``said``), as recorded. (Above it, the config it
+    read: a path, which the terminal wraps like any long path.)"""
+    config, *lines = table_lines(local.spawn("status", "--job_name", job))
+    assert config == f"paddle-cluster: config {local.conf}", config
     assert all(len(ln) <= 80 for ln in lines), "\n".join(lines)
     assert lines[0].rstrip() == f"job {job}: {outcome}", lines
     assert " ".join(said.split()) in " ".join(" ".join(lines).split()), (said, lines)
