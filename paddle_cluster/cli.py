@@ -102,12 +102,16 @@ class _ScriptArgsCommand(click.Command):
         try:
             return super().parse_args(ctx, list(args))
         except click.NoSuchOption as e:
-            known = [o for p in self.get_params(ctx) for o in [*p.opts, *p.secondary_opts] if o.startswith("-")]
             names, c = [], ctx
             while c.parent is not None:  # "render k8s", not the program's name (python -m paddle_cluster ...)
                 names.insert(0, c.info_name or "")
                 c = c.parent
-            raise click.UsageError(cmdline.unknown_option(" ".join(names), e.option_name, known, args), ctx) from None
+            raise click.UsageError(cmdline.unknown_option(" ".join(names), e.option_name, _opts(self, ctx), args,
+                                                          _opts(c.command, c)), ctx) from None
+
+
+def _opts(cmd: click.Command, ctx: click.Context) -> list:
+    return [o for p in cmd.get_params(ctx) for o in [*p.opts, *p.secondary_opts] if o.startswith("-")]
 
 
 _SCRIPT_ARGS = click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS...]")

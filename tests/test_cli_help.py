@@ -91,3 +91,14 @@ def test_run_help_says_where_script_arguments_go():
 def _home(tmp: Path) -> dict:
     """A scratch HOME and state directory: the launcher's caches and journal stay in the test's directory."""
     return dict(os.environ, HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), XDG_CACHE_HOME=str(tmp / "cache"))
+
+
+def test_paddle_cluster_options_after_the_command_are_named_as_such(tmp_path):
+    """``run --conf FILE`` is a common slip: say that --conf goes before the command, not that it is unknown."""
+    conf = local_conf(tmp_path)
+    res = cli(conf, "run", "--conf", str(conf), "--job_dispatch_package", str(make_workspace(tmp_path / "ws")),
+              env=_home(tmp_path))
+    assert res.returncode == 2
+    assert (f"Error: --conf is an option of paddle-cluster itself, not of run; nothing was started. Give it before "
+            f"the command: paddle-cluster --conf {conf} run ...") in res.stderr, res.stderr
+    assert not (tmp_path / "root").exists()

@@ -26,9 +26,15 @@ def closest_option(option: str, known: Sequence[str]) -> Optional[str]:
     return by_norm[close[0]] if close else None
 
 
-def unknown_option(command: str, option: str, known: Sequence[str], argv: Sequence[str]) -> str:
+def unknown_option(command: str, option: str, known: Sequence[str], argv: Sequence[str],
+                   before: Sequence[str] = ()) -> str:
     """The usage error for ``option``, which ``command`` does not have: the closest option it has, and how the
-    entry script's arguments are given, with the user's own tokens from ``argv``."""
+    entry script's arguments are given, with the user's own tokens from ``argv``. ``before``: the options of
+    ``paddle-cluster`` itself (``--conf``), which go before the command."""
+    own = closest_option(option, before)
+    if own and _norm(own) == _norm(option):
+        return (f"{own} is an option of paddle-cluster itself, not of {command}; nothing was started. Give it "
+                f"before the command: paddle-cluster {_script_part(option, argv)} {command} ...")
     guess = closest_option(option, known)
     head = f"{command} has no option {option}" + (f" (did you mean {guess}?)" if guess else "")
     return (f"{head}; nothing was started. The entry script's own arguments go after --: "
