@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="with --rendezvous: seconds to wait for every node")
     p.add_argument("--keep-going", action="store_true", help="a failed process does not stop the node (a "
                    "launcher that follows the job decides, or --elastic)")
+    p.add_argument("--keep-going-while", metavar="FILE", default="", help="keep going only while FILE keeps "
+                   "changing (the following launcher's lease); fail fast once it has not for --lease-timeout s")
+    p.add_argument("--lease-timeout", type=float, default=20.0, help="with --keep-going-while: seconds")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
@@ -91,7 +94,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
         return supervisor.supervise(a.orphan_timeout, a.grace, plan)
     if a.cmd == "bootstrap":
-        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going)
+        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going,
+                              lease=a.keep_going_while, lease_timeout=a.lease_timeout)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":

@@ -168,7 +168,8 @@ def _events_to(path: str) -> None:
 
 
 def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous_dir: str = "", nic: str = "",
-         timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None) -> int:
+         timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None,
+         lease: str = "", lease_timeout: float = 20.0) -> int:
     env = os.environ if environ is None else environ
     try:
         where = placement(engine if engine != "auto" else detect_engine(env), env)
@@ -186,4 +187,4 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
         emit(m.NotReady, why=f"{where.host}: {e}")
         emit(m.Stopped, reason=f"bootstrap failed: {e}")
         return 2
-    return supervisor.supervise(0, grace, plan, fail_fast=fail_fast)
+    return supervisor.supervise(lease_timeout, grace, plan, fail_fast=fail_fast and not lease, lease=lease)
