@@ -29,7 +29,7 @@ from helpers import free_port_range
 from sshcluster import SSHCluster, _comm, _ppid, unavailable_reason
 
 # binary -> Debian package that provides it (scripts/test installs them as root).
-MPI_BINARIES = {"mpirun": "openmpi-bin"}
+MPI_BINARIES = {"mpirun.openmpi": "openmpi-bin", "mpiexec.hydra": "mpich"}
 SLURM_BINARIES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
                   "srun": "slurm-client", "scontrol": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client",
                   "scancel": "slurm-client"}
