@@ -29,7 +29,8 @@ from helpers import free_port_range
 from sshcluster import SSHCluster, _comm, _ppid, unavailable_reason
 
 # binary -> Debian package that provides it (scripts/test installs them as root).
-MPI_BINARIES = {"mpirun.openmpi": "openmpi-bin", "mpiexec.hydra": "mpich"}
+MPI_BINARIES = {"mpirun": "openmpi-bin"}
+MPICH_BINARIES = {"mpiexec.hydra": "mpich"}
 SLURM_BINARIES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
                   "srun": "slurm-client", "scontrol": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client",
                   "scancel": "slurm-client"}
@@ -55,6 +56,11 @@ def _unavailable(binaries: Dict[str, str]) -> Optional[str]:
 def mpi_unavailable_reason() -> Optional[str]:
     """Why mpirun cannot run on a test cluster here (a skip reason), or None."""
     return _unavailable(MPI_BINARIES)
+
+
+def mpich_unavailable_reason() -> Optional[str]:
+    """Why MPICH's mpiexec cannot run on a test cluster here (a skip reason), or None."""
+    return _unavailable(MPICH_BINARIES)
 
 
 def slurm_unavailable_reason() -> Optional[str]:

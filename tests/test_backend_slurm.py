@@ -397,3 +397,21 @@ def test_job_fails_fast_after_its_launcher_died(slurm, tmp_path):
     _ends_failed_with_nothing_left(slurm, job_id, 60)
     events = (slurm.shared_dir / tmp_path.name / "orphan" / ".paddle_cluster" / "attempt-1" / "events.2.jsonl")
     assert "no word from the launcher for 5 s" in events.read_text()
+
+
+def test_an_agent_keeps_going_only_while_the_lease_changes(tmp_path):
+    """The node side of the lease: a failure is the launcher's to judge while the lease file keeps changing; once
+    it has not changed for the timeout (or never appeared), the agent fails fast."""
+    from paddle_cluster.node.supervisor import NoChannel
+
+    lease = tmp_path / "launcher.lease"
+    ch = NoChannel(fail_fast=False, lease=str(lease), lease_timeout=1.0)
+    for beat in range(8):  # 1.6 s of a launcher renewing it every 0.2 s
+        lease.write_text(f"1 {beat}\n")
+        ch.get(0.2)
+        assert not ch.fail_fast
+    ch.get(1.2)  # the launcher stopped renewing (the file stays, unchanged)
+    assert ch.fail_fast and ch.orphaned
+    never = NoChannel(fail_fast=False, lease=str(tmp_path / "missing"), lease_timeout=0.5)
+    never.get(0.7)
+    assert never.fail_fast
