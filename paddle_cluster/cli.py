@@ -183,6 +183,18 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
 @click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
               "kill find the job later.")
+@_options(
+    click.option("--gres", metavar="LIST", help="slurm: generic resources per node, e.g. gpu:2 (sbatch --gres)."),
+    click.option("--cpus-per-task", type=click.IntRange(min=1), metavar="N", help="slurm: CPUs for each node's "
+                 "task (sbatch and srun --cpus-per-task)."),
+    click.option("--mem", metavar="SIZE", help="slurm: memory per node, e.g. 16G (sbatch --mem)."),
+    click.option("--exclusive", is_flag=True, help="slurm: the nodes are not shared with other jobs."),
+    click.option("--constraint", metavar="FEATURES", help="slurm: node features required (sbatch --constraint)."),
+    click.option("--qos", metavar="Q", help="slurm: quality of service (sbatch --qos)."),
+    click.option("--reservation", metavar="R", help="slurm: run in this reservation (sbatch --reservation)."),
+    click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="OPT", help="slurm: any other sbatch option, "
+                 "as written, e.g. --sbatch-arg=--mail-type=END (repeatable)."),
+)
 @_k8s_pods
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
@@ -194,7 +206,8 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...]) -> JobResult:
+        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...],
+        **resources) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -227,14 +240,17 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
                    tuple(settled.init.items()), verbose)
     if cfg.backend != "slurm":
-        if nodes or partition or time_limit or account or detach:
-            raise click.UsageError("--nodes, --partition, --time, --account and --detach are for --backend slurm")
+        if nodes or partition or time_limit or account or detach or any(resources.values()):
+            raise click.UsageError("--nodes, --partition, --time, --account, --detach, --gres, --cpus-per-task, "
+                                   "--mem, --exclusive, --constraint, --qos, --reservation and --sbatch-arg are for "
+                                   "--backend slurm")
         return run_job(spec, _out, _say, backend=be)
     from .launch.backends.slurm import SlurmBackend, SlurmOptions
 
     if not (nodes or cfg.hosts):
         raise click.UsageError("--backend slurm: give --nodes N (how many nodes to allocate)")
-    be = SlurmBackend(settled.cfg, SlurmOptions(nodes or len(cfg.hosts), partition, time_limit, account, detach))
+    be = SlurmBackend(settled.cfg, SlurmOptions(nodes or len(cfg.hosts), partition, time_limit, account, detach,
+                                                **resources))
     return slurm_ops.submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
 
 

@@ -30,6 +30,7 @@ from sshcluster import SSHCluster, _comm, _ppid, unavailable_reason
 
 # binary -> Debian package that provides it (scripts/test installs them as root).
 MPI_BINARIES = {"mpirun": "openmpi-bin"}
+MPICH_BINARIES = {"mpiexec.hydra": "mpich"}
 SLURM_BINARIES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
                   "srun": "slurm-client", "scontrol": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client",
                   "scancel": "slurm-client"}
@@ -55,6 +56,11 @@ def _unavailable(binaries: Dict[str, str]) -> Optional[str]:
 def mpi_unavailable_reason() -> Optional[str]:
     """Why mpirun cannot run on a test cluster here (a skip reason), or None."""
     return _unavailable(MPI_BINARIES)
+
+
+def mpich_unavailable_reason() -> Optional[str]:
+    """Why MPICH's mpiexec cannot run on a test cluster here (a skip reason), or None."""
+    return _unavailable(MPICH_BINARIES)
 
 
 def slurm_unavailable_reason() -> Optional[str]:
@@ -127,6 +133,9 @@ class SlurmCluster:
     """
 
     partition = "debug"
+    real_memory = 1024  # MB per node, as slurm.conf declares it (the machine has more; Slurm only checks that)
+    feature = "paddle"  # every node's feature (sbatch --constraint)
+    gpus = 2  # gpu GRES per node (sbatch --gres=gpu:N; stand-in devices, see _write_conf)
 
     def __init__(self, cluster: SSHCluster, workdir: Optional[os.PathLike] = None, *, timeout: float = 30.0):
         reason = slurm_unavailable_reason()
@@ -210,13 +219,20 @@ class SlurmCluster:
             "SwitchType=switch/none", "MpiDefault=none", "PropagateResourceLimits=NONE",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             "ReturnToService=2", "KillWait=2", "SchedulerParameters=batch_sched_delay=0",
-            *(f"NodeName={node} NodeAddr={ip} CPUs={cpus} State=UNKNOWN" for node, ip in zip(self.nodes, ips)),
+            # What jobs may ask for besides CPUs: memory (not enforced: no cgroups), a node feature, and two
+            # "gpu" GRES per node (gres.conf below: stand-in device files, Slurm grants and accounts them).
+            "GresTypes=gpu",
+            *(f"NodeName={node} NodeAddr={ip} CPUs={cpus} RealMemory={self.real_memory} Feature={self.feature} "
+              f"Gres=gpu:{self.gpus} State=UNKNOWN" for node, ip in zip(self.nodes, ips)),
             f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
         ]
         self.conf.write_text("\n".join(lines) + "\n")
         # slurmd always loads a cgroup plugin; an empty mount point makes it find nothing instead of failing
         # on the cgroup-less /sys that `ip netns exec` mounts.
         (d / "cgroup.conf").write_text(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={d / 'fakecg'}\n")
+        # Slurm's gpu plugin counts device files; any character devices do (no cgroups: nothing is restricted),
+        # and a task is then given CUDA_VISIBLE_DEVICES as on a GPU node.
+        (d / "gres.conf").write_text("".join(f"Name=gpu File={dev}\n" for dev in ("/dev/null", "/dev/zero")))
 
     def _daemon(self, i: int, name: str, argv: Sequence[str]) -> subprocess.Popen:
         # Own log file, no inherited pipes (a daemon holding the test's stdout open would hang its reader).

@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parent.parent
 ROOT = "/home/paddle"  # ROOT_DIR on the SSH cluster's nodes (each has its own, see sshcluster.py)
 
 
+def dataset_dir(*parts: str, var: str = "") -> Path:
+    """A directory of the shared test datasets: ``$var`` when that names one, else under ``$PADDLE_CLUSTER_DATASETS``,
+    else under the checkout's sibling ``shared/datasets`` (``<repo>/../shared/datasets``: where the development
+    machine and CI put them). Never one machine's absolute path."""
+    if var and os.environ.get(var):
+        return Path(os.environ[var])
+    root = os.environ.get("PADDLE_CLUSTER_DATASETS") or REPO.parent / "shared" / "datasets"
+    return Path(root, *parts)
+
+
 # -- ports ------------------------------------------------------------------------------------------------
 
 

@@ -7,10 +7,13 @@ with its last lines."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
+from enginecluster import mpich_unavailable_reason
 from helpers import (
     FINAL_MSE,
     FIT_A_LINE,
@@ -26,29 +29,36 @@ from helpers import (
 )
 
 
-@pytest.fixture
-def hosts(mpi_env):
+@pytest.fixture(params=["openmpi", "mpich"])
+def hosts(request, mpi_env):
+    """The session's hosts, once with Open MPI's mpirun and once with MPICH's Hydra mpiexec (MPI_IMPL)."""
+    reason = mpich_unavailable_reason() if request.param == "mpich" else None
+    if reason:
+        pytest.skip(reason)
     cluster = mpi_env.cluster
+    cluster.mpi_impl = request.param
     yield cluster
     for i in range(cluster.n):
         cluster.kill_all(i)
 
 
 def _conf(tmp: Path, cluster, **over) -> Path:
-    return write_conf(tmp, cluster, BACKEND="mpi", LD_LIBRARY_PATH="", ENV={}, **over)
+    return write_conf(tmp, cluster, BACKEND="mpi", MPI_IMPL=cluster.mpi_impl, LD_LIBRARY_PATH="", ENV={}, **over)
 
 
 def test_fit_a_line_trains_to_target_under_mpirun(hosts, tmp_path):
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} -m paddle_cluster.ps", START_TIMEOUT=60.0)
-    res = cli(conf, "run", "--job_dispatch_package", str(FIT_A_LINE), "--job_name", "fitmpi", timeout=600)
+    res = cli(conf, "run", "--job_dispatch_package", str(FIT_A_LINE), "--job_name", f"fit{hosts.mpi_impl}", timeout=600)
     no_traceback(res)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     mse = float(FINAL_MSE.search(res.stdout).group(1))
     assert mse < 30, res.stdout[-2000:]
     assert "all 3 trainer(s) exited 0" in res.stderr
     for i in range(3):  # every trainer ran on its own host and wrote its metrics there
-        assert (hosts.root_dir(i) / "fitmpi" / "log" / f"metrics.trainer{i}.jsonl").stat().st_size > 0
-    print(f"\nfit_a_line, 3 pservers x 3 trainers over mpirun: test MSE {mse:.2f}")
+        assert (hosts.root_dir(i) / f"fit{hosts.mpi_impl}" / "log" / f"metrics.trainer{i}.jsonl").stat().st_size > 0
+    impl, launcher = ("MPICH", "mpiexec.hydra") if hosts.mpi_impl == "mpich" else ("Open MPI", "mpirun")
+    assert re.search(rf"starting one rank per host with {impl} \(/\S*/{launcher}", res.stderr), res.stderr
+    print(f"\nfit_a_line, 3 pservers x 3 trainers over {hosts.mpi_impl}: test MSE {mse:.2f}")
     assert_nothing_left(hosts)
 
 
@@ -125,3 +135,40 @@ def test_failing_trainer_fails_the_job_fast_with_its_last_lines(hosts, tmp_path)
     assert "trainer.1 on node1" in res.stderr and "exited with code 3" in res.stderr
     assert "| about to crash" in res.stderr
     assert_nothing_left(hosts)
+
+
+def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():
+    from paddle_cluster.node.bootstrap import BootstrapError, detect_engine, placement
+
+    mpich = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "HOSTNAME": "node2"}
+    ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    assert detect_engine(mpich) == detect_engine(ompi) == "mpi"
+    where = placement("mpi", mpich)
+    assert (where.node, where.nodes, where.host) == (2, 3, "node2")
+    assert (placement("mpi", ompi).node, placement("mpi", ompi).nodes) == (1, 3)
+    with pytest.raises(BootstrapError, match="MPI_LOCALRANKID=1.*-ppn 1"):
+        placement("mpi", {**mpich, "MPI_LOCALRANKID": "1"})
+
+
+def test_mpi_impl_is_chosen_or_detected(tmp_path, monkeypatch):
+    from paddle_cluster.launch.backends.mpi import mpi_launcher
+    from paddle_cluster.launch.errors import ClusterError
+
+    if not (shutil.which("mpiexec.hydra") and shutil.which("mpirun.openmpi")):
+        pytest.skip("needs Open MPI and MPICH side by side: apt-get install openmpi-bin mpich (scripts/test does)")
+
+    assert mpi_launcher("mpich")[0] == "mpich" and mpi_launcher("mpich")[1].endswith("mpiexec.hydra")
+    assert mpi_launcher("openmpi")[0] == "openmpi"
+    # auto: what `mpirun --version` says (Debian's alternatives make mpirun Open MPI's with both installed)
+    assert mpi_launcher("auto")[0] == "openmpi"
+    bin_dir = tmp_path / "bin"  # a PATH where mpirun is Hydra's, as with MPICH or Intel MPI alone
+    bin_dir.mkdir()
+    (bin_dir / "mpirun").symlink_to(mpi_launcher("mpich")[1])
+    (bin_dir / "mpiexec.hydra").symlink_to(mpi_launcher("mpich")[1])
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert mpi_launcher("auto") == ("mpich", str(bin_dir / "mpiexec.hydra"))
+    with pytest.raises(ClusterError, match="apt-get install openmpi-bin.*MPI_IMPL = 'mpich'"):
+        mpi_launcher("openmpi")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ClusterError, match="apt-get install mpich"):
+        mpi_launcher("mpich")

@@ -7,6 +7,7 @@ job fast with its last lines; every trainer sees the whole env contract of its n
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import FINAL_MSE, FIT_A_LINE, check_trainer_env, free_port_range, no_traceback, small_workspace, wait_for
 
-from paddle_cluster.launch.backends.slurm import active, job_info
+from paddle_cluster.launch.backends.slurm import SlurmOptions, active, batch_script, job_info
 from paddle_cluster.launch.errors import ClusterError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,3 +235,183 @@ def test_node_directories_are_only_node_n_directories(tmp_path):
     (top / "node3").write_text("a file, not a node\n")
     assert [Path(d).name for d in _node_dirs(cfg, "j")] == ["node0", "node2", "node10"]
     assert _node_dirs(cfg, "missing") == []
+
+
+# -- resources and pass-through ------------------------------------------------------------------------------
+
+
+def test_resource_options_reach_the_slurm_job(slurm, tmp_path):
+    """What Slurm users set on every submission reaches the real job: ``scontrol show job`` shows it, and the
+    step got the CPUs per task (srun asks again: since Slurm 22.05 it does not inherit them)."""
+    conf, env, ws = _setup(slurm, tmp_path)
+    res = _cli(conf, env, "run", "--nodes", "3", "--detach", "--job_dispatch_package", str(ws), "--job_name",
+               "slurmres", "--cpus-per-task", "2", "--mem", "100M", "--exclusive", "--gres", "gpu:1",
+               "--constraint", slurm.feature, "--time", "10:00", "--sbatch-arg=--comment=paddle two words",
+               "--sbatch-arg", "--nice=7")
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"is Slurm job (\d+)", res.stderr).group(1)
+    log = slurm.shared_dir / tmp_path.name / "slurmres" / "node2" / "log" / "train.log"
+    wait_for(lambda: log.exists() and "holding 2" in log.read_text(), 90, "trainer 2 holding")
+    text = slurm.run(["scontrol", "-o", "show", "job", job_id]).stdout
+    job = slurm.show_job(job_id)
+    assert job["JobState"] == "RUNNING" and job["NumNodes"] == "3", text
+    assert job["CPUs/Task"] == "2" and job["MinCPUsNode"] == "2", text
+    assert job["MinMemoryNode"] == "100M", text
+    assert job["OverSubscribe"] == "NO", text  # --exclusive
+    assert job["Features"] == slurm.feature and job["TimeLimit"] == "00:10:00", text
+    assert job["TresPerNode"] == "gres:gpu:1", text
+    assert "Comment=paddle two words " in text and job["Nice"] == "7", text
+    step = slurm.run(["scontrol", "-o", "show", "step", f"{job_id}.0"]).stdout
+    assert re.search(r"\bCPUs=6\b", step) and re.search(r"\bTasks=3\b", step), step
+    script = (slurm.shared_dir / tmp_path.name / "slurmres" / ".paddle_cluster" / "attempt-1" / "job.sh").read_text()
+    assert '#SBATCH --comment="paddle two words"' in script and "#SBATCH --exclusive" in script, script
+    assert _cli(conf, env, "kill").returncode == 0
+    slurm.wait_quiet()
+
+
+def test_more_than_slurm_can_grant_is_its_error_and_nothing_is_queued(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path)
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slurmbig",
+               "--gres", f"gpu:{slurm.gpus + 1}")
+    no_traceback(res)
+    assert res.returncode != 0 and "submitting the job: sbatch --parsable" in res.stderr, res.stderr
+    assert "Requested node configuration is not available" in res.stderr, res.stderr
+    assert slurm.active_jobs() == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--mem", "lots"], ["--mem 'lots'", "4G"]),
+    (["--sbatch-arg=--nodes=5"], ["--sbatch-arg '--nodes=5'", "sets sbatch --nodes itself", "--nodes"]),
+    (["--sbatch-arg=-J", "--sbatch-arg=x"], ["--sbatch-arg '-J'", "--job-name itself"]),
+    (["--sbatch-arg=mail"], ["--sbatch-arg 'mail'", "one sbatch option"]),
+    (["--gres", "gpu: 2"], ["--gres 'gpu: 2'", "without spaces"]),
+])
+def test_bad_slurm_options_are_refused_before_anything_is_submitted(tmp_path, args, words):
+    conf = tmp_path / "conf.py"
+    conf.write_text(f"BACKEND = 'slurm'\nROOT_DIR = {str(tmp_path / 'root')!r}\nPADDLE_NIC = 'eth0'\n")
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "train.py").write_text("print('hi')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "SLURM_"))}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    res = _cli(conf, env, "run", "--nodes", "2", "--job_dispatch_package", str(tmp_path / "ws"), *args)
+    no_traceback(res)
+    assert res.returncode == 1 and all(w in res.stderr for w in words), res.stderr
+    assert not (tmp_path / "root").exists()  # refused before anything was prepared
+
+
+def test_slurm_options_on_another_backend_are_a_usage_error(tmp_path):
+    conf = tmp_path / "conf.py"
+    conf.write_text(f"HOSTS = ['localhost']\nROOT_DIR = {str(tmp_path / 'root')!r}\n")
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "train.py").write_text("print('hi')\n")
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    res = _cli(conf, env, "run", "--job_dispatch_package", str(tmp_path / "ws"), "--gres", "gpu:1")
+    assert res.returncode == 2 and "--gres" in res.stderr and "are for --backend slurm" in res.stderr, res.stderr
+
+
+def test_batch_script_renders_every_option_as_an_sbatch_line():
+    """The rendered script alone says what was asked (``sbatch job.sh`` submits it again)."""
+    opts = SlurmOptions(2, partition="gpu", qos="high", reservation="maint", gres="gpu:a100:4", cpus_per_task=8,
+                        mem="64G", exclusive=True, constraint="a100&ib", account="ml",
+                        sbatch_args=("--gpus-per-task=1", "--comment=two words", "--mail-type=END,FAIL"))
+    text = batch_script("fit", 1, ["--nodes=2", "--chdir=/shared/my jobs"], ["srun", "python3", "-m", "x"])
+    assert text.splitlines()[2:4] == ["#SBATCH --nodes=2", '#SBATCH --chdir="/shared/my jobs"']
+    lines = batch_script("fit", 1, [], ["true"]).splitlines()
+    assert lines[0] == "#!/bin/sh" and lines[-1] == "exec true"
+    got = [ln for ln in batch_script("fit", 1, opts.sbatch_options(), ["true"]).splitlines() if ln.startswith("#SB")]
+    assert got == ["#SBATCH --partition=gpu", "#SBATCH --account=ml", "#SBATCH --gres=gpu:a100:4",
+                   "#SBATCH --cpus-per-task=8", "#SBATCH --mem=64G", "#SBATCH --constraint=a100&ib",
+                   "#SBATCH --qos=high", "#SBATCH --reservation=maint", "#SBATCH --exclusive",
+                   "#SBATCH --gpus-per-task=1", '#SBATCH --comment="two words"', "#SBATCH --mail-type=END,FAIL"]
+    with pytest.raises(ClusterError, match="double quote"):
+        batch_script("fit", 1, ['--comment=say "hi"'], ["true"])
+
+
+# -- fail-fast inside the allocation when no launcher follows ------------------------------------------------
+
+# A pserver (ps.py) or trainer (train.py) that runs until told to fail: file fail-<role>-<id> in FLAGS.
+FAIL_ON_FLAG = """
+import os, sys, time
+role = "{role}"
+i = os.environ["PADDLE_TRAINER_ID" if role == "trainer" else "PADDLE_PSERVER_ID"]
+{serve}
+print(role, i, "holding", flush=True)
+while not os.path.exists(os.path.join({flags!r}, f"fail-{{role}}-{{i}}")):
+    time.sleep(0.1)
+print(role, i, "failing", flush=True)
+sys.exit(4)
+"""
+SERVE = """
+import socket
+from paddle_cluster.contract import JobEnv
+env = JobEnv.from_environ()
+socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
+"""
+
+
+def _fail_on_flag(ws: Path) -> Path:
+    """``ws`` (of ``_setup``) with both roles failing on a flag file in ``ws/../flags``."""
+    flags = ws.parent / "flags"
+    flags.mkdir()
+    (ws / "train.py").write_text(FAIL_ON_FLAG.format(role="trainer", serve="", flags=str(flags)))
+    (ws / "ps.py").write_text(FAIL_ON_FLAG.format(role="pserver", serve=SERVE, flags=str(flags)))
+    return ws
+
+
+def _ends_failed_with_nothing_left(slurm, job_id: str, timeout: float) -> None:
+    job = slurm.wait_job(job_id, ["FAILED", "COMPLETED", "CANCELLED"], timeout=timeout)
+    assert job["JobState"] == "FAILED", job  # the job ended by itself, as failed
+    slurm.wait_quiet()  # every step and process on every node gone, nothing queued
+
+
+@pytest.mark.parametrize("role", ["trainer", "pserver"])
+def test_detached_job_fails_fast_inside_the_allocation(slurm, tmp_path, role):
+    conf, env, ws = _setup(slurm, tmp_path)
+    _fail_on_flag(ws)
+    res = _cli(conf, env, "run", "--nodes", "3", "--detach", "--job_dispatch_package", str(ws), "--job_name", "det")
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"is Slurm job (\d+)", res.stderr).group(1)
+    logs = slurm.shared_dir / tmp_path.name / "det"
+    wait_for(lambda: all((logs / f"node{i}" / "log" / "train.log").exists() and "holding" in
+                         (logs / f"node{i}" / "log" / "train.log").read_text() for i in range(3)), 90, "3 holding")
+    (tmp_path / "flags" / f"fail-{role}-1").touch()
+    _ends_failed_with_nothing_left(slurm, job_id, 60)
+    st = _cli(conf, env, "status", "--json")
+    rows = {r["name"]: r["state"] for r in json.loads(st.stdout)["processes"]}
+    assert "4" in rows[f"{role}.1"], rows  # its exit status, and every other process was stopped
+    assert all(state != "running" for state in rows.values()), rows
+
+
+def test_job_fails_fast_after_its_launcher_died(slurm, tmp_path):
+    """A followed job keeps going after a failure while its launcher decides; once the launcher is gone (SIGKILL)
+    the nodes notice its lease has stopped and a failed trainer ends the whole job, as with --detach."""
+    conf, env, ws = _setup(slurm, tmp_path, ORPHAN_TIMEOUT=5.0)
+    _fail_on_flag(ws)
+    r = _Run(conf, env, "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "orphan")
+    wait_for(lambda: sum("holding" in x for x in r.out) == 6, 90, "3 pservers and 3 trainers holding")
+    job_id = re.search(r"submitted Slurm job (\d+)", "".join(r.err)).group(1)
+    r.p.kill()
+    r.wait()
+    assert slurm.show_job(job_id)["JobState"] == "RUNNING"  # it runs on without its launcher, as documented
+    (tmp_path / "flags" / "fail-trainer-2").touch()
+    _ends_failed_with_nothing_left(slurm, job_id, 60)
+    events = (slurm.shared_dir / tmp_path.name / "orphan" / ".paddle_cluster" / "attempt-1" / "events.2.jsonl")
+    assert "no word from the launcher for 5 s" in events.read_text()
+
+
+def test_an_agent_keeps_going_only_while_the_lease_changes(tmp_path):
+    """The node side of the lease: a failure is the launcher's to judge while the lease file keeps changing; once
+    it has not changed for the timeout (or never appeared), the agent fails fast."""
+    from paddle_cluster.node.supervisor import NoChannel
+
+    lease = tmp_path / "launcher.lease"
+    ch = NoChannel(fail_fast=False, lease=str(lease), lease_timeout=1.0)
+    for beat in range(8):  # 1.6 s of a launcher renewing it every 0.2 s
+        lease.write_text(f"1 {beat}\n")
+        ch.get(0.2)
+        assert not ch.fail_fast
+    ch.get(1.2)  # the launcher stopped renewing (the file stays, unchanged)
+    assert ch.fail_fast and ch.orphaned
+    never = NoChannel(fail_fast=False, lease=str(tmp_path / "missing"), lease_timeout=0.5)
+    never.get(0.7)
+    assert never.fail_fast

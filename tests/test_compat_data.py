@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import dataset_dir
 
 import paddle_cluster.compat.paddle as paddle
 from paddle_cluster.compat.missing import NotInCompat
@@ -24,8 +25,8 @@ from paddle_cluster.compat.paddle.dataset import common, imikolov, movielens, uc
 
 REPO = Path(__file__).resolve().parent.parent
 HOUSING = REPO / "examples" / "fit_a_line" / "housing.data"  # byte-identical to Paddle's (its MD5)
-ML1M = Path(os.environ.get("MOVIELENS_1M", "/work/shared/datasets/movielens/ml-1m"))
-PTB = Path(os.environ.get("PTB_DIR", "/work/shared/datasets/ptb"))
+ML1M = dataset_dir("movielens", "ml-1m", var="MOVIELENS_1M")
+PTB = dataset_dir("ptb", var="PTB_DIR")
 need_ml1m = pytest.mark.skipif(not (ML1M / "movies.dat").is_file(), reason=f"MovieLens 1M not found at {ML1M} "
                                "(set MOVIELENS_1M to a directory with movies.dat, users.dat, ratings*.dat[.gz])")
 need_ptb = pytest.mark.skipif(not (PTB / "ptb.train.txt").is_file(),

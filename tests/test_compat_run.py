@@ -14,9 +14,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import HOUSING, SEEDS, assert_nothing_left, cli, local_conf, losses, no_traceback, ported, write_conf
+from helpers import (
+    HOUSING,
+    SEEDS,
+    assert_nothing_left,
+    cli,
+    dataset_dir,
+    local_conf,
+    losses,
+    no_traceback,
+    ported,
+    write_conf,
+)
 
-PTB = Path(os.environ.get("PTB_DIR", "/work/shared/datasets/ptb"))
+PTB = dataset_dir("ptb", var="PTB_DIR")
 ROLE_NOTE = "dist_train.py reads PADDLE_TRAINING_ROLE: pservers run it too"
 
 

@@ -109,6 +109,7 @@ BAD = [
     ("raises-name", HOSTS_LINE + "PADDLE_PORT = BASE + 1\n", ["conf.py", "raised NameError", "BASE"]),
     ("sys-exit", "import sys\nsys.exit(3)\n", ["conf.py", "SystemExit"]),
     ("backend-unknown", HOSTS_LINE + 'BACKEND = "kube"\n', ["BACKEND", "'kube'", "ssh, mpi, slurm, k8s"]),
+    ("mpi-impl-unknown", HOSTS_LINE + 'MPI_IMPL = "mvapich"\n', ["MPI_IMPL", "'mvapich'", "auto, openmpi, mpich"]),
 ]
 
 
@@ -207,6 +208,7 @@ ORPHAN_TIMEOUT = 15
 KILL_GRACE = 2
 MAX_RESTARTS = 3
 BACKEND = "k8s"
+MPI_IMPL = "mpich"
 K8S_IMAGE = "registry.example/ml/fit:1"
 K8S_NAMESPACE = "ml"
 K8S_PSERVER_REQUESTS = "cpu=2"
@@ -245,6 +247,7 @@ ORPHAN_TIMEOUT: 15
 KILL_GRACE: 2
 MAX_RESTARTS: 3
 BACKEND: k8s
+MPI_IMPL: mpich
 K8S_IMAGE: registry.example/ml/fit:1
 K8S_NAMESPACE: ml
 K8S_PSERVER_REQUESTS: cpu=2

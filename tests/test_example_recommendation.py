@@ -6,7 +6,6 @@ import gzip
 import importlib.util
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import checkout_env, local_conf
+from helpers import checkout_env, dataset_dir, local_conf
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "recommendation"
-ML100K = Path(os.environ.get("MOVIELENS_100K", "/work/shared/datasets/movielens/ml-100k"))
+ML100K = dataset_dir("movielens", "ml-100k", var="MOVIELENS_100K")
 
 
 def _load_example_module(name: str):

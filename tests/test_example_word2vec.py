@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import checkout_env, local_conf
+from helpers import checkout_env, dataset_dir, local_conf
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "word2vec"
-PTB = Path(os.environ.get("PTB_DIR", "/work/shared/datasets/ptb"))
+PTB = dataset_dir("ptb", var="PTB_DIR")
 need_ptb = pytest.mark.skipif(not (PTB / "ptb.train.txt").is_file(),
                               reason=f"PTB dataset not found at {PTB} (set PTB_DIR to a directory with ptb.*.txt)")
 

@@ -100,6 +100,9 @@ class ClusterConfig:
     # Where jobs run: "ssh" (HOSTS), "mpi" (mpirun over HOSTS), "slurm" (an allocation) or "k8s" (a
     # Kubernetes namespace); docs/backends.md.
     backend: str = "ssh"
+    # Which MPI "mpi" runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or
+    # "auto": what `mpirun --version` says, else whichever is installed.
+    mpi_impl: str = "auto"
     k8s_image: Optional[str] = None
     k8s_namespace: str = "default"
     k8s_pserver_requests: str = ""  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
@@ -156,6 +159,7 @@ class ClusterConfig:
 
 BUILTIN_SOURCE = "<built-in local default>"
 BACKENDS = ("ssh", "mpi", "slurm", "k8s")
+MPI_IMPLS = ("auto", "openmpi", "mpich")
 _ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name not in _ORIGIN)
 _REQUIRED = ("HOSTS",)
@@ -364,6 +368,8 @@ def validate(cfg: ClusterConfig) -> None:
         raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
     if cfg.backend not in BACKENDS:
         raise cfg.error("backend", f"must be one of {', '.join(BACKENDS)}")
+    if cfg.mpi_impl not in MPI_IMPLS:
+        raise cfg.error("mpi_impl", f"must be one of {', '.join(MPI_IMPLS)}")
     nodes = max(1, len(cfg.hosts))  # Slurm's node count comes with the job (--nodes)
     if cfg.pservers_per_node * nodes < 1:
         raise cfg.error("pservers_per_node", "the job needs at least one pserver")

@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="with --rendezvous: seconds to wait for every node")
     p.add_argument("--keep-going", action="store_true", help="a failed process does not stop the node (a "
                    "launcher that follows the job decides, or --elastic)")
+    p.add_argument("--keep-going-while", metavar="FILE", default="", help="keep going only while FILE keeps "
+                   "changing (the following launcher's lease); fail fast once it has not for --lease-timeout s")
+    p.add_argument("--lease-timeout", type=float, default=20.0, help="with --keep-going-while: seconds")
+    p.add_argument("--own-session", action="store_true", help="run the agent in a session of its own that gets "
+                   "SIGTERM when this process dies: for engines that SIGKILL their ranks (MPICH's Hydra)")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
@@ -90,8 +95,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "supervise":
         plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
         return supervisor.supervise(a.orphan_timeout, a.grace, plan)
+    if a.cmd == "bootstrap" and a.own_session:
+        return bootstrap.shielded([x for x in args if x != "--own-session"])
     if a.cmd == "bootstrap":
-        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going)
+        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going,
+                              lease=a.keep_going_while, lease_timeout=a.lease_timeout)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "probe":

@@ -1,5 +1,5 @@
-"""``python -m paddle_cluster.node bootstrap``: a node's agent started by an engine (``mpirun``, ``srun``), not
-over the launcher's SSH channel. Standard library only.
+"""``python -m paddle_cluster.node bootstrap``: a node's agent started by an engine (``mpirun``, ``mpiexec``,
+``srun``), not over the launcher's SSH channel. Standard library only.
 
 It learns which node it is from the engine's variables (``placement``), reads its share of the job from the
 plan file the launcher wrote (every node's ``Start`` line), and runs it with the same ``Supervisor`` as the
@@ -14,9 +14,12 @@ the plan names node ``i``'s address as ``placeholder(i)``; each node writes its 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
@@ -25,6 +28,9 @@ from . import messages as m
 from . import probe, supervisor
 
 ENGINES = ("mpi", "slurm", "k8s")
+# A rank's index, the number of ranks and its index on its host, as each MPI family names them.
+MPI_VARS = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")}
 POLL_S = 0.05
 
 
@@ -64,11 +70,13 @@ class Placement:
 def placement(engine: str, environ: Mapping[str, str]) -> Placement:
     """This process's node index from the engine's variables; one process per host is required."""
     if engine == "mpi":
-        rank = _int(environ, "OMPI_COMM_WORLD_RANK", "mpirun")
-        size = _int(environ, "OMPI_COMM_WORLD_SIZE", "mpirun")
-        if _int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun") != 0:
-            raise BootstrapError(f"rank {rank} is not the only rank on its host: give every host one slot "
-                                 "(hostfile 'slots=1', mpirun --map-by node)")
+        # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH).
+        names = MPI_VARS["openmpi"] if "OMPI_COMM_WORLD_RANK" in environ else MPI_VARS["mpich"]
+        rank, size, local = (_int(environ, name, "mpirun/mpiexec") for name in names)
+        if local != 0:
+            raise BootstrapError(f"rank {rank} is not the only rank on its host ({names[2]}={local}): give every "
+                                 "host one slot (Open MPI: hostfile 'slots=1', --map-by node; MPICH: 'host:1', "
+                                 "-ppn 1)")
         return Placement(engine, rank, size, environ.get("HOSTNAME", "") or os.uname().nodename)
     if engine == "slurm":
         node = _int(environ, "SLURM_NODEID", "srun")
@@ -93,13 +101,13 @@ def placement(engine: str, environ: Mapping[str, str]) -> Placement:
 
 def detect_engine(environ: Mapping[str, str]) -> str:
     """The engine that started this process, from the variables only it sets."""
-    if "OMPI_COMM_WORLD_RANK" in environ:
+    if "OMPI_COMM_WORLD_RANK" in environ or "PMI_RANK" in environ:
         return "mpi"
     if "SLURM_NODEID" in environ:
         return "slurm"
     if "JOB_COMPLETION_INDEX" in environ:
         return "k8s"
-    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, SLURM_NODEID, JOB_COMPLETION_INDEX): "
+    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_NODEID, JOB_COMPLETION_INDEX): "
                          "bootstrap runs under mpirun or srun; give --engine")
 
 
@@ -158,6 +166,27 @@ def read_plan(path: str, node: int, addresses: Optional[Dict[int, str]] = None) 
     return found[0]
 
 
+def shielded(argv: List[str]) -> int:
+    """Run ``python -m paddle_cluster.node`` ``argv`` as a child in a session of its own that gets SIGTERM when this
+    process dies (even by SIGKILL), and pass it our signals; its exit status. For engines that SIGKILL the ranks
+    they started (MPICH's Hydra, once its ``mpiexec`` is stopped): the agent still gets its teardown, stopping its
+    processes (``setsid`` ones included) within the grace period, instead of dying and leaving them."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child must not take the loader's lock
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # already gone before the line above
+            os._exit(1)
+
+    child = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *argv], start_new_session=True,
+                             preexec_fn=die_with_parent)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    code = child.wait()
+    return 128 - code if code < 0 else code
+
+
 def _events_to(path: str) -> None:
     """Our stdout and stderr (events, and any traceback) appended to ``path``."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -168,7 +197,8 @@ def _events_to(path: str) -> None:
 
 
 def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous_dir: str = "", nic: str = "",
-         timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None) -> int:
+         timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None,
+         lease: str = "", lease_timeout: float = 20.0) -> int:
     env = os.environ if environ is None else environ
     try:
         where = placement(engine if engine != "auto" else detect_engine(env), env)
@@ -186,4 +216,4 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
         emit(m.NotReady, why=f"{where.host}: {e}")
         emit(m.Stopped, reason=f"bootstrap failed: {e}")
         return 2
-    return supervisor.supervise(0, grace, plan, fail_fast=fail_fast)
+    return supervisor.supervise(lease_timeout, grace, plan, fail_fast=fail_fast and not lease, lease=lease)

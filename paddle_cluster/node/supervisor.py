@@ -96,13 +96,32 @@ class StdinChannel:
 
 class NoChannel:
     """No launcher to hear from: the plan came from a file (an engine started the agent). A signal stops the
-    job, and the agent ends by itself once its processes have finished or (``fail_fast``) one has failed."""
+    job, and the agent ends by itself once its processes have finished or (``fail_fast``) one has failed.
 
-    def __init__(self, fail_fast: bool = True) -> None:
+    ``lease``: a file a launcher that follows the job rewrites every second or so (Slurm: on the shared
+    filesystem). While its content keeps changing the agent keeps going after a failure (the launcher decides);
+    once it has not changed for ``lease_timeout`` s (the launcher died, or never came) the agent fails fast.
+    Changes are timed on this node's clock, so clocks of the launcher and the nodes need not agree."""
+
+    def __init__(self, fail_fast: bool = True, lease: str = "", lease_timeout: float = 0.0) -> None:
         self.fail_fast = fail_fast
+        self.lease, self.lease_timeout = lease, lease_timeout
+        self._seen: Optional[bytes] = None
+        self._heard = time.monotonic()
+        self.orphaned = False  # set once the lease went stale: said once, then fail-fast
 
     def get(self, timeout: float) -> None:
         time.sleep(timeout)
+        if self.lease and not self.fail_fast:
+            try:
+                with open(self.lease, "rb") as f:
+                    content = f.read()
+            except OSError:
+                content = None
+            if content is not None and content != self._seen:
+                self._seen, self._heard = content, time.monotonic()
+            elif time.monotonic() - self._heard > self.lease_timeout:
+                self.fail_fast = self.orphaned = True
 
 
 class Supervisor:
@@ -190,6 +209,10 @@ class Supervisor:
         """Without a launcher: stop when a process failed (fail-fast) or when every process has finished."""
         codes = {name: p.poll() for name, p in self.popens.items()}
         failed = [name for name, c in codes.items() if c not in (None, 0)]
+        if channel.orphaned:
+            channel.orphaned = False
+            self.emit(m.Note, line=f"no word from the launcher for {channel.lease_timeout:.0f} s ({channel.lease}): "
+                      "this node now stops the job when one of its processes fails")
         if failed and channel.fail_fast:
             self.failed = True
             raise Stop(f"{failed[0]} failed (exit status {codes[failed[0]]})")
@@ -366,12 +389,13 @@ def plan_from_file(path: str, node: Optional[int]) -> m.NodePlan:
     return found[0]
 
 
-def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None, fail_fast: bool = True) -> int:
+def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None, fail_fast: bool = True,
+              lease: str = "") -> int:
     """Run one node's share of a job, as the launcher sends it on stdin (or ``plan``, without a launcher
     channel: then the agent ends with its processes, exit 1 if one failed); events go to stdout."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     # SIGPIPE stays ignored (Python's default): a write to a vanished launcher must not kill the agent
     # before it has stopped its processes.
-    channel = NoChannel(fail_fast) if plan is not None else StdinChannel(orphan_timeout)
+    channel = NoChannel(fail_fast, lease, orphan_timeout) if plan is not None else StdinChannel(orphan_timeout)
     return Supervisor(channel, grace, plan).run()

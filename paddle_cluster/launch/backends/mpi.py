@@ -20,10 +20,11 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 
@@ -36,6 +37,51 @@ from .base import Event, EventQueue
 from .ssh import SSHBackend
 
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
+MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
+
+
+def mpi_launcher(choice: str) -> Tuple[str, str]:
+    """(implementation, its launcher's path) for ``MPI_IMPL``: ``openmpi`` runs ``mpirun``, ``mpich`` Hydra's
+    ``mpiexec`` (MPICH, Intel MPI, MVAPICH); ``auto`` goes by what ``mpirun --version`` says, else by which one is
+    installed. ``ClusterError`` with the package to install when the one asked for is missing."""
+    mpirun = shutil.which("mpirun")
+    said = _version(mpirun) if mpirun else ""
+    openmpi = shutil.which("mpirun.openmpi") or (mpirun if "Open MPI" in said else None)
+    hydra = shutil.which("mpiexec.hydra") or shutil.which("mpiexec.mpich")
+    if choice == "auto":
+        if "Open MPI" in said:
+            return "openmpi", mpirun or ""
+        if any(w in said for w in ("HYDRA", "Intel(R) MPI", "MPICH")):
+            choice, hydra = "mpich", hydra or mpirun
+        else:  # no mpirun, or one that does not say: whichever is installed
+            choice = "openmpi" if openmpi else "mpich"
+    if choice == "mpich":
+        if hydra is None:
+            raise ClusterError(f"--backend mpi with MPI_IMPL = 'mpich': mpiexec.hydra not found on this machine; "
+                               f"{MPICH_HINT}")
+        return "mpich", hydra
+    if openmpi is None:
+        raise ClusterError(f"--backend mpi: Open MPI's mpirun not found on this machine; {INSTALL_HINT} (or "
+                           f"{MPICH_HINT} and set MPI_IMPL = 'mpich')")
+    return "openmpi", openmpi
+
+
+def _version(exe: str) -> str:
+    try:
+        return subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def local_address(peer: str) -> Optional[str]:
+    """This machine's address on the way to ``peer`` (the kernel's choice of source; nothing is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 class MPIBackend(SSHBackend):
@@ -47,12 +93,15 @@ class MPIBackend(SSHBackend):
         self.attempt = 0
         self.tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
         self.spec: Optional[JobSpec] = None
+        self.impl, self.launcher = "openmpi", "mpirun"
+        self.addresses: List[str] = []
 
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        if shutil.which("mpirun") is None:
-            raise ClusterError(f"--backend mpi: mpirun not found on this machine; {INSTALL_HINT}")
+        self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
         self.spec = spec
-        return super().prepare(spec, say)
+        self.addresses = super().prepare(spec, say)
+        say(f"starting one rank per host with {'MPICH' if self.impl == 'mpich' else 'Open MPI'} ({self.launcher})")
+        return self.addresses
 
     # -- what mpirun is given -------------------------------------------------------------------------
     def ssh_config(self) -> str:
@@ -85,23 +134,43 @@ class MPIBackend(SSHBackend):
                                "mpirun's hostfile names hosts only. List each host once")
         hostfile = os.path.join(self.tmp, "hostfile")
         with open(hostfile, "w") as f:
-            f.write("".join(f"{h} slots=1\n" for h in hosts))
+            f.write("".join(f"{h} slots=1\n" if self.impl == "openmpi" else f"{h}:1\n" for h in hosts))
         config = self.ssh_config()
+        if self.impl == "mpich":
+            return self._hydra_argv(hostfile, config, self._agent(plan_path, grace))
         if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
             raise ClusterError(f"--backend mpi: Open MPI splits its ssh command on spaces, and {config} or "
                                "SSH_KNOWN_HOSTS / SSH_IDENTITY_FILE contains one; use paths without spaces")
         networks = {net for net in self.networks if net}
         wire = ",".join(sorted(networks)) if networks else self.cfg.paddle_nic
-        assert self.lib is not None and self.spec is not None
-        # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
-        agent = dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
-                                    "--grace", str(grace), "--keep-going")
-        return [shutil.which("mpirun") or "mpirun", "--hostfile", hostfile, "-np", str(len(hosts)),
+        return [self.launcher, "--hostfile", hostfile, "-np", str(len(hosts)),
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
                 "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
                 "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
-                *agent]
+                *self._agent(plan_path, grace)]
+
+    def _agent(self, plan_path: str, grace: float) -> List[str]:
+        assert self.lib is not None and self.spec is not None
+        # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
+        # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
+        # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
+        shield = ("--own-session",) if self.impl == "mpich" else ()
+        return dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
+                                   "--grace", str(grace), "--keep-going", *shield)
+
+    def _hydra_argv(self, hostfile: str, config: str, agent: List[str]) -> List[str]:
+        """Hydra's ``mpiexec``: ssh through a wrapper holding the job's ssh config (``-launcher-exec`` takes one
+        path); ``-localhost``: the address on the hosts' network the proxies call back to (this machine's own
+        name may resolve to one they cannot reach); ``-genvnone``: ranks get their host's environment, as under
+        Open MPI, not this machine's (Hydra's default passes it all)."""
+        wrapper = os.path.join(self.tmp, "ssh")
+        with open(wrapper, "w") as f:
+            f.write(f"#!/bin/sh\nexec {shlex.quote(shutil.which('ssh') or 'ssh')} -F {shlex.quote(config)} \"$@\"\n")
+        os.chmod(wrapper, 0o700)
+        here = local_address(self.addresses[0]) if self.addresses else None
+        return [self.launcher, "-f", hostfile, "-n", str(len(self.nodes)), "-ppn", "1", "-launcher", "ssh",
+                "-launcher-exec", wrapper, *(("-localhost", here) if here else ()), "-genvnone", *agent]
 
     # -- running --------------------------------------------------------------------------------------
     def start(self, plan: JobPlan) -> None:
@@ -123,13 +192,14 @@ class MPIBackend(SSHBackend):
         events.starting(self.cfg.start_timeout)
         argv = self.argv(plan_path, self.cfg.kill_grace)
         env = dict(os.environ)
-        if os.geteuid() == 0:  # Open MPI refuses root unless told; the launcher already logs in as HOSTS say
+        if os.geteuid() == 0 and self.impl == "openmpi":  # it refuses root unless told; HOSTS say who logs in
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         try:
             self.mpirun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, env=env, cwd="/", preexec_fn=_own_session)
         except OSError as e:
-            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {INSTALL_HINT}") from None
+            hint = INSTALL_HINT if self.impl == "openmpi" else MPICH_HINT
+            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {hint}") from None
         threading.Thread(target=_read, args=(self.mpirun, events, len(plan.nodes)), daemon=True,
                          name="mpirun").start()
 
@@ -201,7 +271,7 @@ def _read(proc: subprocess.Popen, events: EventQueue, nodes: int) -> None:
         if isinstance(ev, m.EVENTS) and 0 <= ev.node < nodes:
             events.put(ev.node, ev)
         elif line.strip():
-            events.put(0, m.Note(0, f"mpirun: {line}" if ev is None else line))
+            events.put(0, m.Note(0, f"{os.path.basename(proc.args[0])}: {line}" if ev is None else line))
     code = proc.wait()
     for i in range(nodes):
         if i not in events.stopped:

@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
@@ -41,18 +41,84 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "DEADLINE")
 _FIELD = re.compile(r"(\S+?)=(\S*)")
 JOB_ID_FILE = "slurm_job"
+LEASE = "launcher.lease"  # rewritten every second by the launcher that follows the job (see node bootstrap)
 FORGOTTEN = "Invalid job id"  # what scontrol and squeue say of a job Slurm no longer keeps
+
+
+# sbatch options the backend sets itself (one task per node, its script, output and directory): a pass-through
+# of one of them would break the job rather than tune it.
+OWNED = {"-N": "--nodes", "--nodes": "--nodes", "-n": "--ntasks", "--ntasks": "--ntasks",
+         "--ntasks-per-node": "--ntasks-per-node", "-o": "--output", "--output": "--output", "-e": "--error",
+         "--error": "--error", "-D": "--chdir", "--chdir": "--chdir", "-J": "--job-name", "--job-name": "--job-name",
+         "--parsable": "--parsable", "--wrap": "--wrap", "-a": "--array", "--array": "--array"}
+_MEM = re.compile(r"\d+[KMGT]?")
 
 
 @dataclass(frozen=True)
 class SlurmOptions:
-    """What ``run --backend slurm`` asks of the allocation."""
+    """What ``run --backend slurm`` asks of the allocation: the sbatch options users set on every submission, and
+    any other sbatch option passed through as written (``sbatch_args``)."""
 
     nodes: int
     partition: Optional[str] = None
     time: Optional[str] = None
     account: Optional[str] = None
     detach: bool = False
+    gres: Optional[str] = None
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None
+    exclusive: bool = False
+    constraint: Optional[str] = None
+    qos: Optional[str] = None
+    reservation: Optional[str] = None
+    sbatch_args: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mem is not None and not _MEM.fullmatch(self.mem):
+            raise ClusterError(f"--mem {self.mem!r}: give a size per node as sbatch takes it, a number with an "
+                               "optional unit K, M, G or T (e.g. 4G, 4096M; 0 asks for all of each node's memory)")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ClusterError(f"--cpus-per-task {self.cpus_per_task}: give 1 or more")
+        for flag, value in (("--gres", self.gres), ("--constraint", self.constraint), ("--qos", self.qos),
+                            ("--reservation", self.reservation), ("--partition", self.partition),
+                            ("--time", self.time), ("--account", self.account)):
+            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+                raise ClusterError(f"{flag} {value!r}: give a value without spaces (sbatch {flag}=VALUE)")
+        for arg in self.sbatch_args:
+            name = arg.split("=", 1)[0]
+            if not arg.startswith("-") or "\n" in arg:
+                raise ClusterError(f"--sbatch-arg {arg!r}: give one sbatch option as written on sbatch's command "
+                                   "line, e.g. --sbatch-arg=--mail-type=END or --sbatch-arg=--gpus-per-node=2")
+            if name in OWNED:
+                raise ClusterError(f"--sbatch-arg {arg!r}: paddle-cluster sets sbatch {OWNED[name]} itself (one "
+                                   "task per node, its own script, output and directory); use --nodes for the "
+                                   "node count and --job_name for the name")
+
+    def sbatch_options(self) -> List[str]:
+        """The options of the job's allocation, as sbatch takes them (the script's ``#SBATCH`` lines)."""
+        named = (("partition", self.partition), ("time", self.time), ("account", self.account),
+                 ("gres", self.gres), ("cpus-per-task", self.cpus_per_task), ("mem", self.mem),
+                 ("constraint", self.constraint), ("qos", self.qos), ("reservation", self.reservation))
+        return [f"--{k}={v}" for k, v in named if v is not None] + (["--exclusive"] if self.exclusive else []) + \
+            list(self.sbatch_args)
+
+
+def batch_script(name: str, attempt: int, options: List[str], srun: List[str]) -> str:
+    """The batch script: every sbatch option as an ``#SBATCH`` line (so the file alone says what was asked, and
+    ``sbatch job.sh`` submits it again), then the one ``srun`` step."""
+    lines = ["#!/bin/sh", f"# paddle-cluster job {name}, start {attempt}"]
+    lines += [f"#SBATCH {_sbatch_quoted(o)}" for o in options]
+    return "\n".join([*lines, f"exec {shlex.join(srun)}", ""])
+
+
+def _sbatch_quoted(option: str) -> str:
+    """An option for an ``#SBATCH`` line: sbatch splits those on blanks and honours double quotes."""
+    if not any(c.isspace() or c == '"' for c in option):
+        return option
+    name, eq, value = option.partition("=")
+    if '"' in option:
+        raise ClusterError(f"--sbatch-arg {option!r}: a double quote cannot be passed through an #SBATCH line")
+    return f'{name}="{value}"' if eq else f'"{option}"'
 
 
 def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
@@ -151,12 +217,20 @@ class SlurmBackend(Backend):
     def bootstrap_argv(self, adir: str, attached: bool) -> List[str]:
         assert self.lib is not None and self.spec is not None
         cfg = self.cfg
-        keep = attached or self.spec.elastic  # a following launcher decides; a detached job fails fast
+        # After a failure a following launcher decides (fail-fast, restarts), for as long as its lease shows it
+        # follows; a job no launcher follows (--detach, or its launcher died) fails fast inside the allocation:
+        # the failed node's agent exits 1 and srun --kill-on-bad-exit ends the step and so the job. --elastic
+        # keeps going either way.
+        if self.spec.elastic:
+            keep: tuple = ("--keep-going",)
+        elif attached:
+            keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
+        else:
+            keep = ()
         return dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
                                    f"{adir}/plan.jsonl", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
-                                   "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace),
-                                   *(("--keep-going",) if keep else ()))
+                                   "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
 
     def start(self, plan: JobPlan) -> None:
         assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"
@@ -167,24 +241,27 @@ class SlurmBackend(Backend):
         fd = os.open(f"{adir}/plan.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the secret
         with os.fdopen(fd, "w") as f:
             f.write("".join(m.encode(m.Start(n)) + "\n" for n in per_node(plan)))
-        srun = ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
+        # srun takes --cpus-per-task from no variable since Slurm 22.05: the step asks for it again.
+        cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
+        srun = ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={spec.name}",
                 "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(adir, not opts.detach)]
         self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
         self._done = threading.Event()
         if os.environ.get("SLURM_JOB_ID") and not opts.detach:
             self.say(f"inside Slurm allocation {os.environ['SLURM_JOB_ID']}: running srun")
+            if [o for o in opts.sbatch_options() if not o.startswith("--cpus-per-task=")]:
+                self.say("the allocation's resources apply: sbatch options are for a new allocation (--detach, "
+                         "or run outside it)")
             self.srun = subprocess.Popen(srun, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=open(f"{adir}/srun.out", "ab"), cwd=spec.cwd,
                                          start_new_session=True)
         else:
             script = f"{adir}/job.sh"
             with open(script, "w") as f:
-                f.write(f"#!/bin/sh\n# paddle-cluster job {spec.name}, start {self.attempt}\nexec {shlex.join(srun)}\n")
-            extra = [f"--{k}={v}" for k, v in (("partition", opts.partition), ("time", opts.time),
-                                                ("account", opts.account)) if v]
-            out = slurm(["sbatch", "--parsable", f"--nodes={opts.nodes}", "--ntasks-per-node=1",
-                         f"--job-name={spec.name}", f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *extra,
-                         script], "submitting the job")
+                f.write(batch_script(spec.name, self.attempt, [
+                    f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
+                    f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *opts.sbatch_options()], srun))
+            out = slurm(["sbatch", "--parsable", script], "submitting the job")
             self.job_id = out.strip().split(";")[0]
             with open(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}", "w") as f:
                 f.write(self.job_id + "\n")
@@ -222,10 +299,12 @@ class SlurmBackend(Backend):
         """Tail every node's events file until the job or step has ended and the files are drained."""
         offsets = {i: 0 for i in range(self.opts.nodes)}
         partial = {i: b"" for i in offsets}
-        next_check = 0.0
+        next_check, beat = 0.0, 0
         while True:
             ended = False
             if time.monotonic() >= next_check:  # Slurm is asked once a second; the files are read more often
+                beat += 1
+                _renew(f"{adir}/{LEASE}", beat)
                 ended, next_check = self._ended(), time.monotonic() + POLL_S * 2
             for i in offsets:
                 try:
@@ -294,6 +373,16 @@ class SlurmBackend(Backend):
 
     def close(self) -> None:
         self._done.set()
+
+
+def _renew(path: str, beat: int) -> None:
+    """The lease: new content each time (the nodes watch it change, not its time stamp), replaced whole."""
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"{os.getpid()} {beat}\n")
+        os.replace(f"{path}.tmp", path)
+    except OSError:  # the shared filesystem hiccuped: the nodes wait ORPHAN_TIMEOUT before they take it as gone
+        pass
 
 
 def active(job_id: str) -> Optional[bool]:

@@ -1,0 +1,77 @@
+"""The suite's own rules (docs/testing.md): skip reasons are always printed; under ``CI=true`` a skipped test fails
+the run; test data is found relative to the checkout or by an environment variable, never at one machine's path."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import REPO, dataset_dir
+
+TESTS = REPO / "tests"
+DEMO = '''
+import pytest
+
+def test_runs():
+    pass
+
+@pytest.mark.skipif(True, reason="no frobnicator on this machine")
+def test_marked():
+    pass
+
+def test_skips_itself():
+    pytest.skip("engine missing: install it")
+'''
+
+
+def _pytest(tmp: Path, **env: str) -> subprocess.CompletedProcess:
+    """pytest with the project's settings (pyproject.toml) and tests/conftest.py as a plugin on a demo module."""
+    (tmp / "test_demo.py").write_text(DEMO)
+    environ = {k: v for k, v in os.environ.items() if k != "CI"}
+    environ.update(env, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                           str(REPO / "pyproject.toml"), "--rootdir", str(tmp), "-p", "conftest",
+                           str(tmp / "test_demo.py")], env=environ, capture_output=True, text=True, timeout=120)
+
+
+def test_skip_reasons_are_printed(tmp_path):
+    res = _pytest(tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"SKIPPED \[1\] \S+test_demo.py:\d+: no frobnicator on this machine", res.stdout), res.stdout
+    assert "engine missing: install it" in res.stdout
+    assert "1 passed, 2 skipped" in res.stdout
+
+
+def test_under_ci_a_skip_fails_the_run_with_its_reason(tmp_path):
+    for value in ("true", "1"):
+        res = _pytest(tmp_path, CI=value)
+        assert res.returncode == 1, res.stdout + res.stderr
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        assert len(lines) == 2, res.stdout
+        assert any("test_marked" in ln and "no frobnicator on this machine" in ln for ln in lines), lines
+        assert any("test_skips_itself" in ln and "engine missing" in ln for ln in lines), lines
+        assert all(f"skipped under CI={value}" in ln for ln in lines), lines
+    assert _pytest(tmp_path, CI="false").returncode == 0
+
+
+def test_datasets_come_from_the_checkout_or_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("PADDLE_CLUSTER_DATASETS", raising=False)
+    monkeypatch.delenv("PTB_DIR", raising=False)
+    assert dataset_dir("ptb", var="PTB_DIR") == REPO.parent / "shared" / "datasets" / "ptb"
+    monkeypatch.setenv("PADDLE_CLUSTER_DATASETS", str(tmp_path))
+    assert dataset_dir("ptb", var="PTB_DIR") == tmp_path / "ptb"
+    monkeypatch.setenv("PTB_DIR", str(tmp_path / "mine"))
+    assert dataset_dir("ptb", var="PTB_DIR") == tmp_path / "mine"
+
+
+def test_no_test_or_example_names_one_machines_path():
+    pattern = re.compile(r"/work/|/home/(?!paddle\b)|/root/")
+    found = [f"{p.relative_to(REPO)}:{n}: {line.strip()}"
+             for top in ("tests", "examples", "bench")
+             for p in sorted((REPO / top).rglob("*")) if p.is_file() and p.suffix in (".py", ".md", ".sh", ".txt")
+             and "seeds" not in p.parts and p.name != Path(__file__).name
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
