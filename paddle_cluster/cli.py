@@ -16,7 +16,7 @@ import click
 from .contract import ContractError, check_job_name
 from .launch import journal, k8s, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
-from .launch.entry import settle
+from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job
@@ -161,7 +161,11 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "kill find the job later.")
 @_k8s_pods
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
-              "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
+              "(default: ENTRY of the config, train.py).")
+@click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin (python "
+              "-m paddle_cluster.ps) or entry (the entry script, as PADDLE_TRAINING_ROLE=PSERVER). Default: "
+              "PSERVER_COMMAND of the config when set, else the entry script when it handles the PSERVER role "
+              "(compares it with \"PSERVER\"), else builtin.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
@@ -170,7 +174,8 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...]) -> JobResult:
+        detach: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
+        trainer_args: Tuple[str, ...]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -194,7 +199,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     elif cfg.is_builtin_default:
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script)
+    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
     for note in settled.notes:
         _say(note)
     spec = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace, tuple(trainer_args),

@@ -83,7 +83,9 @@ class ClusterConfig:
     pservers_per_node: int = 1
     trainers_per_node: int = 1
     python: str = "python3"
-    pserver_command: str = "{python} -m paddle_cluster.ps"
+    # None: chosen by the entry script (launch/entry.py: it runs as pserver when it handles that role); any
+    # value set is used as it is, the built-in pserver's own command included.
+    pserver_command: Optional[str] = None
     trainer_command: str = "{python} {entry}"
     entry: str = "train.py"
     env: Dict[str, str] = field(default_factory=dict)
@@ -121,7 +123,12 @@ class ClusterConfig:
         """PSERVER_COMMAND and TRAINER_COMMAND with ``{python}`` (PYTHON) and ``{entry}`` (ENTRY) filled in, each
         shell-quoted: a path with a space stays one word."""
         values = {"python": shlex.quote(python or self.python), "entry": shlex.quote(self.entry)}
-        return self.pserver_command.format(**values), self.trainer_command.format(**values)
+        return (self.pserver_command or BUILTIN_PSERVER).format(**values), self.trainer_command.format(**values)
+
+    @property
+    def pserver_runs_entry(self) -> bool:
+        """Whether pservers run the entry script (so its arguments reach them too)."""
+        return "{entry}" in (self.pserver_command or "")
 
     def node_ports(self) -> Tuple[int, ...]:
         return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
@@ -137,6 +144,8 @@ class ClusterConfig:
 
 
 BUILTIN_SOURCE = "<built-in local default>"
+BUILTIN_PSERVER = "{python} -m paddle_cluster.ps"  # the runtime's pserver (paddle_cluster/ps)
+ENTRY_PSERVER = "{python} {entry}"  # the entry script, as PADDLE_TRAINING_ROLE=PSERVER
 BACKENDS = ("ssh", "mpi", "slurm", "k8s")
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name != "source")
 _REQUIRED = ("HOSTS",)
@@ -351,7 +360,7 @@ def validate(cfg: ClusterConfig, source: str) -> None:
                               "for the default", source)
     for key in ("pserver_command", "trainer_command"):
         try:
-            getattr(cfg, key).format(python="python3", entry="train.py")
+            (getattr(cfg, key) or "").format(python="python3", entry="train.py")
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
             raise ConfigError(key.upper(), getattr(cfg, key), f"bad placeholder {e}; only {{python}} and {{entry}} "
                               "are substituted (write {{ and }} for literal braces)", source) from None

@@ -147,7 +147,7 @@ def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str]) -> Tuple[N
     # run it (as paddle.py passed them to every process); the built-in pserver takes none.
     args = " " + shlex.join(spec.trainer_args) if spec.trainer_args else ""
     pserver_cmd, trainer_cmd = cfg.commands()
-    pserver_cmd, trainer_cmd = pserver_cmd + (args if "{entry}" in cfg.pserver_command else ""), trainer_cmd + args
+    pserver_cmd, trainer_cmd = pserver_cmd + (args if cfg.pserver_runs_entry else ""), trainer_cmd + args
     endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
 
     def proc(role: str, index: int, per_node: int, addr: str) -> ProcPlan:

@@ -15,6 +15,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from .backends.base import Backend, Event, NodeLost
+from .config import BUILTIN_PSERVER
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
 from .plan import JobPlan
 
@@ -210,6 +211,11 @@ class Attempt:
                 if p.node in bad and p.tail:
                     lines.append(self.failure_report(p, "") if p.finished else f"{p.plan.name} output:\n" +
                                  "\n".join("  | " + t for t in p.tail))
+            cfg = self.plan.spec.cfg
+            if cfg.pserver_runs_entry and any(p.finished for p in self.role(PSERVER) if p.node in bad):
+                lines.append(f"pservers ran {cfg.entry} as PADDLE_TRAINING_ROLE=PSERVER and it exited before "
+                             f"listening; if {cfg.entry} is a trainer-only script, run the built-in pserver: "
+                             f'run --pserver builtin, or PSERVER_COMMAND = "{BUILTIN_PSERVER}" in conf.py')
             raise JobFailed("\n".join(lines))
 
     def run(self, failed_at: Optional[float]) -> None:
