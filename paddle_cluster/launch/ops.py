@@ -72,8 +72,9 @@ def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) 
         probe = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--root", cfg.root_dir,
                                     what="probing the node")
         addr = probe.get("address") or "?"
-        return [ProcRow(n.name, n.spec.text, addr, p["name"], p["role"], p["pid"], p["state"], p.get("progress", ""),
-                        p["last_line"]) for p in doc["procs"]]
+        # each process's own address as its agent recorded it (a local pserver's loopback one), else the node's
+        return [ProcRow(n.name, n.spec.text, p.get("address") or addr, p["name"], p["role"], p["pid"], p["state"],
+                        p.get("progress", ""), p["last_line"]) for p in doc["procs"]]
     try:
         rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
     finally:

@@ -97,6 +97,9 @@ class Attempt:
         self.ready: Dict[int, str] = {}  # node -> "" (ready) or why not
         self.abandoned: List[str] = []  # trainers that died under --elastic
         self.stopping = False  # a stop confirmation is then expected, not a failure
+        # Trainers' lines that arrive before the launcher has said every pserver listens (another node's word
+        # that its pservers listen can come after a ready node's trainers spoke): shown right after it says so.
+        self.held: Optional[List[str]] = []
 
     def role(self, role: str) -> List[ProcState]:
         return [p for p in self.procs.values() if p.plan.role == role]
@@ -108,7 +111,11 @@ class Attempt:
                 p.tail.append(ev.line)
                 if p.plan.role == PSERVER and not self.plan.spec.verbose and RUNTIME_CHATTER.match(ev.line):
                     return
-            self.out(f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}")
+            line = f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}"
+            if self.held is not None and p is not None and p.plan.role == TRAINER:
+                self.held.append(line)
+                return
+            self.out(line)
         elif isinstance(ev, m.Started):
             self.procs[ev.proc].pid = ev.pid
         elif isinstance(ev, m.Exited):
@@ -221,9 +228,14 @@ class Attempt:
     def run(self, failed_at: Optional[float]) -> None:
         """Start the plan and watch it until every trainer has finished; raises ``JobFailed`` on failure."""
         self.backend.start(self.plan)
-        self.wait_ready()
-        self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
-                 "trainer(s)")
+        try:
+            self.wait_ready()
+            self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
+                     "trainer(s)")
+        finally:
+            held, self.held = self.held or [], None
+            for line in held:
+                self.out(line)
         if failed_at is not None:
             self.say(f"job running again {time.monotonic() - failed_at:.1f} s after the failure")
         try:
