@@ -309,18 +309,24 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--backend", type=click.Choice(BACKENDS), help="The backend to check for (default: BACKEND of the "
+              "config, ssh); slurm checks this machine, whose environment srun gives the nodes.")
 @_handled
-def check(ctx: click.Context, as_json: bool) -> None:
-    """Preflight every host: SSH without prompts, Python+numpy, NIC, ports, ROOT_DIR, disk."""
+def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
+    """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
+    shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk."""
     cfg = _config(ctx)
+    if backend:
+        cfg = dataclasses.replace(cfg, backend=backend)
     rows = ops.check_cluster(cfg)
     if as_json:
         _out(ops.as_json(rows))
     else:
         _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
-               [[r.node, r.host, r.ssh, f"{r.python}, {r.numpy}" if r.python != "-" else "-", r.nic, r.ports,
+               [[r.node, r.host, r.ssh, f"{r.interpreter} ({r.python}), numpy {r.numpy}" if r.python != "-" else "-",
+                 r.nic, r.ports,
                  f"{r.root_dir}, {r.disk_free} free" if r.disk_free != "-" else r.root_dir] for r in rows],
-               wrap=("host", "nic", "ports"))
+               wrap=("host", "python, numpy", "nic", "ports"))
     bad = [r for r in rows if not r.ok]
     if bad:
         raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"

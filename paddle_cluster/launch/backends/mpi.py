@@ -96,6 +96,8 @@ class MPIBackend(SSHBackend):
         # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
         agent = dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
                                     "--grace", str(grace), "--keep-going")
+        if len(set(self.pythons)) == 1:  # one command for every rank: the agent too runs what preflight checked
+            agent[0] = self.pythons[0]
         return [shutil.which("mpirun") or "mpirun", "--hostfile", hostfile, "-np", str(len(hosts)),
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
