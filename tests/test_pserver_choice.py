@@ -96,3 +96,20 @@ def test_entry_script_dying_as_pserver_says_how_to_choose_the_builtin_pserver(tm
     assert ("pservers ran train.py as PADDLE_TRAINING_ROLE=PSERVER and it exited before listening; if train.py "
             "is a trainer-only script, run the built-in pserver: run --pserver builtin, or PSERVER_COMMAND = "
             '"{python} -m paddle_cluster.ps" in conf.py') in res.stderr, res.stderr[-3000:]
+
+
+def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
+    from paddle_cluster.launch import entry
+    from paddle_cluster.launch.backends import k8s as k8s_backend
+    from paddle_cluster.launch.config import parse_config
+    from paddle_cluster.launch.plan import JobSpec
+
+    # The cluster's permission answers only (no API server here); what is under test is the pods' commands.
+    monkeypatch.setattr(k8s_backend.Kubectl, "may", lambda self, verb, resource: True)
+    ws = _ws(tmp_path, TRAINER_ONLY)
+    cfg = parse_config({"HOSTS": ["a"], "BACKEND": "k8s", "K8S_IMAGE": "img:1"}, "conf.py")
+    for option, want in ((None, ["python3", "-m", "paddle_cluster.ps"]), ("entry", ["python3", "train.py", "--x"])):
+        settled = entry.settle(cfg, None, str(ws), ["--x"], pserver=option)
+        be = k8s_backend.K8sBackend(cfg, k8s_backend.K8sOptions.from_config(cfg))  # made before settling, as run
+        be.prepare(JobSpec(settled.cfg, "kjob", workspace="/workspace", trainer_args=("--x",)), lambda _s: None)
+        assert list(be.job.pserver_cmd) == want
