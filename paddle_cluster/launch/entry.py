@@ -76,8 +76,8 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
     if ports:
         cfg = dataclasses.replace(cfg, **ports)
         validate(cfg, "the command line")
-    src = _source(cfg, dispatch_dir, workspace)  # read even when not needed: a missing script is an error
-    cfg, note = _choose_pserver(cfg, src, pserver)
+    chosen = pserver is not None or cfg.pserver_command is not None  # else the script's code decides
+    cfg, note = _choose_pserver(cfg, None if chosen else _source(cfg, dispatch_dir, workspace), pserver)
     notes = [note]
     if cfg.pservers_per_node > 1 and cfg.paddle_nic != "lo" and cfg.pserver_runs_entry:
         notes.append(f"PSERVERS_PER_NODE={cfg.pservers_per_node}: {cfg.entry} must name its pserver by "
