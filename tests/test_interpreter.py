@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf
+from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf, write_settings
 
 # A trainer-only script: prints the interpreter it runs as, and trains with the built-in pserver (numpy on both).
 TRAIN_PY = '''
@@ -87,3 +87,18 @@ def test_mpi_runs_the_interpreter_the_login_shell_finds(mpi_env, tmp_path):
     assert_nothing_left(cluster)
     if not has_numpy:
         print("\n/usr/bin/python3 has no numpy here: the run proves mpirun's ranks did not use it")
+
+
+def test_check_backend_slurm_names_the_interpreter_srun_will_run_and_k8s_says_why_not(tmp_path):
+    bindir = tmp_path / "modules" / "bin"  # what `module load python` would put first on PATH
+    bindir.mkdir(parents=True)
+    (bindir / "python3").symlink_to(os.path.realpath(sys.executable))
+    conf = write_settings(tmp_path / "conf.py", {"BACKEND": "slurm", "ROOT_DIR": str(tmp_path / "shared"),
+                                                 "PADDLE_NIC": "eth0"})  # a Slurm conf.py: no HOSTS
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    res = cli(conf, "check", "--json", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr  # this machine's NIC and ports are not the nodes'
+    (row,) = json.loads(res.stdout)
+    assert row["interpreter"] == str(bindir / "python3") and row["numpy"] not in ("-", "MISSING"), row
+    res = cli(conf, "check", "--backend", "k8s")
+    assert res.returncode == 1 and "check --backend k8s: pods run the image's python3" in res.stderr, res.stderr
