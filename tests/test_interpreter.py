@@ -78,9 +78,14 @@ def test_mpi_runs_the_interpreter_the_login_shell_finds(mpi_env, tmp_path):
                 assert f"[trainer.{i}@node{i}] TRAINED {i}" in res.stdout
                 server_log = (cluster.root_dir(i) / "rcpy" / "log" / "server.log").read_text()
                 assert "PSERVER_READY" in server_log, server_log[-2000:]
-            for i in range(3):
-                recs = json.loads((cluster.root_dir(i) / "rcpy" / ".paddle_cluster" / "procs.json").read_text())
-                assert all(r["cmd"].startswith(f"{python} ") for r in recs["procs"]), recs["procs"]
+            # the ssh backend runs the same absolute path (the same plan: one rule for every backend)
+            res = cli(conf, "run", "--backend", "ssh", "--job_dispatch_package", str(ws), "--job_name", "rcssh")
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            assert f"[trainer.2@node2] INTERPRETER {python}" in res.stdout
+            for job in ("rcpy", "rcssh"):
+                for i in range(3):
+                    recs = json.loads((cluster.root_dir(i) / job / ".paddle_cluster" / "procs.json").read_text())
+                    assert all(r["cmd"].startswith(f"{python} ") for r in recs["procs"]), recs["procs"]
     finally:
         for i in range(cluster.n):
             cluster.kill_all(i)
