@@ -196,11 +196,13 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
-    elif cfg.is_builtin_default:
+    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
+    for note in settled.notes[:1]:  # the first line: which pserver runs, and how to choose the other
+        _say(note)
+    if cfg.is_builtin_default and cfg.backend != "k8s":
         _say(f"no conf.py or cluster.yaml found: using the built-in local cluster ({cfg.pservers_per_node} "
              f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir})")
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
-    for note in settled.notes:
+    for note in settled.notes[1:]:
         _say(note)
     spec = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace, tuple(trainer_args),
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,

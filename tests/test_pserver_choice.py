@@ -5,9 +5,17 @@ listening while running the entry script says how to choose the built-in pserver
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-from helpers import cli, local_conf, no_traceback
+import pytest
+from helpers import checkout_env, cli, local_conf, no_traceback, ports_free
+
+from paddle_cluster.launch import entry
+from paddle_cluster.launch.backends import k8s as k8s_backend
+from paddle_cluster.launch.config import parse_config
+from paddle_cluster.launch.plan import JobSpec
 
 # A trainer-only script, as a user writes it: it checks that it runs as a trainer and trains with the runtime.
 TRAINER_ONLY = '''
@@ -99,11 +107,6 @@ def test_entry_script_dying_as_pserver_says_how_to_choose_the_builtin_pserver(tm
 
 
 def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
-    from paddle_cluster.launch import entry
-    from paddle_cluster.launch.backends import k8s as k8s_backend
-    from paddle_cluster.launch.config import parse_config
-    from paddle_cluster.launch.plan import JobSpec
-
     # The cluster's permission answers only (no API server here); what is under test is the pods' commands.
     monkeypatch.setattr(k8s_backend.Kubectl, "may", lambda self, verb, resource: True)
     ws = _ws(tmp_path, TRAINER_ONLY)
@@ -113,3 +116,18 @@ def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
         be = k8s_backend.K8sBackend(cfg, k8s_backend.K8sOptions.from_config(cfg))  # made before settling, as run
         be.prepare(JobSpec(settled.cfg, "kjob", workspace="/workspace", trainer_args=("--x",)), lambda _s: None)
         assert list(be.job.pserver_cmd) == want
+
+
+def test_the_first_line_names_the_pserver_on_the_builtin_local_cluster_too(tmp_path):
+    if not ports_free(range(7164, 7166), "127.0.0.1") or not ports_free(range(7164, 7166), "127.0.0.2"):
+        pytest.skip("the built-in local cluster's ports 7164-7165 are in use (another job)")
+    ws = _ws(tmp_path, TRAINER_ONLY)
+    env = checkout_env(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    env.pop("PADDLE_CLUSTER_CONF", None)
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--job_dispatch_package", str(ws),
+                          "--job_name", "demo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("paddle-cluster: pservers run the built-in pserver"), lines[:3]
+    assert lines[1].startswith("paddle-cluster: no conf.py or cluster.yaml found"), lines[:3]
