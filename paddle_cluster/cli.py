@@ -15,7 +15,7 @@ import click
 from .contract import ContractError, check_job_name
 from .launch import cmdline, journal, k8s, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
-from .launch.entry import settle
+from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job
@@ -197,7 +197,11 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 )
 @_k8s_pods
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
-              "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
+              "(default: ENTRY of the config, train.py).")
+@click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin (python "
+              "-m paddle_cluster.ps) or entry (the entry script, as PADDLE_TRAINING_ROLE=PSERVER). Default: "
+              "PSERVER_COMMAND of the config when set, else the entry script when it handles the PSERVER role "
+              "(compares it with \"PSERVER\"), else builtin.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @_SCRIPT_ARGS
@@ -206,8 +210,8 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...],
-        **resources) -> JobResult:
+        detach: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
+        trainer_args: Tuple[str, ...], **resources) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -231,10 +235,12 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
-    elif cfg.is_builtin_default:
+    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
+    for note in settled.notes[:1]:  # the first line: which pserver runs, and how to choose the other
+        _say(note)
+    if cfg.is_builtin_default and cfg.backend != "k8s":
         _say(origin_line(cfg))
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script)
-    for note in settled.notes:
+    for note in settled.notes[1:]:
         _say(note)
     spec = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace, tuple(trainer_args),
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
@@ -347,18 +353,24 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--backend", type=click.Choice(BACKENDS), help="The backend to check for (default: BACKEND of the "
+              "config, ssh); slurm checks this machine, whose environment srun gives the nodes.")
 @_handled
-def check(ctx: click.Context, as_json: bool) -> None:
-    """Preflight every host: SSH without prompts, Python+numpy, NIC, ports, ROOT_DIR, disk."""
+def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
+    """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
+    shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk."""
     cfg = _config(ctx)
+    if backend:
+        cfg = dataclasses.replace(cfg, backend=backend)
     rows = ops.check_cluster(cfg)
     if as_json:
         _out(ops.as_json(rows))
     else:
         _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
-               [[r.node, r.host, r.ssh, f"{r.python}, {r.numpy}" if r.python != "-" else "-", r.nic, r.ports,
+               [[r.node, r.host, r.ssh, f"{r.interpreter} ({r.python}), numpy {r.numpy}" if r.python != "-" else "-",
+                 r.nic, r.ports,
                  f"{r.root_dir}, {r.disk_free} free" if r.disk_free != "-" else r.root_dir] for r in rows],
-               wrap=("host", "nic", "ports"))
+               wrap=("host", "python, numpy", "nic", "ports"))
     bad = [r for r in rows if not r.ok]
     if bad:
         raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"

@@ -141,8 +141,11 @@ def checkout_env(base=None, **over: str) -> dict:
     return env
 
 
+OMIT = object()  # a write_conf / local_conf value: leave the key out (the README's conf.py has no such key)
+
+
 def write_settings(path: Path, settings: dict) -> Path:
-    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    path.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items() if v is not OMIT))
     return path
 
 

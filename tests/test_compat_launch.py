@@ -51,11 +51,18 @@ def test_init_options_reach_every_process_environment():
 
 
 # -- entry script --------------------------------------------------------------------------------------
-def test_reads_role_is_a_static_check_of_the_code_not_the_docstring():
-    assert entry.reads_role('import os\nrole = os.getenv("PADDLE_TRAINING_ROLE")\n')
-    assert entry.reads_role('import os\nrole = os.environ["PADDLE_TRAINING_ROLE"]\n')
-    assert not entry.reads_role('"""Run me; I ignore PADDLE_TRAINING_ROLE."""\nprint(1)\n')
-    assert entry.reads_role('if x\n  PADDLE_TRAINING_ROLE')  # does not parse: read as text
+TRAINER_ONLY = 'import os\nassert os.environ["PADDLE_TRAINING_ROLE"] == "TRAINER"\n'
+
+
+def test_handles_pserver_is_a_static_check_of_the_code_for_the_pserver_role():
+    assert entry.handles_pserver('import os\nif os.getenv("PADDLE_TRAINING_ROLE") == "PSERVER":\n  serve()\n')
+    assert entry.handles_pserver('from paddle_cluster import contract\nif env.role == contract.PSERVER: pass\n')
+    # reads the role, but only to check it is a trainer (issue 24): not a pserver
+    assert not entry.handles_pserver(TRAINER_ONLY)
+    assert not entry.handles_pserver('raise AssertionError("PADDLE_TRAINING_ROLE should be one of [TRAINER, '
+                                     'PSERVER]")\n')
+    assert not entry.handles_pserver('"""Run me as PSERVER or TRAINER."""\nprint(1)\n')
+    assert entry.handles_pserver('if x\n  role == "PSERVER"')  # does not parse: read as text
 
 
 def _ws(tmp_path, name, text):
@@ -63,27 +70,53 @@ def _ws(tmp_path, name, text):
     return str(tmp_path)
 
 
-def test_settle_runs_a_role_reading_entry_in_both_roles(tmp_path):
-    ws = _ws(tmp_path, "dist_train.py", 'import os\nos.getenv("PADDLE_TRAINING_ROLE")\n')
+def test_settle_runs_a_role_handling_entry_in_both_roles(tmp_path):
+    ws = _ws(tmp_path, "dist_train.py", 'import os\nif os.getenv("PADDLE_TRAINING_ROLE") == "PSERVER": pass\n')
     cfg = builtin_default()
     got = entry.settle(cfg.__class__(**{**cfg.__dict__, "entry": "dist_train.py"}), ws, None,
                        ["--trainer_count=2", "--ports_num", "3"])
     assert got.cfg.commands("py") == ("py dist_train.py", "py dist_train.py")
     assert got.cfg.paddle_ports_num == 3 and got.init == {"trainer_count": "2"}
-    assert any("dist_train.py reads PADDLE_TRAINING_ROLE: pservers run it too" in n for n in got.notes)
+    # the first line says what was chosen, why, and how to choose the other
+    assert got.notes[0].startswith("pservers run dist_train.py as PADDLE_TRAINING_ROLE=PSERVER")
+    assert "run --pserver builtin" in got.notes[0]
 
 
-def test_settle_keeps_the_builtin_pserver_and_an_explicit_pserver_command(tmp_path):
-    ws = _ws(tmp_path, "train.py", "print('no roles here')\n")
+def test_settle_a_trainer_only_script_gets_the_builtin_pserver(tmp_path):
+    ws = _ws(tmp_path, "train.py", TRAINER_ONLY)
     got = entry.settle(builtin_default(), ws, None, [])
     assert got.cfg.commands("py")[0] == "py -m paddle_cluster.ps"
-    assert any("does not read PADDLE_TRAINING_ROLE" in n for n in got.notes)
-    cfg = parse_config({"HOSTS": ["localhost"], "PSERVER_COMMAND": "{python} ps.py"}, "conf.py")
+    assert got.notes[0].startswith("pservers run the built-in pserver")
+    assert "train.py does not handle PADDLE_TRAINING_ROLE=PSERVER" in got.notes[0]
+    assert "run --pserver entry" in got.notes[0]
+
+
+def test_an_explicit_pserver_command_is_honoured_even_when_it_is_the_default(tmp_path):
+    ws = _ws(tmp_path, "train.py", 'import os\nif os.getenv("PADDLE_TRAINING_ROLE") == "PSERVER": pass\n')
+    # issue 24: docs/migrating.md's advice, which the launcher ignored because it equals the default
+    cfg = parse_config({"HOSTS": ["localhost"], "PSERVER_COMMAND": "{python} -m paddle_cluster.ps"}, "conf.py")
     got = entry.settle(cfg, ws, None, [])
-    assert got.cfg.commands("py")[0] == "py ps.py" and "PSERVER_COMMAND" in got.notes[0]
+    assert got.cfg.commands("py")[0] == "py -m paddle_cluster.ps"
+    assert "PSERVER_COMMAND" in got.notes[0] and "conf.py" in got.notes[0]
+    cfg = parse_config({"HOSTS": ["localhost"], "PSERVER_COMMAND": "{python} ps.py"}, "conf.py")
+    assert entry.settle(cfg, ws, None, []).cfg.commands("py")[0] == "py ps.py"
+
+
+def test_run_pserver_option_chooses_either_way_over_the_config(tmp_path):
+    ws = _ws(tmp_path, "train.py", TRAINER_ONLY)
+    cfg = parse_config({"HOSTS": ["localhost"], "PSERVER_COMMAND": "{python} ps.py"}, "conf.py")
+    got = entry.settle(cfg, ws, None, ["--x"], pserver="entry")
+    assert got.cfg.commands("py")[0] == "py train.py" and "--pserver entry" in got.notes[0]
+    plan = build_plan(JobSpec(got.cfg, "j", dispatch_dir=ws, trainer_args=("--x",)), ["127.0.0.1"], "j", "s" * 64)
+    assert plan.nodes[0].pservers[0].cmd.endswith("train.py --x")  # the script's arguments reach it as pserver
+    got = entry.settle(builtin_default(), _ws(tmp_path, "train.py", 'r = "PSERVER"\n'), None, [], pserver="builtin")
+    assert got.cfg.commands("py")[0] == "py -m paddle_cluster.ps" and "--pserver builtin" in got.notes[0]
+
+
+def test_settle_names_the_choice_for_a_script_only_on_the_nodes(tmp_path):
     # --job_workspace whose script is only on the nodes: the built-in pserver, and how to choose otherwise
     got = entry.settle(builtin_default(), None, str(tmp_path / "elsewhere"), [])
-    assert "PSERVER_COMMAND" in got.notes[0] and got.cfg.commands("py")[0] == "py -m paddle_cluster.ps"
+    assert "run --pserver entry" in got.notes[0] and got.cfg.commands("py")[0] == "py -m paddle_cluster.ps"
 
 
 def test_settle_refuses_a_missing_entry_and_bad_port_options(tmp_path):

@@ -83,7 +83,9 @@ class ClusterConfig:
     pservers_per_node: int = 1
     trainers_per_node: int = 1
     python: str = "python3"
-    pserver_command: str = "{python} -m paddle_cluster.ps"
+    # None: chosen by the entry script (launch/entry.py: it runs as pserver when it handles that role); any
+    # value set is used as it is, the built-in pserver's own command included.
+    pserver_command: Optional[str] = None
     trainer_command: str = "{python} {entry}"
     entry: str = "train.py"
     env: Dict[str, str] = field(default_factory=dict)
@@ -142,7 +144,12 @@ class ClusterConfig:
         """PSERVER_COMMAND and TRAINER_COMMAND with ``{python}`` (PYTHON) and ``{entry}`` (ENTRY) filled in, each
         shell-quoted: a path with a space stays one word."""
         values = {"python": shlex.quote(python or self.python), "entry": shlex.quote(self.entry)}
-        return self.pserver_command.format(**values), self.trainer_command.format(**values)
+        return (self.pserver_command or BUILTIN_PSERVER).format(**values), self.trainer_command.format(**values)
+
+    @property
+    def pserver_runs_entry(self) -> bool:
+        """Whether pservers run the entry script (so its arguments reach them too)."""
+        return "{entry}" in (self.pserver_command or "")
 
     def node_ports(self) -> Tuple[int, ...]:
         return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
@@ -158,6 +165,8 @@ class ClusterConfig:
 
 
 BUILTIN_SOURCE = "<built-in local default>"
+BUILTIN_PSERVER = "{python} -m paddle_cluster.ps"  # the runtime's pserver (paddle_cluster/ps)
+ENTRY_PSERVER = "{python} {entry}"  # the entry script, as PADDLE_TRAINING_ROLE=PSERVER
 BACKENDS = ("ssh", "mpi", "slurm", "k8s")
 MPI_IMPLS = ("auto", "openmpi", "mpich")
 _ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
@@ -385,7 +394,7 @@ def validate(cfg: ClusterConfig) -> None:
             raise cfg.error(key, "no such file on this machine; give an existing file or None for the default")
     for key in ("pserver_command", "trainer_command"):
         try:
-            getattr(cfg, key).format(python="python3", entry="train.py")
+            (getattr(cfg, key) or "").format(python="python3", entry="train.py")
         except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
             raise cfg.error(key, f"bad placeholder {e}; only {{python}} and {{entry}} are substituted (write {{{{ "
                             "and }} for literal braces)") from None

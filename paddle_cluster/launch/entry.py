@@ -1,6 +1,11 @@
-"""A job's entry script and options, settled before anything is dispatched: which script trainers run, whether
-pservers run it too (it handles ``PADDLE_TRAINING_ROLE``, as the seeds' scripts do), and the v2 options among
-the arguments (``--trainer_count=4`` -> ``PADDLE_INIT_TRAINER_COUNT``; ``--ports_num`` changes the ports)."""
+"""A job's entry script and options, settled before anything is dispatched: which script trainers run, which
+program pservers run, and the v2 options among the arguments (``--trainer_count=4`` ->
+``PADDLE_INIT_TRAINER_COUNT``; ``--ports_num`` changes the ports).
+
+Which pserver: ``run --pserver builtin|entry`` when given, else ``PSERVER_COMMAND`` when the config sets it (to any
+value, the built-in pserver's own command included), else the entry script when it handles the PSERVER role
+(its code compares the role with ``"PSERVER"``, as the seeds' scripts do: ``handles_pserver``), else the built-in
+pserver (``python -m paddle_cluster.ps``)."""
 
 from __future__ import annotations
 
@@ -11,11 +16,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import contract
-from .config import ClusterConfig, override
+from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override
 from .errors import ConfigError
 
 ROLE_VAR = "PADDLE_TRAINING_ROLE"
-DEFAULT_PSERVER = ClusterConfig(hosts=()).pserver_command
+PSERVER_CHOICES = {"builtin": BUILTIN_PSERVER, "entry": ENTRY_PSERVER}  # run --pserver
 _PORT_KEYS = {"port": "paddle_port", "ports_num": "paddle_ports_num",
               "ports_num_for_sparse": "paddle_ports_num_for_sparse"}
 
@@ -29,14 +34,18 @@ class EntryPlan:
     notes: Tuple[str, ...]
 
 
-def reads_role(source: str) -> bool:
-    """Whether a script's code names ``PADDLE_TRAINING_ROLE`` (a string constant of exactly that text, so a
-    docstring mentioning it does not count); a script that does not parse is read as text."""
+def handles_pserver(source: str) -> bool:
+    """Whether a script's code handles the PSERVER role: it names ``"PSERVER"`` (a string constant of exactly that
+    text, as in ``role == "PSERVER"``) or a name ``PSERVER`` (``contract.PSERVER``). Docstrings, comments and
+    messages such as "one of [TRAINER, PSERVER]" do not count; a script that only checks it is a TRAINER does not
+    either. A script that does not parse is read as text."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return ROLE_VAR in source
-    return any(isinstance(n, ast.Constant) and n.value == ROLE_VAR for n in ast.walk(tree))
+        return '"PSERVER"' in source or "'PSERVER'" in source
+    return any((isinstance(n, ast.Constant) and n.value == contract.PSERVER)
+               or (isinstance(n, ast.Name) and n.id == contract.PSERVER)
+               or (isinstance(n, ast.Attribute) and n.attr == contract.PSERVER) for n in ast.walk(tree))
 
 
 def check_workspace(dispatch_dir: Optional[str]) -> None:
@@ -66,9 +75,9 @@ def _source(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional
 
 
 def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[str], args: Sequence[str],
-           entry: Optional[str] = None) -> EntryPlan:
-    """The config a job runs with: ``entry`` (``run --entry``) for ENTRY, the v2 port options applied, and
-    PSERVER_COMMAND running the entry script when it handles both roles and was left at its default."""
+           entry: Optional[str] = None, pserver: Optional[str] = None) -> EntryPlan:
+    """The config a job runs with: ``entry`` (``run --entry``) for ENTRY, the v2 port options applied, and the
+    pserver chosen (``pserver``: ``run --pserver``, a key of ``PSERVER_CHOICES``; see the module's rule)."""
     check_workspace(dispatch_dir)
     if entry is not None:
         cfg = override(cfg, {"entry": ("--entry", entry)})
@@ -79,21 +88,10 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
     ports = {_PORT_KEYS[k]: (f"--{k}", int(v)) for k, v in opts.items() if k in _PORT_KEYS}
     if ports:
         cfg = override(cfg, ports)
-    notes = []
-    if cfg.pserver_command != DEFAULT_PSERVER:
-        notes.append(f"pservers run PSERVER_COMMAND = {cfg.pserver_command!r} (from {cfg.source})")
-    else:
-        src = _source(cfg, dispatch_dir, workspace)
-        if src is not None and reads_role(src):
-            cfg = dataclasses.replace(cfg, pserver_command="{python} {entry}")
-            notes.append(f"{cfg.entry} reads {ROLE_VAR}: pservers run it too (PSERVER role), trainers as TRAINER")
-        elif src is not None:
-            notes.append(f"{cfg.entry} does not read {ROLE_VAR}: pservers run the built-in pserver "
-                         "(python -m paddle_cluster.ps)")
-        else:
-            notes.append(f"{cfg.entry} is not on this machine, so pservers run the built-in pserver; to run the "
-                         f"script in both roles set PSERVER_COMMAND = \"{{python}} {cfg.entry}\"")
-    if cfg.pservers_per_node > 1 and cfg.paddle_nic != "lo" and "{entry}" in cfg.pserver_command:
+    chosen = pserver is not None or cfg.pserver_command is not None  # else the script's code decides
+    cfg, note = _choose_pserver(cfg, None if chosen else _source(cfg, dispatch_dir, workspace), pserver)
+    notes = [note]
+    if cfg.pservers_per_node > 1 and cfg.paddle_nic != "lo" and cfg.pserver_runs_entry:
         notes.append(f"PSERVERS_PER_NODE={cfg.pservers_per_node}: {cfg.entry} must name its pserver by "
                      "PADDLE_CURRENT_ENDPOINT; PADDLE_PSERVER_IPS x PADDLE_PSERVER_PORT names one per host")
     if opts:
@@ -101,3 +99,27 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
                      f"process; the arguments reach every process that runs {cfg.entry})")
     init = {k: v for k, v in opts.items() if k not in _PORT_KEYS}
     return EntryPlan(cfg, init, tuple(notes))
+
+
+def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str]) -> Tuple[ClusterConfig, str]:
+    """The config with PSERVER_COMMAND settled, and the line saying what pservers run, why, and how to change it."""
+    e = cfg.entry
+    to_builtin = f'run --pserver builtin, or PSERVER_COMMAND = "{BUILTIN_PSERVER}" in conf.py'
+    to_entry = f'run --pserver entry, or PSERVER_COMMAND = "{ENTRY_PSERVER}" in conf.py'
+    if option is not None:
+        cfg = dataclasses.replace(cfg, pserver_command=PSERVER_CHOICES[option])
+        what = f"{e} as {ROLE_VAR}=PSERVER" if option == "entry" else \
+            "the built-in pserver (python -m paddle_cluster.ps)"
+        return cfg, f"pservers run {what}: run --pserver {option}"
+    if cfg.pserver_command is not None:
+        return cfg, (f"pservers run PSERVER_COMMAND = {cfg.pserver_command!r} (set in {cfg.source}); "
+                     "run --pserver builtin|entry overrides it")
+    if src is not None and handles_pserver(src):
+        return (dataclasses.replace(cfg, pserver_command=ENTRY_PSERVER),
+                f"pservers run {e} as {ROLE_VAR}=PSERVER (it handles that role; trainers run it as TRAINER); "
+                f"for the built-in pserver instead: {to_builtin}")
+    why = (f"{e} does not handle {ROLE_VAR}=PSERVER" if src is not None
+           else f"{e} is only on the nodes (--job_workspace), so it was not read")
+    return (dataclasses.replace(cfg, pserver_command=BUILTIN_PSERVER),
+            f"pservers run the built-in pserver (python -m paddle_cluster.ps): {why}; to run {e} as the pserver "
+            f"too: {to_entry}")

@@ -170,6 +170,8 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
                  workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env))
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
+    if cfg.pserver_runs_entry:  # the arguments reach every process running the entry script, as over SSH
+        pserver_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
                   trainer_cmd, pserver_requests, trainer_requests, cfg.start_timeout, cfg.kill_grace)
 

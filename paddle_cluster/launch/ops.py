@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from . import dispatch, machines, preflight
-from .config import ClusterConfig
+from .config import ClusterConfig, HostSpec
 from .errors import ClusterError, HostError
 from .fanout import fanout
 from .hosts import Node, make_nodes
@@ -113,8 +113,9 @@ def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) 
         probe = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--root", cfg.root_dir,
                                     what="probing the node")
         addr = probe.get("address") or "?"
-        return [ProcRow(n.name, n.spec.text, addr, p["name"], p["role"], p["pid"], p["state"], p.get("progress", ""),
-                        p["last_line"]) for p in doc["procs"]]
+        # each process's own address as its agent recorded it (a local pserver's loopback one), else the node's
+        return [ProcRow(n.name, n.spec.text, p.get("address") or addr, p["name"], p["role"], p["pid"], p["state"],
+                        p.get("progress", ""), p["last_line"]) for p in doc["procs"]]
     try:
         rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
     finally:
@@ -187,10 +188,19 @@ class CheckRow:
     root_dir: str
     disk_free: str
     problem: str = ""
+    interpreter: str = "-"  # the absolute path every process there runs (PYTHON as the login shell resolves it)
 
 
 def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
-    """Preflight every host in parallel; never prompts, never hangs past the connect timeout."""
+    """Preflight every host in parallel; never prompts, never hangs past the connect timeout. With BACKEND slurm
+    the nodes are not known before the allocation: this machine is checked (srun runs the nodes with its
+    environment, on the shared ROOT_DIR), for the interpreter and ROOT_DIR only."""
+    slurm = cfg.backend == "slurm"
+    if slurm:
+        cfg = dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),))
+    elif cfg.backend == "k8s":
+        raise ClusterError("check --backend k8s: pods run the image's python3 (K8S_IMAGE), which no host here "
+                           "can probe; try the image with: docker run IMAGE python3 -c 'import numpy'")
     nodes = make_nodes(cfg)
     ports = ",".join(map(str, cfg.node_ports()))
 
@@ -203,6 +213,8 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
                                   "--root", cfg.root_dir, what="probing")
         probes[n.index] = doc
         problems = preflight.probe_problems(cfg, doc)
+        if slurm:  # this machine's NIC and ports are not the nodes'
+            problems = [p for p in problems if not p.startswith(("PADDLE_NIC", "port("))]
         root = doc["root"]
         free = root.get("free_bytes")
         if free is not None and free < 1 << 30:
@@ -214,7 +226,8 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
             f"{cfg.paddle_nic}={doc['address'] or 'MISSING'}",
             "taken: " + ",".join(map(str, doc["ports_taken"])) if doc["ports_taken"] else "free",
             "writable" if root.get("writable") else "NOT WRITABLE",
-            f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems))
+            f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems),
+            doc.get("python_path") or cfg.python)
 
     probes: Dict[int, dict] = {}
     with dispatch.library_archive() as lib:

@@ -81,6 +81,7 @@ class JobPlan:
     env: JobEnv
     addresses: Tuple[str, ...]
     nodes: Tuple[NodePlan, ...]
+    pythons: Tuple[str, ...] = ()  # node i's interpreter, an absolute path (preflight's); "" or none: PYTHON
 
     @property
     def name(self) -> str:
@@ -100,11 +101,13 @@ class JobPlan:
         env = dataclasses.replace(self.env, resume="" if step is None else str(step),
                                   checkpoint_dir=self.spec.checkpoint_root if step is not None
                                   else self.env.checkpoint_dir)
-        return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.addresses))
+        return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.addresses, self.pythons))
 
 
-def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str) -> JobPlan:
-    """The plan for ``spec`` on nodes with these addresses (node ``i`` is ``HOSTS[i]``)."""
+def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str,
+               pythons: Sequence[str] = ()) -> JobPlan:
+    """The plan for ``spec`` on nodes with these addresses (node ``i`` is ``HOSTS[i]``); ``pythons``: each node's
+    interpreter as its preflight resolved it (an absolute path), which ``{python}`` of its commands becomes."""
     cfg = spec.cfg
     env = JobEnv(job_id=job_id, pservers=pserver_endpoints(cfg, addresses),
                  trainers=len(addresses) * cfg.trainers_per_node,
@@ -112,7 +115,7 @@ def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str
                  job_dir=spec.job_dir, workspace=spec.workspace or spec.job_dir, barrier_timeout=cfg.barrier_timeout,
                  resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, init=dict(spec.init),
                  extra=dict(cfg.env), integrity=cfg.integrity)
-    return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses))
+    return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses, pythons), tuple(pythons))
 
 
 def pserver_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[Endpoint, ...]:
@@ -135,33 +138,38 @@ def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
     return ip if isinstance(ip, ipaddress.IPv4Address) and ip.is_loopback else None
 
 
-def mint_plan(spec: JobSpec, addresses: Sequence[str]) -> JobPlan:
+def mint_plan(spec: JobSpec, addresses: Sequence[str], pythons: Sequence[str] = ()) -> JobPlan:
     """``build_plan`` with a fresh job id and secret: once per job (restarts keep them)."""
-    return build_plan(spec, addresses, f"{spec.name}-{secrets.token_hex(4)}", secrets.token_hex(32))
+    return build_plan(spec, addresses, f"{spec.name}-{secrets.token_hex(4)}", secrets.token_hex(32), pythons)
 
 
-def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str]) -> Tuple[NodePlan, ...]:
+def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str],
+                pythons: Sequence[str] = ()) -> Tuple[NodePlan, ...]:
     cfg = spec.cfg
     common = env.to_environ()
     # The arguments after the workspace reach every process running the entry script, pservers too when they
     # run it (as paddle.py passed them to every process); the built-in pserver takes none.
     args = " " + shlex.join(spec.trainer_args) if spec.trainer_args else ""
-    pserver_cmd, trainer_cmd = cfg.commands()
-    pserver_cmd, trainer_cmd = pserver_cmd + (args if "{entry}" in cfg.pserver_command else ""), trainer_cmd + args
     endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
 
-    def proc(role: str, index: int, per_node: int, addr: str) -> ProcPlan:
+    def commands(node: int) -> Tuple[str, str]:
+        # The absolute interpreter preflight checked there: a PATH lookup of "python3" differs under mpirun,
+        # which puts its own prefix's bin first (docs/backends.md).
+        pserver_cmd, trainer_cmd = cfg.commands(pythons[node] if node < len(pythons) else None)
+        return pserver_cmd + (args if cfg.pserver_runs_entry else ""), trainer_cmd + args
+
+    def proc(role: str, index: int, per_node: int, addr: str, node: int) -> ProcPlan:
         kind, log = ("pserver", "server") if role == PSERVER else ("trainer", "train")
-        cmd = pserver_cmd if role == PSERVER else trainer_cmd
+        cmd = commands(node)[0 if role == PSERVER else 1]
         full = env.for_process(role, index, env.pservers[index].host if role == PSERVER else addr).to_environ()
         return ProcPlan(f"{kind}.{index}", role, index, cmd, f"{log}.log" if per_node == 1 else f"{log}.{index}.log",
                         {k: v for k, v in full.items() if common.get(k) != v})
 
     nodes = []
     for i, addr in enumerate(addresses):
-        procs = [proc(PSERVER, i * cfg.pservers_per_node + k, cfg.pservers_per_node, addr)
+        procs = [proc(PSERVER, i * cfg.pservers_per_node + k, cfg.pservers_per_node, addr, i)
                  for k in range(cfg.pservers_per_node)]
-        procs += [proc(TRAINER, i * cfg.trainers_per_node + j, cfg.trainers_per_node, addr)
+        procs += [proc(TRAINER, i * cfg.trainers_per_node + j, cfg.trainers_per_node, addr, i)
                   for j in range(cfg.trainers_per_node)]
         nodes.append(NodePlan(i, addr, spec.job_dir, spec.cwd, common, tuple(procs), endpoints, cfg.start_timeout,
                               cfg.ld_library_path, spec.workspace or ""))

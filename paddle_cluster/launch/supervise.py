@@ -15,6 +15,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from .backends.base import Backend, Event, NodeLost
+from .config import BUILTIN_PSERVER
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
 from .plan import JobPlan
 
@@ -96,6 +97,9 @@ class Attempt:
         self.ready: Dict[int, str] = {}  # node -> "" (ready) or why not
         self.abandoned: List[str] = []  # trainers that died under --elastic
         self.stopping = False  # a stop confirmation is then expected, not a failure
+        # Trainers' lines that arrive before the launcher has said every pserver listens (another node's word
+        # that its pservers listen can come after a ready node's trainers spoke): shown right after it says so.
+        self.held: Optional[List[str]] = []
 
     def role(self, role: str) -> List[ProcState]:
         return [p for p in self.procs.values() if p.plan.role == role]
@@ -107,7 +111,11 @@ class Attempt:
                 p.tail.append(ev.line)
                 if p.plan.role == PSERVER and not self.plan.spec.verbose and RUNTIME_CHATTER.match(ev.line):
                     return
-            self.out(f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}")
+            line = f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}"
+            if self.held is not None and p is not None and p.plan.role == TRAINER:
+                self.held.append(line)
+                return
+            self.out(line)
         elif isinstance(ev, m.Started):
             self.procs[ev.proc].pid = ev.pid
         elif isinstance(ev, m.Exited):
@@ -210,14 +218,24 @@ class Attempt:
                 if p.node in bad and p.tail:
                     lines.append(self.failure_report(p, "") if p.finished else f"{p.plan.name} output:\n" +
                                  "\n".join("  | " + t for t in p.tail))
+            cfg = self.plan.spec.cfg
+            if cfg.pserver_runs_entry and any(p.finished for p in self.role(PSERVER) if p.node in bad):
+                lines.append(f"pservers ran {cfg.entry} as PADDLE_TRAINING_ROLE=PSERVER and it exited before "
+                             f"listening; if {cfg.entry} is a trainer-only script, run the built-in pserver: "
+                             f'run --pserver builtin, or PSERVER_COMMAND = "{BUILTIN_PSERVER}" in conf.py')
             raise JobFailed("\n".join(lines))
 
     def run(self, failed_at: Optional[float]) -> None:
         """Start the plan and watch it until every trainer has finished; raises ``JobFailed`` on failure."""
         self.backend.start(self.plan)
-        self.wait_ready()
-        self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
-                 "trainer(s)")
+        try:
+            self.wait_ready()
+            self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
+                     "trainer(s)")
+        finally:
+            held, self.held = self.held or [], None
+            for line in held:
+                self.out(line)
         if failed_at is not None:
             self.say(f"job running again {time.monotonic() - failed_at:.1f} s after the failure")
         try:

@@ -104,6 +104,7 @@ def status(job_dir: str) -> Dict[str, Any]:
         return {"found": False, "procs": []}
     return {"found": True, "procs": [
         {"name": p["name"], "role": p["role"], "pid": p["pid"], "state": _state_of(p, state["job_id"]),
+         "address": p.get("address"),
          "last_line": last_line(p["log"]), "progress": progress(job_dir, p["name"])} for p in state["procs"]]}
 
 

@@ -241,6 +241,7 @@ class Supervisor:
         env = dict(os.environ)
         env.update(self.plan.environ)
         env.update(p.env)
+        env["PWD"] = self.plan.cwd  # the agent's own PWD is the login directory; the process starts in cwd
         env["PYTHONPATH"] = os.pathsep.join(x for x in (self.lib_dir, env.get("PYTHONPATH", "")) if x)
         if self.plan.ld_library_path:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(
@@ -253,8 +254,9 @@ class Supervisor:
             log_path = os.path.join(self.plan.job_dir, "log", p.log)
             layout.info_link(os.path.dirname(log_path), p.log)
             with self.spawn_lock:
+                env = self._environ(p)
                 try:
-                    proc = procs.spawn(p.cmd, self.plan.cwd, self._environ(p))
+                    proc = procs.spawn(p.cmd, self.plan.cwd, env)
                 except OSError as e:
                     self.emit(m.Exited, proc=p.name, code=127, signal=None,
                               error=f"cannot start {p.cmd!r} in {self.plan.cwd}: {e.strerror or e}")
@@ -262,7 +264,9 @@ class Supervisor:
                 self.popens[p.name] = proc
                 rec = {"name": p.name, "role": p.role, "pid": proc.pid, "pgid": proc.pid,
                        "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p.cmd, "exit_code": None,
-                       "signal": None, "started_at": time.time()}
+                       "signal": None, "started_at": time.time(),
+                       # where it is reached: a pserver's own address (each local one has its own loopback)
+                       "address": env.get("PADDLE_CURRENT_IP") or self.plan.address}
                 self.records.add(rec)
             t = threading.Thread(target=self._pump, args=(p.name, proc, log_path, rec), daemon=True)
             t.start()

@@ -38,6 +38,7 @@ class Backend(ABC):
 
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
+    pythons: List[str] = []  # node i's interpreter as ``prepare`` resolved it (absolute), for every process there
 
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
@@ -46,7 +47,7 @@ class Backend(ABC):
     def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
         """The job's plan on the prepared nodes, with a fresh id and secret. A backend whose nodes are not
         the hosts of HOSTS (Kubernetes: one per pod) makes its own."""
-        return mint_plan(spec, addresses)
+        return mint_plan(spec, addresses, self.pythons)
 
     def remember(self) -> Dict[str, str]:
         """What ``kill``, ``status`` and ``logs`` need besides the config to find this job again."""

@@ -176,7 +176,8 @@ class K8sBackend(Backend):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts
-        self.job = job = opts.build(self.cfg, spec.name, spec.workspace, spec.trainer_args)
+        # spec.cfg: the settled config (launch/entry.py chose the pserver), not the one the backend was made with
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args)
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
             if not self.kubectl.may(verb, resource):

@@ -156,8 +156,11 @@ class MPIBackend(SSHBackend):
         # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
         shield = ("--own-session",) if self.impl == "mpich" else ()
-        return dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
-                                   "--grace", str(grace), "--keep-going", *shield)
+        agent = dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
+                                    "--grace", str(grace), "--keep-going", *shield)
+        if len(set(self.pythons)) == 1:  # one command for every rank: the agent too runs what preflight checked
+            agent[0] = self.pythons[0]
+        return agent
 
     def _hydra_argv(self, hostfile: str, config: str, agent: List[str]) -> List[str]:
         """Hydra's ``mpiexec``: ssh through a wrapper holding the job's ssh config (``-launcher-exec`` takes one

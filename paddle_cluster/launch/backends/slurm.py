@@ -203,9 +203,20 @@ class SlurmBackend(Backend):
         with dispatch.library_archive() as lib:
             dispatch.ensure_package(self.local, lib, "lib")
         self.lib = lib
+        self.pythons = [self.interpreter(lib)] * self.opts.nodes
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
         return [placeholder(i) for i in range(self.opts.nodes)]
+
+    def interpreter(self, lib: dispatch.Package) -> str:
+        """PYTHON resolved to an absolute path on this machine, numpy checked: srun runs the nodes with this
+        machine's environment (--export=ALL) and ROOT_DIR is shared, so every process runs this interpreter."""
+        doc = dispatch.agent_json(self.local, lib, "probe", "--nic", self.cfg.paddle_nic, "--root", self.cfg.root_dir,
+                                  what="probing the interpreter")
+        if doc.get("numpy") is None:
+            raise ClusterError(f"PYTHON = {self.cfg.python!r} ({doc.get('python_path')}) has no numpy; install it "
+                               f"there ({self.cfg.python} -m pip install numpy) or set PYTHON to one that has it")
+        return doc.get("python_path") or self.cfg.python
 
     def remember(self) -> Dict[str, str]:
         return {"backend": "slurm"}  # the Slurm job id is kept in the job directory, known once submitted
@@ -227,10 +238,11 @@ class SlurmBackend(Backend):
             keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
         else:
             keep = ()
-        return dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
+        argv = dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
                                    f"{adir}/plan.jsonl", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
+        return [self.pythons[0], *argv[1:]] if self.pythons else argv
 
     def start(self, plan: JobPlan) -> None:
         assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"

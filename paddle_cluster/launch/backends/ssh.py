@@ -145,6 +145,9 @@ class SSHBackend(Backend):
                     s.close()
         told = chain.lines() if chain is not None else []
         self.networks = [d.get("network") for d in docs]
+        # The interpreter each probe ran as (the login shell's PYTHON, resolved to an absolute path): every process
+        # on that node runs it, whoever starts them (mpirun puts its own prefix first on PATH).
+        self.pythons = [d.get("python_path") or cfg.python for d in docs]
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
         for line in told:
