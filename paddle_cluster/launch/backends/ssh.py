@@ -68,19 +68,27 @@ class SSHBackend(Backend):
         """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
         waits for its ``Start``): see ``launch/session.py``."""
         cfg = self.cfg
-        pkg = None
-        if spec is not None and spec.dispatch_dir:
-            pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir())
-            say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
-        req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
-                      workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
-                      max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
-                      workspace_dir=(spec.workspace or "") if spec else "",
-                      workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
-                      agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
-        lib = self.lib = dispatch.library_package()
-        with open(lib.path, "rb") as f:  # read now: a concurrent launcher may replace the cached file
+        with dispatch.library_archive() as lib, open(lib.path, "rb") as f:
             lib_data = f.read()
+        self.lib = lib
+        # What this preparation holds: the cached workspace archive (no concurrent launch evicts it meanwhile),
+        # the progress bars, where deltas are made.
+        stack = contextlib.ExitStack()
+        pkg = None
+        try:
+            if spec is not None and spec.dispatch_dir:
+                pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir(), hold=stack)
+                say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, "
+                    f"sha256 {pkg.sha256[:12]}")
+            req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
+                          workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
+                          max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
+                          workspace_dir=(spec.workspace or "") if spec else "",
+                          workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
+                          agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
+        except BaseException:
+            stack.close()
+            raise
         sessions: Dict[int, NodeSession] = {}
         sent_to: Dict[int, bool] = {}
         token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
@@ -89,7 +97,6 @@ class SSHBackend(Backend):
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
         probed: List[float] = []  # when each probe came in (time.perf_counter)
-        stack = contextlib.ExitStack()  # the progress bars, and where deltas are made
         chain = None
         if pkg is not None and spec is not None and spec.dispatch_dir:
             chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
