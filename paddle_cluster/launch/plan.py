@@ -55,6 +55,11 @@ class JobSpec:
             return ""
         return r if r.startswith("/") else f"{self.cfg.job_dir(r)}/checkpoints"
 
+    def node_pservers(self, node: int) -> Tuple[int, ...]:
+        """The ids of the pservers node ``node`` runs (node-major, as ``_node_plans`` numbers them)."""
+        per = self.cfg.pservers_per_node
+        return tuple(range(node * per, (node + 1) * per))
+
     @property
     def checkpoint_root(self) -> str:
         """Where this job's pservers read and write checkpoints."""

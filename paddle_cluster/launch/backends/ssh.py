@@ -9,6 +9,7 @@ lost node; a silent launcher makes every agent stop on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import tempfile
 import threading
@@ -18,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
-from .. import dispatch, machines, preflight, relay
+from .. import dispatch, machines, preflight, relay, resume
 from ..config import ClusterConfig
 from ..errors import HostError
 from ..fanout import fanout
@@ -85,7 +86,8 @@ class SSHBackend(Backend):
                           max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
                           workspace_dir=(spec.workspace or "") if spec else "",
                           workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
-                          agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
+                          agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace,
+                          checkpoints=spec.resume_root if spec is not None and spec.resume_from else "")
         except BaseException:
             stack.close()
             raise
@@ -105,7 +107,8 @@ class SSHBackend(Backend):
 
         def open_one(n: Node) -> Optional[dict]:
             try:
-                s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
+                mine = req if not req.checkpoints else dataclasses.replace(req, pservers=spec.node_pservers(n.index))
+                s = sessions[n.index] = NodeSession(n, lib, lib_data, mine)
                 doc = s.open()
                 self._check_probe(n, doc)
                 probed.append(time.perf_counter())
@@ -135,6 +138,9 @@ class SSHBackend(Backend):
             # agrees (no machine twice) and every node has the workspace (``place``).
             docs = fanout(self.nodes, open_one).ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
+            if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
+                self.resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
+                                                             zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
             if pkg is not None:
                 fanout(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()
