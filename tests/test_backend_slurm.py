@@ -234,3 +234,17 @@ def test_node_directories_are_only_node_n_directories(tmp_path):
     (top / "node3").write_text("a file, not a node\n")
     assert [Path(d).name for d in _node_dirs(cfg, "j")] == ["node0", "node2", "node10"]
     assert _node_dirs(cfg, "missing") == []
+
+
+def test_resume_from_without_a_checkpoint_is_refused_before_submitting(slurm, tmp_path):
+    """The shared checkpoint directory is looked at before anything is submitted: none is exit 2 naming it, no
+    job in Slurm (before, the pservers started fresh)."""
+    conf, env, ws = _setup(slurm, tmp_path)
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--resume_from", "nosuchjob")
+    assert res.returncode == 2, res.stdout + res.stderr
+    root = slurm.shared_dir / tmp_path.name
+    assert f"  the shared filesystem: {root}/nosuchjob/checkpoints does not exist" in res.stderr, res.stderr
+    assert "nothing was started (not starting fresh)" in res.stderr
+    no_traceback(res)
+    assert not list(root.glob("JOB*"))  # no job directory made
+    assert slurm.run(["squeue", "-h"], check=False).stdout.strip() == ""
