@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import re
 import subprocess
 import time
@@ -19,6 +20,7 @@ from paddle_cluster.launch import journal
 from paddle_cluster.launch.config import load_config
 from paddle_cluster.launch.dispatch import pack_workspace
 from paddle_cluster.launch.plan import default_job_name
+from paddle_cluster.node import trees
 
 WORKERS = 6
 
@@ -116,6 +118,43 @@ def test_racing_launches_get_distinct_default_names_and_keep_every_outcome(tmp_p
                for n in got)
     assert not [p.name for p in (tmp_path / "state" / "paddle-cluster").iterdir() if p.suffix not in (".json", "")
                 and p.name != ".lock"]
+
+
+def _pinning_session(root: str, sha: str, job: str, ready, go) -> None:
+    """A node session of one launch: it found the tree (pinned), then links the job directory from it."""
+    trees.pin(root, sha)
+    ready.set()
+    go.wait(60)
+    os._exit(0 if trees.materialize(root, sha, job) else 1)
+
+
+def test_a_node_never_prunes_a_tree_a_session_uses(tmp_path):
+    """Node side: while one launch's session holds a cached workspace tree, other launches' sessions store more
+    trees than a node keeps; the held one survives (it was pruned under it before) and is linked from; once
+    released it is pruned like any other."""
+    root = str(tmp_path / "root")
+    pkgs = [pack_workspace(str(_workspace(tmp_path / f"w{i}", f"w{i}")), str(tmp_path / "cache"), keep=100)
+            for i in range(trees.KEEP + 3)]
+    first = pkgs[0]
+    trees.store(root, first.path, first.sha256, first.files + 1)
+    ctx = mp.get_context("fork")
+    ready, go = ctx.Event(), ctx.Event()
+    session = ctx.Process(target=_pinning_session, args=(root, first.sha256, str(tmp_path / "job"), ready, go))
+    session.start()
+    try:
+        assert ready.wait(30)
+        for p in pkgs[1:-1]:  # KEEP + 1 newer trees: the first is the oldest, beyond KEEP
+            trees.store(root, p.path, p.sha256, p.files + 1)
+        assert trees.holds(root, first.sha256)
+    finally:
+        go.set()
+        session.join(60)
+    assert session.exitcode == 0  # its job directory was linked from the tree
+    assert (tmp_path / "job" / "train.py").read_text() == "print('w0')\n"
+    os.utime(trees.tree_dir(root, first.sha256), (1, 1))  # the oldest again (linking marked it used)
+    trees.store(root, pkgs[-1].path, pkgs[-1].sha256, pkgs[-1].files + 1)
+    assert not trees.holds(root, first.sha256)
+    assert len([n for n in os.listdir(os.path.dirname(trees.tree_dir(root, "x"))) if "." not in n]) == trees.KEEP
 
 
 def test_launches_started_together_all_succeed(cluster, tmp_path):

@@ -141,6 +141,7 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
         _sweep(req.root, os.path.dirname(dest))
         if os.path.exists(dest) and os.listdir(dest):
             raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
+        trees.pin(req.root, req.workspace_sha)  # a concurrent launch's session prunes others, never this one
         held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
         if trees.holds(req.root, req.workspace_sha):
             return {"held": True}, None
@@ -150,7 +151,10 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
-    return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": trees.newest(req.root)}, rx
+    base = trees.newest(req.root)
+    if base:
+        trees.pin(req.root, base)  # what the changed files will be linked with (pruned before: sent whole)
+    return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": base}, rx
 
 
 def _sweep(root: str, jobs: str) -> None:
@@ -302,6 +306,7 @@ def main(text: str) -> int:
             if done is None:
                 return 1
             _reply("workspace", workspace=done)
+        trees.unpin()  # the job directory is made: its hard links need the trees no more
     if not req.agent:
         return 0
     sys.stdout.flush()
