@@ -231,7 +231,7 @@ def test_survey_names_each_pservers_missing_or_unfinished_shard(tmp_path):
     """What a node's probe reports for ``run --resume_from`` (launch/resume.py words it)."""
     root = str(tmp_path / "checkpoints")
     assert ckpt.survey(root, [0]) == {"root": "does not exist", "complete": [], "incomplete": []}
-    assert ckpt.survey("/etc/hostname", [0])["root"] == "not a directory"
+    assert ckpt.survey("/etc/hostname", [0])["root"] == "is not a directory"
     for step in (2, 4):
         for k in (0, 1):
             ckpt.save_shard(ckpt.step_dir(root, step), ckpt.ShardState(step, k, 2, "sync", None))

@@ -58,9 +58,10 @@ NOTHING_STARTED = "nothing was started (not starting fresh):"
 
 
 def test_resume_without_a_complete_checkpoint_is_an_error(tmp_path):
-    """``/etc``, a name no job had, a job that never saved, a step missing one pserver's shard and one whose
-    shard has no manifest (a save that did not finish): each is refused before anything starts (exit 2, no job
-    directory made), naming the directory looked in and what is missing there. Before, each started fresh."""
+    """A directory that is no checkpoint root, a file, a name no job had, a job that never saved, a step missing
+    one pserver's shard and one whose shard has no manifest (a save that did not finish): each is refused before
+    anything starts (exit 2, no job directory made), naming the directory looked in and what is missing there.
+    Before, each started fresh."""
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN)
@@ -85,7 +86,12 @@ def test_resume_without_a_complete_checkpoint_is_an_error(tmp_path):
         assert not (root / "again").exists()  # nothing written: the same command works once fixed
         return res
 
-    refused("/etc", "no step-NNNNNNNN directory in /etc: no checkpoint was saved there")
+    # A directory that is no checkpoint root (as /etc, but one a failing run cannot write checkpoints into).
+    other = tmp_path / "etc"
+    other.mkdir()
+    (other / "hostname").write_text("node0\n")
+    refused(str(other), f"no step-NNNNNNNN directory in {other}: no checkpoint was saved there")
+    refused(str(other / "hostname"), f"{other}/hostname is not a directory")
     refused("nosuchjob", f"{root}/nosuchjob/checkpoints does not exist (no job of that name ran its pservers here")
 
     idle = run("--job_name", "idle", "--", "1", "nosave")

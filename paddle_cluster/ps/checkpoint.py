@@ -235,7 +235,7 @@ def survey(root: str, pserver_ids: Sequence[int]) -> Dict[str, Any]:
     newest ``incomplete`` ones: ``[step, {pserver id: why its shard is unusable}]``. CheckpointUnreadable when
     a part of it exists but cannot be read."""
     if not os.path.isdir(root):
-        return {"root": "not a directory" if os.path.exists(root) else "does not exist", "complete": [],
+        return {"root": "is not a directory" if os.path.exists(root) else "does not exist", "complete": [],
                 "incomplete": []}
     complete: List[int] = []
     incomplete: List[Any] = []
