@@ -116,8 +116,8 @@ class PServer:
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     """Run pserver ``env.pserver_id`` until every trainer has closed or SIGTERM/SIGINT; returns the exit code
-    of ``python -m paddle_cluster.ps`` (0 done; 2 no usable secret; 3 the requested checkpoint is unusable;
-    4 cannot listen)."""
+    of ``python -m paddle_cluster.ps`` (0 done; 2 no usable secret; 3 the requested checkpoint is unusable or
+    none was found; 4 cannot listen)."""
     k = env.pserver_id
     if k is None:
         raise ValueError("serve() needs the contract of one pserver (JobEnv.for_process(PSERVER, ...))")
