@@ -172,3 +172,16 @@ def test_mpi_impl_is_chosen_or_detected(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(ClusterError, match="apt-get install mpich"):
         mpi_launcher("mpich")
+
+
+def test_resume_from_without_a_checkpoint_is_refused_before_mpirun(hosts, tmp_path):
+    """The launcher looks at each host's checkpoints over its own session before ``mpirun``: none is exit 2
+    naming where it looked on each host, nothing started (before, the pservers started fresh)."""
+    conf = _conf(tmp_path, hosts)
+    res = cli(conf, "run", "--job_dispatch_package", str(small_workspace(tmp_path)), "--resume_from", "nosuchjob")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "--resume_from nosuchjob: no checkpoint complete for every pserver" in res.stderr
+    for i in range(3):
+        assert f"  node{i} ({hosts.hosts[i]}): {ROOT}/nosuchjob/checkpoints does not exist" in res.stderr, res.stderr
+    no_traceback(res)
+    assert_nothing_left(hosts)

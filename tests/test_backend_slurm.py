@@ -415,3 +415,17 @@ def test_an_agent_keeps_going_only_while_the_lease_changes(tmp_path):
     never = NoChannel(fail_fast=False, lease=str(tmp_path / "missing"), lease_timeout=0.5)
     never.get(0.7)
     assert never.fail_fast
+
+
+def test_resume_from_without_a_checkpoint_is_refused_before_submitting(slurm, tmp_path):
+    """The shared checkpoint directory is looked at before anything is submitted: none is exit 2 naming it, no
+    job in Slurm (before, the pservers started fresh)."""
+    conf, env, ws = _setup(slurm, tmp_path)
+    res = _cli(conf, env, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--resume_from", "nosuchjob")
+    assert res.returncode == 2, res.stdout + res.stderr
+    root = slurm.shared_dir / tmp_path.name
+    assert f"  the shared filesystem: {root}/nosuchjob/checkpoints does not exist" in res.stderr, res.stderr
+    assert "nothing was started (not starting fresh)" in res.stderr
+    no_traceback(res)
+    assert not list(root.glob("JOB*"))  # no job directory made
+    assert slurm.run(["squeue", "-h"], check=False).stdout.strip() == ""

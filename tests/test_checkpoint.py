@@ -212,3 +212,31 @@ def test_unreadable_checkpoint_fails_the_pserver_instead_of_a_fresh_start(tmp_pa
         os.chmod(manifest, 0o644)
     assert res.returncode == 1 and res.stdout == "", res.stdout
     assert f"CheckpointUnreadable: checkpoint {manifest} cannot be read" in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_latest_with_no_checkpoint_refuses_to_start_fresh(tmp_path):
+    """Asked to resume and finding no checkpoint at all, a pserver used to log "starting fresh" and serve from
+    step 0; it now ends (exit 3) naming where it looked and for which shard."""
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        p = pr.pserver(env, 0, {"PADDLE_RESUME": "latest"}, wait=False)
+        assert H.wait_all(pr, [p], 20) == [3]
+        log = pr.log(p)
+    assert f"cannot resume (latest): no checkpoint under {os.path.join(env.job_dir, 'checkpoints')}" in log, log
+    assert "pserver-0/manifest.json" in log and "not starting fresh" in log
+
+
+def test_survey_names_each_pservers_missing_or_unfinished_shard(tmp_path):
+    """What a node's probe reports for ``run --resume_from`` (launch/resume.py words it)."""
+    root = str(tmp_path / "checkpoints")
+    assert ckpt.survey(root, [0]) == {"root": "does not exist", "complete": [], "incomplete": []}
+    assert ckpt.survey("/etc/hostname", [0])["root"] == "is not a directory"
+    for step in (2, 4):
+        for k in (0, 1):
+            ckpt.save_shard(ckpt.step_dir(root, step), ckpt.ShardState(step, k, 2, "sync", None))
+    os.unlink(os.path.join(ckpt.step_dir(root, 4), "pserver-0", "manifest.json"))
+    assert ckpt.survey(root, [0, 1]) == {"root": "", "complete": [2], "incomplete": [
+        [4, {"0": "manifest.json missing (save did not finish)"}]]}
+    assert ckpt.survey(root, [1, 2]) == {"root": "", "complete": [], "incomplete": [
+        [2, {"2": "no pserver-2 shard (directory missing)"}], [4, {"2": "no pserver-2 shard (directory missing)"}]]}

@@ -13,7 +13,6 @@ import json
 import os
 import posixpath
 import secrets
-import shutil
 import sys
 import tarfile
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import paddle_cluster
 
+from . import cache
 from .errors import ClusterError, HostConfigError, HostError
 from .fanout import fanout
 from .hosts import Node
@@ -68,11 +68,13 @@ class _Hashing:
 
 
 def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str,
-         manifest: Optional[Dict[str, str]] = None) -> Package:
+         manifest: Optional[Dict[str, str]] = None, tmp: Optional[str] = None) -> Package:
     """A deterministic tar (sorted, no owner names), so an unchanged tree has an unchanged hash; ``manifest``
-    gets what each entry is (``delta.py``: the content's SHA-256 and whether it is executable, or a link)."""
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tar", dir=out_dir)
-    os.close(fd)
+    gets what each entry is (``delta.py``: the content's SHA-256 and whether it is executable, or a link).
+    Written to ``tmp`` when given, else to a new file in ``out_dir``."""
+    if tmp is None:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tar", dir=out_dir)
+        os.close(fd)
     files = {} if manifest is None else manifest
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT, copybufsize=1 << 20) as tar:
         for full, arc in entries:
@@ -94,11 +96,13 @@ def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str,
     return Package(tmp, h.hexdigest(), os.path.getsize(tmp), len(entries))
 
 
-def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
+def pack_workspace(directory: str, cache_dir: str, keep: int = 4,
+                   hold: Optional[contextlib.ExitStack] = None) -> Package:
     """The workspace as a tar in ``cache_dir``, rebuilt only when a file's path, size, times or mode changed.
 
     An unchanged workspace then costs one directory walk instead of re-reading (tar + SHA-256) every byte;
-    the ``keep`` most recently used archives stay in the cache.
+    the ``keep`` most recently used archives stay in the cache, and any a launch holds (``hold``: until that
+    stack closes, no concurrent launch evicts the archive).
     """
     root = Path(directory)
     if not root.is_dir():
@@ -106,38 +110,40 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4) -> Package:
     entries = list(_walk(root, SKIP_TOP))
     if not entries:
         raise ClusterError(f"--job_dispatch_package {directory}: the directory is empty")
-    return _cached_tar(entries, str(root.resolve()), cache_dir, "workspace-", keep)
+    return _cached_tar(entries, str(root.resolve()), cache_dir, "workspace-", keep, hold)
 
 
-def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, prefix: str, keep: int) -> Package:
-    """``_tar(entries)`` from ``cache_dir`` when no entry's path, size, times or mode changed since it was made."""
+def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, prefix: str, keep: int,
+                hold: Optional[contextlib.ExitStack] = None) -> Package:
+    """``_tar(entries)`` from ``cache_dir`` when no entry's path, size, times or mode changed since it was made;
+    safe with other launches doing the same at the same moment (``cache.py``)."""
     stats = []
     for full, arc in entries:
         st = full.lstat()
         stats.append([arc, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode])  # ctime: even `touch -d`
     key = hashlib.sha256(json.dumps([origin, stats]).encode()).hexdigest()
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-    tar_path, meta_path = os.path.join(cache_dir, f"{key}.tar"), os.path.join(cache_dir, f"{key}.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if os.path.getsize(tar_path) == meta["size"]:
-            os.utime(meta_path)
-            return Package(tar_path, meta["sha256"], meta["size"], meta["files"])
-    except (OSError, ValueError, KeyError):
-        pass
-    manifest: Dict[str, str] = {}
-    pkg = _tar(entries, cache_dir, prefix, manifest)
-    os.replace(pkg.path, tar_path)
-    tmp = meta_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files, "manifest": manifest}, f)
-    os.replace(tmp, meta_path)
-    metas = sorted(Path(cache_dir).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in metas[keep:]:
-        for stale in (old, old.with_suffix(".tar")):
-            stale.unlink(missing_ok=True)
-    return Package(tar_path, pkg.sha256, pkg.size, pkg.files)
+    tar_path = os.path.join(cache_dir, f"{key}.tar")
+    with cache.locked(cache_dir):
+        meta = cache.lookup(cache_dir, key, hold)
+        cache.evict(cache_dir, keep)  # also what was held when it was last asked
+    if meta is None:  # made outside the lock: launches of other workspaces do not wait for this one
+        manifest: Dict[str, str] = {}
+        tmp = cache.temp_name(cache_dir, prefix + "tar")
+        try:
+            pkg = _tar(entries, cache_dir, prefix, manifest, tmp)
+            with cache.locked(cache_dir):
+                meta = cache.lookup(cache_dir, key, hold)  # another launch may have made it meanwhile
+                if meta is None:
+                    meta = {"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files, "manifest": manifest}
+                    cache.publish(cache_dir, key, tmp, meta)
+                    meta = cache.lookup(cache_dir, key, hold)
+                cache.evict(cache_dir, keep)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        assert meta is not None, f"{tar_path} vanished while the cache was locked"
+    return Package(tar_path, meta["sha256"], meta["size"], meta["files"])
 
 
 def workspace_cache_dir() -> str:
@@ -149,23 +155,20 @@ def _cache_home() -> str:
     return os.path.join(base, "paddle-cluster")
 
 
-def library_package() -> Package:
+def library_package(hold: Optional[contextlib.ExitStack] = None) -> Package:
     """The node library as a tar, cached like a workspace (made again only when one of its files changed), in a
     directory of this installation's own: launchers of other versions prune theirs, never ours."""
     here = str(Path(paddle_cluster.__file__).resolve().parent)
-    cache = os.path.join(_cache_home(), "lib", hashlib.sha256(here.encode()).hexdigest()[:16])
-    return _cached_tar(_library_entries(), here, cache, "lib-", keep=2)
+    directory = os.path.join(_cache_home(), "lib", hashlib.sha256(here.encode()).hexdigest()[:16])
+    return _cached_tar(_library_entries(), here, directory, "lib-", keep=2, hold=hold)
 
 
 @contextlib.contextmanager
 def library_archive() -> Iterator[Package]:
-    """The node library as a tar of its own that exists only inside the ``with`` (a concurrent launcher may
-    replace the cached one; the sha256 stays valid after)."""
-    lib = library_package()
-    with tempfile.TemporaryDirectory(prefix="paddle-cluster-") as tmp:
-        own = os.path.join(tmp, os.path.basename(lib.path))
-        shutil.copyfile(lib.path, own)
-        yield Package(own, lib.sha256, lib.size, lib.files)
+    """The node library's cached tar, which no concurrent launcher evicts inside the ``with`` (the sha256 stays
+    valid after)."""
+    with contextlib.ExitStack() as hold:
+        yield library_package(hold)
 
 
 def install_library(nodes: Sequence[Node]) -> Package:
@@ -295,20 +298,21 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
         fanout(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
         return
     assert spec.dispatch_dir is not None
-    pkg = pack_workspace(spec.dispatch_dir, workspace_cache_dir())
-    say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
-    sent: Dict[int, bool] = {}
-    with upload_progress() as bar:
-        def send(n: Node) -> None:
-            archive, sent[n.index] = ensure_package(n, pkg, "workspace", bar(n.name, pkg.size))
-            # The archive is ours: exactly pkg.files members, contents no bigger than the archive (the default).
-            doc = agent_json(n, lib, "unpack", "--archive", archive, "--dest", spec.job_dir,
-                             "--max-members", str(max(pkg.files, 1)),
-                             what=f"unpacking the workspace into {spec.job_dir}", timeout=600)
-            if not doc.get("ok"):
-                raise HostError(n.label, f"unpacking the workspace into {spec.job_dir} refused: {doc.get('error')}")
+    with contextlib.ExitStack() as hold:  # the cached archive, which no concurrent launch evicts meanwhile
+        pkg = pack_workspace(spec.dispatch_dir, workspace_cache_dir(), hold=hold)
+        say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
+        sent: Dict[int, bool] = {}
+        with upload_progress() as bar:
+            def send(n: Node) -> None:
+                archive, sent[n.index] = ensure_package(n, pkg, "workspace", bar(n.name, pkg.size))
+                # The archive is ours: exactly pkg.files members, contents no bigger than the archive (the default).
+                doc = agent_json(n, lib, "unpack", "--archive", archive, "--dest", spec.job_dir,
+                                 "--max-members", str(max(pkg.files, 1)),
+                                 what=f"unpacking the workspace into {spec.job_dir}", timeout=600)
+                if not doc.get("ok"):
+                    raise HostError(n.label, f"unpacking the workspace into {spec.job_dir} refused: {doc.get('error')}")
 
-        fanout(nodes, send).ok("dispatching the workspace")
+            fanout(nodes, send).ok("dispatching the workspace")
     skipped = [nodes[i].name for i, s in sorted(sent.items()) if not s]
     if skipped:
         say(f"{', '.join(skipped)} already held this package: not sent again")

@@ -1,14 +1,18 @@
 """The launcher's memory of the latest job per config, so ``kill``, ``status``, ``logs`` and ``plot`` can
-default to it: one small JSON file per config under ``$XDG_STATE_HOME/paddle-cluster/``."""
+default to it: one small JSON file per config under ``$XDG_STATE_HOME/paddle-cluster/``. Launches from this
+machine may run at the same moment: every change is made under the directory's lock (``cache.locked``) and
+written whole to a temporary of its own, then renamed into place."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set
 
+from . import cache
 from .config import ClusterConfig
 from .errors import ClusterError
 
@@ -28,29 +32,50 @@ def _read(cfg: ClusterConfig) -> Dict[str, Any]:
         return {}
 
 
-def _write(cfg: ClusterConfig, doc: Dict[str, Any]) -> None:
+def _update(cfg: ClusterConfig, change: Callable[[Dict[str, Any]], Any]) -> Any:
+    """``change(doc)`` applied to this config's record under the lock, and saved; what ``change`` returned."""
     path = _state_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
+    with cache.locked(str(path.parent)):
+        doc = _read(cfg)
+        out = change(doc)
+        tmp = cache.temp_name(str(path.parent), "journal")
+        try:
+            Path(tmp).write_text(json.dumps(doc))
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return out
 
 
 def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
              where: Optional[Dict[str, str]] = None) -> None:
     """``where``: what the backend needs to find the job again (Kubernetes: its namespace; Slurm: its job id)."""
-    doc = _read(cfg)
-    outcomes = {k: v for k, v in doc.get("outcomes", {}).items() if k != job_name}
-    _write(cfg, {"latest": job_name, "workspace": workspace, "where": where or {},
-                 "outcomes": dict(list(outcomes.items())[-20:])})
+    def change(doc: Dict[str, Any]) -> None:
+        outcomes = {k: v for k, v in doc.get("outcomes", {}).items() if k != job_name}
+        doc.update({"latest": job_name, "workspace": workspace, "where": where or {},
+                    "outcomes": dict(list(outcomes.items())[-20:])})
+    _update(cfg, change)
 
 
 def record_outcome(cfg: ClusterConfig, job_name: str, exit_code: int, outcome: str, message: str) -> None:
     """How ``run`` ended the job, as it printed it; ``status`` shows the same."""
-    doc = _read(cfg)
-    doc.setdefault("outcomes", {})[job_name] = {"exit_code": exit_code, "outcome": outcome,
-                                                "message": message.splitlines()[0] if message else ""}
-    _write(cfg, doc)
+    _update(cfg, lambda doc: doc.setdefault("outcomes", {}).__setitem__(job_name, {
+        "exit_code": exit_code, "outcome": outcome, "message": message.splitlines()[0] if message else ""}))
+
+
+def reserve_name(cfg: ClusterConfig, stamp: str) -> str:
+    """``stamp``, or ``stamp-2``, ``stamp-3``... the first that no job started from this machine has, kept as
+    taken at once: launches started in the same second get different names."""
+    def change(doc: Dict[str, Any]) -> str:
+        used, name, k = job_names(cfg), stamp, 1
+        while name in used:
+            k += 1
+            name = f"{stamp}-{k}"
+        doc["reserved"] = [*doc.get("reserved", []), name][-50:]
+        return name
+    return _update(cfg, change)
 
 
 def outcome(cfg: ClusterConfig, job_name: str) -> Optional[Dict[str, Any]]:
@@ -66,8 +91,9 @@ def _latest(cfg: ClusterConfig) -> Dict[str, Any]:
 
 
 def job_names(cfg: ClusterConfig) -> Set[str]:
-    """The names of jobs the journal still knows (the latest, and those with an outcome) for every config on this
-    machine: configs may share hosts and a ROOT_DIR, where one name twice would be one job directory for two."""
+    """The names of jobs the journal still knows (the latest, those with an outcome, the names given out) for
+    every config on this machine: configs may share hosts and a ROOT_DIR, where one name twice would be one job
+    directory for two."""
     names: Set[str] = set()
     for path in _state_file(cfg).parent.glob("*.json"):
         try:
@@ -75,7 +101,8 @@ def job_names(cfg: ClusterConfig) -> Set[str]:
         except (OSError, ValueError):
             continue
         if isinstance(doc, dict):
-            names |= {n for n in [doc.get("latest"), *doc.get("outcomes", {})] if isinstance(n, str)}
+            names |= {n for n in [doc.get("latest"), *doc.get("outcomes", {}), *doc.get("reserved", [])]
+                      if isinstance(n, str)}
     return names
 
 

@@ -55,6 +55,11 @@ class JobSpec:
             return ""
         return r if r.startswith("/") else f"{self.cfg.job_dir(r)}/checkpoints"
 
+    def node_pservers(self, node: int) -> Tuple[int, ...]:
+        """The ids of the pservers node ``node`` runs (node-major, as ``_node_plans`` numbers them)."""
+        per = self.cfg.pservers_per_node
+        return tuple(range(node * per, (node + 1) * per))
+
     @property
     def checkpoint_root(self) -> str:
         """Where this job's pservers read and write checkpoints."""
@@ -65,12 +70,7 @@ def default_job_name(cfg: ClusterConfig) -> str:
     """``JOB<date><time>``, with ``-2``, ``-3``... when a job started from this machine (of any config: two may
     share hosts and ROOT_DIR) already has that name: two runs started within one second would otherwise meet in
     one job directory."""
-    stamp = datetime.now().strftime("JOB%Y%m%d%H%M%S")
-    used, name, k = journal.job_names(cfg), stamp, 1
-    while name in used:
-        k += 1
-        name = f"{stamp}-{k}"
-    return name
+    return journal.reserve_name(cfg, datetime.now().strftime("JOB%Y%m%d%H%M%S"))
 
 
 @dataclass(frozen=True)

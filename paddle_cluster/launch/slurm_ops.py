@@ -15,7 +15,7 @@ from .config import ClusterConfig
 from .errors import ClusterError
 from .interrupt import stoppable
 from .ops import ProcRow
-from .plan import JobSpec, mint_plan
+from .plan import JobSpec
 from .supervise import JobResult
 
 
@@ -23,7 +23,7 @@ def submit(spec: JobSpec, be: SlurmBackend, say: Callable[[str], None]) -> JobRe
     """``run --detach``: submit and return; the nodes fail fast on their own (no launcher follows)."""
     try:
         with stoppable():
-            be.start(mint_plan(spec, be.prepare(spec, say)))
+            be.start(be.plan(spec, be.prepare(spec, say)))
     except BaseException:
         be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
         raise

@@ -35,9 +35,10 @@ def prepare(job_dir: str, node: int, workspace: str = "") -> None:
                           "nodes share; give each node a ROOT_DIR of its own (its local disk)")
     for path in (claim, os.path.join(job_dir, "nodefile")):
         # Replaced, never written in place: a workspace's own nodefile is a link into the node's cache.
-        with open(f"{path}.tmp", "w") as f:
+        tmp = f"{path}.tmp-{os.getpid()}"  # never another process's temporary
+        with open(tmp, "w") as f:
             f.write(f"{node}\n")
-        os.replace(f"{path}.tmp", path)
+        os.replace(tmp, path)
     for name in ("log", "output"):
         os.makedirs(os.path.join(job_dir, name), exist_ok=True)
     try:

@@ -251,7 +251,7 @@ class Records:
 
     def save(self) -> None:
         with self.lock:
-            tmp = self.path + ".tmp"
+            tmp = f"{self.path}.tmp-{os.getpid()}"  # never another process's temporary
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 json.dump(self.data, f, indent=1)

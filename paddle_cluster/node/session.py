@@ -50,6 +50,8 @@ class Request:
     agent: bool = False
     orphan_timeout: float = 20.0
     grace: float = 5.0
+    checkpoints: str = ""  # with --resume_from: the checkpoint root whose shards of ``pservers`` the probe surveys
+    pservers: Tuple[int, ...] = ()
 
     @property
     def wants_workspace(self) -> bool:
@@ -62,6 +64,7 @@ class Request:
     def from_json(cls, text: str) -> Request:
         doc = json.loads(text)
         doc["ports"] = tuple(doc.get("ports", ()))
+        doc["pservers"] = tuple(doc.get("pservers", ()))
         return cls(**doc)
 
 
@@ -138,6 +141,7 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
         _sweep(req.root, os.path.dirname(dest))
         if os.path.exists(dest) and os.listdir(dest):
             raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
+        trees.pin(req.root, req.workspace_sha)  # a concurrent launch's session prunes others, never this one
         held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
         if trees.holds(req.root, req.workspace_sha):
             return {"held": True}, None
@@ -147,7 +151,10 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
-    return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": trees.newest(req.root)}, rx
+    base = trees.newest(req.root)
+    if base:
+        trees.pin(req.root, base)  # what the changed files will be linked with (pruned before: sent whole)
+    return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": base}, rx
 
 
 def _sweep(root: str, jobs: str) -> None:
@@ -156,6 +163,20 @@ def _sweep(root: str, jobs: str) -> None:
     sweep_stale(os.path.join(root, ".paddle_cluster", "packages"), ("rx",))
     sweep_stale(os.path.dirname(trees.tree_dir(root, "x")), ("unpacking", "drop"))
     sweep_stale(jobs, ("linking", "unpacking"), _job_name)
+
+
+def _checkpoints(req: Request) -> Dict[str, Any]:
+    """What the checkpoint root holds of this node's pservers' shards (``ps.checkpoint.survey``), or why that
+    cannot be told."""
+    try:
+        from paddle_cluster.ps import checkpoint  # numpy: only this needs it (the probe reports it missing)
+        from paddle_cluster.ps.errors import CheckpointError
+
+        return checkpoint.survey(req.checkpoints, req.pservers)
+    except ImportError as e:
+        return {"error": f"cannot look at checkpoints: {e}"}
+    except CheckpointError as e:  # there but unreadable: never taken for "no checkpoint"
+        return {"error": str(e)}
 
 
 def _job_name(name: str) -> bool:
@@ -264,6 +285,8 @@ class _Unpacking:
 def main(text: str) -> int:
     req = Request.from_json(text)
     found = probe.probe(req.nic, req.ports, req.root)
+    if req.checkpoints:
+        found["checkpoints"] = _checkpoints(req)
     _reply("probe", **found)
     if req.wants_workspace:
         # Nothing is written before the launcher has every node's probe and every node has the workspace: it
@@ -283,6 +306,7 @@ def main(text: str) -> int:
             if done is None:
                 return 1
             _reply("workspace", workspace=done)
+        trees.unpin()  # the job directory is made: its hard links need the trees no more
     if not req.agent:
         return 0
     sys.stdout.flush()

@@ -11,12 +11,14 @@ for jobs: the workspace is read-only input; outputs go to new files (a file repl
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
 import stat
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Union
 
 from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
@@ -25,8 +27,44 @@ DELTA_NAME = ".paddle-delta.json"  # a delta archive's listing of the files kept
 READ_ONLY = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
 
 
+_PINS: List[int] = []  # this process's pins (``pin``): descriptors holding a shared flock
+
+
 def tree_dir(root: str, sha: str) -> str:
     return os.path.join(root, ".paddle_cluster", "trees", sha)
+
+
+def _pins(root: str) -> str:
+    """Where the pins are (``<sha>`` files and ``.lock``): beside the trees, never among them."""
+    return os.path.join(root, ".paddle_cluster", "pins")
+
+
+@contextlib.contextmanager
+def _locked(root: str) -> Iterator[str]:
+    """The pins directory, its lock held exclusively: pinning and pruning never interleave."""
+    pins = _pins(root)
+    os.makedirs(pins, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(pins, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield pins
+    finally:
+        os.close(fd)
+
+
+def pin(root: str, sha: str) -> None:
+    """Keep the tree of ``sha`` (there, or still to come) from being pruned by another session (a concurrent
+    launch) until ``unpin`` or this process ends: a session that found it, or links from it, still has it."""
+    with _locked(root) as pins:
+        fd = os.open(os.path.join(pins, sha), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # never waits: prune takes it exclusively only under the same lock
+        _PINS.append(fd)
+
+
+def unpin() -> None:
+    """Release every tree this process pinned."""
+    while _PINS:
+        os.close(_PINS.pop())
 
 
 def _record(st: os.stat_result) -> List[int]:
@@ -119,7 +157,7 @@ def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, 
         if _intact(root, sha) is None:
             raise
         # another launcher stored the same archive at the same moment: its tree is as good as ours
-    _prune(os.path.dirname(top), keep=KEEP)
+    _prune(root, keep=KEEP)
 
 
 def _unpack_sealed(archive: Union[str, BinaryIO], top: str, max_members: int, max_bytes: Optional[int],
@@ -172,9 +210,24 @@ def _apply_delta(root: str, base: str, files: str) -> None:
             os.link(os.path.join(src, rel), dst)
 
 
-def _prune(parent: str, keep: int) -> None:
-    for old in _by_recency(parent)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(root: str, keep: int) -> None:
+    """Drop the trees beyond the ``keep`` most recently used that no session pinned (and the pins of trees
+    that never came, no session holding them)."""
+    with _locked(root) as pins:
+        trees = _by_recency(os.path.dirname(tree_dir(root, "x")))
+        gone = [n for n in os.listdir(pins) if n != ".lock" and not os.path.isdir(tree_dir(root, n))]
+        for sha in [os.path.basename(t) for t in trees[keep:]] + gone:
+            fd = os.open(os.path.join(pins, sha), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a session is using it
+            try:
+                drop(root, sha)  # nothing to do for a tree that never came
+                os.unlink(os.path.join(pins, sha))
+            finally:
+                os.close(fd)
 
 
 def _link_tree(src: str, manifest: Dict[str, Any], dst: str) -> None:

@@ -6,8 +6,8 @@ dir, barrier timeout, ``PADDLE_PSERVER_ID``; ``contract.ProcessEnv``) plus these
 =========================  ======================  ===========================================================
 variable                   flag                    meaning
 =========================  ======================  ===========================================================
-``PADDLE_RESUME``          ``--resume``            ``latest`` (newest complete checkpoint), a step number, or a
-                                                   step directory; empty = fresh start
+``PADDLE_RESUME``          ``--resume``            ``latest`` (newest complete checkpoint; none: exit 3), a step
+                                                   number, or a step directory; empty = fresh start
 ``PADDLE_CHECKPOINT_DIR``  ``--checkpoint-dir``    checkpoint root (default ``<job_dir>/checkpoints``, or
                                                    ``./checkpoints`` without a job dir)
 ``PADDLE_MAX_FRAME_BYTES`` ``--max-frame-bytes``   largest frame accepted (default 1 GiB)
@@ -18,7 +18,7 @@ variable                   flag                    meaning
 
 It prints ``PSERVER_READY <id> <host> <ports>`` on stdout once every port listens, serves until all trainers
 have closed (exit 0), and exits 0 on SIGTERM/SIGINT too. Exit 2: bad contract; 3: the requested checkpoint is
-unusable; 4: cannot listen.
+unusable, or asked to resume there is none (never a fresh start); 4: cannot listen.
 """
 
 from __future__ import annotations

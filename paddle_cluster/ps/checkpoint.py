@@ -227,3 +227,27 @@ def complete_steps(root: str, pserver_ids: Sequence[int]) -> List[int]:
     """The steps under ``root``, ascending, whose shards of every pserver in ``pserver_ids`` are complete
     (manifest present, every sha256 matches). What a node can offer when the launcher picks a common step."""
     return [s for s, d in _steps(root) if all(shard_problem(shard_dir(d, k)) is None for k in pserver_ids)]
+
+
+def survey(root: str, pserver_ids: Sequence[int]) -> Dict[str, Any]:
+    """What ``root`` holds for these pservers, for the launcher's ``--resume_from`` check before a job starts:
+    ``root`` ("" when it is a directory, else what it is instead), the ``complete`` steps, ascending, and the
+    newest ``incomplete`` ones: ``[step, {pserver id: why its shard is unusable}]``. CheckpointUnreadable when
+    a part of it exists but cannot be read."""
+    if not os.path.isdir(root):
+        return {"root": "is not a directory" if os.path.exists(root) else "does not exist", "complete": [],
+                "incomplete": []}
+    complete: List[int] = []
+    incomplete: List[Any] = []
+    for s, d in _steps(root):
+        problems = {}
+        for k in pserver_ids:
+            shard = shard_dir(d, k)
+            why = shard_problem(shard) if os.path.isdir(shard) else f"no pserver-{k} shard (directory missing)"
+            if why is not None:
+                problems[str(k)] = why
+        if problems:
+            incomplete.append([s, problems])
+        else:
+            complete.append(s)
+    return {"root": "", "complete": complete, "incomplete": incomplete[-3:]}

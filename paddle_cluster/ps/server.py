@@ -116,8 +116,8 @@ class PServer:
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     """Run pserver ``env.pserver_id`` until every trainer has closed or SIGTERM/SIGINT; returns the exit code
-    of ``python -m paddle_cluster.ps`` (0 done; 2 no usable secret; 3 the requested checkpoint is unusable;
-    4 cannot listen)."""
+    of ``python -m paddle_cluster.ps`` (0 done; 2 no usable secret; 3 the requested checkpoint is unusable or
+    none was found; 4 cannot listen)."""
     k = env.pserver_id
     if k is None:
         raise ValueError("serve() needs the contract of one pserver (JobEnv.for_process(PSERVER, ...))")
@@ -129,8 +129,12 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     except (CheckpointError, ValueError) as e:
         log.error("cannot resume (%s): %s", env.resume, e)
         return 3
-    if env.resume and shard is None:
-        log.info("no checkpoint under %s; starting fresh", root)
+    if env.resume and shard is None:  # asked to resume: a fresh start would throw the progress away unasked
+        log.error("cannot resume (%s): no checkpoint under %s (no step-NNNNNNNN directory with this pserver's "
+                  "shard pserver-%d/%s); not starting fresh: name a job or directory that holds a complete "
+                  "checkpoint, or leave out --resume_from (PADDLE_RESUME) to start fresh", env.resume, root, k,
+                  ckpt.MANIFEST)
+        return 3
     try:
         server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes,
                          max_connections=proc.max_connections)

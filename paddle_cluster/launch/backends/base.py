@@ -39,6 +39,9 @@ class Backend(ABC):
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
     pythons: List[str] = []  # node i's interpreter as ``prepare`` resolved it (absolute), for every process there
+    # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
+    # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
+    resume_step: Optional[int] = None
 
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
@@ -47,7 +50,8 @@ class Backend(ABC):
     def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
         """The job's plan on the prepared nodes, with a fresh id and secret. A backend whose nodes are not
         the hosts of HOSTS (Kubernetes: one per pod) makes its own."""
-        return mint_plan(spec, addresses, self.pythons)
+        plan = mint_plan(spec, addresses, self.pythons)
+        return plan.resumed(self.resume_step) if self.resume_step is not None else plan
 
     def remember(self) -> Dict[str, str]:
         """What ``kill``, ``status`` and ``logs`` need besides the config to find this job again."""

@@ -24,12 +24,12 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
-from .. import dispatch
+from .. import dispatch, resume
 from ..config import ClusterConfig, HostSpec
 from ..errors import ClusterError, ConfigError
 from ..hosts import LocalNode
@@ -198,6 +198,9 @@ class SlurmBackend(Backend):
         if spec.workspace and not os.path.isdir(spec.workspace):  # before the job directory is made
             raise ConfigError("--job_workspace", spec.workspace, "no such directory on this machine; with --backend "
                               "slurm it must be on the filesystem the nodes share")
+        if spec.resume_from:  # the checkpoints are on the shared filesystem: looked at here, before anything
+            self.resume_step = resume.common_step(spec, [("the shared filesystem", _survey(
+                spec.resume_root, [k for i in range(self.opts.nodes) for k in spec.node_pservers(i)]))], say)
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
         with dispatch.library_archive() as lib:
@@ -431,3 +434,14 @@ def cancel_job(job_id: str, timeout: float) -> str:
         return job_info(job_id).get("JobState", "gone")
     except ClusterError:
         return "gone"
+
+
+def _survey(root: str, pservers: List[int]) -> Dict[str, Any]:
+    """``ps.checkpoint.survey`` of the shared checkpoint root, or why it cannot be told."""
+    from paddle_cluster.ps.checkpoint import survey  # numpy: only this needs it
+    from paddle_cluster.ps.errors import CheckpointError
+
+    try:
+        return survey(root, pservers)
+    except CheckpointError as e:
+        return {"error": str(e)}

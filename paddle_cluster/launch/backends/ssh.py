@@ -9,6 +9,7 @@ lost node; a silent launcher makes every agent stop on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import tempfile
 import threading
@@ -18,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
-from .. import dispatch, machines, preflight, relay
+from .. import dispatch, machines, preflight, relay, resume
 from ..config import ClusterConfig
 from ..errors import HostConfigError, HostError
 from ..fanout import fanout
@@ -68,19 +69,28 @@ class SSHBackend(Backend):
         """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
         waits for its ``Start``): see ``launch/session.py``."""
         cfg = self.cfg
-        pkg = None
-        if spec is not None and spec.dispatch_dir:
-            pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir())
-            say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, sha256 {pkg.sha256[:12]}")
-        req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
-                      workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
-                      max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
-                      workspace_dir=(spec.workspace or "") if spec else "",
-                      workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
-                      agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace)
-        lib = self.lib = dispatch.library_package()
-        with open(lib.path, "rb") as f:  # read now: a concurrent launcher may replace the cached file
+        with dispatch.library_archive() as lib, open(lib.path, "rb") as f:
             lib_data = f.read()
+        self.lib = lib
+        # What this preparation holds: the cached workspace archive (no concurrent launch evicts it meanwhile),
+        # the progress bars, where deltas are made.
+        stack = contextlib.ExitStack()
+        pkg = None
+        try:
+            if spec is not None and spec.dispatch_dir:
+                pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir(), hold=stack)
+                say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, "
+                    f"sha256 {pkg.sha256[:12]}")
+            req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
+                          workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
+                          max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
+                          workspace_dir=(spec.workspace or "") if spec else "",
+                          workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
+                          agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace,
+                          checkpoints=spec.resume_root if spec is not None and spec.resume_from else "")
+        except BaseException:
+            stack.close()
+            raise
         sessions: Dict[int, NodeSession] = {}
         sent_to: Dict[int, bool] = {}
         token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
@@ -89,7 +99,6 @@ class SSHBackend(Backend):
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
         probed: List[float] = []  # when each probe came in (time.perf_counter)
-        stack = contextlib.ExitStack()  # the progress bars, and where deltas are made
         chain = None
         if pkg is not None and spec is not None and spec.dispatch_dir:
             chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
@@ -98,7 +107,8 @@ class SSHBackend(Backend):
 
         def open_one(n: Node) -> Optional[dict]:
             try:
-                s = sessions[n.index] = NodeSession(n, lib, lib_data, req)
+                mine = req if not req.checkpoints else dataclasses.replace(req, pservers=spec.node_pservers(n.index))
+                s = sessions[n.index] = NodeSession(n, lib, lib_data, mine)
                 doc = s.open()
                 self._check_probe(n, doc)
                 probed.append(time.perf_counter())
@@ -128,6 +138,9 @@ class SSHBackend(Backend):
             # agrees (no machine twice) and every node has the workspace (``place``).
             docs = fanout(self.nodes, open_one).ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
+            if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
+                self.resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
+                                                             zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
             if pkg is not None:
                 fanout(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()

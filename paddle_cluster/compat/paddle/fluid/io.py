@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -107,7 +108,8 @@ def save_inference_model(dirname: str, feeded_var_names: Sequence[str], target_v
     }
     os.makedirs(dirname, exist_ok=True)
     atomic.save_npz_atomic(_path(dirname, params_filename), _values(program, params))
-    tmp = os.path.join(dirname, f".{model_filename or MODEL}.tmp")
+    # Two trainers of one node may save into one directory at once: each writes a temporary of its own.
+    tmp = os.path.join(dirname, f".{model_filename or MODEL}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(graph, f, indent=1)
     os.replace(tmp, os.path.join(dirname, model_filename or MODEL))
