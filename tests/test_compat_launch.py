@@ -120,7 +120,7 @@ def test_settle_names_the_choice_for_a_script_only_on_the_nodes(tmp_path):
 
 
 def test_settle_refuses_a_missing_entry_and_bad_port_options(tmp_path):
-    with pytest.raises(ConfigError, match="ENTRY.*nope.py.*cannot read"):
+    with pytest.raises(ConfigError, match="ENTRY.*nope.py.*no such file in the workspace"):
         entry.settle(parse_config({"HOSTS": ["localhost"], "ENTRY": "nope.py"}, "c"), str(tmp_path), None, [])
     _ws(tmp_path, "train.py", "")
     with pytest.raises(ConfigError, match="PADDLE_PORTS_NUM"):
