@@ -361,7 +361,7 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk."""
     cfg = _config(ctx)
     if backend:
-        cfg = dataclasses.replace(cfg, backend=backend)
+        cfg = override(cfg, {"backend": ("--backend", backend)})
     rows = ops.check_cluster(cfg)
     if as_json:
         _out(ops.as_json(rows))
