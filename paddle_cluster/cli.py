@@ -224,7 +224,7 @@ def _on_k8s(cfg: ClusterConfig, name: str):
         return None
     from .launch import kubectl
 
-    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name)
+    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name, where.get("job_id", ""))
 
 
 @main.command()

@@ -35,7 +35,9 @@ def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
     k = Kubectl("ml", "paddle-cluster/job=fit")
     ns = ["kubectl", "--namespace", "ml"]
     sel = ["--selector", "paddle-cluster/job=fit"]
-    assert k.apply() == [*ns, "apply", "--filename", "-"]
+    assert k.create() == [*ns, "create", "--filename", "-"]
+    assert k.get_named(["secret/fit-secret", "service/fit"]) == [*ns, "get", "secret/fit-secret", "service/fit",
+                                                                 "--ignore-not-found", "--output", "json"]
     assert k.get_pods() == [*ns, "get", "pods", *sel, "--output", "json"]
     assert k.get() == [*ns, "get", "jobs.batch,pods", *sel, "--output", "wide"]
     assert k.logs("fit-trainer-0-x7k2p") == [*ns, "logs", "pod/fit-trainer-0-x7k2p", "--follow"]

@@ -130,7 +130,8 @@ def test_every_object_carries_the_job_label(tmp_path: Path) -> None:
         assert d["metadata"]["labels"][k8s.LABEL_JOB] == "fit" and d["metadata"]["namespace"] == "ml"
         if d["kind"] == "Job":
             assert d["spec"]["template"]["metadata"]["labels"][k8s.LABEL_JOB] == "fit"
-    assert "kubectl delete -n ml job,service,secret -l paddle-cluster/job=fit" in out
+    job_id = yaml.safe_load_all(out).__next__()["metadata"]["labels"][k8s.LABEL_ID]
+    assert job_id.startswith("fit-") and f"kubectl delete -n ml job,service,secret -l {k8s.LABEL_ID}={job_id}" in out
 
 
 # -- the checks catch what they claim to ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .errors import ConfigError
 
 LABEL_JOB = "paddle-cluster/job"
 LABEL_ROLE = "paddle-cluster/role"
+LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so it never touches another job
 SECRET_KEY = "job-secret"
 DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
@@ -96,15 +97,21 @@ class K8sJob:
 
     @property
     def selector(self) -> str:
-        """The label selector of every object of this job (``kubectl delete -l``)."""
-        return selector(self.name)
+        """The label selector of every object of this run of the job (``kubectl delete -l``): its unique id,
+        so objects of another job that happens to share the name are never selected."""
+        return f"{LABEL_ID}={self.env.job_id}"
+
+    def object_names(self) -> List[str]:
+        """``kind/name`` of every object the manifests create (``kubectl get`` arguments)."""
+        return [f"secret/{self.name}-secret", f"service/{self.name}", f"job.batch/{self.job_name(PSERVER)}",
+                f"job.batch/{self.job_name(TRAINER)}"]
 
     def job_name(self, role: str) -> str:
         return f"{self.name}-{_ROLE_WORD[role]}"
 
     def labels(self, role: Optional[str] = None) -> Dict[str, str]:
         out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
-               LABEL_JOB: self.name}
+               LABEL_JOB: self.name, LABEL_ID: self.env.job_id}
         if role is not None:
             out[LABEL_ROLE] = _ROLE_WORD[role]
         return out
@@ -179,10 +186,11 @@ def to_yaml(docs: List[Dict[str, Any]]) -> str:
 
 def render(job: K8sJob) -> str:
     """The manifests as one YAML stream for ``kubectl apply -f -``, with a header saying what it holds."""
-    head = (f"# paddle-cluster job {job.name}: {job.pservers} pserver(s), {job.trainers} trainer(s) in namespace "
-            f"{job.namespace}\n# This stream holds the job secret (in the Secret): pipe it into "
-            f"'kubectl apply -f -' rather than keeping it.\n# Delete everything with: kubectl delete "
-            f"-n {job.namespace} job,service,secret -l {job.selector}\n")
+    head = (f"# paddle-cluster job {job.name} (id {job.env.job_id}): {job.pservers} pserver(s), {job.trainers} "
+            f"trainer(s) in namespace {job.namespace}\n# This stream holds the job secret (in the Secret): pipe it "
+            f"into 'kubectl create -f -' rather than keeping it (create, not apply: it refuses to replace objects "
+            f"of another job of this name).\n# Delete everything with: kubectl delete -n {job.namespace} "
+            f"job,service,secret -l {job.selector}\n")
     return head + to_yaml(manifests(job))
 
 
@@ -206,7 +214,8 @@ def _service(job: K8sJob) -> Dict[str, Any]:
     # Headless: no virtual IP, DNS answers with the pods' own addresses; and published before the pods are
     # ready, so a pserver can resolve its own name while it starts.
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, job.name),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LABEL_JOB: job.name},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_JOB: job.name, LABEL_ID: job.env.job_id},
                      "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in _ports(job)]}}
 
 

@@ -17,7 +17,7 @@ from paddle_cluster.contract import PSERVER, TRAINER
 
 from .errors import ClusterError
 from .interrupt import stoppable
-from .k8s import LABEL_ROLE, object_name, selector
+from .k8s import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 from .ops import ProcRow
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
@@ -39,9 +39,13 @@ class Kubectl:
     def can_i(self, verb: str, resource: str) -> List[str]:
         return self._ns("auth", "can-i", verb, resource)
 
-    def apply(self) -> List[str]:
-        """Create or update the objects of the YAML stream on stdin."""
-        return self._ns("apply", "--filename", "-")
+    def create(self) -> List[str]:
+        """Create the objects of the YAML stream on stdin; one that exists already is an error, left as it is."""
+        return self._ns("create", "--filename", "-")
+
+    def get_named(self, names: List[str]) -> List[str]:
+        """Those of the objects ``kind/name`` that exist, as JSON."""
+        return self._ns("get", *names, "--ignore-not-found", "--output", "json")
 
     def get_pods(self) -> List[str]:
         return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
@@ -176,8 +180,32 @@ def find_pod(pods: List[PodState], text: str) -> PodState:
 
 # -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------
 
-def for_job(namespace: str, job_name: str) -> Kubectl:
-    return Kubectl(namespace, selector(object_name(job_name)))
+def for_job(namespace: str, job_name: str, job_id: str = "") -> Kubectl:
+    """The commands for job ``job_name``: by its unique id when the run that started it remembered one."""
+    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)))
+
+
+@dataclass(frozen=True)
+class Owner:
+    """An object already in the namespace under one of a job's names, and the job it belongs to."""
+
+    what: str  # kind/name
+    job: str  # the paddle-cluster job name and id on it, or "" when paddle-cluster did not create it
+    job_id: str
+
+
+def owners(text: str) -> List[Owner]:
+    """The objects of ``Kubectl.get_named``'s JSON."""
+    try:
+        items = json.loads(text or "{}").get("items", [])
+    except ValueError:
+        raise ClusterError(f"kubectl get printed no JSON: {text[:200]!r}") from None
+    out = []
+    for i in items:
+        labels = (i.get("metadata") or {}).get("labels") or {}
+        kind = {"Job": "job.batch"}.get(i.get("kind", ""), str(i.get("kind", "")).lower())
+        out.append(Owner(f"{kind}/{i['metadata']['name']}", labels.get(LABEL_JOB, ""), labels.get(LABEL_ID, "")))
+    return out
 
 
 def kill_job(k: Kubectl) -> List[str]:

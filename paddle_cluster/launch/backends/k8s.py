@@ -24,7 +24,7 @@ from paddle_cluster.node import pod as pod_entry
 from .. import k8s
 from ..config import ClusterConfig
 from ..errors import ClusterError, ConfigError
-from ..kubectl import Kubectl, PodState, pod_states
+from ..kubectl import Kubectl, PodState, owners, pod_states
 from ..plan import JobPlan, JobSpec
 from .base import Backend, Event, NodeLost
 
@@ -162,8 +162,8 @@ class K8sBackend(Backend):
                 ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
-        opts = self.opts
-        self.job = job = opts.build(self.cfg, spec.name, spec.workspace, spec.trainer_args)
+        opts = self.opts  # spec.cfg below: the config as settled (--entry, the v2 port options)
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args)
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
             if not self.kubectl.may(verb, resource):
@@ -183,7 +183,8 @@ class K8sBackend(Backend):
         return k8s_plan(spec, self.job)
 
     def remember(self) -> Dict[str, str]:
-        return {"backend": "k8s", "namespace": self.opts.namespace}
+        assert self.job is not None, "prepare first"
+        return {"backend": "k8s", "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return shlex.join(self.kubectl.logs(self.watch.started.get(node, self.names[node]), follow=False))
@@ -195,8 +196,17 @@ class K8sBackend(Backend):
     # -- running --------------------------------------------------------------------------------------
     def start(self, plan: JobPlan) -> None:
         assert self.job is not None, "prepare first"
-        self._polling = done = threading.Event()  # before applying: a half-applied job is deleted too
-        self.kubectl.run(self.kubectl.apply(), stdin=k8s.render(self.job))
+        job = self.job
+        taken = owners(self.kubectl.run(self.kubectl.get_named(job.object_names())))
+        if taken:
+            whose = {f"job {o.job} (id {o.job_id})" if o.job else "not created by paddle-cluster" for o in taken}
+            raise ClusterError(f"namespace {job.namespace} already has {', '.join(o.what for o in taken)} "
+                               f"({'; '.join(sorted(whose))}): nothing was changed; choose another --job_name, or "
+                               f"stop that job first (paddle-cluster kill --job_name {job.name})")
+        # Marked started before creating: a half-created job is deleted too -- by its unique id, so only what
+        # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
+        self._polling = done = threading.Event()
+        self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
         threading.Thread(target=self._poll, args=(done,), daemon=True, name="k8s-pods").start()
 
     def _poll(self, done: threading.Event) -> None:
