@@ -9,12 +9,12 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import journal, k8s, ops, slurm_ops
+from .launch import journal, k8s, k8s_pod, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config
 from .launch.entry import settle
 from .launch.errors import OUTCOMES, ClusterError
@@ -160,6 +160,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
               "kill find the job later.")
 @_k8s_pods
+@k8s_pod.flags
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py). When it reads PADDLE_TRAINING_ROLE, pservers run it too.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
@@ -170,7 +171,8 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...]) -> JobResult:
+        detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...],
+        k8s_pod: Dict[str, Any]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -188,7 +190,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if cfg.backend == "k8s":
         from .launch.backends.k8s import K8sBackend, K8sOptions
 
-        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
+        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers, k8s_pod))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     elif cfg.is_builtin_default:
@@ -348,24 +350,21 @@ def render() -> None:
 
 @render.command("k8s", context_settings={"ignore_unknown_options": True})
 @_k8s_pods
+@k8s_pod.flags
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
               help="Where the workspace is inside the image (the pods' working directory).")
-@click.option("--pserver-requests", metavar="R", help="Resources each pserver pod requests, e.g. cpu=2,memory=4Gi "
-              "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi).")
-@click.option("--trainer-requests", metavar="R", help="The same for each trainer pod; an extended resource such as "
-              "nvidia.com/gpu=1 is also set as its limit (default: K8S_TRAINER_REQUESTS).")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
-               trainers: Optional[int], job_name: Optional[str], workspace: str, pserver_requests: Optional[str],
-               trainer_requests: Optional[str], trainer_args: Tuple[str, ...]) -> None:
+               trainers: Optional[int], job_name: Optional[str], workspace: str, k8s_pod: Dict[str, Any],
+               trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
     from .launch.backends.k8s import K8sOptions
 
     cfg = _config(ctx)
-    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pserver_requests, trainer_requests)
+    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, k8s_pod)
     job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args))
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "

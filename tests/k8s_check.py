@@ -24,6 +24,11 @@ ENUMS = {  # field path (with [] for list items) -> the values the API server ac
     "spec.template.spec.containers[].ports[].protocol": {"TCP", "UDP", "SCTP"},
     "spec.template.spec.containers[].imagePullPolicy": {"Always", "Never", "IfNotPresent"},
     "type": {"Opaque"},  # the only Secret type the renderer may write
+    "spec.template.spec.tolerations[].operator": {"Exists", "Equal"},
+    "spec.template.spec.tolerations[].effect": {"NoSchedule", "PreferNoSchedule", "NoExecute"},
+    "spec.template.spec.securityContext.seccompProfile.type": {"RuntimeDefault", "Localhost", "Unconfined"},
+    "spec.template.spec.containers[].securityContext.seccompProfile.type": {"RuntimeDefault", "Localhost",
+                                                                            "Unconfined"},
 }
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -157,3 +162,58 @@ def problems(docs: List[Dict[str, Any]]) -> List[str]:
 def env_of(container: Mapping[str, Any]) -> Dict[str, str]:
     """The literal variables of a rendered container (those not taken from a Secret or field)."""
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+# -- the restricted Pod Security Standard (kubernetes.io/docs/concepts/security/pod-security-standards) -----------
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def pod_templates(doc: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """(where, pod spec) of every pod a document makes: a Job's template, each replicated Job of a JobSet."""
+    for where, spec in values_at(doc, "spec.template.spec"):
+        yield where, spec
+    for where, spec in values_at(doc, "spec.replicatedJobs[].template.spec.template.spec"):
+        yield where, spec
+
+
+def restricted_problems(docs: List[Dict[str, Any]]) -> List[str]:
+    """Where the pods of ``docs`` break the restricted profile (and the baseline one it includes); [] if none."""
+    out = []
+    for d in docs:
+        for where, pod in pod_templates(d):
+            what = f"{d['kind']} {d['metadata']['name']} {where}"
+            psc = pod.get("securityContext") or {}
+            for host in ("hostNetwork", "hostPID", "hostIPC"):
+                if pod.get(host):
+                    out.append(f"{what}: {host} is not allowed")
+            for v in pod.get("volumes") or []:
+                kinds = set(v) - {"name"}
+                if not kinds <= RESTRICTED_VOLUMES:
+                    out.append(f"{what}: volume {v['name']} of type {sorted(kinds)} is not allowed")
+            if psc.get("runAsUser") == 0:
+                out.append(f"{what}: securityContext.runAsUser 0 (root)")
+            for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+                csc = c.get("securityContext") or {}
+                cw = f"{what} container {c.get('name')}"
+                if csc.get("privileged"):
+                    out.append(f"{cw}: privileged")
+                if csc.get("allowPrivilegeEscalation") is not False:
+                    out.append(f"{cw}: allowPrivilegeEscalation must be false")
+                caps = csc.get("capabilities") or {}
+                if "ALL" not in (caps.get("drop") or []):
+                    out.append(f"{cw}: capabilities must drop ALL")
+                if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+                    out.append(f"{cw}: capabilities may add only NET_BIND_SERVICE")
+                if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+                    out.append(f"{cw}: runAsNonRoot must be true (pod or container)")
+                if csc.get("runAsUser", psc.get("runAsUser")) == 0:
+                    out.append(f"{cw}: runAsUser 0 (root)")
+                seccomp = (csc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+                if seccomp not in ("RuntimeDefault", "Localhost"):
+                    out.append(f"{cw}: seccompProfile.type must be RuntimeDefault or Localhost, not {seccomp}")
+                for p in c.get("ports") or []:
+                    if p.get("hostPort"):
+                        out.append(f"{cw}: hostPort {p['hostPort']}")
+    return out

@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from k8s_check import env_of, problems
+from k8s_check import env_of, problems, restricted_problems
 from kubernetes.client import models as M
 
 from paddle_cluster.cli import main
@@ -211,3 +211,91 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, args: List[str], named: str
 def test_build_from_the_builtin_default_uses_a_pod_path_not_this_machines() -> None:
     job = k8s.build(builtin_default(), job_name="fit", image="img:1")
     assert job.env.job_dir == "/home/paddle/fit" and (job.pservers, job.trainers) == (2, 2)
+
+
+# -- pods a cluster admits: the pod options, and the restricted Pod Security Standard ---------------------------
+
+POD_OPTIONS = ["--pserver-requests", "cpu=2,memory=4Gi", "--trainer-requests", "cpu=4", "--gpus", "2",
+               "--trainer-limits", "memory=16Gi", "--pserver-limits", "memory=8Gi", "--node-selector",
+               "pool=gpu,kubernetes.io/arch=amd64", "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration",
+               "dedicated=ml:NoExecute", "--priority-class", "ml-high", "--service-account", "trainer-sa",
+               "--image-pull-secret", "regcred", "--run-as-user", "2000", "--ttl", "600", "--deadline", "7200",
+               "--queue", "team-a"]
+
+
+def test_the_pod_options_reach_every_pod_and_validate(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", *POD_OPTIONS, conf=THREE_HOSTS)
+    assert problems(docs) == [] and restricted_problems(docs) == []
+    k = by_kind(docs)
+    assert container(k["pserver"])["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"},
+                                                    "limits": {"memory": "8Gi"}}
+    assert container(k["trainer"])["resources"] == {
+        "requests": {"cpu": "4", "memory": "1Gi", "nvidia.com/gpu": "2"},
+        "limits": {"nvidia.com/gpu": "2", "memory": "16Gi"}}
+    for role in ("pserver", "trainer"):
+        job = k[role]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"pool": "gpu", "kubernetes.io/arch": "amd64"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+        assert (pod["priorityClassName"], pod["serviceAccountName"], pod["imagePullSecrets"]) == (
+            "ml-high", "trainer-sa", [{"name": "regcred"}])
+        assert pod["securityContext"]["runAsUser"] == 2000 and pod["securityContext"]["runAsNonRoot"] is True
+        assert (job["spec"]["ttlSecondsAfterFinished"], job["spec"]["activeDeadlineSeconds"]) == (600, 7200)
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+
+
+def test_by_default_the_pods_pass_the_restricted_standard(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", conf=THREE_HOSTS)
+    assert restricted_problems(docs) == []
+    for job in docs[2:]:
+        sc = container(job)["securityContext"]
+        assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+                      "seccompProfile": {"type": "RuntimeDefault"}}
+        assert job["spec"]["ttlSecondsAfterFinished"] == 86400 and "activeDeadlineSeconds" not in job["spec"]
+
+
+RESTRICTED_MUTATIONS = {
+    "no runAsNonRoot": (lambda p, c: (p["securityContext"].pop("runAsNonRoot"), c["securityContext"].pop(
+        "runAsNonRoot")), "runAsNonRoot"),
+    "root user": (lambda p, c: p["securityContext"].__setitem__("runAsUser", 0), "runAsUser 0"),
+    "privilege escalation": (lambda p, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+                             "allowPrivilegeEscalation"),
+    "capabilities kept": (lambda p, c: c["securityContext"]["capabilities"].__setitem__("drop", ["NET_RAW"]),
+                          "drop ALL"),
+    "capability added": (lambda p, c: c["securityContext"]["capabilities"].__setitem__("add", ["SYS_ADMIN"]),
+                         "NET_BIND_SERVICE"),
+    "no seccomp": (lambda p, c: (p["securityContext"].pop("seccompProfile"), c["securityContext"].pop(
+        "seccompProfile")), "seccompProfile"),
+    "privileged": (lambda p, c: c["securityContext"].__setitem__("privileged", True), "privileged"),
+    "host network": (lambda p, c: p.__setitem__("hostNetwork", True), "hostNetwork"),
+    "hostPath volume": (lambda p, c: p["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
+    "host port": (lambda p, c: c["ports"][0].__setitem__("hostPort", 9000), "hostPort"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(RESTRICTED_MUTATIONS))
+def test_the_restricted_checks_catch_what_they_claim_to(what: str) -> None:
+    docs = copy.deepcopy(_docs())
+    pod = _job(docs, "pserver")["spec"]["template"]["spec"]
+    mutate, named = RESTRICTED_MUTATIONS[what]
+    mutate(pod, pod["containers"][0])
+    assert problems(docs) == []  # still a valid object: only the policy rejects it
+    found = restricted_problems(docs)
+    assert found and any(named in p for p in found), found
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--toleration", "gpu"], "--toleration"),
+    (["--toleration", "a=b:Sometimes"], "--toleration"),
+    (["--node-selector", "pool"], "--node-selector"),
+    (["--pserver-limits", "memory=lots"], "--pserver-limits"),
+    (["--priority-class", "High_Prio"], "--priority-class"),
+    (["--image-pull-secret", "Reg Cred"], "--image-pull-secret"),
+    (["--run-as-user", "0"], "--run-as-user"),
+])
+def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], named: str) -> None:
+    res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)
+    assert res.exit_code != 0 and res.stdout == "" and named in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -27,49 +27,20 @@ from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, Endpoint, JobE
 
 from .config import ClusterConfig
 from .errors import ConfigError
+from .k8s_pod import PodOptions
 
 LABEL_JOB = "paddle-cluster/job"
 LABEL_ROLE = "paddle-cluster/role"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so it never touches another job
 SECRET_KEY = "job-secret"
 DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
-DEFAULT_REQUESTS = (("cpu", "1"), ("memory", "1Gi"))
 POD_PYTHON = "python3"  # the image's interpreter; the local PYTHON of a config means nothing in a pod
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035: what a Service name must be
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # RFC 1123 label
-# A Kubernetes quantity: a decimal number with an optional binary/decimal suffix or exponent.
-_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][-+]?\d+)?")
-_RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?")
 _ROLE_WORD = {PSERVER: "pserver", TRAINER: "trainer"}
-
-
-@dataclass(frozen=True)
-class Requests:
-    """What one pod of a role asks the scheduler for: resource name -> quantity (``cpu``: ``"2"``)."""
-
-    items: Tuple[Tuple[str, str], ...] = DEFAULT_REQUESTS
-
-    @classmethod
-    def parse(cls, text: str, key: str) -> Requests:
-        """``cpu=2,memory=4Gi,nvidia.com/gpu=1``; a name not given keeps its default."""
-        got = dict(DEFAULT_REQUESTS)
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            name, sep, qty = (x.strip() for x in part.partition("="))
-            if not sep or not _RESOURCE.fullmatch(name) or len(name) > 253:
-                raise ConfigError(key, text, f"{part!r} is not NAME=QUANTITY; write e.g. cpu=2,memory=4Gi")
-            if not _QUANTITY.fullmatch(qty):
-                raise ConfigError(key, text, f"{qty!r} is not a Kubernetes quantity; write e.g. 500m, 2, 4Gi")
-            got[name] = qty
-        return cls(tuple(got.items()))
-
-    def resources(self) -> Dict[str, Dict[str, str]]:
-        """A container's ``resources``: requests, plus limits for extended resources (GPUs), which
-        Kubernetes accepts only with a limit equal to the request."""
-        requests = dict(self.items)
-        limits = {k: v for k, v in requests.items() if "/" in k or k.startswith("hugepages-")}
-        return {"requests": requests, "limits": limits} if limits else {"requests": requests}
 
 
 @dataclass(frozen=True)
@@ -82,8 +53,7 @@ class K8sJob:
     env: JobEnv  # the job-wide contract; its pservers are the pods' stable DNS names
     pserver_cmd: Tuple[str, ...]
     trainer_cmd: Tuple[str, ...]
-    pserver_requests: Requests = Requests()
-    trainer_requests: Requests = Requests()
+    pods: PodOptions = PodOptions()
     start_timeout: float = 60.0
     kill_grace: float = 5.0
 
@@ -147,8 +117,8 @@ def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
 
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
-          trainer_args: Tuple[str, ...] = (), pserver_requests: Requests = Requests(),
-          trainer_requests: Requests = Requests(), secret: Optional[str] = None) -> K8sJob:
+          trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
+          secret: Optional[str] = None) -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
     n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
@@ -172,7 +142,7 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
-                  trainer_cmd, pserver_requests, trainer_requests, cfg.start_timeout, cfg.kill_grace)
+                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:
@@ -235,10 +205,12 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "image": job.image,
         "workingDir": job.env.workspace,
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
-                    "--"],
+                    # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
+                    *(["--trainer-names", trainer_names(job)] if role == PSERVER else []), "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
-        "resources": (job.pserver_requests if role == PSERVER else job.trainer_requests).resources(),
+        "resources": (job.pods.pserver if role == PSERVER else job.pods.trainer).spec(),
+        "securityContext": job.pods.container_security(),
         "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}],
     }
     if role == PSERVER:
@@ -252,7 +224,17 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "containers": [container],
         # Logs, metrics and checkpoints of this pod; they go with it (docs/backends.md: what persists).
         "volumes": [{"name": "job-dir", "emptyDir": {}}],
+        **job.pods.pod_spec(),
     }
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
+    meta = _meta(job, job.job_name(role), role)
+    if job.pods.queue:
+        meta["labels"][QUEUE_LABEL] = job.pods.queue
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
             "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
+                     **job.pods.job_spec(),
                      "template": {"metadata": {"labels": job.labels(role)}, "spec": pod}}}
+
+
+def trainer_names(job: K8sJob) -> str:
+    """The trainer pods' stable DNS names, ``{}`` for the index."""
+    return f"{job.job_name(TRAINER)}-{{}}.{job.name}.{job.namespace}.svc"

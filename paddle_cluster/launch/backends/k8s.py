@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
@@ -24,6 +24,7 @@ from paddle_cluster.node import pod as pod_entry
 from .. import k8s
 from ..config import ClusterConfig
 from ..errors import ClusterError, ConfigError
+from ..k8s_pod import PodOptions
 from ..kubectl import Kubectl, PodState, owners, pod_states
 from ..plan import JobPlan, JobSpec
 from .base import Backend, Event, NodeLost
@@ -42,30 +43,29 @@ class K8sOptions:
     namespace: str = k8s.DEFAULT_NAMESPACE
     pservers: Optional[int] = None
     trainers: Optional[int] = None
-    pserver_requests: k8s.Requests = k8s.Requests()
-    trainer_requests: k8s.Requests = k8s.Requests()
+    pods: PodOptions = PodOptions()
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, image: Optional[str] = None, namespace: Optional[str] = None,
                     pservers: Optional[int] = None, trainers: Optional[int] = None,
-                    pserver_requests: Optional[str] = None, trainer_requests: Optional[str] = None) -> K8sOptions:
-        """The flags given, else the config's K8S_* keys."""
+                    pod: Optional[Dict[str, Any]] = None) -> K8sOptions:
+        """The flags given (``pod``: the pod flags, ``k8s_pod.flags``), else the config's K8S_* keys."""
+        pod = dict(pod or {})
+        keys = ("--pserver-requests" if pod.get("pserver_requests") else "K8S_PSERVER_REQUESTS",
+                "--trainer-requests" if pod.get("trainer_requests") else "K8S_TRAINER_REQUESTS")
+        pod["pserver_requests"] = pod.get("pserver_requests") or cfg.k8s_pserver_requests
+        pod["trainer_requests"] = pod.get("trainer_requests") or cfg.k8s_trainer_requests
         image = image or cfg.k8s_image
         if not image:
             raise ConfigError("--image", None, "give the image holding the workspace (--image IMAGE or K8S_IMAGE "
                               "in the config; docs/backends.md says how to build it)")
-        return cls(image, namespace or cfg.k8s_namespace, pservers, trainers,
-                   k8s.Requests.parse(pserver_requests or cfg.k8s_pserver_requests,
-                                      "--pserver-requests" if pserver_requests else "K8S_PSERVER_REQUESTS"),
-                   k8s.Requests.parse(trainer_requests or cfg.k8s_trainer_requests,
-                                      "--trainer-requests" if trainer_requests else "K8S_TRAINER_REQUESTS"))
+        return cls(image, namespace or cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
               trainer_args: Tuple[str, ...]) -> k8s.K8sJob:
         return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
                          trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pserver_requests=self.pserver_requests,
-                         trainer_requests=self.trainer_requests)
+                         trainer_args=trainer_args, pods=self.pods)
 
 
 def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
@@ -91,7 +91,10 @@ def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
 
 
 def log_events(node: int, proc: str, line: str) -> List[Event]:
-    """A line of a pod's log: output, and the entry point's word that the process starts or cannot."""
+    """A line of a pod's log: output, and the entry point's word that the process starts or cannot. A trainer's
+    metrics records (printed once it ended) are kept when the job's results are copied, not shown."""
+    if line.startswith(pod_entry.METRICS):
+        return []
     out: List[Event] = [m.Log(node, proc, line)]
     if line.startswith(pod_entry.READY):
         out.append(m.Ready(node))
