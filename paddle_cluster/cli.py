@@ -157,8 +157,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @click.option("--partition", metavar="P", help="slurm: the partition (sbatch --partition).")
 @click.option("--time", "time_limit", metavar="T", help="slurm: the time limit (sbatch --time), e.g. 2:00:00.")
 @click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
-@click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
-              "kill find the job later.")
+@click.option("--detach", is_flag=True, help="slurm, k8s: submit and return; the job runs and fails fast on its "
+              "own, status, logs and kill find it later.")
 @_k8s_pods
 @k8s_pod.flags
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
@@ -203,8 +203,13 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
                    tuple(settled.init.items()), verbose)
     if cfg.backend != "slurm":
-        if nodes or partition or time_limit or account or detach:
-            raise click.UsageError("--nodes, --partition, --time, --account and --detach are for --backend slurm")
+        if nodes or partition or time_limit or account or (detach and cfg.backend != "k8s"):
+            raise click.UsageError("--nodes, --partition, --time and --account are for --backend slurm, --detach "
+                                   "for slurm and k8s")
+        if detach:
+            from .launch.backends.k8s import submit
+
+            return submit(spec, be, _say)
         return run_job(spec, _out, _say, backend=be)
     from .launch.backends.slurm import SlurmBackend, SlurmOptions
 
@@ -243,7 +248,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     if k is not None:
         from .launch import kubectl
 
-        for line in kubectl.kill_job(k) or [f"nothing of job {name} in namespace {k.namespace}"]:
+        for line in kubectl.kill_job(k, cfg.job_dir(name)) or [f"nothing of job {name} in namespace {k.namespace}"]:
             _out(line)
         return
     for r in ops.kill_job(cfg, name):
@@ -270,7 +275,7 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
     if k is not None:
         from .launch import kubectl
 
-        kubectl.stream_logs(k, node, lines, follow, _out)
+        kubectl.stream_logs(k, node, lines, follow, _out, cfg.job_dir(name))
         return
     ops.stream_logs(cfg, name, node, role, lines, follow, _out)
 
@@ -291,7 +296,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     elif k is not None:
         from .launch import kubectl
 
-        rows = kubectl.job_status(k)
+        rows = kubectl.job_status(k, cfg.job_dir(name))
     else:
         rows = ops.job_status(cfg, name, ended)
     if as_json:
@@ -334,13 +339,24 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
 
     cfg = _config(ctx)
     name = _job_name(cfg, job_name)
-    cs = plots.curves(plots.collect(cfg, name))
+    # Kubernetes: the metrics the job's pods left, saved on this machine before they were deleted.
+    cs = plots.curves(plots.collect(cfg, name) if _on_k8s(cfg, name) is None else _saved_metrics(cfg, name))
     path = out_path or f"{name}.png"
     plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
     for c in cs:
         _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
              f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
     _say(f"wrote {os.path.abspath(path)}")
+
+
+def _saved_metrics(cfg: ClusterConfig, name: str) -> dict:
+    from .node import jobdir
+
+    found = jobdir.metrics(cfg.job_dir(name))
+    if not any(found.values()):
+        raise ClusterError(f"job {name} has no metrics saved in {cfg.job_dir(name)}/log (they are saved when run "
+                           "or kill deletes the job's pods)")
+    return found
 
 
 @main.group()

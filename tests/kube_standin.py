@@ -125,8 +125,9 @@ def _parse(argv: List[str]) -> Tuple[List[str], Dict[str, str]]:
             k, v = a[2:].split("=", 1)
             flags[k] = v
         elif a in ("--namespace", "-n", "--selector", "-l", "--output", "-o", "--filename", "-f", "--tail",
-                   "--grace-period", "--cascade", "--field-selector", "--timeout"):
-            flags[{"-n": "namespace", "-l": "selector", "-o": "output", "-f": "filename"}.get(a, a[2:])] = next(it)
+                   "--grace-period", "--cascade", "--field-selector", "--timeout", "--type", "--patch", "-p"):
+            flags[{"-n": "namespace", "-l": "selector", "-o": "output", "-f": "filename", "-p": "patch"}.get(
+                a, a[2:])] = next(it)
         elif a.startswith("--") or a in ("-w",):
             flags[{"-w": "watch"}.get(a, a[2:])] = "true"
         else:
@@ -175,6 +176,8 @@ def kubectl(argv: List[str], store: Store) -> int:
         return _get(store, ns, rest, flags)
     if verb == "delete":
         return _delete(store, ns, rest, flags)
+    if verb == "patch":
+        return _patch(store, ns, rest, flags)
     if verb == "logs":
         return _logs(store, ns, rest[0].split("/", 1)[-1], flags)
     raise Fail(f"unknown command {verb!r} for kubectl (stand-in)")
@@ -277,6 +280,22 @@ def _delete(store: Store, ns: str, words: List[str], flags: Dict[str, str]) -> i
         keys = {_key(o["kind"], ns, o["metadata"]["name"]) for o in items}
         while keys & set(store.read()["objects"]):
             time.sleep(TICK)
+    return 0
+
+
+def _patch(store: Store, ns: str, words: List[str], flags: Dict[str, str]) -> int:
+    """``patch TYPE/NAME... --type merge --patch JSON``: metadata only (what the launcher patches)."""
+    _, named = _targets(words)
+    change = json.loads(flags["patch"])
+    with store.edit() as doc:
+        for kind, name in named:
+            obj = doc["objects"].get(_key(kind, ns, name))
+            if obj is None:
+                print(f'Error from server (NotFound): {PLURAL[kind]} "{name}" not found', file=sys.stderr)
+                return 1
+            obj["metadata"].update(change.get("metadata", {}))
+            touch(doc, obj)
+            print(f"{RESOURCE[kind]}/{name} patched")
     return 0
 
 

@@ -28,6 +28,9 @@ class Cluster:
         self.term_at: Dict[str, float] = {}
         self.hosts = Path(self.cfg["hosts_file"])
         self.hosts_text = ""
+        # The cluster DNS answers at once for a name it does not know (here: nothing listens on port 53).
+        self.resolv = store.root / "resolv.conf"
+        self.resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -37,8 +40,12 @@ class Cluster:
                 self.job(doc, key)
             for key in [k for k in objs if k.startswith("Pod/")]:
                 self.pod(doc, key)
+            uids = {o["metadata"]["uid"] for o in objs.values()}
             for key in [k for k in objs if not k.startswith(("Job/", "Pod/"))]:
-                if objs[key]["metadata"].get("deletionTimestamp"):
+                owners = objs[key]["metadata"].get("ownerReferences") or []
+                # The garbage collector: a dependent goes once every owner is gone.
+                if objs[key]["metadata"].get("deletionTimestamp") or (
+                        owners and not any(o["uid"] in uids for o in owners)):
                     touch(doc, objs.pop(key), "DELETED")
             self.dns(objs)
 
@@ -238,6 +245,7 @@ class Cluster:
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         wd = c.get("workingDir", "/")
         script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
+                              f"mount --bind {self.resolv} /etc/resolv.conf",
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
                               f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])

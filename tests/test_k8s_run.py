@@ -17,10 +17,10 @@ from k8s_standin import IMAGE, REPO, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
-# Trainer 1 fails after a second; the others train as usual.
+# Trainer 1 fails after 3 s; the others train as usual.
 FLAKY = """import os, runpy, sys, time
 if os.environ.get("PADDLE_TRAINING_ROLE") == "TRAINER" and os.environ["PADDLE_TRAINER_ID"] == "1":
-    time.sleep(1)
+    time.sleep(3)
     sys.exit("trainer 1: out of data")
 sys.argv[0] = "train.py"
 runpy.run_path("train.py", run_name="__main__")
@@ -65,6 +65,11 @@ def test_a_job_runs_to_its_end_and_leaves_nothing(kube: StandIn, job_dir: Path) 
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^final test_mse=\S+$", res.stdout, re.M) or "final test_mse" in res.stdout + res.stderr
     assert kube.objects() == {}, kube.objects()  # every object of the job deleted, pods included
+    assert f"logs and metrics of 3 pod(s) saved in {job_dir}/root/fit/log" in res.stderr
+    metrics = (job_dir / "root/fit/log/metrics.trainer1.jsonl").read_text().splitlines()
+    assert len(metrics) > 10 and all(json.loads(r)["trainer"] == 1 for r in metrics[:3]), metrics[:3]
+    logs = cli(kube, job_dir, "logs", "pserver.0")
+    assert logs.returncode == 0 and "PSERVER_READY 0 fit-pserver-0.fit.default.svc" in logs.stdout, logs
 
 
 def test_a_name_clash_changes_nothing_of_the_other_job(kube: StandIn, job_dir: Path) -> None:
@@ -94,3 +99,62 @@ def test_a_failing_trainer_ends_the_whole_job(kube: StandIn, job_dir: Path) -> N
     assert res.returncode == 1, out
     assert "trainer 1: out of data" in out and "trainer.1" in out, out
     assert kube.objects() == {}, kube.objects()
+
+
+def failed(kube: StandIn, job: str) -> dict:
+    """Job ``job``'s pods' exit codes by hostname once it failed, else {}."""
+    j = kube.objects(f"Job/default/{job}").get(f"Job/default/{job}")
+    if j is None or not any(c["type"] == "Failed" for c in j["status"].get("conditions", [])):
+        return {}
+    return {p["spec"]["hostname"]: p["status"].get("containerStatuses", [{}])[0].get("state", {}).get(
+        "terminated", {}).get("exitCode") for p in kube.pods() if p["metadata"]["labels"]["job-name"] == job}
+
+
+def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kube: StandIn, job_dir: Path) -> None:
+    argv = [sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fit", "--entry", "flaky.py",
+                                                               "--ttl", "15", "--", "--passes", "500")]
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen(argv, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in kube.pods()) == 3, 60, "3 running pods")
+        # The launcher made the Jobs own the Secret and the Service right after creating them all.
+        kube.wait(lambda: kube.objects("Secret/default/fit-secret")["Secret/default/fit-secret"]["metadata"].get(
+            "ownerReferences"), 30, "the Secret owned by the Jobs")
+    finally:
+        launcher.kill()
+        launcher.wait()
+    # Nobody watches now: trainer 1 fails, so the trainer Job fails and its other pod is stopped; the pserver
+    # pod sees every trainer gone and fails too; 15 s later both Jobs are deleted with their pods.
+    trainers = kube.wait(lambda: failed(kube, "fit-trainer"), 60, "the trainer Job failed")
+    assert trainers["fit-trainer-1"] == 1, trainers
+    # (Within START_TIMEOUT, 60 s, even had the pserver pod never seen a trainer pod: node/pod.py.)
+    pservers = kube.wait(lambda: failed(kube, "fit-pserver"), 90, "the pserver Job failed")
+    assert pservers == {"fit-pserver-0": 5}, pservers
+    kube.wait(lambda: kube.objects() == {}, 60, "the Jobs deleted after ttlSecondsAfterFinished")
+    assert kube.processes() == []
+
+
+def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--", "--passes", "3"))
+    assert res.returncode == 0, res.stderr
+    assert "job fit created in namespace default" in res.stdout + res.stderr
+    status = cli(kube, job_dir, "status")
+    assert status.returncode == 0 and "trainer.1" in status.stdout and "pod/fit-trainer-1-" in status.stdout, status
+    kube.wait(lambda: any(c["type"] == "Complete" for c in kube.objects("Job/default/fit-trainer")[
+        "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
+    logs = cli(kube, job_dir, "logs", "trainer.0")
+    assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    kill = cli(kube, job_dir, "kill")
+    assert kill.returncode == 0 and f"saved in {job_dir}/root/fit/log" in kill.stdout, kill
+    assert kube.objects() == {}
+    # The pods are gone; what they left is here: status, logs and plot read it.
+    status = cli(kube, job_dir, "status")
+    assert status.returncode == 0 and "ended (pod deleted)" in status.stdout and "trainer.1" in status.stdout, status
+    logs = cli(kube, job_dir, "logs", "fit-trainer-0", "-n", "3")
+    assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    assert "paddle-cluster pod: metrics" not in (job_dir / "root/fit/log/trainer.0.log").read_text()
+    plot = cli(kube, job_dir, "plot", "-o", str(job_dir / "fit.png"))
+    assert plot.returncode == 0 and (job_dir / "fit.png").stat().st_size > 0, plot.stderr
+    assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout

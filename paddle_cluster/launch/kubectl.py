@@ -8,12 +8,14 @@ kubectl's own last words.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from paddle_cluster.contract import PSERVER, TRAINER
+from paddle_cluster.node.pod import METRICS
 
 from .errors import ClusterError
 from .interrupt import stoppable
@@ -46,6 +48,10 @@ class Kubectl:
     def get_named(self, names: List[str]) -> List[str]:
         """Those of the objects ``kind/name`` that exist, as JSON."""
         return self._ns("get", *names, "--ignore-not-found", "--output", "json")
+
+    def patch(self, names: List[str], change: Dict[str, Any]) -> List[str]:
+        """Merge ``change`` into the objects ``kind/name``."""
+        return self._ns("patch", *names, "--type", "merge", "--patch", json.dumps(change))
 
     def get_pods(self) -> List[str]:
         return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
@@ -208,9 +214,60 @@ def owners(text: str) -> List[Owner]:
     return out
 
 
-def kill_job(k: Kubectl) -> List[str]:
-    """Delete the job's objects, waiting until its pods are gone; kubectl's lines ("job.batch ... deleted")."""
-    return k.run(k.delete(wait=True), timeout=600).splitlines()
+def kill_job(k: Kubectl, job_dir: str) -> List[str]:
+    """Save the pods' logs and metrics into ``job_dir``, then delete the job's objects, waiting until its pods
+    are gone; what was saved and kubectl's lines ("job.batch ... deleted")."""
+    saved = save_results(k, pod_states(k.run(k.get_pods())), job_dir)
+    lines = k.run(k.delete(wait=True), timeout=600).splitlines()
+    return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
+
+
+def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
+    """Each pod's whole log into ``job_dir/log/<process>.log`` and a trainer's metrics records (its log's
+    ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the other backends leave them, so ``logs``
+    and ``plot`` work once the pods are gone. Each file is written whole, then renamed. The processes saved."""
+    log_dir = os.path.join(job_dir, "log")
+    saved = []
+    for p in pods:
+        if not p.state:  # never ran: no log
+            continue
+        try:
+            text = k.run(k.logs(p.name, follow=False), timeout=120)
+        except ClusterError:
+            continue
+        os.makedirs(log_dir, exist_ok=True)
+        lines, metrics = [], []
+        for line in text.splitlines():
+            if line.startswith(METRICS):
+                metrics.append(line[len(METRICS):].partition(" ")[2])
+            else:
+                lines.append(line)
+        _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
+        if metrics:
+            _write(os.path.join(log_dir, f"metrics.trainer{p.index}.jsonl"), metrics)
+        saved.append(proc_name(p))
+    return saved
+
+
+def _write(path: str, lines: List[str]) -> None:
+    with open(path + ".part", "w", encoding="utf-8") as f:
+        f.write("".join(f"{ln}\n" for ln in lines))
+    os.replace(path + ".part", path)
+
+
+def saved_rows(job_dir: str) -> List[ProcRow]:
+    """``status`` of a job whose pods are gone: one row per saved log."""
+    log_dir = os.path.join(job_dir, "log")
+    names = sorted(n for n in (os.listdir(log_dir) if os.path.isdir(log_dir) else [])
+                   if n.endswith(".log") and n.split(".")[0] in _ROLES)
+    rows = []
+    for n in names:
+        with open(os.path.join(log_dir, n), encoding="utf-8", errors="replace") as f:
+            last = ([ln.rstrip("\n") for ln in f if ln.strip()] or [""])[-1]
+        role = _ROLES[n.split(".")[0]]
+        rows.append(ProcRow("-", "-", "-", n[:-len(".log")], role, None, "ended (pod deleted)", "", last,
+                            f"log in {log_dir}/{n}"))
+    return sorted(rows, key=lambda r: (r.role != PSERVER, r.name))
 
 
 def pod_row(p: PodState, last_line: str) -> ProcRow:
@@ -218,8 +275,8 @@ def pod_row(p: PodState, last_line: str) -> ProcRow:
     return ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, None, describe(p), "", last_line, p.name)
 
 
-def job_status(k: Kubectl) -> List[ProcRow]:
-    """One row per pod, with the last line of its log."""
+def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:
+    """One row per pod, with the last line of its log; once the pods are gone, one per log saved."""
     rows = []
     for p in sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index)):
         try:
@@ -227,21 +284,40 @@ def job_status(k: Kubectl) -> List[ProcRow]:
         except ClusterError:
             last = ""
         rows.append(pod_row(p, last))
+    rows = rows or saved_rows(job_dir)
     if not rows:
-        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} (finished and deleted, or "
-                           "another namespace: --namespace / K8S_NAMESPACE)")
+        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} and no saved logs in {job_dir}/log "
+                           "(another namespace: --namespace / K8S_NAMESPACE?)")
     return rows
 
 
-def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
-    pod = find_pod(pod_states(k.run(k.get_pods())), text)
+def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None],
+                job_dir: str = "") -> None:
+    pods = pod_states(k.run(k.get_pods()))
+    if not pods and job_dir:  # the job's objects are deleted: its saved logs
+        rows = saved_rows(job_dir)
+        row = next((r for r in rows if text == r.name or text.replace("-", ".").endswith("." + r.name)), None)
+        if row is None:
+            raise ClusterError(f"no pods of this job left and no saved log of {text!r} in {job_dir}/log; saved: "
+                               f"{', '.join(r.name for r in rows) or 'none'}")
+        with open(os.path.join(job_dir, "log", f"{row.name}.log"), encoding="utf-8", errors="replace") as f:
+            for line in f.read().splitlines()[-lines:] if lines > 0 else []:
+                out(line)
+        return
+    pod = find_pod(pods, text)
+    if not follow:  # the last lines of output: a trainer's METRICS records at its end are not output
+        shown = [ln for ln in k.run(k.logs(pod.name, follow=False)).splitlines() if not ln.startswith(METRICS)]
+        for line in shown[-lines:] if lines > 0 else []:
+            out(line)
+        return
     argv = k.logs(pod.name, follow=follow, tail=lines)
     with stoppable(), subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, errors="replace") as p:
         assert p.stdout is not None and p.stderr is not None
         try:
             for line in p.stdout:
-                out(line.rstrip("\n"))
+                if not line.startswith(METRICS):
+                    out(line.rstrip("\n"))
         except KeyboardInterrupt:
             p.terminate()
         err = p.stderr.read().strip()

@@ -40,7 +40,8 @@ READY = PREFIX + "ready: "
 ERROR = PREFIX + "error: "
 METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
 POLL_S = 0.2
-TRAINERS_CHECK_S = 2.0
+TRAINERS_CHECK_S = 1.0
+STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
 TRAINERS_GONE_CHECKS = 3  # consecutive checks finding no trainer name: not a DNS hiccup
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
 EXIT_TRAINERS_GONE = 5  # a pserver stopped because its trainers ended without finishing
@@ -148,31 +149,40 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: child.send_signal(signum))
     names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
-    code = _wait(child, names)
+    code = _wait(child, names, start_timeout)
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
 
 
-def _wait(child: subprocess.Popen, trainer_names: List[str]) -> int:
-    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once every trainer pod has ended."""
-    seen, gone = False, 0
+def _wait(child: subprocess.Popen, trainer_names: List[str], start_timeout: float) -> int:
+    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once no trainer pod is left: none of the
+    names resolves, after one did or after ``start_timeout`` s (trainers that ended before a first look)."""
+    seen, gone, since = False, 0, time.monotonic()
     while True:
+        if trainer_names:
+            alive = any(_addresses(n) for n in trainer_names)
+            seen = seen or alive
+            gone = 0 if alive else gone + 1
+            if gone >= TRAINERS_GONE_CHECKS and (seen or time.monotonic() - since > start_timeout):
+                return _stop_pserver(child)
         try:
             return child.wait(timeout=TRAINERS_CHECK_S)
         except subprocess.TimeoutExpired:
             pass
-        if not trainer_names:
-            continue
-        alive = any(_addresses(n) for n in trainer_names)
-        seen = seen or alive
-        gone = 0 if alive else gone + 1
-        if seen and gone >= TRAINERS_GONE_CHECKS:
-            say(f"{ERROR}every trainer pod has ended and not every trainer closed its connection (a trainer "
-                "failed, or its Job was stopped): stopping this pserver")
-            child.terminate()
-            child.wait()
-            return EXIT_TRAINERS_GONE
+
+
+def _stop_pserver(child: subprocess.Popen) -> int:
+    say(f"{ERROR}no trainer pod is left and not every trainer closed its connection (a trainer failed, or its "
+        "Job was stopped): stopping this pserver")
+    child.terminate()
+    try:
+        child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        say(f"{PREFIX}the pserver did not stop within {STOP_GRACE_S:g} s of SIGTERM: killing it")
+        child.kill()
+        child.wait()
+    return EXIT_TRAINERS_GONE
 
 
 def print_metrics(path: str, trainer: str) -> None:

@@ -10,6 +10,7 @@ launcher (they finish the job on their own) and ``kill`` deletes them by label.
 
 from __future__ import annotations
 
+import json
 import queue
 import shlex
 import subprocess
@@ -21,12 +22,14 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 
-from .. import k8s
+from .. import journal, k8s
 from ..config import ClusterConfig
 from ..errors import ClusterError, ConfigError
+from ..interrupt import stoppable
 from ..k8s_pod import PodOptions
-from ..kubectl import Kubectl, PodState, owners, pod_states
+from ..kubectl import Kubectl, PodState, owners, pod_states, save_results
 from ..plan import JobPlan, JobSpec
+from ..supervise import JobResult
 from .base import Backend, Event, NodeLost
 
 POLL_S = 2.0
@@ -153,6 +156,9 @@ class K8sBackend(Backend):
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
         self._polling: Optional[threading.Event] = None
+        self.detached = False  # run --detach: create the objects, follow nothing
+        self.job_dir = ""
+        self.say: Callable[[str], None] = lambda line: None
 
     # -- preparing ------------------------------------------------------------------------------------
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
@@ -167,6 +173,7 @@ class K8sBackend(Backend):
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts  # spec.cfg below: the config as settled (--entry, the v2 port options)
         self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args)
+        self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
             if not self.kubectl.may(verb, resource):
@@ -190,7 +197,7 @@ class K8sBackend(Backend):
         return {"backend": "k8s", "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
-        return shlex.join(self.kubectl.logs(self.watch.started.get(node, self.names[node]), follow=False))
+        return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
 
     def unstopped(self, nodes: List[int]) -> str:
         return (f"pods left after deleting the job's objects: {', '.join(self.names[i] for i in nodes)}; see "
@@ -210,7 +217,24 @@ class K8sBackend(Backend):
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
         self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
+        self._owned_by_jobs(job)
+        if self.detached:
+            self._polling = None  # created: from now on the cluster runs and ends the job on its own
+            return
         threading.Thread(target=self._poll, args=(done,), daemon=True, name="k8s-pods").start()
+
+    def _owned_by_jobs(self, job: k8s.K8sJob) -> None:
+        """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
+        (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
+        jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
+        items = json.loads(self.kubectl.run(self.kubectl.get_named(jobs)) or "{}").get("items", [])
+        refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
+                for i in items]
+        if len(refs) != 2:
+            raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
+                               f"'{shlex.join(self.kubectl.get())}'")
+        rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
+        self.kubectl.run(self.kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
 
     def _poll(self, done: threading.Event) -> None:
         problem = ""
@@ -273,6 +297,11 @@ class K8sBackend(Backend):
         if grace == 0:
             self.request_stop(0)
         try:
+            if grace:  # the logs and metrics first: they go with the pods
+                saved = save_results(self.kubectl, pod_states(self.kubectl.run(self.kubectl.get_pods())),
+                                     self.job_dir)
+                if saved:
+                    self.say(f"logs and metrics of {len(saved)} pod(s) saved in {self.job_dir}/log")
             self.kubectl.run(self.kubectl.delete(wait=True), timeout=self.cfg.kill_grace + 120)
             left = pod_states(self.kubectl.run(self.kubectl.get_pods()))
         except ClusterError as e:
@@ -295,3 +324,24 @@ class K8sBackend(Backend):
                 except subprocess.TimeoutExpired:
                     p.kill()
                 t.join(timeout=2)
+
+
+def submit(spec: JobSpec, be: K8sBackend, say: Callable[[str], None]) -> JobResult:
+    """``run --detach``: create the job's objects and return; the pods end the job on their own (fail-fast,
+    the pservers once the trainers are gone), ``status``/``logs``/``kill`` find it by its id."""
+    be.detached = True
+    try:
+        with stoppable():
+            be.start(be.plan(spec, be.prepare(spec, say)))
+    except BaseException:
+        be.stop(spec.cfg.kill_grace)  # a half-created job is deleted (by its id: only what this run made)
+        raise
+    finally:
+        be.close()
+    journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
+    assert be.job is not None
+    ttl = be.job.pods.ttl
+    return JobResult(spec.name, 0, f"job {spec.name} created in namespace {be.job.namespace} (id {be.job.env.job_id});"
+                     f" follow it with `paddle-cluster status` and `paddle-cluster logs trainer.0 -f`, stop it with "
+                     f"`paddle-cluster kill` (add --job_name {spec.name} for an older job)"
+                     + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
