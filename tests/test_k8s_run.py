@@ -158,3 +158,30 @@ def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job
     plot = cli(kube, job_dir, "plot", "-o", str(job_dir / "fit.png"))
     assert plot.returncode == 0 and (job_dir / "fit.png").stat().st_size > 0, plot.stderr
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
+
+
+def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) -> None:
+    opts = ["--trainer-requests", "cpu=2", "--gpus", "1", "--pserver-limits", "memory=2Gi", "--node-selector",
+            "pool=cpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
+            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600", "--queue", "q"]
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    rendered = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
+                   "--trainers", "2", "--job_workspace", str(job_dir / "ws"), *opts, "--", "--passes", "1")
+    assert rendered.returncode == 0, rendered.stderr
+    import yaml
+
+    for doc in list(yaml.safe_load_all(rendered.stdout))[2:]:
+        made = kube.objects("Job")[f"Job/default/{doc['metadata']['name']}"]
+        for spec in (made["spec"], doc["spec"]):
+            # The job id differs per run; run reads the workspace (train.py serves pservers too), render cannot.
+            spec["template"]["spec"]["containers"][0].update(env=[], args=[])
+            spec["template"]["metadata"]["labels"].pop("paddle-cluster/job-id")
+        assert made["spec"]["template"] == doc["spec"]["template"]
+        assert made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+        assert made["spec"]["activeDeadlineSeconds"] == 3600
+    # Only the workers labelled pool=cpu run the pods (the stand-in's worker-0 is pool=gpu).
+    kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
+    assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
+    assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
