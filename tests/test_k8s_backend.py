@@ -220,7 +220,6 @@ def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,named", [
-    (["--job_dispatch_package", "ws"], "--job_dispatch_package"),
     (["--max_restarts", "2"], "--max_restarts"),
     (["--elastic"], "--elastic"),
     (["--resume_from", "old"], "--resume_from"),

@@ -299,3 +299,17 @@ def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], nam
     res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)
     assert res.exit_code != 0 and res.stdout == "" and named in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_dispatched_workspace_is_a_configmap_the_pods_mount() -> None:
+    cfg = parse_config({"HOSTS": ["a", "b"], "ROOT_DIR": "/data"}, "test")
+    docs = k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", workspace_pack=b"\x1f\x8b packed"))
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "ConfigMap", "Job", "Job"]
+    assert problems(docs) == [] and restricted_problems(docs) == []
+    assert docs[2]["binaryData"] == {"workspace.tar.gz": "H4sgcGFja2Vk"}
+    for job in docs[3:]:
+        c = container(job)
+        assert c["command"][-3:] == ["--unpack", f"{k8s.PACK_DIR}/workspace.tar.gz", "--"]
+        assert c["workingDir"] == "/data/fit/workspace"
+        assert {"name": "workspace", "configMap": {"name": "fit-workspace"}} in job["spec"]["template"]["spec"][
+            "volumes"]

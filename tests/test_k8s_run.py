@@ -5,6 +5,7 @@ its end, a name clash that changes nothing of the other job, and a failing train
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -184,4 +185,20 @@ def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) ->
     kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
     assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
     assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
+
+
+def test_a_small_workspace_is_dispatched_in_a_configmap(kube: StandIn, job_dir: Path) -> None:
+    args = ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2", "--job_name", "fit",
+            "--job_dispatch_package", "ws", "--", "--passes", "2"]
+    res = cli(kube, job_dir, *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    unpacked = f"entries unpacked into {job_dir}/root/fit/workspace"
+    assert res.stdout.count(unpacked) == 3 and "final test_mse=" in res.stdout, res.stdout
+    assert kube.objects() == {}
+    # Too big for a ConfigMap: refused before anything is created, saying what to do instead.
+    (job_dir / "ws" / "big.bin").write_bytes(os.urandom(1536 * 1024))
+    res = cli(kube, job_dir, *args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--job_dispatch_package" in res.stderr and "KiB a ConfigMap holds" in res.stderr, res.stderr
     assert kube.objects() == {}

@@ -13,6 +13,7 @@ The workspace is in the image (see docs/backends.md for why).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import re
@@ -36,6 +37,9 @@ LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so i
 SECRET_KEY = "job-secret"
 DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
+PACK_DIR = "/var/run/paddle-cluster/workspace"  # where a pod sees the ConfigMap holding a dispatched workspace
+PACK_KEY = "workspace.tar.gz"
+PACK_LIMIT = 1 << 20  # what a ConfigMap holds in all
 POD_PYTHON = "python3"  # the image's interpreter; the local PYTHON of a config means nothing in a pod
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035: what a Service name must be
@@ -56,6 +60,7 @@ class K8sJob:
     pods: PodOptions = PodOptions()
     start_timeout: float = 60.0
     kill_grace: float = 5.0
+    workspace_pack: bytes = b""  # --job_dispatch_package: the workspace as a gzipped tar, in a ConfigMap
 
     @property
     def pservers(self) -> int:
@@ -73,8 +78,9 @@ class K8sJob:
 
     def object_names(self) -> List[str]:
         """``kind/name`` of every object the manifests create (``kubectl get`` arguments)."""
-        return [f"secret/{self.name}-secret", f"service/{self.name}", f"job.batch/{self.job_name(PSERVER)}",
-                f"job.batch/{self.job_name(TRAINER)}"]
+        return [f"secret/{self.name}-secret", f"service/{self.name}"] + (
+            [f"configmap/{self.name}-workspace"] if self.workspace_pack else []) + [
+            f"job.batch/{self.job_name(PSERVER)}", f"job.batch/{self.job_name(TRAINER)}"]
 
     def job_name(self, role: str) -> str:
         return f"{self.name}-{_ROLE_WORD[role]}"
@@ -118,7 +124,7 @@ def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
           trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
-          secret: Optional[str] = None) -> K8sJob:
+          secret: Optional[str] = None, workspace_pack: bytes = b"") -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
     n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
@@ -134,6 +140,8 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     name = k8s_name(job_name, n_tr, n_ps)
     # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
     root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
+    if workspace_pack:  # unpacked by each pod into its job-dir volume
+        workspace = f"{root}/{name}/workspace"
     eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i), cfg.paddle_port) for i in range(n_ps))
     env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
@@ -142,12 +150,18 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
-                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace)
+                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace, workspace_pack)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:
     """The Secret, the headless Service and the two Indexed Jobs, in the order to apply them."""
-    return [_secret(job), _service(job), _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+    pack = [_workspace(job)] if job.workspace_pack else []
+    return [_secret(job), _service(job), *pack, _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+
+
+def _workspace(job: K8sJob) -> Dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, f"{job.name}-workspace"),
+            "binaryData": {PACK_KEY: base64.b64encode(job.workspace_pack).decode()}}
 
 
 def to_yaml(docs: List[Dict[str, Any]]) -> str:
@@ -206,12 +220,14 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "workingDir": job.env.workspace,
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
                     # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
-                    *(["--trainer-names", trainer_names(job)] if role == PSERVER else []), "--"],
+                    *(["--trainer-names", trainer_names(job)] if role == PSERVER else []),
+                    *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []), "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
         "resources": (job.pods.pserver if role == PSERVER else job.pods.trainer).spec(),
         "securityContext": job.pods.container_security(),
-        "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}],
+        "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}] + (
+            [{"name": "workspace", "mountPath": PACK_DIR, "readOnly": True}] if job.workspace_pack else []),
     }
     if role == PSERVER:
         container["ports"] = [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in _ports(job)]
@@ -223,7 +239,8 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "terminationGracePeriodSeconds": math.ceil(job.kill_grace),
         "containers": [container],
         # Logs, metrics and checkpoints of this pod; they go with it (docs/backends.md: what persists).
-        "volumes": [{"name": "job-dir", "emptyDir": {}}],
+        "volumes": [{"name": "job-dir", "emptyDir": {}}] + (
+            [{"name": "workspace", "configMap": {"name": f"{job.name}-workspace"}}] if job.workspace_pack else []),
         **job.pods.pod_spec(),
     }
     meta = _meta(job, job.job_name(role), role)

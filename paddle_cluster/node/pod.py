@@ -23,11 +23,14 @@ trainers finish, the pserver ends on its own (every trainer closed). Standard li
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -113,7 +116,7 @@ def wait_pservers(env: JobEnv, deadline: float) -> None:
 
 
 def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
-           trainer_names: str = "") -> int:
+           trainer_names: str = "", pack: str = "") -> int:
     """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code."""
     base: Dict[str, str] = dict(os.environ if environ is None else environ)
     env = JobEnv.from_environ(base)
@@ -123,6 +126,8 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role is None:
         raise PodError("PADDLE_TRAINING_ROLE is not set: the pod was not rendered by paddle-cluster render k8s")
     index = completion_index(base)
+    if pack:
+        unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
     deadline = time.monotonic() + start_timeout
     if env.role == PSERVER:
@@ -185,6 +190,25 @@ def _stop_pserver(child: subprocess.Popen) -> int:
     return EXIT_TRAINERS_GONE
 
 
+def unpack_workspace(pack: str, workspace: str) -> None:
+    """The dispatched workspace (``--unpack``: a gzipped tar from the job's ConfigMap) into ``workspace``, which
+    becomes the working directory; the same checks as on every other backend (``node/unpack.py``)."""
+    from .unpack import UnsafeArchive, safe_extract
+
+    tmp = f"{workspace}.tar"
+    try:
+        with gzip.open(pack) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        n = safe_extract(tmp, workspace)
+    except (OSError, EOFError, UnsafeArchive, tarfile.TarError) as e:
+        raise PodError(f"cannot unpack the workspace {pack} into {workspace}: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    os.chdir(workspace)
+    say(f"{PREFIX}workspace: {n} entries unpacked into {workspace}")
+
+
 def print_metrics(path: str, trainer: str) -> None:
     """A trainer's metrics records into the pod's log, one ``METRICS`` line each."""
     try:
@@ -204,13 +228,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node pod", description=__doc__.split("\n")[0])
     ap.add_argument("--start-timeout", type=float, default=60.0)
     ap.add_argument("--trainer-names", default="", help="pserver: the trainers' DNS names, {} for the index")
+    ap.add_argument("--unpack", default="", help="a gzipped tar of the workspace to unpack into it first")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("give the command to run after --")
     try:
-        return become(cmd, a.start_timeout, trainer_names=a.trainer_names)
+        return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
         return EXIT_NOT_READY

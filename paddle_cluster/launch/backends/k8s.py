@@ -10,6 +10,7 @@ launcher (they finish the job on their own) and ``kill`` deletes them by label.
 
 from __future__ import annotations
 
+import gzip
 import json
 import queue
 import shlex
@@ -22,7 +23,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 
-from .. import journal, k8s
+from .. import dispatch, journal, k8s
 from ..config import ClusterConfig
 from ..errors import ClusterError, ConfigError
 from ..interrupt import stoppable
@@ -65,10 +66,22 @@ class K8sOptions:
         return cls(image, namespace or cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...]) -> k8s.K8sJob:
+              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"") -> k8s.K8sJob:
         return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
                          trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pods=self.pods)
+                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack)
+
+
+def packed_workspace(directory: str) -> bytes:
+    """``--job_dispatch_package``: the workspace as a gzipped tar small enough for a ConfigMap."""
+    pkg = dispatch.pack_workspace(directory, dispatch.workspace_cache_dir())
+    with open(pkg.path, "rb") as f:
+        data = gzip.compress(f.read(), mtime=0)
+    if len(data) > k8s.PACK_LIMIT - 4096:  # room for the ConfigMap's own fields
+        raise ConfigError("--job_dispatch_package", directory, f"packs to {len(data) / 1024:.0f} KiB, over the "
+                          f"{k8s.PACK_LIMIT // 1024} KiB a ConfigMap holds: build the workspace into the image and "
+                          "give --job_workspace PATH inside it (docs/backends.md), or leave large data out of it")
+    return data
 
 
 def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
@@ -163,8 +176,6 @@ class K8sBackend(Backend):
     # -- preparing ------------------------------------------------------------------------------------
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
         for flag, given, why in (
-                ("--job_dispatch_package", spec.dispatch_dir, "the workspace is in the image: build it in "
-                 "(docs/backends.md) and give --job_workspace PATH inside it (default /workspace)"),
                 ("--resume_from", spec.resume_from, "a pod's checkpoints are in its own volume and go with it"),
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
@@ -172,7 +183,10 @@ class K8sBackend(Backend):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts  # spec.cfg below: the config as settled (--entry, the v2 port options)
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args)
+        if spec.dispatch_dir and spec.workspace:
+            raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
+        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack)
         self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
