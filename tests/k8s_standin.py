@@ -25,9 +25,12 @@ class StandIn:
     def __init__(self, cluster, root: Path) -> None:
         self.cluster, self.root = cluster, root
         root.mkdir(parents=True)
-        bindir, imagebin = root / "bin", root / "image-bin"
-        bindir.mkdir()
-        imagebin.mkdir()
+        bindir, imagebin, barebin = root / "bin", root / "image-bin", root / "bare-bin"
+        for d in (bindir, imagebin, barebin):
+            d.mkdir()
+        # Python without site-packages: no numpy, no paddle-cluster.
+        (barebin / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+        (barebin / "python3").chmod(0o755)
         (bindir / "kubectl").write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'kube_standin.py'} kubectl \"$@\"\n")
         (bindir / "kubectl").chmod(0o755)
         (imagebin / "python3").symlink_to(sys.executable)
@@ -39,7 +42,7 @@ class StandIn:
                        "labels": {"kubernetes.io/hostname": f"worker-{i}", "pool": "gpu" if i == 0 else "cpu"}}
                       for i in range(cluster.n)],
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
-                       BARE_IMAGE: {"env": image_env, "user": 1000}},
+                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
             "hosts_file": str(hosts)}))
         self.store = Store(root)
         self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}

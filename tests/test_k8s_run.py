@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from k8s_standin import IMAGE, REPO, StandIn
+from k8s_standin import BARE_IMAGE, IMAGE, REPO, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -202,3 +202,17 @@ def test_a_small_workspace_is_dispatched_in_a_configmap(kube: StandIn, job_dir: 
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "--job_dispatch_package" in res.stderr and "KiB a ConfigMap holds" in res.stderr, res.stderr
     assert kube.objects() == {}
+
+
+def test_an_image_without_paddle_cluster_fails_in_one_line(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", BARE_IMAGE, "--pservers", "1", "--trainers", "1",
+              "--job_name", "fit", "--job_dispatch_package", "ws")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert "the image cannot run the pod entry point" in line and "No module named 'paddle_cluster'" in line, line
+    assert kube.objects() == {}
+    # A good image says what it offers, in one line per pod.
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"\[trainer\.0@fit-trainer-0\] paddle-cluster pod: image: Python 3\.\d+\.\d+, numpy \S+, "
+                     r"paddle-cluster \S+", res.stdout), res.stdout

@@ -41,6 +41,7 @@ INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an In
 PREFIX = "paddle-cluster pod: "
 READY = PREFIX + "ready: "
 ERROR = PREFIX + "error: "
+IMAGE = PREFIX + "image: "
 METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
 POLL_S = 0.2
 TRAINERS_CHECK_S = 1.0
@@ -209,6 +210,21 @@ def unpack_workspace(pack: str, workspace: str) -> None:
     say(f"{PREFIX}workspace: {n} entries unpacked into {workspace}")
 
 
+def image_check() -> str:
+    """What the image offers the job's processes, in one line; ``PodError`` when it lacks numpy."""
+    try:
+        import numpy
+    except ImportError as e:
+        raise PodError(f"the image has no numpy ({e}): install numpy in it (pip install numpy)") from None
+    try:
+        from importlib.metadata import version
+
+        ours = version("paddle-cluster")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (PYTHONPATH): still usable
+        ours = "from PYTHONPATH"
+    return f"Python {sys.version.split()[0]}, numpy {numpy.__version__}, paddle-cluster {ours}"
+
+
 def print_metrics(path: str, trainer: str) -> None:
     """A trainer's metrics records into the pod's log, one ``METRICS`` line each."""
     try:
@@ -235,6 +251,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not cmd:
         ap.error("give the command to run after --")
     try:
+        say(f"{IMAGE}{image_check()}")
         return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")

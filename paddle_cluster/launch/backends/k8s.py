@@ -116,6 +116,9 @@ def log_events(node: int, proc: str, line: str) -> List[Event]:
         out.append(m.Ready(node))
     elif line.startswith(pod_entry.ERROR):
         out.append(m.NotReady(node, line[len(pod_entry.ERROR):]))
+    elif "No module named paddle_cluster" in line or "No module named 'paddle_cluster" in line:
+        out.append(m.NotReady(node, f"the image cannot run the pod entry point ({line.strip()}): it needs Python 3 "
+                               "with numpy and paddle-cluster installed (docs/backends.md: the image)"))
     return out
 
 
@@ -169,6 +172,7 @@ class K8sBackend(Backend):
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
         self._polling: Optional[threading.Event] = None
+        self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
         self.job_dir = ""
         self.say: Callable[[str], None] = lambda line: None
@@ -268,6 +272,10 @@ class K8sBackend(Backend):
                     # Its last lines first: the failure report quotes them.
                     self._follow(ev.node, self.watch.started[ev.node], ev.proc)
                     self.followers[ev.node][1].join(timeout=10)
+                    if ev.node not in self.readied:  # ended before the entry point said ready or not
+                        self.events.put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
+                                                            "before its process started"
+                                                            + (f" ({ev.error})" if ev.error else "")))
                 self.events.put(ev)
             done.wait(POLL_S)
 
@@ -285,6 +293,8 @@ class K8sBackend(Backend):
         assert p.stdout is not None and p.stderr is not None
         for raw in p.stdout:
             for ev in log_events(node, proc, raw.rstrip("\n")):
+                if isinstance(ev, (m.Ready, m.NotReady)):
+                    self.readied.add(node)
                 self.events.put(ev)
         err = p.stderr.read().strip()
         if p.wait() != 0 and err:
