@@ -370,18 +370,20 @@ def render() -> None:
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
               help="Where the workspace is inside the image (the pods' working directory).")
+@click.option("--jobset", is_flag=True, help="One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
+              "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue workload.")
 @click.argument("trainer_args", nargs=-1, type=click.UNPROCESSED)
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
-               trainers: Optional[int], job_name: Optional[str], workspace: str, k8s_pod: Dict[str, Any],
-               trainer_args: Tuple[str, ...]) -> None:
+               trainers: Optional[int], job_name: Optional[str], workspace: str, jobset: bool,
+               k8s_pod: Dict[str, Any], trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
     from .launch.backends.k8s import K8sOptions
 
     cfg = _config(ctx)
     opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, k8s_pod)
-    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args))
+    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args), jobset=jobset)
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
              "built-in default's counts (--pservers/--trainers set them)")

@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from k8s_check import env_of, problems, restricted_problems
+from k8s_check import env_of, jobset_problems, problems, restricted_problems
 from kubernetes.client import models as M
 
 from paddle_cluster.cli import main
@@ -131,7 +131,8 @@ def test_every_object_carries_the_job_label(tmp_path: Path) -> None:
         if d["kind"] == "Job":
             assert d["spec"]["template"]["metadata"]["labels"][k8s.LABEL_JOB] == "fit"
     job_id = yaml.safe_load_all(out).__next__()["metadata"]["labels"][k8s.LABEL_ID]
-    assert job_id.startswith("fit-") and f"kubectl delete -n ml job,service,secret -l {k8s.LABEL_ID}={job_id}" in out
+    assert job_id.startswith("fit-")
+    assert f"kubectl delete -n ml jobs.batch,services,secrets,configmaps -l {k8s.LABEL_ID}={job_id}" in out
 
 
 # -- the checks catch what they claim to ----------------------------------------------------------------------
@@ -313,3 +314,51 @@ def test_a_dispatched_workspace_is_a_configmap_the_pods_mount() -> None:
         assert c["workingDir"] == "/data/fit/workspace"
         assert {"name": "workspace", "configMap": {"name": "fit-workspace"}} in job["spec"]["template"]["spec"][
             "volumes"]
+
+
+# -- JobSet ---------------------------------------------------------------------------------------------------
+
+def test_the_jobset_form_validates_against_jobsets_schema(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", "--namespace", "ml", "--jobset", "--queue",
+                  "team-a", "--ttl", "600", "--deadline", "3600", "--", "--passes", "3", conf=THREE_HOSTS)
+    assert [d["kind"] for d in docs] == ["Secret", "JobSet"]
+    secret, js = docs
+    assert problems([secret]) == [] and jobset_problems(js) == [] and restricted_problems(docs) == []
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # one workload for Kueue
+    spec = js["spec"]
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
+    assert spec["failurePolicy"] == {"maxRestarts": 0} and spec["ttlSecondsAfterFinished"] == 600
+    assert spec["network"]["enableDNSHostnames"] is True
+    ps, tr = (rj["template"] for rj in spec["replicatedJobs"])
+    assert (ps["spec"]["completions"], tr["spec"]["completions"]) == (3, 6)
+    assert ps["spec"]["activeDeadlineSeconds"] == 3600 and ps["spec"]["completionMode"] == "Indexed"
+    # A JobSet's pods are named <JobSet>-<replicated Job>-<Job index>-<pod index>, in the JobSet's subdomain.
+    env = JobEnv.from_environ(env_of(container(tr)))
+    assert [e.host for e in env.pservers] == [f"fit-pserver-0-{i}.fit.ml.svc" for i in range(3)]
+    assert "fit-trainer-0-{}.fit.ml.svc" in container(ps)["command"]
+    # The references between the Secret and the pods hold (the JobSet's Jobs checked as Jobs).
+    jobs = [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"fit-{rj['name']}", "namespace": "ml"},
+             "spec": rj["template"]["spec"]} for rj in spec["replicatedJobs"]]
+    assert [p for p in problems([secret, *jobs]) if "subdomain" not in p] == []
+
+
+JOBSET_MUTATIONS = {
+    "unknown field": (lambda s: s.__setitem__("sucessPolicy", {}), "sucessPolicy: unknown field"),
+    "bad operator": (lambda s: s["successPolicy"].__setitem__("operator", "Most"), "successPolicy.operator"),
+    "missing replicated Job name": (lambda s: s["replicatedJobs"][0].pop("name"), "name is required"),
+    "wrong type": (lambda s: s["failurePolicy"].__setitem__("maxRestarts", "0"), "maxRestarts"),
+    "bad restart strategy": (lambda s: s["failurePolicy"].__setitem__("restartStrategy", "Now"), "restartStrategy"),
+    "misspelled Job template field": (lambda s: s["replicatedJobs"][1]["template"]["spec"].__setitem__(
+        "completionMod", "Indexed"), "completionMod"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(JOBSET_MUTATIONS))
+def test_the_jobset_checks_catch_what_they_claim_to(what: str) -> None:
+    cfg = parse_config({"HOSTS": ["a", "b"]}, "test")
+    js = copy.deepcopy(k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", jobset=True))[-1])
+    assert jobset_problems(js) == []
+    mutate, named = JOBSET_MUTATIONS[what]
+    mutate(js["spec"])
+    found = jobset_problems(js)
+    assert found and any(named in p for p in found), found

@@ -61,6 +61,7 @@ class K8sJob:
     start_timeout: float = 60.0
     kill_grace: float = 5.0
     workspace_pack: bytes = b""  # --job_dispatch_package: the workspace as a gzipped tar, in a ConfigMap
+    jobset: bool = False  # one JobSet (jobset.x-k8s.io) instead of a Service and two Jobs
 
     @property
     def pservers(self) -> int:
@@ -97,10 +98,11 @@ def selector(name: str) -> str:
     return f"{LABEL_JOB}={name}"
 
 
-def pod_host(name: str, namespace: str, role: str, index: int) -> str:
+def pod_host(name: str, namespace: str, role: str, index: int, jobset: bool = False) -> str:
     """The stable DNS name of pod ``index`` of a role: hostname ``<Job name>-<index>``, subdomain the job's
     headless Service. Relative to the cluster domain, which the pods' resolver search path supplies."""
-    return f"{name}-{_ROLE_WORD[role]}-{index}.{name}.{namespace}.svc"
+    # A JobSet's pods: <JobSet>-<replicated Job>-<Job index>-<pod index>, one Job per replicated Job here.
+    return f"{name}-{_ROLE_WORD[role]}-{'0-' if jobset else ''}{index}.{name}.{namespace}.svc"
 
 
 def object_name(job_name: str) -> str:
@@ -108,11 +110,11 @@ def object_name(job_name: str) -> str:
     return re.sub(r"[_.]", "-", job_name.lower())
 
 
-def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
+def k8s_name(job_name: str, trainers: int, pservers: int, jobset: bool = False) -> str:
     """``object_name(job_name)``, checked to be usable for every object and pod hostname of the job."""
     name = object_name(job_name)
     # The longest pod hostname, <name>-trainer-<index>, must be a DNS label (63 characters).
-    longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}"))
+    longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}")) + (2 if jobset else 0)
     limit = 63 - longest
     if not _DNS_LABEL.fullmatch(name) or len(name) > limit:
         raise ConfigError("--job_name", job_name, "is not usable as a Kubernetes name: use lower-case letters, "
@@ -124,7 +126,7 @@ def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
           trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
-          secret: Optional[str] = None, workspace_pack: bytes = b"") -> K8sJob:
+          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False) -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
     n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
@@ -137,12 +139,12 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
                           "digits and '-', at most 63 characters)")
     if not workspace.startswith("/"):
         raise ConfigError("--job_workspace", workspace, "must be an absolute path inside the image")
-    name = k8s_name(job_name, n_tr, n_ps)
+    name = k8s_name(job_name, n_tr, n_ps, jobset)
     # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
     root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
     if workspace_pack:  # unpacked by each pod into its job-dir volume
         workspace = f"{root}/{name}/workspace"
-    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i), cfg.paddle_port) for i in range(n_ps))
+    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i, jobset), cfg.paddle_port) for i in range(n_ps))
     env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
                  secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
@@ -150,13 +152,41 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
-                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace, workspace_pack)
+                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace, workspace_pack, jobset)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:
     """The Secret, the headless Service and the two Indexed Jobs, in the order to apply them."""
     pack = [_workspace(job)] if job.workspace_pack else []
+    if job.jobset:
+        return [_secret(job), *pack, _jobset(job)]
     return [_secret(job), _service(job), *pack, _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+
+
+def _jobset(job: K8sJob) -> Dict[str, Any]:
+    """The two Jobs as one JobSet: its controller makes the headless Service (``network``), the job succeeds
+    when the trainers have (the pservers are then stopped) and fails, stopping everything, when any Job fails;
+    Kueue admits it as one workload."""
+    replicated = []
+    for role in (PSERVER, TRAINER):
+        j = _indexed_job(job, role)
+        spec = j["spec"]
+        spec.pop("ttlSecondsAfterFinished", None)  # the JobSet's, below
+        spec["template"]["spec"].pop("subdomain")  # set by the JobSet controller: the JobSet's name
+        replicated.append({"name": _ROLE_WORD[role], "replicas": 1,
+                           "template": {"metadata": {"labels": job.labels(role)}, "spec": spec}})
+    meta = _meta(job, job.name)
+    if job.pods.queue:
+        meta["labels"][QUEUE_LABEL] = job.pods.queue
+    spec: Dict[str, Any] = {
+        "replicatedJobs": replicated,
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [_ROLE_WORD[TRAINER]]},
+        "failurePolicy": {"maxRestarts": 0},
+    }
+    if job.pods.ttl is not None:
+        spec["ttlSecondsAfterFinished"] = job.pods.ttl
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": spec}
 
 
 def _workspace(job: K8sJob) -> Dict[str, Any]:
@@ -174,7 +204,8 @@ def render(job: K8sJob) -> str:
             f"trainer(s) in namespace {job.namespace}\n# This stream holds the job secret (in the Secret): pipe it "
             f"into 'kubectl create -f -' rather than keeping it (create, not apply: it refuses to replace objects "
             f"of another job of this name).\n# Delete everything with: kubectl delete -n {job.namespace} "
-            f"job,service,secret -l {job.selector}\n")
+            f"{'jobsets.jobset.x-k8s.io' if job.jobset else 'jobs.batch,services'},secrets,configmaps -l "
+            f"{job.selector}\n")
     return head + to_yaml(manifests(job))
 
 
@@ -254,4 +285,4 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
 
 def trainer_names(job: K8sJob) -> str:
     """The trainer pods' stable DNS names, ``{}`` for the index."""
-    return f"{job.job_name(TRAINER)}-{{}}.{job.name}.{job.namespace}.svc"
+    return pod_host(job.name, job.namespace, TRAINER, 0, job.jobset).replace("-0.", "-{}.", 1)

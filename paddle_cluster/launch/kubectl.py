@@ -23,7 +23,7 @@ from .k8s import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 from .ops import ProcRow
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
-OBJECTS = "jobs.batch,services,secrets"  # everything render k8s creates (pods go with their Jobs)
+OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
 

@@ -66,10 +66,10 @@ class K8sOptions:
         return cls(image, namespace or cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"") -> k8s.K8sJob:
+              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False) -> k8s.K8sJob:
         return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
                          trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack)
+                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset)
 
 
 def packed_workspace(directory: str) -> bytes:
