@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node.pod import METRICS
@@ -55,6 +55,11 @@ class Kubectl:
 
     def get_pods(self) -> List[str]:
         return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
+
+    def watch_pods(self) -> List[str]:
+        """The job's pods as they change: one JSON document per event, ``{"type": ..., "object": pod}``."""
+        return self._ns("get", "pods", "--selector", self.selector, "--watch", "--output-watch-events",
+                        "--output", "json")
 
     def get(self) -> List[str]:
         """The job's Jobs and pods, as a table for people."""
@@ -128,7 +133,27 @@ def pod_states(text: str) -> List[PodState]:
         doc = json.loads(text)
     except ValueError:
         raise ClusterError(f"kubectl get pods printed no JSON: {text[:200]!r}") from None
-    return [p for p in (_pod(item) for item in doc.get("items", [])) if p is not None]
+    return states_of(doc.get("items", []))
+
+
+def states_of(items: Iterable[Dict[str, Any]]) -> List[PodState]:
+    """The pods of these pod documents; pods of no known role are left out."""
+    return [p for p in (_pod(item) for item in items) if p is not None]
+
+
+def watch_events(lines: Iterable[str]) -> Iterator[Dict[str, Any]]:
+    """The documents of ``Kubectl.watch_pods``' output, one after another (each printed over many lines)."""
+    buf: List[str] = []
+    for line in lines:
+        buf.append(line)
+        if line.rstrip() == "}":  # a document's last line (its braces inside are indented)
+            try:
+                doc = json.loads("".join(buf))
+            except ValueError:
+                continue
+            buf = []
+            if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
+                yield doc
 
 
 def _pod(item: Dict[str, Any]) -> Optional[PodState]:

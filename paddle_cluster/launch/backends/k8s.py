@@ -2,7 +2,7 @@
 what kubectl shows into the events every backend yields, and deletes the job's objects by label at the end.
 
 Each pod is a node of the plan with one process (pserver *i* is node *i*, trainer *j* node *pservers + j*).
-Events come from two kubectl commands: ``get pods -o json`` every ``POLL_S`` s (a container started, waits
+Events come from two kubectl commands: ``get pods --watch -o json`` (a container started, waits
 for a reason, or ended with an exit code) and ``logs --follow`` per pod (its output lines, and the entry
 point's "ready"/"error" lines: ``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
 launcher (they finish the job on their own) and ``kill`` deletes them by label.
@@ -28,12 +28,12 @@ from ..config import ClusterConfig
 from ..errors import ClusterError, ConfigError
 from ..interrupt import stoppable
 from ..k8s_pod import PodOptions
-from ..kubectl import Kubectl, PodState, owners, pod_states, save_results
+from ..kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
 from ..plan import JobPlan, JobSpec
 from ..supervise import JobResult
 from .base import Backend, Event, NodeLost
 
-POLL_S = 2.0
+RETRY_S = 2.0  # between a watch that ended and the next
 # Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
 FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull")
 NEEDED = (("create", "jobs.batch"), ("create", "services"), ("create", "secrets"), ("delete", "jobs.batch"))
@@ -172,6 +172,7 @@ class K8sBackend(Backend):
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
         self._polling: Optional[threading.Event] = None
+        self._watcher: Optional[subprocess.Popen] = None
         self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
         self.job_dir = ""
@@ -239,7 +240,7 @@ class K8sBackend(Backend):
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             return
-        threading.Thread(target=self._poll, args=(done,), daemon=True, name="k8s-pods").start()
+        threading.Thread(target=self._watch_pods, args=(done,), daemon=True, name="k8s-pods").start()
 
     def _owned_by_jobs(self, job: k8s.K8sJob) -> None:
         """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
@@ -254,30 +255,48 @@ class K8sBackend(Backend):
         rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
         self.kubectl.run(self.kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
 
-    def _poll(self, done: threading.Event) -> None:
+    def _watch_pods(self, done: threading.Event) -> None:
+        """The pods' states as they change: a listing, then ``kubectl get --watch``; again after a problem (a
+        watch the API server ended, a lost connection), the listing catching up on what the watch missed."""
         problem = ""
         while not done.is_set():
             try:
-                events = self.watch.update(pod_states(self.kubectl.run(self.kubectl.get_pods(), timeout=60)))
+                pods = {p["metadata"]["name"]: p for p in json.loads(self.kubectl.run(
+                    self.kubectl.get_pods(), timeout=60) or "{}").get("items", [])}
+                self._handle(self.watch.update(states_of(pods.values())))
+                w = self._watcher = subprocess.Popen(self.kubectl.watch_pods(), stdin=subprocess.DEVNULL,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                assert w.stdout is not None and w.stderr is not None
+                for ev in watch_events(w.stdout):
+                    name = ev["object"].get("metadata", {}).get("name", "")
+                    if ev.get("type") == "DELETED":
+                        pods.pop(name, None)
+                    else:
+                        pods[name] = ev["object"]
+                    self._handle(self.watch.update(states_of(pods.values())))
+                err = w.stderr.read().strip()
+                if w.wait() != 0 and not done.is_set():
+                    raise ClusterError(f"kubectl get pods --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
-            except ClusterError as e:
-                if str(e) != problem:  # once per distinct problem, not every poll
+            except (ClusterError, ValueError) as e:
+                if str(e) != problem:  # once per distinct problem, not every retry
                     problem = str(e)
-                    self.events.put(m.Note(0, f"cannot read the pods' states: {e}"))
-                events = []
-            for ev in events:
-                if isinstance(ev, m.Started):
-                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
-                if isinstance(ev, m.Exited):
-                    # Its last lines first: the failure report quotes them.
-                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
-                    self.followers[ev.node][1].join(timeout=10)
-                    if ev.node not in self.readied:  # ended before the entry point said ready or not
-                        self.events.put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
-                                                            "before its process started"
-                                                            + (f" ({ev.error})" if ev.error else "")))
-                self.events.put(ev)
-            done.wait(POLL_S)
+                    self.events.put(m.Note(0, f"cannot follow the pods' states: {e}"))
+            done.wait(RETRY_S)
+
+    def _handle(self, events: List[Event]) -> None:
+        for ev in events:
+            if isinstance(ev, m.Started):
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+            if isinstance(ev, m.Exited):
+                # Its last lines first: the failure report quotes them.
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+                self.followers[ev.node][1].join(timeout=10)
+                if ev.node not in self.readied:  # ended before the entry point said ready or not
+                    self.events.put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
+                                                        "before its process started"
+                                                        + (f" ({ev.error})" if ev.error else "")))
+            self.events.put(ev)
 
     def _follow(self, node: int, pod: str, proc: str) -> None:
         with self._lock:
@@ -318,6 +337,8 @@ class K8sBackend(Backend):
         if self._polling is None:
             return []
         self._polling.set()
+        if self._watcher is not None and self._watcher.poll() is None:
+            self._watcher.terminate()
         if grace == 0:
             self.request_stop(0)
         try:
@@ -338,6 +359,9 @@ class K8sBackend(Backend):
         raise ClusterError("restarts from checkpoints are not available with BACKEND k8s")
 
     def close(self) -> None:
+        if self._watcher is not None and self._watcher.poll() is None:
+            self._watcher.terminate()
+            self._watcher.wait(timeout=5)
         with self._lock:
             for p, _ in self.followers.values():
                 if p.poll() is None:
