@@ -295,6 +295,7 @@ def test_the_restricted_checks_catch_what_they_claim_to(what: str) -> None:
     (["--priority-class", "High_Prio"], "--priority-class"),
     (["--image-pull-secret", "Reg Cred"], "--image-pull-secret"),
     (["--run-as-user", "0"], "--run-as-user"),
+    (["--ttl", "-5"], "--ttl"),
 ])
 def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], named: str) -> None:
     res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)

@@ -124,6 +124,8 @@ class PodOptions:
             if name and (not _NAME.fullmatch(name) or len(name) > 253):
                 raise ConfigError(flag, name, "must be the name of an object of the cluster (lower-case letters, "
                                   "digits, '-' and '.')")
+        if ttl is not None and ttl < -1:
+            raise ConfigError("--ttl", ttl, "give seconds (0 or more), or -1 to keep the finished Jobs")
         if run_as_user is not None and run_as_user < 1:
             raise ConfigError("--run-as-user", run_as_user, "must be a user id above 0: the pods never run as root")
         return cls(Resources(resources(pserver_requests, keys[0], DEFAULT_REQUESTS),
