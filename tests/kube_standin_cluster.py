@@ -224,7 +224,12 @@ class Cluster:
         for v in spec.get("volumes") or []:
             d = vols / v["name"]
             d.mkdir(parents=True)
-            if "configMap" in v:
+            if "persistentVolumeClaim" in v:  # (binding not modelled: a directory per claim that outlives pods)
+                d.rmdir()
+                d = self.store.root / "pvcs" / ns / v["persistentVolumeClaim"]["claimName"]
+                d.mkdir(parents=True, exist_ok=True)
+                os.chmod(d, 0o777)
+            elif "configMap" in v:
                 cm = objs.get(_key("ConfigMap", ns, v["configMap"]["name"]))
                 if cm is None:
                     return self._waiting(pod, "CreateContainerConfigError",

@@ -221,7 +221,7 @@ POD_OPTIONS = ["--pserver-requests", "cpu=2,memory=4Gi", "--trainer-requests", "
                "pool=gpu,kubernetes.io/arch=amd64", "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration",
                "dedicated=ml:NoExecute", "--priority-class", "ml-high", "--service-account", "trainer-sa",
                "--image-pull-secret", "regcred", "--run-as-user", "2000", "--ttl", "600", "--deadline", "7200",
-               "--queue", "team-a"]
+               "--queue", "team-a", "--checkpoint-pvc", "ckpt"]
 
 
 def test_the_pod_options_reach_every_pod_and_validate(tmp_path: Path) -> None:
@@ -245,6 +245,11 @@ def test_the_pod_options_reach_every_pod_and_validate(tmp_path: Path) -> None:
         assert pod["securityContext"]["runAsUser"] == 2000 and pod["securityContext"]["runAsNonRoot"] is True
         assert (job["spec"]["ttlSecondsAfterFinished"], job["spec"]["activeDeadlineSeconds"]) == (600, 7200)
         assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert env_of(container(job))["PADDLE_CHECKPOINT_DIR"] == "/checkpoints/fit"
+    # Only the pservers keep checkpoints: only they mount the claim.
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in k["pserver"]["spec"][
+        "template"]["spec"]["volumes"]
+    assert "checkpoints" not in {v["name"] for v in k["trainer"]["spec"]["template"]["spec"]["volumes"]}
 
 
 def test_by_default_the_pods_pass_the_restricted_standard(tmp_path: Path) -> None:

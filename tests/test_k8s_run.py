@@ -220,3 +220,48 @@ def test_an_image_without_paddle_cluster_fails_in_one_line(kube: StandIn, job_di
     assert res.returncode == 0, res.stderr
     assert re.search(r"\[trainer\.0@fit-trainer-0\] paddle-cluster pod: image: Python 3\.\d+\.\d+, numpy \S+, "
                      r"paddle-cluster \S+", res.stdout), res.stdout
+
+
+# Each trainer pushes ones for N steps (w -= 0.5 each); trainer 0 saves a checkpoint at the end.
+RESUMABLE = r'''
+import sys
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+steps = int(sys.argv[1])
+ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5))
+w = ps.register_dense({"w": np.zeros(20000, np.float32)})["w"]
+print(f"start step={ps.step} w0={w[0]:g}", flush=True)
+for _ in range(steps):
+    ps.push({"w": np.ones(20000, np.float32)})
+w = ps.pull()["w"]
+if ps.trainer_id == 0:
+    print(f"saved step={ps.save_checkpoint().step}", flush=True)
+print(f"end step={ps.step} w0={w[0]:g}", flush=True)
+ps.close()
+'''
+
+
+def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(kube: StandIn, job_dir: Path) -> None:
+    ws = job_dir / "resumable"
+    ws.mkdir()
+    (ws / "train.py").write_text(RESUMABLE)
+
+    def run(name: str, *more: str) -> subprocess.CompletedProcess:
+        return cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers", "2",
+                   "--job_name", name, "--job_dispatch_package", "resumable", "--checkpoint-pvc", "ckpt", *more)
+
+    first = run("first", "--", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "[trainer.0@first-trainer-0] end step=3 w0=-1.5" in first.stdout, first.stdout
+    pvc = kube.root / "pvcs" / "default" / "ckpt"
+    assert (pvc / "first" / "step-00000003" / "pserver-1" / "manifest.json").exists()
+    assert kube.objects() == {}  # the pods and their volumes are gone, the claim's data is not
+    second = run("second", "--resume_from", "first", "--", "2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    for t in (0, 1):
+        assert f"[trainer.{t}@second-trainer-{t}] start step=3 w0=-1.5" in second.stdout  # the checkpoint's values
+        assert f"[trainer.{t}@second-trainer-{t}] end step=5 w0=-2.5" in second.stdout
+    assert (pvc / "first" / "step-00000005").is_dir()  # as on every backend: it goes on writing there
+    # Without a claim there is nothing to resume from, and the error says what to give.
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
+    assert res.returncode == 2 and "--checkpoint-pvc" in res.stderr, res.stderr

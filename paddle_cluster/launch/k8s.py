@@ -39,6 +39,7 @@ DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
 PACK_DIR = "/var/run/paddle-cluster/workspace"  # where a pod sees the ConfigMap holding a dispatched workspace
 PACK_KEY = "workspace.tar.gz"
+CHECKPOINTS = "/checkpoints"  # where the pserver pods mount --checkpoint-pvc; a job's are under <job name>/
 PACK_LIMIT = 1 << 20  # what a ConfigMap holds in all
 POD_PYTHON = "python3"  # the image's interpreter; the local PYTHON of a config means nothing in a pod
 
@@ -126,7 +127,8 @@ def k8s_name(job_name: str, trainers: int, pservers: int, jobset: bool = False) 
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
           trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
-          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False) -> K8sJob:
+          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
+          resume_from: str = "") -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
     n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
@@ -145,10 +147,19 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     if workspace_pack:  # unpacked by each pod into its job-dir volume
         workspace = f"{root}/{name}/workspace"
     eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i, jobset), cfg.paddle_port) for i in range(n_ps))
+    if resume_from and not pods.checkpoint_pvc:
+        raise ConfigError("--resume_from", resume_from, "a pod's checkpoints go with it: give --checkpoint-pvc CLAIM "
+                          "(a PersistentVolumeClaim the pserver pods share) to the job you resume from and to this one")
+    if resume_from.startswith("/"):
+        raise ConfigError("--resume_from", resume_from, "on Kubernetes give the name of the earlier job whose "
+                          f"checkpoints are on --checkpoint-pvc (under {CHECKPOINTS}/<job>)")
+    # As on every backend, a resumed job goes on writing where it resumed from.
+    ckpt = f"{CHECKPOINTS}/{object_name(resume_from) if resume_from else name}" if pods.checkpoint_pvc else ""
     env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
                  secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
-                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env))
+                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env),
+                 resume="latest" if resume_from else "", checkpoint_dir=ckpt)
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
@@ -245,6 +256,7 @@ def _env(job: K8sJob, role: str) -> List[Dict[str, Any]]:
 def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
     n = job.pservers if role == PSERVER else job.trainers
     word = _ROLE_WORD[role]
+    keeps_checkpoints = role == PSERVER and bool(job.pods.checkpoint_pvc)
     container: Dict[str, Any] = {
         "name": word,
         "image": job.image,
@@ -258,7 +270,8 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "resources": (job.pods.pserver if role == PSERVER else job.pods.trainer).spec(),
         "securityContext": job.pods.container_security(),
         "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}] + (
-            [{"name": "workspace", "mountPath": PACK_DIR, "readOnly": True}] if job.workspace_pack else []),
+            [{"name": "workspace", "mountPath": PACK_DIR, "readOnly": True}] if job.workspace_pack else []) + (
+            [{"name": "checkpoints", "mountPath": CHECKPOINTS}] if keeps_checkpoints else []),
     }
     if role == PSERVER:
         container["ports"] = [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in _ports(job)]
@@ -271,7 +284,9 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "containers": [container],
         # Logs, metrics and checkpoints of this pod; they go with it (docs/backends.md: what persists).
         "volumes": [{"name": "job-dir", "emptyDir": {}}] + (
-            [{"name": "workspace", "configMap": {"name": f"{job.name}-workspace"}}] if job.workspace_pack else []),
+            [{"name": "workspace", "configMap": {"name": f"{job.name}-workspace"}}] if job.workspace_pack else []) + (
+            [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.pods.checkpoint_pvc}}]
+            if keeps_checkpoints else []),
         **job.pods.pod_spec(),
     }
     meta = _meta(job, job.job_name(role), role)

@@ -103,13 +103,14 @@ class PodOptions:
     ttl: Optional[int] = DEFAULT_TTL  # ttlSecondsAfterFinished
     deadline: Optional[int] = None  # activeDeadlineSeconds
     queue: str = ""  # Kueue's LocalQueue
+    checkpoint_pvc: str = ""  # a PersistentVolumeClaim the pservers keep their checkpoints on
 
     @classmethod
     def parse(cls, *, pserver_requests: str = "", trainer_requests: str = "", pserver_limits: str = "",
               trainer_limits: str = "", gpus: Optional[int] = None, node_selector: str = "",
               tolerations: Tuple[str, ...] = (), priority_class: str = "", service_account: str = "",
               image_pull_secrets: Tuple[str, ...] = (), run_as_user: Optional[int] = None, ttl: Optional[int] = None,
-              deadline: Optional[int] = None, queue: str = "",
+              deadline: Optional[int] = None, queue: str = "", checkpoint_pvc: str = "",
               keys: Tuple[str, str] = ("--pserver-requests", "--trainer-requests")) -> PodOptions:
         """From the flags' texts; ``keys`` name where the requests came from (a flag or a config key)."""
         tr_requests = resources(trainer_requests, keys[1], DEFAULT_REQUESTS)
@@ -120,7 +121,8 @@ class PodOptions:
             if not _LABEL_KEY.fullmatch(k) or not _LABEL_VALUE.fullmatch(v) or len(v) > 63:
                 raise ConfigError("--node-selector", node_selector, f"{k}={v} is not a node label KEY=VALUE")
         for flag, name in [("--priority-class", priority_class), ("--service-account", service_account),
-                           ("--queue", queue)] + [("--image-pull-secret", s) for s in image_pull_secrets]:
+                           ("--queue", queue), ("--checkpoint-pvc", checkpoint_pvc)] + [
+                              ("--image-pull-secret", s) for s in image_pull_secrets]:
             if name and (not _NAME.fullmatch(name) or len(name) > 253):
                 raise ConfigError(flag, name, "must be the name of an object of the cluster (lower-case letters, "
                                   "digits, '-' and '.')")
@@ -133,7 +135,8 @@ class PodOptions:
                    Resources(tr_requests, resources(trainer_limits, "--trainer-limits")), selector,
                    tuple(Toleration.parse(t) for t in tolerations), priority_class, service_account,
                    tuple(image_pull_secrets), DEFAULT_USER if run_as_user is None else run_as_user,
-                   DEFAULT_TTL if ttl is None else (ttl if ttl >= 0 else None), deadline, queue)
+                   DEFAULT_TTL if ttl is None else (ttl if ttl >= 0 else None), deadline, queue or "",
+                   checkpoint_pvc or "")
 
     def pod_spec(self) -> Dict[str, Any]:
         """What these options add to a pod's spec."""
@@ -191,10 +194,12 @@ _FLAGS = [
                  "(activeDeadlineSeconds)."),
     click.option("--queue", default="", metavar="NAME", help="k8s: the Kueue LocalQueue admitting the job "
                  "(label kueue.x-k8s.io/queue-name)."),
+    click.option("--checkpoint-pvc", default="", metavar="CLAIM", help="k8s: a PersistentVolumeClaim (shared by "
+                 "the pserver pods) holding the checkpoints, so --resume_from works."),
 ]
 _NAMES = ("pserver_requests", "trainer_requests", "pserver_limits", "trainer_limits", "gpus", "node_selector",
           "tolerations", "priority_class", "service_account", "image_pull_secrets", "run_as_user", "ttl",
-          "deadline", "queue")
+          "deadline", "queue", "checkpoint_pvc")
 
 
 def flags(fn: Callable) -> Callable:

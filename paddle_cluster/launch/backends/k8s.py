@@ -66,10 +66,12 @@ class K8sOptions:
         return cls(image, namespace or cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False) -> k8s.K8sJob:
+              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False,
+              resume_from: str = "") -> k8s.K8sJob:
         return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
                          trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset)
+                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset,
+                         resume_from=resume_from)
 
 
 def packed_workspace(directory: str) -> bytes:
@@ -181,7 +183,6 @@ class K8sBackend(Backend):
     # -- preparing ------------------------------------------------------------------------------------
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
         for flag, given, why in (
-                ("--resume_from", spec.resume_from, "a pod's checkpoints are in its own volume and go with it"),
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
                 ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
@@ -191,7 +192,8 @@ class K8sBackend(Backend):
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
         pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack)
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack,
+                                    resume_from=spec.resume_from or "")
         self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
