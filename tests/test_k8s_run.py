@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,24 @@ def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(kube: StandIn, job_d
     # Without a claim there is nothing to resume from, and the error says what to give.
     res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
     assert res.returncode == 2 and "--checkpoint-pvc" in res.stderr, res.stderr
+
+
+def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path) -> None:
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "fit", "--", "--passes", "100000")], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: any("Pass 1:" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-0-*.log")), 120, "trainer 0 in its second pass")
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err and f"saved in {job_dir}/root/fit/log" in err, err
+    assert kube.objects() == {} and kube.processes() == []
+    assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()

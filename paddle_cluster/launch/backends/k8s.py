@@ -31,7 +31,7 @@ from ..k8s_pod import PodOptions
 from ..kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
 from ..plan import JobPlan, JobSpec
 from ..supervise import JobResult
-from .base import Backend, Event, NodeLost
+from .base import EVENTS_MAX, Backend, Event, NodeLost
 
 RETRY_S = 2.0  # between a watch that ended and the next
 # Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
@@ -169,7 +169,9 @@ class K8sBackend(Backend):
         self.job: Optional[k8s.K8sJob] = None
         self.names: List[str] = []
         self.labels: List[str] = []
-        self.events: queue.Queue[Event] = queue.Queue()
+        # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
+        self.events: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
+        self._closing = False  # stopping: an event that does not fit is dropped, never waited for
         self.watch = PodWatch({})
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
@@ -283,7 +285,7 @@ class K8sBackend(Backend):
             except (ClusterError, ValueError) as e:
                 if str(e) != problem:  # once per distinct problem, not every retry
                     problem = str(e)
-                    self.events.put(m.Note(0, f"cannot follow the pods' states: {e}"))
+                    self._put(m.Note(0, f"cannot follow the pods' states: {e}"))
             done.wait(RETRY_S)
 
     def _handle(self, events: List[Event]) -> None:
@@ -295,10 +297,10 @@ class K8sBackend(Backend):
                 self._follow(ev.node, self.watch.started[ev.node], ev.proc)
                 self.followers[ev.node][1].join(timeout=10)
                 if ev.node not in self.readied:  # ended before the entry point said ready or not
-                    self.events.put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
+                    self._put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
                                                         "before its process started"
                                                         + (f" ({ev.error})" if ev.error else "")))
-            self.events.put(ev)
+            self._put(ev)
 
     def _follow(self, node: int, pod: str, proc: str) -> None:
         with self._lock:
@@ -316,10 +318,19 @@ class K8sBackend(Backend):
             for ev in log_events(node, proc, raw.rstrip("\n")):
                 if isinstance(ev, (m.Ready, m.NotReady)):
                     self.readied.add(node)
-                self.events.put(ev)
+                self._put(ev)
         err = p.stderr.read().strip()
         if p.wait() != 0 and err:
-            self.events.put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+            self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+
+    def _put(self, ev: Event) -> None:
+        while True:
+            try:
+                self.events.put(ev, timeout=0.2)
+                return
+            except queue.Full:
+                if self._closing:
+                    return
 
     def next_event(self, timeout: float) -> Optional[Event]:
         try:
@@ -339,6 +350,7 @@ class K8sBackend(Backend):
         if self._polling is None:
             return []
         self._polling.set()
+        self._closing = True
         if self._watcher is not None and self._watcher.poll() is None:
             self._watcher.terminate()
         if grace == 0:
@@ -352,7 +364,7 @@ class K8sBackend(Backend):
             self.kubectl.run(self.kubectl.delete(wait=True), timeout=self.cfg.kill_grace + 120)
             left = pod_states(self.kubectl.run(self.kubectl.get_pods()))
         except ClusterError as e:
-            self.events.put(m.Note(0, f"deleting the job's objects: {e}"))
+            self._put(m.Note(0, f"deleting the job's objects: {e}"))
             return list(range(len(self.names)))
         self._polling = None
         return sorted({self.watch.nodes[(p.role, p.index)] for p in left if (p.role, p.index) in self.watch.nodes})
@@ -361,6 +373,7 @@ class K8sBackend(Backend):
         raise ClusterError("restarts from checkpoints are not available with BACKEND k8s")
 
     def close(self) -> None:
+        self._closing = True
         if self._watcher is not None and self._watcher.poll() is None:
             self._watcher.terminate()
             self._watcher.wait(timeout=5)
