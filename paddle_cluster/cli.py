@@ -172,7 +172,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
         detach: bool, entry_script: Optional[str], verbose: bool, trainer_args: Tuple[str, ...],
-        k8s_pod: Dict[str, Any]) -> JobResult:
+        pod_flags: Dict[str, Any]) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -187,10 +187,12 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if backend:
         cfg = dataclasses.replace(cfg, backend=backend)
     be = None
+    if cfg.backend != "k8s" and k8s_pod.given(pod_flags):
+        raise click.UsageError(f"{', '.join(k8s_pod.given(pod_flags))}: for --backend k8s only")
     if cfg.backend == "k8s":
         from .launch.backends.k8s import K8sBackend, K8sOptions
 
-        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers, k8s_pod))
+        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     elif cfg.is_builtin_default:
@@ -376,13 +378,13 @@ def render() -> None:
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
                trainers: Optional[int], job_name: Optional[str], workspace: str, jobset: bool,
-               k8s_pod: Dict[str, Any], trainer_args: Tuple[str, ...]) -> None:
+               pod_flags: Dict[str, Any], trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"""
     from .launch.backends.k8s import K8sOptions
 
     cfg = _config(ctx)
-    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, k8s_pod)
+    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags)
     job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args), jobset=jobset)
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "

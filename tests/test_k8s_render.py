@@ -368,3 +368,8 @@ def test_the_jobset_checks_catch_what_they_claim_to(what: str) -> None:
     mutate(js["spec"])
     found = jobset_problems(js)
     assert found and any(named in p for p in found), found
+
+
+def test_pod_options_on_another_backend_are_refused(tmp_path: Path) -> None:
+    res = cli("run", "--job_workspace", str(tmp_path), "--gpus", "1", "--image-pull-secret", "regcred", cwd=tmp_path)
+    assert res.exit_code == 2 and "--gpus, --image-pull-secret: for --backend k8s only" in res.stderr, res.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import click
 
@@ -170,7 +170,7 @@ class PodOptions:
         return out
 
 
-# The flags, for `run --backend k8s` and `render k8s` alike: the command gets them as one dict, ``k8s_pod``.
+# The flags, for `run --backend k8s` and `render k8s` alike: the command gets them as one dict, ``pod_flags``.
 _FLAGS = [
     click.option("--pserver-requests", metavar="R", help="k8s: what each pserver pod requests, e.g. cpu=2,memory=4Gi "
                  "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi)."),
@@ -202,11 +202,17 @@ _NAMES = ("pserver_requests", "trainer_requests", "pserver_limits", "trainer_lim
           "deadline", "queue", "checkpoint_pvc")
 
 
+def given(pod_flags: Dict[str, Any]) -> List[str]:
+    """The pod flags given on the command line, as typed (``--gpus``)."""
+    typed = {"tolerations": "toleration", "image_pull_secrets": "image_pull_secret"}  # the repeatable ones
+    return [f"--{typed.get(n, n).replace('_', '-')}" for n, v in pod_flags.items() if v not in (None, "", ())]
+
+
 def flags(fn: Callable) -> Callable:
-    """Add the pod flags to a click command; it receives them as ``k8s_pod``, a dict for ``parse``."""
+    """Add the pod flags to a click command; it receives them as ``pod_flags``, a dict for ``parse``."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kw: Any) -> Any:
-        kw["k8s_pod"] = {n: kw.pop(n) for n in _NAMES}
+        kw["pod_flags"] = {n: kw.pop(n) for n in _NAMES}
         return fn(*args, **kw)
     for option in reversed(_FLAGS):
         wrapper = option(wrapper)
