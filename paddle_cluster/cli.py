@@ -8,12 +8,12 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import cmdline, journal, k8s, ops, slurm_ops
+from .launch import cmdline, journal, k8s, k8s_pod, ops, slurm_ops
 from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError
@@ -181,8 +181,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @click.option("--partition", metavar="P", help="slurm: the partition (sbatch --partition).")
 @click.option("--time", "time_limit", metavar="T", help="slurm: the time limit (sbatch --time), e.g. 2:00:00.")
 @click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
-@click.option("--detach", is_flag=True, help="slurm: submit, print the Slurm job id and return; status, logs and "
-              "kill find the job later.")
+@click.option("--detach", is_flag=True, help="slurm, k8s: submit and return; the job runs and fails fast on its "
+              "own, status, logs and kill find it later.")
 @_options(
     click.option("--gres", metavar="LIST", help="slurm: generic resources per node, e.g. gpu:2 (sbatch --gres)."),
     click.option("--cpus-per-task", type=click.IntRange(min=1), metavar="N", help="slurm: CPUs for each node's "
@@ -196,6 +196,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
                  "as written, e.g. --sbatch-arg=--mail-type=END (repeatable)."),
 )
 @_k8s_pods
+@k8s_pod.flags
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py).")
 @click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin (python "
@@ -211,7 +212,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
         nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
         detach: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
-        trainer_args: Tuple[str, ...], **resources) -> JobResult:
+        trainer_args: Tuple[str, ...], pod_flags: Dict[str, Any], **resources) -> JobResult:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -229,10 +230,12 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
     be = None
+    if cfg.backend != "k8s" and k8s_pod.given(pod_flags):
+        raise click.UsageError(f"{', '.join(k8s_pod.given(pod_flags))}: for --backend k8s only")
     if cfg.backend == "k8s":
         from .launch.backends.k8s import K8sBackend, K8sOptions
 
-        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers))
+        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags))
     elif bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
@@ -246,10 +249,14 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                    resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
                    tuple(settled.init.items()), verbose)
     if cfg.backend != "slurm":
-        if nodes or partition or time_limit or account or detach or any(resources.values()):
-            raise click.UsageError("--nodes, --partition, --time, --account, --detach, --gres, --cpus-per-task, "
-                                   "--mem, --exclusive, --constraint, --qos, --reservation and --sbatch-arg are for "
-                                   "--backend slurm")
+        if nodes or partition or time_limit or account or (detach and cfg.backend != "k8s") or any(resources.values()):
+            raise click.UsageError("--nodes, --partition, --time, --account, --gres, --cpus-per-task, --mem, "
+                                   "--exclusive, --constraint, --qos, --reservation and --sbatch-arg are for --backend "
+                                   "slurm, --detach for slurm and k8s")
+        if detach:
+            from .launch.backends.k8s import submit
+
+            return submit(spec, be, _say)
         return run_job(spec, _out, _say, backend=be)
     from .launch.backends.slurm import SlurmBackend, SlurmOptions
 
@@ -272,7 +279,7 @@ def _on_k8s(cfg: ClusterConfig, name: str):
         return None
     from .launch import kubectl
 
-    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name)
+    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name, where.get("job_id", ""))
 
 
 @main.command()
@@ -289,7 +296,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     if k is not None:
         from .launch import kubectl
 
-        for line in kubectl.kill_job(k) or [f"nothing of job {name} in namespace {k.namespace}"]:
+        for line in kubectl.kill_job(k, cfg.job_dir(name)) or [f"nothing of job {name} in namespace {k.namespace}"]:
             _out(line)
         return
     nodes = ops.kill_job(cfg, name)
@@ -317,7 +324,7 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
     if k is not None:
         from .launch import kubectl
 
-        kubectl.stream_logs(k, node, lines, follow, _out)
+        kubectl.stream_logs(k, node, lines, follow, _out, cfg.job_dir(name))
         return
     ops.stream_logs(cfg, name, node, role, lines, follow, _out)
 
@@ -338,7 +345,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     elif k is not None:
         from .launch import kubectl
 
-        rows = kubectl.job_status(k)
+        rows = kubectl.job_status(k, cfg.job_dir(name))
     else:
         rows = ops.job_status(cfg, name, ended)
     if as_json:
@@ -387,13 +394,24 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
 
     cfg = _config(ctx, announce=True)
     name = _job_name(cfg, job_name)
-    cs = plots.curves(plots.collect(cfg, name))
+    # Kubernetes: the metrics the job's pods left, saved on this machine before they were deleted.
+    cs = plots.curves(plots.collect(cfg, name) if _on_k8s(cfg, name) is None else _saved_metrics(cfg, name))
     path = out_path or f"{name}.png"
     plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
     for c in cs:
         _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
              f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
     _say(f"wrote {os.path.abspath(path)}")
+
+
+def _saved_metrics(cfg: ClusterConfig, name: str) -> dict:
+    from .node import jobdir
+
+    found = jobdir.metrics(cfg.job_dir(name))
+    if not any(found.values()):
+        raise ClusterError(f"job {name} has no metrics saved in {cfg.job_dir(name)}/log (they are saved when run "
+                           "or kill deletes the job's pods)")
+    return found
 
 
 @main.group()
@@ -403,26 +421,25 @@ def render() -> None:
 
 @render.command("k8s", cls=_ScriptArgsCommand)
 @_k8s_pods
+@k8s_pod.flags
 @click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
 @click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
               help="Where the workspace is inside the image (the pods' working directory).")
-@click.option("--pserver-requests", metavar="R", help="Resources each pserver pod requests, e.g. cpu=2,memory=4Gi "
-              "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi).")
-@click.option("--trainer-requests", metavar="R", help="The same for each trainer pod; an extended resource such as "
-              "nvidia.com/gpu=1 is also set as its limit (default: K8S_TRAINER_REQUESTS).")
+@click.option("--jobset", is_flag=True, help="One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
+              "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue workload.")
 @_SCRIPT_ARGS
 @_handled
 def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
-               trainers: Optional[int], job_name: Optional[str], workspace: str, pserver_requests: Optional[str],
-               trainer_requests: Optional[str], trainer_args: Tuple[str, ...]) -> None:
+               trainers: Optional[int], job_name: Optional[str], workspace: str, jobset: bool,
+               pod_flags: Dict[str, Any], trainer_args: Tuple[str, ...]) -> None:
     """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
     Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -. The entry script's arguments
     go after --."""
     from .launch.backends.k8s import K8sOptions
 
     cfg = _config(ctx)
-    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pserver_requests, trainer_requests)
-    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args))
+    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags)
+    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args), jobset=jobset)
     if cfg.is_builtin_default and None in (pservers, trainers):
         _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
              "built-in default's counts (--pservers/--trainers set them)")

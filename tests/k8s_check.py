@@ -8,7 +8,9 @@ check enum values, names, label syntax or quantities, nor whether the documents 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import pydantic
@@ -24,6 +26,11 @@ ENUMS = {  # field path (with [] for list items) -> the values the API server ac
     "spec.template.spec.containers[].ports[].protocol": {"TCP", "UDP", "SCTP"},
     "spec.template.spec.containers[].imagePullPolicy": {"Always", "Never", "IfNotPresent"},
     "type": {"Opaque"},  # the only Secret type the renderer may write
+    "spec.template.spec.tolerations[].operator": {"Exists", "Equal"},
+    "spec.template.spec.tolerations[].effect": {"NoSchedule", "PreferNoSchedule", "NoExecute"},
+    "spec.template.spec.securityContext.seccompProfile.type": {"RuntimeDefault", "Localhost", "Unconfined"},
+    "spec.template.spec.containers[].securityContext.seccompProfile.type": {"RuntimeDefault", "Localhost",
+                                                                            "Unconfined"},
 }
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -157,3 +164,123 @@ def problems(docs: List[Dict[str, Any]]) -> List[str]:
 def env_of(container: Mapping[str, Any]) -> Dict[str, str]:
     """The literal variables of a rendered container (those not taken from a Secret or field)."""
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+# -- the restricted Pod Security Standard (kubernetes.io/docs/concepts/security/pod-security-standards) -----------
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def pod_templates(doc: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """(where, pod spec) of every pod a document makes: a Job's template, each replicated Job of a JobSet."""
+    for where, spec in values_at(doc, "spec.template.spec"):
+        yield where, spec
+    for where, spec in values_at(doc, "spec.replicatedJobs[].template.spec.template.spec"):
+        yield where, spec
+
+
+def restricted_problems(docs: List[Dict[str, Any]]) -> List[str]:
+    """Where the pods of ``docs`` break the restricted profile (and the baseline one it includes); [] if none."""
+    out = []
+    for d in docs:
+        for where, pod in pod_templates(d):
+            what = f"{d['kind']} {d['metadata']['name']} {where}"
+            psc = pod.get("securityContext") or {}
+            for host in ("hostNetwork", "hostPID", "hostIPC"):
+                if pod.get(host):
+                    out.append(f"{what}: {host} is not allowed")
+            for v in pod.get("volumes") or []:
+                kinds = set(v) - {"name"}
+                if not kinds <= RESTRICTED_VOLUMES:
+                    out.append(f"{what}: volume {v['name']} of type {sorted(kinds)} is not allowed")
+            if psc.get("runAsUser") == 0:
+                out.append(f"{what}: securityContext.runAsUser 0 (root)")
+            for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+                csc = c.get("securityContext") or {}
+                cw = f"{what} container {c.get('name')}"
+                if csc.get("privileged"):
+                    out.append(f"{cw}: privileged")
+                if csc.get("allowPrivilegeEscalation") is not False:
+                    out.append(f"{cw}: allowPrivilegeEscalation must be false")
+                caps = csc.get("capabilities") or {}
+                if "ALL" not in (caps.get("drop") or []):
+                    out.append(f"{cw}: capabilities must drop ALL")
+                if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+                    out.append(f"{cw}: capabilities may add only NET_BIND_SERVICE")
+                if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+                    out.append(f"{cw}: runAsNonRoot must be true (pod or container)")
+                if csc.get("runAsUser", psc.get("runAsUser")) == 0:
+                    out.append(f"{cw}: runAsUser 0 (root)")
+                seccomp = (csc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+                if seccomp not in ("RuntimeDefault", "Localhost"):
+                    out.append(f"{cw}: seccompProfile.type must be RuntimeDefault or Localhost, not {seccomp}")
+                for p in c.get("ports") or []:
+                    if p.get("hostPort"):
+                        out.append(f"{cw}: hostPort {p['hostPort']}")
+    return out
+
+
+# -- JobSet (jobset.x-k8s.io), against an excerpt of its CRD's schema (tests/jobset_v1alpha2_spec.json says which) --
+
+JOBSET = json.loads((Path(__file__).parent / "jobset_v1alpha2_spec.json").read_text())
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int}
+
+
+def _schema(where: str, value: Any, s: Dict[str, Any]) -> List[str]:
+    """What the API server's structural-schema validation says of ``value`` (CEL rules aside); an unknown field,
+    which it would silently drop, is a problem too."""
+    t = s.get("type")
+    if t and (not isinstance(value, _TYPES[t]) or (t == "integer" and isinstance(value, bool))):
+        return [f"{where}: {value!r} is not of type {t}"]
+    out = []
+    if "enum" in s and value not in s["enum"]:
+        out.append(f"{where}: {value!r} is not one of {s['enum']}")
+    if t == "integer":
+        if "minimum" in s and value < s["minimum"]:
+            out.append(f"{where}: {value} is below {s['minimum']}")
+        if s.get("format") == "int32" and not -2**31 <= value < 2**31:
+            out.append(f"{where}: {value} is not an int32")
+    if t == "object" and "properties" in s:
+        for k in s.get("required", []):
+            if k not in value:
+                out.append(f"{where}: {k} is required")
+        for k, v in value.items():
+            if k in s["properties"]:
+                out += _schema(f"{where}.{k}", v, s["properties"][k])
+            elif not s.get("x-kubernetes-preserve-unknown-fields"):
+                out.append(f"{where}.{k}: unknown field (the API server would drop it)")
+    if t == "array" and "items" in s:
+        for i, v in enumerate(value):
+            out += _schema(f"{where}[{i}]", v, s["items"])
+    return out
+
+
+def jobset_problems(doc: Dict[str, Any]) -> List[str]:
+    """Everything wrong with a JobSet document: its schema, its metadata (V1ObjectMeta) and each replicated Job's
+    template as a batch/v1 Job (the official model plus the checks of ``problems``)."""
+    what = f"JobSet {(doc.get('metadata') or {}).get('name')}"
+    out = []
+    if doc.get("apiVersion") != f"{JOBSET['group']}/{JOBSET['version']}" or doc.get("kind") != JOBSET["kind"]:
+        out.append(f"{what}: apiVersion/kind {doc.get('apiVersion')}/{doc.get('kind')} is not "
+                   f"{JOBSET['group']}/{JOBSET['version']} {JOBSET['kind']}")
+    unknown = set(doc) - {"apiVersion", "kind", "metadata", "spec"}
+    out += [f"{what}: unknown top-level field {k}" for k in sorted(unknown)]
+    try:
+        M.V1ObjectMeta.model_validate(doc.get("metadata") or {})
+    except pydantic.ValidationError as e:
+        out += [f"{what}: metadata {err['loc']}: {err['msg']}" for err in e.errors()]
+    out += _labels(f"{what} metadata", (doc.get("metadata") or {}).get("labels"))
+    out += [f"{what}: {p}" for p in _schema("spec", doc.get("spec"), JOBSET["spec"])]
+    for rj in (doc.get("spec") or {}).get("replicatedJobs") or []:
+        tmpl = rj.get("template") or {}
+        try:
+            M.V1JobTemplateSpec.model_validate(tmpl)
+        except pydantic.ValidationError as e:
+            out += [f"{what}: replicatedJobs {rj.get('name')} template {err['loc']}: {err['msg']}"
+                    for err in e.errors()]
+            continue
+        as_job = {"apiVersion": "batch/v1", "kind": "Job", "spec": tmpl.get("spec"),
+                  "metadata": {"name": f"{doc['metadata']['name']}-{rj.get('name')}", **(tmpl.get("metadata") or {})}}
+        out += _one(as_job)
+    return out

@@ -23,7 +23,15 @@ from paddle_cluster.launch import k8s, ops
 from paddle_cluster.launch.backends.base import NodeLost
 from paddle_cluster.launch.backends.k8s import K8sOptions, PodWatch, k8s_plan, log_events
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.kubectl import INDEX_ANNOTATION, Kubectl, PodState, describe, pod_row, pod_states
+from paddle_cluster.launch.kubectl import (
+    INDEX_ANNOTATION,
+    Kubectl,
+    PodState,
+    describe,
+    pod_row,
+    pod_states,
+    watch_events,
+)
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import messages as m
 
@@ -35,12 +43,15 @@ def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
     k = Kubectl("ml", "paddle-cluster/job=fit")
     ns = ["kubectl", "--namespace", "ml"]
     sel = ["--selector", "paddle-cluster/job=fit"]
-    assert k.apply() == [*ns, "apply", "--filename", "-"]
+    assert k.create() == [*ns, "create", "--filename", "-"]
+    assert k.get_named(["secret/fit-secret", "service/fit"]) == [*ns, "get", "secret/fit-secret", "service/fit",
+                                                                 "--ignore-not-found", "--output", "json"]
     assert k.get_pods() == [*ns, "get", "pods", *sel, "--output", "json"]
     assert k.get() == [*ns, "get", "jobs.batch,pods", *sel, "--output", "wide"]
+    assert k.watch_pods() == [*ns, "get", "pods", *sel, "--watch", "--output-watch-events", "--output", "json"]
     assert k.logs("fit-trainer-0-x7k2p") == [*ns, "logs", "pod/fit-trainer-0-x7k2p", "--follow"]
     assert k.logs("p", follow=False, tail=5) == [*ns, "logs", "pod/p", "--tail=5"]
-    assert k.delete(wait=True) == [*ns, "delete", "jobs.batch,services,secrets", *sel, "--ignore-not-found",
+    assert k.delete(wait=True) == [*ns, "delete", "jobs.batch,services,secrets,configmaps", *sel, "--ignore-not-found",
                                    "--cascade=foreground", "--wait=true"]
     assert k.kill_pods() == [*ns, "delete", "pods", *sel, "--ignore-not-found", "--grace-period=0", "--force",
                              "--wait=false"]
@@ -218,7 +229,6 @@ def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args,named", [
-    (["--job_dispatch_package", "ws"], "--job_dispatch_package"),
     (["--max_restarts", "2"], "--max_restarts"),
     (["--elastic"], "--elastic"),
     (["--resume_from", "old"], "--resume_from"),
@@ -233,3 +243,12 @@ def test_what_k8s_cannot_do_is_refused_before_anything_starts(tmp_path: Path, ar
 def test_run_k8s_needs_an_image(tmp_path: Path) -> None:
     res = _cli(tmp_path, "run", "--backend", "k8s")
     assert res.returncode != 0 and "--image" in res.stderr and "K8S_IMAGE" in res.stderr, res.stderr
+
+
+def test_watch_events_are_read_as_kubectl_prints_them() -> None:
+    """``get --watch -o json`` prints each event as an indented document, one after another."""
+    docs = [{"type": "ADDED", "object": pod("trainer", 0, "Pending")},
+            {"type": "MODIFIED", "object": pod("trainer", 0, "Running", {"running": {}})},
+            {"type": "DELETED", "object": pod("trainer", 0, "Running", {"running": {}})}]
+    text = "".join(json.dumps(d, indent=4) + "\n" for d in docs)
+    assert list(watch_events(text.splitlines(keepends=True))) == docs

@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from k8s_check import env_of, problems
+from k8s_check import env_of, jobset_problems, problems, restricted_problems
 from kubernetes.client import models as M
 
 from paddle_cluster.cli import main
@@ -130,7 +130,9 @@ def test_every_object_carries_the_job_label(tmp_path: Path) -> None:
         assert d["metadata"]["labels"][k8s.LABEL_JOB] == "fit" and d["metadata"]["namespace"] == "ml"
         if d["kind"] == "Job":
             assert d["spec"]["template"]["metadata"]["labels"][k8s.LABEL_JOB] == "fit"
-    assert "kubectl delete -n ml job,service,secret -l paddle-cluster/job=fit" in out
+    job_id = yaml.safe_load_all(out).__next__()["metadata"]["labels"][k8s.LABEL_ID]
+    assert job_id.startswith("fit-")
+    assert f"kubectl delete -n ml jobs.batch,services,secrets,configmaps -l {k8s.LABEL_ID}={job_id}" in out
 
 
 # -- the checks catch what they claim to ----------------------------------------------------------------------
@@ -210,3 +212,164 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, args: List[str], named: str
 def test_build_from_the_builtin_default_uses_a_pod_path_not_this_machines() -> None:
     job = k8s.build(builtin_default(), job_name="fit", image="img:1")
     assert job.env.job_dir == "/home/paddle/fit" and (job.pservers, job.trainers) == (2, 2)
+
+
+# -- pods a cluster admits: the pod options, and the restricted Pod Security Standard ---------------------------
+
+POD_OPTIONS = ["--pserver-requests", "cpu=2,memory=4Gi", "--trainer-requests", "cpu=4", "--gpus", "2",
+               "--trainer-limits", "memory=16Gi", "--pserver-limits", "memory=8Gi", "--node-selector",
+               "pool=gpu,kubernetes.io/arch=amd64", "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration",
+               "dedicated=ml:NoExecute", "--priority-class", "ml-high", "--service-account", "trainer-sa",
+               "--image-pull-secret", "regcred", "--run-as-user", "2000", "--ttl", "600", "--deadline", "7200",
+               "--queue", "team-a", "--checkpoint-pvc", "ckpt"]
+
+
+def test_the_pod_options_reach_every_pod_and_validate(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", *POD_OPTIONS, conf=THREE_HOSTS)
+    assert problems(docs) == [] and restricted_problems(docs) == []
+    k = by_kind(docs)
+    assert container(k["pserver"])["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"},
+                                                    "limits": {"memory": "8Gi"}}
+    assert container(k["trainer"])["resources"] == {
+        "requests": {"cpu": "4", "memory": "1Gi", "nvidia.com/gpu": "2"},
+        "limits": {"nvidia.com/gpu": "2", "memory": "16Gi"}}
+    for role in ("pserver", "trainer"):
+        job = k[role]
+        pod = job["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"pool": "gpu", "kubernetes.io/arch": "amd64"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+        assert (pod["priorityClassName"], pod["serviceAccountName"], pod["imagePullSecrets"]) == (
+            "ml-high", "trainer-sa", [{"name": "regcred"}])
+        assert pod["securityContext"]["runAsUser"] == 2000 and pod["securityContext"]["runAsNonRoot"] is True
+        assert (job["spec"]["ttlSecondsAfterFinished"], job["spec"]["activeDeadlineSeconds"]) == (600, 7200)
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert env_of(container(job))["PADDLE_CHECKPOINT_DIR"] == "/checkpoints/fit"
+    # Only the pservers keep checkpoints: only they mount the claim.
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} in k["pserver"]["spec"][
+        "template"]["spec"]["volumes"]
+    assert "checkpoints" not in {v["name"] for v in k["trainer"]["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_by_default_the_pods_pass_the_restricted_standard(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", conf=THREE_HOSTS)
+    assert restricted_problems(docs) == []
+    for job in docs[2:]:
+        sc = container(job)["securityContext"]
+        assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+                      "seccompProfile": {"type": "RuntimeDefault"}}
+        assert job["spec"]["ttlSecondsAfterFinished"] == 86400 and "activeDeadlineSeconds" not in job["spec"]
+
+
+RESTRICTED_MUTATIONS = {
+    "no runAsNonRoot": (lambda p, c: (p["securityContext"].pop("runAsNonRoot"), c["securityContext"].pop(
+        "runAsNonRoot")), "runAsNonRoot"),
+    "root user": (lambda p, c: p["securityContext"].__setitem__("runAsUser", 0), "runAsUser 0"),
+    "privilege escalation": (lambda p, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+                             "allowPrivilegeEscalation"),
+    "capabilities kept": (lambda p, c: c["securityContext"]["capabilities"].__setitem__("drop", ["NET_RAW"]),
+                          "drop ALL"),
+    "capability added": (lambda p, c: c["securityContext"]["capabilities"].__setitem__("add", ["SYS_ADMIN"]),
+                         "NET_BIND_SERVICE"),
+    "no seccomp": (lambda p, c: (p["securityContext"].pop("seccompProfile"), c["securityContext"].pop(
+        "seccompProfile")), "seccompProfile"),
+    "privileged": (lambda p, c: c["securityContext"].__setitem__("privileged", True), "privileged"),
+    "host network": (lambda p, c: p.__setitem__("hostNetwork", True), "hostNetwork"),
+    "hostPath volume": (lambda p, c: p["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath"),
+    "host port": (lambda p, c: c["ports"][0].__setitem__("hostPort", 9000), "hostPort"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(RESTRICTED_MUTATIONS))
+def test_the_restricted_checks_catch_what_they_claim_to(what: str) -> None:
+    docs = copy.deepcopy(_docs())
+    pod = _job(docs, "pserver")["spec"]["template"]["spec"]
+    mutate, named = RESTRICTED_MUTATIONS[what]
+    mutate(pod, pod["containers"][0])
+    assert problems(docs) == []  # still a valid object: only the policy rejects it
+    found = restricted_problems(docs)
+    assert found and any(named in p for p in found), found
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--toleration", "gpu"], "--toleration"),
+    (["--toleration", "a=b:Sometimes"], "--toleration"),
+    (["--node-selector", "pool"], "--node-selector"),
+    (["--pserver-limits", "memory=lots"], "--pserver-limits"),
+    (["--priority-class", "High_Prio"], "--priority-class"),
+    (["--image-pull-secret", "Reg Cred"], "--image-pull-secret"),
+    (["--run-as-user", "0"], "--run-as-user"),
+    (["--ttl", "-5"], "--ttl"),
+])
+def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], named: str) -> None:
+    res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)
+    assert res.exit_code != 0 and res.stdout == "" and named in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_dispatched_workspace_is_a_configmap_the_pods_mount() -> None:
+    cfg = parse_config({"HOSTS": ["a", "b"], "ROOT_DIR": "/data"}, "test")
+    docs = k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", workspace_pack=b"\x1f\x8b packed"))
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "ConfigMap", "Job", "Job"]
+    assert problems(docs) == [] and restricted_problems(docs) == []
+    assert docs[2]["binaryData"] == {"workspace.tar.gz": "H4sgcGFja2Vk"}
+    for job in docs[3:]:
+        c = container(job)
+        assert c["command"][-3:] == ["--unpack", f"{k8s.PACK_DIR}/workspace.tar.gz", "--"]
+        assert c["workingDir"] == "/data/fit/workspace"
+        assert {"name": "workspace", "configMap": {"name": "fit-workspace"}} in job["spec"]["template"]["spec"][
+            "volumes"]
+
+
+# -- JobSet ---------------------------------------------------------------------------------------------------
+
+def test_the_jobset_form_validates_against_jobsets_schema(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "fit", "--namespace", "ml", "--jobset", "--queue",
+                  "team-a", "--ttl", "600", "--deadline", "3600", "--", "--passes", "3", conf=THREE_HOSTS)
+    assert [d["kind"] for d in docs] == ["Secret", "JobSet"]
+    secret, js = docs
+    assert problems([secret]) == [] and jobset_problems(js) == [] and restricted_problems(docs) == []
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # one workload for Kueue
+    spec = js["spec"]
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
+    assert spec["failurePolicy"] == {"maxRestarts": 0} and spec["ttlSecondsAfterFinished"] == 600
+    assert spec["network"]["enableDNSHostnames"] is True
+    ps, tr = (rj["template"] for rj in spec["replicatedJobs"])
+    assert (ps["spec"]["completions"], tr["spec"]["completions"]) == (3, 6)
+    assert ps["spec"]["activeDeadlineSeconds"] == 3600 and ps["spec"]["completionMode"] == "Indexed"
+    # A JobSet's pods are named <JobSet>-<replicated Job>-<Job index>-<pod index>, in the JobSet's subdomain.
+    env = JobEnv.from_environ(env_of(container(tr)))
+    assert [e.host for e in env.pservers] == [f"fit-pserver-0-{i}.fit.ml.svc" for i in range(3)]
+    assert "fit-trainer-0-{}.fit.ml.svc" in container(ps)["command"]
+    # The references between the Secret and the pods hold (the JobSet's Jobs checked as Jobs).
+    jobs = [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"fit-{rj['name']}", "namespace": "ml"},
+             "spec": rj["template"]["spec"]} for rj in spec["replicatedJobs"]]
+    assert [p for p in problems([secret, *jobs]) if "subdomain" not in p] == []
+
+
+JOBSET_MUTATIONS = {
+    "unknown field": (lambda s: s.__setitem__("sucessPolicy", {}), "sucessPolicy: unknown field"),
+    "bad operator": (lambda s: s["successPolicy"].__setitem__("operator", "Most"), "successPolicy.operator"),
+    "missing replicated Job name": (lambda s: s["replicatedJobs"][0].pop("name"), "name is required"),
+    "wrong type": (lambda s: s["failurePolicy"].__setitem__("maxRestarts", "0"), "maxRestarts"),
+    "bad restart strategy": (lambda s: s["failurePolicy"].__setitem__("restartStrategy", "Now"), "restartStrategy"),
+    "misspelled Job template field": (lambda s: s["replicatedJobs"][1]["template"]["spec"].__setitem__(
+        "completionMod", "Indexed"), "completionMod"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(JOBSET_MUTATIONS))
+def test_the_jobset_checks_catch_what_they_claim_to(what: str) -> None:
+    cfg = parse_config({"HOSTS": ["a", "b"]}, "test")
+    js = copy.deepcopy(k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", jobset=True))[-1])
+    assert jobset_problems(js) == []
+    mutate, named = JOBSET_MUTATIONS[what]
+    mutate(js["spec"])
+    found = jobset_problems(js)
+    assert found and any(named in p for p in found), found
+
+
+def test_pod_options_on_another_backend_are_refused(tmp_path: Path) -> None:
+    res = cli("run", "--job_workspace", str(tmp_path), "--gpus", "1", "--image-pull-secret", "regcred", cwd=tmp_path)
+    assert res.exit_code == 2 and "--gpus, --image-pull-secret: for --backend k8s only" in res.stderr, res.stderr

@@ -13,6 +13,7 @@ The workspace is in the image (see docs/backends.md for why).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import re
@@ -27,48 +28,24 @@ from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, Endpoint, JobE
 
 from .config import ClusterConfig
 from .errors import ConfigError
+from .k8s_pod import PodOptions
 
 LABEL_JOB = "paddle-cluster/job"
 LABEL_ROLE = "paddle-cluster/role"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so it never touches another job
 SECRET_KEY = "job-secret"
 DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
-DEFAULT_REQUESTS = (("cpu", "1"), ("memory", "1Gi"))
+PACK_DIR = "/var/run/paddle-cluster/workspace"  # where a pod sees the ConfigMap holding a dispatched workspace
+PACK_KEY = "workspace.tar.gz"
+CHECKPOINTS = "/checkpoints"  # where the pserver pods mount --checkpoint-pvc; a job's are under <job name>/
+PACK_LIMIT = 1 << 20  # what a ConfigMap holds in all
 POD_PYTHON = "python3"  # the image's interpreter; the local PYTHON of a config means nothing in a pod
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # RFC 1035: what a Service name must be
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # RFC 1123 label
-# A Kubernetes quantity: a decimal number with an optional binary/decimal suffix or exponent.
-_QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][-+]?\d+)?")
-_RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?")
 _ROLE_WORD = {PSERVER: "pserver", TRAINER: "trainer"}
-
-
-@dataclass(frozen=True)
-class Requests:
-    """What one pod of a role asks the scheduler for: resource name -> quantity (``cpu``: ``"2"``)."""
-
-    items: Tuple[Tuple[str, str], ...] = DEFAULT_REQUESTS
-
-    @classmethod
-    def parse(cls, text: str, key: str) -> Requests:
-        """``cpu=2,memory=4Gi,nvidia.com/gpu=1``; a name not given keeps its default."""
-        got = dict(DEFAULT_REQUESTS)
-        for part in (p.strip() for p in text.split(",") if p.strip()):
-            name, sep, qty = (x.strip() for x in part.partition("="))
-            if not sep or not _RESOURCE.fullmatch(name) or len(name) > 253:
-                raise ConfigError(key, text, f"{part!r} is not NAME=QUANTITY; write e.g. cpu=2,memory=4Gi")
-            if not _QUANTITY.fullmatch(qty):
-                raise ConfigError(key, text, f"{qty!r} is not a Kubernetes quantity; write e.g. 500m, 2, 4Gi")
-            got[name] = qty
-        return cls(tuple(got.items()))
-
-    def resources(self) -> Dict[str, Dict[str, str]]:
-        """A container's ``resources``: requests, plus limits for extended resources (GPUs), which
-        Kubernetes accepts only with a limit equal to the request."""
-        requests = dict(self.items)
-        limits = {k: v for k, v in requests.items() if "/" in k or k.startswith("hugepages-")}
-        return {"requests": requests, "limits": limits} if limits else {"requests": requests}
 
 
 @dataclass(frozen=True)
@@ -81,10 +58,11 @@ class K8sJob:
     env: JobEnv  # the job-wide contract; its pservers are the pods' stable DNS names
     pserver_cmd: Tuple[str, ...]
     trainer_cmd: Tuple[str, ...]
-    pserver_requests: Requests = Requests()
-    trainer_requests: Requests = Requests()
+    pods: PodOptions = PodOptions()
     start_timeout: float = 60.0
     kill_grace: float = 5.0
+    workspace_pack: bytes = b""  # --job_dispatch_package: the workspace as a gzipped tar, in a ConfigMap
+    jobset: bool = False  # one JobSet (jobset.x-k8s.io) instead of a Service and two Jobs
 
     @property
     def pservers(self) -> int:
@@ -96,15 +74,22 @@ class K8sJob:
 
     @property
     def selector(self) -> str:
-        """The label selector of every object of this job (``kubectl delete -l``)."""
-        return selector(self.name)
+        """The label selector of every object of this run of the job (``kubectl delete -l``): its unique id,
+        so objects of another job that happens to share the name are never selected."""
+        return f"{LABEL_ID}={self.env.job_id}"
+
+    def object_names(self) -> List[str]:
+        """``kind/name`` of every object the manifests create (``kubectl get`` arguments)."""
+        return [f"secret/{self.name}-secret", f"service/{self.name}"] + (
+            [f"configmap/{self.name}-workspace"] if self.workspace_pack else []) + [
+            f"job.batch/{self.job_name(PSERVER)}", f"job.batch/{self.job_name(TRAINER)}"]
 
     def job_name(self, role: str) -> str:
         return f"{self.name}-{_ROLE_WORD[role]}"
 
     def labels(self, role: Optional[str] = None) -> Dict[str, str]:
         out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
-               LABEL_JOB: self.name}
+               LABEL_JOB: self.name, LABEL_ID: self.env.job_id}
         if role is not None:
             out[LABEL_ROLE] = _ROLE_WORD[role]
         return out
@@ -114,10 +99,11 @@ def selector(name: str) -> str:
     return f"{LABEL_JOB}={name}"
 
 
-def pod_host(name: str, namespace: str, role: str, index: int) -> str:
+def pod_host(name: str, namespace: str, role: str, index: int, jobset: bool = False) -> str:
     """The stable DNS name of pod ``index`` of a role: hostname ``<Job name>-<index>``, subdomain the job's
     headless Service. Relative to the cluster domain, which the pods' resolver search path supplies."""
-    return f"{name}-{_ROLE_WORD[role]}-{index}.{name}.{namespace}.svc"
+    # A JobSet's pods: <JobSet>-<replicated Job>-<Job index>-<pod index>, one Job per replicated Job here.
+    return f"{name}-{_ROLE_WORD[role]}-{'0-' if jobset else ''}{index}.{name}.{namespace}.svc"
 
 
 def object_name(job_name: str) -> str:
@@ -125,11 +111,11 @@ def object_name(job_name: str) -> str:
     return re.sub(r"[_.]", "-", job_name.lower())
 
 
-def k8s_name(job_name: str, trainers: int, pservers: int) -> str:
+def k8s_name(job_name: str, trainers: int, pservers: int, jobset: bool = False) -> str:
     """``object_name(job_name)``, checked to be usable for every object and pod hostname of the job."""
     name = object_name(job_name)
     # The longest pod hostname, <name>-trainer-<index>, must be a DNS label (63 characters).
-    longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}"))
+    longest = max(len(f"-trainer-{trainers - 1}"), len(f"-pserver-{pservers - 1}")) + (2 if jobset else 0)
     limit = 63 - longest
     if not _DNS_LABEL.fullmatch(name) or len(name) > limit:
         raise ConfigError("--job_name", job_name, "is not usable as a Kubernetes name: use lower-case letters, "
@@ -147,8 +133,9 @@ def namespace_ok(namespace: str) -> bool:
 
 def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
           pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
-          trainer_args: Tuple[str, ...] = (), pserver_requests: Requests = Requests(),
-          trainer_requests: Requests = Requests(), secret: Optional[str] = None) -> K8sJob:
+          trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
+          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
+          resume_from: str = "") -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
     n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
@@ -160,25 +147,70 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
         raise ConfigError("--namespace", namespace, NAMESPACE_FIX)
     if not workspace.startswith("/"):
         raise ConfigError("--job_workspace", workspace, "must be an absolute path inside the image")
-    name = k8s_name(job_name, n_tr, n_ps)
+    name = k8s_name(job_name, n_tr, n_ps, jobset)
     # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
     root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
-    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i), cfg.paddle_port) for i in range(n_ps))
+    if workspace_pack:  # unpacked by each pod into its job-dir volume
+        workspace = f"{root}/{name}/workspace"
+    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i, jobset), cfg.paddle_port) for i in range(n_ps))
+    if resume_from and not pods.checkpoint_pvc:
+        raise ConfigError("--resume_from", resume_from, "a pod's checkpoints go with it: give --checkpoint-pvc CLAIM "
+                          "(a PersistentVolumeClaim the pserver pods share) to the job you resume from and to this one")
+    if resume_from.startswith("/"):
+        raise ConfigError("--resume_from", resume_from, "on Kubernetes give the name of the earlier job whose "
+                          f"checkpoints are on --checkpoint-pvc (under {CHECKPOINTS}/<job>)")
+    # As on every backend, a resumed job goes on writing where it resumed from.
+    ckpt = f"{CHECKPOINTS}/{object_name(resume_from) if resume_from else name}" if pods.checkpoint_pvc else ""
     env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
                  secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
-                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env))
+                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env),
+                 resume="latest" if resume_from else "", checkpoint_dir=ckpt)
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     if cfg.pserver_runs_entry:  # the arguments reach every process running the entry script, as over SSH
         pserver_cmd += tuple(trainer_args)
     return K8sJob(name, namespace, image, env, pserver_cmd,
-                  trainer_cmd, pserver_requests, trainer_requests, cfg.start_timeout, cfg.kill_grace)
+                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace, workspace_pack, jobset)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:
     """The Secret, the headless Service and the two Indexed Jobs, in the order to apply them."""
-    return [_secret(job), _service(job), _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+    pack = [_workspace(job)] if job.workspace_pack else []
+    if job.jobset:
+        return [_secret(job), *pack, _jobset(job)]
+    return [_secret(job), _service(job), *pack, _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+
+
+def _jobset(job: K8sJob) -> Dict[str, Any]:
+    """The two Jobs as one JobSet: its controller makes the headless Service (``network``), the job succeeds
+    when the trainers have (the pservers are then stopped) and fails, stopping everything, when any Job fails;
+    Kueue admits it as one workload."""
+    replicated = []
+    for role in (PSERVER, TRAINER):
+        j = _indexed_job(job, role)
+        spec = j["spec"]
+        spec.pop("ttlSecondsAfterFinished", None)  # the JobSet's, below
+        spec["template"]["spec"].pop("subdomain")  # set by the JobSet controller: the JobSet's name
+        replicated.append({"name": _ROLE_WORD[role], "replicas": 1,
+                           "template": {"metadata": {"labels": job.labels(role)}, "spec": spec}})
+    meta = _meta(job, job.name)
+    if job.pods.queue:
+        meta["labels"][QUEUE_LABEL] = job.pods.queue
+    spec: Dict[str, Any] = {
+        "replicatedJobs": replicated,
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [_ROLE_WORD[TRAINER]]},
+        "failurePolicy": {"maxRestarts": 0},
+    }
+    if job.pods.ttl is not None:
+        spec["ttlSecondsAfterFinished"] = job.pods.ttl
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": spec}
+
+
+def _workspace(job: K8sJob) -> Dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, f"{job.name}-workspace"),
+            "binaryData": {PACK_KEY: base64.b64encode(job.workspace_pack).decode()}}
 
 
 def to_yaml(docs: List[Dict[str, Any]]) -> str:
@@ -187,10 +219,12 @@ def to_yaml(docs: List[Dict[str, Any]]) -> str:
 
 def render(job: K8sJob) -> str:
     """The manifests as one YAML stream for ``kubectl apply -f -``, with a header saying what it holds."""
-    head = (f"# paddle-cluster job {job.name}: {job.pservers} pserver(s), {job.trainers} trainer(s) in namespace "
-            f"{job.namespace}\n# This stream holds the job secret (in the Secret): pipe it into "
-            f"'kubectl apply -f -' rather than keeping it.\n# Delete everything with: kubectl delete "
-            f"-n {job.namespace} job,service,secret -l {job.selector}\n")
+    head = (f"# paddle-cluster job {job.name} (id {job.env.job_id}): {job.pservers} pserver(s), {job.trainers} "
+            f"trainer(s) in namespace {job.namespace}\n# This stream holds the job secret (in the Secret): pipe it "
+            f"into 'kubectl create -f -' rather than keeping it (create, not apply: it refuses to replace objects "
+            f"of another job of this name).\n# Delete everything with: kubectl delete -n {job.namespace} "
+            f"{'jobsets.jobset.x-k8s.io' if job.jobset else 'jobs.batch,services'},secrets,configmaps -l "
+            f"{job.selector}\n")
     return head + to_yaml(manifests(job))
 
 
@@ -214,7 +248,8 @@ def _service(job: K8sJob) -> Dict[str, Any]:
     # Headless: no virtual IP, DNS answers with the pods' own addresses; and published before the pods are
     # ready, so a pserver can resolve its own name while it starts.
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, job.name),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LABEL_JOB: job.name},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_JOB: job.name, LABEL_ID: job.env.job_id},
                      "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in _ports(job)]}}
 
 
@@ -229,16 +264,22 @@ def _env(job: K8sJob, role: str) -> List[Dict[str, Any]]:
 def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
     n = job.pservers if role == PSERVER else job.trainers
     word = _ROLE_WORD[role]
+    keeps_checkpoints = role == PSERVER and bool(job.pods.checkpoint_pvc)
     container: Dict[str, Any] = {
         "name": word,
         "image": job.image,
         "workingDir": job.env.workspace,
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
-                    "--"],
+                    # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
+                    *(["--trainer-names", trainer_names(job)] if role == PSERVER else []),
+                    *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []), "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
-        "resources": (job.pserver_requests if role == PSERVER else job.trainer_requests).resources(),
-        "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}],
+        "resources": (job.pods.pserver if role == PSERVER else job.pods.trainer).spec(),
+        "securityContext": job.pods.container_security(),
+        "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}] + (
+            [{"name": "workspace", "mountPath": PACK_DIR, "readOnly": True}] if job.workspace_pack else []) + (
+            [{"name": "checkpoints", "mountPath": CHECKPOINTS}] if keeps_checkpoints else []),
     }
     if role == PSERVER:
         container["ports"] = [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in _ports(job)]
@@ -250,8 +291,21 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "terminationGracePeriodSeconds": math.ceil(job.kill_grace),
         "containers": [container],
         # Logs, metrics and checkpoints of this pod; they go with it (docs/backends.md: what persists).
-        "volumes": [{"name": "job-dir", "emptyDir": {}}],
+        "volumes": [{"name": "job-dir", "emptyDir": {}}] + (
+            [{"name": "workspace", "configMap": {"name": f"{job.name}-workspace"}}] if job.workspace_pack else []) + (
+            [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.pods.checkpoint_pvc}}]
+            if keeps_checkpoints else []),
+        **job.pods.pod_spec(),
     }
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
+    meta = _meta(job, job.job_name(role), role)
+    if job.pods.queue:
+        meta["labels"][QUEUE_LABEL] = job.pods.queue
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
             "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
+                     **job.pods.job_spec(),
                      "template": {"metadata": {"labels": job.labels(role)}, "spec": pod}}}
+
+
+def trainer_names(job: K8sJob) -> str:
+    """The trainer pods' stable DNS names, ``{}`` for the index."""
+    return pod_host(job.name, job.namespace, TRAINER, 0, job.jobset).replace("-0.", "-{}.", 1)

@@ -8,20 +8,22 @@ kubectl's own last words.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 from paddle_cluster.contract import PSERVER, TRAINER
+from paddle_cluster.node.pod import METRICS
 
 from .errors import ClusterError
 from .interrupt import stoppable
-from .k8s import LABEL_ROLE, object_name, selector
+from .k8s import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 from .ops import ProcRow
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
-OBJECTS = "jobs.batch,services,secrets"  # everything render k8s creates (pods go with their Jobs)
+OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
 
@@ -39,12 +41,25 @@ class Kubectl:
     def can_i(self, verb: str, resource: str) -> List[str]:
         return self._ns("auth", "can-i", verb, resource)
 
-    def apply(self) -> List[str]:
-        """Create or update the objects of the YAML stream on stdin."""
-        return self._ns("apply", "--filename", "-")
+    def create(self) -> List[str]:
+        """Create the objects of the YAML stream on stdin; one that exists already is an error, left as it is."""
+        return self._ns("create", "--filename", "-")
+
+    def get_named(self, names: List[str]) -> List[str]:
+        """Those of the objects ``kind/name`` that exist, as JSON."""
+        return self._ns("get", *names, "--ignore-not-found", "--output", "json")
+
+    def patch(self, names: List[str], change: Dict[str, Any]) -> List[str]:
+        """Merge ``change`` into the objects ``kind/name``."""
+        return self._ns("patch", *names, "--type", "merge", "--patch", json.dumps(change))
 
     def get_pods(self) -> List[str]:
         return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
+
+    def watch_pods(self) -> List[str]:
+        """The job's pods as they change: one JSON document per event, ``{"type": ..., "object": pod}``."""
+        return self._ns("get", "pods", "--selector", self.selector, "--watch", "--output-watch-events",
+                        "--output", "json")
 
     def get(self) -> List[str]:
         """The job's Jobs and pods, as a table for people."""
@@ -118,7 +133,27 @@ def pod_states(text: str) -> List[PodState]:
         doc = json.loads(text)
     except ValueError:
         raise ClusterError(f"kubectl get pods printed no JSON: {text[:200]!r}") from None
-    return [p for p in (_pod(item) for item in doc.get("items", [])) if p is not None]
+    return states_of(doc.get("items", []))
+
+
+def states_of(items: Iterable[Dict[str, Any]]) -> List[PodState]:
+    """The pods of these pod documents; pods of no known role are left out."""
+    return [p for p in (_pod(item) for item in items) if p is not None]
+
+
+def watch_events(lines: Iterable[str]) -> Iterator[Dict[str, Any]]:
+    """The documents of ``Kubectl.watch_pods``' output, one after another (each printed over many lines)."""
+    buf: List[str] = []
+    for line in lines:
+        buf.append(line)
+        if line.rstrip() == "}":  # a document's last line (its braces inside are indented)
+            try:
+                doc = json.loads("".join(buf))
+            except ValueError:
+                continue
+            buf = []
+            if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
+                yield doc
 
 
 def _pod(item: Dict[str, Any]) -> Optional[PodState]:
@@ -176,13 +211,88 @@ def find_pod(pods: List[PodState], text: str) -> PodState:
 
 # -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------
 
-def for_job(namespace: str, job_name: str) -> Kubectl:
-    return Kubectl(namespace, selector(object_name(job_name)))
+def for_job(namespace: str, job_name: str, job_id: str = "") -> Kubectl:
+    """The commands for job ``job_name``: by its unique id when the run that started it remembered one."""
+    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)))
 
 
-def kill_job(k: Kubectl) -> List[str]:
-    """Delete the job's objects, waiting until its pods are gone; kubectl's lines ("job.batch ... deleted")."""
-    return k.run(k.delete(wait=True), timeout=600).splitlines()
+@dataclass(frozen=True)
+class Owner:
+    """An object already in the namespace under one of a job's names, and the job it belongs to."""
+
+    what: str  # kind/name
+    job: str  # the paddle-cluster job name and id on it, or "" when paddle-cluster did not create it
+    job_id: str
+
+
+def owners(text: str) -> List[Owner]:
+    """The objects of ``Kubectl.get_named``'s JSON."""
+    try:
+        items = json.loads(text or "{}").get("items", [])
+    except ValueError:
+        raise ClusterError(f"kubectl get printed no JSON: {text[:200]!r}") from None
+    out = []
+    for i in items:
+        labels = (i.get("metadata") or {}).get("labels") or {}
+        kind = {"Job": "job.batch"}.get(i.get("kind", ""), str(i.get("kind", "")).lower())
+        out.append(Owner(f"{kind}/{i['metadata']['name']}", labels.get(LABEL_JOB, ""), labels.get(LABEL_ID, "")))
+    return out
+
+
+def kill_job(k: Kubectl, job_dir: str) -> List[str]:
+    """Save the pods' logs and metrics into ``job_dir``, then delete the job's objects, waiting until its pods
+    are gone; what was saved and kubectl's lines ("job.batch ... deleted")."""
+    saved = save_results(k, pod_states(k.run(k.get_pods())), job_dir)
+    lines = k.run(k.delete(wait=True), timeout=600).splitlines()
+    return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
+
+
+def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
+    """Each pod's whole log into ``job_dir/log/<process>.log`` and a trainer's metrics records (its log's
+    ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the other backends leave them, so ``logs``
+    and ``plot`` work once the pods are gone. Each file is written whole, then renamed. The processes saved."""
+    log_dir = os.path.join(job_dir, "log")
+    saved = []
+    for p in pods:
+        if not p.state:  # never ran: no log
+            continue
+        try:
+            text = k.run(k.logs(p.name, follow=False), timeout=120)
+        except ClusterError:
+            continue
+        os.makedirs(log_dir, exist_ok=True)
+        lines, metrics = [], []
+        for line in text.splitlines():
+            if line.startswith(METRICS):
+                metrics.append(line[len(METRICS):].partition(" ")[2])
+            else:
+                lines.append(line)
+        _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
+        if metrics:
+            _write(os.path.join(log_dir, f"metrics.trainer{p.index}.jsonl"), metrics)
+        saved.append(proc_name(p))
+    return saved
+
+
+def _write(path: str, lines: List[str]) -> None:
+    with open(path + ".part", "w", encoding="utf-8") as f:
+        f.write("".join(f"{ln}\n" for ln in lines))
+    os.replace(path + ".part", path)
+
+
+def saved_rows(job_dir: str) -> List[ProcRow]:
+    """``status`` of a job whose pods are gone: one row per saved log."""
+    log_dir = os.path.join(job_dir, "log")
+    names = sorted(n for n in (os.listdir(log_dir) if os.path.isdir(log_dir) else [])
+                   if n.endswith(".log") and n.split(".")[0] in _ROLES)
+    rows = []
+    for n in names:
+        with open(os.path.join(log_dir, n), encoding="utf-8", errors="replace") as f:
+            last = ([ln.rstrip("\n") for ln in f if ln.strip()] or [""])[-1]
+        role = _ROLES[n.split(".")[0]]
+        rows.append(ProcRow("-", "-", "-", n[:-len(".log")], role, None, "ended (pod deleted)", "", last,
+                            f"log in {log_dir}/{n}"))
+    return sorted(rows, key=lambda r: (r.role != PSERVER, r.name))
 
 
 def pod_row(p: PodState, last_line: str) -> ProcRow:
@@ -190,8 +300,8 @@ def pod_row(p: PodState, last_line: str) -> ProcRow:
     return ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, None, describe(p), "", last_line, p.name)
 
 
-def job_status(k: Kubectl) -> List[ProcRow]:
-    """One row per pod, with the last line of its log."""
+def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:
+    """One row per pod, with the last line of its log; once the pods are gone, one per log saved."""
     rows = []
     for p in sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index)):
         try:
@@ -199,21 +309,40 @@ def job_status(k: Kubectl) -> List[ProcRow]:
         except ClusterError:
             last = ""
         rows.append(pod_row(p, last))
+    rows = rows or saved_rows(job_dir)
     if not rows:
-        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} (finished and deleted, or "
-                           "another namespace: --namespace / K8S_NAMESPACE)")
+        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} and no saved logs in {job_dir}/log "
+                           "(another namespace: --namespace / K8S_NAMESPACE?)")
     return rows
 
 
-def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
-    pod = find_pod(pod_states(k.run(k.get_pods())), text)
+def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None],
+                job_dir: str = "") -> None:
+    pods = pod_states(k.run(k.get_pods()))
+    if not pods and job_dir:  # the job's objects are deleted: its saved logs
+        rows = saved_rows(job_dir)
+        row = next((r for r in rows if text == r.name or text.replace("-", ".").endswith("." + r.name)), None)
+        if row is None:
+            raise ClusterError(f"no pods of this job left and no saved log of {text!r} in {job_dir}/log; saved: "
+                               f"{', '.join(r.name for r in rows) or 'none'}")
+        with open(os.path.join(job_dir, "log", f"{row.name}.log"), encoding="utf-8", errors="replace") as f:
+            for line in f.read().splitlines()[-lines:] if lines > 0 else []:
+                out(line)
+        return
+    pod = find_pod(pods, text)
+    if not follow:  # the last lines of output: a trainer's METRICS records at its end are not output
+        shown = [ln for ln in k.run(k.logs(pod.name, follow=False)).splitlines() if not ln.startswith(METRICS)]
+        for line in shown[-lines:] if lines > 0 else []:
+            out(line)
+        return
     argv = k.logs(pod.name, follow=follow, tail=lines)
     with stoppable(), subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, errors="replace") as p:
         assert p.stdout is not None and p.stderr is not None
         try:
             for line in p.stdout:
-                out(line.rstrip("\n"))
+                if not line.startswith(METRICS):
+                    out(line.rstrip("\n"))
         except KeyboardInterrupt:
             p.terminate()
         err = p.stderr.read().strip()

@@ -8,16 +8,29 @@ Service, already in ``PADDLE_PSERVER_ENDPOINTS``. Nobody asks the API server for
 
 Before starting CMD, a pserver waits until its own name resolves to an address of this pod (DNS records
 appear shortly after a pod starts), a trainer until every pserver port accepts a connection; both within
-``--start-timeout`` seconds. Then CMD replaces this process (exec), with the process's contract added to the
-environment, so its output is the pod's log and its exit code the pod's. Standard library only.
+``--start-timeout`` seconds. Then CMD runs as this process's child, with the process's contract added to the
+environment; its output is the pod's log, its exit code the pod's, and SIGTERM (the pod being deleted) is
+passed on to it. What the job's processes leave in the pod's job-dir volume goes with the pod, so a trainer's
+metrics records are also printed to the log once it exits (``METRICS`` lines: the launcher keeps them).
+
+The whole job ends on the cluster itself, without a launcher watching: a pserver pod given the trainers' names
+(``--trainer-names``) stops its pserver and fails once none of them resolves any more, i.e. every trainer pod
+has ended (the headless Service publishes a pod's name only until it ends) without the pserver having
+finished -- a trainer failed, its Job failed and the Job controller ended the other trainers. When the
+trainers finish, the pserver ends on its own (every trainer closed). Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tarfile
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -28,8 +41,14 @@ INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an In
 PREFIX = "paddle-cluster pod: "
 READY = PREFIX + "ready: "
 ERROR = PREFIX + "error: "
+IMAGE = PREFIX + "image: "
+METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
 POLL_S = 0.2
+TRAINERS_CHECK_S = 1.0
+STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
+TRAINERS_GONE_CHECKS = 3  # consecutive checks finding no trainer name: not a DNS hiccup
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
+EXIT_TRAINERS_GONE = 5  # a pserver stopped because its trainers ended without finishing
 
 
 class PodError(Exception):
@@ -97,8 +116,9 @@ def wait_pservers(env: JobEnv, deadline: float) -> None:
         time.sleep(POLL_S)
 
 
-def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None) -> int:
-    """Wait as this pod's role requires, then exec ``cmd`` with the process's contract; returns only on error."""
+def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
+           trainer_names: str = "", pack: str = "") -> int:
+    """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code."""
     base: Dict[str, str] = dict(os.environ if environ is None else environ)
     env = JobEnv.from_environ(base)
     if env is None:
@@ -107,6 +127,8 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role is None:
         raise PodError("PADDLE_TRAINING_ROLE is not set: the pod was not rendered by paddle-cluster render k8s")
     index = completion_index(base)
+    if pack:
+        unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
     deadline = time.monotonic() + start_timeout
     if env.role == PSERVER:
@@ -127,10 +149,91 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
     sys.stdout.flush()
     try:
-        os.execvpe(cmd[0], cmd, proc_env)
+        child = subprocess.Popen(cmd, env=proc_env)
     except OSError as e:
         raise PodError(f"cannot start {cmd[0]!r} in {os.getcwd()}: {e.strerror or e}") from None
-    return 127  # not reached
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _f: child.send_signal(signum))
+    names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
+    code = _wait(child, names, start_timeout)
+    if env.role != PSERVER and env.job_dir:
+        print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
+    return code
+
+
+def _wait(child: subprocess.Popen, trainer_names: List[str], start_timeout: float) -> int:
+    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once no trainer pod is left: none of the
+    names resolves, after one did or after ``start_timeout`` s (trainers that ended before a first look)."""
+    seen, gone, since = False, 0, time.monotonic()
+    while True:
+        if trainer_names:
+            alive = any(_addresses(n) for n in trainer_names)
+            seen = seen or alive
+            gone = 0 if alive else gone + 1
+            if gone >= TRAINERS_GONE_CHECKS and (seen or time.monotonic() - since > start_timeout):
+                return _stop_pserver(child)
+        try:
+            return child.wait(timeout=TRAINERS_CHECK_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop_pserver(child: subprocess.Popen) -> int:
+    say(f"{ERROR}no trainer pod is left and not every trainer closed its connection (a trainer failed, or its "
+        "Job was stopped): stopping this pserver")
+    child.terminate()
+    try:
+        child.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        say(f"{PREFIX}the pserver did not stop within {STOP_GRACE_S:g} s of SIGTERM: killing it")
+        child.kill()
+        child.wait()
+    return EXIT_TRAINERS_GONE
+
+
+def unpack_workspace(pack: str, workspace: str) -> None:
+    """The dispatched workspace (``--unpack``: a gzipped tar from the job's ConfigMap) into ``workspace``, which
+    becomes the working directory; the same checks as on every other backend (``node/unpack.py``)."""
+    from .unpack import UnsafeArchive, safe_extract
+
+    tmp = f"{workspace}.tar"
+    try:
+        with gzip.open(pack) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        n = safe_extract(tmp, workspace)
+    except (OSError, EOFError, UnsafeArchive, tarfile.TarError) as e:
+        raise PodError(f"cannot unpack the workspace {pack} into {workspace}: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    os.chdir(workspace)
+    say(f"{PREFIX}workspace: {n} entries unpacked into {workspace}")
+
+
+def image_check() -> str:
+    """What the image offers the job's processes, in one line; ``PodError`` when it lacks numpy."""
+    try:
+        import numpy
+    except ImportError as e:
+        raise PodError(f"the image has no numpy ({e}): install numpy in it (pip install numpy)") from None
+    try:
+        from importlib.metadata import version
+
+        ours = version("paddle-cluster")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (PYTHONPATH): still usable
+        ours = "from PYTHONPATH"
+    return f"Python {sys.version.split()[0]}, numpy {numpy.__version__}, paddle-cluster {ours}"
+
+
+def print_metrics(path: str, trainer: str) -> None:
+    """A trainer's metrics records into the pod's log, one ``METRICS`` line each."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    print(f"{METRICS}{trainer} {line.strip()}", flush=True)
+    except OSError:
+        pass
 
 
 def say(line: str) -> None:
@@ -140,13 +243,16 @@ def say(line: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node pod", description=__doc__.split("\n")[0])
     ap.add_argument("--start-timeout", type=float, default=60.0)
+    ap.add_argument("--trainer-names", default="", help="pserver: the trainers' DNS names, {} for the index")
+    ap.add_argument("--unpack", default="", help="a gzipped tar of the workspace to unpack into it first")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("give the command to run after --")
     try:
-        return become(cmd, a.start_timeout)
+        say(f"{IMAGE}{image_check()}")
+        return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
         return EXIT_NOT_READY

@@ -2,7 +2,7 @@
 what kubectl shows into the events every backend yields, and deletes the job's objects by label at the end.
 
 Each pod is a node of the plan with one process (pserver *i* is node *i*, trainer *j* node *pservers + j*).
-Events come from two kubectl commands: ``get pods -o json`` every ``POLL_S`` s (a container started, waits
+Events come from two kubectl commands: ``get pods --watch -o json`` (a container started, waits
 for a reason, or ended with an exit code) and ``logs --follow`` per pod (its output lines, and the entry
 point's "ready"/"error" lines: ``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
 launcher (they finish the job on their own) and ``kill`` deletes them by label.
@@ -10,25 +10,30 @@ launcher (they finish the job on their own) and ``kill`` deletes them by label.
 
 from __future__ import annotations
 
+import gzip
+import json
 import queue
 import shlex
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 
-from .. import k8s
+from .. import dispatch, journal, k8s
 from ..config import ClusterConfig, override
 from ..errors import ClusterError, ConfigError
-from ..kubectl import Kubectl, PodState, pod_states
+from ..interrupt import stoppable
+from ..k8s_pod import PodOptions
+from ..kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
 from ..plan import JobPlan, JobSpec
-from .base import Backend, Event, NodeLost
+from ..supervise import JobResult
+from .base import EVENTS_MAX, Backend, Event, NodeLost
 
-POLL_S = 2.0
+RETRY_S = 2.0  # between a watch that ended and the next
 # Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
 FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull")
 NEEDED = (("create", "jobs.batch"), ("create", "services"), ("create", "secrets"), ("delete", "jobs.batch"))
@@ -42,19 +47,19 @@ class K8sOptions:
     namespace: str = k8s.DEFAULT_NAMESPACE
     pservers: Optional[int] = None
     trainers: Optional[int] = None
-    pserver_requests: k8s.Requests = k8s.Requests()
-    trainer_requests: k8s.Requests = k8s.Requests()
+    pods: PodOptions = PodOptions()
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, image: Optional[str] = None, namespace: Optional[str] = None,
                     pservers: Optional[int] = None, trainers: Optional[int] = None,
-                    pserver_requests: Optional[str] = None, trainer_requests: Optional[str] = None) -> K8sOptions:
-        """The flags given, else the config's K8S_* keys; a wrong value is named as the flag, or as the key in
-        its file, or as the default."""
+                    pod: Optional[Dict[str, Any]] = None) -> K8sOptions:
+        """The flags given (``pod``: the pod flags, ``k8s_pod.flags``), else the config's K8S_* keys; a wrong
+        value is named as the flag, or as the key in its file, or as the default."""
+        pod = dict(pod or {})
         given = {name: (flag, v) for name, flag, v in (
             ("k8s_image", "--image", image), ("k8s_namespace", "--namespace", namespace),
-            ("k8s_pserver_requests", "--pserver-requests", pserver_requests),
-            ("k8s_trainer_requests", "--trainer-requests", trainer_requests)) if v}
+            ("k8s_pserver_requests", "--pserver-requests", pod.get("pserver_requests")),
+            ("k8s_trainer_requests", "--trainer-requests", pod.get("trainer_requests"))) if v}
         cfg = override(cfg, given) if given else cfg
         if not cfg.k8s_image:
             raise ConfigError("--image", None, "give the image holding the workspace (--image IMAGE or K8S_IMAGE "
@@ -63,22 +68,31 @@ class K8sOptions:
             raise cfg.error("k8s_image", "give the image holding the workspace, e.g. registry.example/ml/job:1")
         if not k8s.namespace_ok(cfg.k8s_namespace):
             raise cfg.error("k8s_namespace", k8s.NAMESPACE_FIX)
-
-        def requests(name: str) -> k8s.Requests:
-            try:
-                return k8s.Requests.parse(getattr(cfg, name), name.upper())
-            except ConfigError as e:
-                raise cfg.error(name, e.fix) from None
-
-        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, requests("k8s_pserver_requests"),
-                   requests("k8s_trainer_requests"))
+        keys = ("--pserver-requests" if pod.get("pserver_requests") else "K8S_PSERVER_REQUESTS",
+                "--trainer-requests" if pod.get("trainer_requests") else "K8S_TRAINER_REQUESTS")
+        pod["pserver_requests"] = cfg.k8s_pserver_requests or ""
+        pod["trainer_requests"] = cfg.k8s_trainer_requests or ""
+        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...]) -> k8s.K8sJob:
+              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False,
+              resume_from: str = "") -> k8s.K8sJob:
         return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
                          trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pserver_requests=self.pserver_requests,
-                         trainer_requests=self.trainer_requests)
+                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset,
+                         resume_from=resume_from)
+
+
+def packed_workspace(directory: str) -> bytes:
+    """``--job_dispatch_package``: the workspace as a gzipped tar small enough for a ConfigMap."""
+    pkg = dispatch.pack_workspace(directory, dispatch.workspace_cache_dir())
+    with open(pkg.path, "rb") as f:
+        data = gzip.compress(f.read(), mtime=0)
+    if len(data) > k8s.PACK_LIMIT - 4096:  # room for the ConfigMap's own fields
+        raise ConfigError("--job_dispatch_package", directory, f"packs to {len(data) / 1024:.0f} KiB, over the "
+                          f"{k8s.PACK_LIMIT // 1024} KiB a ConfigMap holds: build the workspace into the image and "
+                          "give --job_workspace PATH inside it (docs/backends.md), or leave large data out of it")
+    return data
 
 
 def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
@@ -104,12 +118,18 @@ def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
 
 
 def log_events(node: int, proc: str, line: str) -> List[Event]:
-    """A line of a pod's log: output, and the entry point's word that the process starts or cannot."""
+    """A line of a pod's log: output, and the entry point's word that the process starts or cannot. A trainer's
+    metrics records (printed once it ended) are kept when the job's results are copied, not shown."""
+    if line.startswith(pod_entry.METRICS):
+        return []
     out: List[Event] = [m.Log(node, proc, line)]
     if line.startswith(pod_entry.READY):
         out.append(m.Ready(node))
     elif line.startswith(pod_entry.ERROR):
         out.append(m.NotReady(node, line[len(pod_entry.ERROR):]))
+    elif "No module named paddle_cluster" in line or "No module named 'paddle_cluster" in line:
+        out.append(m.NotReady(node, f"the image cannot run the pod entry point ({line.strip()}): it needs Python 3 "
+                               "with numpy and paddle-cluster installed (docs/backends.md: the image)"))
     return out
 
 
@@ -158,26 +178,34 @@ class K8sBackend(Backend):
         self.job: Optional[k8s.K8sJob] = None
         self.names: List[str] = []
         self.labels: List[str] = []
-        self.events: queue.Queue[Event] = queue.Queue()
+        # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
+        self.events: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
+        self._closing = False  # stopping: an event that does not fit is dropped, never waited for
         self.watch = PodWatch({})
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
         self._polling: Optional[threading.Event] = None
+        self._watcher: Optional[subprocess.Popen] = None
+        self.readied: set = set()  # nodes whose entry point said ready or not
+        self.detached = False  # run --detach: create the objects, follow nothing
+        self.job_dir = ""
+        self.say: Callable[[str], None] = lambda line: None
 
     # -- preparing ------------------------------------------------------------------------------------
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
         for flag, given, why in (
-                ("--job_dispatch_package", spec.dispatch_dir, "the workspace is in the image: build it in "
-                 "(docs/backends.md) and give --job_workspace PATH inside it (default /workspace)"),
-                ("--resume_from", spec.resume_from, "a pod's checkpoints are in its own volume and go with it"),
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
                 ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
-        opts = self.opts
-        # spec.cfg: the settled config (launch/entry.py chose the pserver), not the one the backend was made with
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args)
+        opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
+        if spec.dispatch_dir and spec.workspace:
+            raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
+        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack,
+                                    resume_from=spec.resume_from or "")
+        self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
         for verb, resource in NEEDED:
             if not self.kubectl.may(verb, resource):
@@ -197,10 +225,11 @@ class K8sBackend(Backend):
         return k8s_plan(spec, self.job)
 
     def remember(self) -> Dict[str, str]:
-        return {"backend": "k8s", "namespace": self.opts.namespace}
+        assert self.job is not None, "prepare first"
+        return {"backend": "k8s", "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
-        return shlex.join(self.kubectl.logs(self.watch.started.get(node, self.names[node]), follow=False))
+        return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
 
     def unstopped(self, nodes: List[int]) -> str:
         return (f"pods left after deleting the job's objects: {', '.join(self.names[i] for i in nodes)}; see "
@@ -209,30 +238,78 @@ class K8sBackend(Backend):
     # -- running --------------------------------------------------------------------------------------
     def start(self, plan: JobPlan) -> None:
         assert self.job is not None, "prepare first"
-        self._polling = done = threading.Event()  # before applying: a half-applied job is deleted too
-        self.kubectl.run(self.kubectl.apply(), stdin=k8s.render(self.job))
-        threading.Thread(target=self._poll, args=(done,), daemon=True, name="k8s-pods").start()
+        job = self.job
+        taken = owners(self.kubectl.run(self.kubectl.get_named(job.object_names())))
+        if taken:
+            whose = {f"job {o.job} (id {o.job_id})" if o.job else "not created by paddle-cluster" for o in taken}
+            raise ClusterError(f"namespace {job.namespace} already has {', '.join(o.what for o in taken)} "
+                               f"({'; '.join(sorted(whose))}): nothing was changed; choose another --job_name, or "
+                               f"stop that job first (paddle-cluster kill --job_name {job.name})")
+        # Marked started before creating: a half-created job is deleted too -- by its unique id, so only what
+        # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
+        self._polling = done = threading.Event()
+        self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
+        self._owned_by_jobs(job)
+        if self.detached:
+            self._polling = None  # created: from now on the cluster runs and ends the job on its own
+            return
+        threading.Thread(target=self._watch_pods, args=(done,), daemon=True, name="k8s-pods").start()
 
-    def _poll(self, done: threading.Event) -> None:
+    def _owned_by_jobs(self, job: k8s.K8sJob) -> None:
+        """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
+        (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
+        jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
+        items = json.loads(self.kubectl.run(self.kubectl.get_named(jobs)) or "{}").get("items", [])
+        refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
+                for i in items]
+        if len(refs) != 2:
+            raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
+                               f"'{shlex.join(self.kubectl.get())}'")
+        rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
+        self.kubectl.run(self.kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
+
+    def _watch_pods(self, done: threading.Event) -> None:
+        """The pods' states as they change: a listing, then ``kubectl get --watch``; again after a problem (a
+        watch the API server ended, a lost connection), the listing catching up on what the watch missed."""
         problem = ""
         while not done.is_set():
             try:
-                events = self.watch.update(pod_states(self.kubectl.run(self.kubectl.get_pods(), timeout=60)))
+                pods = {p["metadata"]["name"]: p for p in json.loads(self.kubectl.run(
+                    self.kubectl.get_pods(), timeout=60) or "{}").get("items", [])}
+                self._handle(self.watch.update(states_of(pods.values())))
+                w = self._watcher = subprocess.Popen(self.kubectl.watch_pods(), stdin=subprocess.DEVNULL,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                assert w.stdout is not None and w.stderr is not None
+                for ev in watch_events(w.stdout):
+                    name = ev["object"].get("metadata", {}).get("name", "")
+                    if ev.get("type") == "DELETED":
+                        pods.pop(name, None)
+                    else:
+                        pods[name] = ev["object"]
+                    self._handle(self.watch.update(states_of(pods.values())))
+                err = w.stderr.read().strip()
+                if w.wait() != 0 and not done.is_set():
+                    raise ClusterError(f"kubectl get pods --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
-            except ClusterError as e:
-                if str(e) != problem:  # once per distinct problem, not every poll
+            except (ClusterError, ValueError) as e:
+                if str(e) != problem:  # once per distinct problem, not every retry
                     problem = str(e)
-                    self.events.put(m.Note(0, f"cannot read the pods' states: {e}"))
-                events = []
-            for ev in events:
-                if isinstance(ev, m.Started):
-                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
-                if isinstance(ev, m.Exited):
-                    # Its last lines first: the failure report quotes them.
-                    self._follow(ev.node, self.watch.started[ev.node], ev.proc)
-                    self.followers[ev.node][1].join(timeout=10)
-                self.events.put(ev)
-            done.wait(POLL_S)
+                    self._put(m.Note(0, f"cannot follow the pods' states: {e}"))
+            done.wait(RETRY_S)
+
+    def _handle(self, events: List[Event]) -> None:
+        for ev in events:
+            if isinstance(ev, m.Started):
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+            if isinstance(ev, m.Exited):
+                # Its last lines first: the failure report quotes them.
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+                self.followers[ev.node][1].join(timeout=10)
+                if ev.node not in self.readied:  # ended before the entry point said ready or not
+                    self._put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
+                                                        "before its process started"
+                                                        + (f" ({ev.error})" if ev.error else "")))
+            self._put(ev)
 
     def _follow(self, node: int, pod: str, proc: str) -> None:
         with self._lock:
@@ -248,10 +325,21 @@ class K8sBackend(Backend):
         assert p.stdout is not None and p.stderr is not None
         for raw in p.stdout:
             for ev in log_events(node, proc, raw.rstrip("\n")):
-                self.events.put(ev)
+                if isinstance(ev, (m.Ready, m.NotReady)):
+                    self.readied.add(node)
+                self._put(ev)
         err = p.stderr.read().strip()
         if p.wait() != 0 and err:
-            self.events.put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+            self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+
+    def _put(self, ev: Event) -> None:
+        while True:
+            try:
+                self.events.put(ev, timeout=0.2)
+                return
+            except queue.Full:
+                if self._closing:
+                    return
 
     def next_event(self, timeout: float) -> Optional[Event]:
         try:
@@ -271,13 +359,21 @@ class K8sBackend(Backend):
         if self._polling is None:
             return []
         self._polling.set()
+        self._closing = True
+        if self._watcher is not None and self._watcher.poll() is None:
+            self._watcher.terminate()
         if grace == 0:
             self.request_stop(0)
         try:
+            if grace:  # the logs and metrics first: they go with the pods
+                saved = save_results(self.kubectl, pod_states(self.kubectl.run(self.kubectl.get_pods())),
+                                     self.job_dir)
+                if saved:
+                    self.say(f"logs and metrics of {len(saved)} pod(s) saved in {self.job_dir}/log")
             self.kubectl.run(self.kubectl.delete(wait=True), timeout=self.cfg.kill_grace + 120)
             left = pod_states(self.kubectl.run(self.kubectl.get_pods()))
         except ClusterError as e:
-            self.events.put(m.Note(0, f"deleting the job's objects: {e}"))
+            self._put(m.Note(0, f"deleting the job's objects: {e}"))
             return list(range(len(self.names)))
         self._polling = None
         return sorted({self.watch.nodes[(p.role, p.index)] for p in left if (p.role, p.index) in self.watch.nodes})
@@ -286,6 +382,10 @@ class K8sBackend(Backend):
         raise ClusterError("restarts from checkpoints are not available with BACKEND k8s")
 
     def close(self) -> None:
+        self._closing = True
+        if self._watcher is not None and self._watcher.poll() is None:
+            self._watcher.terminate()
+            self._watcher.wait(timeout=5)
         with self._lock:
             for p, _ in self.followers.values():
                 if p.poll() is None:
@@ -296,3 +396,24 @@ class K8sBackend(Backend):
                 except subprocess.TimeoutExpired:
                     p.kill()
                 t.join(timeout=2)
+
+
+def submit(spec: JobSpec, be: K8sBackend, say: Callable[[str], None]) -> JobResult:
+    """``run --detach``: create the job's objects and return; the pods end the job on their own (fail-fast,
+    the pservers once the trainers are gone), ``status``/``logs``/``kill`` find it by its id."""
+    be.detached = True
+    try:
+        with stoppable():
+            be.start(be.plan(spec, be.prepare(spec, say)))
+    except BaseException:
+        be.stop(spec.cfg.kill_grace)  # a half-created job is deleted (by its id: only what this run made)
+        raise
+    finally:
+        be.close()
+    journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
+    assert be.job is not None
+    ttl = be.job.pods.ttl
+    return JobResult(spec.name, 0, f"job {spec.name} created in namespace {be.job.namespace} (id {be.job.env.job_id});"
+                     f" follow it with `paddle-cluster status` and `paddle-cluster logs trainer.0 -f`, stop it with "
+                     f"`paddle-cluster kill` (add --job_name {spec.name} for an older job)"
+                     + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))

@@ -1,0 +1,81 @@
+"""The ``kube`` fixture's cluster: the stand-in controller (kube_standin.py) over the network namespaces of a
+tests/sshcluster.py cluster (one node per namespace, so every pod has its own address), and ``kubectl`` first
+on PATH. The image ``IMAGE`` is this checkout on PYTHONPATH with this interpreter as ``python3`` (and a
+non-root user, as a hardened image has); ``BARE_IMAGE`` has Python but no paddle-cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from kube_standin import Store
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+IMAGE = "registry.example/paddle/fit:1"
+BARE_IMAGE = "registry.example/python:3.11"
+
+
+class StandIn:
+    def __init__(self, cluster, root: Path) -> None:
+        self.cluster, self.root = cluster, root
+        root.mkdir(parents=True)
+        bindir, imagebin, barebin = root / "bin", root / "image-bin", root / "bare-bin"
+        for d in (bindir, imagebin, barebin):
+            d.mkdir()
+        # Python without site-packages: no numpy, no paddle-cluster.
+        (barebin / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+        (barebin / "python3").chmod(0o755)
+        (bindir / "kubectl").write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'kube_standin.py'} kubectl \"$@\"\n")
+        (bindir / "kubectl").chmod(0o755)
+        (imagebin / "python3").symlink_to(sys.executable)
+        hosts = root / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n")
+        image_env = {"PATH": f"{imagebin}:/usr/bin:/bin", "HOME": "/tmp"}
+        (root / "cluster.json").write_text(json.dumps({
+            "nodes": [{"name": f"worker-{i}", "netns": cluster.netns(i), "ip": cluster.ips[i],
+                       "labels": {"kubernetes.io/hostname": f"worker-{i}", "pool": "gpu" if i == 0 else "cpu"}}
+                      for i in range(cluster.n)],
+            "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
+                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
+            "hosts_file": str(hosts)}))
+        self.store = Store(root)
+        self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}
+        self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
+                                           cwd=HERE, env=self.env, stdin=subprocess.DEVNULL,
+                                           stdout=open(root / "controller.log", "wb"), stderr=subprocess.STDOUT)
+
+    def kubectl(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run(["kubectl", *args], input=stdin, env=self.env, capture_output=True, text=True,
+                              timeout=120)
+
+    def objects(self, kind: str = "", ns: str = "") -> Dict[str, Dict[str, Any]]:
+        """``kind/ns/name`` -> object, of ``kind`` in ``ns`` (all when empty)."""
+        return {k: v for k, v in self.store.read()["objects"].items()
+                if k.startswith(f"{kind}/{ns}/" if ns else kind)}
+
+    def pods(self, ns: str = "default") -> List[Dict[str, Any]]:
+        return list(self.objects("Pod", ns).values())
+
+    def wait(self, cond, seconds: float, what: str):
+        deadline = time.monotonic() + seconds
+        while True:
+            got = cond()
+            if got:
+                return got
+            assert self.controller.poll() is None, (self.root / "controller.log").read_text()
+            assert time.monotonic() < deadline, f"no {what} within {seconds} s: {self.objects()}"
+            time.sleep(0.05)
+
+    def processes(self) -> List[int]:
+        """The pods' processes still alive on the nodes."""
+        return [pid for i in range(self.cluster.n) for pid in self.cluster.pids(i)]
+
+    def close(self) -> None:
+        self.controller.terminate()
+        self.controller.wait(timeout=30)

@@ -1,0 +1,315 @@
+"""The controllers of the Kubernetes stand-in (``kube_standin.py`` says what is modelled): one loop, every
+``TICK`` s, over the objects of the store, starting and stopping the pods' real processes."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+class Cluster:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.cfg = store.config()
+        self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.term_at: Dict[str, float] = {}
+        self.hosts = Path(self.cfg["hosts_file"])
+        self.hosts_text = ""
+        # The cluster DNS answers at once for a name it does not know (here: nothing listens on port 53).
+        self.resolv = store.root / "resolv.conf"
+        self.resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        with self.store.edit() as doc:
+            objs = doc["objects"]
+            for key in [k for k in objs if k.startswith("Job/")]:
+                self.job(doc, key)
+            for key in [k for k in objs if k.startswith("Pod/")]:
+                self.pod(doc, key)
+            uids = {o["metadata"]["uid"] for o in objs.values()}
+            for key in [k for k in objs if not k.startswith(("Job/", "Pod/"))]:
+                owners = objs[key]["metadata"].get("ownerReferences") or []
+                # The garbage collector: a dependent goes once every owner is gone.
+                if objs[key]["metadata"].get("deletionTimestamp") or (
+                        owners and not any(o["uid"] in uids for o in owners)):
+                    touch(doc, objs.pop(key), "DELETED")
+            self.dns(objs)
+
+    # -- Job controller ------------------------------------------------------------------------------------------
+    def job(self, doc: Dict[str, Any], key: str) -> None:
+        objs = doc["objects"]
+        job = objs[key]
+        meta, spec = job["metadata"], job["spec"]
+        ns, uid = meta["namespace"], meta["uid"]
+        pods = {k: p for k, p in objs.items()
+                if k.startswith(f"Pod/{ns}/") and p["metadata"]["labels"].get("controller-uid") == uid}
+        if meta.get("deletionTimestamp"):
+            for p in pods.values():
+                self._delete(doc, p)
+            if not pods:
+                touch(doc, objs.pop(key), "DELETED")
+            return
+        st = job.setdefault("status", {})
+        before = copy.deepcopy(st)
+        st.setdefault("startTime", now())
+        st.setdefault("_start", time.time())
+        conds = st.setdefault("conditions", [])
+        done = next((c["type"] for c in conds if c["type"] in ("Complete", "Failed") and c["status"] == "True"), None)
+        n = spec.get("completions", 1)
+        phases = [p["status"].get("phase") for p in pods.values()]
+        succeeded = {int(p["metadata"]["annotations"][INDEX]) for p in pods.values()
+                     if p["status"].get("phase") == "Succeeded"}
+        failed = phases.count("Failed") + st.get("_failed_gone", 0)
+        active = [p for p in pods.values() if p["status"].get("phase") not in TERMINAL
+                  and not p["metadata"].get("deletionTimestamp")]
+        st.update(active=len(active), succeeded=len(succeeded), failed=failed)
+        if done is None:
+            why = None
+            if failed > spec.get("backoffLimit", 6):
+                why = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")
+            elif spec.get("activeDeadlineSeconds") is not None and \
+                    time.time() - st["_start"] > spec["activeDeadlineSeconds"]:
+                why = ("DeadlineExceeded", "Job was active longer than specified deadline")
+            if why:
+                conds.append({"type": "Failed", "status": "True", "reason": why[0], "message": why[1],
+                              "lastTransitionTime": now()})
+                for p in active:  # a failed Job's running pods are terminated
+                    self._delete(doc, p)
+                done = "Failed"
+            elif len(succeeded) >= n:
+                conds.append({"type": "Complete", "status": "True", "lastTransitionTime": now()})
+                st["completionTime"] = now()
+                done = "Complete"
+        if done:
+            st.setdefault("_done", time.time())
+            ttl = spec.get("ttlSecondsAfterFinished")
+            if ttl is not None and time.time() - st["_done"] >= ttl:
+                meta["deletionTimestamp"] = now()
+            if st != before:
+                touch(doc, job)
+            return
+        busy = {int(p["metadata"]["annotations"][INDEX]) for p in active}
+        for i in range(n):
+            if len(busy) >= spec.get("parallelism", n):
+                break
+            if i not in busy and i not in succeeded:
+                self._create_pod(doc, job, i)
+                busy.add(i)
+        if st != before:
+            touch(doc, job)
+
+    def _create_pod(self, doc: Dict[str, Any], job: Dict[str, Any], index: int) -> None:
+        meta, tmpl = job["metadata"], job["spec"]["template"]
+        name = f"{meta['name']}-{index}-{secrets.token_hex(3)[:5]}"
+        labels = {**(tmpl["metadata"].get("labels") or {}), "controller-uid": meta["uid"], "job-name": meta["name"],
+                  INDEX: str(index)}
+        spec = copy.deepcopy(tmpl["spec"])
+        spec["hostname"] = f"{meta['name']}-{index}"
+        for c in spec["containers"]:
+            c.setdefault("env", []).append({"name": "JOB_COMPLETION_INDEX", "value": str(index)})
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": meta["namespace"], "labels": labels, "uid": secrets.token_hex(8),
+                            "annotations": {INDEX: str(index)}, "creationTimestamp": now(),
+                            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"],
+                                                 "uid": meta["uid"], "controller": True}]},
+               "spec": spec, "status": {"phase": "Pending"}}
+        doc["objects"][_key("Pod", meta["namespace"], name)] = pod
+        touch(doc, pod, "ADDED")
+
+    def _delete(self, doc: Dict[str, Any], obj: Dict[str, Any]) -> None:
+        if not obj["metadata"].get("deletionTimestamp"):
+            obj["metadata"]["deletionTimestamp"] = now()
+            touch(doc, obj)
+
+    # -- scheduler and kubelet -----------------------------------------------------------------------------------
+    def pod(self, doc: Dict[str, Any], key: str) -> None:
+        objs = doc["objects"]
+        pod = objs[key]
+        meta, spec, st = pod["metadata"], pod["spec"], pod["status"]
+        before = copy.deepcopy(st)
+        proc = self.procs.get(key)
+        if meta.get("deletionTimestamp"):
+            if proc is not None and proc.poll() is None:
+                grace = 0 if meta.get("forceKill") else spec.get("terminationGracePeriodSeconds", 30)
+                if key not in self.term_at:
+                    self.term_at[key] = time.time()
+                    self._signal(proc, signal.SIGTERM if grace else signal.SIGKILL)
+                elif time.time() - self.term_at[key] >= grace:
+                    self._signal(proc, signal.SIGKILL)
+                return
+            self.procs.pop(key, None)
+            touch(doc, objs.pop(key), "DELETED")
+            return
+        if st.get("phase") in TERMINAL:
+            return
+        if not spec.get("nodeName"):
+            node = self._schedule(objs, pod)
+            if node is None:
+                st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                     "message": f"0/{len(self.nodes)} nodes are available: no free node that "
+                                                "matches the pod's node selector."}]
+            else:
+                spec["nodeName"] = node["name"]
+                st.update(conditions=[{"type": "PodScheduled", "status": "True"}], hostIP=node["ip"],
+                          podIP=node["ip"], startTime=now())
+        elif proc is None:
+            self._start(doc, key, pod)
+        elif proc.poll() is not None:
+            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+            c = spec["containers"][0]
+            st["phase"] = "Succeeded" if code == 0 else "Failed"
+            st["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
+                                        "restartCount": 0, "state": {"terminated": {
+                                            "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                            "finishedAt": now()}}}]
+        if st != before:
+            touch(doc, pod)
+
+    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        taken = {p["spec"].get("nodeName") for k, p in objs.items() if k.startswith("Pod/")
+                 and p["status"].get("phase") not in TERMINAL}
+        want = pod["spec"].get("nodeSelector") or {}
+        for node in self.nodes:
+            if node["name"] not in taken and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
+                return node
+        return None
+
+    def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
+        c = pod["spec"]["containers"][0]
+        pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
+                                               "restartCount": 0,
+                                               "state": {"waiting": {"reason": reason, "message": message}}}]
+
+    def _start(self, doc: Dict[str, Any], key: str, pod: Dict[str, Any]) -> None:
+        objs = doc["objects"]
+        meta, spec = pod["metadata"], pod["spec"]
+        ns = meta["namespace"]
+        (c,) = spec["containers"]
+        image = self.cfg["images"].get(c["image"])
+        if image is None:
+            return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
+        env = dict(image.get("env", {}))
+        for e in c.get("env", []):
+            if "value" in e:
+                env[e["name"]] = e["value"]
+                continue
+            ref = e["valueFrom"]["secretKeyRef"]
+            secret = objs.get(_key("Secret", ns, ref["name"]))
+            if secret is None or ref["key"] not in (secret.get("data") or {}):
+                return self._waiting(pod, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
+            env[e["name"]] = secret["data"][ref["key"]]
+        env["HOSTNAME"] = spec["hostname"]
+        # The kubelet's check; the process itself runs as root here (this machine's interpreter is under /root).
+        sc = {**(spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
+        uid = sc.get("runAsUser", image.get("user", 0))
+        if sc.get("runAsNonRoot") and uid == 0:
+            return self._waiting(pod, "CreateContainerConfigError", "container has runAsNonRoot and image will run "
+                                 "as root")
+        vols = self.store.root / "volumes" / meta["name"]
+        binds = []
+        for v in spec.get("volumes") or []:
+            d = vols / v["name"]
+            d.mkdir(parents=True)
+            if "persistentVolumeClaim" in v:  # (binding not modelled: a directory per claim that outlives pods)
+                d.rmdir()
+                d = self.store.root / "pvcs" / ns / v["persistentVolumeClaim"]["claimName"]
+                d.mkdir(parents=True, exist_ok=True)
+                os.chmod(d, 0o777)
+            elif "configMap" in v:
+                cm = objs.get(_key("ConfigMap", ns, v["configMap"]["name"]))
+                if cm is None:
+                    return self._waiting(pod, "CreateContainerConfigError",
+                                         f'configmap "{v["configMap"]["name"]}" not found')
+                for k, text in (cm.get("data") or {}).items():
+                    (d / k).write_text(text)
+                for k, b64 in (cm.get("binaryData") or {}).items():
+                    (d / k).write_bytes(base64.b64decode(b64))
+                os.chmod(d, 0o755)
+            else:
+                os.chmod(d, 0o777)  # an emptyDir is writable by any user
+            for m in c.get("volumeMounts") or []:
+                if m["name"] == v["name"]:
+                    binds.append((d, m["mountPath"]))
+        log = self.store.log(ns, meta["name"])
+        log.parent.mkdir(parents=True, exist_ok=True)
+        node = next(n for n in self.nodes if n["name"] == spec["nodeName"])
+        envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+        wd = c.get("workingDir", "/")
+        script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
+                              f"mount --bind {self.resolv} /etc/resolv.conf",
+                              *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
+                              f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
+                              f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
+        with open(log, "ab") as out:
+            self.procs[key] = subprocess.Popen(
+                ["nsenter", f"--net=/run/netns/{node['netns']}", "--", "unshare", "--mount", "--uts", "--propagation",
+                 "private", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        pod["status"]["phase"] = "Running"
+        pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
+                                               "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # -- DNS -----------------------------------------------------------------------------------------------------
+    def dns(self, objs: Dict[str, Any]) -> None:
+        """/etc/hosts of every pod: each pod's hostname, and the stable names of pods a headless Service of its
+        subdomain selects (publishNotReadyAddresses: from scheduling on, until the pod ends)."""
+        lines = ["127.0.0.1 localhost"]
+        for k, p in sorted(objs.items()):
+            if not k.startswith("Pod/") or p["status"].get("phase") in TERMINAL or not p["status"].get("podIP"):
+                continue
+            spec, ns, ip = p["spec"], p["metadata"]["namespace"], p["status"]["podIP"]
+            names = [spec["hostname"]]
+            svc = objs.get(_key("Service", ns, spec.get("subdomain", "")))
+            if svc is not None and svc["spec"].get("clusterIP") == "None" and \
+                    matches(p["metadata"]["labels"], ",".join(f"{a}={b}" for a, b in svc["spec"]["selector"].items())):
+                fq = f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc"
+                names += [fq, f"{fq}.cluster.local"]
+            lines.append(f"{ip} {' '.join(names)}")
+        text = "\n".join(lines) + "\n"
+        if text != self.hosts_text:
+            with open(self.hosts, "r+") as f:  # in place: every pod has this very file bind-mounted
+                f.seek(0)
+                f.write(text)
+                f.truncate()
+            self.hosts_text = text
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                self._signal(proc, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+
+
+def controller_main(root: Path) -> int:
+    cluster = Cluster(Store(root))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    try:
+        while not stop:
+            cluster.tick()
+            time.sleep(TICK)
+    finally:
+        cluster.shutdown()
+    return 0

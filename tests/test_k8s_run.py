@@ -1,0 +1,289 @@
+"""``run --backend k8s`` end to end against the Kubernetes stand-in (tests/kube_standin.py: the Job controller,
+scheduler, kubelet and DNS it models, each pod a real process in a network namespace of its own): a job to
+its end, a name clash that changes nothing of the other job, and a failing trainer ending the whole job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+from k8s_standin import BARE_IMAGE, IMAGE, REPO, StandIn
+from rt_helpers import free_port_range
+
+EXAMPLE = REPO / "examples" / "fit_a_line"
+# Trainer 1 fails after 3 s; the others train as usual.
+FLAKY = """import os, runpy, sys, time
+if os.environ.get("PADDLE_TRAINING_ROLE") == "TRAINER" and os.environ["PADDLE_TRAINER_ID"] == "1":
+    time.sleep(3)
+    sys.exit("trainer 1: out of data")
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.fixture
+def kube(make_ssh_cluster, tmp_path):
+    cluster = make_ssh_cluster(4)
+    k = StandIn(cluster, tmp_path / "kube")
+    yield k
+    k.close()
+    assert k.processes() == []
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path, kube) -> Path:
+    """A user's directory: conf.py as the README has it, and the workspace as the image would hold it."""
+    ws = tmp_path / "ws"
+    shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns("log", "output", "__pycache__"))
+    (ws / "flaky.py").write_text(FLAKY)
+    port = free_port_range(2)
+    (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\nPADDLE_PORT = {port}\n'
+                                      'PADDLE_PORTS_NUM = 1\nPADDLE_PORTS_NUM_FOR_SPARSE = 1\n')
+    return tmp_path
+
+
+def cli(kube: StandIn, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(cwd), XDG_STATE_HOME=str(cwd / "state"))
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_args(cwd: Path, *more: str) -> List[str]:
+    return ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2", "--job_workspace",
+            str(cwd / "ws"), *more]
+
+
+def test_a_job_runs_to_its_end_and_leaves_nothing(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"^final test_mse=\S+$", res.stdout, re.M) or "final test_mse" in res.stdout + res.stderr
+    assert kube.objects() == {}, kube.objects()  # every object of the job deleted, pods included
+    assert f"logs and metrics of 3 pod(s) saved in {job_dir}/root/fit/log" in res.stderr
+    metrics = (job_dir / "root/fit/log/metrics.trainer1.jsonl").read_text().splitlines()
+    assert len(metrics) > 10 and all(json.loads(r)["trainer"] == 1 for r in metrics[:3]), metrics[:3]
+    logs = cli(kube, job_dir, "logs", "pserver.0")
+    assert logs.returncode == 0 and "PSERVER_READY 0 fit-pserver-0.fit.default.svc" in logs.stdout, logs
+
+
+def identity(kube: StandIn) -> dict:
+    """What another run must not change of an object: its uid, labels, owners and content (not its status)."""
+    return {k: (o["metadata"]["uid"], o["metadata"].get("labels"), o["metadata"].get("ownerReferences"),
+                o.get("spec"), o.get("data")) for k, o in kube.objects().items()}
+
+
+def test_a_name_clash_changes_nothing_of_the_other_job(kube: StandIn, job_dir: Path) -> None:
+    # Another team's job "fit", created from paddle-cluster's own manifests and left running.
+    render = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
+                 "--trainers", "2", "--job_workspace", str(job_dir / "ws"), "--", "--passes", "100000")
+    assert render.returncode == 0, render.stderr
+    assert kube.kubectl("create", "--filename", "-", stdin=render.stdout).returncode == 0
+    kube.wait(lambda: len([p for p in kube.pods() if p["status"].get("phase") == "Running"]) == 3, 60, "3 pods")
+    before = identity(kube)
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "already has" in ln]
+    assert "secret/fit-secret" in line and "job.batch/fit-trainer" in line and "nothing was changed" in line, line
+    assert identity(kube) == before  # the same objects and pods, none replaced, deleted or added
+    assert len([p for p in kube.pods() if p["status"].get("phase") == "Running"]) == 3
+    assert kube.kubectl("delete", "jobs.batch,services,secrets", "--selector", "paddle-cluster/job=fit",
+                        "--cascade=foreground", "--wait=true").returncode == 0
+
+
+def test_a_failing_trainer_ends_the_whole_job(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--entry", "flaky.py", "--", "--passes",
+                                        "500"))
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert "trainer 1: out of data" in out and "trainer.1" in out, out
+    assert kube.objects() == {}, kube.objects()
+
+
+def failed(kube: StandIn, job: str) -> dict:
+    """Job ``job``'s pods' exit codes by hostname once it failed, else {}."""
+    j = kube.objects(f"Job/default/{job}").get(f"Job/default/{job}")
+    if j is None or not any(c["type"] == "Failed" for c in j["status"].get("conditions", [])):
+        return {}
+    return {p["spec"]["hostname"]: p["status"].get("containerStatuses", [{}])[0].get("state", {}).get(
+        "terminated", {}).get("exitCode") for p in kube.pods() if p["metadata"]["labels"]["job-name"] == job}
+
+
+def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kube: StandIn, job_dir: Path) -> None:
+    argv = [sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fit", "--entry", "flaky.py",
+                                                               "--ttl", "15", "--", "--passes", "500")]
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen(argv, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in kube.pods()) == 3, 60, "3 running pods")
+        # The launcher made the Jobs own the Secret and the Service right after creating them all.
+        kube.wait(lambda: kube.objects("Secret/default/fit-secret")["Secret/default/fit-secret"]["metadata"].get(
+            "ownerReferences"), 30, "the Secret owned by the Jobs")
+    finally:
+        launcher.kill()
+        launcher.wait()
+    # Nobody watches now: trainer 1 fails, so the trainer Job fails and its other pod is stopped; the pserver
+    # pod sees every trainer gone and fails too; 15 s later both Jobs are deleted with their pods.
+    trainers = kube.wait(lambda: failed(kube, "fit-trainer"), 60, "the trainer Job failed")
+    assert trainers["fit-trainer-1"] == 1, trainers
+    # (Within START_TIMEOUT, 60 s, even had the pserver pod never seen a trainer pod: node/pod.py.)
+    pservers = kube.wait(lambda: failed(kube, "fit-pserver"), 90, "the pserver Job failed")
+    assert pservers == {"fit-pserver-0": 5}, pservers
+    kube.wait(lambda: kube.objects() == {}, 60, "the Jobs deleted after ttlSecondsAfterFinished")
+    assert kube.processes() == []
+
+
+def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--", "--passes", "3"))
+    assert res.returncode == 0, res.stderr
+    assert "job fit created in namespace default" in res.stdout + res.stderr
+    status = cli(kube, job_dir, "status")
+    assert status.returncode == 0 and "trainer.1" in status.stdout and "pod/fit-trainer-1-" in status.stdout, status
+    kube.wait(lambda: any(c["type"] == "Complete" for c in kube.objects("Job/default/fit-trainer")[
+        "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
+    logs = cli(kube, job_dir, "logs", "trainer.0")
+    assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    kill = cli(kube, job_dir, "kill")
+    assert kill.returncode == 0 and f"saved in {job_dir}/root/fit/log" in kill.stdout, kill
+    assert kube.objects() == {}
+    # The pods are gone; what they left is here: status, logs and plot read it.
+    status = cli(kube, job_dir, "status")
+    assert status.returncode == 0 and "ended (pod deleted)" in status.stdout and "trainer.1" in status.stdout, status
+    logs = cli(kube, job_dir, "logs", "fit-trainer-0", "-n", "3")
+    assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    assert "paddle-cluster pod: metrics" not in (job_dir / "root/fit/log/trainer.0.log").read_text()
+    plot = cli(kube, job_dir, "plot", "-o", str(job_dir / "fit.png"))
+    assert plot.returncode == 0 and (job_dir / "fit.png").stat().st_size > 0, plot.stderr
+    assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
+
+
+def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) -> None:
+    opts = ["--trainer-requests", "cpu=2", "--gpus", "1", "--pserver-limits", "memory=2Gi", "--node-selector",
+            "pool=cpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
+            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600", "--queue", "q"]
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    rendered = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
+                   "--trainers", "2", "--job_workspace", str(job_dir / "ws"), *opts, "--", "--passes", "1")
+    assert rendered.returncode == 0, rendered.stderr
+    import yaml
+
+    for doc in list(yaml.safe_load_all(rendered.stdout))[2:]:
+        made = kube.objects("Job")[f"Job/default/{doc['metadata']['name']}"]
+        for spec in (made["spec"], doc["spec"]):
+            # The job id differs per run; run reads the workspace (train.py serves pservers too), render cannot.
+            spec["template"]["spec"]["containers"][0].update(env=[], args=[])
+            spec["template"]["metadata"]["labels"].pop("paddle-cluster/job-id")
+        assert made["spec"]["template"] == doc["spec"]["template"]
+        assert made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+        assert made["spec"]["activeDeadlineSeconds"] == 3600
+    # Only the workers labelled pool=cpu run the pods (the stand-in's worker-0 is pool=gpu).
+    kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
+    assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
+    assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
+
+
+def test_a_small_workspace_is_dispatched_in_a_configmap(kube: StandIn, job_dir: Path) -> None:
+    args = ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2", "--job_name", "fit",
+            "--job_dispatch_package", "ws", "--", "--passes", "2"]
+    res = cli(kube, job_dir, *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    unpacked = f"entries unpacked into {job_dir}/root/fit/workspace"
+    assert res.stdout.count(unpacked) == 3 and "final test_mse=" in res.stdout, res.stdout
+    assert kube.objects() == {}
+    # Too big for a ConfigMap: refused before anything is created, saying what to do instead.
+    (job_dir / "ws" / "big.bin").write_bytes(os.urandom(1536 * 1024))
+    res = cli(kube, job_dir, *args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--job_dispatch_package" in res.stderr and "KiB a ConfigMap holds" in res.stderr, res.stderr
+    assert kube.objects() == {}
+
+
+def test_an_image_without_paddle_cluster_fails_in_one_line(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", BARE_IMAGE, "--pservers", "1", "--trainers", "1",
+              "--job_name", "fit", "--job_dispatch_package", "ws")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert "the image cannot run the pod entry point" in line and "No module named 'paddle_cluster'" in line, line
+    assert kube.objects() == {}
+    # A good image says what it offers, in one line per pod.
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"\[trainer\.0@fit-trainer-0\] paddle-cluster pod: image: Python 3\.\d+\.\d+, numpy \S+, "
+                     r"paddle-cluster \S+", res.stdout), res.stdout
+
+
+# Each trainer pushes ones for N steps (w -= 0.5 each); trainer 0 saves a checkpoint at the end.
+RESUMABLE = r'''
+import sys
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+steps = int(sys.argv[1])
+ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5))
+w = ps.register_dense({"w": np.zeros(20000, np.float32)})["w"]
+print(f"start step={ps.step} w0={w[0]:g}", flush=True)
+for _ in range(steps):
+    ps.push({"w": np.ones(20000, np.float32)})
+w = ps.pull()["w"]
+if ps.trainer_id == 0:
+    print(f"saved step={ps.save_checkpoint().step}", flush=True)
+print(f"end step={ps.step} w0={w[0]:g}", flush=True)
+ps.close()
+'''
+
+
+def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(kube: StandIn, job_dir: Path) -> None:
+    ws = job_dir / "resumable"
+    ws.mkdir()
+    (ws / "train.py").write_text(RESUMABLE)
+
+    def run(name: str, *more: str) -> subprocess.CompletedProcess:
+        return cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers", "2",
+                   "--job_name", name, "--job_dispatch_package", "resumable", "--checkpoint-pvc", "ckpt", *more)
+
+    first = run("first", "--", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "[trainer.0@first-trainer-0] end step=3 w0=-1.5" in first.stdout, first.stdout
+    pvc = kube.root / "pvcs" / "default" / "ckpt"
+    assert (pvc / "first" / "step-00000003" / "pserver-1" / "manifest.json").exists()
+    assert kube.objects() == {}  # the pods and their volumes are gone, the claim's data is not
+    second = run("second", "--resume_from", "first", "--", "2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    for t in (0, 1):
+        assert f"[trainer.{t}@second-trainer-{t}] start step=3 w0=-1.5" in second.stdout  # the checkpoint's values
+        assert f"[trainer.{t}@second-trainer-{t}] end step=5 w0=-2.5" in second.stdout
+    assert (pvc / "first" / "step-00000005").is_dir()  # as on every backend: it goes on writing there
+    # Without a claim there is nothing to resume from, and the error says what to give.
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
+    assert res.returncode == 2 and "--checkpoint-pvc" in res.stderr, res.stderr
+
+
+def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path) -> None:
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "fit", "--", "--passes", "100000")], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: any("Pass 1:" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-0-*.log")), 120, "trainer 0 in its second pass")
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err and f"saved in {job_dir}/root/fit/log" in err, err
+    assert kube.objects() == {} and kube.processes() == []
+    assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()
