@@ -593,8 +593,8 @@ def test_conf_path_is_absolute_in_errors(tmp_path):
 @pytest.mark.parametrize("extra, args, message", [
     ('K8S_NAMESPACE = "Bad"\n', [], "K8S_NAMESPACE = 'Bad' in {conf}: must be a Kubernetes namespace name"),
     ('K8S_NAMESPACE = "ml"\n', ["--namespace", "Bad_NS"], "--namespace Bad_NS: must be a Kubernetes namespace name"),
-    ('K8S_TRAINER_REQUESTS = "cpu"\n', [], "K8S_TRAINER_REQUESTS = 'cpu' in {conf}: 'cpu' is not NAME=QUANTITY"),
-    ("", ["--trainer-requests", "gpu"], "--trainer-requests gpu: 'gpu' is not NAME=QUANTITY"),
+    ('K8S_TRAINER_REQUESTS = "cpu"\n', [], "K8S_TRAINER_REQUESTS = 'cpu' in {conf}: 'cpu' is not NAME=VALUE"),
+    ("", ["--trainer-requests", "gpu"], "--trainer-requests gpu: 'gpu' is not NAME=VALUE"),
 ], ids=["namespace-conf", "namespace-option", "requests-conf", "requests-option"])
 def test_k8s_keys_name_their_source(tmp_path, extra, args, message):
     """The K8S_* keys and the flags that override them: the same mechanism (``config.override``)."""

@@ -72,7 +72,13 @@ class K8sOptions:
                 "--trainer-requests" if pod.get("trainer_requests") else "K8S_TRAINER_REQUESTS")
         pod["pserver_requests"] = cfg.k8s_pserver_requests or ""
         pod["trainer_requests"] = cfg.k8s_trainer_requests or ""
-        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, PodOptions.parse(**pod, keys=keys))
+        try:
+            pods = PodOptions.parse(**pod, keys=keys)
+        except ConfigError as e:
+            if e.key in keys[:2] and not e.key.startswith("-"):  # a K8S_* key: name its file too
+                raise cfg.error(e.key.lower(), e.fix) from None
+            raise
+        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, pods)
 
     def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
               trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False,
