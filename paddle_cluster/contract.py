@@ -313,8 +313,15 @@ class ProcessEnv:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     log_level: str = "INFO"
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Bytes a pserver may hold (dense blocks, table rows, buffers); 0 = its share of the node's memory.
+    pserver_memory: int = 0
+    # Accept NaN/Inf gradients (refused by default: one bad trainer would poison every trainer's parameters).
+    allow_nonfinite: bool = False
 
     def __post_init__(self) -> None:
+        if self.pserver_memory < 0:
+            raise ContractError(f"PADDLE_PSERVER_MEMORY={self.pserver_memory}: must be a number of bytes (0: the "
+                                "default, a share of the node's memory)")
         if self.trainer_id is not None and self.trainer_id < 0:
             raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be 0 or more")
         if self.max_frame_bytes < 1:
@@ -325,6 +332,10 @@ class ProcessEnv:
     def to_environ(self) -> Dict[str, str]:
         env = {"PADDLE_JOB_DIR": self.job_dir, "PADDLE_MAX_FRAME_BYTES": str(self.max_frame_bytes),
                "PADDLE_LOG_LEVEL": self.log_level, "PADDLE_MAX_CONNECTIONS": str(self.max_connections)}
+        if self.pserver_memory:
+            env["PADDLE_PSERVER_MEMORY"] = str(self.pserver_memory)
+        if self.allow_nonfinite:
+            env["PADDLE_ALLOW_NONFINITE"] = "1"
         if self.trainer_id is not None:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
         return env
@@ -339,7 +350,9 @@ class ProcessEnv:
                    trainer_id=_int(env, "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID"),
                    max_frame_bytes=DEFAULT_MAX_FRAME_BYTES if frame is None else frame,
                    log_level=env.get("PADDLE_LOG_LEVEL") or "INFO",
-                   max_connections=DEFAULT_MAX_CONNECTIONS if conns is None else conns)
+                   max_connections=DEFAULT_MAX_CONNECTIONS if conns is None else conns,
+                   pserver_memory=_size(env, "PADDLE_PSERVER_MEMORY"),
+                   allow_nonfinite=_bool(env, "PADDLE_ALLOW_NONFINITE", False))
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
@@ -353,6 +366,20 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
         except ValueError:
             raise ContractError(f"{name}={text!r}: expected an integer") from None
     return None
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(env: Mapping[str, str], name: str) -> int:
+    """A byte count: ``1073741824``, ``512M``, ``8G`` (binary units, an optional ``B``/``iB``); 0 when unset."""
+    text = (env.get(name) or "").strip()
+    m = re.fullmatch(r"(\d+)\s*([KMGT]?)(?:I?B)?", text.upper())
+    if not text:
+        return 0
+    if m is None:
+        raise ContractError(f"{name}={text!r}: expected a number of bytes, e.g. 8G, 512M or 1073741824")
+    return int(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:

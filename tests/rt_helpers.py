@@ -238,7 +238,7 @@ def scenario_dense(out: str, steps: str = "5", lr: str = "0.5", mode: str = "syn
 def scenario_sparse(out: str, steps: str = "5", lr: str = "0.5", seed: str = "3", scale: str = "0.1") -> None:
     ps = _connect("sync", float(lr))
     start = ps.register_dense(sparse_dense_init())
-    ps.register_sparse("emb", WIDTH, init_scale=float(scale), seed=int(seed))
+    ps.register_sparse("emb", WIDTH, vocab_size=V, init_scale=float(scale), seed=int(seed))
     assert start["w"].shape == (WIDTH, C)
     for t in range(int(steps)):
         p = ps.pull()

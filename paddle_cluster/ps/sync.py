@@ -314,8 +314,12 @@ class Sync:
         if not self.ready_to_apply(t):
             return
         ids, g = t.pending_mean()
-        self.advance(t, t.step, lambda: t.apply_rows(ids, g))
-        t.pending.clear()
+        try:
+            self.advance(t, t.step, lambda: t.apply_rows(ids, g))
+        finally:
+            if t.budget is not None:  # what the pushes held (``handlers.push_sparse`` charged it)
+                t.budget.release(sum(i.nbytes + r.nbytes for i, r in t.pending.values()))
+            t.pending.clear()
         t.wake()
 
     def may_fold(self, b: DenseBlock, t: int) -> bool:
