@@ -9,8 +9,6 @@ three dialects at once so seed scripts run unchanged: Fluid (``PADDLE_TRAINING_R
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,12 +25,13 @@ DEFAULT_MAX_CONNECTIONS = 256
 # The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
 # asks for it by this name.
 SECRET_VAR = "PADDLE_JOB_SECRET"
-# The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
-MIN_SECRET_CHARS = 32
 
 
 class ContractError(ValueError):
     """A variable of the contract is missing or malformed; the message names it."""
+
+
+from .jobsecret import MIN_SECRET_CHARS, check_secret, derive_trainer_key  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -51,24 +50,6 @@ class Endpoint:
         if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= PORT_MAX:
             raise ContractError(f"bad endpoint {text.strip()!r}: expected HOST:PORT with a port in 1..{PORT_MAX}")
         return cls(host, int(port))
-
-
-def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
-    """Trainer ``trainer``'s own key (64 hex digits) from the job secret: a trainer gets this, never the
-    secret, so it can prove its own id and no other (pservers derive every trainer's key)."""
-    msg = b"paddle-cluster trainer key|" + job_id.encode("utf-8") + b"|" + str(int(trainer)).encode("ascii")
-    return hmac.new(secret.encode("utf-8"), msg, hashlib.sha256).hexdigest()
-
-
-def check_secret(value: str, var: str) -> None:
-    """Refuse an empty or short secret (``var`` names the variable) with how to provide one."""
-    if len(value) >= MIN_SECRET_CHARS:
-        return
-    state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
-    raise ContractError(
-        f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
-        "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
-        "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
 
 
 def pserver_ports(first: int, ports_num: int, ports_num_for_sparse: int, index: int = 0) -> Tuple[int, ...]:
