@@ -22,7 +22,7 @@ from helpers import checkout_env, free_port_range, stop_groups  # noqa: E402
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
-SECRET = "test-secret-7f3a-0123456789abcdef0123456789"
+SECRET = "449f9768f45a2be336f877d3b677c2c83b567a85f79f63669a9075100682e3de"  # as generated: 256 bits
 
 
 # -- processes ----------------------------------------------------------------------------------
