@@ -17,7 +17,7 @@ import numpy as np
 
 from . import protocol as P
 from .budget import SHARD_OVERHEAD
-from .errors import ConfigMismatch, ProtocolError
+from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .net import Conn
 from .optim import OptimizerSpec
 from .shards import DenseBlock, TableShard, dense_bytes
@@ -142,7 +142,8 @@ def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
     def make() -> DenseBlock:
         nbytes = math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize  # Python integers: never wraps
         if nbytes > ps.max_frame:
-            raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
+            raise LimitExceeded(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap "
+                                "(PADDLE_MAX_FRAME_BYTES): split it into smaller blocks (max_block_bytes)")
         opt = OptimizerSpec.from_dict(spec)
         held = dense_bytes(meta, opt, ps.env.trainers)
         ps.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")

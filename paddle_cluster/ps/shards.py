@@ -19,6 +19,8 @@ from .optim import OptimizerSpec
 from .placement import init_rows
 from .stream import SEGMENT
 
+INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
+
 
 class Shard:
     """What dense blocks and table shards share: a step counter, a barrier and a hyper-parameter cursor."""
@@ -201,11 +203,12 @@ class TableShard(Shard):
         if self.row_limit is not None:
             new_cap = min(new_cap, self.row_limit)
         if self.budget is not None:
+            # The new arrays whole: the old ones are held too until copied, and given back after.
             try:
-                self.budget.charge((new_cap - cap) * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
             except LimitExceeded:
                 new_cap = self.n + need  # no room to spare: exactly what is needed, else refused
-                self.budget.charge((new_cap - cap) * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
         table = np.empty((new_cap, self.width), dtype=self.dtype)
         table[: self.n] = self.table[: self.n]
         self.table = table
@@ -213,6 +216,8 @@ class TableShard(Shard):
         for k, a in self.state.items():
             state[k][: self.n] = a[: self.n]
         self.state = state
+        if self.budget is not None:
+            self.budget.release(cap * self.row_bytes)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Row positions of sorted unique ``ids``, creating missing rows with the deterministic init."""
@@ -227,7 +232,11 @@ class TableShard(Shard):
         except LimitExceeded as e:
             raise LimitExceeded(f"{e}; the first new id is {int(new[0])}") from None
         new_pos = np.arange(self.n, self.n + len(new), dtype=np.int64)
-        self.table[self.n: self.n + len(new)] = init_rows(new, self.width, self.init_scale, self.seed, self.dtype)
+        step = max(1, INIT_CHUNK // self.width)  # init_rows holds ~28 bytes per element while it works
+        for lo in range(0, len(new), step):
+            part = new[lo:lo + step]
+            self.table[self.n + lo: self.n + lo + len(part)] = init_rows(part, self.width, self.init_scale, self.seed,
+                                                                         self.dtype)
         self.n += len(new)
         ins = np.searchsorted(self.keys, new)
         self.keys = np.insert(self.keys, ins, new)
