@@ -257,7 +257,7 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             with t.cv, sync.rw.shared():
                 # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
                 # push, never the apply that another trainer's push completes.
-                t.lookup(ids)
+                pos = t.lookup(ids)
         except BaseException:
             ps.budget.release(held)
             raise
@@ -267,11 +267,11 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
     with t.cv:
         if sync.mode == "async":
             try:
-                sync.advance(t, None, lambda: t.apply_rows(ids, grads))
+                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos))
             finally:
                 ps.budget.release(held)
         elif t.step == h.step:
-            t.pending[tr] = (ids, grads)
+            t.pending[tr] = (ids, grads, pos)
             sync.complete_table(t)
         else:
             ps.budget.release(held)

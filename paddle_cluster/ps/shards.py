@@ -249,14 +249,17 @@ class TableShard(Shard):
         if len(ids) and bool(np.any(np.mod(ids, self.n_pservers) != self.pserver_id)):
             raise ProtocolError(f"{self.describe()}: ids that belong to another pserver")
 
-    def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """Apply row gradients of sorted unique ``ids`` (rows created on first use)."""
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray, pos: Optional[np.ndarray] = None) -> None:
+        """Apply row gradients of sorted unique ``ids`` (rows created on first use; ``pos``: their rows, as a
+        ``lookup`` made them -- a row never moves)."""
         if len(ids):
-            pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
+            if pos is None:
+                pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
             self.opt.apply(self.table, self.state, pos, grads)
 
-    def pending_mean(self) -> Tuple[np.ndarray, np.ndarray]:
-        """The mean of the pending contributions, summed in trainer order: (sorted unique ids, row grads)."""
+    def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted
+        unique ids, row grads, their rows if known)."""
         contributors = sorted(self.pending)
         if len(contributors) == 1:
             return self.pending[contributors[0]]
@@ -266,4 +269,4 @@ class TableShard(Shard):
         g = np.zeros((len(ids), self.width), dtype=self.dtype)
         np.add.at(g, inv, all_g)
         g /= self.dtype.type(len(contributors))
-        return ids, g
+        return ids, g, None
