@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pwd
+import re
 import shutil
 import socket
 import stat
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rt_helpers as H
-from helpers import local_conf
+from helpers import cli, local_conf
 from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
@@ -282,6 +283,39 @@ def test_generated_secrets_pass():
     for _ in range(2000):
         check_secret(secrets.token_hex(32), "PADDLE_JOB_SECRET")
         check_secret(secrets.token_hex(16), "PADDLE_JOB_SECRET")  # the in-process local mode's
+
+
+FLOOD_PY = """
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
+ps.register_sparse("emb", 8, vocab_size=1000, init_scale=0.1)
+ids = [1, 2, 3] if ps.trainer_id == 0 else [7, 5000]  # trainer 1's vocabulary is not the job's
+ps.pull_sparse("emb", ids)
+ps.push_sparse("emb", ids, np.zeros((len(ids), 8), np.float32))
+ps.push()
+ps.pull_sparse("emb", ids)
+ps.close()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_an_id_outside_the_vocabulary_fails_the_job_fast_naming_table_id_and_limit(tmp_path):
+    """Through the launcher (localhost, default budgets): the trainer raises the pserver's LimitExceeded, the
+    launcher stops the job well before any barrier timeout and shows the message."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(FLOOD_PY)
+    conf = local_conf(tmp_path, PSERVERS_PER_NODE=1, TRAINERS_PER_NODE=2, BARRIER_TIMEOUT=120.0)
+    t0 = time.monotonic()
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "oob", timeout=150)
+    took = time.monotonic() - t0
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    assert took < 60, f"took {took:.0f} s: not fail-fast"
+    assert re.search(r"LimitExceeded: pserver 0: table 'emb': trainer 1 sent id 5000, outside the table's id "
+                     r"space \[0, 1000\) \(vocab_size=1000", out), out[-3000:]
+    assert "trainer.1" in out
 
 
 # -- config files ----------------------------------------------------------------------------------------------
