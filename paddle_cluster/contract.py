@@ -22,16 +22,20 @@ PORT_MAX = 65535
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
 
-# The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
-# asks for it by this name.
-SECRET_VAR = "PADDLE_JOB_SECRET"
 
 
 class ContractError(ValueError):
     """A variable of the contract is missing or malformed; the message names it."""
 
 
-from .jobsecret import MIN_SECRET_CHARS, check_secret, derive_trainer_key  # noqa: E402,F401 (re-exported)
+# The job secret's variable, its check and the trainer keys (re-exported: ``contract`` is their public home).
+from .jobsecret import (  # noqa: E402,F401
+    MIN_SECRET_CHARS,
+    SECRET_VAR,
+    check_secret,
+    derive_trainer_key,
+    job_secret,
+)
 
 
 @dataclass(frozen=True)
@@ -259,12 +263,6 @@ class JobEnv:
         )
 
 
-def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
-    hand-started seed script names its pservers itself); "" when unset."""
-    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
-
-
 def job_id_of(environ: Mapping[str, str]) -> str:
     """The job id an environment carries ("" when none): how the node agent tells a job's processes apart."""
     return environ.get("PADDLE_JOB_ID", "")
@@ -301,8 +299,7 @@ class ProcessEnv:
 
     def __post_init__(self) -> None:
         if self.pserver_memory < 0:
-            raise ContractError(f"PADDLE_PSERVER_MEMORY={self.pserver_memory}: must be a number of bytes (0: the "
-                                "default, a share of the node's memory)")
+            raise ContractError(f"PADDLE_PSERVER_MEMORY={self.pserver_memory}: must be a number of bytes, or 0")
         if self.trainer_id is not None and self.trainer_id < 0:
             raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be 0 or more")
         if self.max_frame_bytes < 1:
@@ -313,10 +310,8 @@ class ProcessEnv:
     def to_environ(self) -> Dict[str, str]:
         env = {"PADDLE_JOB_DIR": self.job_dir, "PADDLE_MAX_FRAME_BYTES": str(self.max_frame_bytes),
                "PADDLE_LOG_LEVEL": self.log_level, "PADDLE_MAX_CONNECTIONS": str(self.max_connections)}
-        if self.pserver_memory:
-            env["PADDLE_PSERVER_MEMORY"] = str(self.pserver_memory)
-        if self.allow_nonfinite:
-            env["PADDLE_ALLOW_NONFINITE"] = "1"
+        env.update({"PADDLE_PSERVER_MEMORY": str(self.pserver_memory)} if self.pserver_memory else {})
+        env.update({"PADDLE_ALLOW_NONFINITE": "1"} if self.allow_nonfinite else {})
         if self.trainer_id is not None:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
         return env

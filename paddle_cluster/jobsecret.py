@@ -7,8 +7,12 @@ import collections
 import hashlib
 import hmac
 import math
-from typing import Optional
+import os
+from typing import Mapping, Optional
 
+# The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
+# asks for it by this name.
+SECRET_VAR = "PADDLE_JOB_SECRET"
 # The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
 MIN_SECRET_CHARS = 32
 # What a secret's character frequencies must estimate at least: far below a generated one's 128 bits (the
@@ -66,6 +70,12 @@ def _period(s: str) -> int:
             k = pi[k - 1]
         pi[i] = k + (s[i] == s[k])
     return len(s) - pi[-1]
+
+
+def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
+    hand-started seed script names its pservers itself); "" when unset."""
+    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
 
 
 def _error(message: str) -> ValueError:
