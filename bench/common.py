@@ -19,7 +19,7 @@ if REPO not in sys.path:
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
 MB = 1 << 20
-SECRET = "bench-secret-0123456789abcdef0123456789abcdef"
+SECRET = "b3e2a91f7c4d08e6f5a1c3b97d2e4f60a8c1d5e9b7f3a2c4"  # a job secret as generated: not guessable
 
 
 @dataclass

@@ -117,7 +117,7 @@ def sparse(a: dict) -> dict:
     rows, width, batch = int(a["rows"]), int(a["width"]), int(a["batch"])
     warmup, reps = int(a["warmup"]), int(a["reps"])
     ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=LR))
-    ps.register_sparse("emb", width, init_scale=0.1, seed=3)
+    ps.register_sparse("emb", width, vocab_size=rows, init_scale=0.1, seed=3)
     # warm-up: create every row once (the measured steps then hit existing rows, the steady state)
     for lo in range(0, rows, batch):
         ps.pull_sparse("emb", np.arange(lo, min(rows, lo + batch)))

@@ -9,8 +9,6 @@ three dialects at once so seed scripts run unchanged: Fluid (``PADDLE_TRAINING_R
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,15 +22,20 @@ PORT_MAX = 65535
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
 
-# The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
-# asks for it by this name.
-SECRET_VAR = "PADDLE_JOB_SECRET"
-# The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
-MIN_SECRET_CHARS = 32
 
 
 class ContractError(ValueError):
     """A variable of the contract is missing or malformed; the message names it."""
+
+
+# The job secret's variable, its check and the trainer keys (re-exported: ``contract`` is their public home).
+from .jobsecret import (  # noqa: E402,F401
+    MIN_SECRET_CHARS,
+    SECRET_VAR,
+    check_secret,
+    derive_trainer_key,
+    job_secret,
+)
 
 
 @dataclass(frozen=True)
@@ -51,24 +54,6 @@ class Endpoint:
         if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= PORT_MAX:
             raise ContractError(f"bad endpoint {text.strip()!r}: expected HOST:PORT with a port in 1..{PORT_MAX}")
         return cls(host, int(port))
-
-
-def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
-    """Trainer ``trainer``'s own key (64 hex digits) from the job secret: a trainer gets this, never the
-    secret, so it can prove its own id and no other (pservers derive every trainer's key)."""
-    msg = b"paddle-cluster trainer key|" + job_id.encode("utf-8") + b"|" + str(int(trainer)).encode("ascii")
-    return hmac.new(secret.encode("utf-8"), msg, hashlib.sha256).hexdigest()
-
-
-def check_secret(value: str, var: str) -> None:
-    """Refuse an empty or short secret (``var`` names the variable) with how to provide one."""
-    if len(value) >= MIN_SECRET_CHARS:
-        return
-    state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
-    raise ContractError(
-        f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
-        "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
-        "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
 
 
 def pserver_ports(first: int, ports_num: int, ports_num_for_sparse: int, index: int = 0) -> Tuple[int, ...]:
@@ -278,12 +263,6 @@ class JobEnv:
         )
 
 
-def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
-    hand-started seed script names its pservers itself); "" when unset."""
-    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
-
-
 def job_id_of(environ: Mapping[str, str]) -> str:
     """The job id an environment carries ("" when none): how the node agent tells a job's processes apart."""
     return environ.get("PADDLE_JOB_ID", "")
@@ -313,8 +292,14 @@ class ProcessEnv:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     log_level: str = "INFO"
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Bytes a pserver may hold (dense blocks, table rows, buffers); 0 = its share of the node's memory.
+    pserver_memory: int = 0
+    # Accept NaN/Inf gradients (refused by default: one bad trainer would poison every trainer's parameters).
+    allow_nonfinite: bool = False
 
     def __post_init__(self) -> None:
+        if self.pserver_memory < 0:
+            raise ContractError(f"PADDLE_PSERVER_MEMORY={self.pserver_memory}: must be a number of bytes, or 0")
         if self.trainer_id is not None and self.trainer_id < 0:
             raise ContractError(f"PADDLE_TRAINER_ID={self.trainer_id}: must be 0 or more")
         if self.max_frame_bytes < 1:
@@ -325,6 +310,8 @@ class ProcessEnv:
     def to_environ(self) -> Dict[str, str]:
         env = {"PADDLE_JOB_DIR": self.job_dir, "PADDLE_MAX_FRAME_BYTES": str(self.max_frame_bytes),
                "PADDLE_LOG_LEVEL": self.log_level, "PADDLE_MAX_CONNECTIONS": str(self.max_connections)}
+        env.update({"PADDLE_PSERVER_MEMORY": str(self.pserver_memory)} if self.pserver_memory else {})
+        env.update({"PADDLE_ALLOW_NONFINITE": "1"} if self.allow_nonfinite else {})
         if self.trainer_id is not None:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
         return env
@@ -339,7 +326,9 @@ class ProcessEnv:
                    trainer_id=_int(env, "PADDLE_TRAINER_ID", "PADDLE_INIT_TRAINER_ID"),
                    max_frame_bytes=DEFAULT_MAX_FRAME_BYTES if frame is None else frame,
                    log_level=env.get("PADDLE_LOG_LEVEL") or "INFO",
-                   max_connections=DEFAULT_MAX_CONNECTIONS if conns is None else conns)
+                   max_connections=DEFAULT_MAX_CONNECTIONS if conns is None else conns,
+                   pserver_memory=_size(env, "PADDLE_PSERVER_MEMORY"),
+                   allow_nonfinite=_bool(env, "PADDLE_ALLOW_NONFINITE", False))
 
 
 def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
@@ -353,6 +342,20 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
         except ValueError:
             raise ContractError(f"{name}={text!r}: expected an integer") from None
     return None
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(env: Mapping[str, str], name: str) -> int:
+    """A byte count: ``1073741824``, ``512M``, ``8G`` (binary units, an optional ``B``/``iB``); 0 when unset."""
+    text = (env.get(name) or "").strip()
+    m = re.fullmatch(r"(\d+)\s*([KMGT]?)(?:I?B)?", text.upper())
+    if not text:
+        return 0
+    if m is None:
+        raise ContractError(f"{name}={text!r}: expected a number of bytes, e.g. 8G, 512M or 1073741824")
+    return int(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -22,7 +22,7 @@ from helpers import checkout_env, free_port_range, stop_groups  # noqa: E402
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv  # noqa: E402
 
-SECRET = "test-secret-7f3a-0123456789abcdef0123456789"
+SECRET = "449f9768f45a2be336f877d3b677c2c83b567a85f79f63669a9075100682e3de"  # as generated: 256 bits
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def scenario_dense(out: str, steps: str = "5", lr: str = "0.5", mode: str = "syn
 def scenario_sparse(out: str, steps: str = "5", lr: str = "0.5", seed: str = "3", scale: str = "0.1") -> None:
     ps = _connect("sync", float(lr))
     start = ps.register_dense(sparse_dense_init())
-    ps.register_sparse("emb", WIDTH, init_scale=float(scale), seed=int(seed))
+    ps.register_sparse("emb", WIDTH, vocab_size=V, init_scale=float(scale), seed=int(seed))
     assert start["w"].shape == (WIDTH, C)
     for t in range(int(steps)):
         p = ps.pull()

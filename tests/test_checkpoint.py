@@ -36,7 +36,7 @@ def _state(ps):
 def _client(env):
     ps = connect(mode="sync", optimizer=ADAM, env=env.for_process(TRAINER, 0, "127.0.0.1"))
     ps.register_dense(H.sparse_dense_init())
-    ps.register_sparse("emb", H.WIDTH, init_scale=0.1, seed=5)
+    ps.register_sparse("emb", H.WIDTH, vocab_size=H.V, init_scale=0.1, seed=5)
     return ps
 
 

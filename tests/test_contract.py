@@ -20,6 +20,9 @@ from paddle_cluster.contract import (
 )
 from paddle_cluster.launch.config import ClusterConfig, HostSpec
 
+SECRET = "s3cr3t-Jq7Zx2vLmWk4PbN8rTy6Hc9F0dG5"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET2 = "xx-9b1e4c7f2a5d8e3b6c9f1a4d7e2b5c8f"  # as a job secret must be: not guessable (jobsecret.weakness)
+
 FLUID = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "PADDLE_TRAINERS",
          "PADDLE_TRAINER_ID", "PADDLE_CURRENT_IP")
 V2 = ("PADDLE_INIT_PSERVERS", "PADDLE_INIT_PORT", "PADDLE_INIT_PORTS_NUM", "PADDLE_INIT_PORTS_NUM_FOR_SPARSE",
@@ -32,7 +35,7 @@ def job(**kw) -> JobEnv:
     base = dict(job_id="JOB20240101-ab12", trainers=4, ports_num=2, ports_num_for_sparse=3,
                 pservers=(Endpoint("10.0.0.1", 7164), Endpoint("10.0.0.1", 7169),
                           Endpoint("10.0.0.2", 7164), Endpoint("10.0.0.2", 7169)),
-                secret="s3cr3t" * 8, job_dir="/home/paddle/JOB1", workspace="/home/paddle/JOB1/ws",
+                secret=SECRET, job_dir="/home/paddle/JOB1", workspace="/home/paddle/JOB1/ws",
                 barrier_timeout=30.5)
     base.update(kw)
     return JobEnv(**base)
@@ -61,7 +64,7 @@ hosts = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,15}", fullmatch=True)
 def test_round_trip_property(data, n_ps, trainers, ports_num, sparse, timeout):
     eps = tuple(Endpoint(data.draw(hosts), data.draw(st.integers(1, 65535))) for _ in range(n_ps))
     env = JobEnv(job_id=data.draw(st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True)), pservers=eps,
-                 trainers=trainers, ports_num=ports_num, ports_num_for_sparse=sparse, secret="x" * 64,
+                 trainers=trainers, ports_num=ports_num, ports_num_for_sparse=sparse, secret=SECRET2,
                  job_dir="/j", workspace="/j/ws", barrier_timeout=timeout)
     role = data.draw(st.sampled_from([None, TRAINER, PSERVER]))
     if role == TRAINER:
@@ -94,7 +97,7 @@ def test_trainer_names_and_values():
     assert e["PADDLE_PSERVER_ENDPOINTS"] == "10.0.0.1:7164,10.0.0.1:7169,10.0.0.2:7164,10.0.0.2:7169"
     # A trainer gets its own key, never the job secret.
     assert "PADDLE_JOB_SECRET" not in e
-    assert e["PADDLE_TRAINER_KEY"] == derive_trainer_key("s3cr3t" * 8, "JOB20240101-ab12", 2)
+    assert e["PADDLE_TRAINER_KEY"] == derive_trainer_key(SECRET, "JOB20240101-ab12", 2)
     assert e["PADDLE_TRAINER_KEY"] != job().for_process(TRAINER, 1, "10.0.0.2").to_environ()["PADDLE_TRAINER_KEY"]
     assert e["PADDLE_JOB_DIR"] == "/home/paddle/JOB1"
     assert e["PADDLE_WORKSPACE"] == "/home/paddle/JOB1/ws"
@@ -111,7 +114,7 @@ def test_pserver_names_and_values():
     assert e["PADDLE_PSERVER_ID"] == "3"
     assert e["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:7169"
     assert "PADDLE_TRAINER_ID" not in e and "PADDLE_INIT_TRAINER_ID" not in e
-    assert e["PADDLE_JOB_SECRET"] == "s3cr3t" * 8 and "PADDLE_TRAINER_KEY" not in e
+    assert e["PADDLE_JOB_SECRET"] == SECRET and "PADDLE_TRAINER_KEY" not in e
 
 
 def test_job_wide_form_has_no_per_process_names():
@@ -125,12 +128,12 @@ def test_job_wide_form_has_no_per_process_names():
 def test_secrets_stay_out_of_reprs_and_short_ones_are_refused():
     env = job()
     for e in (env, env.for_process(TRAINER, 1, "h"), env.for_process(PSERVER, 0, "h")):
-        assert "s3cr3t" not in repr(e) and derive_trainer_key("s3cr3t" * 8, env.job_id, 1) not in repr(e)
+        assert "s3cr3t" not in repr(e) and derive_trainer_key(SECRET, env.job_id, 1) not in repr(e)
     with pytest.raises(ContractError, match="PADDLE_JOB_SECRET has 5 characters, fewer than 32.*secrets.token_hex"):
         job(secret="short").key_of(0)
     with pytest.raises(ContractError, match=r"PADDLE_TRAINER_KEY \(or PADDLE_JOB_SECRET\) is not set.*token_hex"):
         job(secret="").key_of(0)
-    assert env.for_process(TRAINER, 1, "h").key_of(1) == derive_trainer_key("s3cr3t" * 8, env.job_id, 1)
+    assert env.for_process(TRAINER, 1, "h").key_of(1) == derive_trainer_key(SECRET, env.job_id, 1)
     assert JobEnv.from_environ({**env.to_environ(), "PADDLE_INTEGRITY": "0"}).integrity is False
     with pytest.raises(ContractError, match="PADDLE_INTEGRITY"):
         JobEnv.from_environ({**env.to_environ(), "PADDLE_INTEGRITY": "maybe"})

@@ -333,7 +333,7 @@ steps, vocab = int(sys.argv[1]), int(sys.argv[2])
 ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
 tid = ps.trainer_id
 ps.register_dense({"w": np.zeros((256, 64), np.float32)})
-ps.register_sparse("emb", 16, init_scale=0.0)
+ps.register_sparse("emb", 16, vocab_size=vocab, init_scale=0.0)
 g = {"w": np.ones((256, 64), np.float32)}
 rows = np.full((4, 16), -2.0, np.float32)  # lr 0.5: +1 per push of an id
 for s in range(steps):

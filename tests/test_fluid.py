@@ -15,6 +15,8 @@ from paddle_cluster.ps import load_dense
 from paddle_cluster.ps.server import PServer
 from paddle_cluster.train import fluid, layers
 
+SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.weakness)
+
 
 @pytest.fixture(autouse=True)
 def no_contract(monkeypatch):
@@ -88,14 +90,14 @@ def test_pserver_program_endpoint_errors():
 
 def test_transpile_takes_the_launcher_contract(monkeypatch):
     job = JobEnv("j1", (Endpoint("127.0.0.1", 7164), Endpoint("127.0.0.1", 7166)), trainers=3, ports_num=1,
-                 ports_num_for_sparse=1, secret="s3cret" * 8)
+                 ports_num_for_sparse=1, secret=SECRET)
     for k, v in job.for_process(TRAINER, 2, "127.0.0.1").to_environ().items():
         monkeypatch.setenv(k, v)
     t = fluid.DistributeTranspiler()
     t.transpile(program=program(), sync_mode=False)
     assert t.env.pservers == job.pservers and t.env.trainers == 3 and t.env.trainer_id == 2
     # A trainer holds its own key, never the job secret.
-    assert t.env.trainer_key == derive_trainer_key("s3cret" * 8, "j1", 2) and not t.env.secret and t.mode == "async"
+    assert t.env.trainer_key == derive_trainer_key(SECRET, "j1", 2) and not t.env.secret and t.mode == "async"
     # The seed's own construction (one port for every IP) names one pserver twice: said plainly.
     with pytest.raises(fluid.FluidError, match="listed twice"):
         t.transpile(2, program=program(), pservers="127.0.0.1:7164,127.0.0.1:7164", trainers=3)

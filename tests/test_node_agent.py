@@ -25,6 +25,8 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import procs
 
+SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.weakness)
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Listens on every port of its pserver id, then waits to be stopped.
@@ -89,7 +91,7 @@ def agents():
 def node_plan(tmp: Path, pserver_cmd: str, trainer_cmd: str, extra_endpoints=()) -> m.NodePlan:
     port = free_port_range(2)
     env = JobEnv("agenttest-1", (Endpoint("127.0.0.1", port),), 1, ports_num=1, ports_num_for_sparse=1,
-                 secret="s" * 64, job_dir=str(tmp / "job"), workspace=str(tmp))
+                 secret=SECRET, job_dir=str(tmp / "job"), workspace=str(tmp))
     common = env.to_environ()
 
     def own(role: str, index: int):

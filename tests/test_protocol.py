@@ -17,6 +17,8 @@ from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.placement import init_rows, place_dense, shard_of, split_rows
 from paddle_cluster.ps.stream import SEGMENT, Stream
 
+SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.weakness)
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -202,7 +204,7 @@ def _handshake(server_secret, client_key, *, trainer=1, client_ps=0, integrity=(
 
 
 def test_handshake_proves_the_trainer_key_and_binds_pserver_and_integrity():
-    secret = "s3cret" * 8
+    secret = SECRET
     res, keys = _handshake(secret, derive_trainer_key(secret, "job", 1))
     assert res["trainer"] == 1
     # The two ends agree on the keys, and each direction has its own.
@@ -308,7 +310,7 @@ def test_a_pserver_that_stops_answering_costs_the_trainer_its_io_timeout():
     from paddle_cluster.ps.channel import Channel
 
     ls = socket.create_server(("127.0.0.1", 0))
-    env = JobEnv("job", (Endpoint("127.0.0.1", ls.getsockname()[1]),), 1, secret="s3cret" * 8)
+    env = JobEnv("job", (Endpoint("127.0.0.1", ls.getsockname()[1]),), 1, secret=SECRET)
     done = threading.Event()
 
     def server():

@@ -185,7 +185,7 @@ def test_set_lr_for_named_parameters_and_tables_only(tmp_path, monkeypatch):
     ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0))
     try:
         ps.register_dense({"x": np.zeros(3, np.float32), "y": np.zeros(2, np.float32)})
-        ps.register_sparse("emb", width=2, init_scale=0.0)
+        ps.register_sparse("emb", width=2, vocab_size=10, init_scale=0.0)
         ids, ones = np.array([5]), np.ones((1, 2), np.float32)
 
         def step():

@@ -33,6 +33,8 @@ from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
 
+SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.weakness)
+
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -214,7 +216,7 @@ def test_fuzz_server_handshake_refuses_anything_forged(data):
                                              b.shutdown(socket.SHUT_WR)), daemon=True)
         t.start()
         with pytest.raises((AuthError, ProtocolError, ConnectionLost, OSError)):
-            A.server_handshake(a, lambda t: contract.derive_trainer_key("s" * 64, "job-1", t), "job-1", 0, 4, True,
+            A.server_handshake(a, lambda t: contract.derive_trainer_key(SECRET, "job-1", t), "job-1", 0, 4, True,
                                timeout=2.0)
         t.join(5)
         assert not t.is_alive()
@@ -272,7 +274,7 @@ def test_fuzz_cluster_yaml(text):
 
 # The launcher's three forms of one job's environment, to drop variables from and change values in.
 _JOB = contract.JobEnv("job-1", (contract.Endpoint("10.0.0.1", 7164), contract.Endpoint("10.0.0.2", 7164)), 3,
-                       ports_num=2, ports_num_for_sparse=1, secret="s" * 64, job_dir="/j", workspace="/j/ws",
+                       ports_num=2, ports_num_for_sparse=1, secret=SECRET, job_dir="/j", workspace="/j/ws",
                        barrier_timeout=30.0)
 _FORMS = [_JOB.to_environ(), _JOB.for_process(contract.PSERVER, 1, "10.0.0.2").to_environ(),
           _JOB.for_process(contract.TRAINER, 2, "10.0.0.1").to_environ()]

@@ -48,7 +48,7 @@ def served(tmp_path):
         server = pr.pserver(env, 0, {"PADDLE_MAX_FRAME_BYTES": str(MAX_FRAME)})
         ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0), env=trainer_env(env, 0))
         ps.register_dense({"w": W})
-        ps.register_sparse("emb", 4, init_scale=0.5, seed=1)
+        ps.register_sparse("emb", 4, max_rows=1 << 20, init_scale=0.5, seed=1)
         ps.pull_sparse("emb", [1, 2, 3])
         try:
             yield env, pr, server, ps

@@ -9,7 +9,7 @@ categorical user features are a one-hot block into the tower's FC (a dense embed
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 from movielens import N_AGE, N_GENDER, Dataset
@@ -44,12 +44,15 @@ class Batch:
 
 
 class Recommender(Layer):
-    def __init__(self, emb: int, n_jobs: int, mean: float, seed: int = 0) -> None:
+    def __init__(self, emb: int, n_jobs: int, mean: float, seed: int = 0,
+                 vocab: Optional[Mapping[str, int]] = None) -> None:
+        """``vocab``: each table's id space (``Dataset.vocab_sizes``), needed to register the tables."""
+        v = dict(vocab or {})
         self.emb = emb
-        self.user_emb = Embedding("user", emb + 1)
-        self.movie_emb = Embedding("movie", emb + 1)
-        self.genre_emb = Embedding("genre", emb)
-        self.word_emb = Embedding("word", emb)
+        self.user_emb = Embedding("user", emb + 1, vocab=v.get("user"))
+        self.movie_emb = Embedding("movie", emb + 1, vocab=v.get("movie"))
+        self.genre_emb = Embedding("genre", emb, vocab=v.get("genre"))
+        self.word_emb = Embedding("word", emb, vocab=v.get("word"))
         self.genre_pool = SeqPool("mean")
         self.word_pool = SeqPool("mean")
         self.user_cat = Concat()
@@ -58,8 +61,12 @@ class Recommender(Layer):
         self.movie_fc = Linear("movie_fc", 3 * emb, emb, seed=seed)
         self.mu = Param.create("mu", np.array([mean], dtype=np.float32))
 
+    def tables(self) -> List[Embedding]:
+        """The embedding layers, by table name."""
+        return sorted((self.user_emb, self.movie_emb, self.genre_emb, self.word_emb), key=lambda e: e.table_name)
+
     def table_widths(self) -> Dict[str, int]:
-        return {e.table_name: e.dim for e in (self.user_emb, self.movie_emb, self.genre_emb, self.word_emb)}
+        return {e.table_name: e.dim for e in self.tables()}
 
     def forward(self, b: Batch, rows: Dict[str, np.ndarray]) -> np.ndarray:
         """Predicted ratings (unclipped) for the batch; ``rows[t]`` are table t's rows for ``b.ids()[t]``."""

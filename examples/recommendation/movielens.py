@@ -45,6 +45,13 @@ class Dataset:
     genre_names: List[str]
     words: List[str]
 
+    def vocab_sizes(self) -> Dict[str, int]:
+        """Each embedding table's id space (what its pserver table declares): one past the largest id."""
+        users = max(int(self.ratings[:, 0].max(initial=0)), max(self.user_gender, default=0)) + 1
+        movies = max(int(self.ratings[:, 1].max(initial=0)), max(self.movie_genres, default=0),
+                     max(self.movie_title, default=0)) + 1
+        return {"user": users, "movie": movies, "genre": max(1, len(self.genre_names)), "word": max(1, len(self.words))}
+
 
 def age_bucket(age: int) -> int:
     """Index of the ml-1m age group holding ``age`` (1: under 18, 18: 18-24, ..., 56: 56+)."""

@@ -105,11 +105,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # divided by the same factor -- exactly SGD at ``sparse_lr`` with L2 ``sparse_l2``.
     gscale = args.sparse_lr / args.lr
     ps = connect(mode=args.mode, optimizer=OptimizerSpec("adam", lr=args.lr, weight_decay=args.l2))
-    model = Recommender(args.emb_size, ds.n_jobs, mean, seed=args.seed)
+    model = Recommender(args.emb_size, ds.n_jobs, mean, seed=args.seed, vocab=ds.vocab_sizes())
     set_dense_values(model, ps.register_dense(dense_values(model)))
     sparse_spec = OptimizerSpec("sgd", lr=args.lr, weight_decay=args.sparse_l2 / gscale)
-    for k, (name, width) in enumerate(sorted(model.table_widths().items())):
-        ps.register_sparse(name, width, init_scale=args.init_scale, seed=args.seed * 100 + k, optimizer=sparse_spec)
+    for k, e in enumerate(model.tables()):
+        ps.register_sparse(e.table_name, e.dim, **e.id_space(), init_scale=args.init_scale, seed=args.seed * 100 + k,
+                           optimizer=sparse_spec)
     # The pservers average the trainers' gradients in sync mode; scaling by the trainer count makes that
     # the sum, so each rating moves the model as much as in a one-trainer run (async applies each push).
     scale = float(trainers if args.mode == "sync" else 1)

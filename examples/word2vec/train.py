@@ -116,8 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     counts = np.bincount(mine[:, -1], minlength=V) + 0.5
     model.out.bias.value[:] = np.log(counts / counts.sum())
     set_dense_values(model, ps.register_dense(dense_values(model)))
-    ps.register_sparse(EMB_TABLE, args.emb_size, init_scale=args.init_scale, seed=args.seed,
-                       optimizer=OptimizerSpec("adagrad", lr=args.sparse_lr))
+    ps.register_sparse(EMB_TABLE, args.emb_size, **model.emb.id_space(), init_scale=args.init_scale,
+                       seed=args.seed, optimizer=OptimizerSpec("adagrad", lr=args.sparse_lr))
     config = {"vocab": V, "emb_size": args.emb_size, "hidden_size": args.hidden_size, "ngram": args.ngram,
               "act": args.act, "min_freq": args.min_freq, "mode": args.mode, "trainers": trainers,
               "batch_size": args.batch_size, "lr": args.lr, "sparse_lr": args.sparse_lr}

@@ -11,6 +11,7 @@ import difflib
 import os
 import re
 import shlex
+import stat
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -224,13 +225,36 @@ def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.
 
 def _read_text(path: Path, key: str) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            _check_owner(path, key, os.fstat(f.fileno()))  # of the file read, not of a name that may change
+            return f.read().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(key, str(path), f"not UTF-8 text (byte {e.start}); save the file as UTF-8",
                           str(path)) from None
     except OSError as e:
         raise ConfigError(key, str(path), f"cannot read it: {e.strerror or e}; check the path and its permissions",
                           str(path)) from None
+
+
+def _check_owner(path: Path, key: str, st: os.stat_result) -> None:
+    """Refuse, as OpenSSH does, a config file another user could have written: it says what runs where, and
+    conf.py is executed. Owned by the user running the launcher or root; not group- or other-writable."""
+    import pwd
+
+    def name(uid: int) -> str:
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return f"uid {uid}"
+
+    me = os.geteuid()
+    if st.st_mode & 0o022:
+        who = "group and others" if st.st_mode & 0o002 else "its group"
+        raise ConfigError(key, str(path), f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), so another "
+                          f"user could change what the launcher runs; fix: chmod go-w {path}", str(path))
+    if st.st_uid not in (me, 0):
+        raise ConfigError(key, str(path), f"is owned by {name(st.st_uid)}, not by {name(me)} who runs the launcher "
+                          f"(or root); fix: chown {name(me)} {path}, or copy it to a file of your own", str(path))
 
 
 def _read_python(path: Path) -> Dict[str, Any]:

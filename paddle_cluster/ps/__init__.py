@@ -5,7 +5,7 @@ Native API::
     from paddle_cluster.ps import connect, OptimizerSpec
     ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
     params = ps.register_dense({"w": w0})
-    ps.register_sparse("emb", width=32, init_scale=0.05, seed=1)
+    ps.register_sparse("emb", width=32, vocab_size=100_000, init_scale=0.05, seed=1)
     for batch in data:
         rows = ps.pull_sparse("emb", ids)
         ps.push_sparse("emb", ids, row_grads)
@@ -25,6 +25,8 @@ from .errors import (
     CheckpointError,
     ConfigMismatch,
     ConnectionLost,
+    LimitExceeded,
+    NonFinite,
     ProtocolError,
     PSError,
     RemoteError,
@@ -36,6 +38,6 @@ from .server import PServer, serve
 
 __all__ = [
     "AuthError", "BarrierTimeout", "CheckpointError", "CheckpointInfo", "ConfigMismatch", "ConnectionLost",
-    "OptimizerSpec", "PSClient", "PServer", "PSError", "ProtocolError", "PushHandle", "RemoteError", "UnknownKey",
-    "connect", "init_rows", "load_dense", "serve",
+    "LimitExceeded", "NonFinite", "OptimizerSpec", "PSClient", "PServer", "PSError", "ProtocolError", "PushHandle",
+    "RemoteError", "UnknownKey", "connect", "init_rows", "load_dense", "serve",
 ]

@@ -14,6 +14,9 @@ variable                   flag                    meaning
 ``PADDLE_LOG_LEVEL``       ``--log-level``         ``DEBUG``, ``INFO`` (default), ``WARNING`` or ``ERROR``
 ``PADDLE_MAX_CONNECTIONS`` ``--max-connections``   connections served at once (default 256, at most 64 of them
                                                    authenticating); more are refused with a message
+``PADDLE_PSERVER_MEMORY``                          bytes it may hold (``8G``, ``512M``; default half of the
+                                                   node's memory over the job's pservers on it)
+``PADDLE_ALLOW_NONFINITE``                         ``1``: accept NaN/Inf gradients (refused by default)
 =========================  ======================  ===========================================================
 
 It prints ``PSERVER_READY <id> <host> <ports>`` on stdout once every port listens, serves until all trainers

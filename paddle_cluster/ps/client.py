@@ -233,12 +233,26 @@ class PSClient:
 
     # -- sparse ---------------------------------------------------------------------------------------------
 
-    def register_sparse(self, name: str, width: int, *, init_scale: float = 0.01, seed: int = 0,
+    def register_sparse(self, name: str, width: int, *, vocab_size: Optional[int] = None,
+                        max_rows: Optional[int] = None, init_scale: float = 0.01, seed: int = 0,
                         dtype: Any = np.float32, optimizer: OptimizerLike = None) -> None:
         """Define a sparse table sharded by ``id % n_pservers``; rows are created on first use with
-        ``placement.init_rows(ids, width, init_scale, seed)``."""
+        ``placement.init_rows(ids, width, init_scale, seed)``.
+
+        Declare its id space: ``vocab_size`` (ids in ``[0, vocab_size)``) and/or ``max_rows`` (a hashed id
+        space: any int64 id, at most that many rows in all, ``max_rows / n_pservers`` per pserver). The pservers
+        refuse other ids and more rows with ``LimitExceeded`` naming the table, the id and the limit."""
         self._check_open()
-        self._sparse.register(name, width, init_scale, seed, dtype, as_spec(optimizer, self.optimizer).to_dict())
+        for what, v in (("vocab_size", vocab_size), ("max_rows", max_rows)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"register_sparse({name!r}): {what}={v!r}: expected a positive integer")
+        if vocab_size is None and max_rows is None:
+            raise ValueError(f"register_sparse({name!r}): declare the table's id space: vocab_size=V (ids in "
+                             "[0, V)) or, for hashed ids, max_rows=R (at most R rows)")
+        spec = as_spec(optimizer, self.optimizer).to_dict()
+        self._sparse.register(name, width, init_scale, seed, dtype, spec,
+                              None if vocab_size is None else int(vocab_size),
+                              None if max_rows is None else int(max_rows))
 
     def pull_sparse(self, name: str, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (any int shape) for ``self.step``: result shape ``ids.shape + (width,)``, one row

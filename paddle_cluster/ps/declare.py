@@ -1,21 +1,26 @@
 """The ops that set a job up on a pserver: DECLARE (mode, optimizer, staleness bound), DEF_DENSE and
-DEF_SPARSE (what a block or table is and which optimizer updates it), SET_HYPER (a hyper-parameter change
-from a given step). Every trainer must agree with trainer 0's declaration; a disagreement is a
-``ConfigMismatch`` naming both sides.
+DEF_SPARSE (what a block or table is, its size or id space, and which optimizer updates it), SET_HYPER (a
+hyper-parameter change from a given step).
+
+Trainer 0 is the one authority on the model: only its definitions create anything (charged to the pserver's
+memory budget first); another trainer's definition waits for trainer 0's and must agree with it, else it is
+that trainer's ``ConfigMismatch`` naming both sides -- never a denial for trainer 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, TypeVar, Union
 
 import numpy as np
 
 from . import protocol as P
-from .errors import ConfigMismatch, ProtocolError
+from .budget import SHARD_OVERHEAD
+from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .net import Conn
 from .optim import OptimizerSpec
-from .shards import DenseBlock, TableShard
+from .shards import DenseBlock, TableShard, dense_bytes
 
 if TYPE_CHECKING:
     from .server import PServer
@@ -46,21 +51,45 @@ def _parse_spec(ps: PServer, body: Dict[str, Any]) -> Dict[str, Any]:
 
 def _define(ps: PServer, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str, meta: Dict[str, Any],
             spec: Dict[str, Any], make: Callable[[], S]) -> S:
-    """The shard ``h.key`` of ``shards``: made by ``make`` at its first definition; a later definition must
-    say the same (what it is, which optimizer), else ``ConfigMismatch`` naming both."""
-    with ps.sync.lock:
+    """The shard ``h.key`` of ``shards``: made by ``make`` at trainer 0's definition (or confirmed, restored
+    from a checkpoint); another trainer's waits for that and must say the same, else ``ConfigMismatch``."""
+    sync, t = ps.sync, conn.trainer
+    with sync.lock:
         shard = shards.get(h.key)
-        if shard is None:
+        if t != 0:
+            sync.wait(sync.lock, lambda: _confirmed(shards, h.key) or 0 in sync.closed, ps.base_step,
+                      f"{kind} {h.key}: waiting for trainer 0 to define it", lambda: {0})
+            shard = shards.get(h.key)
+            if shard is None or not shard.confirmed:
+                raise ConfigMismatch(f"{kind} {h.key}: trainer {t} defines {meta['name']!r} but trainer 0 closed "
+                                     "without defining it (do all trainers register the same parameters?)")
+        elif shard is None:
             shard = make()
-            ps.sync.hyper.start(shard, [*ps.blocks.values(), *ps.tables.values()])
+            sync.hyper.start(shard, [*ps.blocks.values(), *ps.tables.values()])
             shards[h.key] = shard
-        elif shard.meta != meta:
-            raise ConfigMismatch(f"{kind} {h.key}: trainer {conn.trainer} defines {meta} but it is {shard.meta} "
-                                 "(do all trainers register the same parameters?)")
-        elif shard.declared != spec:
-            raise ConfigMismatch(f"{shard.describe()}: trainer {conn.trainer} uses optimizer {spec}, the job uses "
+        mine = {k: v for k, v in shard.meta.items() if shard.confirmed or k in _RESTORED}
+        if {k: v for k, v in meta.items() if k in mine} != mine:
+            was = "trainer 0 defined" if shard.confirmed else "the checkpoint holds"
+            raise ConfigMismatch(f"{kind} {h.key}: trainer {t} defines {meta} but {was} {shard.meta} (do all "
+                                 "trainers register the same parameters?)")
+        if shard.declared != spec:
+            raise ConfigMismatch(f"{shard.describe()}: trainer {t} uses optimizer {spec}, the job uses "
                                  f"{shard.declared}")
+        if not shard.confirmed:  # restored, and trainer 0 says what it is: it may now bound it
+            if isinstance(shard, TableShard):
+                shard.bound(meta)
+            shard.confirmed = True
+        sync.lock.notify_all()
     return shard
+
+
+# What a checkpoint records of a definition (a table's id space is trainer 0's to give again on resume).
+_RESTORED = frozenset({"name", "lo", "hi", "shape", "dtype", "width", "init_scale", "seed"})
+
+
+def _confirmed(shards: Dict[int, S], key: int) -> bool:
+    shard = shards.get(key)
+    return shard is not None and shard.confirmed
 
 
 def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -111,10 +140,18 @@ def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
     spec = _parse_spec(ps, body)
 
     def make() -> DenseBlock:
-        nbytes = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+        nbytes = math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize  # Python integers: never wraps
         if nbytes > ps.max_frame:
-            raise ProtocolError(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap")
-        return DenseBlock(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step)
+            raise LimitExceeded(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap "
+                                "(PADDLE_MAX_FRAME_BYTES): split it into smaller blocks (max_block_bytes)")
+        opt = OptimizerSpec.from_dict(spec)
+        held = dense_bytes(meta, opt, ps.env.trainers)
+        ps.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")
+        try:
+            return DenseBlock(h.key, meta, opt, spec, ps.base_step)
+        except BaseException:
+            ps.budget.release(held)
+            raise
 
     b = _define(ps, conn, h, ps.blocks, "dense block", meta, spec, make)
     conn.reply_ok({"step": b.step, "initialized": b.initialized}, key=h.key)
@@ -125,23 +162,38 @@ def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
     _check_declared(ps)
     try:
         meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
-                "init_scale": float(body["init_scale"]), "seed": int(body["seed"])}
+                "init_scale": float(body["init_scale"]), "seed": int(body["seed"]),
+                "vocab_size": _count(body.get("vocab_size")), "max_rows": _count(body.get("max_rows"))}
         P.dtype_code(meta["dtype"])
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"bad sparse table definition: {e!r}") from None
     if meta["width"] < 1:
         raise ProtocolError(f"bad sparse table width {meta['width']}")
+    if meta["vocab_size"] is None and meta["max_rows"] is None:
+        raise ConfigMismatch(f"table {meta['name']!r}: declare its id space: vocab_size (ids in [0, vocab_size)) "
+                             "or max_rows (a hashed id space: at most that many rows), e.g. "
+                             f"register_sparse({meta['name']!r}, {meta['width']}, vocab_size=100000)")
     spec = _parse_spec(ps, body)
 
     def make() -> TableShard:
         try:
-            return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, ps.base_step, ps.pserver_id,
-                              ps.n_pservers)
+            opt = OptimizerSpec.from_dict(spec)
         except ValueError as e:
             raise ConfigMismatch(str(e)) from None
+        ps.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
+        return TableShard(h.key, meta, opt, spec, ps.base_step, ps.pserver_id, ps.n_pservers, ps.budget)
 
     t = _define(ps, conn, h, ps.tables, "sparse table", meta, spec, make)
     conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
+
+
+def _count(v: Any) -> Any:
+    """A declared size: None, or a positive integer (an int64 id space at most)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 63:
+        raise ValueError(f"a table size must be a positive integer, not {v!r}")
+    return v
 
 
 def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:

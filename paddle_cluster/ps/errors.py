@@ -75,6 +75,15 @@ class Forbidden(PSError, code=11):
     """The request is not allowed to this trainer's role (e.g. SAVE from a trainer other than 0)."""
 
 
+class LimitExceeded(PSError, code=12):
+    """A request would make a pserver hold more than declared: a sparse id outside its table's id space, rows
+    past the table's row budget, or memory past the pserver's budget (``PADDLE_PSERVER_MEMORY``)."""
+
+
+class NonFinite(PSError, code=13):
+    """A pushed gradient holds NaN or Inf (refused unless ``PADDLE_ALLOW_NONFINITE=1``)."""
+
+
 @dataclass(frozen=True)
 class MissingTrainer:
     """A trainer a barrier is still waiting for."""

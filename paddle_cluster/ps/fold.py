@@ -114,13 +114,15 @@ def _may_add(sync: Sync, b: DenseBlock, i: int, t: int) -> bool:
 
 
 def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,
-         chunks: Callable[[Callable[[int], Optional[np.ndarray]]], Iterable[Tuple[int, memoryview]]]) -> None:
+         chunks: Callable[[Callable[[int], Optional[np.ndarray]]], Iterable[Tuple[int, memoryview]]],
+         check: Optional[Callable[[np.ndarray], None]] = None) -> None:
     """Fold trainer ``t``'s gradient for ``step`` (``chunks``: its payload's ``Stream.chunks``) into ``b``.
 
     A segment that nobody started yet is received straight into a free pool slot when there is one (no
     copy: it becomes the sum); otherwise into the stream's scratch, then copied or added. The caller has
     checked ``step == b.step`` and marked ``t`` as receiving. A segment ``t`` is already in (a resent push)
-    is skipped, so it never counts twice."""
+    is skipped, so it never counts twice. ``check`` sees each segment before it is folded (while it is in
+    cache) and may refuse it by raising: the segments before it stay folded, the step never completes."""
     item = b.dtype.itemsize
     pflat = b.param.reshape(-1)
     what = f"push {b.describe()}"
@@ -136,6 +138,8 @@ def push(sync: Sync, pool: AccPool, b: DenseBlock, t: int, step: int,
 
     try:
         for off, view in chunks(into):
+            if check is not None:
+                check(np.frombuffer(view, dtype=b.dtype))
             _fold(sync, pool, b, t, step, off, view, held.pop() if held else None, pflat, item, what)
     finally:
         for slot in held:  # received into, never folded (the connection broke)

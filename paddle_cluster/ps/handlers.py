@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import fold
+from . import finite, fold
 from . import protocol as P
 from .declare import declare, def_dense, def_sparse, set_hyper
 from .errors import (
@@ -25,6 +25,7 @@ from .errors import (
     CheckpointError,
     ConnectionLost,
     Forbidden,
+    LimitExceeded,
     ProtocolError,
     PSError,
     RemoteError,
@@ -119,9 +120,10 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         segments = not dup and fold.applies(sync, b)
         if segments:
             b.receiving.add(t)
+    check = None if ps.allow_nonfinite else (lambda g: finite.check(g, b.describe(), t, h.step))
     if segments:
         try:
-            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks)
+            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks, check)
         except BaseException:
             with b.cv:
                 b.receiving.discard(t)
@@ -143,9 +145,11 @@ def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         conn.discard()  # an idempotent repeat of a push already counted
         conn.reply_ok(key=h.key, step=b.step)
         return
-    dest = b.acc if direct else conn.buffer(b.shape, b.dtype)
     try:
+        dest = b.acc if direct else conn.buffer(b.shape, b.dtype)
         conn.stream.recv_into(dest)
+        if check is not None:
+            check(dest)  # before it is added to anything: refused, it changes nothing
     except BaseException:
         with b.cv:
             b.receiving.discard(t)
@@ -190,23 +194,37 @@ def _table(ps: PServer, h: P.Header) -> TableShard:
     return t
 
 
+def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
+    """Refuse, from the header alone, a request for more rows than this pserver may ever hold of ``t``."""
+    if t.row_limit is not None and n > t.row_limit:
+        raise LimitExceeded(f"{t.describe()}: trainer {trainer} sent a {what} of {n} ids, more than the "
+                            f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
+
+
 def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
     t = _table(ps, h)
     n = h.aux
     if h.dtype != P.dtype_code(np.int64):
         raise ProtocolError(f"{t.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
     P.expect_length(h, 8 * n, f"{t.describe()}: pull of {n} ids")
-    ids = np.empty(n, dtype=np.int64)
-    conn.stream.recv_into(ids)
-    t.check_ids(ids)
-    with t.cv:
-        ps.sync.wait_step(t, h.step, "pull")
-        with ps.sync.rw.shared():
-            pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
-            rows = t.table[pos]
-        step = t.step
-    header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
-    conn.stream.send(header, rows)
+    _rows_fit(t, n, conn.trainer, "pull")
+    held = n * (8 + t.width * t.dtype.itemsize)  # the ids, and the rows of the reply
+    ps.budget.charge(held, f"{t.describe()}: a pull of {n} rows")
+    try:
+        ids = np.empty(n, dtype=np.int64)
+        conn.stream.recv_into(ids)
+        t.check_ids(ids)
+        t.admit(ids, conn.trainer)
+        with t.cv:
+            ps.sync.wait_step(t, h.step, "pull")
+            with ps.sync.rw.shared():
+                pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
+                rows = t.table[pos]
+            step = t.step
+        header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
+        conn.stream.send(header, rows)
+    finally:
+        ps.budget.release(held)
 
 
 def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
@@ -215,6 +233,7 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
     if h.dtype != P.dtype_code(t.dtype):
         raise ProtocolError(f"{t.describe()} is {t.dtype}, frame says dtype code {h.dtype}")
     P.expect_length(h, n * (8 + t.width * t.dtype.itemsize), f"{t.describe()}: push of {n} rows")
+    _rows_fit(t, n, tr, "push")
     with t.cv:
         sync.wait_step(t, h.step, "push")
         dup = sync.mode == "sync" and (h.step < t.step or tr in t.pending or tr in t.receiving)
@@ -222,22 +241,41 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             t.receiving.add(tr)
     if dup:
         conn.discard()
-    else:
+        conn.reply_ok(key=h.key, step=t.step)
+        return
+    held = h.length  # the ids and rows received: held until the step is applied (``Sync.complete_table``)
+    try:
+        ps.budget.charge(held, f"{t.describe()}: a push of {n} rows")
         try:
             ids = np.empty(n, dtype=np.int64)
             grads = np.empty((n, t.width), dtype=t.dtype)
             conn.stream.recv_into(ids, grads)
             t.check_ids(ids)
-        finally:
-            with t.cv:
-                t.receiving.discard(tr)
+            t.admit(ids, tr)
+            if not ps.allow_nonfinite:
+                finite.check(grads, t.describe(), tr, h.step)
+            with t.cv, sync.rw.shared():
+                # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
+                # push, never the apply that another trainer's push completes.
+                pos = t.lookup(ids)
+        except BaseException:
+            ps.budget.release(held)
+            raise
+    finally:
         with t.cv:
-            if sync.mode == "async":
-                sync.advance(t, None, lambda: t.apply_rows(ids, grads))
-            elif t.step == h.step:
-                t.pending[tr] = (ids, grads)
-                sync.complete_table(t)
-            t.wake()
+            t.receiving.discard(tr)
+    with t.cv:
+        if sync.mode == "async":
+            try:
+                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos))
+            finally:
+                ps.budget.release(held)
+        elif t.step == h.step:
+            t.pending[tr] = (ids, grads, pos)
+            sync.complete_table(t)
+        else:
+            ps.budget.release(held)
+        t.wake()
     conn.reply_ok(key=h.key, step=t.step)
 
 

@@ -5,12 +5,18 @@ time, so per-connection state needs no locks. Its replies go out in request orde
 thread itself; a sync pull that must wait for other trainers waits there too, while the kernel keeps taking
 in the trainer's next requests (its next gradients still flow in). Malformed input from any peer costs that peer its
 connection and nothing else: the reason is logged in one line, and everyone else keeps being served.
+
+After the handshake a connection is bounded in time too: a frame that stops arriving, or a reply the trainer
+stops reading, for ``BARRIER_TIMEOUT`` seconds ends it; so does a trainer silent on all its connections for
+``IDLE_BARRIERS`` barrier timeouts (a live trainer in sync mode is never silent that long: its peers' barriers
+would have failed first). Either is one log line.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import select
 import socket
 import threading
@@ -22,12 +28,14 @@ import numpy as np
 from ..contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from . import auth
 from . import protocol as P
+from .budget import Budget
 from .errors import AuthError, ConnectionLost, ProtocolError, PSError
 from .stream import Stream
 
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
 MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
+IDLE_BARRIERS = 3  # a trainer silent this many barrier timeouts on every connection is gone
 
 
 class RateLog:
@@ -57,8 +65,10 @@ class Conn:
     """One authenticated connection's state (touched only by its handler thread, which also writes every
     reply, in request order)."""
 
-    def __init__(self, sock: socket.socket, peer: str, port: int, pserver_id: int) -> None:
+    def __init__(self, sock: socket.socket, peer: str, port: int, pserver_id: int,
+                 budget: Optional[Budget] = None) -> None:
         self.sock = sock
+        self.budget = budget
         self.peer = peer
         self.port = port
         self.pserver_id = pserver_id
@@ -93,8 +103,11 @@ class Conn:
 
     def buffer(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """This connection's receive buffer as an array of ``shape`` (reused by every push)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.rbuf.nbytes < nbytes:
+            if self.budget is not None:  # given back when the connection ends (``Listener._serve_conn``)
+                self.budget.charge(nbytes - self.rbuf.nbytes, f"a receive buffer for trainer {self.trainer}")
+            self.rbuf = np.empty(0, dtype=np.uint8)
             self.rbuf = np.empty(nbytes, dtype=np.uint8)
         return self.rbuf[:nbytes].view(dtype).reshape(shape)
 
@@ -146,8 +159,12 @@ class Listener:
 
     def __init__(self, env: JobEnv, pserver_id: int, host: str, ports: Tuple[int, ...], max_frame: int,
                  handle: Handler, touch: Callable[[int], None], done: threading.Event,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, budget: Optional[Budget] = None) -> None:
         self.env = env
+        self.budget = budget
+        self.stall_after = float(env.barrier_timeout)  # no byte of a started frame (or of a reply) moves
+        self.idle_after = IDLE_BARRIERS * float(env.barrier_timeout)  # nothing from the trainer at all
+        self._heard: Dict[int, float] = {}  # trainer -> when a request of it last arrived, on any connection
         self.max_connections = max_connections
         self.max_pending = min(MAX_PENDING_HANDSHAKES, max_connections)
         self._pending = 0  # connections still in their handshake
@@ -261,8 +278,25 @@ class Listener:
             self._conns.discard(sock)
             self._pending -= int(pending)
 
+    def _silent(self, trainer: int) -> float:
+        return time.monotonic() - self._heard.get(trainer, 0.0)
+
+    def _next_request(self, conn: Conn, poller: Any) -> bool:
+        """Wait for the next request's first byte; False (logged) once the trainer has been silent on every
+        connection for ``idle_after`` seconds. One poll per request, none per byte."""
+        while not self.done.is_set():
+            left = self.idle_after - self._silent(conn.trainer)
+            if left <= 0:
+                log.warning("pserver %d: closed connection from %s (trainer %d, port %d): nothing from this trainer "
+                            "on any connection for %.0f s (%d x BARRIER_TIMEOUT)", self.pserver_id, conn.peer,
+                            conn.trainer, conn.port, self._silent(conn.trainer), IDLE_BARRIERS)
+                return False
+            if poller.poll(min(left, 0.5) * 1000):
+                return True
+        return False
+
     def _serve_conn(self, sock: socket.socket, peer: str, port: int) -> None:
-        conn = Conn(sock, peer, port, self.pserver_id)
+        conn = Conn(sock, peer, port, self.pserver_id, self.budget)
         pending = True
         try:
             P.tune_socket(sock)
@@ -281,12 +315,16 @@ class Listener:
             with self._lock:
                 self._pending -= 1
             pending = False
-            sock.settimeout(None)
+            P.set_io_timeout(sock, self.stall_after)
             conn.stream = Stream(sock, keys, self.max_frame)
             self.touch(conn.trainer)
-            while not self.done.is_set():
+            self._heard[conn.trainer] = time.monotonic()
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | _HUNG_UP)
+            while self._next_request(conn, poller):
                 try:
                     h = conn.stream.recv_header()
+                    self._heard[conn.trainer] = time.monotonic()
                 except ConnectionLost:
                     return  # orderly close by the trainer
                 except ProtocolError as e:
@@ -294,10 +332,16 @@ class Listener:
                     return
                 if not self.handle(conn, h):
                     return
+        except BlockingIOError:  # SO_RCVTIMEO / SO_SNDTIMEO: no byte moved for stall_after seconds
+            log.warning("pserver %d: closed connection from %s (trainer %d, port %d): stalled for %.0f s in the "
+                        "middle of a frame or of a reply it does not read (BARRIER_TIMEOUT)", self.pserver_id, peer,
+                        conn.trainer, port, self.stall_after)
         except OSError as e:
             if not self.done.is_set():
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
+            if self.budget is not None:
+                self.budget.release(conn.rbuf.nbytes)
             self._forget(sock, pending)
             try:
                 sock.close()

@@ -174,14 +174,14 @@ class SparseTables:
             raise KeyError(f"sparse table {name!r} is not registered") from None
 
     def register(self, name: str, width: int, init_scale: float, seed: int, dtype: Any,
-                 spec: Dict[str, Any]) -> None:
+                 spec: Dict[str, Any], vocab_size: Optional[int], max_rows: Optional[int]) -> None:
         if name in self.tables:
             raise ValueError(f"sparse table {name!r} is already registered")
         dt = np.dtype(dtype)
         P.dtype_code(dt)
         t = Table(self._next_key, name, int(width), dt)
         body = {"name": name, "width": t.width, "dtype": dt.name, "init_scale": float(init_scale), "seed": int(seed),
-                "optimizer": spec}
+                "vocab_size": vocab_size, "max_rows": max_rows, "optimizer": spec}
         gather([self.control(k).submit(Channel.call_json, P.Op.DEF_SPARSE, body, t.key)
                 for k in range(len(self.channels))])
         self._next_key += 1

@@ -30,9 +30,9 @@ class Block:
     pserver: int
     conn: int
 
-    @cached_property  # asked several times per block per step; np.prod costs microseconds each time
+    @cached_property  # asked several times per block per step
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize  # Python integers: never wraps
 
     def meta(self) -> Dict[str, object]:
         return {"name": self.name, "lo": self.lo, "hi": self.hi, "shape": list(self.shape), "dtype": self.dtype}
@@ -47,7 +47,7 @@ def split_rows(shape: Sequence[int], dtype: object, max_block_bytes: int = DEFAU
     rows = int(shape[0])
     if rows == 0:
         return [(0, 0)]
-    row_elems = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    row_elems = math.prod(int(s) for s in shape[1:])
     row_bytes = max(1, row_elems * np.dtype(dtype).itemsize)
     max_rows = max(1, max_block_bytes // row_bytes)
     n = math.ceil(rows / max_rows)
@@ -88,7 +88,7 @@ def place_dense(params: Mapping[str, Tuple[Sequence[int], object]], n_pservers: 
         dt = np.dtype(dtype)
         for lo, hi in split_rows(shape, dt, max_block_bytes):
             bshape = (hi - lo,) + shape[1:] if shape else ()
-            nbytes = int(np.prod(bshape, dtype=np.int64)) * dt.itemsize
+            nbytes = math.prod(bshape) * dt.itemsize
             pieces.append((key, name, lo, hi, bshape, dt.str, nbytes))
             key += 1
     ps_load = list(loads) if loads is not None else [0] * n_pservers

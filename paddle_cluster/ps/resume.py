@@ -16,6 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from . import atomic
+from .budget import Budget
 from .checkpoint import (
     FORMAT,
     SHARD,
@@ -32,7 +33,7 @@ from .checkpoint import (
 )
 from .errors import CheckpointError, CheckpointUnreadable
 from .optim import OptimizerSpec
-from .shards import DenseBlock, TableShard
+from .shards import DenseBlock, TableShard, dense_bytes
 
 log = logging.getLogger("paddle_cluster.ps")
 
@@ -174,13 +175,19 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
 
 
 
-def restore(shard: ShardState) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
-    """The live shards a loaded checkpoint describes."""
+def restore(shard: ShardState, budget: Optional[Budget] = None, trainers: int = 1
+            ) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
+    """The live shards a loaded checkpoint describes, charged to ``budget``; trainer 0 confirms each when it
+    defines it again (``Shard.confirmed``)."""
     blocks: Dict[int, DenseBlock] = {}
     tables: Dict[int, TableShard] = {}
     for bs in shard.blocks:
         meta = {"name": bs.name, "lo": bs.lo, "hi": bs.hi, "shape": list(bs.param.shape), "dtype": bs.dtype}
-        b = DenseBlock(bs.key, meta, OptimizerSpec.from_dict(bs.spec["current"]), bs.spec["declared"], bs.step)
+        spec = OptimizerSpec.from_dict(bs.spec["current"])
+        if budget is not None:
+            budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
+        b = DenseBlock(bs.key, meta, spec, bs.spec["declared"], bs.step)
+        b.confirmed = False
         b.param[...] = bs.param
         try:
             b.opt.load_state(bs.opt_state)
@@ -191,7 +198,8 @@ def restore(shard: ShardState) -> Tuple[Dict[int, DenseBlock], Dict[int, TableSh
     for ts in shard.tables:
         meta = {"name": ts.name, "width": ts.width, "dtype": ts.dtype, "init_scale": ts.init_scale, "seed": ts.seed}
         t = TableShard(ts.key, meta, OptimizerSpec.from_dict(ts.spec["current"]), ts.spec["declared"], ts.step,
-                       shard.pserver_id, shard.n_pservers)
+                       shard.pserver_id, shard.n_pservers, budget)
+        t.confirmed = False
         n = len(ts.ids)
         t.grow(n)
         t.table[:n] = ts.rows

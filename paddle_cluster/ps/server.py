@@ -15,7 +15,8 @@ from ..contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEn
 from . import checkpoint as ckpt
 from . import handlers
 from . import protocol as P
-from .errors import CheckpointError
+from .budget import Budget, default_limit, human
+from .errors import CheckpointError, LimitExceeded
 from .net import Conn, Listener
 from .resume import resolve_resume, restore
 from .shards import DenseBlock, TableShard
@@ -34,7 +35,8 @@ class PServer:
     def __init__(self, env: JobEnv, pserver_id: int, *, resume: Optional[ckpt.ShardState] = None,
                  checkpoint_root: Optional[str] = None, max_frame: int = P.DEFAULT_MAX_FRAME_BYTES,
                  host: Optional[str] = None, ports: Optional[Tuple[int, ...]] = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, memory: int = 0,
+                 allow_nonfinite: bool = False) -> None:
         self.env = env
         self.pserver_id = pserver_id
         self.n_pservers = len(env.pservers)
@@ -43,6 +45,10 @@ class PServer:
         check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
         if not env.integrity:
             log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
+        here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
+        self.budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
+                             f"default: half of this node's memory over its {here} pserver(s)")
+        self.allow_nonfinite = allow_nonfinite
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
         # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
@@ -56,12 +62,14 @@ class PServer:
         if resume is not None:
             self.sync.mode, self.optimizer, self.base_step = resume.mode, resume.optimizer, resume.step
             self.resumed_from = resume.path
-            self.blocks, self.tables = restore(resume)
+            self.blocks, self.tables = restore(resume, self.budget, env.trainers)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
                      resume.step, len(self.blocks), len(self.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
                             tuple(ports) if ports is not None else env.all_ports(pserver_id), self.max_frame,
-                            self._handle, self.sync.touch, self.done, max_connections)
+                            self._handle, self.sync.touch, self.done, max_connections, self.budget)
+        log.info("pserver %d: memory budget %s (%s)%s", pserver_id, human(self.budget.limit), self.budget.source,
+                 "; NaN/Inf gradients accepted (PADDLE_ALLOW_NONFINITE=1)" if allow_nonfinite else "")
 
     @property
     def host(self) -> str:
@@ -137,10 +145,14 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
         return 3
     try:
         server = PServer(env, k, resume=shard, checkpoint_root=root, max_frame=proc.max_frame_bytes,
-                         max_connections=proc.max_connections)
+                         max_connections=proc.max_connections, memory=proc.pserver_memory,
+                         allow_nonfinite=proc.allow_nonfinite)
     except ContractError as e:
         log.error("%s", e)
         return 2
+    except LimitExceeded as e:
+        log.error("cannot resume from %s: %s", shard.path if shard else "?", e)
+        return 3
     try:
         server.start()
     except OSError as e:

@@ -6,16 +6,20 @@ its step counter and how far into the server's hyper-parameter history it is.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 
 from . import optim
-from .errors import ProtocolError
+from .budget import SHARD_OVERHEAD, Budget
+from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .optim import OptimizerSpec
 from .placement import init_rows
 from .stream import SEGMENT
+
+INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
 
 
 class Shard:
@@ -32,6 +36,9 @@ class Shard:
         self.pending: Dict[int, Any] = {}  # trainer -> its contribution to ``step``
         self.receiving: Set[int] = set()
         self.hyper_seen = 0  # the last hyper-parameter change (``HyperChange.seq``) applied to ``spec``
+        # Defined by trainer 0 (the one authority on the model); False for a shard restored from a checkpoint
+        # until trainer 0 defines it again. Other trainers' definitions wait for it and must agree.
+        self.confirmed = True
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -39,6 +46,14 @@ class Shard:
     def wake(self) -> None:
         """(Holding ``cv``.) Something any waiter may be waiting for changed: wake every one."""
         self.cv.notify_all()
+
+
+def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int:
+    """What a block of ``meta`` holds, in Python integers (never wraps): its value, its optimizer's state and
+    scratch, and with several trainers the sum of their gradients."""
+    n = math.prod(int(s) for s in meta["shape"]) * np.dtype(meta["dtype"]).itemsize
+    copies = 2 + len(optim.UPDATES[spec.name][1]) + int(bool(spec.weight_decay)) + int(trainers > 1)
+    return n * copies + SHARD_OVERHEAD
 
 
 class DenseBlock(Shard):
@@ -107,11 +122,31 @@ class DenseBlock(Shard):
         optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
 
 
+def shard_rows(vocab_size: Optional[int], max_rows: Optional[int], pserver_id: int, n_pservers: int
+               ) -> Optional[int]:
+    """How many rows of a table pserver ``pserver_id`` may hold: the ids of ``[0, vocab_size)`` it owns (id %
+    n_pservers), and its even share of ``max_rows``; None when neither is declared."""
+    limits = []
+    if vocab_size is not None:
+        limits.append(max(0, -(-(vocab_size - pserver_id) // n_pservers)))
+    if max_rows is not None:
+        limits.append(-(-max_rows // n_pservers))
+    return min(limits) if limits else None
+
+
 class TableShard(Shard):
+    """Pserver ``pserver_id``'s rows of a table. Its id space (``meta``: ``vocab_size``: ids in [0, V);
+    ``max_rows``: a row budget for the whole table, split evenly over the pservers) bounds what it creates;
+    every allocation is charged to ``budget`` first."""
+
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
-                 step: int, pserver_id: int, n_pservers: int) -> None:
+                 step: int, pserver_id: int, n_pservers: int, budget: Optional[Budget] = None) -> None:
         super().__init__(key, meta["name"], spec, declared, step)
         self.meta = meta
+        self.budget = budget
+        self.vocab_size: Optional[int] = meta.get("vocab_size")
+        self.max_rows: Optional[int] = meta.get("max_rows")
+        self.row_limit = shard_rows(self.vocab_size, self.max_rows, pserver_id, n_pservers)
         self.width = int(meta["width"])
         self.dtype = np.dtype(meta["dtype"])
         self.init_scale = float(meta["init_scale"])
@@ -124,15 +159,56 @@ class TableShard(Shard):
         self.n = 0
         self.table = np.empty((0, self.width), dtype=self.dtype)
         self.state: Dict[str, np.ndarray] = self.opt.new_state(0)
+        # Bytes per row of capacity: the row, its optimizer slots, and its id and position (16 B).
+        self.row_bytes = self.width * self.dtype.itemsize + 16 + sum(
+            math.prod(suffix) * np.dtype(dt).itemsize for suffix, dt in self.opt.row_slots.values())
 
     def describe(self) -> str:
         return f"table {self.name!r}"
+
+    def id_space(self) -> str:
+        parts = ([f"vocab_size={self.vocab_size}"] if self.vocab_size is not None else []) + \
+            ([f"max_rows={self.max_rows}"] if self.max_rows is not None else [])
+        return ", ".join(parts) or "undeclared"
+
+    def bound(self, meta: Dict[str, Any]) -> None:
+        """Take the id space of ``meta`` (trainer 0's definition of a table restored from a checkpoint); refuses
+        (``ConfigMismatch``) one the restored rows do not fit."""
+        vocab, max_rows = meta.get("vocab_size"), meta.get("max_rows")
+        limit = shard_rows(vocab, max_rows, self.pserver_id, self.n_pservers)
+        outside = self.n and vocab is not None and (self.keys[0] < 0 or self.keys[-1] >= vocab)
+        if outside or (limit is not None and self.n > limit):
+            raise ConfigMismatch(f"{self.describe()}: the checkpoint holds {self.n} rows with ids "
+                                 f"{int(self.keys[0])}..{int(self.keys[-1])} on pserver {self.pserver_id}, more "
+                                 f"than vocab_size={vocab}, max_rows={max_rows} allow")
+        self.meta, self.vocab_size, self.max_rows, self.row_limit = meta, vocab, max_rows, limit
+
+    def admit(self, ids: np.ndarray, trainer: int) -> None:
+        """Refuse (``LimitExceeded``) sorted unique ``ids`` outside the declared id space: one compare per end."""
+        if self.vocab_size is not None and len(ids) and (ids[0] < 0 or ids[-1] >= self.vocab_size):
+            bad = int(ids[0] if ids[0] < 0 else ids[-1])
+            raise LimitExceeded(f"{self.describe()}: trainer {trainer} sent id {bad}, outside the table's id space "
+                                f"[0, {self.vocab_size}) (vocab_size={self.vocab_size}, as trainer 0 declared it): "
+                                "ids must be below the vocabulary size; hash larger id spaces into it")
 
     def grow(self, need: int) -> None:
         cap = len(self.table)
         if self.n + need <= cap:
             return
+        if self.row_limit is not None and self.n + need > self.row_limit:
+            raise LimitExceeded(f"{self.describe()}: {need} new rows would make {self.n + need} on pserver "
+                                f"{self.pserver_id}, past its row budget of {self.row_limit} ({self.id_space()} "
+                                f"over {self.n_pservers} pservers)")
         new_cap = max(self.n + need, 2 * cap, 1024)
+        if self.row_limit is not None:
+            new_cap = min(new_cap, self.row_limit)
+        if self.budget is not None:
+            # The new arrays whole: the old ones are held too until copied, and given back after.
+            try:
+                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+            except LimitExceeded:
+                new_cap = self.n + need  # no room to spare: exactly what is needed, else refused
+                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
         table = np.empty((new_cap, self.width), dtype=self.dtype)
         table[: self.n] = self.table[: self.n]
         self.table = table
@@ -140,6 +216,8 @@ class TableShard(Shard):
         for k, a in self.state.items():
             state[k][: self.n] = a[: self.n]
         self.state = state
+        if self.budget is not None:
+            self.budget.release(cap * self.row_bytes)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Row positions of sorted unique ``ids``, creating missing rows with the deterministic init."""
@@ -149,9 +227,16 @@ class TableShard(Shard):
         if found.all():
             return self.pos[idx]
         new = ids[~found]
-        self.grow(len(new))
+        try:
+            self.grow(len(new))
+        except LimitExceeded as e:
+            raise LimitExceeded(f"{e}; the first new id is {int(new[0])}") from None
         new_pos = np.arange(self.n, self.n + len(new), dtype=np.int64)
-        self.table[self.n: self.n + len(new)] = init_rows(new, self.width, self.init_scale, self.seed, self.dtype)
+        step = max(1, INIT_CHUNK // self.width)  # init_rows holds ~28 bytes per element while it works
+        for lo in range(0, len(new), step):
+            part = new[lo:lo + step]
+            self.table[self.n + lo: self.n + lo + len(part)] = init_rows(part, self.width, self.init_scale, self.seed,
+                                                                         self.dtype)
         self.n += len(new)
         ins = np.searchsorted(self.keys, new)
         self.keys = np.insert(self.keys, ins, new)
@@ -164,14 +249,17 @@ class TableShard(Shard):
         if len(ids) and bool(np.any(np.mod(ids, self.n_pservers) != self.pserver_id)):
             raise ProtocolError(f"{self.describe()}: ids that belong to another pserver")
 
-    def apply_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        """Apply row gradients of sorted unique ``ids`` (rows created on first use)."""
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray, pos: Optional[np.ndarray] = None) -> None:
+        """Apply row gradients of sorted unique ``ids`` (rows created on first use; ``pos``: their rows, as a
+        ``lookup`` made them -- a row never moves)."""
         if len(ids):
-            pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
+            if pos is None:
+                pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
             self.opt.apply(self.table, self.state, pos, grads)
 
-    def pending_mean(self) -> Tuple[np.ndarray, np.ndarray]:
-        """The mean of the pending contributions, summed in trainer order: (sorted unique ids, row grads)."""
+    def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted
+        unique ids, row grads, their rows if known)."""
         contributors = sorted(self.pending)
         if len(contributors) == 1:
             return self.pending[contributors[0]]
@@ -181,4 +269,4 @@ class TableShard(Shard):
         g = np.zeros((len(ids), self.width), dtype=self.dtype)
         np.add.at(g, inv, all_g)
         g /= self.dtype.type(len(contributors))
-        return ids, g
+        return ids, g, None

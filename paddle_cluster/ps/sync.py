@@ -313,9 +313,13 @@ class Sync:
         """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
         if not self.ready_to_apply(t):
             return
-        ids, g = t.pending_mean()
-        self.advance(t, t.step, lambda: t.apply_rows(ids, g))
-        t.pending.clear()
+        ids, g, pos = t.pending_mean()
+        try:
+            self.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
+        finally:
+            if t.budget is not None:  # what the pushes held (``handlers.push_sparse`` charged it)
+                t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
+            t.pending.clear()
         t.wake()
 
     def may_fold(self, b: DenseBlock, t: int) -> bool:

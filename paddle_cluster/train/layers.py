@@ -212,7 +212,9 @@ class Embedding(Layer):
 
     With ``local=True`` the layer owns a (vocab, dim) table for single-process runs; otherwise pass the
     rows of ``np.unique(ids)`` (as pulled from the pserver) to ``forward``. Several Embedding layers may
-    share a ``table_name``; ``sparse_grads(model)`` sums their gradients.
+    share a ``table_name``; ``sparse_grads(model)`` sums their gradients. ``vocab`` (ids in [0, vocab)) or
+    ``max_rows`` (hashed ids, at most that many rows) is the id space its pserver table declares
+    (``id_space``).
     """
 
     def __init__(
@@ -223,9 +225,12 @@ class Embedding(Layer):
         local: bool = False,
         seed: int = 0,
         dtype: Any = np.float32,
+        max_rows: Optional[int] = None,
     ) -> None:
         self.table_name = table_name
         self.dim = int(dim)
+        self.vocab = vocab
+        self.max_rows = max_rows
         self.dtype = np.dtype(dtype)
         self.table: Optional[np.ndarray] = None
         if local:
@@ -235,6 +240,14 @@ class Embedding(Layer):
         self.sparse_grad: Optional[SparseGrad] = None
         self._uniq: Optional[np.ndarray] = None
         self._inverse: Optional[np.ndarray] = None
+
+    def id_space(self) -> Dict[str, int]:
+        """What ``PSClient.register_sparse`` declares for this table: ``vocab_size`` and/or ``max_rows``."""
+        space = {k: int(v) for k, v in (("vocab_size", self.vocab), ("max_rows", self.max_rows)) if v is not None}
+        if not space:
+            raise ValueError(f"embedding {self.table_name!r}: declare its id space, vocab=V (ids in [0, V)) or "
+                             "max_rows=R (hashed ids, at most R rows), so its pservers can refuse ids outside it")
+        return space
 
     @staticmethod
     def unique(ids: np.ndarray) -> np.ndarray:

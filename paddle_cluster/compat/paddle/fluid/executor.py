@@ -54,7 +54,9 @@ class Session:
                 for p in group:
                     p.param.value[...] = start[p.name]
             for t in sorted((p for p in prog.all_parameters() if p.sparse), key=lambda p: p.name):
-                client.register_sparse(t.name, t.shape[1], init_scale=t.initializer.sparse_scale(t.shape),
+                # Fluid's embedding size is [vocabulary, width]: the table's id space is [0, vocabulary).
+                client.register_sparse(t.name, t.shape[1], vocab_size=t.shape[0],
+                                       init_scale=t.initializer.sparse_scale(t.shape),
                                        seed=t.seed, dtype=F.DTYPES[t.dtype],
                                        optimizer=opt.spec(t) if opt is not None else spec)
         except BaseException:

@@ -70,7 +70,7 @@ class Lookup(Kernel):
 
     def __init__(self, table: Any) -> None:
         self.table = table
-        self.emb = L.Embedding(table.name, table.shape[1])
+        self.emb = L.Embedding(table.name, table.shape[1], vocab=table.shape[0])
         self.source: Optional[RowSource] = None
 
     def forward(self, ids: np.ndarray) -> np.ndarray:

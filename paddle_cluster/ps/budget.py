@@ -1,0 +1,82 @@
+"""What a pserver may hold: one memory budget for its dense blocks, table rows and buffers together, charged
+before anything is allocated, so a request that would go past it is refused (``LimitExceeded``) instead of
+the pserver running out of memory.
+
+The default is a share of the node's memory: ``DEFAULT_FRACTION`` of the smaller of ``MemTotal`` and the
+cgroup's limit, divided among the job's pservers on that node. The rest is left for the trainers, the
+transient copy a checkpoint makes and the interpreter itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from .errors import LimitExceeded
+
+DEFAULT_FRACTION = 0.5
+SHARD_OVERHEAD = 4096  # what a block or table costs besides its arrays (locks, conditions, bookkeeping)
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def human(n: int) -> str:
+    """``n`` bytes for a message: ``1.5 GiB``, ``640 KiB``, ``12 B``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} B"
+
+
+def machine_memory() -> Optional[int]:
+    """The memory this process may use: MemTotal, or the cgroup's limit when lower; None if unknown."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:  # "max" or a huge v1 number: no limit below MemTotal
+            total = int(text) if total is None else min(total, int(text))
+    return total
+
+
+def default_limit(pservers_on_node: int) -> int:
+    """This pserver's share of the node: ``DEFAULT_FRACTION`` of its memory over the pservers on it (1 GiB
+    when the memory cannot be read)."""
+    mem = machine_memory() or (2 << 30)
+    return int(mem * DEFAULT_FRACTION) // max(1, pservers_on_node)
+
+
+class Budget:
+    """Bytes charged against a limit; ``charge`` refuses, naming what asked, the pserver and the limit."""
+
+    def __init__(self, limit: int, pserver_id: int, source: str) -> None:
+        self.limit = int(limit)
+        self.pserver_id = pserver_id
+        self.source = source  # where the limit came from, for the message
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Reserve ``nbytes`` for ``what`` (a Python integer: never wraps) or raise ``LimitExceeded``."""
+        nbytes = int(nbytes)
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                raise LimitExceeded(
+                    f"pserver {self.pserver_id}: {what} needs {human(nbytes)} but {human(self.used)} of its "
+                    f"{human(self.limit)} memory budget ({self.source}) is in use; declare smaller tables or "
+                    "blocks, use more pservers, or raise PADDLE_PSERVER_MEMORY")
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used = max(0, self.used - int(nbytes))
