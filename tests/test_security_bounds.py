@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rt_helpers as H
-from helpers import cli, local_conf
+from helpers import checkout_env, cli, local_conf
 from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
@@ -330,8 +330,8 @@ def _check(conf, user=None):
         def pre():
             os.setgid(pw.pw_gid)
             os.setuid(pw.pw_uid)
-    env = {k: v for k, v in os.environ.items() if k != "PADDLE_CLUSTER_CONF"}
-    env["HOME"] = str(conf.parent)
+    env = checkout_env(HOME=str(conf.parent))  # this checkout's paddle_cluster, whatever is installed
+    env.pop("PADDLE_CLUSTER_CONF", None)
     return subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "check"],
                           capture_output=True, text=True, timeout=60, env=env, cwd=str(conf.parent), preexec_fn=pre,
                           stdin=subprocess.DEVNULL)
