@@ -67,7 +67,7 @@ def test_a_job_runs_to_its_end_and_leaves_nothing(kube: StandIn, job_dir: Path) 
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^final test_mse=\S+$", res.stdout, re.M) or "final test_mse" in res.stdout + res.stderr
     assert kube.objects() == {}, kube.objects()  # every object of the job deleted, pods included
-    assert f"logs and metrics of 3 pod(s) saved in {job_dir}/root/fit/log" in res.stderr
+    assert f"logs and metrics of 3 pod(s) saved in {job_dir / 'root' / 'fit' / 'log'}" in res.stderr
     metrics = (job_dir / "root/fit/log/metrics.trainer1.jsonl").read_text().splitlines()
     assert len(metrics) > 10 and all(json.loads(r)["trainer"] == 1 for r in metrics[:3]), metrics[:3]
     logs = cli(kube, job_dir, "logs", "pserver.0")
@@ -153,7 +153,7 @@ def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job
     logs = cli(kube, job_dir, "logs", "trainer.0")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
     kill = cli(kube, job_dir, "kill")
-    assert kill.returncode == 0 and f"saved in {job_dir}/root/fit/log" in kill.stdout, kill
+    assert kill.returncode == 0 and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in kill.stdout, kill
     assert kube.objects() == {}
     # The pods are gone; what they left is here: status, logs and plot read it.
     status = cli(kube, job_dir, "status")
@@ -198,7 +198,7 @@ def test_a_small_workspace_is_dispatched_in_a_configmap(kube: StandIn, job_dir: 
             "--job_dispatch_package", "ws", "--", "--passes", "2"]
     res = cli(kube, job_dir, *args)
     assert res.returncode == 0, res.stdout + res.stderr
-    unpacked = f"entries unpacked into {job_dir}/root/fit/workspace"
+    unpacked = f"entries unpacked into {job_dir / 'root' / 'fit' / 'workspace'}"
     assert res.stdout.count(unpacked) == 3 and "final test_mse=" in res.stdout, res.stdout
     assert kube.objects() == {}
     # Too big for a ConfigMap: refused before anything is created, saying what to do instead.
@@ -284,6 +284,6 @@ def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path)
             launcher.kill()
             launcher.wait()
     assert launcher.returncode == 130, err
-    assert "interrupted" in err and f"saved in {job_dir}/root/fit/log" in err, err
+    assert "interrupted" in err and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in err, err
     assert kube.objects() == {} and kube.processes() == []
     assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()
