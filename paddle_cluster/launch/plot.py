@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 from . import dispatch
+from .backends.ssh.ops import nodes_with_lib
 from .config import ClusterConfig
 from .errors import ClusterError
 from .fanout import fanout
 from .hosts import Node
-from .ops import nodes_with_lib
 
 # Keys of a metrics record that are bookkeeping, not curves.
 _NOT_CURVES = {"pass", "step", "time", "trainer", "samples"}

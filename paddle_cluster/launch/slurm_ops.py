@@ -11,10 +11,10 @@ from paddle_cluster.node import jobdir, procs
 
 from . import journal
 from .backends.slurm import SlurmBackend, active, cancel_job, job_info, node_dir, saved_job_id
+from .backends.ssh.ops import ProcRow
 from .config import ClusterConfig
 from .errors import ClusterError
 from .interrupt import stoppable
-from .ops import ProcRow
 from .plan import JobSpec
 from .supervise import JobResult
 

@@ -34,7 +34,7 @@ from ..fanout import fanout
 from ..hosts import Node
 from ..plan import JobPlan, JobSpec
 from .base import Event, EventQueue
-from .ssh import SSHBackend
+from .ssh.backend import SSHBackend
 
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"

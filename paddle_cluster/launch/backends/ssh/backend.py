@@ -19,14 +19,14 @@ from typing import Callable, Dict, List, Optional
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
-from .. import dispatch, machines, preflight, relay, resume
-from ..config import ClusterConfig
-from ..errors import HostConfigError, HostError
-from ..fanout import fanout
-from ..hosts import Node, Stream, make_nodes
-from ..plan import JobPlan, JobSpec
-from ..session import NodeSession
-from .base import Backend, Event, EventQueue
+from ... import dispatch, machines, preflight, relay, resume
+from ...config import ClusterConfig
+from ...errors import HostConfigError, HostError
+from ...fanout import fanout
+from ...hosts import Node, Stream, make_nodes
+from ...plan import JobPlan, JobSpec
+from ...session import NodeSession
+from ..base import Backend, Event, EventQueue
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 

@@ -7,12 +7,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from . import dispatch, machines, preflight
-from .config import ClusterConfig, HostSpec
-from .errors import ClusterError, HostError
-from .fanout import fanout
-from .hosts import Node, make_nodes
-from .interrupt import stoppable
+from ... import dispatch, machines, preflight
+from ...config import ClusterConfig, HostSpec
+from ...errors import ClusterError, HostError
+from ...fanout import fanout
+from ...hosts import Node, make_nodes
+from ...interrupt import stoppable
 
 
 def nodes_with_lib(cfg: ClusterConfig) -> tuple:
