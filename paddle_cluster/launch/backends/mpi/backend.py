@@ -28,13 +28,13 @@ from typing import Callable, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 
-from .. import dispatch
-from ..errors import ClusterError
-from ..fanout import fanout
-from ..hosts import Node
-from ..plan import JobPlan, JobSpec
-from .base import Event, EventQueue
-from .ssh.backend import SSHBackend
+from ... import dispatch
+from ...errors import ClusterError
+from ...fanout import fanout
+from ...hosts import Node
+from ...plan import JobPlan, JobSpec
+from ..base import Event, EventQueue
+from ..ssh.backend import SSHBackend
 
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
