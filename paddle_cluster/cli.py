@@ -13,7 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import cmdline, journal, k8s, k8s_pod, slurm_ops
+from .launch import cmdline, journal, k8s, k8s_pod
+from .launch.backends.slurm import ops as slurm_ops
 from .launch.backends.ssh import ops
 from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle

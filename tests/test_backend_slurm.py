@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import FINAL_MSE, FIT_A_LINE, check_trainer_env, free_port_range, no_traceback, small_workspace, wait_for
 
-from paddle_cluster.launch.backends.slurm import SlurmOptions, active, batch_script, job_info
+from paddle_cluster.launch.backends.slurm.backend import SlurmOptions, active, batch_script, job_info
 from paddle_cluster.launch.errors import ClusterError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -221,8 +221,8 @@ def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch
 
 def test_node_directories_are_only_node_n_directories(tmp_path):
     """A dispatched workspace is the shared job directory: its own files named node* are not nodes."""
+    from paddle_cluster.launch.backends.slurm.ops import _node_dirs
     from paddle_cluster.launch.config import load_config
-    from paddle_cluster.launch.slurm_ops import _node_dirs
 
     conf = tmp_path / "conf.py"
     conf.write_text(f"HOSTS = ['localhost']\nROOT_DIR = {str(tmp_path / 'root')!r}\n")

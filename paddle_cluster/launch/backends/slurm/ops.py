@@ -9,14 +9,14 @@ from typing import Callable, List, Optional
 
 from paddle_cluster.node import jobdir, procs
 
-from . import journal
-from .backends.slurm import SlurmBackend, active, cancel_job, job_info, node_dir, saved_job_id
-from .backends.ssh.ops import ProcRow
-from .config import ClusterConfig
-from .errors import ClusterError
-from .interrupt import stoppable
-from .plan import JobSpec
-from .supervise import JobResult
+from ... import journal
+from ...config import ClusterConfig
+from ...errors import ClusterError
+from ...interrupt import stoppable
+from ...plan import JobSpec
+from ...supervise import JobResult
+from ..ssh.ops import ProcRow
+from .backend import SlurmBackend, active, cancel_job, job_info, node_dir, saved_job_id
 
 
 def submit(spec: JobSpec, be: SlurmBackend, say: Callable[[str], None]) -> JobResult:

@@ -29,12 +29,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
-from .. import dispatch, resume
-from ..config import ClusterConfig, HostSpec
-from ..errors import ClusterError, ConfigError
-from ..hosts import LocalNode
-from ..plan import JobPlan, JobSpec
-from .base import Backend, Event, EventQueue
+from ... import dispatch, resume
+from ...config import ClusterConfig, HostSpec
+from ...errors import ClusterError, ConfigError
+from ...hosts import LocalNode
+from ...plan import JobPlan, JobSpec
+from ..base import Backend, Event, EventQueue
 
 POLL_S = 0.5
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
