@@ -13,7 +13,9 @@ from typing import Any, Dict, Optional, Tuple
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import cmdline, journal, k8s, k8s_pod
+from .launch import cmdline, journal
+from .launch.backends.k8s import manifests as k8s
+from .launch.backends.k8s import pod_options as k8s_pod
 from .launch.backends.slurm import ops as slurm_ops
 from .launch.backends.ssh import ops
 from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
@@ -279,7 +281,7 @@ def _on_k8s(cfg: ClusterConfig, name: str):
     where = journal.where(cfg, name)
     if (where.get("backend") or cfg.backend) != "k8s":
         return None
-    from .launch import kubectl
+    from .launch.backends.k8s import kubectl
 
     return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name, where.get("job_id", ""))
 
@@ -296,7 +298,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
         return
     k = _on_k8s(cfg, name)
     if k is not None:
-        from .launch import kubectl
+        from .launch.backends.k8s import kubectl
 
         for line in kubectl.kill_job(k, cfg.job_dir(name)) or [f"nothing of job {name} in namespace {k.namespace}"]:
             _out(line)
@@ -324,7 +326,7 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
         return
     k = _on_k8s(cfg, name)
     if k is not None:
-        from .launch import kubectl
+        from .launch.backends.k8s import kubectl
 
         kubectl.stream_logs(k, node, lines, follow, _out, cfg.job_dir(name))
         return
@@ -345,7 +347,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
         head, rows = slurm_ops.status(cfg, name)
         _say(head)
     elif k is not None:
-        from .launch import kubectl
+        from .launch.backends.k8s import kubectl
 
         rows = kubectl.job_status(k, cfg.job_dir(name))
     else:

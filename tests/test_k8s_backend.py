@@ -19,12 +19,10 @@ from kubernetes.client import models as M
 from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
-from paddle_cluster.launch import k8s
 from paddle_cluster.launch.backends.base import NodeLost
-from paddle_cluster.launch.backends.k8s import K8sOptions, PodWatch, k8s_plan, log_events
-from paddle_cluster.launch.backends.ssh import ops
-from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.kubectl import (
+from paddle_cluster.launch.backends.k8s import manifests as k8s
+from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, k8s_plan, log_events
+from paddle_cluster.launch.backends.k8s.kubectl import (
     INDEX_ANNOTATION,
     Kubectl,
     PodState,
@@ -33,6 +31,8 @@ from paddle_cluster.launch.kubectl import (
     pod_states,
     watch_events,
 )
+from paddle_cluster.launch.backends.ssh import ops
+from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import messages as m
 

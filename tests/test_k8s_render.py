@@ -17,7 +17,7 @@ from kubernetes.client import models as M
 
 from paddle_cluster.cli import main
 from paddle_cluster.contract import JobEnv
-from paddle_cluster.launch import k8s
+from paddle_cluster.launch.backends.k8s import manifests as k8s
 from paddle_cluster.launch.config import builtin_default, parse_config
 
 

@@ -17,10 +17,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node.pod import METRICS
 
-from .backends.ssh.ops import ProcRow
-from .errors import ClusterError
-from .interrupt import stoppable
-from .k8s import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
+from ...errors import ClusterError
+from ...interrupt import stoppable
+from ..ssh.ops import ProcRow
+from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
 OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)

@@ -23,15 +23,16 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 
-from .. import dispatch, journal, k8s
-from ..config import ClusterConfig, override
-from ..errors import ClusterError, ConfigError
-from ..interrupt import stoppable
-from ..k8s_pod import PodOptions
-from ..kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
-from ..plan import JobPlan, JobSpec
-from ..supervise import JobResult
-from .base import EVENTS_MAX, Backend, Event, NodeLost
+from ... import dispatch, journal
+from ...config import ClusterConfig, override
+from ...errors import ClusterError, ConfigError
+from ...interrupt import stoppable
+from ...plan import JobPlan, JobSpec
+from ...supervise import JobResult
+from ..base import EVENTS_MAX, Backend, Event, NodeLost
+from . import manifests as k8s
+from .kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
+from .pod_options import PodOptions
 
 RETRY_S = 2.0  # between a watch that ended and the next
 # Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.

@@ -26,9 +26,9 @@ import yaml
 
 from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, Endpoint, JobEnv
 
-from .config import ClusterConfig
-from .errors import ConfigError
-from .k8s_pod import PodOptions
+from ...config import ClusterConfig
+from ...errors import ConfigError
+from .pod_options import PodOptions
 
 LABEL_JOB = "paddle-cluster/job"
 LABEL_ROLE = "paddle-cluster/role"

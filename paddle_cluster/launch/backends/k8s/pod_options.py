@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import click
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 DEFAULT_REQUESTS = (("cpu", "1"), ("memory", "1Gi"))
 DEFAULT_TTL = 86400  # finished Jobs (and their pods' logs) stay a day for `status`/`logs`, then go
