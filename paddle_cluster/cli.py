@@ -8,21 +8,19 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import cmdline, journal
-from .launch.backends.k8s import manifests as k8s
-from .launch.backends.k8s import pod_options as k8s_pod
-from .launch.backends.slurm import ops as slurm_ops
-from .launch.backends.ssh import ops
-from .launch.config import BACKENDS, ClusterConfig, load_config, origin_line, override
+from .launch import access, cmdline, journal
+from .launch.backends import REGISTRY, backend_class, backend_for, declared_options, find_job, foreign_options
+from .launch.backends.base import Backend, BackendOption, status_json
+from .launch.config import ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
-from .launch.run import run_job
+from .launch.run import run_job, submit
 from .launch.supervise import JobResult
 
 
@@ -130,16 +128,43 @@ def _options(*decorators):
     return apply
 
 
-# The pods of a Kubernetes job, for `run --backend k8s` and `render k8s` alike (K8sOptions.from_config).
-_k8s_pods = _options(
-    click.option("--image", metavar="IMAGE", help="k8s: the image holding Python 3, numpy, paddle-cluster and the "
-                 "workspace (docs/backends.md; default: K8S_IMAGE)."),
-    click.option("--namespace", metavar="NS", help="k8s: the namespace (default: K8S_NAMESPACE, default)."),
-    click.option("--pservers", type=click.IntRange(min=1), metavar="N", help="k8s: pserver pods (default: HOSTS x "
-                 "PSERVERS_PER_NODE)."),
-    click.option("--trainers", type=click.IntRange(min=1), metavar="M", help="k8s: trainer pods (default: HOSTS x "
-                 "TRAINERS_PER_NODE)."),
-)
+def _backend_options(only: Optional[str] = None):
+    """The options each backend declares (``only``: that backend's), as click options."""
+    def option(o: BackendOption):
+        if o.kind is bool:
+            return click.option(o.flag, o.dest, is_flag=True, help=o.help)
+        return click.option(o.flag, o.dest, type=click.IntRange(min=o.minimum) if o.kind is int else str,
+                            metavar=o.metavar or None, multiple=o.multiple, help=o.help)
+
+    return _options(*[option(o) for owner, o in declared_options() if only in (None, owner)])
+
+
+class _ByBackend(_ScriptArgsCommand):
+    """``run --help`` lists the options of every backend first, then each backend's own under its name."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        owner = {o.dest: b for b, o in declared_options()}
+        records = [(owner.get(p.name or ""), p.get_help_record(ctx)) for p in self.get_params(ctx)]
+        for title, who in [("Options", None), *((f"Options of --backend {b}", b) for b in REGISTRY)]:
+            rows = [r for o, r in records if o == who and r]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
+         trainer_args: Tuple[str, ...], entry_script: Optional[str], pserver: Optional[str], opts: dict,
+         detach: bool = False, notes: bool = True, origin: Optional[str] = None, **spec) -> Tuple[JobSpec, Backend]:
+    """The job's spec, and its backend (``cfg.backend``) with the options given; ``notes``: say which pserver runs
+    (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
+    prints only the request)."""
+    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
+    lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
+    for line in lines if notes else ():
+        _say(line)
+    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace,
+                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
+    return js, backend_for(settled.cfg, opts, detach)
 
 
 def _earlier_job(what: str):
@@ -164,7 +189,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
         logging.getLogger("paramiko").propagate = True
 
 
-@main.command(cls=_ScriptArgsCommand,
+@main.command(cls=_ByBackend,
               epilog="Exit status: " + ", ".join(f"{code} {what}" for code, what in OUTCOMES.items()) + ".")
 @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every node.")
 @click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every node.")
@@ -177,30 +202,15 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               help="When a pserver or trainer dies, restart the whole job from its latest complete checkpoint, "
               "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
-@click.option("--backend", type=click.Choice(BACKENDS), help="Where the job runs: ssh (HOSTS over SSH), mpi (mpirun "
-              "over HOSTS), slurm (an allocation of --nodes), k8s (Kubernetes Jobs); default: BACKEND of the "
-              "config, ssh. See docs/backends.md.")
-@click.option("--nodes", type=click.IntRange(min=1), metavar="N", help="slurm: how many nodes (default: as many as "
-              "HOSTS lists).")
-@click.option("--partition", metavar="P", help="slurm: the partition (sbatch --partition).")
-@click.option("--time", "time_limit", metavar="T", help="slurm: the time limit (sbatch --time), e.g. 2:00:00.")
-@click.option("--account", metavar="A", help="slurm: the account to charge (sbatch --account).")
-@click.option("--detach", is_flag=True, help="slurm, k8s: submit and return; the job runs and fails fast on its "
-              "own, status, logs and kill find it later.")
-@_options(
-    click.option("--gres", metavar="LIST", help="slurm: generic resources per node, e.g. gpu:2 (sbatch --gres)."),
-    click.option("--cpus-per-task", type=click.IntRange(min=1), metavar="N", help="slurm: CPUs for each node's "
-                 "task (sbatch and srun --cpus-per-task)."),
-    click.option("--mem", metavar="SIZE", help="slurm: memory per node, e.g. 16G (sbatch --mem)."),
-    click.option("--exclusive", is_flag=True, help="slurm: the nodes are not shared with other jobs."),
-    click.option("--constraint", metavar="FEATURES", help="slurm: node features required (sbatch --constraint)."),
-    click.option("--qos", metavar="Q", help="slurm: quality of service (sbatch --qos)."),
-    click.option("--reservation", metavar="R", help="slurm: run in this reservation (sbatch --reservation)."),
-    click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="OPT", help="slurm: any other sbatch option, "
-                 "as written, e.g. --sbatch-arg=--mail-type=END (repeatable)."),
-)
-@_k8s_pods
-@k8s_pod.flags
+@click.option("--backend", type=click.Choice(list(REGISTRY)), help="Where the job runs: " + ", ".join(
+              f"{b} ({backend_class(b).summary})" for b in REGISTRY) + "; default: BACKEND of the config, ssh. See "
+              "docs/backends.md.")
+@click.option("--detach", is_flag=True, help="Submit and return (backends " + ", ".join(
+              b for b in REGISTRY if not backend_class(b).detach) + "): the job runs on its own, status, logs and "
+              "kill find it later.")
+@click.option("--dry-run", is_flag=True, help="Print what the backend would be given (the ssh plan, the mpirun "
+              "command, the sbatch script, the Kubernetes manifests) and start nothing.")
+@_backend_options()
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py).")
 @click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin (python "
@@ -212,11 +222,10 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 @_SCRIPT_ARGS
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
-        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str],
-        image: Optional[str], namespace: Optional[str], pservers: Optional[int], trainers: Optional[int],
-        nodes: Optional[int], partition: Optional[str], time_limit: Optional[str], account: Optional[str],
-        detach: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
-        trainer_args: Tuple[str, ...], pod_flags: Dict[str, Any], **resources) -> JobResult:
+        resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str], detach: bool,
+        dry_run: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
+        trainer_args: Tuple[str, ...],
+        **backend_opts) -> Optional[JobResult]:
     """Start a job: pservers first, trainers once every pserver listens.
 
     \b
@@ -233,57 +242,31 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     cfg = _config(ctx)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    be = None
-    if cfg.backend != "k8s" and k8s_pod.given(pod_flags):
-        raise click.UsageError(f"{', '.join(k8s_pod.given(pod_flags))}: for --backend k8s only")
-    if cfg.backend == "k8s":
-        from .launch.backends.k8s import K8sBackend, K8sOptions
-
-        be = K8sBackend(cfg, K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags))
-    elif bool(dispatch_dir) == bool(workspace):
+    foreign = foreign_options(cfg.backend, backend_opts)
+    if foreign:
+        chosen = "--backend" if backend else f"BACKEND in {cfg.source}, else ssh"
+        raise click.UsageError("; ".join(f"{flag} is an option of --backend {owner}" for flag, owner in foreign)
+                               + f", and this job runs on backend {cfg.backend} ({chosen}): drop it, or run with "
+                               f"--backend {foreign[0][1]}")
+    cls = backend_class(cfg.backend)
+    if detach and cls.detach:
+        raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")
+    if cls.needs_workspace and bool(dispatch_dir) == bool(workspace):
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
-    for note in settled.notes[:1]:  # the first line: which pserver runs, and how to choose the other
-        _say(note)
-    if cfg.is_builtin_default and cfg.backend != "k8s":
-        _say(origin_line(cfg))
-    for note in settled.notes[1:]:
-        _say(note)
-    spec = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace, tuple(trainer_args),
-                   resume_from, cfg.max_restarts if max_restarts is None else max_restarts, elastic,
-                   tuple(settled.init.items()), verbose)
-    if cfg.backend != "slurm":
-        if nodes or partition or time_limit or account or (detach and cfg.backend != "k8s") or any(resources.values()):
-            raise click.UsageError("--nodes, --partition, --time, --account, --gres, --cpus-per-task, --mem, "
-                                   "--exclusive, --constraint, --qos, --reservation and --sbatch-arg are for --backend "
-                                   "slurm, --detach for slurm and k8s")
-        if detach:
-            from .launch.backends.k8s import submit
-
-            return submit(spec, be, _say)
-        return run_job(spec, _out, _say, backend=be)
-    from .launch.backends.slurm import SlurmBackend, SlurmOptions
-
-    if not (nodes or cfg.hosts):
-        raise click.UsageError("--backend slurm: give --nodes N (how many nodes to allocate)")
-    be = SlurmBackend(settled.cfg, SlurmOptions(nodes or len(cfg.hosts), partition, time_limit, account, detach,
-                                                **resources))
-    return slurm_ops.submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
-
-
-def _job_name(cfg: ClusterConfig, name: Optional[str]) -> str:
-    return name or journal.latest_job(cfg)
-
-
-def _on_k8s(cfg: ClusterConfig, name: str):
-    """The kubectl commands of job ``name`` when it runs on Kubernetes (as run remembered it, else by the
-    config's BACKEND); None for a job of the ssh backend."""
-    where = journal.where(cfg, name)
-    if (where.get("backend") or cfg.backend) != "k8s":
+    origin = origin_line(cfg) if cls.needs_workspace and cfg.is_builtin_default else None
+    spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, backend_opts, detach,
+                    origin=origin, resume_from=resume_from, elastic=elastic, verbose=verbose,
+                    max_restarts=cfg.max_restarts if max_restarts is None else max_restarts)
+    if dry_run:
+        click.echo(be.render(spec, _say).text(), nl=False)
         return None
-    from .launch.backends.k8s import kubectl
+    return submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
 
-    return kubectl.for_job(where.get("namespace") or cfg.k8s_namespace, name, where.get("job_id", ""))
+
+def _earlier(ctx: click.Context, name: Optional[str]):
+    """The backend class and journal entry of job ``name`` (default: the latest of this config)."""
+    cfg = _config(ctx, announce=True)
+    return find_job(cfg, name or journal.latest_job(cfg))
 
 
 @main.command()
@@ -291,22 +274,9 @@ def _on_k8s(cfg: ClusterConfig, name: str):
 @_handled
 def kill(ctx: click.Context, job_name: Optional[str]) -> None:
     """Stop a job on every node (only the processes recorded for that job) and say what was stopped where."""
-    cfg = _config(ctx, announce=True)
-    name = _job_name(cfg, job_name)
-    if slurm_ops.is_slurm_job(cfg, name):
-        _out(slurm_ops.kill(cfg, name))
-        return
-    k = _on_k8s(cfg, name)
-    if k is not None:
-        from .launch.backends.k8s import kubectl
-
-        for line in kubectl.kill_job(k, cfg.job_dir(name)) or [f"nothing of job {name} in namespace {k.namespace}"]:
-            _out(line)
-        return
-    nodes = ops.kill_job(cfg, name)
-    for r in nodes:
-        _out(r.line(name))
-    _say(ops.kill_summary(cfg, name, nodes))
+    cls, job = _earlier(ctx, job_name)
+    for line in cls.cancel(job, _say):
+        _out(line)
 
 
 @main.command()
@@ -319,18 +289,8 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
     """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
-    cfg = _config(ctx, announce=True)
-    name = _job_name(cfg, job_name)
-    if slurm_ops.is_slurm_job(cfg, name):
-        slurm_ops.logs(cfg, name, node, role, lines, follow)
-        return
-    k = _on_k8s(cfg, name)
-    if k is not None:
-        from .launch.backends.k8s import kubectl
-
-        kubectl.stream_logs(k, node, lines, follow, _out, cfg.job_dir(name))
-        return
-    ops.stream_logs(cfg, name, node, role, lines, follow, _out)
+    cls, job = _earlier(ctx, job_name)
+    cls.logs(job, node, role, lines, follow, _out)
 
 
 @main.command()
@@ -339,32 +299,25 @@ def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job
 @_handled
 def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
     """A table of every process of a job: node, host, address, pid, state, training progress, last log line."""
-    cfg = _config(ctx, announce=True)
-    name = _job_name(cfg, job_name)
-    ended = journal.outcome(cfg, name)
-    k = _on_k8s(cfg, name)
-    if slurm_ops.is_slurm_job(cfg, name):
-        head, rows = slurm_ops.status(cfg, name)
-        _say(head)
-    elif k is not None:
-        from .launch.backends.k8s import kubectl
-
-        rows = kubectl.job_status(k, cfg.job_dir(name))
-    else:
-        rows = ops.job_status(cfg, name, ended)
+    cls, job = _earlier(ctx, job_name)
+    d = cls.describe(job)
+    ended, rows = job.ended, d.rows
+    if d.head:
+        _say(d.head)
     if as_json:
-        _out(ops.status_json(name, ended, rows))
+        _out(status_json(job.name, ended, rows))
         return
     how = f"{ended['outcome']} (exit {ended['exit_code']})" if ended else (
         "in progress" if any(r.state == "running" for r in rows) else "ended (no outcome recorded on this machine)")
     _table(["process", "node", "address", "pid", "state", "progress", "last log line"],
            [[r.name, r.node, r.address, r.pid_text, r.state, r.progress, r.last_line] for r in rows],
-           title=f"job {name}: {how}", wrap=("address", "pid", "progress"), caption=ended["message"] if ended else None)
+           title=f"job {job.name}: {how}", wrap=("address", "pid", "progress"),
+           caption=ended["message"] if ended else None)
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--backend", type=click.Choice(BACKENDS), help="The backend to check for (default: BACKEND of the "
+@click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
               "config, ssh); slurm checks this machine, whose environment srun gives the nodes.")
 @_handled
 def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
@@ -373,9 +326,9 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     cfg = _config(ctx)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    rows = ops.check_cluster(cfg)
+    rows = access.check_cluster(cfg)
     if as_json:
-        _out(ops.as_json(rows))
+        _out(access.as_json(rows))
     else:
         _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
                [[r.node, r.host, r.ssh, f"{r.interpreter} ({r.python}), numpy {r.numpy}" if r.python != "-" else "-",
@@ -396,10 +349,9 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     """Draw loss and every reported metric per trainer against step, as a PNG and in the terminal."""
     from .launch import plot as plots
 
-    cfg = _config(ctx, announce=True)
-    name = _job_name(cfg, job_name)
-    # Kubernetes: the metrics the job's pods left, saved on this machine before they were deleted.
-    cs = plots.curves(plots.collect(cfg, name) if _on_k8s(cfg, name) is None else _saved_metrics(cfg, name))
+    cls, job = _earlier(ctx, job_name)
+    name = job.name
+    cs = plots.curves(cls.metrics(job))
     path = out_path or f"{name}.png"
     plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
     for c in cs:
@@ -408,46 +360,39 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     _say(f"wrote {os.path.abspath(path)}")
 
 
-def _saved_metrics(cfg: ClusterConfig, name: str) -> dict:
-    from .node import jobdir
-
-    found = jobdir.metrics(cfg.job_dir(name))
-    if not any(found.values()):
-        raise ClusterError(f"job {name} has no metrics saved in {cfg.job_dir(name)}/log (they are saved when run "
-                           "or kill deletes the job's pods)")
-    return found
-
-
 @main.group()
 def render() -> None:
-    """Write what another system needs to run a job (manifests), without running it."""
+    """Print what a backend is given to run a job (the ssh plan, the mpirun command, the sbatch script, the
+    Kubernetes manifests), starting nothing: `run --dry-run` with one backend's options."""
 
 
-@render.command("k8s", cls=_ScriptArgsCommand)
-@_k8s_pods
-@k8s_pod.flags
-@click.option("--job_name", metavar="NAME", help="Job name, prefix of every object (default job<yyyymmddHHMMSS>).")
-@click.option("--job_workspace", "workspace", default=k8s.DEFAULT_WORKSPACE, show_default=True, metavar="PATH",
-              help="Where the workspace is inside the image (the pods' working directory).")
-@click.option("--jobset", is_flag=True, help="One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
-              "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue workload.")
-@_SCRIPT_ARGS
-@_handled
-def render_k8s(ctx: click.Context, image: Optional[str], namespace: Optional[str], pservers: Optional[int],
-               trainers: Optional[int], job_name: Optional[str], workspace: str, jobset: bool,
-               pod_flags: Dict[str, Any], trainer_args: Tuple[str, ...]) -> None:
-    """Kubernetes manifests for a job on stdout: a Secret, a headless Service, pservers and trainers as Indexed
-    Jobs. Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -. The entry script's arguments
-    go after --."""
-    from .launch.backends.k8s import K8sOptions
+def _render_command(backend: str) -> None:
+    @render.command(backend, cls=_ScriptArgsCommand,
+                    help=f"What --backend {backend} ({backend_class(backend).summary}) is given for a job, on "
+                    f"stdout. {backend_class(backend).render_hint} The entry script's arguments go after --.")
+    @click.option("--job_name", metavar="NAME", callback=_checked_name,
+                  help="Job name (default JOB<yyyymmddHHMMSS>).")
+    @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every "
+                  "node.")
+    @click.option("--job_workspace", "workspace", metavar="PATH", help="Workspace already present at PATH on every "
+                  "node (or in the image).")
+    @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
+                  "(default: ENTRY of the config, train.py).")
+    @click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin or "
+                  "entry (as run --pserver).")
+    @_backend_options(backend)
+    @_SCRIPT_ARGS
+    @_handled
+    def cmd(ctx: click.Context, job_name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
+            entry_script: Optional[str], pserver: Optional[str], trainer_args: Tuple[str, ...], **opts) -> None:
+        cfg = override(_config(ctx), {"backend": (f"render {backend}", backend)})
+        spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, opts,
+                        notes=False)
+        click.echo(be.render(spec, _say).text(), nl=False)
 
-    cfg = _config(ctx)
-    opts = K8sOptions.from_config(cfg, image, namespace, pservers, trainers, pod_flags)
-    job = opts.build(cfg, job_name or default_job_name(cfg), workspace, tuple(trainer_args), jobset=jobset)
-    if cfg.is_builtin_default and None in (pservers, trainers):
-        _say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
-             "built-in default's counts (--pservers/--trainers set them)")
-    click.echo(k8s.render(job), nl=False)
+
+for _name in REGISTRY:
+    _render_command(_name)
 
 
 def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = (),

@@ -19,6 +19,7 @@ from kubernetes.client import models as M
 from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
+from paddle_cluster.launch import access
 from paddle_cluster.launch.backends.base import NodeLost
 from paddle_cluster.launch.backends.k8s import manifests as k8s
 from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, k8s_plan, log_events
@@ -31,7 +32,6 @@ from paddle_cluster.launch.backends.k8s.kubectl import (
     pod_states,
     watch_events,
 )
-from paddle_cluster.launch.backends.ssh import ops
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import messages as m
@@ -135,7 +135,7 @@ def test_status_names_each_pod_where_a_pid_would_be() -> None:
         "fit-trainer-1", "worker-3", "10.1.0.11", "trainer.1", "running")
     assert row.pid is None and row.pod == "fit-trainer-1-x7k2p"  # no pid of ours: the process is in the pod
     assert row.pid_text == "pod/fit-trainer-1-x7k2p"
-    assert json.loads(ops.as_json([row]))[0]["pod"] == "fit-trainer-1-x7k2p"
+    assert json.loads(access.as_json([row]))[0]["pod"] == "fit-trainer-1-x7k2p"
 
 def _watch() -> PodWatch:
     return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})

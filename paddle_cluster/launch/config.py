@@ -168,7 +168,6 @@ class ClusterConfig:
 BUILTIN_SOURCE = "<built-in local default>"
 BUILTIN_PSERVER = "{python} -m paddle_cluster.ps"  # the runtime's pserver (paddle_cluster/ps)
 ENTRY_PSERVER = "{python} {entry}"  # the entry script, as PADDLE_TRAINING_ROLE=PSERVER
-BACKENDS = ("ssh", "mpi", "slurm", "k8s")
 MPI_IMPLS = ("auto", "openmpi", "mpich")
 _ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name not in _ORIGIN)
@@ -399,8 +398,10 @@ def validate(cfg: ClusterConfig) -> None:
             raise cfg.error(key, "must be 0 or more")
     if cfg.max_restarts < 0:
         raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
-    if cfg.backend not in BACKENDS:
-        raise cfg.error("backend", f"must be one of {', '.join(BACKENDS)}")
+    from .backends import REGISTRY  # here: the backends import this module
+
+    if cfg.backend not in REGISTRY:
+        raise cfg.error("backend", f"must be one of {', '.join(REGISTRY)}")
     if cfg.mpi_impl not in MPI_IMPLS:
         raise cfg.error("mpi_impl", f"must be one of {', '.join(MPI_IMPLS)}")
     nodes = max(1, len(cfg.hosts))  # Slurm's node count comes with the job (--nodes)

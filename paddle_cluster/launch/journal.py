@@ -1,5 +1,6 @@
-"""The launcher's memory of the latest job per config, so ``kill``, ``status``, ``logs`` and ``plot`` can
-default to it: one small JSON file per config under ``$XDG_STATE_HOME/paddle-cluster/``. Launches from this
+"""The launcher's memory of the jobs of each config: the latest (``kill``, ``status``, ``logs`` and ``plot``
+default to it) and, per job, its backend and that backend's handle (``where``), so those commands find any job
+on its engine. One small JSON file per config under ``$XDG_STATE_HOME/paddle-cluster/``. Launches from this
 machine may run at the same moment: every change is made under the directory's lock (``cache.locked``) and
 written whole to a temporary of its own, then renamed into place."""
 
@@ -49,13 +50,19 @@ def _update(cfg: ClusterConfig, change: Callable[[Dict[str, Any]], Any]) -> Any:
     return out
 
 
+KEPT = 20  # jobs whose outcome and handle are remembered per config
+
+
 def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
              where: Optional[Dict[str, str]] = None) -> None:
-    """``where``: what the backend needs to find the job again (Kubernetes: its namespace; Slurm: its job id)."""
+    """``where``: the job's backend and what it needs to find the job again (``Backend.remember``: Kubernetes its
+    namespace, Slurm its job id)."""
     def change(doc: Dict[str, Any]) -> None:
         outcomes = {k: v for k, v in doc.get("outcomes", {}).items() if k != job_name}
+        jobs = {k: v for k, v in doc.get("jobs", {}).items() if k != job_name}
+        jobs[job_name] = where or {}
         doc.update({"latest": job_name, "workspace": workspace, "where": where or {},
-                    "outcomes": dict(list(outcomes.items())[-20:])})
+                    "outcomes": dict(list(outcomes.items())[-KEPT:]), "jobs": dict(list(jobs.items())[-KEPT:])})
     _update(cfg, change)
 
 
@@ -111,9 +118,10 @@ def latest_job(cfg: ClusterConfig) -> str:
 
 
 def where(cfg: ClusterConfig, job_name: str) -> Dict[str, str]:
-    """What ``remember`` kept about where ``job_name`` runs; {} for another job or none remembered."""
-    try:
-        doc = _latest(cfg)
-    except ClusterError:
-        return {}
-    return dict(doc.get("where") or {}) if doc["latest"] == job_name else {}
+    """What ``remember`` kept about where ``job_name`` runs (``backend``, the handle); {} for a job it does not
+    know (started on another machine, or long ago)."""
+    doc = _read(cfg)
+    jobs = doc.get("jobs") if isinstance(doc.get("jobs"), dict) else {}
+    if isinstance(jobs.get(job_name), dict):
+        return dict(jobs[job_name])
+    return dict(doc.get("where") or {}) if doc.get("latest") == job_name else {}  # a journal of before "jobs"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
 from . import dispatch
-from .backends.ssh.ops import nodes_with_lib
+from .access import nodes_with_lib
 from .config import ClusterConfig
 from .errors import ClusterError
 from .fanout import fanout

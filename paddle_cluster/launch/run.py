@@ -14,6 +14,22 @@ from .plan import JobSpec
 from .supervise import JobResult, supervise
 
 
+def submit(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> JobResult:
+    """``run --detach``: submit the job and return; the journal keeps its handle for ``status``, ``logs``, ``kill``."""
+    try:
+        with stoppable():
+            handle = be.submit_detached(spec, say)
+    except BaseException:
+        be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
+        raise
+    finally:
+        be.close()
+    journal.remember(spec.cfg, spec.name, spec.workspace, handle)
+    return JobResult(spec.name, 0, f"job {spec.name} submitted to {be.name}; follow it with `paddle-cluster status` "
+                     f"and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill` (add --job_name "
+                     f"{spec.name} for an older job)")
+
+
 def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None],
             backend: Optional[Backend] = None) -> JobResult:
     """``_run`` the job, and record how it ended for ``status`` (once it started)."""

@@ -1,7 +1,11 @@
-"""The launch backend interface: how a job's planned processes get started somewhere, watched and stopped.
+"""The launch backend contract: a job's whole life on one engine.
 
-A backend (a) prepares the nodes and delivers the workspace, (b) starts each node's share of a ``JobPlan``,
-(c) yields what happens as typed events (``node.messages`` events, plus ``NodeLost``) and (d) stops it all.
+A backend declares its ``options`` (``run --help`` groups them by backend), ``render``s the native request of a
+job without side effects (``run --dry-run``, ``render``), runs it followed (below) or ``submit_detached``, and
+finds it again from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
+
+A followed run: the backend (a) prepares the nodes and delivers the workspace, (b) starts each node's share of a
+``JobPlan``, (c) yields what happens as typed events (``node.messages`` events, plus ``NodeLost``) and (d) stops it all.
 The node side is the same everywhere: ``python -m paddle_cluster.node supervise`` receives its ``NodePlan`` and
 runs it alone (pservers, readiness, trainers), so a backend only carries plans in and events out. Planning
 (``plan``) and supervision (``supervise``: fail-fast, elastic, restarts, the result) do not know which
@@ -10,16 +14,93 @@ backend runs the job.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from paddle_cluster.node import messages as m
 
+from ..config import ClusterConfig
+from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, mint_plan
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """An option of ``run`` (and ``render``) that one backend declares; given with another backend it is an error."""
+
+    flag: str  # "--partition"
+    dest: str  # the keyword the backend's ``create`` gets: "partition"
+    help: str
+    kind: type = str  # str, int (at least ``minimum``) or bool (a flag)
+    metavar: str = ""
+    minimum: Optional[int] = None
+    multiple: bool = False  # may be given more than once: a tuple of values
+
+
+@dataclass(frozen=True)
+class ProcRow:
+    """One process of a job as ``status`` shows it."""
+
+    node: str
+    host: str
+    address: str
+    name: str
+    role: str
+    pid: Optional[int]  # None where there is no pid to show: a Kubernetes pod's process (see ``pod``)
+    state: str
+    progress: str
+    last_line: str
+    pod: str = ""  # Kubernetes: the pod the process is
+
+    @property
+    def pid_text(self) -> str:
+        """What the ``pid`` column shows: the pid, or the pod."""
+        return str(self.pid) if self.pid is not None else f"pod/{self.pod}" if self.pod else "-"
+
+
+def status_json(job_name: str, ended: Optional[Mapping[str, Any]], rows: List[ProcRow]) -> str:
+    """``status --json``: the job, how it ended (null fields while it runs or when it ended elsewhere), its rows."""
+    ended = ended or {}
+    return json.dumps({"job": job_name, "outcome": ended.get("outcome"), "exit_code": ended.get("exit_code"),
+                       "message": ended.get("message"), "processes": [r.__dict__ for r in rows]}, indent=1)
+
+
+@dataclass(frozen=True)
+class Description:
+    """What ``describe`` finds of a job: the engine's own line about it ("" when it has none), and its processes."""
+
+    head: str
+    rows: List[ProcRow]
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """A job started earlier, as the journal knows it: the config, its name, and its backend's handle
+    (``Backend.remember``: a Slurm job id, a Kubernetes namespace); ``ended``, the outcome ``run`` recorded."""
+
+    cfg: ClusterConfig
+    name: str
+    handle: Mapping[str, str]
+    ended: Optional[Mapping[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The native request a backend makes for a job, as text: each part with a comment saying what it is."""
+
+    parts: Tuple[Tuple[str, str], ...]  # (comment, text)
+
+    def text(self) -> str:
+        out = []
+        for comment, body in self.parts:
+            out += [f"# {line}" for line in comment.splitlines()]
+            out.append(body.rstrip("\n"))
+        return "\n".join(out) + "\n"
 
 
 @dataclass(frozen=True)
@@ -34,7 +115,14 @@ Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stoppin
 
 
 class Backend(ABC):
-    """Runs the nodes' shares of a plan and reports their events."""
+    """Runs the nodes' shares of a plan and reports their events; renders, submits and finds its jobs."""
+
+    name: ClassVar[str]  # as BACKEND and --backend say it
+    summary: ClassVar[str]  # where its jobs run, for --help: "HOSTS over SSH"
+    render_hint: ClassVar[str] = ""  # what to do with ``render``'s output, for ``render <name> --help``
+    options: ClassVar[Tuple[BackendOption, ...]] = ()
+    needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
+    detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": offered
 
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
@@ -42,6 +130,41 @@ class Backend(ABC):
     # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
     # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
     resume_step: Optional[int] = None
+
+    @classmethod
+    def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> Backend:
+        """The backend for a job with the declared ``options`` given (absent ones None)."""
+        return cls(cfg)  # type: ignore[call-arg]
+
+    @abstractmethod
+    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
+        """The native request ``spec`` makes of this engine, with no side effect: nothing started or written."""
+
+    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
+        """Submit and return: the job runs with no launcher following it. Its handle (``remember``)."""
+        raise ClusterError(f"--detach is not offered by backend {self.name}: {self.detach}")
+
+    @classmethod
+    @abstractmethod
+    def describe(cls, job: JobRef) -> Description:
+        """Where the job stands, each process a row."""
+
+    @classmethod
+    @abstractmethod
+    def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        """The last ``lines`` lines of ``node``'s logs (and, with ``follow``, new ones until the job ends)."""
+
+    @classmethod
+    def metrics(cls, job: JobRef) -> Dict[str, List[dict]]:
+        """Each trainer's metrics records, for ``plot``: from the job directory on the hosts of HOSTS."""
+        from .. import plot
+
+        return plot.collect(job.cfg, job.name)
+
+    @classmethod
+    @abstractmethod
+    def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
+        """Stop everything of the job; what was done, a line each (``say``: the launcher's own summary)."""
 
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
@@ -54,8 +177,8 @@ class Backend(ABC):
         return plan.resumed(self.resume_step) if self.resume_step is not None else plan
 
     def remember(self) -> Dict[str, str]:
-        """What ``kill``, ``status`` and ``logs`` need besides the config to find this job again."""
-        return {}
+        """The job's handle: what ``describe``, ``logs`` and ``cancel`` need besides the config to find it."""
+        return {"backend": self.name}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
@@ -176,3 +299,19 @@ class EventQueue:
         while time.monotonic() < deadline and any(i not in self.stopped for i in reachable):
             time.sleep(0.05)
         return [i for i in nodes if i not in self.stopped]
+
+
+def plan_text(plan: JobPlan, labels: Sequence[str]) -> str:
+    """What each node of ``plan`` runs, for a dry run: its processes' commands, logs and own variables (keys and
+    the job secret shown as <set>: a dry run prints no credential)."""
+    def shown(k: str, v: str) -> str:
+        return f"{k}=<set>" if k.endswith(("SECRET", "KEY")) else f"{k}={v}"
+
+    out = ["job-wide environment: " + " ".join(shown(k, v) for k, v in sorted(plan.nodes[0].environ.items()))
+           if plan.nodes else "no nodes"]
+    for n, label in zip(plan.nodes, labels):
+        out.append(f"{label}: address {n.address}, in {n.cwd}")
+        for p in n.procs:
+            env = " ".join(shown(k, v) for k, v in sorted(p.env.items()))
+            out.append(f"  {p.name}: {p.cmd}" + (f"  > log/{p.log}" if p.log else "") + (f"\n    {env}" if env else ""))
+    return "\n".join(out)

@@ -17,26 +17,23 @@ import shlex
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
-from paddle_cluster.node import pod as pod_entry
 
-from ... import dispatch, journal
+from ... import dispatch
 from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
-from ...interrupt import stoppable
 from ...plan import JobPlan, JobSpec
-from ...supervise import JobResult
-from ..base import EVENTS_MAX, Backend, Event, NodeLost
+from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Rendered
+from . import kubectl as kc
 from . import manifests as k8s
-from .kubectl import Kubectl, PodState, owners, pod_states, save_results, states_of, watch_events
+from . import pod_options
+from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_results, states_of, watch_events
 from .pod_options import PodOptions
 
 RETRY_S = 2.0  # between a watch that ended and the next
-# Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
-FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull")
 NEEDED = (("create", "jobs.batch"), ("create", "services"), ("create", "secrets"), ("delete", "jobs.batch"))
 
 
@@ -124,60 +121,79 @@ def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
     return [(PSERVER, i) for i in range(job.pservers)] + [(TRAINER, j) for j in range(job.trainers)]
 
 
-def log_events(node: int, proc: str, line: str) -> List[Event]:
-    """A line of a pod's log: output, and the entry point's word that the process starts or cannot. A trainer's
-    metrics records (printed once it ended) are kept when the job's results are copied, not shown."""
-    if line.startswith(pod_entry.METRICS):
-        return []
-    out: List[Event] = [m.Log(node, proc, line)]
-    if line.startswith(pod_entry.READY):
-        out.append(m.Ready(node))
-    elif line.startswith(pod_entry.ERROR):
-        out.append(m.NotReady(node, line[len(pod_entry.ERROR):]))
-    elif "No module named paddle_cluster" in line or "No module named 'paddle_cluster" in line:
-        out.append(m.NotReady(node, f"the image cannot run the pod entry point ({line.strip()}): it needs Python 3 "
-                               "with numpy and paddle-cluster installed (docs/backends.md: the image)"))
-    return out
-
-
-class PodWatch:
-    """Successive ``PodState`` lists -> the events they mean, each once; pure (the backend runs the commands)."""
-
-    def __init__(self, nodes: Dict[Tuple[str, int], int]) -> None:
-        self.nodes = nodes  # (role, index) -> node
-        self.last: Dict[int, Tuple[str, str]] = {}  # node -> (state, reason) last reported
-        self.started: Dict[int, str] = {}  # node -> pod name, once its container ran
-        self.exited: Dict[int, int] = {}
-
-    def update(self, pods: List[PodState]) -> List[Event]:
-        out: List[Event] = []
-        seen = set()
-        for p in pods:
-            node = self.nodes.get((p.role, p.index))
-            if node is None:
-                continue
-            seen.add(node)
-            proc = f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
-            if p.state in ("running", "terminated") and node not in self.started:
-                self.started[node] = p.name
-                out.append(m.Started(node, proc, 0))
-            if p.state == "terminated" and node not in self.exited:
-                self.exited[node] = p.exit_code if p.exit_code is not None else 1
-                error = "" if p.reason in ("Completed", "Error") else p.reason
-                out.append(m.Exited(node, proc, self.exited[node], None, error))
-            elif p.state in ("waiting", "") and p.reason and self.last.get(node) != (p.state, p.reason):
-                self.last[node] = (p.state, p.reason)
-                why = f"pod {p.name}: {p.reason}"
-                fatal = p.reason.split(":")[0] in FATAL_WAITING
-                out.append(m.NotReady(node, why) if fatal else m.Note(node, why))
-        for node, name in self.started.items():
-            if node not in seen and node not in self.exited:
-                self.exited[node] = -1
-                out.append(NodeLost(node, f"pod {name} was deleted while its process ran"))
-        return out
-
-
 class K8sBackend(Backend):
+    name = "k8s"
+    summary = "Kubernetes Jobs"
+    render_hint = "Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"
+    needs_workspace = False  # it is in the image
+    detach = ""
+    options = (
+        BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
+                      "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),
+        BackendOption("--namespace", "namespace", "The namespace (default: K8S_NAMESPACE, default).", metavar="NS"),
+        BackendOption("--pservers", "pservers", "Pserver pods (default: HOSTS x PSERVERS_PER_NODE).", int, "N", 1),
+        BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE).", int, "M", 1),
+        *pod_options.OPTIONS,
+        BackendOption("--jobset", "jobset", "render k8s: one JobSet (jobset.x-k8s.io/v1alpha2: its controller must "
+                      "be installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
+                      "workload.", bool),
+    )
+
+    @classmethod
+    def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> K8sBackend:
+        be = cls(cfg, K8sOptions.from_config(cfg, opts.get("image"), opts.get("namespace"), opts.get("pservers"),
+                                             opts.get("trainers"), pod_options.pod_flags(opts)))
+        be.detached, be.jobset = detach, bool(opts.get("jobset"))
+        return be
+
+    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
+        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
+        job = self.opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack, jobset=self.jobset,
+                              resume_from=spec.resume_from or "")
+        if self.cfg.is_builtin_default and None in (self.opts.pservers, self.opts.trainers):
+            say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
+                "built-in default's counts (--pservers/--trainers set them)")
+        return Rendered((("", k8s.render(job)),))  # its own comments say what it is
+
+    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
+        """Create the job's objects and return: the pods end the job on their own (fail-fast, the pservers once
+        the trainers are gone); ``status``/``logs``/``kill`` find it by its id."""
+        self.detached = True
+        self.start(self.plan(spec, self.prepare(spec, say)))
+        assert self.job is not None
+        ttl = self.job.pods.ttl
+        say(f"job {spec.name} created in namespace {self.job.namespace} (id {self.job.env.job_id})"
+            + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
+        return self.remember()
+
+    @classmethod
+    def _kubectl(cls, job: JobRef) -> Kubectl:
+        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""))
+
+    @classmethod
+    def describe(cls, job: JobRef) -> Description:
+        return Description("", kc.job_status(cls._kubectl(job), job.cfg.job_dir(job.name)))
+
+    @classmethod
+    def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        kc.stream_logs(cls._kubectl(job), node, lines, follow, out, job.cfg.job_dir(job.name))
+
+    @classmethod
+    def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
+        k = cls._kubectl(job)
+        return kc.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
+
+    @classmethod
+    def metrics(cls, job: JobRef) -> Dict[str, Any]:
+        """The metrics the job's pods left, saved on this machine before they were deleted."""
+        from paddle_cluster.node import jobdir
+
+        found = jobdir.metrics(job.cfg.job_dir(job.name))
+        if not any(found.values()):
+            raise ClusterError(f"job {job.name} has no metrics saved in {job.cfg.job_dir(job.name)}/log (they are "
+                               "saved when run or kill deletes the job's pods)")
+        return found
+
     def __init__(self, cfg: ClusterConfig, opts: K8sOptions, binary: str = "kubectl") -> None:
         self.cfg, self.opts = cfg, opts
         self.binary = binary
@@ -195,6 +211,7 @@ class K8sBackend(Backend):
         self._watcher: Optional[subprocess.Popen] = None
         self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
+        self.jobset = False  # render k8s --jobset
         self.job_dir = ""
         self.say: Callable[[str], None] = lambda line: None
 
@@ -203,7 +220,9 @@ class K8sBackend(Backend):
         for flag, given, why in (
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
-                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
+                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others"),
+                ("--jobset", self.jobset, "run creates a Service and two Jobs and follows them; render k8s --jobset "
+                 "writes the JobSet for kubectl")):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
@@ -233,7 +252,7 @@ class K8sBackend(Backend):
 
     def remember(self) -> Dict[str, str]:
         assert self.job is not None, "prepare first"
-        return {"backend": "k8s", "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
+        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
@@ -403,24 +422,3 @@ class K8sBackend(Backend):
                 except subprocess.TimeoutExpired:
                     p.kill()
                 t.join(timeout=2)
-
-
-def submit(spec: JobSpec, be: K8sBackend, say: Callable[[str], None]) -> JobResult:
-    """``run --detach``: create the job's objects and return; the pods end the job on their own (fail-fast,
-    the pservers once the trainers are gone), ``status``/``logs``/``kill`` find it by its id."""
-    be.detached = True
-    try:
-        with stoppable():
-            be.start(be.plan(spec, be.prepare(spec, say)))
-    except BaseException:
-        be.stop(spec.cfg.kill_grace)  # a half-created job is deleted (by its id: only what this run made)
-        raise
-    finally:
-        be.close()
-    journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
-    assert be.job is not None
-    ttl = be.job.pods.ttl
-    return JobResult(spec.name, 0, f"job {spec.name} created in namespace {be.job.namespace} (id {be.job.env.job_id});"
-                     f" follow it with `paddle-cluster status` and `paddle-cluster logs trainer.0 -f`, stop it with "
-                     f"`paddle-cluster kill` (add --job_name {spec.name} for an older job)"
-                     + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))

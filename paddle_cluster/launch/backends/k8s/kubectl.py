@@ -1,4 +1,5 @@
-"""The ``kubectl`` command lines a Kubernetes job needs, as data, and what they print, as typed values.
+"""The ``kubectl`` command lines a Kubernetes job needs, as data, and what they print, as typed values (pod
+states, and the events they mean: ``PodWatch``).
 
 Every command names the job's namespace and label selector, so it only ever touches that job's objects.
 ``Kubectl.run`` is the one place a command is executed; a failure becomes a ``ClusterError`` carrying
@@ -12,14 +13,16 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER
+from paddle_cluster.node import messages as m
+from paddle_cluster.node import pod as pod_entry
 from paddle_cluster.node.pod import METRICS
 
 from ...errors import ClusterError
 from ...interrupt import stoppable
-from ..ssh.ops import ProcRow
+from ..base import Event, NodeLost, ProcRow
 from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
@@ -348,3 +351,60 @@ def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[
         err = p.stderr.read().strip()
     if p.returncode not in (0, -15) and err:
         raise ClusterError(f"kubectl logs pod/{pod.name}: {err.splitlines()[-1]}")
+
+
+# Waiting reasons that do not go away by waiting: the job fails at once instead of at START_TIMEOUT.
+FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull")
+
+
+def log_events(node: int, proc: str, line: str) -> List[Event]:
+    """A line of a pod's log: output, and the entry point's word that the process starts or cannot. A trainer's
+    metrics records (printed once it ended) are kept when the job's results are copied, not shown."""
+    if line.startswith(pod_entry.METRICS):
+        return []
+    out: List[Event] = [m.Log(node, proc, line)]
+    if line.startswith(pod_entry.READY):
+        out.append(m.Ready(node))
+    elif line.startswith(pod_entry.ERROR):
+        out.append(m.NotReady(node, line[len(pod_entry.ERROR):]))
+    elif "No module named paddle_cluster" in line or "No module named 'paddle_cluster" in line:
+        out.append(m.NotReady(node, f"the image cannot run the pod entry point ({line.strip()}): it needs Python 3 "
+                               "with numpy and paddle-cluster installed (docs/backends.md: the image)"))
+    return out
+
+
+class PodWatch:
+    """Successive ``PodState`` lists -> the events they mean, each once; pure (the backend runs the commands)."""
+
+    def __init__(self, nodes: Dict[Tuple[str, int], int]) -> None:
+        self.nodes = nodes  # (role, index) -> node
+        self.last: Dict[int, Tuple[str, str]] = {}  # node -> (state, reason) last reported
+        self.started: Dict[int, str] = {}  # node -> pod name, once its container ran
+        self.exited: Dict[int, int] = {}
+
+    def update(self, pods: List[PodState]) -> List[Event]:
+        out: List[Event] = []
+        seen = set()
+        for p in pods:
+            node = self.nodes.get((p.role, p.index))
+            if node is None:
+                continue
+            seen.add(node)
+            proc = f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
+            if p.state in ("running", "terminated") and node not in self.started:
+                self.started[node] = p.name
+                out.append(m.Started(node, proc, 0))
+            if p.state == "terminated" and node not in self.exited:
+                self.exited[node] = p.exit_code if p.exit_code is not None else 1
+                error = "" if p.reason in ("Completed", "Error") else p.reason
+                out.append(m.Exited(node, proc, self.exited[node], None, error))
+            elif p.state in ("waiting", "") and p.reason and self.last.get(node) != (p.state, p.reason):
+                self.last[node] = (p.state, p.reason)
+                why = f"pod {p.name}: {p.reason}"
+                fatal = p.reason.split(":")[0] in FATAL_WAITING
+                out.append(m.NotReady(node, why) if fatal else m.Note(node, why))
+        for node, name in self.started.items():
+            if node not in seen and node not in self.exited:
+                self.exited[node] = -1
+                out.append(NodeLost(node, f"pod {name} was deleted while its process ran"))
+        return out

@@ -8,14 +8,12 @@ user), no privilege escalation, every capability dropped, the runtime's default 
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
-
-import click
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ...errors import ConfigError
+from ..base import BackendOption
 
 DEFAULT_REQUESTS = (("cpu", "1"), ("memory", "1Gi"))
 DEFAULT_TTL = 86400  # finished Jobs (and their pods' logs) stay a day for `status`/`logs`, then go
@@ -170,50 +168,39 @@ class PodOptions:
         return out
 
 
-# The flags, for `run --backend k8s` and `render k8s` alike: the command gets them as one dict, ``pod_flags``.
-_FLAGS = [
-    click.option("--pserver-requests", metavar="R", help="k8s: what each pserver pod requests, e.g. cpu=2,memory=4Gi "
-                 "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi)."),
-    click.option("--trainer-requests", metavar="R", help="k8s: the same for each trainer pod (default: "
-                 "K8S_TRAINER_REQUESTS); an extended resource such as nvidia.com/gpu=1 is also its limit."),
-    click.option("--pserver-limits", metavar="R", help="k8s: limits of each pserver pod, e.g. memory=8Gi."),
-    click.option("--trainer-limits", metavar="R", help="k8s: limits of each trainer pod."),
-    click.option("--gpus", type=click.IntRange(min=1), metavar="N", help=f"k8s: GPUs per trainer pod ({GPU})."),
-    click.option("--node-selector", metavar="K=V,...", default="", help="k8s: node labels the pods must run on."),
-    click.option("--toleration", "tolerations", multiple=True, metavar="KEY[=VALUE]:EFFECT",
-                 help="k8s: a taint the pods tolerate (repeatable), e.g. nvidia.com/gpu:NoSchedule."),
-    click.option("--priority-class", default="", metavar="NAME", help="k8s: the pods' PriorityClass."),
-    click.option("--service-account", default="", metavar="NAME", help="k8s: the pods' ServiceAccount."),
-    click.option("--image-pull-secret", "image_pull_secrets", multiple=True, metavar="NAME",
-                 help="k8s: a Secret to pull the image with (repeatable)."),
-    click.option("--run-as-user", type=int, metavar="UID", help=f"k8s: the pods' user id (default {DEFAULT_USER}; "
-                 "never root: the restricted Pod Security Standard)."),
-    click.option("--ttl", type=int, metavar="S", help=f"k8s: seconds the finished Jobs and their pods' logs stay "
-                 f"(ttlSecondsAfterFinished; default {DEFAULT_TTL}, -1 forever)."),
-    click.option("--deadline", type=click.IntRange(min=1), metavar="S", help="k8s: fail the job after S seconds "
-                 "(activeDeadlineSeconds)."),
-    click.option("--queue", default="", metavar="NAME", help="k8s: the Kueue LocalQueue admitting the job "
-                 "(label kueue.x-k8s.io/queue-name)."),
-    click.option("--checkpoint-pvc", default="", metavar="CLAIM", help="k8s: a PersistentVolumeClaim (shared by "
-                 "the pserver pods) holding the checkpoints, so --resume_from works."),
-]
-_NAMES = ("pserver_requests", "trainer_requests", "pserver_limits", "trainer_limits", "gpus", "node_selector",
-          "tolerations", "priority_class", "service_account", "image_pull_secrets", "run_as_user", "ttl",
-          "deadline", "queue", "checkpoint_pvc")
+# The options, for `run --backend k8s` and `render k8s` alike (the backend declares them)
+OPTIONS = (
+    BackendOption("--pserver-requests", "pserver_requests", "What each pserver pod requests, e.g. cpu=2,memory=4Gi "
+                  "(default: K8S_PSERVER_REQUESTS, else cpu=1,memory=1Gi).", metavar="R"),
+    BackendOption("--trainer-requests", "trainer_requests", "The same for each trainer pod (default: "
+                  "K8S_TRAINER_REQUESTS); an extended resource such as nvidia.com/gpu=1 is also its limit.",
+                  metavar="R"),
+    BackendOption("--pserver-limits", "pserver_limits", "Limits of each pserver pod, e.g. memory=8Gi.", metavar="R"),
+    BackendOption("--trainer-limits", "trainer_limits", "Limits of each trainer pod.", metavar="R"),
+    BackendOption("--gpus", "gpus", f"GPUs per trainer pod ({GPU}).", int, "N", 1),
+    BackendOption("--node-selector", "node_selector", "Node labels the pods must run on.", metavar="K=V,..."),
+    BackendOption("--toleration", "tolerations", "A taint the pods tolerate (repeatable), e.g. "
+                  "nvidia.com/gpu:NoSchedule.", metavar="KEY[=VALUE]:EFFECT", multiple=True),
+    BackendOption("--priority-class", "priority_class", "The pods' PriorityClass.", metavar="NAME"),
+    BackendOption("--service-account", "service_account", "The pods' ServiceAccount.", metavar="NAME"),
+    BackendOption("--image-pull-secret", "image_pull_secrets", "A Secret to pull the image with (repeatable).",
+                  metavar="NAME", multiple=True),
+    BackendOption("--run-as-user", "run_as_user", f"The pods' user id (default {DEFAULT_USER}; never root: the "
+                  "restricted Pod Security Standard).", int, "UID"),
+    BackendOption("--ttl", "ttl", f"Seconds the finished Jobs and their pods' logs stay (ttlSecondsAfterFinished; "
+                  f"default {DEFAULT_TTL}, -1 forever).", int, "S"),
+    BackendOption("--deadline", "deadline", "Fail the job after S seconds (activeDeadlineSeconds).", int, "S", 1),
+    BackendOption("--queue", "queue", "The Kueue LocalQueue admitting the job (label kueue.x-k8s.io/queue-name).",
+                  metavar="NAME"),
+    BackendOption("--checkpoint-pvc", "checkpoint_pvc", "A PersistentVolumeClaim (shared by the pserver pods) "
+                  "holding the checkpoints, so --resume_from works.", metavar="CLAIM"),
+)
 
 
-def given(pod_flags: Dict[str, Any]) -> List[str]:
-    """The pod flags given on the command line, as typed (``--gpus``)."""
-    typed = {"tolerations": "toleration", "image_pull_secrets": "image_pull_secret"}  # the repeatable ones
-    return [f"--{typed.get(n, n).replace('_', '-')}" for n, v in pod_flags.items() if v not in (None, "", ())]
-
-
-def flags(fn: Callable) -> Callable:
-    """Add the pod flags to a click command; it receives them as ``pod_flags``, a dict for ``parse``."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kw: Any) -> Any:
-        kw["pod_flags"] = {n: kw.pop(n) for n in _NAMES}
-        return fn(*args, **kw)
-    for option in reversed(_FLAGS):
-        wrapper = option(wrapper)
-    return wrapper
+def pod_flags(opts: Mapping[str, Any]) -> Dict[str, Any]:
+    """The pod options given (absent ones as ``PodOptions.parse`` defaults them), for ``K8sOptions.from_config``."""
+    out: Dict[str, Any] = {}
+    for o in OPTIONS:
+        value = opts.get(o.dest)
+        out[o.dest] = tuple(value or ()) if o.multiple else ("" if value is None and o.kind is str else value)
+    return out

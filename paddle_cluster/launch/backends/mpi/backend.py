@@ -1,5 +1,5 @@
-"""The Open MPI backend: the hosts of ``HOSTS`` prepared as over SSH, then one ``mpirun`` that starts one rank per
-host running ``node bootstrap``.
+"""The MPI backend: the hosts of ``HOSTS`` prepared by the SSH backend (composed, not inherited), then one
+``mpirun`` (or MPICH's ``mpiexec``) that starts one rank per host running ``node bootstrap``.
 
 Each rank takes its node index from ``OMPI_COMM_WORLD_RANK`` and its share from the plan file the launcher put
 on every host; its events come back on mpirun's standard output, which mpirun gathers from every rank.
@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import threading
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 
@@ -33,7 +33,7 @@ from ...errors import ClusterError
 from ...fanout import fanout
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec
-from ..base import Event, EventQueue
+from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered
 from ..ssh.backend import SSHBackend
 
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
@@ -84,26 +84,95 @@ def local_address(peer: str) -> Optional[str]:
         return None
 
 
-class MPIBackend(SSHBackend):
-    agents_in_sessions = False  # mpirun starts the agents
+class MPIBackend(Backend):
+    name = "mpi"
+    summary = "mpirun over HOSTS"
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
-        super().__init__(cfg)
+        self.cfg = cfg
+        self.ssh = SSHBackend(cfg)  # the hosts, their preparation (library, probe, workspace) and checkpoints
+        self.nodes, self.names, self.labels = self.ssh.nodes, self.ssh.names, self.ssh.labels
         self.mpirun: Optional[subprocess.Popen] = None
         self.attempt = 0
-        self.tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
+        self.tmp = ""  # this job's hostfile, ssh config and plan, made in ``prepare``
+        self.events = EventQueue([], cfg.orphan_timeout)
         self.spec: Optional[JobSpec] = None
         self.impl, self.launcher = "openmpi", "mpirun"
         self.addresses: List[str] = []
 
+    @property
+    def lib(self) -> Optional[dispatch.Package]:
+        return self.ssh.lib
+
+    @property
+    def pythons(self) -> List[str]:  # type: ignore[override]
+        return self.ssh.pythons
+
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
         self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
         self.spec = spec
-        self.addresses = super().prepare(spec, say)
+        self.tmp = self.tmp or tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
+        self.addresses = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
         say(f"starting one rank per host with {'MPICH' if self.impl == 'mpich' else 'Open MPI'} ({self.launcher})")
         return self.addresses
 
+    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
+        self.spec = spec
+        try:
+            self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
+        except ClusterError as e:  # what this machine lacks: said, and the command shown for Open MPI
+            say(f"{e}; shown for Open MPI's mpirun")
+        where = "<job-tmp>"
+        files = self.files(where)
+        plan = f"{self.cfg.root_dir}/.paddle_cluster/plans/<job id>.1.jsonl"
+        argv = self.argv(plan, self.cfg.kill_grace, {k: f"{where}/{k}" for k in files},
+                         lib=dispatch.Package("", "<node library sha256>", 0, 0))
+        return Rendered((
+            (f"{self.launcher} command of job {spec.name} ({'MPICH' if self.impl == 'mpich' else 'Open MPI'}; run "
+             "from /, one rank per host). Nothing was started.", shlex.join(argv)),
+            *((f"{where}/{k}", text) for k, text in files.items()),
+            ("each rank runs its node's share of the plan (node bootstrap):", self.ssh.plan_text(spec))))
+
+    @classmethod
+    def describe(cls, job: JobRef) -> Description:
+        return SSHBackend.describe(job)  # each host's agent keeps the records, as over SSH
+
+    @classmethod
+    def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        SSHBackend.logs(job, node, role, lines, follow, out)
+
+    @classmethod
+    def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
+        return SSHBackend.cancel(job, say)
+
+    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+        return self.ssh.complete_steps(root, pservers)
+
     # -- what mpirun is given -------------------------------------------------------------------------
+    def files(self, where: str) -> Dict[str, str]:
+        """The files the launcher gives mpirun (and Hydra's ssh wrapper), by name, to be written to ``where``."""
+        hosts = [n.spec.host for n in self.nodes]
+        if len(set(hosts)) != len(hosts):
+            raise ClusterError("--backend mpi: HOSTS lists the same host twice (different users or ports); "
+                               "mpirun's hostfile names hosts only. List each host once")
+        out = {"hostfile": "".join(f"{h} slots=1\n" if self.impl == "openmpi" else f"{h}:1\n" for h in hosts),
+               "ssh_config": self.ssh_config()}
+        if self.impl == "mpich":  # -launcher-exec takes one path: a wrapper holding the job's ssh config
+            out["ssh"] = (f"#!/bin/sh\nexec {shlex.quote(shutil.which('ssh') or 'ssh')} -F "
+                          f"{shlex.quote(where + '/ssh_config')} \"$@\"\n")
+        return out
+
+    def write_files(self) -> Dict[str, str]:
+        """``files`` written to this job's temporary directory; their paths."""
+        paths = {}
+        for name, text in self.files(self.tmp).items():
+            paths[name] = os.path.join(self.tmp, name)
+            with open(paths[name], "w") as f:
+                f.write(text)
+            if name == "ssh":
+                os.chmod(paths[name], 0o700)
+        return paths
+
     def ssh_config(self) -> str:
         """An OpenSSH config for mpirun's rsh agent: HOSTS' users and ports, our key and host-key policy."""
         cfg = self.cfg
@@ -122,55 +191,44 @@ class MPIBackend(SSHBackend):
         user_config = cfg.ssh_config_file or os.path.expanduser("~/.ssh/config")
         if os.path.isfile(user_config):
             lines.append(f"  Include {user_config}")  # fills in what HOSTS does not say (aliases, proxies)
-        path = os.path.join(self.tmp, "ssh_config")
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return path
+        return "\n".join(lines) + "\n"
 
-    def argv(self, plan_path: str, grace: float) -> List[str]:
-        hosts = [n.spec.host for n in self.nodes]
-        if len(set(hosts)) != len(hosts):
-            raise ClusterError("--backend mpi: HOSTS lists the same host twice (different users or ports); "
-                               "mpirun's hostfile names hosts only. List each host once")
-        hostfile = os.path.join(self.tmp, "hostfile")
-        with open(hostfile, "w") as f:
-            f.write("".join(f"{h} slots=1\n" if self.impl == "openmpi" else f"{h}:1\n" for h in hosts))
-        config = self.ssh_config()
+    def argv(self, plan_path: str, grace: float, paths: Dict[str, str],
+             lib: Optional[dispatch.Package] = None) -> List[str]:
+        """The launcher's command line, given the paths of ``files``."""
+        hostfile, config = paths["hostfile"], paths["ssh_config"]
         if self.impl == "mpich":
-            return self._hydra_argv(hostfile, config, self._agent(plan_path, grace))
+            return self._hydra_argv(hostfile, paths["ssh"], self._agent(plan_path, grace, lib))
         if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
             raise ClusterError(f"--backend mpi: Open MPI splits its ssh command on spaces, and {config} or "
                                "SSH_KNOWN_HOSTS / SSH_IDENTITY_FILE contains one; use paths without spaces")
-        networks = {net for net in self.networks if net}
+        networks = {net for net in self.ssh.networks if net}
         wire = ",".join(sorted(networks)) if networks else self.cfg.paddle_nic
-        return [self.launcher, "--hostfile", hostfile, "-np", str(len(hosts)),
+        return [self.launcher, "--hostfile", hostfile, "-np", str(len(self.nodes)),
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
                 "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
                 "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
-                *self._agent(plan_path, grace)]
+                *self._agent(plan_path, grace, lib)]
 
-    def _agent(self, plan_path: str, grace: float) -> List[str]:
-        assert self.lib is not None and self.spec is not None
+    def _agent(self, plan_path: str, grace: float, lib: Optional[dispatch.Package] = None) -> List[str]:
+        lib = lib or self.lib
+        assert lib is not None and self.spec is not None
         # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
         # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
         shield = ("--own-session",) if self.impl == "mpich" else ()
-        agent = dispatch.agent_argv(self.nodes[0], self.lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
+        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
                                     "--grace", str(grace), "--keep-going", *shield)
         if len(set(self.pythons)) == 1:  # one command for every rank: the agent too runs what preflight checked
             agent[0] = self.pythons[0]
         return agent
 
-    def _hydra_argv(self, hostfile: str, config: str, agent: List[str]) -> List[str]:
+    def _hydra_argv(self, hostfile: str, wrapper: str, agent: List[str]) -> List[str]:
         """Hydra's ``mpiexec``: ssh through a wrapper holding the job's ssh config (``-launcher-exec`` takes one
         path); ``-localhost``: the address on the hosts' network the proxies call back to (this machine's own
         name may resolve to one they cannot reach); ``-genvnone``: ranks get their host's environment, as under
         Open MPI, not this machine's (Hydra's default passes it all)."""
-        wrapper = os.path.join(self.tmp, "ssh")
-        with open(wrapper, "w") as f:
-            f.write(f"#!/bin/sh\nexec {shlex.quote(shutil.which('ssh') or 'ssh')} -F {shlex.quote(config)} \"$@\"\n")
-        os.chmod(wrapper, 0o700)
         here = local_address(self.addresses[0]) if self.addresses else None
         return [self.launcher, "-f", hostfile, "-n", str(len(self.nodes)), "-ppn", "1", "-launcher", "ssh",
                 "-launcher-exec", wrapper, *(("-localhost", here) if here else ()), "-genvnone", *agent]
@@ -193,7 +251,7 @@ class MPIBackend(SSHBackend):
         fanout(self.nodes, put).ok("sending the plan")
         self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
         events.starting(self.cfg.start_timeout)
-        argv = self.argv(plan_path, self.cfg.kill_grace)
+        argv = self.argv(plan_path, self.cfg.kill_grace, self.write_files())
         env = dict(os.environ)
         if os.geteuid() == 0 and self.impl == "openmpi":  # it refuses root unless told; HOSTS say who logs in
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -248,8 +306,9 @@ class MPIBackend(SSHBackend):
         return sorted(fanout(self.nodes, kill).errors)
 
     def close(self) -> None:
-        super().close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.ssh.close()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _own_session() -> None:

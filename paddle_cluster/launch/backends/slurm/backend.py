@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
@@ -33,8 +33,8 @@ from ... import dispatch, resume
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
-from ...plan import JobPlan, JobSpec
-from ..base import Backend, Event, EventQueue
+from ...plan import JobPlan, JobSpec, mint_plan
+from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
 
 POLL_S = 0.5
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -175,6 +175,38 @@ def saved_job_id(job_dir: str) -> Optional[str]:
 
 
 class SlurmBackend(Backend):
+    name = "slurm"
+    summary = "an allocation of --nodes"
+    detach = ""
+    options = (
+        BackendOption("--nodes", "nodes", "How many nodes (default: as many as HOSTS lists).", int, "N", 1),
+        BackendOption("--partition", "partition", "The partition (sbatch --partition).", metavar="P"),
+        BackendOption("--time", "time", "The time limit (sbatch --time), e.g. 2:00:00.", metavar="T"),
+        BackendOption("--account", "account", "The account to charge (sbatch --account).", metavar="A"),
+        BackendOption("--gres", "gres", "Generic resources per node, e.g. gpu:2 (sbatch --gres).", metavar="LIST"),
+        BackendOption("--cpus-per-task", "cpus_per_task", "CPUs for each node's task (sbatch and srun "
+                      "--cpus-per-task).", int, "N", 1),
+        BackendOption("--mem", "mem", "Memory per node, e.g. 16G (sbatch --mem).", metavar="SIZE"),
+        BackendOption("--exclusive", "exclusive", "The nodes are not shared with other jobs.", bool),
+        BackendOption("--constraint", "constraint", "Node features required (sbatch --constraint).",
+                      metavar="FEATURES"),
+        BackendOption("--qos", "qos", "Quality of service (sbatch --qos).", metavar="Q"),
+        BackendOption("--reservation", "reservation", "Run in this reservation (sbatch --reservation).", metavar="R"),
+        BackendOption("--sbatch-arg", "sbatch_args", "Any other sbatch option, as written, e.g. "
+                      "--sbatch-arg=--mail-type=END (repeatable).", metavar="OPT", multiple=True),
+    )
+
+    @classmethod
+    def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> SlurmBackend:
+        nodes = opts.get("nodes") or len(cfg.hosts)
+        if not nodes:
+            raise ConfigError("--nodes", None, "give --nodes N, how many nodes to allocate (or list the hosts in "
+                              "HOSTS: their count is the default)")
+        return cls(cfg, SlurmOptions(nodes, opts.get("partition"), opts.get("time"), opts.get("account"), detach,
+                                     opts.get("gres"), opts.get("cpus_per_task"), opts.get("mem"),
+                                     bool(opts.get("exclusive")), opts.get("constraint"), opts.get("qos"),
+                                     opts.get("reservation"), tuple(opts.get("sbatch_args") or ())))
+
     def __init__(self, cfg: ClusterConfig, opts: SlurmOptions) -> None:
         self.cfg, self.opts = cfg, opts
         self.names = [f"node{i}" for i in range(opts.nodes)]
@@ -222,7 +254,43 @@ class SlurmBackend(Backend):
         return doc.get("python_path") or self.cfg.python
 
     def remember(self) -> Dict[str, str]:
-        return {"backend": "slurm"}  # the Slurm job id is kept in the job directory, known once submitted
+        # The Slurm job id once submitted (the job directory keeps it too)
+        return {"backend": self.name, **({"slurm_job": self.job_id} if self.job_id else {})}
+
+    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
+        self.spec, self.lib = spec, dispatch.Package("", "<node library sha256>", 0, 0)
+        adir = f"{spec.job_dir}/.paddle_cluster/attempt-1"
+        plan = mint_plan(spec, [placeholder(i) for i in range(self.opts.nodes)])
+        return Rendered((
+            (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.",
+             self.script(adir)),
+            ("submitted with:", shlex.join(self.sbatch_argv(adir))),
+            ("each node's share of the plan (its address: the node's on PADDLE_NIC, published when it starts):",
+             plan_text(dataclasses.replace(plan, nodes=tuple(per_node(plan))), self.labels))))
+
+    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
+        """The nodes fail fast on their own (no launcher follows)."""
+        self.start(self.plan(spec, self.prepare(spec, say)))
+        say(f"job {spec.name} is Slurm job {self.job_id}")
+        return self.remember()
+
+    @classmethod
+    def describe(cls, job: JobRef) -> Description:
+        from . import ops
+
+        return Description(*ops.status(job.cfg, job.name, job.handle))
+
+    @classmethod
+    def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        from . import ops
+
+        ops.logs(job.cfg, job.name, job.handle, node, role, lines, follow)
+
+    @classmethod
+    def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
+        from . import ops
+
+        return [ops.kill(job.cfg, job.name, job.handle)]
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
@@ -247,6 +315,25 @@ class SlurmBackend(Backend):
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
         return [self.pythons[0], *argv[1:]] if self.pythons else argv
 
+    def srun_argv(self, adir: str) -> List[str]:
+        assert self.spec is not None
+        opts = self.opts
+        # srun takes --cpus-per-task from no variable since Slurm 22.05: the step asks for it again.
+        cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
+        return ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={self.spec.name}",
+                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(adir, not opts.detach)]
+
+    def script(self, adir: str) -> str:
+        """The batch script of start ``adir`` (``attempt-<k>``): every sbatch option, then the ``srun`` step."""
+        assert self.spec is not None
+        opts, spec = self.opts, self.spec
+        return batch_script(spec.name, int(adir.rsplit("-", 1)[-1]), [
+            f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
+            f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *opts.sbatch_options()], self.srun_argv(adir))
+
+    def sbatch_argv(self, adir: str) -> List[str]:
+        return ["sbatch", "--parsable", f"{adir}/job.sh"]
+
     def start(self, plan: JobPlan) -> None:
         assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"
         spec, opts = self.spec, self.opts
@@ -256,10 +343,7 @@ class SlurmBackend(Backend):
         fd = os.open(f"{adir}/plan.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the secret
         with os.fdopen(fd, "w") as f:
             f.write("".join(m.encode(m.Start(n)) + "\n" for n in per_node(plan)))
-        # srun takes --cpus-per-task from no variable since Slurm 22.05: the step asks for it again.
-        cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
-        srun = ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={spec.name}",
-                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(adir, not opts.detach)]
+        srun = self.srun_argv(adir)
         self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
         self._done = threading.Event()
         if os.environ.get("SLURM_JOB_ID") and not opts.detach:
@@ -271,12 +355,9 @@ class SlurmBackend(Backend):
                                          stderr=open(f"{adir}/srun.out", "ab"), cwd=spec.cwd,
                                          start_new_session=True)
         else:
-            script = f"{adir}/job.sh"
-            with open(script, "w") as f:
-                f.write(batch_script(spec.name, self.attempt, [
-                    f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
-                    f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *opts.sbatch_options()], srun))
-            out = slurm(["sbatch", "--parsable", script], "submitting the job")
+            with open(f"{adir}/job.sh", "w") as f:
+                f.write(self.script(adir))
+            out = slurm(self.sbatch_argv(adir), "submitting the job")
             self.job_id = out.strip().split(";")[0]
             with open(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}", "w") as f:
                 f.write(self.job_id + "\n")

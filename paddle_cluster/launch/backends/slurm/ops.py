@@ -1,44 +1,23 @@
-"""``run --detach``, ``kill``, ``status`` and ``logs`` of Slurm jobs: Slurm knows the job, the shared filesystem
-holds each node's records and logs (``backends/slurm.py`` for the layout)."""
+"""``kill``, ``status`` and ``logs`` of Slurm jobs: Slurm knows the job, the shared filesystem holds each node's
+records and logs (``backend.py`` for the layout)."""
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Callable, List, Optional
+from typing import List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
-from ... import journal
 from ...config import ClusterConfig
 from ...errors import ClusterError
 from ...interrupt import stoppable
-from ...plan import JobSpec
-from ...supervise import JobResult
-from ..ssh.ops import ProcRow
-from .backend import SlurmBackend, active, cancel_job, job_info, node_dir, saved_job_id
+from ..base import ProcRow
+from .backend import active, cancel_job, job_info, node_dir, saved_job_id
 
 
-def submit(spec: JobSpec, be: SlurmBackend, say: Callable[[str], None]) -> JobResult:
-    """``run --detach``: submit and return; the nodes fail fast on their own (no launcher follows)."""
-    try:
-        with stoppable():
-            be.start(be.plan(spec, be.prepare(spec, say)))
-    except BaseException:
-        be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
-        raise
-    journal.remember(spec.cfg, spec.name, spec.workspace, {"backend": "slurm", "slurm_job": be.job_id or ""})
-    return JobResult(spec.name, 0, f"job {spec.name} is Slurm job {be.job_id}; follow it with `paddle-cluster "
-                     f"status` and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill` (add "
-                     f"--job_name {spec.name} for an older job)")
-
-
-def is_slurm_job(cfg: ClusterConfig, name: str) -> bool:
-    return (journal.where(cfg, name).get("backend") or cfg.backend) == "slurm"
-
-
-def _job_id(cfg: ClusterConfig, name: str) -> str:
-    job_id = journal.where(cfg, name).get("slurm_job") or saved_job_id(cfg.job_dir(name))
+def _job_id(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
+    job_id = handle.get("slurm_job") or saved_job_id(cfg.job_dir(name))
     if not job_id:
         raise ClusterError(f"no Slurm job recorded for job {name} in {cfg.job_dir(name)}/.paddle_cluster; is "
                            "ROOT_DIR the shared filesystem it was started with?")
@@ -57,8 +36,8 @@ def _node_dirs(cfg: ClusterConfig, name: str) -> List[str]:
     return [path for _, path in sorted(found)]
 
 
-def kill(cfg: ClusterConfig, name: str) -> str:
-    job_id = _job_id(cfg, name)
+def kill(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
+    job_id = _job_id(cfg, name, handle)
     for d in _node_dirs(cfg, name):
         if procs.load_records(d) is not None:  # its agent then says "stopped by paddle-cluster kill", as on ssh
             procs.request_kill(d)
@@ -66,9 +45,9 @@ def kill(cfg: ClusterConfig, name: str) -> str:
     return f"Slurm job {job_id} (job {name}): {state}; nothing of it is left in squeue"
 
 
-def status(cfg: ClusterConfig, name: str) -> tuple:
+def status(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> Tuple[str, List[ProcRow]]:
     """(Slurm's line about the job, a row per process from every node's records)."""
-    job_id = _job_id(cfg, name)
+    job_id = _job_id(cfg, name, handle)
     info = job_info(job_id)
     state = info.get("JobState", "unknown to Slurm (finished long ago?)")
     head = f"Slurm job {job_id}: {state}"
@@ -87,14 +66,15 @@ def status(cfg: ClusterConfig, name: str) -> tuple:
     return head, rows
 
 
-def logs(cfg: ClusterConfig, name: str, node_text: str, role: str, n: int, follow: bool) -> int:
+def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: str, role: str, n: int,
+         follow: bool) -> int:
     t = node_text.strip()
     idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
     d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
     if idx is None or not os.path.isdir(d):
         have = ", ".join(os.path.basename(x) for x in _node_dirs(cfg, name)) or "none yet"
         raise ClusterError(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have}")
-    job_id = _job_id(cfg, name)
+    job_id = _job_id(cfg, name, handle)
     with stoppable():
         try:
             return jobdir.print_logs(d, role, n, follow, ended=lambda: active(job_id) is False,

@@ -24,9 +24,10 @@ from ...config import ClusterConfig
 from ...errors import HostConfigError, HostError
 from ...fanout import fanout
 from ...hosts import Node, Stream, make_nodes
-from ...plan import JobPlan, JobSpec
+from ...plan import JobPlan, JobSpec, mint_plan
 from ...session import NodeSession
-from ..base import Backend, Event, EventQueue
+from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered, plan_text
+from . import ops
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
@@ -34,7 +35,8 @@ PING_S = 2.0
 
 
 class SSHBackend(Backend):
-    agents_in_sessions = True  # the prepared sessions become the agents (a subclass that starts them otherwise: no)
+    name = "ssh"
+    summary = "HOSTS over SSH; localhost as a subprocess"
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -58,7 +60,35 @@ class SSHBackend(Backend):
         return self._prepare(None, say, check_ports)
 
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        return self._prepare(spec, say, True, agent=self.agents_in_sessions)
+        return self._prepare(spec, say, True, agent=True)
+
+    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+        """``prepare`` for an engine that starts the agents itself (mpirun): each session ends once prepared."""
+        return self._prepare(spec, say, True)
+
+    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
+        return Rendered(((f"ssh plan of job {spec.name}: one agent per host ({self.cfg.python} -m paddle_cluster.node "
+                          f"supervise, over SSH; localhost as a subprocess) runs its processes. Nothing was started.\n"
+                          f"Addresses are each host's on PADDLE_NIC ({self.cfg.paddle_nic}), found when the job "
+                          "starts.", self.plan_text(spec)),))
+
+    def plan_text(self, spec: JobSpec) -> str:
+        """``plan_text`` of ``spec`` on these hosts, their addresses still unknown."""
+        return plan_text(mint_plan(spec, [f"<{n.spec.host}:{self.cfg.paddle_nic}>" for n in self.nodes]), self.labels)
+
+    @classmethod
+    def describe(cls, job: JobRef) -> Description:
+        return Description("", ops.job_status(job.cfg, job.name, dict(job.ended) if job.ended else None))
+
+    @classmethod
+    def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        ops.stream_logs(job.cfg, job.name, node, role, lines, follow, out)
+
+    @classmethod
+    def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
+        nodes = ops.kill_job(job.cfg, job.name)
+        say(ops.kill_summary(job.cfg, job.name, nodes))
+        return [r.line(job.name) for r in nodes]
 
     def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
         """Only the workspace (and the probe that comes with it), as ``prepare`` does."""
