@@ -1,0 +1,132 @@
+"""The backend contract through the CLI: ``run --dry-run`` and ``render`` print each backend's native request and
+start nothing; a backend's option given to another backend is a clear error; ``run --help`` groups the options
+by backend; ``status``, ``logs`` and ``kill`` find a job on the backend the journal recorded, whatever the config
+says now."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_settings
+
+from paddle_cluster.cli import main
+from paddle_cluster.launch import journal
+from paddle_cluster.launch.backends import REGISTRY, backend_class
+from paddle_cluster.launch.config import load_config
+
+# What only each engine's own request holds
+NATIVE = {"ssh": ["ssh plan of job dry", "pserver.0: ", "trainer.1: python3 train.py --num_passes 2"],
+          "mpi": ["mpirun --hostfile", "10.9.0.3 slots=1", "Host 10.9.0.2", "bootstrap"],
+          "slurm": ["#!/bin/sh", "exec srun --nodes=2", "sbatch --parsable --nodes=2", "--partition=gpu"],
+          "k8s": ["kind: Secret", "kind: Job", "image: registry.example/fit:1"]}
+OPTIONS = {"slurm": ["--partition", "gpu"], "k8s": ["--image", "registry.example/fit:1"]}
+
+
+def _user_conf(tmp: Path) -> Path:
+    """The README's conf.py: two hosts that are never contacted (a dry run talks to no host)."""
+    return write_settings(tmp / "conf.py", {"HOSTS": ["root@10.9.0.2", "root@10.9.0.3"],
+                                            "ROOT_DIR": str(tmp / "root"), "PADDLE_NIC": "eth0", "PADDLE_PORT": 7164})
+
+
+def _isolated(tmp: Path) -> dict:
+    return dict(os.environ, HOME=str(tmp / "home"), XDG_STATE_HOME=str(tmp / "state"),
+                XDG_CACHE_HOME=str(tmp / "cache"), TMPDIR=str(tmp / "scratch"))
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+@pytest.mark.parametrize("how", ["run --dry-run", "render"])
+def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend, how):
+    conf, env = _user_conf(tmp_path), _isolated(tmp_path)
+    (tmp_path / "scratch").mkdir()
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    args = ["run", "--backend", backend, "--dry-run"] if how == "run --dry-run" else ["render", backend]
+    if backend != "k8s":
+        args += ["--job_dispatch_package", str(ws)]
+    res = cli(conf, *args, *OPTIONS.get(backend, []), "--job_name", "dry", "--", "--num_passes", "2", env=env)
+    assert res.returncode == 0, res.stderr
+    for marker in NATIVE[backend]:
+        assert marker in res.stdout, (marker, res.stdout)
+    assert "Traceback" not in res.stderr
+    # Nothing started, nothing written: no job directory, no journal entry, no cached archive, no temporary file.
+    assert not (tmp_path / "root").exists()
+    assert not (tmp_path / "state").exists() and not (tmp_path / "cache").exists()
+    assert list((tmp_path / "scratch").iterdir()) == []
+    if backend != "k8s":  # a dry run prints no credential (the manifests' Secret is what k8s applies)
+        assert "PADDLE_JOB_SECRET=<set>" in res.stdout and "PADDLE_TRAINER_KEY=<set>" in res.stdout
+
+
+@pytest.mark.parametrize("option,value,owner", [("--partition", "gpu", "slurm"), ("--nodes", "3", "slurm"),
+                                                ("--image", "img:1", "k8s"), ("--namespace", "ml", "k8s")])
+def test_an_option_of_another_backend_is_a_clear_error(tmp_path, option, value, owner):
+    conf = _user_conf(tmp_path)
+    res = cli(conf, "run", "--backend", "ssh", option, value, "--job_dispatch_package", str(tmp_path),
+              env=_isolated(tmp_path))
+    assert res.returncode == 2, res.stderr
+    assert f"{option} is an option of --backend {owner}, and this job runs on backend ssh (--backend)" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "root").exists()
+
+
+def test_detach_where_the_engine_cannot_is_a_clear_error(tmp_path):
+    res = cli(_user_conf(tmp_path), "run", "--backend", "mpi", "--detach", "--job_dispatch_package", str(tmp_path),
+              env=_isolated(tmp_path))
+    assert res.returncode == 2
+    assert "--detach is not offered by backend mpi" in res.stderr
+
+
+def test_run_help_groups_the_options_by_backend():
+    out = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    sections = re.findall(r"^(Options[^:\n]*):", out, re.M)
+    assert sections == ["Options", *[f"Options of --backend {b}" for b in REGISTRY if backend_class(b).options]]
+    slurm = out.split("Options of --backend slurm:")[1].split("Options of --backend k8s:")[0]
+    assert "--partition" in slurm and "--image" not in slurm
+    common = out.split("Options of --backend")[0]
+    assert "--dry-run" in common and "--partition" not in common
+
+
+def test_the_journal_keeps_each_jobs_backend_and_handle(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    cfg = load_config(str(_user_conf(tmp_path)))
+    journal.remember(cfg, "a", None, {"backend": "slurm", "slurm_job": "17"})
+    journal.remember(cfg, "b", None, {"backend": "ssh"})
+    assert journal.where(cfg, "a") == {"backend": "slurm", "slurm_job": "17"}  # not only the latest job's
+    assert journal.where(cfg, "b") == {"backend": "ssh"} and journal.where(cfg, "c") == {}
+
+
+def test_status_logs_and_kill_find_an_ssh_job_through_the_journal(tmp_path):
+    """The config now says BACKEND slurm; the job ran on ssh (localhost): the journal says so, and status, logs
+    and kill reach it there. (local_conf pins PYTHON to this interpreter, which has numpy.)"""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(HOLD_PY)
+    conf = local_conf(tmp_path, KILL_GRACE=2.0)
+    env = _isolated(tmp_path)
+    (tmp_path / "scratch").mkdir()
+    run = start_cli(conf, "run", "--backend", "ssh", "--job_dispatch_package", str(ws), "--job_name", "viaj",
+                    env=env)
+    try:
+        log = tmp_path / "root" / "viaj" / "log" / "train.log"
+        wait_for(lambda: log.exists() and "holding 0" in log.read_text(), 60, "the trainer holding")
+        text = conf.read_text() + "BACKEND = 'slurm'\n"
+        conf.write_text(text)
+        st = cli(conf, "status", "--json", env=env)
+        assert st.returncode == 0, st.stderr
+        states = {r["name"]: r["state"] for r in json.loads(st.stdout)["processes"]}
+        assert states == {"pserver.0": "running", "trainer.0": "running"}, st.stdout
+        lg = cli(conf, "logs", "node0", "--role", "trainer", env=env)
+        assert lg.returncode == 0 and "holding 0" in lg.stdout, lg.stderr
+        k = cli(conf, "kill", env=env)
+        assert k.returncode == 0, k.stderr
+        assert re.search(r"node0 \(localhost\): .*trainer\.0", k.stdout), k.stdout
+        assert run.wait(timeout=60) == 3  # stopped by paddle-cluster kill
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.wait(timeout=60)
