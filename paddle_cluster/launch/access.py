@@ -1,23 +1,52 @@
-"""The launcher's one way onto the hosts of HOSTS outside a run: the node library installed where its hash is new,
-then node sub-commands (``kill``, ``status``, ``logs``, ``plot``), and the ``check`` preflight's probe."""
+"""The hosts of HOSTS outside a run (``check``, ``kill``, ``status``, ``logs``, ``plot``, Slurm's shared ROOT_DIR),
+reached the way ``run`` reaches them: one node session each (``launch/session.py``), which installs the node
+library where its hash is new and answers the node's probe, then ends. The library install and the probe exist
+only there."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Any, Dict, List, Sequence, Tuple
+
+from paddle_cluster.node.session import Request
 
 from . import dispatch, machines, preflight
 from .config import ClusterConfig, HostSpec
 from .errors import ClusterError, HostError
-from .fanout import fanout
+from .fanout import FanoutResult, fanout
 from .hosts import Node, make_nodes
+from .session import NodeSession
 
 
-def nodes_with_lib(cfg: ClusterConfig) -> tuple:
+def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,
+                ports: Sequence[int] = ()) -> Tuple[dispatch.Package, FanoutResult]:
+    """Every node's probe (``ports``: which of them are taken), the node library installed first where it is
+    new; the library, and each node's answer or error."""
+    with dispatch.library_archive() as lib, open(lib.path, "rb") as f:  # as run reads it (launch/backends/ssh)
+        data = f.read()
+    req = Request(cfg.paddle_nic, cfg.root_dir, tuple(ports))
+
+    def probe(n: Node) -> Dict[str, Any]:
+        s = NodeSession(n, lib, data, req)
+        try:
+            return s.open()
+        finally:
+            s.close()
+
+    return lib, fanout(nodes, probe)
+
+
+def nodes_with_lib(cfg: ClusterConfig) -> Tuple[List[Node], dispatch.Package, List[Dict[str, Any]]]:
+    """The nodes of HOSTS with the node library on each, and each node's probe (its address on PADDLE_NIC)."""
     nodes = make_nodes(cfg)
-    return nodes, dispatch.install_library(nodes)
+    lib, res = probe_nodes(nodes, cfg)
+    try:
+        return nodes, lib, res.ok("installing paddle_cluster on the nodes")
+    except BaseException:
+        fanout(nodes, lambda n: n.close())
+        raise
 
 
 @dataclass(frozen=True)
@@ -47,16 +76,8 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
         raise ClusterError("check --backend k8s: pods run the image's python3 (K8S_IMAGE), which no host here "
                            "can probe; try the image with: docker run IMAGE python3 -c 'import numpy'")
     nodes = make_nodes(cfg)
-    ports = ",".join(map(str, cfg.node_ports()))
 
-    def check(n: Node) -> CheckRow:
-        try:
-            dispatch.ensure_package(n, lib, "lib")
-        except HostError as e:
-            return CheckRow(n.name, n.spec.text, False, "FAIL", "-", "-", "-", "-", "-", "-", e.message)
-        doc = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--ports", ports,
-                                  "--root", cfg.root_dir, what="probing")
-        probes[n.index] = doc
+    def check(n: Node, doc: Dict[str, Any]) -> CheckRow:
         problems = preflight.probe_problems(cfg, doc)
         if slurm:  # this machine's NIC and ports are not the nodes'
             problems = [p for p in problems if not p.startswith(("PADDLE_NIC", "port("))]
@@ -74,21 +95,20 @@ def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
             f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems),
             doc.get("python_path") or cfg.python)
 
-    probes: Dict[int, dict] = {}
-    with dispatch.library_archive() as lib:
-        res = fanout(nodes, check)
+    _, res = probe_nodes(nodes, cfg, cfg.node_ports())
     fanout(nodes, lambda n: n.close())
+    probes: Dict[int, dict] = res.values
     seen = sorted(probes)
     twice = machines.same_machine_problems([nodes[i].label for i in seen], [probes[i] for i in seen])
     same = {seen[k]: why for k, why in twice.items()}
     rows = []
     for n in nodes:
-        if n.index in same and n.index in res.values:
-            row = res.values[n.index]
-            rows.append(dataclasses.replace(row, ok=False, problem="; ".join(p for p in (row.problem, same[n.index])
-                                                                              if p)))
-        elif n.index in res.values:
-            rows.append(res.values[n.index])
+        if n.index in probes:
+            row = check(n, probes[n.index])
+            if n.index in same:
+                row = dataclasses.replace(row, ok=False, problem="; ".join(p for p in (row.problem, same[n.index])
+                                                                           if p))
+            rows.append(row)
         else:
             err = res.errors[n.index]
             msg = err.message if isinstance(err, HostError) else f"{type(err).__name__}: {err}"

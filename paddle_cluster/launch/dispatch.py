@@ -171,13 +171,6 @@ def library_archive() -> Iterator[Package]:
         yield library_package(hold)
 
 
-def install_library(nodes: Sequence[Node]) -> Package:
-    """Make the node library present on every node (sent only where its hash is new)."""
-    with library_archive() as lib:
-        fanout(nodes, lambda n: ensure_package(n, lib, "lib")).ok("installing paddle_cluster on the nodes")
-    return lib
-
-
 def pack_library(out_dir: str) -> Package:
     return _tar(_library_entries(), out_dir, "lib-")
 
@@ -194,16 +187,16 @@ def _library_entries() -> List[Tuple[Path, str]]:
     return entries
 
 
-# Runs on the node with nothing but Python: is the archive there, and if asked, verify and install it.
+# Runs on the node with nothing but Python: is the archive there, and if asked, verify and keep it. (The node
+# library is installed by the node session, launch/session.py.)
 _REMOTE = r"""
-import hashlib, json, os, sys, tarfile
+import hashlib, json, os, sys
 op, root, sha = sys.argv[1], sys.argv[2], sys.argv[3]
 cache = os.path.join(root, ".paddle_cluster")
 os.makedirs(os.path.join(cache, "packages"), mode=0o700, exist_ok=True)
 final = os.path.join(cache, "packages", sha + ".tar")
-lib = os.path.join(cache, "lib", sha)
 if op == "has":
-    print(json.dumps({"has": os.path.exists(final), "lib": os.path.isdir(lib), "part": final + ".part"}))
+    print(json.dumps({"has": os.path.exists(final), "part": final + ".part"}))
     sys.exit(0)
 part = sys.argv[4]
 h = hashlib.sha256()
@@ -215,18 +208,6 @@ if h.hexdigest() != sha:
     print(json.dumps({"ok": False, "error": "checksum mismatch after upload"}))
     sys.exit(1)
 os.replace(part, final)
-if op == "lib":
-    tmp = lib + ".tmp-%d" % os.getpid()
-    with tarfile.open(final) as t:
-        for m in t:  # our own archive, but stay inside tmp regardless
-            if m.name.startswith("/") or ".." in m.name.split("/") or not (m.isfile() or m.isdir()):
-                sys.exit("bad member " + m.name)
-            t.extract(m, tmp)
-    os.makedirs(os.path.dirname(lib), exist_ok=True)
-    try:
-        os.rename(tmp, lib)
-    except OSError:
-        pass  # another launcher installed the same library concurrently
 print(json.dumps({"ok": True}))
 """
 
@@ -238,7 +219,7 @@ def ensure_package(node: Node, pkg: Package, kind: str,
     remote = [node.cfg.python, "-c", _REMOTE]
     state = node.run_json([*remote, "has", root, pkg.sha256], f"looking for the {kind} archive under {root}", 300)
     final = f"{root}/.paddle_cluster/packages/{pkg.sha256}.tar"
-    if state["has"] and (kind != "lib" or state["lib"]):
+    if state["has"]:
         return final, False  # no progress reported: nothing was sent
     part = f"{state['part']}-{secrets.token_hex(4)}"
     node.put(pkg.path, part, progress)

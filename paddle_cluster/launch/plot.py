@@ -28,7 +28,7 @@ class Curve:
 
 def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     """``{"trainer0": [records...], ...}`` gathered from every node's ``<job dir>/log``."""
-    nodes, lib = nodes_with_lib(cfg)
+    nodes, lib, _ = nodes_with_lib(cfg)
     job_dir = cfg.job_dir(job_name)
 
     def read(n: Node) -> Dict[str, List[dict]]:

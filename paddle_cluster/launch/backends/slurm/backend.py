@@ -30,6 +30,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
 from ... import dispatch, resume
+from ...access import probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
@@ -235,19 +236,18 @@ class SlurmBackend(Backend):
                 spec.resume_root, [k for i in range(self.opts.nodes) for k in spec.node_pservers(i)]))], say)
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
-        with dispatch.library_archive() as lib:
-            dispatch.ensure_package(self.local, lib, "lib")
+        lib, res = probe_nodes([self.local], self.cfg)  # the node library under the shared ROOT_DIR
+        (doc,) = res.ok("installing paddle_cluster under ROOT_DIR")
+        self.local.close()
         self.lib = lib
-        self.pythons = [self.interpreter(lib)] * self.opts.nodes
+        self.pythons = [self.interpreter(doc)] * self.opts.nodes
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
         return [placeholder(i) for i in range(self.opts.nodes)]
 
-    def interpreter(self, lib: dispatch.Package) -> str:
-        """PYTHON resolved to an absolute path on this machine, numpy checked: srun runs the nodes with this
-        machine's environment (--export=ALL) and ROOT_DIR is shared, so every process runs this interpreter."""
-        doc = dispatch.agent_json(self.local, lib, "probe", "--nic", self.cfg.paddle_nic, "--root", self.cfg.root_dir,
-                                  what="probing the interpreter")
+    def interpreter(self, doc: Dict[str, Any]) -> str:
+        """PYTHON resolved to an absolute path on this machine (``doc``: its probe), numpy checked: srun runs the
+        nodes with this machine's environment (--export=ALL) and ROOT_DIR is shared, so every process runs it."""
         if doc.get("numpy") is None:
             raise ClusterError(f"PYTHON = {self.cfg.python!r} ({doc.get('python_path')}) has no numpy; install it "
                                f"there ({self.cfg.python} -m pip install numpy) or set PYTHON to one that has it")

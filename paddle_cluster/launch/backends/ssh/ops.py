@@ -43,7 +43,7 @@ class NodeKill:
 def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
     """Stop every process recorded for ``job_name`` on every node (SIGTERM, KILL_GRACE, SIGKILL); nothing else is
     touched. Each node says how each process that was running before ended."""
-    nodes, lib = nodes_with_lib(cfg)
+    nodes, lib, _ = nodes_with_lib(cfg)
     job_dir = cfg.job_dir(job_name)
 
     def running(n: Node) -> List[str]:
@@ -82,14 +82,12 @@ def kill_summary(cfg: ClusterConfig, job_name: str, nodes: List[NodeKill]) -> st
 def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) -> List[ProcRow]:
     """Every process of the job as its node records it; with ``ended`` (the outcome ``run`` recorded) a job that
     finished shows every process it stopped as finished (a pserver's own exit races with its stop)."""
-    nodes, lib = nodes_with_lib(cfg)
+    nodes, lib, probes = nodes_with_lib(cfg)
     job_dir = cfg.job_dir(job_name)
 
     def status(n: Node) -> List[ProcRow]:
         doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what="reading job status")
-        probe = dispatch.agent_json(n, lib, "probe", "--nic", cfg.paddle_nic, "--root", cfg.root_dir,
-                                    what="probing the node")
-        addr = probe.get("address") or "?"
+        addr = probes[n.index].get("address") or "?"
         # each process's own address as its agent recorded it (a local pserver's loopback one), else the node's
         return [ProcRow(n.name, n.spec.text, p.get("address") or addr, p["name"], p["role"], p["pid"], p["state"],
                         p.get("progress", ""), p["last_line"]) for p in doc["procs"]]
@@ -126,7 +124,7 @@ def resolve_node(cfg: ClusterConfig, text: str) -> int:
 def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n: int, follow: bool,
                 out: Callable[[str], None]) -> int:
     idx = resolve_node(cfg, node_text)
-    nodes, lib = nodes_with_lib(cfg)
+    nodes, lib, _ = nodes_with_lib(cfg)
     node = nodes[idx]
     args = ["logs", "--job-dir", cfg.job_dir(job_name), "--role", role, "-n", str(n)]
     try:
