@@ -205,6 +205,33 @@ def test_detach_then_status_logs_and_kill(slurm, tmp_path):
     assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["stopped (kill)"] * 6, st.stdout
 
 
+def test_detached_jobs_are_found_through_the_journal_whatever_the_config_says(slurm, tmp_path):
+    """The config's BACKEND is ssh; two jobs were submitted with --backend slurm: status, logs and kill of the
+    older one (by name) and of the latest reach each on Slurm through the journal's handles."""
+    conf, env, ws = _setup(slurm, tmp_path, BACKEND="ssh", HOSTS=["localhost"])
+    ids = {}
+    # Slurm may place both on one node: the second job takes other ports (--port, as a v2 user would)
+    for name, nodes, more in (("first", "2", ()), ("second", "1", ("--", "--port", str(free_port_range(4))))):
+        res = _cli(conf, env, "run", "--backend", "slurm", "--nodes", nodes, "--detach", "--job_dispatch_package",
+                   str(ws), "--job_name", name, *more)
+        assert res.returncode == 0, res.stderr
+        ids[name] = re.search(r"is Slurm job (\d+)", res.stderr).group(1)
+    log = slurm.shared_dir / tmp_path.name / "first" / "node1" / "log" / "train.log"
+    wait_for(lambda: log.exists() and "holding 1" in log.read_text(), 90, "trainer 1 of the first job holding")
+    st = _cli(conf, env, "status", "--job_name", "first", "--json")
+    assert st.returncode == 0, st.stderr
+    assert f"Slurm job {ids['first']}: RUNNING" in st.stderr
+    assert len(json.loads(st.stdout)["processes"]) == 4, st.stdout
+    lg = _cli(conf, env, "logs", "node1", "--role", "trainer", "--job_name", "first")
+    assert lg.returncode == 0 and "holding 1" in lg.stdout, lg.stderr
+    k = _cli(conf, env, "kill", "--job_name", "first")
+    assert k.returncode == 0 and f"Slurm job {ids['first']}" in k.stdout, k.stderr
+    assert slurm.active_jobs() == [ids["second"]]
+    k = _cli(conf, env, "kill")
+    assert k.returncode == 0 and f"Slurm job {ids['second']}" in k.stdout, k.stderr
+    assert slurm.active_jobs() == []
+
+
 def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch):
     """A job Slurm has forgotten is gone; a controller that does not answer says nothing of the job: the
     launcher following it keeps following and ``kill`` keeps trying, neither takes it for gone."""
