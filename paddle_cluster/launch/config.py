@@ -22,6 +22,7 @@ import yaml
 
 from .. import contract
 from .errors import ConfigError
+from .registry import REGISTRY
 
 LOCAL_HOSTS = ("localhost",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -398,8 +399,6 @@ def validate(cfg: ClusterConfig) -> None:
             raise cfg.error(key, "must be 0 or more")
     if cfg.max_restarts < 0:
         raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
-    from .backends import REGISTRY  # here: the backends import this module
-
     if cfg.backend not in REGISTRY:
         raise cfg.error("backend", f"must be one of {', '.join(REGISTRY)}")
     if cfg.mpi_impl not in MPI_IMPLS:

@@ -1,24 +1,18 @@
 """Launch backends: where a job runs (``base.Backend``, the contract every backend keeps).
 
-``REGISTRY`` is the one place that names them: a backend is a package here and one line below.
+``registry.REGISTRY`` is the one place that names them: a backend is a package here and one line there.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
 from ..config import ClusterConfig
 from ..errors import ClusterError
+from ..registry import REGISTRY
 from .base import Backend, BackendOption, JobRef
-
-REGISTRY: Dict[str, str] = {  # BACKEND -> "module:class", imported when used
-    "ssh": "paddle_cluster.launch.backends.ssh:SSHBackend",  # localhost included, as a subprocess
-    "mpi": "paddle_cluster.launch.backends.mpi:MPIBackend",
-    "slurm": "paddle_cluster.launch.backends.slurm:SlurmBackend",
-    "k8s": "paddle_cluster.launch.backends.k8s:K8sBackend",
-}
 
 
 def backend_class(name: str) -> Type[Backend]:

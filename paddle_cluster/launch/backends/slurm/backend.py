@@ -36,14 +36,13 @@ from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, mint_plan
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
+from . import ops
+from .ops import JOB_ID_FILE, cancel_job, job_info, node_dir, slurm
 
 POLL_S = 0.5
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
-_FIELD = re.compile(r"(\S+?)=(\S*)")
-JOB_ID_FILE = "slurm_job"
 LEASE = "launcher.lease"  # rewritten every second by the launcher that follows the job (see node bootstrap)
-FORGOTTEN = "Invalid job id"  # what scontrol and squeue say of a job Slurm no longer keeps
 
 
 # sbatch options the backend sets itself (one task per node, its script, output and directory): a pass-through
@@ -122,38 +121,6 @@ def _sbatch_quoted(option: str) -> str:
     return f'{name}="{value}"' if eq else f'"{option}"'
 
 
-def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
-    """A Slurm client command's output; ``ClusterError`` naming it and Slurm's message when it fails."""
-    exe = shutil.which(argv[0])
-    if exe is None:
-        raise ClusterError(f"--backend slurm: {argv[0]} not found; run on a machine with the Slurm client "
-                           "commands (a login node), or install them (Debian: apt-get install slurm-client)")
-    try:
-        res = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
-                             stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise ClusterError(f"{what}: {argv[0]} gave no answer within {timeout:.0f} s") from None
-    if res.returncode != 0:
-        raise ClusterError(f"{what}: {shlex.join(argv)} failed: {(res.stderr or res.stdout).strip()}")
-    return res.stdout
-
-
-def job_info(job_id: str) -> Dict[str, str]:
-    """``scontrol show job`` as a dict (``JobState``, ``Reason``, ``NodeList``...); {} once Slurm forgot it.
-    ``ClusterError`` when Slurm gives no answer now (a busy controller times out): that says nothing of the job."""
-    try:
-        out = slurm(["scontrol", "-o", "show", "job", job_id], f"looking up Slurm job {job_id}", 30)
-    except ClusterError as e:
-        if FORGOTTEN in str(e):
-            return {}
-        raise
-    return dict(_FIELD.findall(out))
-
-
-def node_dir(job_dir: str, node: int) -> str:
-    return f"{job_dir}/node{node}"
-
-
 def per_node(plan: JobPlan) -> List[m.NodePlan]:
     """The plan's node shares with a directory each (a shared job directory would mix their agent state,
     logs and nodefile); checkpoints stay shared under the job directory."""
@@ -165,14 +132,6 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
         # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
         out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
-
-
-def saved_job_id(job_dir: str) -> Optional[str]:
-    try:
-        with open(f"{job_dir}/.paddle_cluster/{JOB_ID_FILE}") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 class SlurmBackend(Backend):
@@ -276,20 +235,14 @@ class SlurmBackend(Backend):
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
-        from . import ops
-
         return Description(*ops.status(job.cfg, job.name, job.handle))
 
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
-        from . import ops
-
         ops.logs(job.cfg, job.name, job.handle, node, role, lines, follow)
 
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
-        from . import ops
-
         return [ops.kill(job.cfg, job.name, job.handle)]
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
@@ -479,42 +432,6 @@ def _renew(path: str, beat: int) -> None:
         os.replace(f"{path}.tmp", path)
     except OSError:  # the shared filesystem hiccuped: the nodes wait ORPHAN_TIMEOUT before they take it as gone
         pass
-
-
-def active(job_id: str) -> Optional[bool]:
-    """Slurm still has the job queued, running or completing (``squeue`` lists it); None when Slurm gives no
-    answer now."""
-    try:
-        return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%T"], "", 30).strip())
-    except ClusterError as e:
-        return False if FORGOTTEN in str(e) else None
-
-
-def cancel_job(job_id: str, timeout: float) -> str:
-    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state. Slurm not
-    answering for a moment is waited out, up to ``timeout``."""
-    deadline = time.monotonic() + timeout
-    cancelled, why = False, "still listed by squeue"
-    while True:
-        listed = active(job_id)
-        if listed is False:
-            break
-        if listed and not cancelled:
-            try:
-                slurm(["scancel", job_id], f"cancelling Slurm job {job_id}")
-                cancelled = True
-            except ClusterError as e:
-                why = str(e)
-        if listed is None:
-            why = "no answer from squeue"
-        if time.monotonic() > deadline:
-            raise ClusterError(f"Slurm job {job_id}: {why} after {timeout:.0f} s of cancelling it; check "
-                               f"`squeue -j {job_id}` and `scancel {job_id}` by hand")
-        time.sleep(0.2)
-    try:
-        return job_info(job_id).get("JobState", "gone")
-    except ClusterError:
-        return "gone"
 
 
 def _survey(root: str, pservers: List[int]) -> Dict[str, Any]:

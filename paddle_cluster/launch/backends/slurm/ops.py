@@ -1,11 +1,16 @@
-"""``kill``, ``status`` and ``logs`` of Slurm jobs: Slurm knows the job, the shared filesystem holds each node's
-records and logs (``backend.py`` for the layout)."""
+"""Slurm's client commands (``sbatch``, ``scontrol``, ``squeue``, ``scancel``) as functions, and ``kill``,
+``status`` and ``logs`` of a job found again: Slurm knows the job, the shared filesystem holds each node's records
+and logs (``backend.py`` for the layout)."""
 
 from __future__ import annotations
 
 import os
 import re
-from typing import List, Mapping, Optional, Tuple
+import shlex
+import shutil
+import subprocess
+import time
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
@@ -13,7 +18,82 @@ from ...config import ClusterConfig
 from ...errors import ClusterError
 from ...interrupt import stoppable
 from ..base import ProcRow
-from .backend import active, cancel_job, job_info, node_dir, saved_job_id
+
+_FIELD = re.compile(r"(\S+?)=(\S*)")
+JOB_ID_FILE = "slurm_job"
+FORGOTTEN = "Invalid job id"  # what scontrol and squeue say of a job Slurm no longer keeps
+
+
+def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
+    """A Slurm client command's output; ``ClusterError`` naming it and Slurm's message when it fails."""
+    exe = shutil.which(argv[0])
+    if exe is None:
+        raise ClusterError(f"--backend slurm: {argv[0]} not found; run on a machine with the Slurm client "
+                           "commands (a login node), or install them (Debian: apt-get install slurm-client)")
+    try:
+        res = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{what}: {argv[0]} gave no answer within {timeout:.0f} s") from None
+    if res.returncode != 0:
+        raise ClusterError(f"{what}: {shlex.join(argv)} failed: {(res.stderr or res.stdout).strip()}")
+    return res.stdout
+
+
+def job_info(job_id: str) -> Dict[str, str]:
+    """``scontrol show job`` as a dict (``JobState``, ``Reason``, ``NodeList``...); {} once Slurm forgot it.
+    ``ClusterError`` when Slurm gives no answer now (a busy controller times out): that says nothing of the job."""
+    try:
+        out = slurm(["scontrol", "-o", "show", "job", job_id], f"looking up Slurm job {job_id}", 30)
+    except ClusterError as e:
+        if FORGOTTEN in str(e):
+            return {}
+        raise
+    return dict(_FIELD.findall(out))
+
+def node_dir(job_dir: str, node: int) -> str:
+    return f"{job_dir}/node{node}"
+
+def saved_job_id(job_dir: str) -> Optional[str]:
+    try:
+        with open(f"{job_dir}/.paddle_cluster/{JOB_ID_FILE}") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+def active(job_id: str) -> Optional[bool]:
+    """Slurm still has the job queued, running or completing (``squeue`` lists it); None when Slurm gives no
+    answer now."""
+    try:
+        return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%T"], "", 30).strip())
+    except ClusterError as e:
+        return False if FORGOTTEN in str(e) else None
+
+def cancel_job(job_id: str, timeout: float) -> str:
+    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state. Slurm not
+    answering for a moment is waited out, up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    cancelled, why = False, "still listed by squeue"
+    while True:
+        listed = active(job_id)
+        if listed is False:
+            break
+        if listed and not cancelled:
+            try:
+                slurm(["scancel", job_id], f"cancelling Slurm job {job_id}")
+                cancelled = True
+            except ClusterError as e:
+                why = str(e)
+        if listed is None:
+            why = "no answer from squeue"
+        if time.monotonic() > deadline:
+            raise ClusterError(f"Slurm job {job_id}: {why} after {timeout:.0f} s of cancelling it; check "
+                               f"`squeue -j {job_id}` and `scancel {job_id}` by hand")
+        time.sleep(0.2)
+    try:
+        return job_info(job_id).get("JobState", "gone")
+    except ClusterError:
+        return "gone"
 
 
 def _job_id(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
