@@ -23,9 +23,10 @@ from paddle_cluster.launch.config import load_config
 # What only each engine's own request holds
 NATIVE = {"ssh": ["ssh plan of job dry", "pserver.0: ", "trainer.1: python3 train.py --num_passes 2"],
           "mpi": ["mpirun --hostfile", "10.9.0.3 slots=1", "Host 10.9.0.2", "bootstrap"],
-          "slurm": ["#!/bin/sh", "exec srun --nodes=2", "sbatch --parsable --nodes=2", "--partition=gpu"],
+          "slurm": ["#!/bin/sh", "#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1",
+                    "exec srun --nodes=2", "sbatch --parsable"],
           "k8s": ["kind: Secret", "kind: Job", "image: registry.example/fit:1"]}
-OPTIONS = {"slurm": ["--partition", "gpu"], "k8s": ["--image", "registry.example/fit:1"]}
+OPTIONS = {"slurm": ["--partition", "gpu", "--gres", "gpu:1"], "k8s": ["--image", "registry.example/fit:1"]}
 
 
 def _user_conf(tmp: Path) -> Path:
@@ -64,6 +65,7 @@ def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend,
 
 
 @pytest.mark.parametrize("option,value,owner", [("--partition", "gpu", "slurm"), ("--nodes", "3", "slurm"),
+                                                ("--sbatch-arg", "--mail-type=END", "slurm"),
                                                 ("--image", "img:1", "k8s"), ("--namespace", "ml", "k8s")])
 def test_an_option_of_another_backend_is_a_clear_error(tmp_path, option, value, owner):
     conf = _user_conf(tmp_path)

@@ -151,7 +151,7 @@ def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():
 
 
 def test_mpi_impl_is_chosen_or_detected(tmp_path, monkeypatch):
-    from paddle_cluster.launch.backends.mpi import mpi_launcher
+    from paddle_cluster.launch.backends.mpi.backend import mpi_launcher
     from paddle_cluster.launch.errors import ClusterError
 
     if not (shutil.which("mpiexec.hydra") and shutil.which("mpirun.openmpi")):

@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers import checkout_env, cli, local_conf, no_traceback
 
 from paddle_cluster.launch import entry
-from paddle_cluster.launch.backends import k8s as k8s_backend
+from paddle_cluster.launch.backends.k8s import backend as k8s_backend
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec
 
