@@ -244,10 +244,13 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         cfg = override(cfg, {"backend": ("--backend", backend)})
     foreign = foreign_options(cfg.backend, backend_opts)
     if foreign:
-        chosen = "--backend" if backend else f"BACKEND in {cfg.source}, else ssh"
-        raise click.UsageError("; ".join(f"{flag} is an option of --backend {owner}" for flag, owner in foreign)
-                               + f", and this job runs on backend {cfg.backend} ({chosen}): drop it, or run with "
-                               f"--backend {foreign[0][1]}")
+        owners = {owner: [f for f, o in foreign if o == owner] for _, owner in foreign}
+        chosen = "--backend" if backend else "the built-in local cluster" if cfg.is_builtin_default else \
+            f"BACKEND in {cfg.source}, else ssh"
+        raise click.UsageError("; ".join(f"{', '.join(flags)}: for --backend {owner} only" for owner, flags in
+                                         owners.items())
+                               + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
+                               f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
     cls = backend_class(cfg.backend)
     if detach and cls.detach:
         raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")

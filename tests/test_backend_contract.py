@@ -72,7 +72,7 @@ def test_an_option_of_another_backend_is_a_clear_error(tmp_path, option, value, 
     res = cli(conf, "run", "--backend", "ssh", option, value, "--job_dispatch_package", str(tmp_path),
               env=_isolated(tmp_path))
     assert res.returncode == 2, res.stderr
-    assert f"{option} is an option of --backend {owner}, and this job runs on backend ssh (--backend)" in res.stderr
+    assert f"{option}: for --backend {owner} only (this job runs on backend ssh, from --backend)" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "root").exists()
 
 

@@ -334,7 +334,7 @@ def test_slurm_options_on_another_backend_are_a_usage_error(tmp_path):
     (tmp_path / "ws" / "train.py").write_text("print('hi')\n")
     env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     res = _cli(conf, env, "run", "--job_dispatch_package", str(tmp_path / "ws"), "--gres", "gpu:1")
-    assert res.returncode == 2 and "--gres is an option of --backend slurm" in res.stderr, res.stderr
+    assert res.returncode == 2 and "--gres: for --backend slurm only" in res.stderr, res.stderr
 
 
 def test_batch_script_renders_every_option_as_an_sbatch_line():

@@ -51,8 +51,8 @@ class K8sOptions:
     def from_config(cls, cfg: ClusterConfig, image: Optional[str] = None, namespace: Optional[str] = None,
                     pservers: Optional[int] = None, trainers: Optional[int] = None,
                     pod: Optional[Dict[str, Any]] = None) -> K8sOptions:
-        """The flags given (``pod``: the pod flags, ``k8s_pod.flags``), else the config's K8S_* keys; a wrong
-        value is named as the flag, or as the key in its file, or as the default."""
+        """The options given (``pod``: the pod options, ``pod_options.pod_flags``), else the config's K8S_* keys; a
+        wrong value is named as the flag, or as the key in its file, or as the default."""
         pod = dict(pod or {})
         given = {name: (flag, v) for name, flag, v in (
             ("k8s_image", "--image", image), ("k8s_namespace", "--namespace", namespace),
