@@ -40,16 +40,33 @@ NOT_OFFERED: Dict[tuple, str] = {
     ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
                              "(run refuses --max_restarts with BACKEND k8s)",
 }
+# Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
+# fix turns them into failures until the entry goes.
+KNOWN_FAILURES: Dict[tuple, str] = {
+    ("kill", "k8s"): "the run following the job exits 4, 'lost contact with pod ...: deleted while its process "
+                     "ran', not 3 'stopped by paddle-cluster kill' as on the other backends: kill deletes the "
+                     "objects, and the follower cannot tell that from a lost pod (nothing is left either way)",
+}
+
+# Variables one backend adds to the contract, and why (everything else is the same on every backend).
+EXTRA_VARS: Dict[tuple, str] = {
+    ("slurm", "PADDLE_CHECKPOINT_DIR"): "each node's PADDLE_JOB_DIR is its own directory on the shared filesystem "
+                                        "(<job>/node<i>); the checkpoints stay in the job's one directory",
+}
 
 
 def matrix() -> str:
     """The scenario x backend table of docs/backends.md, from the declarations above."""
     rows = ["| scenario | " + " | ".join(BACKENDS) + " |", "| --- |" + " --- |" * len(BACKENDS)]
     for name in SCENARIOS:
-        cells = [f"not offered ({NOT_OFFERED[name, b]})" if (name, b) in NOT_OFFERED else "pass" for b in BACKENDS]
+        cells = [f"not offered ({NOT_OFFERED[name, b]})" if (name, b) in NOT_OFFERED else
+                 f"known failure ({KNOWN_FAILURES[name, b]})" if (name, b) in KNOWN_FAILURES else "pass"
+                 for b in BACKENDS]
         rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
     rows.append("")
     rows += [f"- `{name}`: {what}" for name, what in SCENARIOS.items()]
+    rows += ["", "Variables a backend adds to the environment contract (`env_ctrl_c` compares the rest):", ""]
+    rows += [f"- {b}: `{var}`, as {why}" for (b, var), why in EXTRA_VARS.items()]
     return "\n".join(rows) + "\n"
 
 
@@ -248,7 +265,15 @@ def engine(request, tmp_path) -> Engine:
                     PADDLE_PORT=free_port_range(3), PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1)
 
         def quiet() -> None:
-            wait_for(lambda: kube.objects() == {} and kube.processes() == [], 60, "no object or pod left")
+            left = {}
+
+            def gone() -> bool:
+                left.update(objects=sorted(kube.objects()), processes=job_processes(eng.jobs) or kube.processes())
+                return not left["objects"] and not left["processes"]
+            try:
+                wait_for(gone, 60, "no object or pod left")
+            except AssertionError:
+                raise AssertionError(f"left: {left}") from None
         eng = Engine(name, tmp_path, None, user_env(tmp_path, kube.env), ["--backend", "k8s", "--image", IMAGE],
                      2, 2, quiet, log_node=lambda t: f"trainer.{t}")
     else:
@@ -258,7 +283,10 @@ def engine(request, tmp_path) -> Engine:
 
 def cases(scenario: str):
     """The backends of ``scenario``; a backend that does not offer it runs the refusal check instead."""
-    return [pytest.param(b, id=b) for b in BACKENDS if (scenario, b) not in NOT_OFFERED]
+    def marks(b: str) -> list:
+        known = KNOWN_FAILURES.get((scenario, b))
+        return [pytest.mark.xfail(strict=True, reason=known)] if known else []
+    return [pytest.param(b, id=b, marks=marks(b)) for b in BACKENDS if (scenario, b) not in NOT_OFFERED]
 
 
 def workspace(tmp: Path, files: Dict[str, str]) -> Path:
@@ -348,17 +376,21 @@ def check_contract(dumps: Dict[Tuple[str, int], dict], trainers: int, pservers: 
     assert len(set(keys)) == len(keys)  # a key per trainer
 
 
-def normalise(e: dict) -> dict:
-    """A dump with what depends on the placement replaced by its kind: addresses, ports, ids, keys, paths."""
+def normalise(e: dict, backend: str, job: str) -> dict:
+    """A dump with what depends on the placement replaced by its kind: addresses, ports, ids, keys, paths, and
+    a list of any length by its first element; the variables ``EXTRA_VARS`` declares for ``backend`` left out."""
     hosts = set(e["PADDLE_PSERVER_IPS"].split(",")) | {e.get("PADDLE_CURRENT_IP", "")}
     out = {}
     for k, v in sorted(e.items()):
+        if (backend, k) in EXTRA_VARS:
+            continue
+        v = v.replace(job, "JOB")
         for h in sorted(hosts - {""}, key=len, reverse=True):
             v = v.replace(h, "HOST")
         v = re.sub(r"/\S*", "PATH", v)
         v = re.sub(r"\b[0-9a-f]{32,}\b", "HEX", v)
         v = re.sub(r"\d+", "N", v)
-        out[k] = v
+        out[k] = v.split(",")[0] + (",..." if "," in v else "")
     return out
 
 
@@ -389,9 +421,11 @@ def test_env_contract_status_logs_and_ctrl_c(engine: Engine):
     assert "interrupted" in "".join(r.err), r.text()
     engine.assert_nothing_left()
     # The same variables, of the same kinds, on every backend (those run before this one in the session).
-    norm = {role: normalise(dumps[role, 0]) for role in ("trainer", "pserver")}
+    norm = {role: normalise(dumps[role, 0], engine.name, job) for role in ("trainer", "pserver")}
     for other, theirs in NORMALISED.items():
-        assert norm == theirs, f"{engine.name} and {other} differ"
+        diff = {role: {k: (norm[role].get(k), theirs[role].get(k)) for k in set(norm[role]) | set(theirs[role])
+                       if norm[role].get(k) != theirs[role].get(k)} for role in norm}
+        assert norm == theirs, f"{engine.name} and {other} differ: {diff}"
     NORMALISED[engine.name] = norm
 
 
@@ -407,12 +441,12 @@ def test_kill_from_another_process(engine: Engine):
         r.wait_lines(r"\] holding \d", engine.trainers)
         k = engine.cli("kill", "--job_name", job)
         assert k.returncode == 0, k.stdout + k.stderr
-        assert r.wait(120) == 3, r.text()
+        rc = r.wait(120)
     finally:
         r.wait(1) if r.p.poll() is None else None
-    err = "".join(r.err)
-    assert "stopped by paddle-cluster kill" in err and "Traceback" not in err, err
     engine.assert_nothing_left()
+    err = "".join(r.err)
+    assert rc == 3 and "stopped by paddle-cluster kill" in err and "Traceback" not in err, r.text()
     st = engine.cli("status", "--json", "--job_name", job)
     assert st.returncode == 0, st.stdout + st.stderr
     doc = json.loads(st.stdout)
