@@ -8,6 +8,7 @@ from each other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -458,3 +459,32 @@ def final_w(run: Launch, trainers: int = 3) -> float:
     assert all("all_equal=True" in e[1] for e in ends)
     assert len(values) == 1, values
     return values.pop()
+
+
+# -- the hosts' interpreter from their login shell's rc file (test_interpreter.py, test_conformance.py) ----------
+
+
+@contextlib.contextmanager
+def rc_python(cluster, tmp: Path):
+    """Root's ``~/.bashrc`` on every host (each in its own mount namespace; the file itself is shared) puts a
+    directory first on PATH whose ``python3`` is an interpreter with numpy; yields that ``python3``'s path."""
+    bindir = tmp / "rc-python" / "bin"
+    bindir.mkdir(parents=True)
+    python = bindir / "python3"
+    python.symlink_to(os.path.realpath(sys.executable))  # the interpreter behind this venv: it has numpy
+    rc = tmp / "rc-python" / "bashrc"
+    rc.write_text(f'export PATH="{bindir}:$PATH"\n')
+    bashrc = str(Path(os.path.expanduser("~root")) / ".bashrc")
+    if not os.path.exists(bashrc):
+        import pytest  # not at the top: trainers import this module too
+
+        pytest.skip(f"{bashrc} does not exist to bind an rc file over")
+    mounted = []
+    try:
+        for i in range(cluster.n):
+            cluster.exec(i, ["mount", "--bind", str(rc), bashrc])  # stacks over an empty one (plain_shell)
+            mounted.append(i)
+        yield str(python)
+    finally:
+        for i in mounted:
+            cluster.exec(i, ["umount", bashrc], check=False)

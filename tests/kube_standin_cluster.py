@@ -25,6 +25,7 @@ class Cluster:
         self.cfg = store.config()
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
+        self.mntns: Dict[str, str] = {}  # pod -> its container's mount namespace (each pod has its own)
         self.term_at: Dict[str, float] = {}
         self.hosts = Path(self.cfg["hosts_file"])
         self.hosts_text = ""
@@ -142,6 +143,7 @@ class Cluster:
         meta, spec, st = pod["metadata"], pod["spec"], pod["status"]
         before = copy.deepcopy(st)
         proc = self.procs.get(key)
+        self._container(key, proc)
         if meta.get("deletionTimestamp"):
             if proc is not None and proc.poll() is None:
                 grace = 0 if meta.get("forceKill") else spec.get("terminationGracePeriodSeconds", 30)
@@ -262,6 +264,30 @@ class Cluster:
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
+
+    def _container(self, key: str, proc: Optional[subprocess.Popen]) -> None:
+        """A container's processes end with its main process, as a container runtime's PID namespace makes them
+        (a setsid grandchild included): noted by the mount namespace the pod's process runs in."""
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if key not in self.mntns:
+                try:
+                    ns = os.readlink(f"/proc/{proc.pid}/ns/mnt")
+                except OSError:
+                    return
+                if ns != os.readlink("/proc/self/ns/mnt"):  # once unshare made the pod's own
+                    self.mntns[key] = ns
+            return
+        ns = self.mntns.pop(key, None)
+        if ns is None:
+            return
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/ns/mnt") == ns:
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
     @staticmethod
     def _signal(proc: subprocess.Popen, sig: int) -> None:

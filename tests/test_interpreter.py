@@ -6,15 +6,12 @@ MPI puts ``/usr/bin`` first on its ranks' PATH."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf, write_settings
+from helpers import OMIT, assert_nothing_left, cli, no_traceback, rc_python, write_conf, write_settings
 
 # A trainer-only script: prints the interpreter it runs as, and trains with the built-in pserver (numpy on both).
 TRAIN_PY = '''
@@ -30,30 +27,6 @@ for _ in range(5):
 print("TRAINED", ps.trainer_id, flush=True)
 ps.close()
 '''
-
-
-@contextlib.contextmanager
-def rc_python(cluster, tmp: Path):
-    """Root's ``~/.bashrc`` on every host (each in its own mount namespace; the file itself is shared) puts a
-    directory first on PATH whose ``python3`` is an interpreter with numpy; yields that ``python3``'s path."""
-    bindir = tmp / "rc-python" / "bin"
-    bindir.mkdir(parents=True)
-    python = bindir / "python3"
-    python.symlink_to(os.path.realpath(sys.executable))  # the interpreter behind this venv: it has numpy
-    rc = tmp / "rc-python" / "bashrc"
-    rc.write_text(f'export PATH="{bindir}:$PATH"\n')
-    bashrc = str(Path(os.path.expanduser("~root")) / ".bashrc")
-    if not os.path.exists(bashrc):
-        pytest.skip(f"{bashrc} does not exist to bind an rc file over")
-    mounted = []
-    try:
-        for i in range(cluster.n):
-            cluster.exec(i, ["mount", "--bind", str(rc), bashrc])  # stacks over an empty one (plain_shell)
-            mounted.append(i)
-        yield str(python)
-    finally:
-        for i in mounted:
-            cluster.exec(i, ["umount", bashrc], check=False)
 
 
 def test_mpi_runs_the_interpreter_the_login_shell_finds(mpi_env, tmp_path):
