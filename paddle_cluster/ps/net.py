@@ -7,7 +7,8 @@ in the trainer's next requests (its next gradients still flow in). Malformed inp
 connection and nothing else: the reason is logged in one line, and everyone else keeps being served.
 
 After the handshake a connection is bounded in time too: a frame that stops arriving, or a reply the trainer
-stops reading, for ``BARRIER_TIMEOUT`` seconds ends it; so does a trainer silent on all its connections for
+stops reading, for ``STALL_BARRIERS`` barrier timeouts ends it (after the barrier's own timeout has said who is
+missing); so does a trainer silent on all its connections for
 ``IDLE_BARRIERS`` barrier timeouts (a live trainer in sync mode is never silent that long: its peers' barriers
 would have failed first). Either is one log line.
 """
@@ -36,6 +37,10 @@ log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
 MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
 IDLE_BARRIERS = 3  # a trainer silent this many barrier timeouts on every connection is gone
+# A frame (or a reply) that stops moving for this many barrier timeouts ends its connection. More than one: a
+# trainer stalled in the middle of its push while its peers wait at the barrier is that barrier's timeout to
+# report (it names the missing trainers); a stall bound equal to it raced with it.
+STALL_BARRIERS = 2
 
 
 class RateLog:
@@ -162,7 +167,7 @@ class Listener:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, budget: Optional[Budget] = None) -> None:
         self.env = env
         self.budget = budget
-        self.stall_after = float(env.barrier_timeout)  # no byte of a started frame (or of a reply) moves
+        self.stall_after = STALL_BARRIERS * float(env.barrier_timeout)  # no byte of a started frame/reply moves
         self.idle_after = IDLE_BARRIERS * float(env.barrier_timeout)  # nothing from the trainer at all
         self._heard: Dict[int, float] = {}  # trainer -> when a request of it last arrived, on any connection
         self.max_connections = max_connections
