@@ -38,7 +38,7 @@ def main() -> int:
     for i in range(min(args.show, len(test))):
         print(f"row {i}: predicted {pred[i, 0]:.2f}, actual {y[i, 0]:.2f}")
     print(f"model {model_dir}: {len(test)} test rows")
-    print(f"test_mse={mse(model, test)}")
+    print(f"test_mse={float(str(mse(model, test)))}")
     return 0
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from paddle_cluster.contract import JobEnv, ProcessEnv
 from paddle_cluster.ps import OptimizerSpec, connect, serve
-from paddle_cluster.train import data, layers
+from paddle_cluster.train import data, layers, losses
 from paddle_cluster.train.metrics import MetricsWriter, write_final
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +49,7 @@ def build_model(seed: int = 0) -> layers.Linear:
 def mse(model: layers.Layer, rows: np.ndarray) -> np.float32:
     """The model's mean squared error on ``rows`` (float32, as the trainers compute it)."""
     x, y = columns(rows)
-    return np.float32(layers.SquareError().forward(model.forward(x), y))
+    return np.float32(losses.SquareError().forward(model.forward(x), y))
 
 
 def train_reader(train: np.ndarray, trainer_id: int, trainers: int, batch_size: int, seed: int):
@@ -80,7 +80,7 @@ def main() -> int:
     trainers = env.trainers if env is not None else 1
     trainer_id = env.trainer_id if env is not None and env.trainer_id is not None else 0
     mode = args.mode if env is not None else "sync"
-    model, loss = build_model(args.seed), layers.SquareError()
+    model, loss = build_model(args.seed), losses.SquareError()
     ps = connect(mode, OptimizerSpec("sgd", lr=args.lr), env=env)
     layers.set_dense_values(model, ps.register_dense(layers.dense_values(model)))  # trainer 0's values win
 
@@ -89,7 +89,7 @@ def main() -> int:
     metrics = MetricsWriter(trainer_id)
     start, step, test_mse = time.time(), 0, None
     for pass_id in range(args.passes):
-        losses = []
+        pass_losses = []
         for batch in reader():
             x, y = columns(batch)
             layers.set_dense_values(model, ps.step_values())
@@ -98,13 +98,13 @@ def main() -> int:
             model.backward(loss.backward())
             ps.finish_step(layers.dense_grads(model))  # sync: one exchange brings the next step's values
             metrics.log(pass_id, step, value, samples=len(batch))
-            losses.append(value)
+            pass_losses.append(value)
             step += 1
         if trainer_id == 0:
             layers.set_dense_values(model, ps.pull())  # the pservers' newest values
             test_mse = mse(model, test)
             ps.save_dense(f"output/pass-{pass_id:05d}")  # params.npz, as in the seed: trainer 0 saves each pass
-            print(f"Pass {pass_id}: train loss {np.mean(losses):.3f}, test mse {test_mse:.3f}")
+            print(f"Pass {pass_id}: train loss {np.mean(pass_losses):.3f}, test mse {test_mse:.3f}")
     metrics.close()
     ps.close()  # the pservers stop waiting for this trainer
     if trainer_id == 0:
