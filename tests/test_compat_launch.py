@@ -185,12 +185,12 @@ def test_local_pservers_each_get_a_loopback_address_that_ips_times_port_reproduc
 
 
 def test_transpile_refuses_endpoints_other_than_the_launchers(monkeypatch):
-    from paddle_cluster.train.fluid import DistributeTranspiler, FluidError
+    from paddle_cluster.compat.paddle.fluid import DistributeTranspiler
 
     env = JobEnv("j", (Endpoint("10.0.0.1", 7164), Endpoint("10.0.0.1", 7166)), 1, secret="s" * 64)
     for k, v in env.for_process(TRAINER, 0, "10.0.0.1").to_environ().items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(FluidError, match="10.0.0.1:7164,10.0.0.1:7166 .PADDLE_PSERVER_ENDPOINTS"):
+    with pytest.raises(ValueError, match="10.0.0.1:7164,10.0.0.1:7166 .PADDLE_PSERVER_ENDPOINTS"):
         DistributeTranspiler().transpile(trainer_id=0, pservers="10.0.0.2:7164,10.0.0.1:7166", trainers=1)
 
 

@@ -62,7 +62,7 @@ def check_outputs(res, job_dir: Path, mse) -> None:
 
 
 def test_node_library_ships_fluid():
-    """Trainers import paddle_cluster.train.fluid from the library the launcher installs on every node."""
+    """Trainers import paddle_cluster.train from the library the launcher installs on every node."""
     from paddle_cluster.launch import dispatch
 
     assert "train" in dispatch.NODE_SIDE, "add train to NODE_SIDE in paddle_cluster/launch/dispatch.py"

@@ -5,6 +5,7 @@ import pytest
 
 from paddle_cluster.ps.optim import OptimizerSpec, make_dense, make_sparse
 from paddle_cluster.train import layers as L
+from paddle_cluster.train import losses
 
 F64 = np.float64
 
@@ -153,7 +154,7 @@ def test_cosine_similarity(rng):
 
 
 def test_square_error(rng):
-    loss = L.SquareError()
+    loss = losses.SquareError()
     p, t = rng.standard_normal((4, 2)), rng.standard_normal((4, 2))
 
     def f():
@@ -164,7 +165,7 @@ def test_square_error(rng):
 
 
 def test_softmax_cross_entropy(rng):
-    loss = L.SoftmaxCrossEntropy()
+    loss = losses.SoftmaxCrossEntropy()
     logits = rng.standard_normal((5, 4))
     labels = np.array([0, 3, 1, 1, 2])
 
@@ -226,7 +227,7 @@ def test_embedding_with_pulled_rows_and_shared_table(rng):
 def test_bag_of_words_end_to_end_grad(rng):
     """Embedding -> mean pool -> linear -> cross-entropy: the embedding rows' gradient is exact."""
     emb = L.Embedding("w", dim=3, vocab=8, local=True, dtype=F64)
-    pool, fc, loss = L.SeqPool("mean"), L.Linear("fc", 3, 2, dtype=F64), L.SoftmaxCrossEntropy()
+    pool, fc, loss = L.SeqPool("mean"), L.Linear("fc", 3, 2, dtype=F64), losses.SoftmaxCrossEntropy()
     ids, offsets = L.pack_sequences([[1, 4, 1], [], [6]])
     labels = np.array([0, 1, 1])
 
@@ -260,7 +261,7 @@ def test_mlp_trains_with_dense_sgd():
     x = rng.standard_normal((512, 2)).astype(np.float32)
     y = ((x[:, 0] * x[:, 1]) > 0).astype(np.int64)  # XOR-like quadrants
     model = L.Sequential(L.Linear("h", 2, 32, seed=7), L.Tanh(), L.Linear("o", 32, 2, seed=7))
-    loss = L.SoftmaxCrossEntropy()
+    loss = losses.SoftmaxCrossEntropy()
     spec = OptimizerSpec("sgd", lr=0.5)
     opts = {k: make_dense(spec, p.value) for k, p in L.dense_params(model).items()}
     first = loss.forward(model.forward(x), y)
@@ -284,7 +285,7 @@ def test_local_embedding_trains_with_sparse_optimizer():
     state = opt.new_state(6)
     target = rng.standard_normal((4, 2)).astype(np.float32)
     ids = np.array([0, 2, 2, 3])
-    loss = L.SquareError()
+    loss = losses.SquareError()
     first = loss.forward(emb.forward(ids), target)
     for _ in range(50):
         L.zero_grads(emb)

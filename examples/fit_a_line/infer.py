@@ -11,9 +11,10 @@ import glob
 import os
 import sys
 
-from train import build_program, load_housing, samples
+from train import build_model, columns, load_housing, mse
 
-from paddle_cluster.train import fluid
+from paddle_cluster.ps import load_dense
+from paddle_cluster.train.layers import set_dense_values
 
 
 def main() -> int:
@@ -29,16 +30,15 @@ def main() -> int:
             return 1
         model_dir = found[-1]
 
-    program = build_program().clone(for_test=True)
-    exe = fluid.Executor(fluid.CPUPlace())
-    fluid.io.load_params(exe, model_dir, program)
+    model = build_model()
+    set_dense_values(model, load_dense(os.path.join(model_dir, "params.npz")))
     _, test = load_housing()
-    feed = fluid.DataFeeder(feed_list=["x", "y"]).feed(samples(test))
-    pred, mse = exe.run(program, feed=feed, fetch_list=["prediction", "loss"])
+    x, y = columns(test)
+    pred = model.forward(x)
     for i in range(min(args.show, len(test))):
-        print(f"row {i}: predicted {pred[i, 0]:.2f}, actual {feed['y'][i, 0]:.2f}")
+        print(f"row {i}: predicted {pred[i, 0]:.2f}, actual {y[i, 0]:.2f}")
     print(f"model {model_dir}: {len(test)} test rows")
-    print(f"test_mse={float(str(mse[0]))}")
+    print(f"test_mse={float(str(mse(model, test)))}")
     return 0
 
 

@@ -11,7 +11,8 @@ named, so a trainer can move values and gradients to and from a pserver by name:
     ps.push_sparse("emb", g.ids, g.rows); ps.push(dense_grads(model))
 
 Float32 by default; every layer keeps the dtype of its inputs and parameters, so gradient checks can run in
-float64. Ragged sequences are ``(ids, offsets)``: sequence ``i`` is ``ids[offsets[i]:offsets[i+1]]``.
+float64. Ragged sequences are ``(ids, offsets)``: sequence ``i`` is ``ids[offsets[i]:offsets[i+1]]``. The loss
+layers that end a model are in ``losses.py``.
 """
 
 from __future__ import annotations
@@ -420,41 +421,3 @@ class CosineSimilarity(Layer):
         da = d * (b / (na * nb) - c * a / (na * na))
         db = d * (a / (na * nb) - c * b / (nb * nb))
         return da, db
-
-
-# -- losses --------------------------------------------------------------------------------------------
-
-
-class SquareError(Layer):
-    """Mean over all elements of (pred - target)^2; backward gives d loss / d pred."""
-
-    def forward(self, pred: np.ndarray, target: np.ndarray) -> float:
-        self._diff = pred - np.asarray(target, dtype=pred.dtype).reshape(pred.shape)
-        return float(np.mean(self._diff * self._diff))
-
-    def backward(self, dloss: float = 1.0) -> np.ndarray:
-        return (self._diff * (2.0 * dloss / self._diff.size)).astype(self._diff.dtype, copy=False)
-
-
-class SoftmaxCrossEntropy(Layer):
-    """Mean cross-entropy of softmax(logits) against integer labels, fused for stability.
-
-    ``probs`` holds the softmax of the last forward (e.g. for accuracy).
-    """
-
-    def forward(self, logits: np.ndarray, labels: np.ndarray) -> float:
-        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
-        if logits.ndim != 2 or len(labels) != len(logits):
-            raise ValueError(f"logits {logits.shape} and labels {labels.shape} do not match")
-        z = logits - logits.max(axis=1, keepdims=True)
-        lse = np.log(np.exp(z).sum(axis=1))
-        logp = z[np.arange(len(labels)), labels] - lse
-        self.probs = np.exp(z - lse[:, None])
-        self._labels = labels
-        return float(-logp.mean())
-
-    def backward(self, dloss: float = 1.0) -> np.ndarray:
-        g = self.probs.copy()
-        g[np.arange(len(self._labels)), self._labels] -= 1
-        g *= dloss / len(self._labels)
-        return g

@@ -5,10 +5,9 @@ A static graph (``Program``/``Variable``) built by ``fluid.layers``, evaluated b
 job's pservers, an in-process pserver otherwise). Any other name raises ``NotInCompat`` naming it.
 """
 
-from ....train.fluid import CPUPlace
 from ...missing import NotInCompat, module_getattr
 from . import initializer, io, layers, optimizer, regularizer
-from .executor import DataFeeder, Executor
+from .executor import CPUPlace, DataFeeder, Executor
 from .framework import (
     Parameter,
     Program,

@@ -18,11 +18,11 @@ import numpy as np
 from ....contract import JobEnv
 from ....ps.client import PSClient, connect
 from ....ps.optim import OptimizerSpec
-from ....train import fluid as TF
 from ....train import layers as L
 from ...missing import Strict
 from . import framework as F
 from . import kernels as K
+from .pserver import PServerProgram, PServerStartup
 
 
 class Session:
@@ -179,6 +179,12 @@ def feed_arrays(program: F.Program, feed: Optional[Mapping[Any, Any]]) -> Dict[s
     return out
 
 
+class CPUPlace(Strict):
+    """Accepted where Fluid takes a place; everything runs on the CPU."""
+
+    _paddle_name = "paddle.fluid.CPUPlace"
+
+
 class Executor(Strict):
     """Runs programs. ``run`` of a pserver program serves until every trainer closed; ``close()`` tells the
     pservers this trainer is done."""
@@ -201,10 +207,10 @@ class Executor(Strict):
             use_program_cache: bool = False) -> List[np.ndarray]:
         """Run ``program`` (default: the default main program); returns the fetched values as numpy arrays."""
         program = F.default_main_program() if program is None else program
-        if isinstance(program, TF.PServerProgram):
+        if isinstance(program, PServerProgram):
             program.serve()
             return []
-        if isinstance(program, TF.StartupProgram):  # the transpiler's pserver startup: nothing to initialise
+        if isinstance(program, PServerStartup):
             return []
         if not isinstance(program, F.Program):
             raise TypeError(f"Executor.run: expected a fluid.Program, got {type(program).__name__}")
