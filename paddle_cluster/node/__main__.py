@@ -34,9 +34,6 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("supervise", help="run this node's share of a job (messages as JSON lines on stdin/stdout)")
     p.add_argument("--orphan-timeout", type=float, default=20.0)
     p.add_argument("--grace", type=float, default=5.0)
-    p.add_argument("--plan", metavar="FILE", help="take the plan from FILE (Start messages, one per line) instead "
-                   "of stdin; then only a signal stops the job")
-    p.add_argument("--node", type=int, help="with --plan: this node's index")
     p = sub.add_parser("bootstrap", help="run this node's share of a job started by an engine (mpirun, srun): "
                        "the node index from its variables, the plan from a file")
     p.add_argument("--plan", metavar="FILE", required=True, help="the Start message of every node, one per line")
@@ -93,8 +90,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({"ok": False, "error": bad}))
         return 2
     if a.cmd == "supervise":
-        plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
-        return supervisor.supervise(a.orphan_timeout, a.grace, plan)
+        return supervisor.supervise(a.orphan_timeout, a.grace)
     if a.cmd == "bootstrap" and a.own_session:
         return bootstrap.shielded([x for x in args if x != "--own-session"])
     if a.cmd == "bootstrap":
