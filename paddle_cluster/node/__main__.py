@@ -16,16 +16,12 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import bootstrap, jobdir, probe, supervisor, unpack
+from . import bootstrap, jobdir, supervisor, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("probe", help="this node's address on a NIC, free ports, Python, numpy, ROOT_DIR")
-    p.add_argument("--nic", required=True)
-    p.add_argument("--ports", default="")
-    p.add_argument("--root", required=True)
     p = sub.add_parser("unpack", help="extract a workspace archive into a fresh job directory, safely")
     p.add_argument("--archive", required=True)
     p.add_argument("--dest", required=True)
@@ -98,9 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               lease=a.keep_going_while, lease_timeout=a.lease_timeout)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
-    if a.cmd == "probe":
-        doc = probe.probe(a.nic, [int(p) for p in a.ports.split(",") if p], a.root)
-    elif a.cmd == "unpack":
+    if a.cmd == "unpack":
         doc = unpack.unpack_report(a.archive, a.dest, a.max_bytes, a.max_members)
     elif a.cmd == "kill":
         doc = jobdir.kill(a.job_dir, a.grace)

@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional
 from . import messages as m
 from . import probe, supervisor
 
-ENGINES = ("mpi", "slurm", "k8s")
+ENGINES = ("mpi", "slurm")
 # A rank's index, the number of ranks and its index on its host, as each MPI family names them.
 MPI_VARS = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
             "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")}
@@ -87,15 +87,6 @@ def placement(engine: str, environ: Mapping[str, str]) -> Placement:
         names = slurm_hostnames(environ.get("SLURM_JOB_NODELIST", ""))
         host = names[node] if node < len(names) else environ.get("SLURMD_NODENAME", "") or os.uname().nodename
         return Placement(engine, node, nodes, host)
-    if engine == "k8s":
-        # The hook for Kubernetes: a pod's index is its Job's completion index and its role the Job's
-        # (PADDLE_TRAINING_ROLE). Pods run one process each, so they use `node pod` (pod.py), which needs no
-        # plan file; a per-node plan for pods would be looked up by (role, index) here.
-        from .pod import completion_index
-
-        index = completion_index(environ)
-        raise BootstrapError(f"pod {index} ({environ.get('PADDLE_TRAINING_ROLE', '?')}): Kubernetes pods run "
-                             "'python -m paddle_cluster.node pod', not bootstrap")
     raise BootstrapError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
 
 
@@ -105,10 +96,10 @@ def detect_engine(environ: Mapping[str, str]) -> str:
         return "mpi"
     if "SLURM_NODEID" in environ:
         return "slurm"
-    if "JOB_COMPLETION_INDEX" in environ:
-        return "k8s"
-    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_NODEID, JOB_COMPLETION_INDEX): "
-                         "bootstrap runs under mpirun or srun; give --engine")
+    if "JOB_COMPLETION_INDEX" in environ:  # pods run one process each, and need no plan file (pod.py)
+        raise BootstrapError("a Kubernetes pod runs 'python -m paddle_cluster.node pod', not bootstrap")
+    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_NODEID): bootstrap runs under "
+                         "mpirun or srun; give --engine")
 
 
 def placeholder(node: int) -> str:
