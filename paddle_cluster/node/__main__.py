@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going-while", metavar="FILE", default="", help="keep going only while FILE keeps "
                    "changing (the following launcher's lease); fail fast once it has not for --lease-timeout s")
     p.add_argument("--lease-timeout", type=float, default=20.0, help="with --keep-going-while: seconds")
-    p.add_argument("--own-session", action="store_true", help="run the agent in a session of its own that gets "
+    p.add_argument("--own-session", action="store_true", help="run the agent in a POSIX session of its own that gets "
                    "SIGTERM when this process dies: for engines that SIGKILL their ranks (MPICH's Hydra)")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)

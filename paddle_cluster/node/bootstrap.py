@@ -158,10 +158,11 @@ def read_plan(path: str, node: int, addresses: Optional[Dict[int, str]] = None) 
 
 
 def shielded(argv: List[str]) -> int:
-    """Run ``python -m paddle_cluster.node`` ``argv`` as a child in a session of its own that gets SIGTERM when this
-    process dies (even by SIGKILL), and pass it our signals; its exit status. For engines that SIGKILL the ranks
-    they started (MPICH's Hydra, once its ``mpiexec`` is stopped): the agent still gets its teardown, stopping its
-    processes (``setsid`` ones included) within the grace period, instead of dying and leaving them."""
+    """Run ``python -m paddle_cluster.node`` ``argv`` as a child in a POSIX session of its own (``setsid``) that gets
+    SIGTERM when this process dies (even by SIGKILL), and pass it our signals; its exit status. For engines that
+    SIGKILL the ranks they started (MPICH's Hydra, once its ``mpiexec`` is stopped): the agent still gets its
+    teardown, stopping its processes (``setsid`` ones included) within the grace period, instead of dying and
+    leaving them."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child must not take the loader's lock
     parent = os.getpid()
 
