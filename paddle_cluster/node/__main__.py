@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bootstrap", help="run this node's share of a job started by an engine (mpirun, srun): "
                        "the node index from its variables, the plan from a file")
     p.add_argument("--plan", metavar="FILE", required=True, help="the Start message of every node, one per line")
-    p.add_argument("--engine", choices=("auto",) + bootstrap.ENGINES, default="auto")
+    p.add_argument("--engine", choices=bootstrap.ENGINES, required=True, help="the engine that started this process")
     p.add_argument("--grace", type=float, default=5.0)
     p.add_argument("--events", metavar="FILE", default="", help="append events to FILE ({node}: the node index) "
                    "instead of stdout")
@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
-        p.add_argument("--grace", type=float, default=5.0)
+        if name == "kill":
+            p.add_argument("--grace", type=float, default=5.0)
     p = sub.add_parser("checkpoints", help="the steps under ROOT whose shards of every given pserver are complete")
     p.add_argument("--root", required=True)
     p.add_argument("--pservers", required=True, help="pserver ids, comma-separated")

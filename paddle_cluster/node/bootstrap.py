@@ -90,18 +90,6 @@ def placement(engine: str, environ: Mapping[str, str]) -> Placement:
     raise BootstrapError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
 
 
-def detect_engine(environ: Mapping[str, str]) -> str:
-    """The engine that started this process, from the variables only it sets."""
-    if "OMPI_COMM_WORLD_RANK" in environ or "PMI_RANK" in environ:
-        return "mpi"
-    if "SLURM_NODEID" in environ:
-        return "slurm"
-    if "JOB_COMPLETION_INDEX" in environ:  # pods run one process each, and need no plan file (pod.py)
-        raise BootstrapError("a Kubernetes pod runs 'python -m paddle_cluster.node pod', not bootstrap")
-    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_NODEID): bootstrap runs under "
-                         "mpirun or srun; give --engine")
-
-
 def placeholder(node: int) -> str:
     """How a plan names node ``node``'s address until the node itself fills it in (``--rendezvous``)."""
     return f"node{node}.address.pending"
@@ -193,7 +181,7 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
          lease: str = "", lease_timeout: float = 20.0) -> int:
     env = os.environ if environ is None else environ
     try:
-        where = placement(engine if engine != "auto" else detect_engine(env), env)
+        where = placement(engine, env)
     except BootstrapError as e:
         print(f"paddle-cluster bootstrap: error: {e}", flush=True)
         return 2
