@@ -25,7 +25,6 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unpack", help="extract a workspace archive into a fresh job directory, safely")
     p.add_argument("--archive", required=True)
     p.add_argument("--dest", required=True)
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on the unpacked size (default: the archive's)")
     p.add_argument("--max-members", type=int, default=unpack.MAX_MEMBERS)
     p = sub.add_parser("supervise", help="run this node's share of a job (messages as JSON lines on stdin/stdout)")
     p.add_argument("--orphan-timeout", type=float, default=20.0)
@@ -96,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "unpack":
-        doc = unpack.unpack_report(a.archive, a.dest, a.max_bytes, a.max_members)
+        doc = unpack.unpack_report(a.archive, a.dest, a.max_members)
     elif a.cmd == "kill":
         doc = jobdir.kill(a.job_dir, a.grace)
     elif a.cmd == "status":
