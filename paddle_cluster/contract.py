@@ -14,6 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+# The job secret's variable and the trainer keys are re-exported: ``contract`` is their public home.
+from .jobsecret import SECRET_VAR, derive_trainer_key, job_secret, secret_problem  # noqa: F401
+
 PSERVER = "PSERVER"
 TRAINER = "TRAINER"
 ROLES = (PSERVER, TRAINER)
@@ -23,19 +26,15 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
 
 
-
 class ContractError(ValueError):
     """A variable of the contract is missing or malformed; the message names it."""
 
 
-# The job secret's variable, its check and the trainer keys (re-exported: ``contract`` is their public home).
-from .jobsecret import (  # noqa: E402,F401
-    MIN_SECRET_CHARS,
-    SECRET_VAR,
-    check_secret,
-    derive_trainer_key,
-    job_secret,
-)
+def check_secret(value: str, var: str) -> None:
+    """Refuse an empty, short or obviously low-entropy secret (``var`` names its variable): ``ContractError``."""
+    problem = secret_problem(value, var)
+    if problem:
+        raise ContractError(problem)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The job secret: how it is checked where a process starts, and the trainer keys derived from it. Standard
-library only: it runs on every node."""
+"""The job secret: what a good one is (``contract.check_secret`` refuses a bad one where a process starts), and
+the trainer keys derived from it. Standard library only: it runs on every node; imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -27,20 +27,19 @@ def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
     return hmac.new(secret.encode("utf-8"), msg, hashlib.sha256).hexdigest()
 
 
-def check_secret(value: str, var: str) -> None:
-    """Refuse an empty, short or obviously low-entropy secret (``var`` names the variable) with how to make a
-    good one; never shows the secret."""
+def secret_problem(value: str, var: str) -> Optional[str]:
+    """What is wrong with ``value`` as a secret (``var`` names its variable): empty, short or obviously
+    low-entropy, with how to make a good one; None when it is fine. Never shows the secret."""
     if not value or len(value) < MIN_SECRET_CHARS:
         state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
     else:
         weak = weakness(value)
         if weak is None:
-            return
+            return None
         state = f"is too easy to guess ({weak}); a generated one carries at least 128 bits"
-    raise _error(
-        f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
-        "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
-        "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+    return (f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
+            "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
+            "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
 
 
 def weakness(value: str) -> Optional[str]:
@@ -77,8 +76,3 @@ def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
     hand-started seed script names its pservers itself); "" when unset."""
     return (os.environ if environ is None else environ).get(SECRET_VAR, "")
 
-
-def _error(message: str) -> ValueError:
-    from .contract import ContractError  # contract re-exports this module's names
-
-    return ContractError(message)

@@ -36,13 +36,18 @@ LISTEN = ("import socket, time; from paddle_cluster.contract import JobEnv; e = 
 
 
 class Agent:
-    """A supervise agent as a subprocess; its events decoded on a queue."""
+    """An agent as a subprocess, its events decoded on a queue: ``supervise`` (the plan comes on stdin), or with
+    ``plan_file`` ``bootstrap``, as an engine starts it (the plan from the file, no launcher channel)."""
 
-    def __init__(self, tmp: Path, orphan_timeout: float = 30.0, args=()) -> None:
+    def __init__(self, tmp: Path, orphan_timeout: float = 30.0, plan_file: str = "") -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "supervise", "--orphan-timeout",
-                                      str(orphan_timeout), "--grace", "1", *args],
-                                     stdin=subprocess.DEVNULL if args else subprocess.PIPE,
+        args = ["supervise", "--orphan-timeout", str(orphan_timeout)]
+        if plan_file:
+            args = ["bootstrap", "--engine", "mpi", "--plan", plan_file]
+            # What mpirun sets for rank 0 of 2; test_bootstrap.py runs the agents under the real engines.
+            env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0")
+        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *args, "--grace", "1"],
+                                     stdin=subprocess.DEVNULL if plan_file else subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp, env=env)
         self.events: queue.Queue = queue.Queue()
         self.seen: List[m.Event] = []
@@ -175,7 +180,7 @@ def test_the_plan_can_come_from_a_file_without_a_launcher_channel(tmp_path, agen
     plan = node_plan(tmp_path, py(LISTEN), py("print('from a file')"))
     (tmp_path / "plans.jsonl").write_text("".join(m.encode(m.Start(p)) + "\n" for p in (
         plan, dataclasses.replace(plan, node=1, job_dir=str(tmp_path / "elsewhere")))))
-    a = agents(tmp_path, args=("--plan", str(tmp_path / "plans.jsonl"), "--node", "0"))
+    a = agents(tmp_path, plan_file=str(tmp_path / "plans.jsonl"))
     assert a.wait_for(lambda e: isinstance(e, m.Exited) and e.proc == "trainer.0").code == 0
     assert m.Log(0, "trainer.0", "from a file") in a.seen and not (tmp_path / "elsewhere").exists()
     a.proc.send_signal(signal.SIGTERM)

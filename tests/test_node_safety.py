@@ -33,10 +33,10 @@ from helpers import (
 from paddle_cluster.node import messages as m
 
 
-def node_cmd(cluster, i: int, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    """``python -m paddle_cluster.node ARGS`` inside node ``i`` (this checkout's library)."""
-    return cluster.exec(i, [cluster.python, "-m", "paddle_cluster.node", *args], env=checkout_env(), input=stdin,
-                        check=False, timeout=60)
+def node_cmd(cluster, i: int, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
+    """``python -m paddle_cluster.node ARGS`` inside node ``i`` (this checkout's library), ``env`` added."""
+    return cluster.exec(i, [cluster.python, "-m", "paddle_cluster.node", *args], env=checkout_env(**env),
+                        input=stdin, check=False, timeout=60)
 
 
 def _modes(cluster, paths):
@@ -64,7 +64,9 @@ def test_job_names_are_plain_names(cluster, tmp_path):
         plan = m.NodePlan(node=0, address=cluster.ips[0], job_dir=bad, cwd=ROOT, environ={"PADDLE_JOB_ID": "j-1"},
                           procs=(), endpoints=(), start_timeout=5.0)
         (tmp_path / "plan").write_text(m.encode(m.Start(plan)) + "\n")
-        out = node_cmd(cluster, 0, "supervise", "--plan", str(tmp_path / "plan"), "--node", "0")
+        # the agent as mpirun starts it (rank 0 of 1 in mpirun's variables): the plan from a file
+        out = node_cmd(cluster, 0, "bootstrap", "--engine", "mpi", "--plan", str(tmp_path / "plan"),
+                       OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1", OMPI_COMM_WORLD_LOCAL_RANK="0")
         stopped = m.decode(out.stdout.strip().splitlines()[-1])
         assert out.returncode == 1 and isinstance(stopped, m.Stopped), out
         assert stopped.reason.startswith(f"refusing job directory {bad!r}: job name"), stopped

@@ -15,7 +15,9 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, ContextManager, Dict, Optional
+
+from paddle_cluster.node.locks import exclusive
 
 PART = ".part"  # a temporary's suffix: ``.<pid>-<random>...part``, never matched by ``*.tar`` / ``*.json``
 
@@ -25,15 +27,9 @@ def temp_name(directory: str, what: str) -> str:
     return os.path.join(directory, f".{os.getpid()}-{secrets.token_hex(6)}-{what}{PART}")
 
 
-@contextlib.contextmanager
-def locked(directory: str) -> Iterator[None]:
+def locked(directory: str) -> ContextManager[bool]:
     """The directory's lock, held exclusively for the ``with``."""
-    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return exclusive(os.path.join(directory, ".lock"))
 
 
 def lookup(directory: str, key: str, hold: Optional[contextlib.ExitStack]) -> Optional[Dict[str, Any]]:
@@ -77,17 +73,10 @@ def evict(directory: str, keep: int) -> None:
             metas.append((p.stat().st_mtime, p))
     for _, meta in sorted(metas, reverse=True)[keep:]:
         lock = meta.with_suffix(".lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # a launch is sending it
-        try:
-            for stale in (meta, meta.with_suffix(".tar"), lock):  # the description first: never listed half-gone
-                stale.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
+        with exclusive(str(lock), wait=False) as free:
+            if free:  # else a launch is sending it
+                for stale in (meta, meta.with_suffix(".tar"), lock):  # the description first: never listed half-gone
+                    stale.unlink(missing_ok=True)
     for part in Path(directory).glob(f".*{PART}"):
         pid = part.name[1:].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):

@@ -36,7 +36,7 @@ class Need:
         return self.session.node.name
 
 
-class Stopped(Exception):
+class Aborted(Exception):
     """This node's part ended because the dispatch failed on another node (that one's error is the one to say)."""
 
 
@@ -73,7 +73,7 @@ class Dispatch:
         of a chain, or when its link fails); returns once the node has it whole and unpacked."""
         with self._lock:
             if self.failed:
-                raise Stopped()
+                raise Aborted()
             it, on = self.pkg, ""
             made = self._delta(nd.base) if nd.base else None
             if made is not None:
@@ -91,7 +91,7 @@ class Dispatch:
             self._receive(nd, it, on, direct=tail is None)
         except Exception:
             if self.failed:
-                raise Stopped() from None
+                raise Aborted() from None
             raise
 
     def abort(self, why: str) -> bool:
@@ -160,7 +160,7 @@ class Dispatch:
         while True:
             doc = nd.session.reply("receiving the workspace")
             if self.failed:
-                raise Stopped()
+                raise Aborted()
             if doc[REPLY] == "progress":  # still receiving (a large archive can take longer than REPLY_TIMEOUT)
                 continue
             if doc[REPLY] == "forward":  # its link to the next node failed: that one falls back by itself

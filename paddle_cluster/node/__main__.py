@@ -16,31 +16,23 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import bootstrap, jobdir, probe, supervisor, unpack
+from . import bootstrap, jobdir, supervisor, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("probe", help="this node's address on a NIC, free ports, Python, numpy, ROOT_DIR")
-    p.add_argument("--nic", required=True)
-    p.add_argument("--ports", default="")
-    p.add_argument("--root", required=True)
     p = sub.add_parser("unpack", help="extract a workspace archive into a fresh job directory, safely")
     p.add_argument("--archive", required=True)
     p.add_argument("--dest", required=True)
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on the unpacked size (default: the archive's)")
     p.add_argument("--max-members", type=int, default=unpack.MAX_MEMBERS)
     p = sub.add_parser("supervise", help="run this node's share of a job (messages as JSON lines on stdin/stdout)")
     p.add_argument("--orphan-timeout", type=float, default=20.0)
     p.add_argument("--grace", type=float, default=5.0)
-    p.add_argument("--plan", metavar="FILE", help="take the plan from FILE (Start messages, one per line) instead "
-                   "of stdin; then only a signal stops the job")
-    p.add_argument("--node", type=int, help="with --plan: this node's index")
     p = sub.add_parser("bootstrap", help="run this node's share of a job started by an engine (mpirun, srun): "
                        "the node index from its variables, the plan from a file")
     p.add_argument("--plan", metavar="FILE", required=True, help="the Start message of every node, one per line")
-    p.add_argument("--engine", choices=("auto",) + bootstrap.ENGINES, default="auto")
+    p.add_argument("--engine", choices=bootstrap.ENGINES, required=True, help="the engine that started this process")
     p.add_argument("--grace", type=float, default=5.0)
     p.add_argument("--events", metavar="FILE", default="", help="append events to FILE ({node}: the node index) "
                    "instead of stdout")
@@ -53,12 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going-while", metavar="FILE", default="", help="keep going only while FILE keeps "
                    "changing (the following launcher's lease); fail fast once it has not for --lease-timeout s")
     p.add_argument("--lease-timeout", type=float, default=20.0, help="with --keep-going-while: seconds")
-    p.add_argument("--own-session", action="store_true", help="run the agent in a session of its own that gets "
+    p.add_argument("--own-session", action="store_true", help="run the agent in a POSIX session of its own that gets "
                    "SIGTERM when this process dies: for engines that SIGKILL their ranks (MPICH's Hydra)")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
-        p.add_argument("--grace", type=float, default=5.0)
+        if name == "kill":
+            p.add_argument("--grace", type=float, default=5.0)
     p = sub.add_parser("checkpoints", help="the steps under ROOT whose shards of every given pserver are complete")
     p.add_argument("--root", required=True)
     p.add_argument("--pservers", required=True, help="pserver ids, comma-separated")
@@ -93,8 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps({"ok": False, "error": bad}))
         return 2
     if a.cmd == "supervise":
-        plan = supervisor.plan_from_file(a.plan, a.node) if a.plan else None
-        return supervisor.supervise(a.orphan_timeout, a.grace, plan)
+        return supervisor.supervise(a.orphan_timeout, a.grace)
     if a.cmd == "bootstrap" and a.own_session:
         return bootstrap.shielded([x for x in args if x != "--own-session"])
     if a.cmd == "bootstrap":
@@ -102,10 +94,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                               lease=a.keep_going_while, lease_timeout=a.lease_timeout)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
-    if a.cmd == "probe":
-        doc = probe.probe(a.nic, [int(p) for p in a.ports.split(",") if p], a.root)
-    elif a.cmd == "unpack":
-        doc = unpack.unpack_report(a.archive, a.dest, a.max_bytes, a.max_members)
+    if a.cmd == "unpack":
+        doc = unpack.unpack_report(a.archive, a.dest, a.max_members)
     elif a.cmd == "kill":
         doc = jobdir.kill(a.job_dir, a.grace)
     elif a.cmd == "status":

@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional
 from . import messages as m
 from . import probe, supervisor
 
-ENGINES = ("mpi", "slurm", "k8s")
+ENGINES = ("mpi", "slurm")
 # A rank's index, the number of ranks and its index on its host, as each MPI family names them.
 MPI_VARS = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
             "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")}
@@ -87,28 +87,7 @@ def placement(engine: str, environ: Mapping[str, str]) -> Placement:
         names = slurm_hostnames(environ.get("SLURM_JOB_NODELIST", ""))
         host = names[node] if node < len(names) else environ.get("SLURMD_NODENAME", "") or os.uname().nodename
         return Placement(engine, node, nodes, host)
-    if engine == "k8s":
-        # The hook for Kubernetes: a pod's index is its Job's completion index and its role the Job's
-        # (PADDLE_TRAINING_ROLE). Pods run one process each, so they use `node pod` (pod.py), which needs no
-        # plan file; a per-node plan for pods would be looked up by (role, index) here.
-        from .pod import completion_index
-
-        index = completion_index(environ)
-        raise BootstrapError(f"pod {index} ({environ.get('PADDLE_TRAINING_ROLE', '?')}): Kubernetes pods run "
-                             "'python -m paddle_cluster.node pod', not bootstrap")
     raise BootstrapError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
-
-
-def detect_engine(environ: Mapping[str, str]) -> str:
-    """The engine that started this process, from the variables only it sets."""
-    if "OMPI_COMM_WORLD_RANK" in environ or "PMI_RANK" in environ:
-        return "mpi"
-    if "SLURM_NODEID" in environ:
-        return "slurm"
-    if "JOB_COMPLETION_INDEX" in environ:
-        return "k8s"
-    raise BootstrapError("no engine variables (OMPI_COMM_WORLD_RANK, PMI_RANK, SLURM_NODEID, JOB_COMPLETION_INDEX): "
-                         "bootstrap runs under mpirun or srun; give --engine")
 
 
 def placeholder(node: int) -> str:
@@ -167,10 +146,11 @@ def read_plan(path: str, node: int, addresses: Optional[Dict[int, str]] = None) 
 
 
 def shielded(argv: List[str]) -> int:
-    """Run ``python -m paddle_cluster.node`` ``argv`` as a child in a session of its own that gets SIGTERM when this
-    process dies (even by SIGKILL), and pass it our signals; its exit status. For engines that SIGKILL the ranks
-    they started (MPICH's Hydra, once its ``mpiexec`` is stopped): the agent still gets its teardown, stopping its
-    processes (``setsid`` ones included) within the grace period, instead of dying and leaving them."""
+    """Run ``python -m paddle_cluster.node`` ``argv`` as a child in a POSIX session of its own (``setsid``) that gets
+    SIGTERM when this process dies (even by SIGKILL), and pass it our signals; its exit status. For engines that
+    SIGKILL the ranks they started (MPICH's Hydra, once its ``mpiexec`` is stopped): the agent still gets its
+    teardown, stopping its processes (``setsid`` ones included) within the grace period, instead of dying and
+    leaving them."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child must not take the loader's lock
     parent = os.getpid()
 
@@ -201,7 +181,7 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
          lease: str = "", lease_timeout: float = 20.0) -> int:
     env = os.environ if environ is None else environ
     try:
-        where = placement(engine if engine != "auto" else detect_engine(env), env)
+        where = placement(engine, env)
     except BootstrapError as e:
         print(f"paddle-cluster bootstrap: error: {e}", flush=True)
         return 2

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from . import procs
+
+
+@dataclass(frozen=True)
+class KillOutcome:
+    """One recorded process as ``kill`` left it: whether it ran before, and how it ended (``killed by SIGTERM``,
+    ``exited 0``, ``still running``, ...). ``kill`` prints these; the launcher reads them back."""
+
+    name: str
+    pid: int
+    running: bool
+    how: str
 
 
 def kill(job_dir: str, grace: float) -> Dict[str, Any]:
@@ -49,9 +62,8 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
             return f"exited {rec['exit_code']}"
         return "gone after SIGTERM" if rec["name"] in running else "gone"
 
-    return {"found": True, "stopped": running, "left": left,
-            "procs": [{"name": p["name"], "pid": p["pid"], "running": p["name"] in running, "how": how(p)}
-                      for p in after["procs"]]}
+    return {"found": True, "stopped": running, "left": left, "procs": [
+        dataclasses.asdict(KillOutcome(p["name"], p["pid"], p["name"] in running, how(p))) for p in after["procs"]]}
 
 
 def last_line(path: str) -> str:

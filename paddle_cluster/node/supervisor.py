@@ -382,17 +382,6 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise Stop(f"agent received {signal.Signals(signum).name}")
 
 
-def plan_from_file(path: str, node: Optional[int]) -> m.NodePlan:
-    """Node ``node``'s plan among the ``Start`` messages in ``path`` (one per line; ``node`` may be None when
-    there is one)."""
-    with open(path, encoding="utf-8") as f:
-        plans = [msg.plan for msg in map(m.decode, filter(str.strip, f)) if isinstance(msg, m.Start)]
-    found = [p for p in plans if node is None or p.node == node]
-    if len(found) != 1:
-        raise m.MessageError(f"{path}: {len(found)} plans for node {node} among {len(plans)}")
-    return found[0]
-
-
 def supervise(orphan_timeout: float, grace: float, plan: Optional[m.NodePlan] = None, fail_fast: bool = True,
               lease: str = "") -> int:
     """Run one node's share of a job, as the launcher sends it on stdin (or ``plan``, without a launcher

@@ -20,6 +20,7 @@ import shutil
 import stat
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Union
 
+from .locks import exclusive
 from .unpack import UnsafeArchive, fresh_dir, safe_extract
 
 KEEP = 4  # unpacked trees kept per ROOT_DIR, least recently used dropped first
@@ -44,12 +45,8 @@ def _locked(root: str) -> Iterator[str]:
     """The pins directory, its lock held exclusively: pinning and pruning never interleave."""
     pins = _pins(root)
     os.makedirs(pins, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(pins, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with exclusive(os.path.join(pins, ".lock")):
         yield pins
-    finally:
-        os.close(fd)
 
 
 def pin(root: str, sha: str) -> None:
@@ -217,17 +214,10 @@ def _prune(root: str, keep: int) -> None:
         trees = _by_recency(os.path.dirname(tree_dir(root, "x")))
         gone = [n for n in os.listdir(pins) if n != ".lock" and not os.path.isdir(tree_dir(root, n))]
         for sha in [os.path.basename(t) for t in trees[keep:]] + gone:
-            fd = os.open(os.path.join(pins, sha), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a session is using it
-            try:
-                drop(root, sha)  # nothing to do for a tree that never came
-                os.unlink(os.path.join(pins, sha))
-            finally:
-                os.close(fd)
+            with exclusive(os.path.join(pins, sha), wait=False) as free:
+                if free:  # else a session is using it
+                    drop(root, sha)  # nothing to do for a tree that never came
+                    os.unlink(os.path.join(pins, sha))
 
 
 def _link_tree(src: str, manifest: Dict[str, Any], dst: str) -> None:

@@ -165,11 +165,10 @@ def safe_extract(archive: Union[str, BinaryIO], dest: str, max_bytes: Optional[i
     return fresh_dir(dest, extract)
 
 
-def unpack_report(archive: str, dest: str, max_bytes: Optional[int] = None,
-                  max_members: int = MAX_MEMBERS) -> Dict[str, Any]:
+def unpack_report(archive: str, dest: str, max_members: int = MAX_MEMBERS) -> Dict[str, Any]:
     """``safe_extract`` answered as a document: ``{"ok": True, "members": n}`` or ``{"ok": False, "error": ...}``."""
     try:
-        return {"ok": True, "members": safe_extract(archive, dest, max_bytes, max_members)}
+        return {"ok": True, "members": safe_extract(archive, dest, max_members=max_members)}
     except (UnsafeArchive, tarfile.TarError, OSError) as e:
         return {"ok": False, "error": str(e)}
     except Exception as e:  # noqa: BLE001 - whatever a hostile archive provokes, answer in JSON, not a traceback

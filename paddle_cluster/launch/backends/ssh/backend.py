@@ -147,7 +147,7 @@ class SSHBackend(Backend):
                 elif agent:  # the session is the agent now
                     waiting[n.index] = s.stream
                 return doc
-            except relay.Stopped:
+            except relay.Aborted:
                 return None  # another node failed: that one's error is the one to say
             except BaseException as e:
                 if chain is not None:

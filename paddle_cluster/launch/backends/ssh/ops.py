@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
+from paddle_cluster.node.jobdir import KillOutcome
+
 from ... import dispatch
 from ...access import nodes_with_lib
 from ...config import ClusterConfig
@@ -17,19 +19,10 @@ from ..base import ProcRow
 
 
 @dataclass(frozen=True)
-class Stopped:
-    """A process ``kill`` found running, and how it ended (``killed by SIGTERM``, ``still running``, ...)."""
-
-    name: str
-    pid: int
-    how: str
-
-
-@dataclass(frozen=True)
 class NodeKill:
     node: str
     found: bool  # the job has a directory with process records on this node
-    stopped: List[Stopped]
+    stopped: List[KillOutcome]  # the processes that ran before the kill
 
     def line(self, job_name: str) -> str:
         """What ``kill`` did on this node, one line."""
@@ -54,7 +47,7 @@ def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
         doc = dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
                                   what=f"stopping job {job_name}", timeout=cfg.kill_grace + 60)
         was = before[n.index]
-        return NodeKill(n.label, doc["found"], [Stopped(p["name"], p["pid"], p["how"]) for p in doc["procs"]
+        return NodeKill(n.label, doc["found"], [KillOutcome(**p) for p in doc["procs"]
                                                 if p["running"] or p["name"] in was])
     try:
         # What runs everywhere, before any node is told: once one node's agent stops, the running launcher stops
