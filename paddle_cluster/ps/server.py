@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
 from . import checkpoint as ckpt
@@ -19,7 +19,7 @@ from .budget import Budget, default_limit, human
 from .errors import CheckpointError, LimitExceeded
 from .net import Conn, Listener
 from .resume import resolve_resume, restore
-from .shards import DenseBlock, TableShard
+from .state import State
 from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
@@ -48,23 +48,17 @@ class PServer:
         here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
         self.budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
                              f"default: half of this node's memory over its {here} pserver(s)")
-        self.allow_nonfinite = allow_nonfinite
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
-        # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
-        self.optimizer: Optional[Dict[str, Any]] = None
-        self.staleness: Optional[int] = None  # async: drop dense gradients computed on values this old
-        self.dropped_stale = 0
-        self.base_step = 0
-        self.resumed_from: Optional[str] = None
-        self.blocks: Dict[int, DenseBlock] = {}
-        self.tables: Dict[int, TableShard] = {}
+        self.state = State(pserver_id, self.n_pservers, env.trainers, self.max_frame, self.checkpoint_root,
+                           self.budget, allow_nonfinite, self.sync, self.done)
         if resume is not None:
-            self.sync.mode, self.optimizer, self.base_step = resume.mode, resume.optimizer, resume.step
-            self.resumed_from = resume.path
-            self.blocks, self.tables = restore(resume, self.budget, env.trainers)
+            st = self.state
+            self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
+            st.resumed_from = resume.path
+            st.blocks, st.tables = restore(resume, self.budget, env.trainers)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
-                     resume.step, len(self.blocks), len(self.tables))
+                     resume.step, len(st.blocks), len(st.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
                             tuple(ports) if ports is not None else env.all_ports(pserver_id), self.max_frame,
                             self._handle, self.sync.touch, self.done, max_connections, self.budget)
@@ -81,7 +75,7 @@ class PServer:
         return self.net.ports
 
     def _handle(self, conn: Conn, h: P.Header) -> bool:
-        return handlers.dispatch(self, conn, h)
+        return handlers.dispatch(self.state, conn, h)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -107,19 +101,13 @@ class PServer:
         with self.sync.lock:
             self.sync.lock.notify_all()
         self.net.stop()
-        for shard in [*self.blocks.values(), *self.tables.values()]:
+        for shard in self.state.shards():
             with shard.cv:
                 shard.wake()
 
     @property
     def stopped(self) -> bool:
         return self.done.is_set()
-
-    def snapshot(self, step: int) -> ckpt.ShardState:
-        """A consistent copy of everything this pserver holds (no optimizer apply runs meanwhile)."""
-        with self.sync.rw.exclusive():
-            return ckpt.snapshot(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer,
-                                 self.blocks.values(), self.tables.values(), self.sync.spec_at)
 
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
