@@ -17,10 +17,11 @@ import numpy as np
 
 from . import protocol as P
 from .budget import SHARD_OVERHEAD
+from .dense import DenseBlock
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .net import Conn
 from .optim import OptimizerSpec
-from .shards import DenseBlock, TableShard, dense_bytes
+from .shards import TableShard, dense_bytes
 from .state import State
 
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
@@ -146,7 +147,7 @@ def def_dense(st: State, conn: Conn, h: P.Header) -> None:
         held = dense_bytes(meta, opt, st.trainers)
         st.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")
         try:
-            return DenseBlock(h.key, meta, opt, spec, st.base_step)
+            return DenseBlock(h.key, meta, opt, spec, st.base_step, st.dense)
         except BaseException:
             st.budget.release(held)
             raise

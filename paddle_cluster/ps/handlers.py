@@ -16,9 +16,10 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import finite, fold
+from . import finite
 from . import protocol as P
 from .declare import declare, def_dense, def_sparse, set_hyper
+from .dense import DenseBlock
 from .errors import (
     AuthError,
     BarrierTimeout,
@@ -32,13 +33,14 @@ from .errors import (
     UnknownKey,
 )
 from .net import Conn
-from .shards import DenseBlock, TableShard
+from .shards import TableShard
 from .state import State
+from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
 
 
-# -- dense blocks ----------------------------------------------------------------------------------------------
+# -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
 
 
 def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
@@ -54,131 +56,18 @@ def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
 
 def init_dense(st: State, conn: Conn, h: P.Header) -> None:
     b = _block(st, h, payload=True)
-    with b.cv:
-        mine = not (b.initialized or b.initializing)
-        b.initializing = b.initializing or mine
-    if not mine:
-        conn.discard()
-    else:
-        try:
-            conn.stream.recv_into(b.param)
-        except BaseException:
-            with b.cv:
-                b.initializing = False
-                b.wake()
-            raise
-        with b.cv:
-            b.initialized, b.initializing = True, False
-            b.wake()
+    b.init(conn)
     conn.reply_ok(key=h.key, step=b.step)
 
 
 def pull_dense(st: State, conn: Conn, h: P.Header) -> None:
-    """Reply with the block's value for ``h.step``. In sync mode one not applied yet is waited for here: the
-    trainer's requests behind it (its next gradients) wait in the socket's buffer, where the kernel keeps
-    taking them in; a writer thread to read them meanwhile cost more CPU than it saved (docs/benchmarks.md).
-    Where ``fold`` applies the step segment by segment, the reply is sent segment by segment as they are
-    applied, so a block's values flow back while its later segments' gradients still arrive (the same frame:
-    only when its bytes are written changes)."""
-    b = _block(st, h, payload=False)
-    sync = st.sync
-
-    with b.cv:
-        streams = fold.applies(sync, b) and b.initialized and not b.error and b.step < h.step
-        if not streams:
-            sync.wait_step(b, h.step, "pull", gone=lambda: conn.gone)
-        step = h.step if streams else b.step
-    # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
-    # pushes again (after it has read this reply), and a stalled reader must never block the other
-    # trainers. Async pulls may see a concurrent update.
-    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
-                     b.param, volatile=sync.mode != "sync",
-                     ready=(lambda end: fold.wait_segment(sync, b, step, end, lambda: conn.gone)) if streams
-                     else None)
+    _block(st, h, payload=False).pull(conn, h)
 
 
 def push_dense(st: State, conn: Conn, h: P.Header) -> None:
-    """Receive one block's gradient and fold it in.
-
-    Memory: a gradient is received whole into this connection's buffer (or, for the first of several
-    sync trainers, straight into the block's sum), so a frame cut short changes nothing. Sync mode
-    with several trainers keeps one sum per block, added in trainer order (the first two in either
-    order: float addition commutes), so the result never depends on arrival order. The last
-    contribution of a step is folded and, for plain SGD, applied in one cache-sized pass.
-    """
     b = _block(st, h, payload=True)
-    t, sync = conn.trainer, st.sync
-    in_sync = sync.mode == "sync"
-    with b.cv:
-        sync.wait_step(b, h.step, "push")
-        if in_sync:
-            dup = h.step < b.step or t in b.pending or t in b.receiving or b.applying
-        else:
-            dup = t in b.receiving
-        segments = not dup and fold.applies(sync, b)
-        if segments:
-            b.receiving.add(t)
-    check = None if st.allow_nonfinite else (lambda g: finite.check(g, b.describe(), t, h.step))
-    if segments:
-        try:
-            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks, check)
-        except BaseException:
-            with b.cv:
-                b.receiving.discard(t)
-                b.wake()
-            raise
-        with b.cv:
-            b.receiving.discard(t)
-            if b.step == h.step:
-                b.pending[t] = True
-            b.cv.notify_all()  # no segment's waiter waits on these: its folds and pulls were woken as they landed
-        conn.reply_ok(key=h.key, step=b.step)
-        return
-    with b.cv:
-        direct = in_sync and not dup and not b.pending and not b.acc_busy and t in sync.active and sync.first_two(t)
-        if not dup:
-            b.receiving.add(t)
-            b.acc_busy = b.acc_busy or direct
-    if dup:
-        conn.discard()  # an idempotent repeat of a push already counted
-        conn.reply_ok(key=h.key, step=b.step)
-        return
-    try:
-        dest = b.acc if direct else conn.buffer(b.shape, b.dtype)
-        conn.stream.recv_into(dest)
-        if check is not None:
-            check(dest)  # before it is added to anything: refused, it changes nothing
-    except BaseException:
-        with b.cv:
-            b.receiving.discard(t)
-            b.acc_busy = b.acc_busy and not direct
-            b.wake()
-        raise
-    with b.cv:
-        try:
-            if not in_sync:
-                if st.staleness is not None and b.step - h.aux > st.staleness:
-                    # Bounded staleness: the trainer computed this on values older than allowed (aux
-                    # carries the block version it pulled).
-                    st.dropped_stale += 1
-                else:
-                    sync.advance(b, None, lambda: b.apply_mean(dest, 1))
-            elif b.step == h.step:
-                if direct:
-                    b.acc_busy = False
-                    b.pending[t] = True
-                    sync.complete_dense(b)
-                else:
-                    sync.wait(b.cv, lambda: b.step != h.step or sync.may_fold(b, t), h.step,
-                              f"push {b.describe()}: summing in trainer order",
-                              lambda: {u for u in sync.active if u < t} - set(b.pending))
-                    if b.step == h.step:
-                        sync.fold(b, t, dest)
-        finally:
-            b.receiving.discard(t)
-            if direct:
-                b.acc_busy = False
-            b.wake()
+    if not b.push(conn, h, st.allow_nonfinite, st.staleness):
+        st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -197,6 +86,20 @@ def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
     if t.row_limit is not None and n > t.row_limit:
         raise LimitExceeded(f"{t.describe()}: trainer {trainer} sent a {what} of {n} ids, more than the "
                             f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
+
+
+def _complete_table(sync: Sync, t: TableShard) -> None:
+    """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+    if not sync.ready_to_apply(t):
+        return
+    ids, g, pos = t.pending_mean()
+    try:
+        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
+    finally:
+        if t.budget is not None:  # what the pushes held (``push_sparse`` charged it)
+            t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
+        t.pending.clear()
+    t.wake()
 
 
 def pull_sparse(st: State, conn: Conn, h: P.Header) -> None:
@@ -241,7 +144,7 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
         conn.discard()
         conn.reply_ok(key=h.key, step=t.step)
         return
-    held = h.length  # the ids and rows received: held until the step is applied (``Sync.complete_table``)
+    held = h.length  # the ids and rows received: held until the step is applied (``_complete_table``)
     try:
         st.budget.charge(held, f"{t.describe()}: a push of {n} rows")
         try:
@@ -270,7 +173,7 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
                 st.budget.release(held)
         elif t.step == h.step:
             t.pending[tr] = (ids, grads, pos)
-            sync.complete_table(t)
+            _complete_table(sync, t)
         else:
             st.budget.release(held)
         t.wake()
@@ -284,7 +187,15 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
     if h.length:
         conn.discard()
     # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
-    all_closed = st.sync.close_trainer(conn.trainer, st.shards())
+    all_closed = st.sync.close_trainer(conn.trainer)
+    for b in st.blocks.values():  # a step that was waiting only for this trainer completes now
+        with b.cv:
+            b.trainer_closed()
+    for t in st.tables.values():
+        with t.cv:
+            if st.sync.mode == "sync":
+                _complete_table(st.sync, t)
+            t.wake()
     conn.reply_ok()
     if all_closed:
         log.info("pserver %d: all %d trainers closed; exiting", st.pserver_id, st.trainers)

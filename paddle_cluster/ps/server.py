@@ -16,6 +16,7 @@ from . import checkpoint as ckpt
 from . import handlers
 from . import protocol as P
 from .budget import Budget, default_limit, human
+from .dense import DenseShared
 from .errors import CheckpointError, LimitExceeded
 from .net import Conn, Listener
 from .resume import resolve_resume, restore
@@ -51,12 +52,12 @@ class PServer:
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
         self.state = State(pserver_id, self.n_pservers, env.trainers, self.max_frame, self.checkpoint_root,
-                           self.budget, allow_nonfinite, self.sync, self.done)
+                           self.budget, allow_nonfinite, self.sync, DenseShared.make(self.sync), self.done)
         if resume is not None:
             st = self.state
             self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
             st.resumed_from = resume.path
-            st.blocks, st.tables = restore(resume, self.budget, env.trainers)
+            st.blocks, st.tables = restore(resume, st.dense, self.budget, env.trainers)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
                      resume.step, len(st.blocks), len(st.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
@@ -97,7 +98,7 @@ class PServer:
 
     def stop(self) -> None:
         self.done.set()
-        self.sync.apply_pool.shutdown(wait=False)
+        self.state.dense.applier.shutdown(wait=False)
         with self.sync.lock:
             self.sync.lock.notify_all()
         self.net.stop()

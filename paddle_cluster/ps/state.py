@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional
 
 from . import checkpoint as ckpt
 from .budget import Budget
-from .shards import DenseBlock, Shard, TableShard
+from .dense import DenseBlock, DenseShared
+from .shards import Shard, TableShard
 from .sync import Sync
 
 
@@ -26,6 +27,7 @@ class State:
     budget: Budget
     allow_nonfinite: bool
     sync: Sync
+    dense: DenseShared
     done: threading.Event
     # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
     optimizer: Optional[Dict[str, Any]] = None
@@ -42,6 +44,14 @@ class State:
 
     def snapshot(self, step: int) -> ckpt.ShardState:
         """A consistent copy of everything this pserver holds (no optimizer apply runs meanwhile)."""
+        spec_at = self.sync.spec_at
         with self.sync.rw.exclusive():
-            return ckpt.snapshot(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer,
-                                 self.blocks.values(), self.tables.values(), self.sync.spec_at)
+            blocks = [ckpt.BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
+                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step, b.param.copy(),
+                                      {k: v.copy() for k, v in b.opt.state.items()})
+                      for b in self.blocks.values()]
+            tables = [ckpt.TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
+                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step, t.keys.copy(),
+                                      t.table[t.pos], {k: v[t.pos] for k, v in t.state.items()})
+                      for t in self.tables.values()]
+        return ckpt.ShardState(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer, blocks, tables)
