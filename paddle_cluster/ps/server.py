@@ -40,30 +40,27 @@ class PServer:
                  allow_nonfinite: bool = False) -> None:
         self.env = env
         self.pserver_id = pserver_id
-        self.n_pservers = len(env.pservers)
-        self.max_frame = int(max_frame)
-        self.checkpoint_root = checkpoint_root or ckpt.default_root(env.job_dir)
         check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
         if not env.integrity:
             log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
         here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
-        self.budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
-                             f"default: half of this node's memory over its {here} pserver(s)")
+        budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
+                        f"default: half of this node's memory over its {here} pserver(s)")
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
-        self.state = State(pserver_id, self.n_pservers, env.trainers, self.max_frame, self.checkpoint_root,
-                           self.budget, allow_nonfinite, self.sync, DenseShared.make(self.sync), self.done)
+        self.state = st = State(pserver_id, len(env.pservers), env.trainers, int(max_frame),
+                                checkpoint_root or ckpt.default_root(env.job_dir), budget, allow_nonfinite,
+                                self.sync, DenseShared.make(self.sync), self.done)
         if resume is not None:
-            st = self.state
             self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
             st.resumed_from = resume.path
-            st.blocks, st.tables = restore(resume, st.dense, self.budget, env.trainers)
+            st.blocks, st.tables = restore(resume, st.dense, budget, env.trainers)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
                      resume.step, len(st.blocks), len(st.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
-                            tuple(ports) if ports is not None else env.all_ports(pserver_id), self.max_frame,
-                            self._handle, self.sync.touch, self.done, max_connections, self.budget)
-        log.info("pserver %d: memory budget %s (%s)%s", pserver_id, human(self.budget.limit), self.budget.source,
+                            tuple(ports) if ports is not None else env.all_ports(pserver_id), st.max_frame,
+                            self._handle, self.sync.touch, self.done, max_connections, budget)
+        log.info("pserver %d: memory budget %s (%s)%s", pserver_id, human(budget.limit), budget.source,
                  "; NaN/Inf gradients accepted (PADDLE_ALLOW_NONFINITE=1)" if allow_nonfinite else "")
 
     @property
@@ -105,10 +102,6 @@ class PServer:
         for shard in self.state.shards():
             with shard.cv:
                 shard.wake()
-
-    @property
-    def stopped(self) -> bool:
-        return self.done.is_set()
 
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
