@@ -193,9 +193,10 @@ class Meter:
 
 
 def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: int, no_sgd: bool) -> Dict[str, Any]:
-    """(In a fresh process.) ``DenseBlock.push_segments``, the pserver's own sync SGD path, for ``trainers`` trainers (one thread
-    each, as a pserver has one connection thread per trainer) over ``size`` bytes of float32 in blocks of
-    ``max_block``, segments handed over from memory instead of a socket; returns the process's CPU."""
+    """(In a fresh process.) ``DenseBlock.push_segments``, the pserver's own sync SGD path, for ``trainers``
+    trainers (one thread each, as a pserver has one connection thread per trainer) over ``size`` bytes of
+    float32 in blocks of ``max_block``, segments handed over from memory instead of a socket; returns the
+    process's CPU."""
     import numpy as np
 
     from paddle_cluster.ps import fold
