@@ -63,22 +63,20 @@ class AccPool:
                           f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
             finally:
                 self.waiting -= 1
-            if unless():
-                return None
-            if self.free:
-                return self.free.pop()
-            self.left -= 1
-            return np.empty(SEGMENT, dtype=np.uint8)
+            return None if unless() else self._pop()
 
     def try_take(self) -> Optional[np.ndarray]:
         """A free slot if there is one now, else None (never waits)."""
         with self.cv:
-            if self.free:
-                return self.free.pop()
-            if self.left > 0:
-                self.left -= 1
-                return np.empty(SEGMENT, dtype=np.uint8)
-            return None
+            return self._pop()
+
+    def _pop(self) -> Optional[np.ndarray]:
+        if self.free:
+            return self.free.pop()
+        if self.left > 0:
+            self.left -= 1
+            return np.empty(SEGMENT, dtype=np.uint8)
+        return None
 
     def give(self, slot: np.ndarray) -> None:
         with self.cv:
