@@ -154,7 +154,8 @@ class Suite:
             if key in self.m["cpu"]:
                 continue
             cpu, chk = cpumod.sgd_alone(size, trainers, c["reps"], no_sgd=no_sgd)
-            what = "the same fold loop, SGD removed (bench only)" if no_sgd else "pserver SGD path alone (fold.push)"
+            what = ("the same fold loop, SGD removed (bench only)" if no_sgd
+                    else "pserver SGD path alone (push_segments)")
             self.add(Row("cpu", f"{what}, {trainers} trainer(s), {size // MB} MB", 1e3 * cpu.per_step, "ms CPU",
                          None, check=chk, extra={"cpu": cpu.to_dict()}))
             self.m["cpu"][key] = cpu

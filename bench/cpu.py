@@ -193,14 +193,15 @@ class Meter:
 
 
 def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: int, no_sgd: bool) -> Dict[str, Any]:
-    """(In a fresh process.) ``fold.push``, the pserver's own sync SGD path, for ``trainers`` trainers (one thread
-    each, as a pserver has one connection thread per trainer) over ``size`` bytes of float32 in blocks of
-    ``max_block``, segments handed over from memory instead of a socket; returns the process's CPU."""
+    """(In a fresh process.) ``DenseBlock.push_segments``, the pserver's own sync SGD path, for ``trainers``
+    trainers (one thread each, as a pserver has one connection thread per trainer) over ``size`` bytes of
+    float32 in blocks of ``max_block``, segments handed over from memory instead of a socket; returns the
+    process's CPU."""
     import numpy as np
 
     from paddle_cluster.ps import fold
+    from paddle_cluster.ps.dense import DenseBlock, DenseShared
     from paddle_cluster.ps.optim import OptimizerSpec
-    from paddle_cluster.ps.shards import DenseBlock
     from paddle_cluster.ps.stream import SEGMENT
     from paddle_cluster.ps.sync import Sync
 
@@ -211,11 +212,12 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     nblk = size // block
     sync = Sync(0, trainers, 60.0, threading.Event())
     sync.mode = "sync"
+    shared = DenseShared.make(sync)
     blocks = []
     for k in range(nblk):
         meta = {"name": "w", "dtype": "float32", "shape": [rows, 1024], "lo": k * rows, "hi": (k + 1) * rows}
         spec = OptimizerSpec("sgd", lr=1.0)  # SGD overwrites its gradient with lr * g: 1.0 keeps it as it came
-        b = DenseBlock(k, meta, spec, spec.to_dict(), 0)
+        b = DenseBlock(k, meta, spec, spec.to_dict(), 0, shared)
         b.initialized = True
         blocks.append(b)
     filled = set()
@@ -242,7 +244,7 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
             for b in blocks:
                 with b.cv:
                     sync.wait_step(b, step, "push")
-                fold.push(sync, sync.pool, b, t, step, chunks_of(grads[t]))
+                b.push_segments(t, step, chunks_of(grads[t]))
 
     def run(first: int, last: int) -> None:
         ths = [threading.Thread(target=trainer, args=(t, first, last)) for t in range(trainers)]
@@ -260,7 +262,7 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     if trainers == 1 and not no_sgd:  # the values too: every element took every update
         want = -np.float32(warmup + steps)
         ok = ok and all(np.all(b.param == want) for b in blocks)
-    sync.apply_pool.shutdown()
+    shared.applier.shutdown()
     check = "ok" if ok else f"FAILED: {'values wrong' if done else 'not every step was applied'}"
     return {"cpu": cpu, "wall": wall, "machine": machine, "check": check}
 

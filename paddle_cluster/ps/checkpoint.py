@@ -15,13 +15,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import atomic
 from .errors import CheckpointUnreadable
-from .shards import DenseBlock, Shard, TableShard
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -75,26 +74,6 @@ def valid_name(name: object) -> bool:
     """A checkpoint directory name a trainer may ask for: one path component, never a location."""
     return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") and "/" not in name
             and "\\" not in name and "\0" not in name)
-
-
-def snapshot(step: int, pserver_id: int, n_pservers: int, mode: Optional[str], optimizer: Optional[Dict[str, Any]],
-             blocks: Iterable[DenseBlock], tables: Iterable[TableShard],
-             spec_at: Callable[[Shard, int], Dict[str, Any]]) -> ShardState:
-    """A copy of the live shards of one pserver, for ``step`` (the caller keeps optimizer applies out)."""
-    block_states = [
-        BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
-                   {"declared": b.declared, "current": spec_at(b, step)}, b.step, b.param.copy(),
-                   {k: v.copy() for k, v in b.opt.state.items()})
-        for b in blocks
-    ]
-    table_states = [
-        TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
-                   {"declared": t.declared, "current": spec_at(t, step)}, t.step, t.keys.copy(), t.table[t.pos],
-                   {k: v[t.pos] for k, v in t.state.items()})
-        for t in tables
-    ]
-    return ShardState(step, pserver_id, n_pservers, mode, optimizer, block_states, table_states)
-
 
 
 def default_root(job_dir: str = "") -> str:

@@ -329,11 +329,10 @@ class PSClient:
             raise ValueError(f"save_checkpoint({dirname_or_step}): the state to save is that of step {self.step} "
                              "(ps.step); pass nothing or ps.step")
         self.wait()
-        path = None if dirname_or_step is None or isinstance(dirname_or_step, int) else str(dirname_or_step)
-        body = {"step": self.step, "path": path}
-        if isinstance(dirname_or_step, int):
-            body["path"] = os.path.basename(ckpt.step_dir("", dirname_or_step))
-        replies = self._broadcast(P.Op.SAVE, body)
+        name = dirname_or_step
+        if isinstance(name, int):
+            name = os.path.basename(ckpt.step_dir("", name))
+        replies = self._broadcast(P.Op.SAVE, {"step": self.step, "path": name})
         return CheckpointInfo(self.step, tuple(r["path"] for r in replies if r))
 
     def save_dense(self, path: str) -> str:
@@ -373,8 +372,6 @@ class PSClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
 
 
 def load_dense(path: str) -> Dict[str, np.ndarray]:

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, TypeVar, Union
+from typing import Any, Callable, Dict, TypeVar, Union
 
 import numpy as np
 
 from . import protocol as P
 from .budget import SHARD_OVERHEAD
+from .dense import DenseBlock
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .net import Conn
 from .optim import OptimizerSpec
-from .shards import DenseBlock, TableShard, dense_bytes
-
-if TYPE_CHECKING:
-    from .server import PServer
+from .shards import TableShard, dense_bytes
+from .state import State
 
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 
@@ -39,25 +38,25 @@ def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:
         raise ConfigMismatch(f"bad optimizer spec: {e}") from None
 
 
-def _check_declared(ps: PServer) -> None:
-    if ps.sync.mode is None:
+def _check_declared(st: State) -> None:
+    if st.sync.mode is None:
         raise ConfigMismatch("no DECLARE yet: the trainer must declare the mode first")
 
 
-def _parse_spec(ps: PServer, body: Dict[str, Any]) -> Dict[str, Any]:
+def _parse_spec(st: State, body: Dict[str, Any]) -> Dict[str, Any]:
     """The optimizer a definition names, else the job's declared one."""
-    return _spec_key(body.get("optimizer") or ps.optimizer or {})
+    return _spec_key(body.get("optimizer") or st.optimizer or {})
 
 
-def _define(ps: PServer, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str, meta: Dict[str, Any],
+def _define(st: State, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str, meta: Dict[str, Any],
             spec: Dict[str, Any], make: Callable[[], S]) -> S:
     """The shard ``h.key`` of ``shards``: made by ``make`` at trainer 0's definition (or confirmed, restored
     from a checkpoint); another trainer's waits for that and must say the same, else ``ConfigMismatch``."""
-    sync, t = ps.sync, conn.trainer
+    sync, t = st.sync, conn.trainer
     with sync.lock:
         shard = shards.get(h.key)
         if t != 0:
-            sync.wait(sync.lock, lambda: _confirmed(shards, h.key) or 0 in sync.closed, ps.base_step,
+            sync.wait(sync.lock, lambda: _confirmed(shards, h.key) or 0 in sync.closed, st.base_step,
                       f"{kind} {h.key}: waiting for trainer 0 to define it", lambda: {0})
             shard = shards.get(h.key)
             if shard is None or not shard.confirmed:
@@ -65,7 +64,7 @@ def _define(ps: PServer, conn: Conn, h: P.Header, shards: Dict[int, S], kind: st
                                      "without defining it (do all trainers register the same parameters?)")
         elif shard is None:
             shard = make()
-            sync.hyper.start(shard, [*ps.blocks.values(), *ps.tables.values()])
+            sync.hyper.start(shard, st.shards())
             shards[h.key] = shard
         mine = {k: v for k, v in shard.meta.items() if shard.confirmed or k in _RESTORED}
         if {k: v for k, v in meta.items() if k in mine} != mine:
@@ -92,43 +91,43 @@ def _confirmed(shards: Dict[int, S], key: int) -> bool:
     return shard is not None and shard.confirmed
 
 
-def declare(ps: PServer, conn: Conn, h: P.Header) -> None:
+def declare(st: State, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
     mode = body.get("mode")
     if mode not in MODES:
         raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
     opt = _spec_key(body.get("optimizer") or {})
-    if body.get("trainers") != ps.env.trainers or body.get("n_pservers") != ps.n_pservers:
+    if body.get("trainers") != st.trainers or body.get("n_pservers") != st.n_pservers:
         raise ConfigMismatch(
             f"trainer {conn.trainer} thinks the job has {body.get('trainers')} trainers and "
-            f"{body.get('n_pservers')} pservers; this pserver was started for {ps.env.trainers} and "
-            f"{ps.n_pservers}")
+            f"{body.get('n_pservers')} pservers; this pserver was started for {st.trainers} and "
+            f"{st.n_pservers}")
     staleness = body.get("staleness")
     if staleness is not None and (not isinstance(staleness, int) or staleness < 0):
         raise ConfigMismatch(f"staleness {staleness!r}: expected a non-negative integer or null")
-    sync = ps.sync
+    sync = st.sync
     with sync.lock:
         if conn.trainer == 0 and sync.mode is None:
-            sync.mode, ps.optimizer, ps.staleness = mode, opt, staleness
+            sync.mode, st.optimizer, st.staleness = mode, opt, staleness
             sync.lock.notify_all()
-        sync.wait(sync.lock, lambda: sync.mode is not None, ps.base_step, "waiting for trainer 0 to declare",
+        sync.wait(sync.lock, lambda: sync.mode is not None, st.base_step, "waiting for trainer 0 to declare",
                   lambda: {0})
         if mode != sync.mode:
             raise ConfigMismatch(f"trainer {conn.trainer} asks for mode {mode!r} but the job runs in "
                                  f"{sync.mode!r} mode (declared by trainer 0)")
-        if staleness != ps.staleness:
+        if staleness != st.staleness:
             raise ConfigMismatch(f"trainer {conn.trainer} asks for staleness bound {staleness} but trainer 0 "
-                                 f"declared {ps.staleness}")
-        if opt != ps.optimizer:
+                                 f"declared {st.staleness}")
+        if opt != st.optimizer:
             raise ConfigMismatch(f"trainer {conn.trainer} declares optimizer {opt} but trainer 0 declared "
-                                 f"{ps.optimizer}")
-    conn.reply_ok({"pserver_id": ps.pserver_id, "step": ps.base_step, "mode": sync.mode,
-                   "resumed_from": ps.resumed_from})
+                                 f"{st.optimizer}")
+    conn.reply_ok({"pserver_id": st.pserver_id, "step": st.base_step, "mode": sync.mode,
+                   "resumed_from": st.resumed_from})
 
 
-def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
+def def_dense(st: State, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
-    _check_declared(ps)
+    _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "lo": int(body["lo"]), "hi": int(body["hi"]),
                 "shape": [int(s) for s in body["shape"]], "dtype": np.dtype(body["dtype"]).name}
@@ -137,29 +136,29 @@ def def_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
         raise ProtocolError(f"bad dense block definition: {e!r}") from None
     if any(s < 0 for s in meta["shape"]):
         raise ProtocolError(f"bad dense block shape {meta['shape']}")
-    spec = _parse_spec(ps, body)
+    spec = _parse_spec(st, body)
 
     def make() -> DenseBlock:
         nbytes = math.prod(meta["shape"]) * np.dtype(meta["dtype"]).itemsize  # Python integers: never wraps
-        if nbytes > ps.max_frame:
-            raise LimitExceeded(f"block of {nbytes} bytes exceeds the {ps.max_frame}-byte frame cap "
+        if nbytes > st.max_frame:
+            raise LimitExceeded(f"block of {nbytes} bytes exceeds the {st.max_frame}-byte frame cap "
                                 "(PADDLE_MAX_FRAME_BYTES): split it into smaller blocks (max_block_bytes)")
         opt = OptimizerSpec.from_dict(spec)
-        held = dense_bytes(meta, opt, ps.env.trainers)
-        ps.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")
+        held = dense_bytes(meta, opt, st.trainers)
+        st.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")
         try:
-            return DenseBlock(h.key, meta, opt, spec, ps.base_step)
+            return DenseBlock(h.key, meta, opt, spec, st.base_step, st.dense)
         except BaseException:
-            ps.budget.release(held)
+            st.budget.release(held)
             raise
 
-    b = _define(ps, conn, h, ps.blocks, "dense block", meta, spec, make)
+    b = _define(st, conn, h, st.blocks, "dense block", meta, spec, make)
     conn.reply_ok({"step": b.step, "initialized": b.initialized}, key=h.key)
 
 
-def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
+def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
-    _check_declared(ps)
+    _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
                 "init_scale": float(body["init_scale"]), "seed": int(body["seed"]),
@@ -173,17 +172,17 @@ def def_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
         raise ConfigMismatch(f"table {meta['name']!r}: declare its id space: vocab_size (ids in [0, vocab_size)) "
                              "or max_rows (a hashed id space: at most that many rows), e.g. "
                              f"register_sparse({meta['name']!r}, {meta['width']}, vocab_size=100000)")
-    spec = _parse_spec(ps, body)
+    spec = _parse_spec(st, body)
 
     def make() -> TableShard:
         try:
             opt = OptimizerSpec.from_dict(spec)
         except ValueError as e:
             raise ConfigMismatch(str(e)) from None
-        ps.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
-        return TableShard(h.key, meta, opt, spec, ps.base_step, ps.pserver_id, ps.n_pservers, ps.budget)
+        st.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
+        return TableShard(h.key, meta, opt, spec, st.base_step, st.pserver_id, st.n_pservers, st.budget)
 
-    t = _define(ps, conn, h, ps.tables, "sparse table", meta, spec, make)
+    t = _define(st, conn, h, st.tables, "sparse table", meta, spec, make)
     conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
 
 
@@ -196,7 +195,7 @@ def _count(v: Any) -> Any:
     return v
 
 
-def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
+def set_hyper(st: State, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
     values = body.get("values")
     if not isinstance(values, dict) or not values:
@@ -205,7 +204,7 @@ def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
     if bad:
         raise ConfigMismatch(f"cannot set {bad}: settable are {sorted(_HYPER_KEYS)}")
     try:
-        base = dict(ps.optimizer or OptimizerSpec().to_dict())
+        base = dict(st.optimizer or OptimizerSpec().to_dict())
         OptimizerSpec.from_dict({**base, **values})
         values = {k: float(v) for k, v in values.items()}
         from_step = int(body.get("from_step", 0))
@@ -214,7 +213,7 @@ def set_hyper(ps: PServer, conn: Conn, h: P.Header) -> None:
             raise ValueError("'names' must be a list of parameter/table names")
     except (ValueError, TypeError) as e:
         raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
-    with ps.sync.lock:
-        ps.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
-                          [*ps.blocks.values(), *ps.tables.values()])
+    with st.sync.lock:
+        st.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
+                          st.shards())
     conn.reply_ok()

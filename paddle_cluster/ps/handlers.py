@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import finite, fold
+from . import finite
 from . import protocol as P
 from .declare import declare, def_dense, def_sparse, set_hyper
+from .dense import DenseBlock
 from .errors import (
     AuthError,
     BarrierTimeout,
@@ -32,20 +33,19 @@ from .errors import (
     UnknownKey,
 )
 from .net import Conn
-from .shards import DenseBlock, TableShard
-
-if TYPE_CHECKING:
-    from .server import PServer
+from .shards import TableShard
+from .state import State
+from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
 
 
-# -- dense blocks ----------------------------------------------------------------------------------------------
+# -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
 
 
-def _block(ps: PServer, h: P.Header, payload: bool) -> DenseBlock:
+def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
     """The block a request names; ``payload``: the request carries the block's bytes."""
-    b = ps.blocks.get(h.key)
+    b = st.blocks.get(h.key)
     if b is None:
         raise UnknownKey(f"no dense block with key {h.key}")
     if h.dtype != P.dtype_code(b.dtype):
@@ -54,141 +54,28 @@ def _block(ps: PServer, h: P.Header, payload: bool) -> DenseBlock:
     return b
 
 
-def init_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
-    b = _block(ps, h, payload=True)
-    with b.cv:
-        mine = not (b.initialized or b.initializing)
-        b.initializing = b.initializing or mine
-    if not mine:
-        conn.discard()
-    else:
-        try:
-            conn.stream.recv_into(b.param)
-        except BaseException:
-            with b.cv:
-                b.initializing = False
-                b.wake()
-            raise
-        with b.cv:
-            b.initialized, b.initializing = True, False
-            b.wake()
+def init_dense(st: State, conn: Conn, h: P.Header) -> None:
+    b = _block(st, h, payload=True)
+    b.init(conn)
     conn.reply_ok(key=h.key, step=b.step)
 
 
-def pull_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
-    """Reply with the block's value for ``h.step``. In sync mode one not applied yet is waited for here: the
-    trainer's requests behind it (its next gradients) wait in the socket's buffer, where the kernel keeps
-    taking them in; a writer thread to read them meanwhile cost more CPU than it saved (docs/benchmarks.md).
-    Where ``fold`` applies the step segment by segment, the reply is sent segment by segment as they are
-    applied, so a block's values flow back while its later segments' gradients still arrive (the same frame:
-    only when its bytes are written changes)."""
-    b = _block(ps, h, payload=False)
-    sync = ps.sync
-
-    with b.cv:
-        streams = fold.applies(sync, b) and b.initialized and not b.error and b.step < h.step
-        if not streams:
-            sync.wait_step(b, h.step, "pull", gone=lambda: conn.gone)
-        step = h.step if streams else b.step
-    # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
-    # pushes again (after it has read this reply), and a stalled reader must never block the other
-    # trainers. Async pulls may see a concurrent update.
-    conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(b.dtype), key=h.key, step=step, length=b.nbytes),
-                     b.param, volatile=sync.mode != "sync",
-                     ready=(lambda end: fold.wait_segment(sync, b, step, end, lambda: conn.gone)) if streams
-                     else None)
+def pull_dense(st: State, conn: Conn, h: P.Header) -> None:
+    _block(st, h, payload=False).pull(conn, h)
 
 
-def push_dense(ps: PServer, conn: Conn, h: P.Header) -> None:
-    """Receive one block's gradient and fold it in.
-
-    Memory: a gradient is received whole into this connection's buffer (or, for the first of several
-    sync trainers, straight into the block's sum), so a frame cut short changes nothing. Sync mode
-    with several trainers keeps one sum per block, added in trainer order (the first two in either
-    order: float addition commutes), so the result never depends on arrival order. The last
-    contribution of a step is folded and, for plain SGD, applied in one cache-sized pass.
-    """
-    b = _block(ps, h, payload=True)
-    t, sync = conn.trainer, ps.sync
-    in_sync = sync.mode == "sync"
-    with b.cv:
-        sync.wait_step(b, h.step, "push")
-        if in_sync:
-            dup = h.step < b.step or t in b.pending or t in b.receiving or b.applying
-        else:
-            dup = t in b.receiving
-        segments = not dup and fold.applies(sync, b)
-        if segments:
-            b.receiving.add(t)
-    check = None if ps.allow_nonfinite else (lambda g: finite.check(g, b.describe(), t, h.step))
-    if segments:
-        try:
-            fold.push(sync, sync.pool, b, t, h.step, conn.stream.chunks, check)
-        except BaseException:
-            with b.cv:
-                b.receiving.discard(t)
-                b.wake()
-            raise
-        with b.cv:
-            b.receiving.discard(t)
-            if b.step == h.step:
-                b.pending[t] = True
-            b.cv.notify_all()  # no segment's waiter waits on these: its folds and pulls were woken as they landed
-        conn.reply_ok(key=h.key, step=b.step)
-        return
-    with b.cv:
-        direct = in_sync and not dup and not b.pending and not b.acc_busy and t in sync.active and sync.first_two(t)
-        if not dup:
-            b.receiving.add(t)
-            b.acc_busy = b.acc_busy or direct
-    if dup:
-        conn.discard()  # an idempotent repeat of a push already counted
-        conn.reply_ok(key=h.key, step=b.step)
-        return
-    try:
-        dest = b.acc if direct else conn.buffer(b.shape, b.dtype)
-        conn.stream.recv_into(dest)
-        if check is not None:
-            check(dest)  # before it is added to anything: refused, it changes nothing
-    except BaseException:
-        with b.cv:
-            b.receiving.discard(t)
-            b.acc_busy = b.acc_busy and not direct
-            b.wake()
-        raise
-    with b.cv:
-        try:
-            if not in_sync:
-                if ps.staleness is not None and b.step - h.aux > ps.staleness:
-                    # Bounded staleness: the trainer computed this on values older than allowed (aux
-                    # carries the block version it pulled).
-                    ps.dropped_stale += 1
-                else:
-                    sync.advance(b, None, lambda: b.apply_mean(dest, 1))
-            elif b.step == h.step:
-                if direct:
-                    b.acc_busy = False
-                    b.pending[t] = True
-                    sync.complete_dense(b)
-                else:
-                    sync.wait(b.cv, lambda: b.step != h.step or sync.may_fold(b, t), h.step,
-                              f"push {b.describe()}: summing in trainer order",
-                              lambda: {u for u in sync.active if u < t} - set(b.pending))
-                    if b.step == h.step:
-                        sync.fold(b, t, dest)
-        finally:
-            b.receiving.discard(t)
-            if direct:
-                b.acc_busy = False
-            b.wake()
+def push_dense(st: State, conn: Conn, h: P.Header) -> None:
+    b = _block(st, h, payload=True)
+    if not b.push(conn, h, st.allow_nonfinite, st.staleness):
+        st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=b.step)
 
 
 # -- sparse tables ---------------------------------------------------------------------------------------------
 
 
-def _table(ps: PServer, h: P.Header) -> TableShard:
-    t = ps.tables.get(h.key)
+def _table(st: State, h: P.Header) -> TableShard:
+    t = st.tables.get(h.key)
     if t is None:
         raise UnknownKey(f"no sparse table with key {h.key}")
     return t
@@ -201,35 +88,49 @@ def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
                             f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
 
 
-def pull_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
-    t = _table(ps, h)
+def _complete_table(sync: Sync, t: TableShard) -> None:
+    """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+    if not sync.ready_to_apply(t):
+        return
+    ids, g, pos = t.pending_mean()
+    try:
+        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
+    finally:
+        if t.budget is not None:  # what the pushes held (``push_sparse`` charged it)
+            t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
+        t.pending.clear()
+    t.wake()
+
+
+def pull_sparse(st: State, conn: Conn, h: P.Header) -> None:
+    t = _table(st, h)
     n = h.aux
     if h.dtype != P.dtype_code(np.int64):
         raise ProtocolError(f"{t.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
     P.expect_length(h, 8 * n, f"{t.describe()}: pull of {n} ids")
     _rows_fit(t, n, conn.trainer, "pull")
     held = n * (8 + t.width * t.dtype.itemsize)  # the ids, and the rows of the reply
-    ps.budget.charge(held, f"{t.describe()}: a pull of {n} rows")
+    st.budget.charge(held, f"{t.describe()}: a pull of {n} rows")
     try:
         ids = np.empty(n, dtype=np.int64)
         conn.stream.recv_into(ids)
         t.check_ids(ids)
         t.admit(ids, conn.trainer)
         with t.cv:
-            ps.sync.wait_step(t, h.step, "pull")
-            with ps.sync.rw.shared():
+            st.sync.wait_step(t, h.step, "pull")
+            with st.sync.rw.shared():
                 pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
                 rows = t.table[pos]
             step = t.step
         header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
         conn.stream.send(header, rows)
     finally:
-        ps.budget.release(held)
+        st.budget.release(held)
 
 
-def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
-    t = _table(ps, h)
-    n, tr, sync = h.aux, conn.trainer, ps.sync
+def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
+    t = _table(st, h)
+    n, tr, sync = h.aux, conn.trainer, st.sync
     if h.dtype != P.dtype_code(t.dtype):
         raise ProtocolError(f"{t.describe()} is {t.dtype}, frame says dtype code {h.dtype}")
     P.expect_length(h, n * (8 + t.width * t.dtype.itemsize), f"{t.describe()}: push of {n} rows")
@@ -243,23 +144,23 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
         conn.discard()
         conn.reply_ok(key=h.key, step=t.step)
         return
-    held = h.length  # the ids and rows received: held until the step is applied (``Sync.complete_table``)
+    held = h.length  # the ids and rows received: held until the step is applied (``_complete_table``)
     try:
-        ps.budget.charge(held, f"{t.describe()}: a push of {n} rows")
+        st.budget.charge(held, f"{t.describe()}: a push of {n} rows")
         try:
             ids = np.empty(n, dtype=np.int64)
             grads = np.empty((n, t.width), dtype=t.dtype)
             conn.stream.recv_into(ids, grads)
             t.check_ids(ids)
             t.admit(ids, tr)
-            if not ps.allow_nonfinite:
+            if not st.allow_nonfinite:
                 finite.check(grads, t.describe(), tr, h.step)
             with t.cv, sync.rw.shared():
                 # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
                 # push, never the apply that another trainer's push completes.
                 pos = t.lookup(ids)
         except BaseException:
-            ps.budget.release(held)
+            st.budget.release(held)
             raise
     finally:
         with t.cv:
@@ -269,12 +170,12 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
             try:
                 sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos))
             finally:
-                ps.budget.release(held)
+                st.budget.release(held)
         elif t.step == h.step:
             t.pending[tr] = (ids, grads, pos)
-            sync.complete_table(t)
+            _complete_table(sync, t)
         else:
-            ps.budget.release(held)
+            st.budget.release(held)
         t.wake()
     conn.reply_ok(key=h.key, step=t.step)
 
@@ -282,57 +183,65 @@ def push_sparse(ps: PServer, conn: Conn, h: P.Header) -> None:
 # -- control ---------------------------------------------------------------------------------------------------
 
 
-def close(ps: PServer, conn: Conn, h: P.Header) -> None:
+def close(st: State, conn: Conn, h: P.Header) -> None:
     if h.length:
         conn.discard()
     # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
-    all_closed = ps.sync.close_trainer(conn.trainer, [*ps.blocks.values(), *ps.tables.values()])
+    all_closed = st.sync.close_trainer(conn.trainer)
+    for b in st.blocks.values():  # a step that was waiting only for this trainer completes now
+        with b.cv:
+            b.trainer_closed()
+    for t in st.tables.values():
+        with t.cv:
+            if st.sync.mode == "sync":
+                _complete_table(st.sync, t)
+            t.wake()
     conn.reply_ok()
     if all_closed:
-        log.info("pserver %d: all %d trainers closed; exiting", ps.pserver_id, ps.env.trainers)
-        ps.done.set()
+        log.info("pserver %d: all %d trainers closed; exiting", st.pserver_id, st.trainers)
+        st.done.set()
 
 
-def status(ps: PServer, conn: Conn, h: P.Header) -> None:
+def status(st: State, conn: Conn, h: P.Header) -> None:
     if h.length:
         raise ProtocolError("STATUS takes no payload")
-    sync = ps.sync
+    sync = st.sync
     with sync.lock:
         body = {
-            "pserver_id": ps.pserver_id, "mode": sync.mode, "base_step": ps.base_step,
-            "staleness": ps.staleness, "dropped_stale": ps.dropped_stale, "hyper_pending": len(sync.hyper.changes),
-            "active": sorted(sync.active), "closed": sorted(sync.closed), "resumed_from": ps.resumed_from,
-            "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in ps.blocks.items()},
+            "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
+            "staleness": st.staleness, "dropped_stale": st.dropped_stale, "hyper_pending": len(sync.hyper.changes),
+            "active": sorted(sync.active), "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
+            "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in st.blocks.items()},
             "tables": {str(k): {"name": t.name, "step": t.step, "rows": t.n, "lr": t.spec.lr}
-                       for k, t in ps.tables.items()},
+                       for k, t in st.tables.items()},
         }
     conn.reply_ok(body)
 
 
-def save(ps: PServer, conn: Conn, h: P.Header) -> None:
+def save(st: State, conn: Conn, h: P.Header) -> None:
     body = conn.read_json(h)
     step = int(body.get("step", h.step))
     name = body.get("path")
     if name is None:
-        path = ckpt.step_dir(ps.checkpoint_root, step)
+        path = ckpt.step_dir(st.checkpoint_root, step)
     elif not ckpt.valid_name(name):
         raise Forbidden(f"SAVE {name!r}: a checkpoint is named, not placed: a plain name (no '/', not '.' or "
-                        f"'..', at most 255 characters) under the job's checkpoint directory {ps.checkpoint_root}")
+                        f"'..', at most 255 characters) under the job's checkpoint directory {st.checkpoint_root}")
     else:
-        path = os.path.join(ps.checkpoint_root, name)
-    if ps.sync.mode == "sync":
-        for shard in [*ps.blocks.values(), *ps.tables.values()]:
+        path = os.path.join(st.checkpoint_root, name)
+    if st.sync.mode == "sync":
+        for shard in st.shards():
             with shard.cv:
-                ps.sync.wait_step(shard, step, "checkpoint")
+                st.sync.wait_step(shard, step, "checkpoint")
     try:
-        d = ckpt.save_shard(path, ps.snapshot(step))
+        d = ckpt.save_shard(path, st.snapshot(step))
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {e}") from None
-    log.info("pserver %d: saved checkpoint of step %d to %s", ps.pserver_id, step, d)
+    log.info("pserver %d: saved checkpoint of step %d to %s", st.pserver_id, step, d)
     conn.reply_ok({"path": d, "step": step})
 
 
-OPS: Dict[int, Callable[[PServer, Conn, P.Header], None]] = {
+OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.DECLARE: declare,
     P.Op.DEF_DENSE: def_dense,
     P.Op.INIT_DENSE: init_dense,
@@ -352,23 +261,23 @@ OPS: Dict[int, Callable[[PServer, Conn, P.Header], None]] = {
 CHIEF_OPS = frozenset({P.Op.INIT_DENSE, P.Op.SET_HYPER, P.Op.SAVE})
 
 
-def dispatch(ps: PServer, conn: Conn, h: P.Header) -> bool:
+def dispatch(st: State, conn: Conn, h: P.Header) -> bool:
     """Serve one request; False when the connection must be dropped."""
-    ps.sync.touch(conn.trainer)
-    handler: Optional[Callable[[PServer, Conn, P.Header], None]] = OPS.get(h.op)
+    st.sync.touch(conn.trainer)
+    handler: Optional[Callable[[State, Conn, P.Header], None]] = OPS.get(h.op)
     try:
         if handler is None:
             raise ProtocolError(f"unknown or unexpected {h.op_name()}")
         if h.op in CHIEF_OPS and conn.trainer != 0:
             raise Forbidden(f"trainer {conn.trainer} may not {h.op_name()}: only trainer 0 initialises parameters, "
                             "sets hyper-parameters and saves checkpoints")
-        handler(ps, conn, h)
+        handler(st, conn, h)
         return True
     except (ProtocolError, UnknownKey, AuthError) as e:
         conn.drop(f"{h.op_name()} key={h.key}: {e}", e)
         return False
     except ConnectionLost as e:
-        log.info("pserver %d: trainer %d (%s) went away during %s: %s", ps.pserver_id, conn.trainer,
+        log.info("pserver %d: trainer %d (%s) went away during %s: %s", st.pserver_id, conn.trainer,
                  conn.peer, h.op_name(), e)
         return False
     except PSError as e:
@@ -382,7 +291,7 @@ def dispatch(ps: PServer, conn: Conn, h: P.Header) -> bool:
     except OSError:
         raise
     except Exception as e:  # a bug must cost one connection, not the pserver
-        log.exception("pserver %d: internal error serving %s from trainer %d", ps.pserver_id, h.op_name(),
+        log.exception("pserver %d: internal error serving %s from trainer %d", st.pserver_id, h.op_name(),
                       conn.trainer)
-        conn.drop(f"internal error: {e!r}", RemoteError(f"pserver {ps.pserver_id}: {e!r}"))
+        conn.drop(f"internal error: {e!r}", RemoteError(f"pserver {st.pserver_id}: {e!r}"))
         return False

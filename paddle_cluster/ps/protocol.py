@@ -81,13 +81,6 @@ def dtype_code(dtype: Any) -> int:
         raise ValueError(f"dtype {dt} is not supported on the wire: use one of {sorted(map(str, _CODES))}") from None
 
 
-def code_dtype(code: int) -> np.dtype:
-    try:
-        return _DTYPES[code]
-    except KeyError:
-        raise ProtocolError(f"unknown dtype code {code}") from None
-
-
 @dataclass(frozen=True)
 class Header:
     """One decoded frame header."""

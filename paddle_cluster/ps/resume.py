@@ -31,9 +31,10 @@ from .checkpoint import (
     step_dir,
     unreadable,
 )
+from .dense import DenseBlock, DenseShared
 from .errors import CheckpointError, CheckpointUnreadable
 from .optim import OptimizerSpec
-from .shards import DenseBlock, TableShard, dense_bytes
+from .shards import TableShard, dense_bytes
 
 log = logging.getLogger("paddle_cluster.ps")
 
@@ -175,10 +176,10 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
 
 
 
-def restore(shard: ShardState, budget: Optional[Budget] = None, trainers: int = 1
+def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = None, trainers: int = 1
             ) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
-    """The live shards a loaded checkpoint describes, charged to ``budget``; trainer 0 confirms each when it
-    defines it again (``Shard.confirmed``)."""
+    """The live shards a loaded checkpoint describes (its dense blocks sharing ``dense``), charged to ``budget``;
+    trainer 0 confirms each when it defines it again (``Shard.confirmed``)."""
     blocks: Dict[int, DenseBlock] = {}
     tables: Dict[int, TableShard] = {}
     for bs in shard.blocks:
@@ -186,7 +187,7 @@ def restore(shard: ShardState, budget: Optional[Budget] = None, trainers: int = 
         spec = OptimizerSpec.from_dict(bs.spec["current"])
         if budget is not None:
             budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
-        b = DenseBlock(bs.key, meta, spec, bs.spec["declared"], bs.step)
+        b = DenseBlock(bs.key, meta, spec, bs.spec["declared"], bs.step, dense)
         b.confirmed = False
         b.param[...] = bs.param
         try:

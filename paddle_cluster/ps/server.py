@@ -9,17 +9,18 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from ..contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
 from . import checkpoint as ckpt
 from . import handlers
 from . import protocol as P
 from .budget import Budget, default_limit, human
+from .dense import DenseShared
 from .errors import CheckpointError, LimitExceeded
 from .net import Conn, Listener
 from .resume import resolve_resume, restore
-from .shards import DenseBlock, TableShard
+from .state import State
 from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
@@ -39,36 +40,27 @@ class PServer:
                  allow_nonfinite: bool = False) -> None:
         self.env = env
         self.pserver_id = pserver_id
-        self.n_pservers = len(env.pservers)
-        self.max_frame = int(max_frame)
-        self.checkpoint_root = checkpoint_root or ckpt.default_root(env.job_dir)
         check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
         if not env.integrity:
             log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
         here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
-        self.budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
-                             f"default: half of this node's memory over its {here} pserver(s)")
-        self.allow_nonfinite = allow_nonfinite
+        budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
+                        f"default: half of this node's memory over its {here} pserver(s)")
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
-        # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
-        self.optimizer: Optional[Dict[str, Any]] = None
-        self.staleness: Optional[int] = None  # async: drop dense gradients computed on values this old
-        self.dropped_stale = 0
-        self.base_step = 0
-        self.resumed_from: Optional[str] = None
-        self.blocks: Dict[int, DenseBlock] = {}
-        self.tables: Dict[int, TableShard] = {}
+        self.state = st = State(pserver_id, len(env.pservers), env.trainers, int(max_frame),
+                                checkpoint_root or ckpt.default_root(env.job_dir), budget, allow_nonfinite,
+                                self.sync, DenseShared.make(self.sync), self.done)
         if resume is not None:
-            self.sync.mode, self.optimizer, self.base_step = resume.mode, resume.optimizer, resume.step
-            self.resumed_from = resume.path
-            self.blocks, self.tables = restore(resume, self.budget, env.trainers)
+            self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
+            st.resumed_from = resume.path
+            st.blocks, st.tables = restore(resume, st.dense, budget, env.trainers)
             log.info("pserver %d: resumed from %s (step %d, %d blocks, %d tables)", pserver_id, resume.path,
-                     resume.step, len(self.blocks), len(self.tables))
+                     resume.step, len(st.blocks), len(st.tables))
         self.net = Listener(env, pserver_id, host or env.pservers[pserver_id].host,
-                            tuple(ports) if ports is not None else env.all_ports(pserver_id), self.max_frame,
-                            self._handle, self.sync.touch, self.done, max_connections, self.budget)
-        log.info("pserver %d: memory budget %s (%s)%s", pserver_id, human(self.budget.limit), self.budget.source,
+                            tuple(ports) if ports is not None else env.all_ports(pserver_id), st.max_frame,
+                            self._handle, self.sync.touch, self.done, max_connections, budget)
+        log.info("pserver %d: memory budget %s (%s)%s", pserver_id, human(budget.limit), budget.source,
                  "; NaN/Inf gradients accepted (PADDLE_ALLOW_NONFINITE=1)" if allow_nonfinite else "")
 
     @property
@@ -81,7 +73,7 @@ class PServer:
         return self.net.ports
 
     def _handle(self, conn: Conn, h: P.Header) -> bool:
-        return handlers.dispatch(self, conn, h)
+        return handlers.dispatch(self.state, conn, h)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -103,23 +95,13 @@ class PServer:
 
     def stop(self) -> None:
         self.done.set()
-        self.sync.apply_pool.shutdown(wait=False)
+        self.state.dense.applier.shutdown(wait=False)
         with self.sync.lock:
             self.sync.lock.notify_all()
         self.net.stop()
-        for shard in [*self.blocks.values(), *self.tables.values()]:
+        for shard in self.state.shards():
             with shard.cv:
                 shard.wake()
-
-    @property
-    def stopped(self) -> bool:
-        return self.done.is_set()
-
-    def snapshot(self, step: int) -> ckpt.ShardState:
-        """A consistent copy of everything this pserver holds (no optimizer apply runs meanwhile)."""
-        with self.sync.rw.exclusive():
-            return ckpt.snapshot(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer,
-                                 self.blocks.values(), self.tables.values(), self.sync.spec_at)
 
 
 def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:

@@ -1,4 +1,5 @@
-"""What a pserver holds: dense blocks and its shard of each sparse table, and how a gradient changes them.
+"""What a pserver holds: its shard of each sparse table (``TableShard``) and how a row gradient changes it, and
+what dense blocks (``dense.DenseBlock``) and table shards share (``Shard``).
 
 Each shard has its own condition variable (``cv``), which doubles as its sync-mode barrier (see ``sync``),
 its step counter and how far into the server's hyper-parameter history it is.
@@ -17,7 +18,6 @@ from .budget import SHARD_OVERHEAD, Budget
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .optim import OptimizerSpec
 from .placement import init_rows
-from .stream import SEGMENT
 
 INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
 
@@ -39,6 +39,8 @@ class Shard:
         # Defined by trainer 0 (the one authority on the model); False for a shard restored from a checkpoint
         # until trainer 0 defines it again. Other trainers' definitions wait for it and must agree.
         self.confirmed = True
+        self.initialized = True  # a dense block is not until trainer 0 sends its value
+        self.error: Optional[str] = None  # a failed optimizer apply: its pulls report it
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -54,72 +56,6 @@ def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int
     n = math.prod(int(s) for s in meta["shape"]) * np.dtype(meta["dtype"]).itemsize
     copies = 2 + len(optim.UPDATES[spec.name][1]) + int(bool(spec.weight_decay)) + int(trainers > 1)
     return n * copies + SHARD_OVERHEAD
-
-
-class DenseBlock(Shard):
-    def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
-                 step: int) -> None:
-        super().__init__(key, meta["name"], spec, declared, step)
-        self.meta = meta
-        self.dtype = np.dtype(meta["dtype"])
-        self.shape = tuple(meta["shape"])
-        self.param = np.zeros(self.shape, dtype=self.dtype)
-        self.nbytes = self.param.nbytes
-        self.opt = optim.make_dense(spec, self.param)
-        self.initialized = False
-        self.initializing = False
-        # Sync mode with several trainers: their gradients of the current step, summed in trainer order
-        # (see handlers.push_dense). One buffer per block, allocated on first use.
-        self._acc: Optional[np.ndarray] = None
-        self.acc_busy = False  # a push is being received straight into acc
-        self.applying = False
-        self.error: Optional[str] = None
-        # Sync-mode SGD (``fold``): this step's segments some trainers have sent, and how many are applied.
-        self.segs: Dict[int, Any] = {}
-        self.segs_done = 0
-        self.n_segs = max(1, -(-self.nbytes // SEGMENT))
-        self.applied: Set[int] = set()  # segments already at ``step + 1`` (a pull of it may send them)
-        # One condition per segment on ``cv``'s lock, for those waiting on one segment (its trainers in order,
-        # its pulls): with 4 trainers, waking every waiter of the block at each fold put the pserver's threads
-        # on a core 3x as often as the fold needs.
-        self.seg_cv = tuple(threading.Condition(self.lock) for _ in range(self.n_segs))
-
-    def describe(self) -> str:
-        return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
-
-    def wake(self) -> None:
-        super().wake()
-        for c in self.seg_cv:
-            c.notify_all()
-
-    def ready(self, i: int, step: int) -> bool:
-        """(Holding ``cv``.) Does segment ``i`` hold its value of ``step``?"""
-        return self.step >= step or (self.step == step - 1 and i in self.applied)
-
-    @property
-    def acc(self) -> np.ndarray:
-        if self._acc is None:
-            self._acc = np.empty(self.shape, dtype=self.dtype)
-        return self._acc
-
-    @property
-    def plain_sgd(self) -> bool:
-        return self.spec.name == "sgd" and self.spec.weight_decay == 0
-
-    def apply_mean(self, g: np.ndarray, n: int) -> None:
-        """Apply the mean gradient ``g / n``; ``g`` is scratch (it may be overwritten)."""
-        if self.plain_sgd:
-            # No buffer of the block's size is touched besides param and g (same rounding as the optimizer's).
-            optim.sgd(self.param, g, self.spec.lr, n=n)
-            return
-        if n > 1:
-            g /= self.dtype.type(n)
-        self.opt.apply(self.param, g)
-
-    def apply_sum_with(self, g: np.ndarray, n: int) -> None:
-        """Plain SGD: add ``g`` to the sum in ``acc`` of ``n - 1`` gradients, average and apply, chunk by
-        chunk while the chunk is in cache (the same operations, in the same order, as summing first)."""
-        optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
 
 
 def shard_rows(vocab_size: Optional[int], max_rows: Optional[int], pserver_id: int, n_pservers: int

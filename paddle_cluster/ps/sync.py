@@ -1,7 +1,7 @@
-"""Barriers and step bookkeeping of one pserver.
+"""Barriers, trainer order and step bookkeeping of one pserver (``Sync``), and its hyper-parameter history.
 
-Sync mode: pushes for step ``t`` land in per-trainer buffers, and the push that completes the set of active
-trainers applies the averaged gradient and wakes the pulls for ``t + 1``. Waits are bounded by
+Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (the shard decides
+what that means: ``dense.DenseBlock``, ``sparse``), and wakes the pulls for ``t + 1``. Waits are bounded by
 ``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers that never arrived (and when the
 pserver last heard from each). A closed trainer stops counting, so a barrier waiting only for it completes.
 """
@@ -9,19 +9,14 @@ pserver last heard from each). A closed trainer stops counting, so a barrier wai
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-import numpy as np
-
-from . import fold
 from .errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
-from .shards import DenseBlock, Shard, TableShard
+from .shards import Shard
 
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
@@ -130,8 +125,8 @@ class RWLock:
 
 
 class Sync:
-    """Who is active, who closed and when each trainer was last heard from; the hyper-parameter history;
-    waiting for a step, and completing one once every active trainer has contributed."""
+    """Who is active, who closed and when each trainer was last heard from; the order a step's sum follows;
+    the hyper-parameter history; waiting for a step, and moving a shard to its next one."""
 
     def __init__(self, pserver_id: int, trainers: int, barrier_timeout: float, done: threading.Event) -> None:
         self.pserver_id = pserver_id
@@ -145,9 +140,6 @@ class Sync:
         self.last_seen: Dict[int, float] = {}
         self.hyper = HyperHistory()
         self.rw = RWLock()
-        self.pool = fold.AccPool(fold.POOL_BYTES)
-        self.apply_pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                             thread_name_prefix=f"pserver{pserver_id}-apply")
 
     # -- trainers ------------------------------------------------------------------------------------------
 
@@ -190,8 +182,9 @@ class Sync:
             out.append(MissingTrainer(t, None if seen is None else round(now - seen, 1)))
         return out
 
-    def close_trainer(self, t: int, shards: Iterable[Shard]) -> bool:
-        """Trainer ``t`` is done: its barriers stop counting it. True once every trainer has closed."""
+    def close_trainer(self, t: int) -> bool:
+        """Trainer ``t`` is done: its barriers stop counting it (the caller completes the steps that were waiting
+        only for it). True once every trainer has closed."""
         with self.lock:
             self.closed.add(t)
             self._set_active(self.active - {t})
@@ -199,17 +192,6 @@ class Sync:
             self.lock.notify_all()
         log.info("pserver %d: trainer %d closed (%d of %d closed)", self.pserver_id, t, len(self.closed),
                  self.trainers)
-        # A barrier that was waiting only for this trainer completes now.
-        for shard in shards:
-            with shard.cv:
-                if self.mode == "sync":
-                    if isinstance(shard, DenseBlock) and fold.applies(self, shard):
-                        fold.close(self, self.pool, shard)
-                    elif isinstance(shard, DenseBlock):
-                        self.complete_dense(shard)
-                    elif isinstance(shard, TableShard):
-                        self.complete_table(shard)
-                shard.wake()
         return all_closed
 
     # -- waiting -------------------------------------------------------------------------------------------
@@ -238,9 +220,9 @@ class Sync:
     def wait_step(self, shard: Shard, step: int, what: str, gone: Optional[Callable[[], bool]] = None) -> None:
         """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it
         (``gone``: see ``wait``)."""
-        if isinstance(shard, DenseBlock) and shard.error:
+        if shard.error:
             raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
-        if isinstance(shard, DenseBlock) and not shard.initialized:
+        if not shard.initialized:
             self.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
                       lambda: {0} - self.closed)
         if self.mode == "sync":
@@ -284,67 +266,3 @@ class Sync:
             self.apply_hyper(shard, at)
             update()
             shard.step += 1
-
-    def complete_dense(self, b: DenseBlock) -> None:
-        """(Holding ``b.cv``.) Once every active trainer pushed, apply the averaged gradient.
-
-        The apply runs on the apply pool, not on the connection thread, so the connection can already
-        receive the next block while this one is being updated (the pull for the next step waits for it).
-        """
-        if b.applying or not self.ready_to_apply(b):
-            return
-        b.applying = True
-        self.apply_pool.submit(self._apply_dense, b)
-
-    def _apply_dense(self, b: DenseBlock) -> None:
-        with b.cv:
-            try:
-                # b.acc holds the contributors' gradients, summed in trainer order by fold().
-                self.advance(b, b.step, lambda: b.apply_mean(b.acc, len(b.pending)))
-            except Exception as e:  # keep serving; the waiting pulls report it
-                log.exception("pserver %d: optimizer failed on %s", self.pserver_id, b.describe())
-                b.error = f"optimizer failed on {b.describe()} at step {b.step}: {e!r}"
-            finally:
-                b.pending.clear()
-                b.applying = False
-                b.wake()
-
-    def complete_table(self, t: TableShard) -> None:
-        """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
-        if not self.ready_to_apply(t):
-            return
-        ids, g, pos = t.pending_mean()
-        try:
-            self.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
-        finally:
-            if t.budget is not None:  # what the pushes held (``handlers.push_sparse`` charged it)
-                t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
-            t.pending.clear()
-        t.wake()
-
-    def may_fold(self, b: DenseBlock, t: int) -> bool:
-        """(Holding ``b.cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
-        if b.acc_busy or b.applying:
-            return False
-        return self.in_order(t, b.pending.keys())
-
-    def fold(self, b: DenseBlock, t: int, g: np.ndarray) -> None:
-        """(Holding ``b.cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to step ``b.step``."""
-        first = not b.pending
-        b.pending[t] = True
-        last = self.ready_to_apply(b)
-        if first and last:  # the only contributor: apply straight from the receive buffer
-            self.advance(b, b.step, lambda: b.apply_mean(g, 1))
-            b.pending.clear()
-            return
-        if not last or not b.plain_sgd:
-            if first:
-                np.copyto(b.acc, g)
-            else:
-                np.add(b.acc, g, out=b.acc)  # acc is a read-only property: `b.acc += g` would assign to it
-            self.complete_dense(b)
-            return
-        # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
-        n = len(b.pending)
-        self.advance(b, b.step, lambda: b.apply_sum_with(g, n))
-        b.pending.clear()
