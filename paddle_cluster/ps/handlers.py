@@ -1,6 +1,6 @@
 """The op table ``OPS``, one function per request op that moves data (dense and sparse pushes and pulls,
-CLOSE, STATUS, SAVE; the ops that set a job up are ``declare``'s), and ``dispatch``: what a request costs
-when it fails.
+CLOSE, STATUS, SAVE; the ops that set a job up are ``declare``'s), and ``route``: a frame to its op, and what
+a request costs when it fails.
 
 A handler reads its payload (``conn.stream``), does its work and replies. A request-level failure
 (a barrier timeout, a mismatch) is reported to the trainer and the connection stays; malformed input drops
@@ -261,7 +261,7 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
 CHIEF_OPS = frozenset({P.Op.INIT_DENSE, P.Op.SET_HYPER, P.Op.SAVE})
 
 
-def dispatch(st: State, conn: Conn, h: P.Header) -> bool:
+def route(st: State, conn: Conn, h: P.Header) -> bool:
     """Serve one request; False when the connection must be dropped."""
     st.sync.touch(conn.trainer)
     handler: Optional[Callable[[State, Conn, P.Header], None]] = OPS.get(h.op)

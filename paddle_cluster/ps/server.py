@@ -73,7 +73,7 @@ class PServer:
         return self.net.ports
 
     def _handle(self, conn: Conn, h: P.Header) -> bool:
-        return handlers.dispatch(self.state, conn, h)
+        return handlers.route(self.state, conn, h)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
