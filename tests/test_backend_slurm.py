@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import FINAL_MSE, FIT_A_LINE, check_trainer_env, free_port_range, no_traceback, small_workspace, wait_for
 
-from paddle_cluster.launch.backends.slurm.backend import SlurmOptions, batch_script
 from paddle_cluster.launch.backends.slurm.ops import active, job_info
+from paddle_cluster.launch.backends.slurm.options import SlurmOptions, batch_script
 from paddle_cluster.launch.errors import ClusterError
 
 REPO = Path(__file__).resolve().parent.parent
