@@ -14,7 +14,15 @@ import click
 
 from .contract import ContractError, check_job_name
 from .launch import access, cmdline, journal
-from .launch.backends import REGISTRY, backend_class, backend_for, declared_options, find_job, foreign_options
+from .launch.backends import (
+    REGISTRY,
+    backend_class,
+    backend_for,
+    backend_of,
+    declared_options,
+    find_job,
+    foreign_options,
+)
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
@@ -251,7 +259,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                                          owners.items())
                                + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
                                f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
-    cls = backend_class(cfg.backend)
+    cls = backend_of(cfg)
     if detach and cls.detach:
         raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")
     if cls.needs_workspace and bool(dispatch_dir) == bool(workspace):
@@ -321,7 +329,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
-              "config, ssh); slurm checks this machine, whose environment srun gives the nodes.")
+              "config, ssh): each checks what its jobs run on (docs/backends.md).")
 @_handled
 def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
@@ -329,7 +337,7 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     cfg = _config(ctx)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    rows = access.check_cluster(cfg)
+    rows = backend_of(cfg).check(cfg)
     if as_json:
         _out(access.as_json(rows))
     else:

@@ -10,7 +10,7 @@ from typing import Any, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
 from ..config import ClusterConfig
-from ..errors import ClusterError
+from ..errors import ClusterError, ConfigError
 from ..registry import REGISTRY
 from .base import Backend, BackendOption, JobRef
 
@@ -32,9 +32,33 @@ def foreign_options(backend: str, given: Mapping[str, Any]) -> List[Tuple[str, s
             if owner != backend and given.get(opt.dest) not in (None, False, ())]
 
 
+def backend_of(cfg: ClusterConfig) -> Type[Backend]:
+    """The backend ``BACKEND`` names (``--backend`` included), once the config has what it needs."""
+    cls = backend_class(cfg.backend)
+    _require_hosts(cls, cfg, _chosen(cfg))
+    return cls
+
+
+def _chosen(cfg: ClusterConfig) -> str:
+    """Where the config's backend came from: an option, the file, or the default."""
+    option = dict(cfg.options).get("BACKEND", "")
+    return (f"{option} {cfg.backend}" if option.startswith("-") else option if option else
+            f"BACKEND = {cfg.backend!r} in {cfg.source}" if "BACKEND" in cfg.file_keys else
+            f"the default; {cfg.source} sets no BACKEND")
+
+
+def _require_hosts(cls: Type[Backend], cfg: ClusterConfig, why: str) -> None:
+    """HOSTS is required by the backends whose nodes are its machines, not by those whose engine gives them."""
+    if cls.needs_hosts and not cfg.hosts:
+        others = " or ".join(f"--backend {b}" for b in REGISTRY if not backend_class(b).needs_hosts)
+        raise ConfigError("HOSTS", None, f"missing; backend {cls.name} ({why}) runs the job on the machines HOSTS "
+                          f'lists: list them, e.g. HOSTS = ["root@192.168.1.10"], or run on an engine that gives '
+                          f"the nodes: {others}", cfg.source)
+
+
 def backend_for(cfg: ClusterConfig, opts: Optional[Mapping[str, Any]] = None, detach: bool = False) -> Backend:
     """The backend ``BACKEND`` names, with its declared options from ``opts`` (absent ones: the config's)."""
-    cls = backend_class(cfg.backend)
+    cls = backend_of(cfg)
     return cls.create(cfg, {o.dest: (opts or {}).get(o.dest) for o in cls.options}, detach)
 
 
@@ -45,4 +69,6 @@ def find_job(cfg: ClusterConfig, name: str) -> Tuple[Type[Backend], JobRef]:
     backend = handle.get("backend") or cfg.backend
     if backend not in REGISTRY:
         raise ClusterError(f"job {name} ran on backend {backend!r}, which this paddle-cluster does not have")
-    return backend_class(backend), JobRef(cfg, name, handle, journal.outcome(cfg, name))
+    cls = backend_class(backend)
+    _require_hosts(cls, cfg, f"job {name} ran on it" if handle.get("backend") else _chosen(cfg))
+    return cls, JobRef(cfg, name, handle, journal.outcome(cfg, name))

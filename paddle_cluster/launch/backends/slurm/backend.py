@@ -28,7 +28,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
 from ... import dispatch, resume
-from ...access import probe_nodes
+from ...access import CheckRow, probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
@@ -61,6 +61,7 @@ class SlurmBackend(Backend):
     name = "slurm"
     summary = "an allocation of --nodes"
     detach = ""
+    needs_hosts = False  # the allocation gives the nodes (--nodes; default: as many as HOSTS lists)
     options = (
         BackendOption("--nodes", "nodes", "How many nodes (default: as many as HOSTS lists).", int, "N", 1),
         BackendOption("--partition", "partition", "The partition (sbatch --partition).", metavar="P"),
@@ -167,6 +168,10 @@ class SlurmBackend(Backend):
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         return [ops.kill(job.cfg, job.name, job.handle)]
+
+    @classmethod
+    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
+        return ops.check_here(cfg)
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"

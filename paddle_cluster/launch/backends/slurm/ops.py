@@ -4,6 +4,7 @@ and logs (``backend.py`` for the layout)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -14,7 +15,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
-from ...config import ClusterConfig
+from ...access import CheckRow, check_cluster
+from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError
 from ...interrupt import stoppable
 from ..base import ProcRow
@@ -161,3 +163,11 @@ def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: st
                                       watch_stdin=False)
         except KeyboardInterrupt:
             return 0
+
+
+def check_here(cfg: ClusterConfig) -> List[CheckRow]:
+    """``check --backend slurm``: the nodes are not known before the allocation, so this machine is checked (srun
+    runs the nodes with its environment, on the shared ROOT_DIR), for the interpreter and ROOT_DIR only: its
+    NIC and ports are not the nodes'."""
+    return check_cluster(dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),)),
+                         ignore=("PADDLE_NIC", "port("))
