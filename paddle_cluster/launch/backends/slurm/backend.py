@@ -173,6 +173,10 @@ class SlurmBackend(Backend):
     def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
         return ops.check_here(cfg)
 
+    @classmethod
+    def metrics(cls, job: JobRef) -> Dict[str, List[dict]]:
+        return ops.metrics(job.cfg, job.name)
+
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
 

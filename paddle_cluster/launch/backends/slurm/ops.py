@@ -171,3 +171,17 @@ def check_here(cfg: ClusterConfig) -> List[CheckRow]:
     NIC and ports are not the nodes'."""
     return check_cluster(dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),)),
                          ignore=("PADDLE_NIC", "port("))
+
+
+def metrics(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
+    """``plot``: each trainer's metrics records, from every node's directory on the shared filesystem."""
+    job_dir = cfg.job_dir(job_name)
+    merged: Dict[str, List[dict]] = {}
+    nodes = sorted(d for d in (os.listdir(job_dir) if os.path.isdir(job_dir) else ()) if re.fullmatch(r"node\d+", d))
+    for d in nodes:
+        for trainer, recs in jobdir.metrics(f"{job_dir}/{d}").items():
+            merged.setdefault(trainer, []).extend(recs)
+    if not any(merged.values()):
+        raise ClusterError(f"job {job_name} has no metrics records in {job_dir}/node*/log (on the shared "
+                           "filesystem); trainers write them with paddle_cluster.train.metrics.MetricsWriter")
+    return merged
