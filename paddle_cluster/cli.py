@@ -19,9 +19,10 @@ from .launch.backends import (
     backend_class,
     backend_for,
     backend_of,
-    declared_options,
     find_job,
     foreign_options,
+    option_owners,
+    run_options,
 )
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override
@@ -144,17 +145,17 @@ def _backend_options(only: Optional[str] = None):
         return click.option(o.flag, o.dest, type=click.IntRange(min=o.minimum) if o.kind is int else str,
                             metavar=o.metavar or None, multiple=o.multiple, help=o.help)
 
-    return _options(*[option(o) for owner, o in declared_options() if only in (None, owner)])
+    return _options(*[option(o) for o in run_options(only)])
 
 
 class _ByBackend(_ScriptArgsCommand):
     """``run --help`` lists the options of every backend first, then each backend's own under its name."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        owner = {o.dest: b for b, o in declared_options()}
-        records = [(owner.get(p.name or ""), p.get_help_record(ctx)) for p in self.get_params(ctx)]
+        owners = option_owners()
+        records = [(owners.get(p.name or "", [None]), p.get_help_record(ctx)) for p in self.get_params(ctx)]
         for title, who in [("Options", None), *((f"Options of --backend {b}", b) for b in REGISTRY)]:
-            rows = [r for o, r in records if o == who and r]
+            rows = [r for o, r in records if who in o and r]
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)

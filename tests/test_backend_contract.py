@@ -17,7 +17,8 @@ from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_setting
 
 from paddle_cluster.cli import main
 from paddle_cluster.launch import journal
-from paddle_cluster.launch.backends import REGISTRY, backend_class
+from paddle_cluster.launch.backends import REGISTRY, backend_class, declared_options, foreign_options, run_options
+from paddle_cluster.launch.backends.base import BackendOption
 from paddle_cluster.launch.config import load_config
 
 # What only each engine's own request holds
@@ -193,3 +194,22 @@ def test_no_code_outside_the_backends_packages_switches_on_a_backend():
                     classes:
                 found.append(f"{rel}:{node.lineno}: names a backend's class")
     assert not found, found
+
+
+class _QueueBackend(backend_class("k8s")):  # a throwaway engine declaring an option k8s has too
+    name = "pbs"
+    options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
+
+
+def test_an_option_two_backends_declare_is_one_option_of_each(monkeypatch):
+    """A new engine may declare a flag another has (--queue: Kueue's on k8s, qsub's on PBS): ``run`` takes it
+    once, with each one's help; it is foreign only to backends declaring neither; declared otherwise, refused."""
+    monkeypatch.setitem(REGISTRY, "pbs", f"{__name__}:_QueueBackend")
+    (queue,) = [o for o in run_options() if o.flag == "--queue"]
+    assert queue.help.startswith("k8s: The Kueue LocalQueue") and queue.help.endswith("pbs: The PBS queue (qsub -q).")
+    assert [o.help for o in run_options("pbs")] == ["The PBS queue (qsub -q)."]
+    assert foreign_options("pbs", {"queue": "q"}) == [] and foreign_options("k8s", {"queue": "q"}) == []
+    assert foreign_options("ssh", {"queue": "q"}) == [("--queue", "k8s or --backend pbs")]
+    monkeypatch.setattr(_QueueBackend, "options", (BackendOption("--queue", "queue", "A count.", int),))
+    with pytest.raises(TypeError, match="backends k8s and pbs declare --queue \\(queue\\) differently"):
+        declared_options()

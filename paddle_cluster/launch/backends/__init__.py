@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
 from ..config import ClusterConfig
@@ -21,15 +22,45 @@ def backend_class(name: str) -> Type[Backend]:
 
 
 def declared_options() -> List[Tuple[str, BackendOption]]:
-    """Every backend's options, as (backend, option), in registry order."""
-    return [(name, opt) for name in REGISTRY for opt in backend_class(name).options]
+    """Every backend's options, as (backend, option), in registry order. Backends may declare the same option
+    (two engines' ``--queue``): the same flag, keyword and kind, which ``run`` has once."""
+    out = [(name, opt) for name in REGISTRY for opt in backend_class(name).options]
+    first: Dict[str, Tuple[str, BackendOption]] = {}
+    for name, opt in out:
+        other, seen = first.setdefault(opt.flag, (name, opt))
+        if (seen.dest, seen.kind, seen.multiple) != (opt.dest, opt.kind, opt.multiple) or \
+                any(o.dest == opt.dest and o.flag != opt.flag for _, o in out):
+            raise TypeError(f"backends {other} and {name} declare {opt.flag} ({opt.dest}) differently: one flag is "
+                            "one keyword and kind")
+    return out
+
+
+def option_owners() -> Dict[str, List[str]]:
+    """Each declared option's keyword -> the backends declaring it."""
+    owners: Dict[str, List[str]] = {}
+    for name, opt in declared_options():
+        owners.setdefault(opt.dest, []).append(name)
+    return owners
+
+
+def run_options(only: Optional[str] = None) -> List[BackendOption]:
+    """The options ``run`` (``only``: ``render <only>``) takes: one per flag, an option several backends declare
+    with each one's help."""
+    mine: Dict[str, List[Tuple[str, BackendOption]]] = {}
+    for owner, o in declared_options():
+        if only in (None, owner):
+            mine.setdefault(o.flag, []).append((owner, o))
+    return [dataclasses.replace(opts[0][1], help=" ".join(f"{b}: {o.help}" for b, o in opts)) if len(opts) > 1
+            else opts[0][1] for opts in mine.values()]
 
 
 def foreign_options(backend: str, given: Mapping[str, Any]) -> List[Tuple[str, str]]:
-    """The options of ``given`` (dest -> value; None, False or (): not given) that belong to another backend than
-    ``backend``, as (flag, its backend)."""
-    return [(opt.flag, owner) for owner, opt in declared_options()
-            if owner != backend and given.get(opt.dest) not in (None, False, ())]
+    """The options of ``given`` (dest -> value; None, False or (): not given) that no option of ``backend`` is,
+    as (flag, the backends declaring it: "k8s" or "k8s or --backend pbs"), once each."""
+    owners = option_owners()
+    out = {opt.flag: " or --backend ".join(owners[opt.dest]) for _, opt in declared_options()
+           if backend not in owners[opt.dest] and given.get(opt.dest) not in (None, False, ())}
+    return list(out.items())
 
 
 def backend_of(cfg: ClusterConfig) -> Type[Backend]:

@@ -171,6 +171,9 @@ class Backend(ABC):
         of HOSTS (SSH, the interpreter and its numpy, PADDLE_NIC, ports, ROOT_DIR, disk)."""
         from ..access import check_cluster
 
+        if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way
+            raise ClusterError(f"check --backend {cls.name}: nothing to check here (no HOSTS, and backend "
+                               f"{cls.name} has no check of its own)")
         return check_cluster(cfg)
 
     @classmethod
