@@ -14,7 +14,16 @@ import click
 
 from .contract import ContractError, check_job_name
 from .launch import access, cmdline, journal
-from .launch.backends import REGISTRY, backend_class, backend_for, declared_options, find_job, foreign_options
+from .launch.backends import (
+    REGISTRY,
+    backend_class,
+    backend_for,
+    backend_of,
+    find_job,
+    foreign_options,
+    option_owners,
+    run_options,
+)
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
@@ -136,17 +145,17 @@ def _backend_options(only: Optional[str] = None):
         return click.option(o.flag, o.dest, type=click.IntRange(min=o.minimum) if o.kind is int else str,
                             metavar=o.metavar or None, multiple=o.multiple, help=o.help)
 
-    return _options(*[option(o) for owner, o in declared_options() if only in (None, owner)])
+    return _options(*[option(o) for o in run_options(only)])
 
 
 class _ByBackend(_ScriptArgsCommand):
     """``run --help`` lists the options of every backend first, then each backend's own under its name."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        owner = {o.dest: b for b, o in declared_options()}
-        records = [(owner.get(p.name or ""), p.get_help_record(ctx)) for p in self.get_params(ctx)]
+        owners = option_owners()
+        records = [(owners.get(p.name or "", [None]), p.get_help_record(ctx)) for p in self.get_params(ctx)]
         for title, who in [("Options", None), *((f"Options of --backend {b}", b) for b in REGISTRY)]:
-            rows = [r for o, r in records if o == who and r]
+            rows = [r for o, r in records if who in o and r]
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
@@ -251,7 +260,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                                          owners.items())
                                + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
                                f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
-    cls = backend_class(cfg.backend)
+    cls = backend_of(cfg)
     if detach and cls.detach:
         raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")
     if cls.needs_workspace and bool(dispatch_dir) == bool(workspace):
@@ -321,7 +330,7 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
-              "config, ssh); slurm checks this machine, whose environment srun gives the nodes.")
+              "config, ssh): each checks what its jobs run on (docs/backends.md).")
 @_handled
 def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
@@ -329,7 +338,7 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     cfg = _config(ctx)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    rows = access.check_cluster(cfg)
+    rows = backend_of(cfg).check(cfg)
     if as_json:
         _out(access.as_json(rows))
     else:

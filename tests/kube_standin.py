@@ -293,7 +293,9 @@ def _patch(store: Store, ns: str, words: List[str], flags: Dict[str, str]) -> in
             if obj is None:
                 print(f'Error from server (NotFound): {PLURAL[kind]} "{name}" not found', file=sys.stderr)
                 return 1
-            obj["metadata"].update(change.get("metadata", {}))
+            for key, value in change.get("metadata", {}).items():  # a merge patch merges maps, replaces lists
+                meta = obj["metadata"]
+                meta[key] = {**(meta.get(key) or {}), **value} if isinstance(value, dict) else value
             touch(doc, obj)
             print(f"{RESOURCE[kind]}/{name} patched")
     return 0

@@ -17,7 +17,8 @@ from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_setting
 
 from paddle_cluster.cli import main
 from paddle_cluster.launch import journal
-from paddle_cluster.launch.backends import REGISTRY, backend_class
+from paddle_cluster.launch.backends import REGISTRY, backend_class, declared_options, foreign_options, run_options
+from paddle_cluster.launch.backends.base import BackendOption
 from paddle_cluster.launch.config import load_config
 
 # What only each engine's own request holds
@@ -62,6 +63,43 @@ def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend,
     assert list((tmp_path / "scratch").iterdir()) == []
     if backend != "k8s":  # a dry run prints no credential (the manifests' Secret is what k8s applies)
         assert "PADDLE_JOB_SECRET=<set>" in res.stdout and "PADDLE_TRAINER_KEY=<set>" in res.stdout
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_hosts_is_required_by_the_backends_whose_nodes_it_lists_only(tmp_path, backend):
+    """A conf.py without HOSTS (and without BACKEND: ``--backend`` chooses): Slurm and Kubernetes give the nodes,
+    so their request is made; ssh and mpi run on the machines of HOSTS, so run, render, check and status refuse
+    it naming the backend, where it came from and the fix, and write nothing."""
+    conf, env = _user_conf(tmp_path), _isolated(tmp_path)
+    conf.write_text("".join(ln + "\n" for ln in conf.read_text().splitlines() if not ln.startswith("HOSTS")))
+    (tmp_path / "scratch").mkdir()
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    opts = {"slurm": ["--nodes", "2"], "k8s": ["--image", "registry.example/fit:1"]}.get(backend, [])
+    res = cli(conf, "run", "--backend", backend, "--dry-run", "--job_dispatch_package", str(ws), *opts,
+              "--job_name", "dry", env=env)
+    assert "Traceback" not in res.stderr
+    if backend_class(backend).needs_hosts:
+        assert res.returncode == 2 and res.stdout == "", res.stdout
+        assert f"HOSTS = None in {conf}: missing; backend {backend} (--backend {backend}) runs the job on the " \
+               'machines HOSTS lists: list them, e.g. HOSTS = ["root@192.168.1.10"], or run on an engine that ' \
+               "gives the nodes: --backend slurm or --backend k8s" in res.stderr, res.stderr
+        for args, chosen in ((["render", backend, "--job_dispatch_package", str(ws)], f"render {backend}"),
+                             (["check", "--backend", backend], f"--backend {backend}")):
+            other = cli(conf, *args, env=env)
+            assert other.returncode == 2 and f"missing; backend {backend} ({chosen})" in other.stderr, other.stderr
+        if backend == "ssh":  # the default backend: a job of this config is looked for on it
+            st = cli(conf, "status", "--job_name", "dry", env=env)
+            assert st.returncode == 2 and f"backend ssh (the default; {conf} sets no BACKEND)" in st.stderr, \
+                st.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        for marker in NATIVE[backend][:2]:
+            assert marker in res.stdout, (marker, res.stdout)
+        if backend == "k8s":  # one pserver and one trainer pod: PSERVERS_PER_NODE and TRAINERS_PER_NODE
+            assert "1 pserver(s), 1 trainer(s)" in res.stdout, res.stdout
+    assert not (tmp_path / "root").exists() and list((tmp_path / "scratch").iterdir()) == []
 
 
 @pytest.mark.parametrize("option,value,owner", [("--partition", "gpu", "slurm"), ("--nodes", "3", "slurm"),
@@ -132,3 +170,46 @@ def test_status_logs_and_kill_find_an_ssh_job_through_the_journal(tmp_path):
         if run.poll() is None:
             run.send_signal(signal.SIGINT)
             run.wait(timeout=60)
+
+
+def test_no_code_outside_the_backends_packages_switches_on_a_backend():
+    """``if cfg.backend == "slurm"`` or ``isinstance(be, SlurmBackend)`` outside ``launch/backends/<name>/``: what
+    one backend does is its package's (the contract's methods), so a new backend touches its package and the
+    registry line only."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "paddle_cluster"
+    classes = {REGISTRY[b].split(":")[1] for b in REGISTRY}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("launch/backends/") and rel.count("/") > 2 or rel == "launch/registry.py" or \
+                not rel.startswith(("launch/", "cli.py")):  # the node runtime knows engines by their variables
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in REGISTRY
+                                                     for c in [node.left, *node.comparators]):
+                found.append(f"{rel}:{node.lineno}: compares with a backend's name")
+            if isinstance(node, (ast.Name, ast.Attribute)) and getattr(node, "id", getattr(node, "attr", "")) in \
+                    classes:
+                found.append(f"{rel}:{node.lineno}: names a backend's class")
+    assert not found, found
+
+
+class _QueueBackend(backend_class("k8s")):  # a throwaway engine declaring an option k8s has too
+    name = "pbs"
+    options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
+
+
+def test_an_option_two_backends_declare_is_one_option_of_each(monkeypatch):
+    """A new engine may declare a flag another has (--queue: Kueue's on k8s, qsub's on PBS): ``run`` takes it
+    once, with each one's help; it is foreign only to backends declaring neither; declared otherwise, refused."""
+    monkeypatch.setitem(REGISTRY, "pbs", f"{__name__}:_QueueBackend")
+    (queue,) = [o for o in run_options() if o.flag == "--queue"]
+    assert queue.help.startswith("k8s: The Kueue LocalQueue") and queue.help.endswith("pbs: The PBS queue (qsub -q).")
+    assert [o.help for o in run_options("pbs")] == ["The PBS queue (qsub -q)."]
+    assert foreign_options("pbs", {"queue": "q"}) == [] and foreign_options("k8s", {"queue": "q"}) == []
+    assert foreign_options("ssh", {"queue": "q"}) == [("--queue", "k8s or --backend pbs")]
+    monkeypatch.setattr(_QueueBackend, "options", (BackendOption("--queue", "queue", "A count.", int),))
+    with pytest.raises(TypeError, match="backends k8s and pbs declare --queue \\(queue\\) differently"):
+        declared_options()

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import FINAL_MSE, FIT_A_LINE, check_trainer_env, free_port_range, no_traceback, small_workspace, wait_for
 
-from paddle_cluster.launch.backends.slurm.backend import SlurmOptions, batch_script
 from paddle_cluster.launch.backends.slurm.ops import active, job_info
+from paddle_cluster.launch.backends.slurm.options import SlurmOptions, batch_script
 from paddle_cluster.launch.errors import ClusterError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,6 +84,24 @@ def test_fit_a_line_trains_to_target_in_a_slurm_job(slurm, tmp_path):
     for i in range(3):  # one node directory each on the shared filesystem: logs and metrics
         assert (job_dir / f"node{i}" / "log" / f"metrics.trainer{i}.jsonl").stat().st_size > 0
     print(f"\nfit_a_line, 3 pservers x 3 trainers in a Slurm job: test MSE {mse:.2f}")
+    slurm.wait_quiet()
+
+
+def test_a_conf_py_without_hosts_runs_with_backend_slurm_and_plot_reads_the_shared_filesystem(slurm, tmp_path):
+    """A Slurm user's conf.py: no HOSTS (the allocation gives the nodes) and no BACKEND (``--backend slurm``).
+    (PYTHON is pinned as in ``_setup``: this interpreter has numpy, the hosts' login shells do not.)"""
+    conf, env, _ = _setup(slurm, tmp_path, hold=False)
+    conf.write_text("".join(ln + "\n" for ln in conf.read_text().splitlines() if not ln.startswith("BACKEND")))
+    res = _cli(conf, env, "run", "--backend", "slurm", "--nodes", "2", "--job_dispatch_package", str(FIT_A_LINE),
+               "--job_name", "nohosts", "--", "--passes", "3", timeout=600)
+    no_traceback(res)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"submitted Slurm job \d+", res.stderr) and "running on node[0-1]" in res.stderr, res.stderr
+    # plot finds the job (the journal says Slurm) and its trainers' metrics under each node's directory.
+    out = tmp_path / "nohosts.png"
+    pl = _cli(conf, env, "plot", "--job_name", "nohosts", "-o", str(out))
+    assert pl.returncode == 0 and out.stat().st_size > 0, pl.stderr
+    assert {ln.split()[0] for ln in pl.stdout.splitlines()} == {"trainer0", "trainer1"}, pl.stdout
     slurm.wait_quiet()
 
 

@@ -41,11 +41,7 @@ NOT_OFFERED: Dict[tuple, str] = {
 }
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
-KNOWN_FAILURES: Dict[tuple, str] = {
-    ("kill", "k8s"): "the run following the job exits 4, 'lost contact with pod ...: deleted while its process "
-                     "ran', not 3 'stopped by paddle-cluster kill' as on the other backends: kill deletes the "
-                     "objects, and the follower cannot tell that from a lost pod (nothing is left either way)",
-}
+KNOWN_FAILURES: Dict[tuple, str] = {}
 
 # Variables one backend adds to the contract, and why (everything else is the same on every backend).
 EXTRA_VARS: Dict[tuple, str] = {

@@ -25,6 +25,8 @@ from paddle_cluster.launch.backends.k8s import manifests as k8s
 from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, k8s_plan, log_events
 from paddle_cluster.launch.backends.k8s.kubectl import (
     INDEX_ANNOTATION,
+    KILLED,
+    KILLED_ANNOTATION,
     Kubectl,
     PodState,
     describe,
@@ -157,6 +159,18 @@ def test_pod_watch_reports_each_change_once() -> None:
     # A pod whose process ran and then vanished (deleted by someone else) is a lost node.
     assert w.update(pod_states(listing(done))) == [NodeLost(0, "pod fit-pserver-0-x7k2p was deleted while its "
                                                              "process ran")]
+
+
+def test_pods_marked_by_kill_stop_the_job_as_killed_not_lost() -> None:
+    """``kill`` annotates the pods before deleting them: the run following them ends "stopped by paddle-cluster
+    kill", whatever exit code or disappearance follows."""
+    w = _watch()
+    running = [pod("pserver", 0, "Running", {"running": {}}), pod("trainer", 0, "Running", {"running": {}})]
+    w.update(pod_states(listing(*running)))
+    for p in running:
+        p["metadata"]["annotations"][KILLED_ANNOTATION] = KILLED
+    assert w.update(pod_states(listing(*running))) == [m.Stopping(0, "stopped by paddle-cluster kill", by_kill=True)]
+    assert w.update(pod_states(listing(*running))) == []  # once for the job
 
 
 def test_a_pod_that_cannot_start_fails_the_job_at_once() -> None:

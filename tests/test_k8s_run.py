@@ -74,6 +74,20 @@ def test_a_job_runs_to_its_end_and_leaves_nothing(kube: StandIn, job_dir: Path) 
     assert logs.returncode == 0 and "PSERVER_READY 0 fit-pserver-0.fit.default.svc" in logs.stdout, logs
 
 
+def test_a_conf_py_without_hosts_runs_per_node_counts_of_pods(kube: StandIn, job_dir: Path) -> None:
+    """Kubernetes places the pods: a conf.py without HOSTS (nor BACKEND: --backend k8s) runs PSERVERS_PER_NODE
+    pserver and TRAINERS_PER_NODE trainer pods, and trains."""
+    conf = job_dir / "conf.py"
+    conf.write_text("".join(ln + "\n" for ln in conf.read_text().splitlines() if not ln.startswith("HOSTS"))
+                    + "TRAINERS_PER_NODE = 2\n")
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--job_workspace", str(job_dir / "ws"),
+              "--job_name", "nohosts", "--", "--passes", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 pserver pod(s), 2 trainer pod(s)" in res.stderr, res.stderr
+    assert "final test_mse" in res.stdout + res.stderr
+    assert kube.objects() == {}, kube.objects()
+
+
 def identity(kube: StandIn) -> dict:
     """What another run must not change of an object: its uid, labels, owners and content (not its status)."""
     return {k: (o["metadata"]["uid"], o["metadata"].get("labels"), o["metadata"].get("ownerReferences"),

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 from paddle_cluster.node.session import Request
 
 from . import dispatch, machines, preflight
-from .config import ClusterConfig, HostSpec
-from .errors import ClusterError, HostError
+from .config import ClusterConfig
+from .errors import HostError
 from .fanout import FanoutResult, fanout
 from .hosts import Node, make_nodes
 from .session import NodeSession
@@ -65,22 +65,13 @@ class CheckRow:
     interpreter: str = "-"  # the absolute path every process there runs (PYTHON as the login shell resolves it)
 
 
-def check_cluster(cfg: ClusterConfig) -> List[CheckRow]:
-    """Preflight every host in parallel; never prompts, never hangs past the connect timeout. With BACKEND slurm
-    the nodes are not known before the allocation: this machine is checked (srun runs the nodes with its
-    environment, on the shared ROOT_DIR), for the interpreter and ROOT_DIR only."""
-    slurm = cfg.backend == "slurm"
-    if slurm:
-        cfg = dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),))
-    elif cfg.backend == "k8s":
-        raise ClusterError("check --backend k8s: pods run the image's python3 (K8S_IMAGE), which no host here "
-                           "can probe; try the image with: docker run IMAGE python3 -c 'import numpy'")
+def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[CheckRow]:
+    """Preflight every host of HOSTS in parallel (a backend's ``check``); never prompts, never hangs past the
+    connect timeout. ``ignore``: the beginnings of problems that do not matter to the backend checking."""
     nodes = make_nodes(cfg)
 
     def check(n: Node, doc: Dict[str, Any]) -> CheckRow:
-        problems = preflight.probe_problems(cfg, doc)
-        if slurm:  # this machine's NIC and ports are not the nodes'
-            problems = [p for p in problems if not p.startswith(("PADDLE_NIC", "port("))]
+        problems = [p for p in preflight.probe_problems(cfg, doc) if not ignore or not p.startswith(ignore)]
         root = doc["root"]
         free = root.get("free_bytes")
         if free is not None and free < 1 << 30:

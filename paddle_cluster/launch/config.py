@@ -172,7 +172,6 @@ ENTRY_PSERVER = "{python} {entry}"  # the entry script, as PADDLE_TRAINING_ROLE=
 MPI_IMPLS = ("auto", "openmpi", "mpich")
 _ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name not in _ORIGIN)
-_REQUIRED = ("HOSTS",)
 
 
 def builtin_default() -> ClusterConfig:
@@ -295,11 +294,8 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
             close = difflib.get_close_matches(key, KEYS, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
             warnings.warn(f"{source}: unknown key {key}{hint}", ConfigWarning, stacklevel=2)
-    slurm = raw.get("BACKEND") == "slurm"  # Slurm allocates the nodes: HOSTS may be left out
-    for key in _REQUIRED:
-        if key not in raw and not slurm:
-            raise ConfigError(key, None, 'missing; list your machines, e.g. HOSTS = ["root@192.168.1.10"]', source)
-
+    # HOSTS may be left out: the backends whose nodes are its machines require it once the backend is known
+    # (``--backend`` included), and those whose engine gives the nodes (Slurm, Kubernetes) do not.
     base = ClusterConfig(hosts=())
     values: Dict[str, Any] = {"source": source, "file_keys": frozenset(k for k in raw if k in KEYS)}
     for f in dataclasses.fields(ClusterConfig):
@@ -403,7 +399,7 @@ def validate(cfg: ClusterConfig) -> None:
         raise cfg.error("backend", f"must be one of {', '.join(REGISTRY)}")
     if cfg.mpi_impl not in MPI_IMPLS:
         raise cfg.error("mpi_impl", f"must be one of {', '.join(MPI_IMPLS)}")
-    nodes = max(1, len(cfg.hosts))  # Slurm's node count comes with the job (--nodes)
+    nodes = max(1, len(cfg.hosts))  # without HOSTS the engine gives the nodes (Slurm's --nodes, k8s: the pods)
     if cfg.pservers_per_node * nodes < 1:
         raise cfg.error("pservers_per_node", "the job needs at least one pserver")
     if cfg.trainers_per_node * nodes < 1:

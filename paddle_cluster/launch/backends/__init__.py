@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
 from ..config import ClusterConfig
-from ..errors import ClusterError
+from ..errors import ClusterError, ConfigError
 from ..registry import REGISTRY
 from .base import Backend, BackendOption, JobRef
 
@@ -21,20 +22,74 @@ def backend_class(name: str) -> Type[Backend]:
 
 
 def declared_options() -> List[Tuple[str, BackendOption]]:
-    """Every backend's options, as (backend, option), in registry order."""
-    return [(name, opt) for name in REGISTRY for opt in backend_class(name).options]
+    """Every backend's options, as (backend, option), in registry order. Backends may declare the same option
+    (two engines' ``--queue``): the same flag, keyword and kind, which ``run`` has once."""
+    out = [(name, opt) for name in REGISTRY for opt in backend_class(name).options]
+    first: Dict[str, Tuple[str, BackendOption]] = {}
+    for name, opt in out:
+        other, seen = first.setdefault(opt.flag, (name, opt))
+        if (seen.dest, seen.kind, seen.multiple) != (opt.dest, opt.kind, opt.multiple) or \
+                any(o.dest == opt.dest and o.flag != opt.flag for _, o in out):
+            raise TypeError(f"backends {other} and {name} declare {opt.flag} ({opt.dest}) differently: one flag is "
+                            "one keyword and kind")
+    return out
+
+
+def option_owners() -> Dict[str, List[str]]:
+    """Each declared option's keyword -> the backends declaring it."""
+    owners: Dict[str, List[str]] = {}
+    for name, opt in declared_options():
+        owners.setdefault(opt.dest, []).append(name)
+    return owners
+
+
+def run_options(only: Optional[str] = None) -> List[BackendOption]:
+    """The options ``run`` (``only``: ``render <only>``) takes: one per flag, an option several backends declare
+    with each one's help."""
+    mine: Dict[str, List[Tuple[str, BackendOption]]] = {}
+    for owner, o in declared_options():
+        if only in (None, owner):
+            mine.setdefault(o.flag, []).append((owner, o))
+    return [dataclasses.replace(opts[0][1], help=" ".join(f"{b}: {o.help}" for b, o in opts)) if len(opts) > 1
+            else opts[0][1] for opts in mine.values()]
 
 
 def foreign_options(backend: str, given: Mapping[str, Any]) -> List[Tuple[str, str]]:
-    """The options of ``given`` (dest -> value; None, False or (): not given) that belong to another backend than
-    ``backend``, as (flag, its backend)."""
-    return [(opt.flag, owner) for owner, opt in declared_options()
-            if owner != backend and given.get(opt.dest) not in (None, False, ())]
+    """The options of ``given`` (dest -> value; None, False or (): not given) that no option of ``backend`` is,
+    as (flag, the backends declaring it: "k8s" or "k8s or --backend pbs"), once each."""
+    owners = option_owners()
+    out = {opt.flag: " or --backend ".join(owners[opt.dest]) for _, opt in declared_options()
+           if backend not in owners[opt.dest] and given.get(opt.dest) not in (None, False, ())}
+    return list(out.items())
+
+
+def backend_of(cfg: ClusterConfig) -> Type[Backend]:
+    """The backend ``BACKEND`` names (``--backend`` included), once the config has what it needs."""
+    cls = backend_class(cfg.backend)
+    _require_hosts(cls, cfg, _chosen(cfg))
+    return cls
+
+
+def _chosen(cfg: ClusterConfig) -> str:
+    """Where the config's backend came from: an option, the file, or the default."""
+    option = dict(cfg.options).get("BACKEND", "")
+    return (f"{option} {cfg.backend}" if option.startswith("-") else option if option else
+            f"BACKEND = {cfg.backend!r} in {cfg.source}" if "BACKEND" in cfg.file_keys else
+            f"the default; {cfg.source} sets no BACKEND")
+
+
+def _require_hosts(cls: Type[Backend], cfg: ClusterConfig, why: str) -> None:
+    """HOSTS is required by the backends whose nodes are its machines, not by those whose engine gives them."""
+    if cls.needs_hosts and not cfg.hosts:
+        others = " or ".join(f"--backend {b}" for b in REGISTRY if not backend_class(b).needs_hosts)
+        raise ConfigError("HOSTS", None, f"missing; backend {cls.name} ({why}) runs the job on the machines HOSTS "
+                          f'lists: list them, e.g. HOSTS = ["root@192.168.1.10"], or run on an engine that gives '
+                          f"the nodes: {others}", cfg.source)
 
 
 def backend_for(cfg: ClusterConfig, opts: Optional[Mapping[str, Any]] = None, detach: bool = False) -> Backend:
     """The backend ``BACKEND`` names, with its declared options from ``opts`` (absent ones: the config's)."""
-    cls = backend_class(cfg.backend)
+    cls = backend_of(cfg)
     return cls.create(cfg, {o.dest: (opts or {}).get(o.dest) for o in cls.options}, detach)
 
 
@@ -45,4 +100,6 @@ def find_job(cfg: ClusterConfig, name: str) -> Tuple[Type[Backend], JobRef]:
     backend = handle.get("backend") or cfg.backend
     if backend not in REGISTRY:
         raise ClusterError(f"job {name} ran on backend {backend!r}, which this paddle-cluster does not have")
-    return backend_class(backend), JobRef(cfg, name, handle, journal.outcome(cfg, name))
+    cls = backend_class(backend)
+    _require_hosts(cls, cfg, f"job {name} ran on it" if handle.get("backend") else _chosen(cfg))
+    return cls, JobRef(cfg, name, handle, journal.outcome(cfg, name))

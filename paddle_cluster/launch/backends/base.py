@@ -20,13 +20,16 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from paddle_cluster.node import messages as m
 
 from ..config import ClusterConfig
 from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, mint_plan
+
+if TYPE_CHECKING:
+    from ..access import CheckRow
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class Backend(ABC):
     render_hint: ClassVar[str] = ""  # what to do with ``render``'s output, for ``render <name> --help``
     options: ClassVar[Tuple[BackendOption, ...]] = ()
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
+    needs_hosts: ClassVar[bool] = True  # its nodes are the machines of HOSTS (False: the engine gives the nodes)
     detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": offered
 
     names: List[str]  # node i's short name in output prefixes: "node1"
@@ -160,6 +164,17 @@ class Backend(ABC):
         from .. import plot
 
         return plot.collect(job.cfg, job.name)
+
+    @classmethod
+    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
+        """``paddle-cluster check``: whether what its jobs run on is ready, a row per node; by default each host
+        of HOSTS (SSH, the interpreter and its numpy, PADDLE_NIC, ports, ROOT_DIR, disk)."""
+        from ..access import check_cluster
+
+        if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way
+            raise ClusterError(f"check --backend {cls.name}: nothing to check here (no HOSTS, and backend "
+                               f"{cls.name} has no check of its own)")
+        return check_cluster(cfg)
 
     @classmethod
     @abstractmethod

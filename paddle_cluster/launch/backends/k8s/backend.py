@@ -23,6 +23,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
+from ...access import CheckRow
 from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec
@@ -126,13 +127,16 @@ class K8sBackend(Backend):
     summary = "Kubernetes Jobs"
     render_hint = "Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"
     needs_workspace = False  # it is in the image
+    needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""
     options = (
         BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
                       "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),
         BackendOption("--namespace", "namespace", "The namespace (default: K8S_NAMESPACE, default).", metavar="NS"),
-        BackendOption("--pservers", "pservers", "Pserver pods (default: HOSTS x PSERVERS_PER_NODE).", int, "N", 1),
-        BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE).", int, "M", 1),
+        BackendOption("--pservers", "pservers", "Pserver pods (default: HOSTS x PSERVERS_PER_NODE; no HOSTS: "
+                      "PSERVERS_PER_NODE).", int, "N", 1),
+        BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE; no HOSTS: "
+                      "TRAINERS_PER_NODE).", int, "M", 1),
         *pod_options.OPTIONS,
         BackendOption("--jobset", "jobset", "render k8s: one JobSet (jobset.x-k8s.io/v1alpha2: its controller must "
                       "be installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
@@ -182,6 +186,11 @@ class K8sBackend(Backend):
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         k = cls._kubectl(job)
         return kc.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
+
+    @classmethod
+    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
+        raise ClusterError("check --backend k8s: pods run the image's python3 (K8S_IMAGE), which no host here "
+                           "can probe; try the image with: docker run IMAGE python3 -c 'import numpy'")
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:

@@ -26,6 +26,11 @@ from ..base import Event, NodeLost, ProcRow
 from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
+# Set on a job's pods by ``kill`` before it deletes them: a run following the job reads it when they go, and ends
+# "stopped by paddle-cluster kill" (exit 3) as on every backend, not "lost contact" (from any machine: it is on
+# the pods, not in this machine's journal).
+KILLED_ANNOTATION = "paddle-cluster/stopped-by"
+KILLED = "paddle-cluster kill"
 OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
@@ -128,6 +133,7 @@ class PodState:
     node_name: str = ""
     pod_ip: str = ""
     deleting: bool = False
+    killed: bool = False  # ``kill`` marked it (KILLED_ANNOTATION) before deleting it
 
 
 def pod_states(text: str) -> List[PodState]:
@@ -186,7 +192,8 @@ def _pod(item: Dict[str, Any]) -> Optional[PodState]:
             state, reason = "terminated", f"{status.get('reason', 'Failed')}: {status.get('message', '')}".rstrip(": ")
     return PodState(meta.get("name", ""), spec.get("hostname") or meta.get("name", ""), role, int(index),
                     status.get("phase", ""), state, reason, code, spec.get("nodeName", ""), status.get("podIP", ""),
-                    bool(meta.get("deletionTimestamp")))
+                    bool(meta.get("deletionTimestamp")),
+                    (meta.get("annotations") or {}).get(KILLED_ANNOTATION) == KILLED)
 
 
 def describe(p: PodState) -> str:
@@ -243,9 +250,16 @@ def owners(text: str) -> List[Owner]:
 
 
 def kill_job(k: Kubectl, job_dir: str) -> List[str]:
-    """Save the pods' logs and metrics into ``job_dir``, then delete the job's objects, waiting until its pods
-    are gone; what was saved and kubectl's lines ("job.batch ... deleted")."""
-    saved = save_results(k, pod_states(k.run(k.get_pods())), job_dir)
+    """Mark the job's pods as killed (a run following them says so), save their logs and metrics into
+    ``job_dir``, then delete the job's objects, waiting until its pods are gone; what was saved and kubectl's
+    lines ("job.batch ... deleted")."""
+    pods = pod_states(k.run(k.get_pods()))
+    try:
+        if pods:
+            k.run(k.patch([f"pod/{p.name}" for p in pods], {"metadata": {"annotations": {KILLED_ANNOTATION: KILLED}}}))
+    except ClusterError:  # a pod gone meanwhile, or no right to patch pods: the objects are deleted all the same
+        pass
+    saved = save_results(k, pods, job_dir)
     lines = k.run(k.delete(wait=True), timeout=600).splitlines()
     return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
 
@@ -381,6 +395,7 @@ class PodWatch:
         self.last: Dict[int, Tuple[str, str]] = {}  # node -> (state, reason) last reported
         self.started: Dict[int, str] = {}  # node -> pod name, once its container ran
         self.exited: Dict[int, int] = {}
+        self.killed = False  # a pod was marked by ``kill``: reported once
 
     def update(self, pods: List[PodState]) -> List[Event]:
         out: List[Event] = []
@@ -391,6 +406,9 @@ class PodWatch:
                 continue
             seen.add(node)
             proc = f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
+            if p.killed and not self.killed:  # before its exit: the outcome is the kill, whatever the exit code
+                self.killed = True
+                out.append(m.Stopping(node, "stopped by paddle-cluster kill", by_kill=True))
             if p.state in ("running", "terminated") and node not in self.started:
                 self.started[node] = p.name
                 out.append(m.Started(node, proc, 0))

@@ -136,9 +136,10 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
           trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
           secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
           resume_from: str = "") -> K8sJob:
-    """The job ``cfg`` and the flags describe; counts default to the config's (hosts x per-node)."""
-    n_ps = len(cfg.hosts) * cfg.pservers_per_node if pservers is None else pservers
-    n_tr = len(cfg.hosts) * cfg.trainers_per_node if trainers is None else trainers
+    """The job ``cfg`` and the flags describe; counts default to the config's (hosts, or one without HOSTS, x
+    per-node)."""
+    n_ps = max(1, len(cfg.hosts)) * cfg.pservers_per_node if pservers is None else pservers
+    n_tr = max(1, len(cfg.hosts)) * cfg.trainers_per_node if trainers is None else trainers
     if n_ps < 1 or n_tr < 1:
         raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
     if not image or any(c.isspace() for c in image):

@@ -4,6 +4,7 @@ and logs (``backend.py`` for the layout)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -14,7 +15,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
-from ...config import ClusterConfig
+from ...access import CheckRow, check_cluster
+from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError
 from ...interrupt import stoppable
 from ..base import ProcRow
@@ -161,3 +163,25 @@ def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: st
                                       watch_stdin=False)
         except KeyboardInterrupt:
             return 0
+
+
+def check_here(cfg: ClusterConfig) -> List[CheckRow]:
+    """``check --backend slurm``: the nodes are not known before the allocation, so this machine is checked (srun
+    runs the nodes with its environment, on the shared ROOT_DIR), for the interpreter and ROOT_DIR only: its
+    NIC and ports are not the nodes'."""
+    return check_cluster(dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),)),
+                         ignore=("PADDLE_NIC", "port("))
+
+
+def metrics(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
+    """``plot``: each trainer's metrics records, from every node's directory on the shared filesystem."""
+    job_dir = cfg.job_dir(job_name)
+    merged: Dict[str, List[dict]] = {}
+    nodes = sorted(d for d in (os.listdir(job_dir) if os.path.isdir(job_dir) else ()) if re.fullmatch(r"node\d+", d))
+    for d in nodes:
+        for trainer, recs in jobdir.metrics(f"{job_dir}/{d}").items():
+            merged.setdefault(trainer, []).extend(recs)
+    if not any(merged.values()):
+        raise ClusterError(f"job {job_name} has no metrics records in {job_dir}/node*/log (on the shared "
+                           "filesystem); trainers write them with paddle_cluster.train.metrics.MetricsWriter")
+    return merged
