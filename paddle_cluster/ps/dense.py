@@ -57,7 +57,7 @@ class DenseBlock(SegmentFold, Shard):
         self.shape = tuple(meta["shape"])
         self.param = np.zeros(self.shape, dtype=self.dtype)
         self.nbytes = self.param.nbytes
-        self.opt = optim.make_dense(spec, self.param)
+        self.opt = optim.DenseOptimizer(spec, self.param)
         self.initialized = False
         self.initializing = False
         # Sync mode with several trainers, not folded by segment: their gradients of the current step, summed

@@ -127,9 +127,6 @@ class Conn:
             self.stream.send_json(P.Op.OK, body, key=key, step=step)
 
     def reply_error(self, e: PSError) -> None:
-        self.write_error(e)
-
-    def write_error(self, e: PSError) -> None:
         body = e.to_wire()
         msg = str(body.get("message", ""))
         if not msg.startswith(("pserver", "barrier")):
@@ -144,7 +141,7 @@ class Conn:
         if err is not None and self.trainer >= 0:
             try:
                 self.sock.settimeout(1.0)
-                self.write_error(err)
+                self.reply_error(err)
                 # Closing with unread input would reset the connection and could destroy the reply in
                 # flight: half-close and drain what the trainer still sends, for a second at most.
                 self.sock.shutdown(socket.SHUT_WR)
@@ -185,10 +182,6 @@ class Listener:
         self._lock = threading.Lock()
         self._listeners: List[socket.socket] = []
         self._conns: Set[socket.socket] = set()
-
-    @property
-    def started(self) -> bool:
-        return bool(self._listeners)
 
     def start(self) -> None:
         try:
