@@ -33,7 +33,7 @@ from ..contract import PSERVER, Endpoint, JobEnv
 from . import atomic
 from . import checkpoint as ckpt
 from . import protocol as P
-from .channel import Channel, gather, gather_all, reply_timeout
+from .channel import Channel, gather, reply_timeout
 from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
@@ -106,7 +106,7 @@ class PSClient:
                     for port in env.all_ports(k):
                         opened[(k, port)] = ex.submit(Channel, env, key, self.trainer_id, k, port,
                                                       connect_timeout, io_timeout)
-                chans = dict(zip(opened, gather_all(list(opened.values()), self._all)))
+                chans = dict(zip(opened, gather(list(opened.values()), self._all)))
             for k in range(self.n_pservers):
                 self._dense_ch.append([chans[(k, p)] for p in env.dense_ports(k)])
                 self._sparse_ch.append([chans[(k, p)] for p in env.sparse_ports(k)])

@@ -92,7 +92,7 @@ def _confirmed(shards: Dict[int, S], key: int) -> bool:
 
 
 def declare(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     mode = body.get("mode")
     if mode not in MODES:
         raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -126,7 +126,7 @@ def declare(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_dense(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "lo": int(body["lo"]), "hi": int(body["hi"]),
@@ -157,7 +157,7 @@ def def_dense(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
@@ -196,7 +196,7 @@ def _count(v: Any) -> Any:
 
 
 def set_hyper(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     values = body.get("values")
     if not isinstance(values, dict) or not values:
         raise ConfigMismatch("SET_HYPER needs a non-empty 'values' object")

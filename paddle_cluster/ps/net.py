@@ -92,20 +92,6 @@ class Conn:
         except OSError:
             return True
 
-    def abort(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    @property
-    def consumed(self) -> bool:
-        """The current request's payload has been read (or it had none)."""
-        return self.stream.left == 0
-
-    def discard(self) -> None:
-        self.stream.discard()
-
     def buffer(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """This connection's receive buffer as an array of ``shape`` (reused by every push)."""
         nbytes = math.prod(shape) * dtype.itemsize
@@ -115,9 +101,6 @@ class Conn:
             self.rbuf = np.empty(0, dtype=np.uint8)
             self.rbuf = np.empty(nbytes, dtype=np.uint8)
         return self.rbuf[:nbytes].view(dtype).reshape(shape)
-
-    def read_json(self, h: P.Header) -> Dict[str, Any]:
-        return self.stream.recv_json(h)
 
     def reply_ok(self, body: Optional[Dict[str, Any]] = None, *, key: int = 0, step: int = 0) -> None:
         if body is None:
