@@ -1,19 +1,10 @@
 """The trainer-side client: a small ps-lite-like push / pull / wait API.
 
-Every (pserver, port) pair gets its own TCP connection and its own worker thread, so a push or pull fans
-out to all pservers and all their ports at once; within one connection requests are pipelined (all
-frames sent while the replies are read) and array bytes go straight between numpy buffers and the socket.
-
-Steps: ``ps.step`` starts at 0 (or at the step a resumed pserver loaded). ``pull()`` returns the dense
-values for ``ps.step``; ``push(grads)`` sends the gradients for ``ps.step`` and advances it. In sync mode
-the pservers hold a pull for step ``t`` until every active trainer's gradient for ``t - 1`` has been
-applied, so the canonical loop is simply::
-
-    params = ps.pull()
-    for batch in data:
-        params = ps.push_pull(grads_of(params, batch))
-
-(``push_pull`` is ``push`` then ``pull`` as one exchange per connection: one round trip per step.)
+Every (pserver, port) pair gets its own connection and worker thread, so a push or pull fans out to every
+pserver and port at once (``channel``). ``ps.step`` starts at 0 (or at the step a resumed pserver loaded);
+``pull()`` returns the dense values for ``ps.step``, ``push(grads)`` sends the gradients for it and advances
+it. In sync mode a pull for step ``t`` waits until every active trainer's gradient for ``t - 1`` is applied,
+so the loop is ``params = ps.push_pull(grads_of(params, batch))``: one round trip per step.
 """
 
 from __future__ import annotations
@@ -59,9 +50,6 @@ class PushHandle:
 
     step: int
     futures: List[Future] = field(default_factory=list)
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
 
 
 @dataclass(frozen=True)

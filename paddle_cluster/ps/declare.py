@@ -175,12 +175,9 @@ def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
     spec = _parse_spec(st, body)
 
     def make() -> TableShard:
-        try:
-            opt = OptimizerSpec.from_dict(spec)
-        except ValueError as e:
-            raise ConfigMismatch(str(e)) from None
         st.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
-        return TableShard(h.key, meta, opt, spec, st.base_step, st.pserver_id, st.n_pservers, st.budget)
+        return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, st.base_step, st.pserver_id,
+                          st.n_pservers, st.budget)
 
     t = _define(st, conn, h, st.tables, "sparse table", meta, spec, make)
     conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)

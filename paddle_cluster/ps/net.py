@@ -3,14 +3,9 @@
 One accept thread per port and one handler thread per connection; a connection serves one request at a
 time, so per-connection state needs no locks. Its replies go out in request order, written by the handler
 thread itself; a sync pull that must wait for other trainers waits there too, while the kernel keeps taking
-in the trainer's next requests (its next gradients still flow in). Malformed input from any peer costs that peer its
-connection and nothing else: the reason is logged in one line, and everyone else keeps being served.
-
-After the handshake a connection is bounded in time too: a frame that stops arriving, or a reply the trainer
-stops reading, for ``STALL_BARRIERS`` barrier timeouts ends it (after the barrier's own timeout has said who is
-missing); so does a trainer silent on all its connections for
-``IDLE_BARRIERS`` barrier timeouts (a live trainer in sync mode is never silent that long: its peers' barriers
-would have failed first). Either is one log line.
+in the trainer's next requests. Malformed input from any peer costs that peer its connection and nothing
+else: the reason is logged in one line, and everyone else keeps being served. After the handshake a
+connection is bounded in time too (``STALL_BARRIERS``, ``IDLE_BARRIERS``); ending it for that is one log line.
 """
 
 from __future__ import annotations
@@ -36,7 +31,9 @@ from .stream import Stream
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
 MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
-IDLE_BARRIERS = 3  # a trainer silent this many barrier timeouts on every connection is gone
+# A trainer silent this many barrier timeouts on every connection is gone (a live one in sync mode never is:
+# its peers' barriers would have failed first).
+IDLE_BARRIERS = 3
 # A frame (or a reply) that stops moving for this many barrier timeouts ends its connection. More than one: a
 # trainer stalled in the middle of its push while its peers wait at the barrier is that barrier's timeout to
 # report (it names the missing trainers); a stall bound equal to it raced with it.
