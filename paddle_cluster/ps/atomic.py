@@ -37,7 +37,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-
 def write_atomic(path: str, write: Any) -> str:
     """Call ``write(fileobj)`` on a temporary file, fsync it, rename it to ``path``; returns sha256."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer: concurrent saves never share one
@@ -58,12 +57,10 @@ def write_atomic(path: str, write: Any) -> str:
     return digest
 
 
-
 def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> str:
     """``np.savez`` to ``path`` atomically; returns the file's sha256."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return write_atomic(path, lambda f: np.savez(f, **arrays))
-
 
 
 def load_npz(path: str) -> Dict[str, np.ndarray]:

@@ -86,7 +86,6 @@ def shard_dir(step_path: str, pserver_id: int) -> str:
     return os.path.join(step_path, f"pserver-{pserver_id}")
 
 
-
 def unreadable(path: str, e: OSError) -> CheckpointUnreadable:
     """The error for a checkpoint that exists but cannot be read (permissions, I/O error): never "no checkpoint"."""
     return CheckpointUnreadable(f"checkpoint {path} cannot be read: {e.strerror or e}; fix its permissions or "

@@ -86,7 +86,6 @@ class AccPool:
                 self.cv.notify_all()
 
 
-
 _NOBODY: FrozenSet[int] = frozenset()
 
 
