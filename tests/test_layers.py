@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paddle_cluster.ps.optim import OptimizerSpec, make_dense, make_sparse
+from paddle_cluster.ps.optim import DenseOptimizer, OptimizerSpec, SparseOptimizer
 from paddle_cluster.train import layers as L
 from paddle_cluster.train import losses
 
@@ -263,7 +263,7 @@ def test_mlp_trains_with_dense_sgd():
     model = L.Sequential(L.Linear("h", 2, 32, seed=7), L.Tanh(), L.Linear("o", 32, 2, seed=7))
     loss = losses.SoftmaxCrossEntropy()
     spec = OptimizerSpec("sgd", lr=0.5)
-    opts = {k: make_dense(spec, p.value) for k, p in L.dense_params(model).items()}
+    opts = {k: DenseOptimizer(spec, p.value) for k, p in L.dense_params(model).items()}
     first = loss.forward(model.forward(x), y)
     for _ in range(300):
         L.zero_grads(model)
@@ -281,7 +281,7 @@ def test_local_embedding_trains_with_sparse_optimizer():
     rng = np.random.default_rng(5)
     emb = L.Embedding("e", dim=2, vocab=6, local=True, seed=1)
     before = emb.table.copy()
-    opt = make_sparse(OptimizerSpec("adagrad", lr=0.1), 2)
+    opt = SparseOptimizer(OptimizerSpec("adagrad", lr=0.1), 2)
     state = opt.new_state(6)
     target = rng.standard_normal((4, 2)).astype(np.float32)
     ids = np.array([0, 2, 2, 3])

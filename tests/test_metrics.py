@@ -50,22 +50,6 @@ def test_torn_last_line_and_restart(tmp_path):
     assert [r["step"] for r in M.read_metrics(w.path)] == [1, 2, 4]
 
 
-def test_read_new_tails_complete_lines_only(tmp_path):
-    w = M.MetricsWriter(1, str(tmp_path))
-    w.log(0, 1, 1.0)
-    recs, off = M.read_new(w.path)
-    assert [r["step"] for r in recs] == [1]
-    with open(w.path, "a") as f:
-        f.write('{"step": 2')
-    recs, off2 = M.read_new(w.path, off)
-    assert recs == [] and off2 == off
-    with open(w.path, "a") as f:
-        f.write(', "loss": 2.0}\n')
-    recs, off3 = M.read_new(w.path, off2)
-    assert recs == [{"step": 2, "loss": 2.0}] and off3 == os.path.getsize(w.path)
-    w.close()
-
-
 def test_read_directory_orders_by_trainer(tmp_path):
     for i in (10, 2, 0):
         with M.MetricsWriter(i, str(tmp_path)) as w:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from paddle_cluster.ps.optim import OptimizerSpec, make_dense, make_sparse
+from paddle_cluster.ps.optim import DenseOptimizer, OptimizerSpec, SparseOptimizer
 
 
 def _ref_dense(spec, p, grads):
@@ -40,7 +40,7 @@ def test_dense_matches_reference(name, wd):
     p0 = rng.standard_normal((7, 5)).astype(np.float32)
     grads = [rng.standard_normal((7, 5)).astype(np.float32) for _ in range(5)]
     p = p0.copy()
-    opt = make_dense(spec, p)
+    opt = DenseOptimizer(spec, p)
     for g in grads:
         opt.apply(p, g)
     assert p.dtype == np.float32
@@ -53,7 +53,7 @@ def test_dense_sgd_is_bit_exact():
     rng = np.random.default_rng(1)
     p = rng.standard_normal(1000).astype(np.float32)
     expect = p.copy()
-    opt = make_dense(OptimizerSpec("sgd", lr=0.1), p)
+    opt = DenseOptimizer(OptimizerSpec("sgd", lr=0.1), p)
     for _ in range(3):
         g = rng.standard_normal(1000).astype(np.float32)
         opt.apply(p, g)
@@ -64,7 +64,7 @@ def test_dense_sgd_is_bit_exact():
 def test_lr_is_read_each_step():
     spec = OptimizerSpec("sgd", lr=1.0)
     p = np.zeros(3, np.float32)
-    opt = make_dense(spec, p)
+    opt = DenseOptimizer(spec, p)
     opt.apply(p, np.ones(3, np.float32))
     spec.lr = 0.5
     opt.apply(p, np.ones(3, np.float32))
@@ -75,12 +75,12 @@ def test_dense_state_load_roundtrip():
     rng = np.random.default_rng(2)
     spec = OptimizerSpec("adam", lr=0.01)
     p = rng.standard_normal(4).astype(np.float32)
-    a = make_dense(spec, p)
+    a = DenseOptimizer(spec, p)
     for _ in range(3):
         a.apply(p, rng.standard_normal(4).astype(np.float32))
     saved = {k: v.copy() for k, v in a.state.items()}
     p2 = p.copy()
-    b = make_dense(spec, p2)
+    b = DenseOptimizer(spec, p2)
     b.load_state(saved)
     g = rng.standard_normal(4).astype(np.float32)
     a.apply(p, g)
@@ -110,7 +110,7 @@ def test_sparse_rows_match_dense_and_are_lazy(name):
     cap, w = 10, 4
     table = rng.standard_normal((cap, w)).astype(np.float32)
     table0 = table.copy()
-    opt = make_sparse(spec, w)
+    opt = SparseOptimizer(spec, w)
     state = opt.new_state(cap)
     for k, (suffix, dt) in opt.row_slots.items():
         assert state[k].shape == (cap, *suffix) and state[k].dtype == dt
@@ -140,15 +140,15 @@ def test_sparse_sgd_bit_exact_with_dense():
     dense = table.copy()
     idx = np.array([1, 4])
     g = rng.standard_normal((2, 3)).astype(np.float32)
-    make_sparse(OptimizerSpec("sgd", lr=0.3), 3).apply(table, {}, idx, g)
+    SparseOptimizer(OptimizerSpec("sgd", lr=0.3), 3).apply(table, {}, idx, g)
     full = np.zeros_like(dense)
     full[idx] = g
-    make_dense(OptimizerSpec("sgd", lr=0.3), dense).apply(dense, full)
+    DenseOptimizer(OptimizerSpec("sgd", lr=0.3), dense).apply(dense, full)
     assert np.array_equal(table, dense)
 
 
 def test_sparse_shape_errors():
-    opt = make_sparse(OptimizerSpec("adagrad"), 3)
+    opt = SparseOptimizer(OptimizerSpec("adagrad"), 3)
     table = np.zeros((4, 3), np.float32)
     with pytest.raises(ValueError):
         opt.apply(table, opt.new_state(4), np.array([0, 1]), np.zeros((3, 3), np.float32))

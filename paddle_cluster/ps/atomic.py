@@ -37,19 +37,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-
 def write_atomic(path: str, write: Any) -> str:
     """Call ``write(fileobj)`` on a temporary file, fsync it, rename it to ``path``; returns sha256."""
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writer: concurrent saves never share one
-    h = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        with open(tmp, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        digest = file_digest(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -58,15 +54,13 @@ def write_atomic(path: str, write: Any) -> str:
             pass
         raise
     fsync_dir(os.path.dirname(path) or ".")
-    return h.hexdigest()
-
+    return digest
 
 
 def save_npz_atomic(path: str, arrays: Mapping[str, np.ndarray]) -> str:
     """``np.savez`` to ``path`` atomically; returns the file's sha256."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return write_atomic(path, lambda f: np.savez(f, **arrays))
-
 
 
 def load_npz(path: str) -> Dict[str, np.ndarray]:

@@ -52,47 +52,34 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds for the whole handshake, however the peer tr
 _SEQ = struct.Struct("<Q")
 
 
-class _Hmac:
-    """HMAC-SHA256 under one key from two precomputed states (``run`` a message, ``finish`` it)."""
-
-    def __init__(self, key: bytes) -> None:
-        k = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
-        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in k))
-        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in k))
-
-    def run(self) -> Any:
-        return self._inner.copy()
-
-    def finish(self, running: Any) -> bytes:
-        o = self._outer.copy()
-        o.update(running.copy().digest())
-        return o.digest()
-
-
 class HmacSha256:
     """Frame MAC: HMAC-SHA256-128 of the frame number, the header and the payload so far, at every tag."""
 
     CODE = 1
 
     def __init__(self, key: bytes) -> None:
-        self._h = _Hmac(key)
+        k = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in k))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in k))
 
     def start(self, seq: int, header: Any) -> _HmacFrame:
         """A running MAC of frame number ``seq`` (never sent: both ends count) starting with its header."""
-        run = self._h.run()
+        run = self._inner.copy()
         run.update(_SEQ.pack(seq))
         run.update(header)
-        return _HmacFrame(self._h, run)
+        return _HmacFrame(self._outer, run)
 
 
 class _HmacFrame:
-    def __init__(self, h: _Hmac, run: Any) -> None:
-        self._h, self._run = h, run
+    def __init__(self, outer: Any, run: Any) -> None:
+        self._outer, self._run = outer, run
         self.update = run.update
 
     def tag(self) -> bytes:
         """The tag of everything fed so far (it can be fed on)."""
-        return self._h.finish(self._run)[:TAG_SIZE]
+        o = self._outer.copy()
+        o.update(self._run.copy().digest())
+        return o.digest()[:TAG_SIZE]
 
 
 class Poly1305Mac:

@@ -97,10 +97,7 @@ class Channel:
         except (socket.timeout, BlockingIOError):  # BlockingIOError: SO_RCVTIMEO / SO_SNDTIMEO expired
             self.broken = f"no answer in {self.io_timeout:g} s (pserver hung or unreachable)"
             raise ConnectionLost(f"{self.where}: {self.broken}") from None
-        except ConnectionLost as e:
-            self.broken = str(e)
-            raise ConnectionLost(f"{self.where}: {e}") from None
-        except OSError as e:
+        except (ConnectionLost, OSError) as e:
             self.broken = str(e)
             raise ConnectionLost(f"{self.where}: {e}") from None
 
@@ -163,12 +160,15 @@ def fan_out(jobs: Sequence[Tuple[Channel, Callable[..., Any], Tuple[Any, ...]]])
     return futures
 
 
-def gather(futures: Sequence[Future]) -> List[Any]:
-    """Results of all futures (waiting for every one), raising the first error."""
+def gather(futures: Sequence[Future], into: Optional[List[Any]] = None) -> List[Any]:
+    """Results of all futures (waiting for every one), raising the first error; ``into`` keeps every
+    successful result even then (what must be cleaned up)."""
     results, first = [], None
     for f in futures:
         try:
             results.append(f.result())
+            if into is not None:
+                into.append(results[-1])
         except BaseException as e:  # noqa: B036 - re-raised below after every future finished
             results.append(None)
             first = first or e
@@ -256,18 +256,3 @@ def expect_ok(ch: Channel, h: P.Header) -> None:
         raise ConnectionLost(f"expected OK, got {h.op_name()}")
     if h.length:
         ch.stream.discard()
-
-
-def gather_all(futures: Sequence[Future], into: List[Any]) -> List[Any]:
-    """Like ``gather`` but keeps every successful result in ``into`` so it can be cleaned up on error."""
-    results, first = [], None
-    for f in futures:
-        try:
-            r = f.result()
-            into.append(r)
-            results.append(r)
-        except BaseException as e:  # noqa: B036 - re-raised below
-            first = first or e
-    if first is not None:
-        raise first
-    return results

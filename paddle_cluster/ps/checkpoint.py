@@ -3,10 +3,8 @@
 Layout: ``<root>/step-%08d/pserver-%d/{shard.npz,manifest.json}``. Each pserver writes only its own
 shard: the arrays go to a temporary file that is fsynced and renamed; the manifest (step, block ranges,
 shapes, dtypes, sha256 of the shard file) is written the same way and LAST, so a shard without a
-manifest is by definition incomplete.
-
-``snapshot`` copies a pserver's live shards into a ``ShardState``; ``complete_steps`` answers, for the
-launcher, which steps a node holds complete. Loading one back is ``resume``'s.
+manifest is by definition incomplete. ``State.snapshot`` makes the ``ShardState`` saved here; loading one
+back is ``resume``'s; ``complete_steps`` and ``survey`` tell the launcher what a root holds.
 """
 
 from __future__ import annotations
@@ -86,7 +84,6 @@ def step_dir(root: str, step: int) -> str:
 
 def shard_dir(step_path: str, pserver_id: int) -> str:
     return os.path.join(step_path, f"pserver-{pserver_id}")
-
 
 
 def unreadable(path: str, e: OSError) -> CheckpointUnreadable:

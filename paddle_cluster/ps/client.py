@@ -1,19 +1,10 @@
 """The trainer-side client: a small ps-lite-like push / pull / wait API.
 
-Every (pserver, port) pair gets its own TCP connection and its own worker thread, so a push or pull fans
-out to all pservers and all their ports at once; within one connection requests are pipelined (all
-frames sent while the replies are read) and array bytes go straight between numpy buffers and the socket.
-
-Steps: ``ps.step`` starts at 0 (or at the step a resumed pserver loaded). ``pull()`` returns the dense
-values for ``ps.step``; ``push(grads)`` sends the gradients for ``ps.step`` and advances it. In sync mode
-the pservers hold a pull for step ``t`` until every active trainer's gradient for ``t - 1`` has been
-applied, so the canonical loop is simply::
-
-    params = ps.pull()
-    for batch in data:
-        params = ps.push_pull(grads_of(params, batch))
-
-(``push_pull`` is ``push`` then ``pull`` as one exchange per connection: one round trip per step.)
+Every (pserver, port) pair gets its own connection and worker thread, so a push or pull fans out to every
+pserver and port at once (``channel``). ``ps.step`` starts at 0 (or at the step a resumed pserver loaded);
+``pull()`` returns the dense values for ``ps.step``, ``push(grads)`` sends the gradients for it and advances
+it. In sync mode a pull for step ``t`` waits until every active trainer's gradient for ``t - 1`` is applied,
+so the loop is ``params = ps.push_pull(grads_of(params, batch))``: one round trip per step.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ from ..contract import PSERVER, Endpoint, JobEnv
 from . import atomic
 from . import checkpoint as ckpt
 from . import protocol as P
-from .channel import Channel, gather, gather_all, reply_timeout
+from .channel import Channel, gather, reply_timeout
 from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
@@ -59,9 +50,6 @@ class PushHandle:
 
     step: int
     futures: List[Future] = field(default_factory=list)
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
 
 
 @dataclass(frozen=True)
@@ -106,7 +94,7 @@ class PSClient:
                     for port in env.all_ports(k):
                         opened[(k, port)] = ex.submit(Channel, env, key, self.trainer_id, k, port,
                                                       connect_timeout, io_timeout)
-                chans = dict(zip(opened, gather_all(list(opened.values()), self._all)))
+                chans = dict(zip(opened, gather(list(opened.values()), self._all)))
             for k in range(self.n_pservers):
                 self._dense_ch.append([chans[(k, p)] for p in env.dense_ports(k)])
                 self._sparse_ch.append([chans[(k, p)] for p in env.sparse_ports(k)])

@@ -92,7 +92,7 @@ def _confirmed(shards: Dict[int, S], key: int) -> bool:
 
 
 def declare(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     mode = body.get("mode")
     if mode not in MODES:
         raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -126,7 +126,7 @@ def declare(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_dense(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "lo": int(body["lo"]), "hi": int(body["hi"]),
@@ -157,7 +157,7 @@ def def_dense(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     _check_declared(st)
     try:
         meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
@@ -175,12 +175,9 @@ def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
     spec = _parse_spec(st, body)
 
     def make() -> TableShard:
-        try:
-            opt = OptimizerSpec.from_dict(spec)
-        except ValueError as e:
-            raise ConfigMismatch(str(e)) from None
         st.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
-        return TableShard(h.key, meta, opt, spec, st.base_step, st.pserver_id, st.n_pservers, st.budget)
+        return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, st.base_step, st.pserver_id,
+                          st.n_pservers, st.budget)
 
     t = _define(st, conn, h, st.tables, "sparse table", meta, spec, make)
     conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
@@ -196,7 +193,7 @@ def _count(v: Any) -> Any:
 
 
 def set_hyper(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     values = body.get("values")
     if not isinstance(values, dict) or not values:
         raise ConfigMismatch("SET_HYPER needs a non-empty 'values' object")

@@ -57,7 +57,7 @@ class DenseBlock(SegmentFold, Shard):
         self.shape = tuple(meta["shape"])
         self.param = np.zeros(self.shape, dtype=self.dtype)
         self.nbytes = self.param.nbytes
-        self.opt = optim.make_dense(spec, self.param)
+        self.opt = optim.DenseOptimizer(spec, self.param)
         self.initialized = False
         self.initializing = False
         # Sync mode with several trainers, not folded by segment: their gradients of the current step, summed
@@ -103,7 +103,7 @@ class DenseBlock(SegmentFold, Shard):
             mine = not (self.initialized or self.initializing)
             self.initializing = self.initializing or mine
         if not mine:
-            conn.discard()
+            conn.stream.discard()
             return
         try:
             conn.stream.recv_into(self.param)
@@ -178,7 +178,7 @@ class DenseBlock(SegmentFold, Shard):
                 self.receiving.add(t)
                 self.acc_busy = self.acc_busy or direct
         if dup:
-            conn.discard()  # an idempotent repeat of a push already counted
+            conn.stream.discard()  # an idempotent repeat of a push already counted
             return True
         try:
             dest = self.acc if direct else conn.buffer(self.shape, self.dtype)

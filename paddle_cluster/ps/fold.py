@@ -1,19 +1,14 @@
 """Sync-mode SGD pushes, folded segment by segment as they arrive: ``SegmentFold``, the segment half of
 ``dense.DenseBlock``, and ``AccPool``, the accumulator slots every block of a pserver shares.
 
-A dense push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.chunks``). For each segment
-of a block the first contribution of a step is received into an accumulator slot (copied there when no slot
-was free as it arrived), later ones are added to it
-in trainer order (the first two in either order: float addition commutes), and the last one is added,
-averaged and applied to the parameter while the segment is in cache; the slot goes back to the pool, and
-a pull waiting for the step sends the segment (``wait_segment``, ``DenseBlock.pull``). With
-one trainer a segment is applied straight from the receive buffer. So a pserver holds its parameters plus
-the segments some trainer has sent and another not yet -- bounded by ``AccPool``: a trainer that runs
-ahead by more than the pool waits (TCP holds its bytes), which costs nothing in sync mode, where every
-trainer waits for the slowest at the next pull anyway.
-
-Rounding is that of the whole-block path (``DenseBlock.apply_mean``): the same operations in the
-same order on every element.
+A push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.chunks``). A segment's first
+contribution of a step is received into a pool slot (copied there when none was free), later ones are added
+in trainer order, and the last is added, averaged and applied while the segment is in cache; the slot goes
+back to the pool and a pull waiting for the step sends the segment. With one trainer a segment is applied
+straight from the receive buffer. So a pserver holds its parameters plus the segments some trainer has sent
+and another not yet, bounded by ``AccPool``: a trainer further ahead waits (TCP holds its bytes), which costs
+nothing in sync mode, where every trainer waits for the slowest at the next pull anyway. Rounding is that of
+``DenseBlock.apply_mean``: the same operations in the same order on every element.
 """
 
 from __future__ import annotations
@@ -89,7 +84,6 @@ class AccPool:
         if self.waiting:  # read unlocked: a take that starts waiting after this checks ``unless`` first
             with self.cv:
                 self.cv.notify_all()
-
 
 
 _NOBODY: FrozenSet[int] = frozenset()

@@ -141,7 +141,7 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
         if not dup:
             t.receiving.add(tr)
     if dup:
-        conn.discard()
+        conn.stream.discard()
         conn.reply_ok(key=h.key, step=t.step)
         return
     held = h.length  # the ids and rows received: held until the step is applied (``_complete_table``)
@@ -185,7 +185,7 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
 
 def close(st: State, conn: Conn, h: P.Header) -> None:
     if h.length:
-        conn.discard()
+        conn.stream.discard()
     # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
     all_closed = st.sync.close_trainer(conn.trainer)
     for b in st.blocks.values():  # a step that was waiting only for this trainer completes now
@@ -219,7 +219,7 @@ def status(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def save(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.read_json(h)
+    body = conn.stream.recv_json(h)
     step = int(body.get("step", h.step))
     name = body.get("path")
     if name is None:
@@ -284,8 +284,8 @@ def route(st: State, conn: Conn, h: P.Header) -> bool:
         # A request-level failure (barrier timeout, mismatch): report it and keep the connection.
         if isinstance(e, BarrierTimeout):
             log.warning("%s", e)
-        if not conn.consumed:
-            conn.discard()
+        if conn.stream.left:  # the payload not read yet
+            conn.stream.discard()
         conn.reply_error(e)
         return True
     except OSError:

@@ -3,14 +3,9 @@
 One accept thread per port and one handler thread per connection; a connection serves one request at a
 time, so per-connection state needs no locks. Its replies go out in request order, written by the handler
 thread itself; a sync pull that must wait for other trainers waits there too, while the kernel keeps taking
-in the trainer's next requests (its next gradients still flow in). Malformed input from any peer costs that peer its
-connection and nothing else: the reason is logged in one line, and everyone else keeps being served.
-
-After the handshake a connection is bounded in time too: a frame that stops arriving, or a reply the trainer
-stops reading, for ``STALL_BARRIERS`` barrier timeouts ends it (after the barrier's own timeout has said who is
-missing); so does a trainer silent on all its connections for
-``IDLE_BARRIERS`` barrier timeouts (a live trainer in sync mode is never silent that long: its peers' barriers
-would have failed first). Either is one log line.
+in the trainer's next requests. Malformed input from any peer costs that peer its connection and nothing
+else: the reason is logged in one line, and everyone else keeps being served. After the handshake a
+connection is bounded in time too (``STALL_BARRIERS``, ``IDLE_BARRIERS``); ending it for that is one log line.
 """
 
 from __future__ import annotations
@@ -36,7 +31,9 @@ from .stream import Stream
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
 MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
-IDLE_BARRIERS = 3  # a trainer silent this many barrier timeouts on every connection is gone
+# A trainer silent this many barrier timeouts on every connection is gone (a live one in sync mode never is:
+# its peers' barriers would have failed first).
+IDLE_BARRIERS = 3
 # A frame (or a reply) that stops moving for this many barrier timeouts ends its connection. More than one: a
 # trainer stalled in the middle of its push while its peers wait at the barrier is that barrier's timeout to
 # report (it names the missing trainers); a stall bound equal to it raced with it.
@@ -92,20 +89,6 @@ class Conn:
         except OSError:
             return True
 
-    def abort(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    @property
-    def consumed(self) -> bool:
-        """The current request's payload has been read (or it had none)."""
-        return self.stream.left == 0
-
-    def discard(self) -> None:
-        self.stream.discard()
-
     def buffer(self, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """This connection's receive buffer as an array of ``shape`` (reused by every push)."""
         nbytes = math.prod(shape) * dtype.itemsize
@@ -116,9 +99,6 @@ class Conn:
             self.rbuf = np.empty(nbytes, dtype=np.uint8)
         return self.rbuf[:nbytes].view(dtype).reshape(shape)
 
-    def read_json(self, h: P.Header) -> Dict[str, Any]:
-        return self.stream.recv_json(h)
-
     def reply_ok(self, body: Optional[Dict[str, Any]] = None, *, key: int = 0, step: int = 0) -> None:
         if body is None:
             header = P.pack_header(P.Op.OK, key=key, step=step)
@@ -127,9 +107,6 @@ class Conn:
             self.stream.send_json(P.Op.OK, body, key=key, step=step)
 
     def reply_error(self, e: PSError) -> None:
-        self.write_error(e)
-
-    def write_error(self, e: PSError) -> None:
         body = e.to_wire()
         msg = str(body.get("message", ""))
         if not msg.startswith(("pserver", "barrier")):
@@ -144,7 +121,7 @@ class Conn:
         if err is not None and self.trainer >= 0:
             try:
                 self.sock.settimeout(1.0)
-                self.write_error(err)
+                self.reply_error(err)
                 # Closing with unread input would reset the connection and could destroy the reply in
                 # flight: half-close and drain what the trainer still sends, for a second at most.
                 self.sock.shutdown(socket.SHUT_WR)
@@ -185,10 +162,6 @@ class Listener:
         self._lock = threading.Lock()
         self._listeners: List[socket.socket] = []
         self._conns: Set[socket.socket] = set()
-
-    @property
-    def started(self) -> bool:
-        return bool(self._listeners)
 
     def start(self) -> None:
         try:

@@ -26,7 +26,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
-SPARSE_OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
 
 
 @dataclass
@@ -214,11 +213,6 @@ class DenseOptimizer:
         self._update(self.spec, param, g, self.state, self._buf, t)
 
 
-def make_dense(spec: OptimizerSpec, param: np.ndarray) -> DenseOptimizer:
-    """The dense optimizer ``spec`` names, with zeroed state shaped like ``param``."""
-    return DenseOptimizer(spec, param)
-
-
 # -- sparse --------------------------------------------------------------------------------------------
 
 
@@ -269,8 +263,3 @@ class SparseOptimizer:
         table[idx] = rows
         for k, a in st.items():
             state[k][idx] = a
-
-
-def make_sparse(spec: OptimizerSpec, width: int, dtype: Any = np.float32) -> SparseOptimizer:
-    """The row-wise optimizer ``spec`` names for a table of rows of ``width`` values."""
-    return SparseOptimizer(spec, width, dtype)

@@ -94,10 +94,6 @@ class Header:
     length: int = 0
     aux: int = 0
 
-    def pack(self) -> bytes:
-        return pack_header(self.op, self.dtype, self.status, self.trainer, self.key, self.step, self.length,
-                           self.aux)
-
     def op_name(self) -> str:
         try:
             return Op(self.op).name

@@ -76,12 +76,10 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
             raise CheckpointError(f"checkpoint {d}: {why}{corrupt}; refusing it")
     try:
         arrays = atomic.load_npz(os.path.join(d, SHARD))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
     except OSError as e:
         raise unreadable(os.path.join(d, SHARD), e) from None
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
 
     def get(name: str, meta: Mapping[str, Any]) -> np.ndarray:
         a = arrays.get(name)
@@ -173,7 +171,6 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> 
     if why is not None:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt ({why}); refusing it")
     return shard
-
 
 
 def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = None, trainers: int = 1

@@ -86,13 +86,6 @@ class PServer:
         """Block until every trainer has closed (or ``stop``); True if so."""
         return self.done.wait(timeout)
 
-    def serve_forever(self) -> None:
-        if not self.net.started:
-            self.start()
-        while not self.done.wait(0.5):
-            pass
-        self.stop()
-
     def stop(self) -> None:
         self.done.set()
         self.state.dense.applier.shutdown(wait=False)
@@ -148,5 +141,7 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"PSERVER_READY {k} {server.host} {','.join(map(str, server.ports))}", flush=True)
-    server.serve_forever()
+    while not server.wait(0.5):  # a short wait, so the signal handlers run promptly
+        pass
+    server.stop()
     return 0

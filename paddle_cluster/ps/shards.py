@@ -89,7 +89,7 @@ class TableShard(Shard):
         self.seed = int(meta["seed"])
         self.pserver_id = pserver_id
         self.n_pservers = n_pservers
-        self.opt = optim.make_sparse(spec, self.width, self.dtype)
+        self.opt = optim.SparseOptimizer(spec, self.width, self.dtype)
         self.keys = np.empty(0, dtype=np.int64)  # sorted ids
         self.pos = np.empty(0, dtype=np.int64)  # row of keys[i] in table
         self.n = 0

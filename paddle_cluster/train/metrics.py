@@ -15,7 +15,7 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO
 
 from ..contract import ProcessEnv
 
@@ -137,23 +137,6 @@ def _parse(line: str) -> Optional[Dict[str, Any]]:
     except ValueError:
         return None
     return rec if isinstance(rec, dict) else None
-
-
-def read_new(path: str, offset: int = 0) -> Tuple[List[Dict[str, Any]], int]:
-    """Records in complete lines from byte ``offset`` on, and the offset to resume from; for tailing.
-
-    A last line without its newline is left for the next call (it may still be being written).
-    """
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    out = []
-    for raw in data[:end].splitlines():
-        rec = _parse(raw.decode("utf-8", errors="replace"))
-        if rec is not None:
-            out.append(rec)
-    return out, offset + end
 
 
 def read_metrics(path_or_dir: str) -> List[Dict[str, Any]]:
