@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from helpers import FIT_A_LINE, REPO, free_port_range, rc_python, wait_for
-from userengine import Engine, job_processes, pserver_pids, readme_conf, user_env
+from helpers import FIT_A_LINE, REPO, wait_for
+from userengine import Engine, make_engine, pserver_pids, user_env
 
 BACKENDS = ("local", "ssh", "mpi-openmpi", "mpi-mpich", "slurm", "k8s")
 SCENARIOS = {
@@ -91,84 +91,9 @@ def kube(tmp_path_factory, request):
         k.close()
 
 
-def _ssh_engine(request, tmp: Path, name: str) -> Engine:
-    if name == "ssh":
-        cluster = request.getfixturevalue("ssh_cluster")
-        base, opts = os.environ, ["--backend", "ssh"]
-    else:
-        from enginecluster import mpich_unavailable_reason
-        impl = name.split("-")[1]
-        if impl == "mpich" and mpich_unavailable_reason():
-            pytest.skip(mpich_unavailable_reason())
-        mpi = request.getfixturevalue("mpi_env")
-        cluster, base, opts = mpi.cluster, mpi.env, ["--backend", "mpi"]
-    ctx = rc_python(cluster, tmp)  # the hosts' python with numpy is on the PATH their login shell's rc sets
-    ctx.__enter__()
-    request.addfinalizer(lambda: ctx.__exit__(None, None, None))
-
-    def quiet() -> None:
-        wait_for(lambda: not any(cluster.pids(i) for i in range(cluster.n)), 30, "the hosts to be empty")
-
-    request.addfinalizer(lambda: [cluster.kill_all(i) for i in range(cluster.n)])
-    keys = dict(HOSTS=cluster.hosts, ROOT_DIR="/home/paddle", PADDLE_NIC="eth0", PADDLE_PORT=7164,
-                PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1,
-                # The test hosts' key and host keys: what a user's ~/.ssh holds (paramiko and mpirun's ssh
-                # would not both read a ~/.ssh/config under the test's HOME).
-                SSH_IDENTITY_FILE=cluster.key_path, SSH_KNOWN_HOSTS=cluster.known_hosts)
-    if name == "mpi-mpich":
-        keys["MPI_IMPL"] = "mpich"  # beside Open MPI, `mpirun` is Open MPI's: a MPICH user names it
-    return Engine(name, tmp, readme_conf(tmp / "conf.py", **keys), user_env(tmp, base), opts, 3, 3, quiet)
-
-
 @pytest.fixture
 def engine(request, tmp_path) -> Engine:
-    name = request.param
-    if name == "local":
-        # Two pservers and two trainers on the one host (as the built-in local cluster has), so that ids,
-        # counts and lists are checked with more than one of each.
-        conf = readme_conf(tmp_path / "conf.py", HOSTS=["localhost"], ROOT_DIR=str(tmp_path / "jobs"),
-                           PADDLE_NIC="lo", PADDLE_PORT=free_port_range(6), PADDLE_PORTS_NUM=2,
-                           PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
-        eng = Engine(name, tmp_path, conf, user_env(tmp_path), [], 2, 2, lambda: None,
-                     log_node=lambda t: "localhost")
-    elif name in ("ssh", "mpi-openmpi", "mpi-mpich"):
-        eng = _ssh_engine(request, tmp_path, name)
-    elif name == "slurm":
-        slurm = request.getfixturevalue("slurm_cluster")
-        # ROOT_DIR on the cluster's shared filesystem (as /home is at a Slurm site); no HOSTS: Slurm places.
-        # BACKEND: without it `run --backend slurm` refuses a conf.py with no HOSTS (HOSTS is checked before
-        # the option applies; reported, left to the backend refactor of cli.py).
-        conf = readme_conf(tmp_path / "conf.py", BACKEND="slurm", ROOT_DIR=str(slurm.shared_dir / tmp_path.name),
-                           PADDLE_NIC="eth0", PADDLE_PORT=7164, PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1)
-        eng = Engine(name, tmp_path, conf, user_env(tmp_path, slurm.env), ["--backend", "slurm", "--nodes", "3"],
-                     3, 3, slurm.wait_quiet)
-
-        def cancel() -> None:
-            slurm.run(["scancel", "--user=root"], check=False)
-            slurm.wait_quiet()
-        request.addfinalizer(cancel)
-    elif name == "k8s":
-        from k8s_standin import IMAGE
-        kube = request.getfixturevalue("kube")
-        # conf.py in the directory the user runs from (no --conf): HOSTS x 1 pserver and trainer pods.
-        readme_conf(tmp_path / "conf.py", HOSTS=["a", "b"], ROOT_DIR=str(tmp_path / "root"),
-                    PADDLE_PORT=free_port_range(3), PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1)
-
-        def quiet() -> None:
-            left = {}
-
-            def gone() -> bool:
-                left.update(objects=sorted(kube.objects()), processes=job_processes(eng.jobs) or kube.processes())
-                return not left["objects"] and not left["processes"]
-            try:
-                wait_for(gone, 60, "no object or pod left")
-            except AssertionError:
-                raise AssertionError(f"left: {left}") from None
-        eng = Engine(name, tmp_path, None, user_env(tmp_path, kube.env), ["--backend", "k8s", "--image", IMAGE],
-                     2, 2, quiet, log_node=lambda t: f"trainer.{t}")
-    else:
-        raise AssertionError(name)
-    return eng
+    return make_engine(request, tmp_path, request.param)
 
 
 def cases(scenario: str):
