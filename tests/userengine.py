@@ -198,7 +198,7 @@ def _ssh_engine(request, tmp: Path, name: str) -> Engine:
         request.addfinalizer(lambda c=c: shutil.rmtree(c.parent.parent, ignore_errors=True))
     return Engine(name, tmp, readme_conf(tmp / "conf.py", **keys), user_env(tmp, base), opts, 3, 3, quiet,
                   caches=caches, cache_keys={"ENV": {"PADDLE_DATA_HOME": "/home/paddle/.cache/paddle/dataset"}},
-                  own_ports=lambda k: ["--", "--port", str(7164 + 100 * k)] if k else [])
+                  own_ports=lambda k: ["--port", str(7164 + 100 * k)] if k else [])
 
 
 def make_engine(request, tmp_path: Path, name: str) -> Engine:
@@ -212,7 +212,7 @@ def make_engine(request, tmp_path: Path, name: str) -> Engine:
                            PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
         return Engine(name, tmp_path, conf, user_env(tmp_path), [], 2, 2, lambda: None,
                       log_node=lambda t: "localhost", caches=home_cache,
-                      own_ports=lambda k: ["--", "--port", str(free_port_range(6))] if k else [])
+                      own_ports=lambda k: ["--port", str(free_port_range(6))] if k else [])
     if name in ("ssh", "mpi-openmpi", "mpi-mpich"):
         return _ssh_engine(request, tmp_path, name)
     if name == "slurm":
@@ -231,7 +231,7 @@ def make_engine(request, tmp_path: Path, name: str) -> Engine:
         # their ~/.cache is the user's; jobs launched at once may share nodes, so each has its own ports.
         return Engine(name, tmp_path, conf, user_env(tmp_path, slurm.env), ["--backend", "slurm", "--nodes", "3"],
                       3, 3, slurm.wait_quiet, caches=home_cache,
-                      own_ports=lambda k: ["--", "--port", str(7164 + 100 * k)] if k else [])
+                      own_ports=lambda k: ["--port", str(7164 + 100 * k)] if k else [])
     if name == "k8s":
         from k8s_standin import IMAGE
         kube = request.getfixturevalue("kube")
