@@ -21,6 +21,17 @@ SCENARIOS = {
                  "nothing left",
     "max_restarts": "--max_restarts 1 with a pserver SIGKILLed mid-job: the job restarts from its checkpoint "
                     "and ends with the exact result",
+    "signals": "two jobs launched at once (each with its own ports): Ctrl+C to one whose trainers ignore SIGTERM, "
+               "with KILL_GRACE 120, and Ctrl+C again while it stops: the second skips the grace period; SIGTERM to "
+               "the other; both exit 130, status says interrupted, nothing left",
+    "launcher_gone": "two jobs launched at once: SIGHUP to one's launcher (its terminal closed): exit 130 as for "
+                     "Ctrl+C; SIGKILL to the other's: the backend's documented outcome (local, ssh, mpi: every "
+                     "node's agent stops the job on its own; slurm, k8s: the job runs on, status shows it running); "
+                     "nothing left after `kill`",
+    "concurrent": "three jobs launched at once from one machine with their own --job_name (and ports where they "
+                  "share hosts): seed 003's dual-role dist_train.py (import lines changed) reading uci_housing from "
+                  "each node's pre-seeded dataset cache, whose loss falls; two trainer-only jobs that hold: `kill` "
+                  "of one leaves the others, which finish; each job's status and logs are its own, during and after",
 }
 NOT_OFFERED: Dict[tuple, str] = {
     ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
@@ -63,6 +74,29 @@ DOC = REPO / "docs" / "backends.md"
 def docs_with_matrix(text: str) -> str:
     start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[:start] + "\n" + matrix() + text[stop:]
+
+
+# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable it got as one JSON line; the pserver
+# listens on its ports, the trainer starts a setsid grandchild (which escapes every process group); both hold.
+# With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
+DUAL_HOLD_PY = r"""
+import json, os, signal, socket, subprocess, sys, time
+from paddle_cluster.contract import JobEnv
+dump = {k: v for k, v in os.environ.items() if k.startswith("PADDLE_")}
+if "PADDLE_JOB_SECRET" in dump:
+    dump["PADDLE_JOB_SECRET"] = "(set)"  # not into the logs
+if os.environ["PADDLE_TRAINING_ROLE"] == "PSERVER":
+    env = JobEnv.from_environ()
+    socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
+    print("env " + json.dumps(dump), flush=True)
+else:
+    print("env " + json.dumps(dump), flush=True)
+    subprocess.Popen(["sleep", "300"], start_new_session=True)
+    if "ignore-term" in sys.argv[1:]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("holding", os.environ["PADDLE_TRAINER_ID"], flush=True)
+time.sleep(300)
+"""
 
 
 def cases(scenario: str):

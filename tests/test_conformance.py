@@ -19,7 +19,17 @@ import sys
 from typing import Dict, List, Tuple
 
 import pytest
-from conformance_cases import BEGIN, DOC, END, EXTRA_VARS, NOT_OFFERED, cases, docs_with_matrix, workspace
+from conformance_cases import (
+    BEGIN,
+    DOC,
+    DUAL_HOLD_PY,
+    END,
+    EXTRA_VARS,
+    NOT_OFFERED,
+    cases,
+    docs_with_matrix,
+    workspace,
+)
 from helpers import FIT_A_LINE, wait_for
 from userengine import Engine, pserver_pids, user_env
 
@@ -50,24 +60,6 @@ def test_fit_a_line(engine: Engine):
 
 # -- the env contract, status and logs during a run, Ctrl+C --------------------------------------------------
 
-# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable it got as one JSON line; the pserver
-# listens on its ports, the trainer starts a setsid grandchild (which escapes every process group); both hold.
-DUAL_HOLD_PY = r"""
-import json, os, socket, subprocess, time
-from paddle_cluster.contract import JobEnv
-dump = {k: v for k, v in os.environ.items() if k.startswith("PADDLE_")}
-if "PADDLE_JOB_SECRET" in dump:
-    dump["PADDLE_JOB_SECRET"] = "(set)"  # not into the logs
-if os.environ["PADDLE_TRAINING_ROLE"] == "PSERVER":
-    env = JobEnv.from_environ()
-    socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
-    print("env " + json.dumps(dump), flush=True)
-else:
-    print("env " + json.dumps(dump), flush=True)
-    subprocess.Popen(["sleep", "300"], start_new_session=True)
-    print("holding", os.environ["PADDLE_TRAINER_ID"], flush=True)
-time.sleep(300)
-"""
 ENV_LINE = re.compile(r"^\[(trainer|pserver)\.(\d+)@[^\]]+\] env (\{.*\})$")
 NORMALISED: Dict[str, dict] = {}  # backend -> its normalised dump, compared across backends
 
