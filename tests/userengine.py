@@ -101,6 +101,8 @@ class Running:
     def wait(self, timeout: float = 120) -> int:
         try:
             rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run still running after {timeout:g} s:\n{self.text()}") from None
         finally:
             if self.p.poll() is None:
                 self.p.kill()

@@ -272,10 +272,6 @@ class MPIBackend(Backend):
         if p is not None and p.poll() is None:
             # Twice within a second is mpirun's "abort now"; once is a forwarded SIGTERM.
             p.send_signal(signal.SIGKILL if grace <= 0 else signal.SIGTERM)
-        if grace <= 0 and self.events.closing:
-            # The sweep under way (stop) waits out the grace period on every host: a second one without it
-            # ends the job's processes now -- a second Ctrl+C does not wait.
-            threading.Thread(target=self.sweep, args=(0.0,), daemon=True, name="sweep").start()
 
     def stop(self, grace: float) -> List[int]:
         p = self.mpirun

@@ -49,8 +49,6 @@ class SSHBackend(Backend):
         self.early: Dict[int, List[str]] = {}  # lines of the prepared sessions that were not their answers
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
-        self.job_dirs: Dict[int, str] = {}  # each started node's job directory
-        self._stopping: Optional[float] = None  # the grace period of the stop under way
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
         # The last workspace step: what it took after the last node was up, and from the first byte sent
         self.workspace_seconds = self.sending_seconds = 0.0
@@ -255,8 +253,6 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"its agent ended before the job started ({e}); run again") from None
             return s
 
-        self.job_dirs = {n.index: plan.nodes[n.index].job_dir for n in self.nodes}
-        self._stopping = None
         res = fanout(self.nodes, start)
         self.streams = dict(res.values)
         for i, s in self.streams.items():
@@ -282,28 +278,11 @@ class SSHBackend(Backend):
 
     def request_stop(self, grace: float) -> None:
         self._send_all(m.Stop(grace))
-        if grace <= 0 and self._stopping:
-            # An agent acts on the first Stop only: one waiting out its grace period is cut short by a sweep
-            # (``node kill`` with no grace, over each node's connection) -- a second Ctrl+C does not wait.
-            threading.Thread(target=self.sweep, args=(0.0,), daemon=True, name="sweep").start()
-
-    def sweep(self, grace: float) -> List[int]:
-        """``node kill`` on every started node: anything of the job still running there. The nodes where that
-        failed."""
-        assert self.lib is not None
-        lib = self.lib
-
-        def kill(n: Node) -> None:
-            dispatch.agent_json(n, lib, "kill", "--job-dir", self.job_dirs[n.index], "--grace", str(grace),
-                                what="sweeping the job's processes", timeout=grace + 60)
-
-        return sorted(fanout([n for n in self.nodes if n.index in self.job_dirs], kill).errors)
 
     def stop(self, grace: float) -> List[int]:
         if not self.streams:
             return []
         self.events.closing = True
-        self._stopping = grace
         self.request_stop(grace)
         unconfirmed = self.events.wait_stopped(sorted(self.streams), self.cfg.kill_grace + 15)
         if self._pinging is not None:
