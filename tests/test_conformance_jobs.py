@@ -48,9 +48,11 @@ def assert_ended(engine: Engine, job: str, code: int, outcome: str) -> None:
 
 
 def stop_all(runs: Dict[str, Running]) -> None:
+    """What a failed test leaves: every run still going is killed (the engine's finalizers clean the nodes)."""
     for r in runs.values():
         if r.p.poll() is None:
-            r.wait(1)
+            r.p.kill()
+            r.p.wait()
 
 
 def killed_by_kill(engine: Engine) -> bool:
