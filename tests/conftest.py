@@ -104,3 +104,23 @@ def slurm_cluster(tmp_path_factory):
         pytest.skip(reason)
     with SSHCluster(3, tmp_path_factory.mktemp("slurm_hosts")) as hosts, SlurmCluster(hosts, timeout=90.0) as slurm:
         yield slurm
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory):
+    """The Kubernetes stand-in (tests/k8s_standin.py) on 4 SSH hosts of its own, shared by the session."""
+    from k8s_standin import StandIn
+
+    _skip_if_unavailable()
+    with SSHCluster(4, tmp_path_factory.mktemp("kube_hosts")) as hosts:
+        k = StandIn(hosts, tmp_path_factory.mktemp("kube") / "kube")
+        yield k
+        k.close()
+
+
+@pytest.fixture
+def engine(request, tmp_path):
+    """The conformance suite's backend ``request.param`` as a user drives it (tests/userengine.py)."""
+    from userengine import make_engine
+
+    return make_engine(request, tmp_path, request.param)

@@ -173,14 +173,15 @@ def _wait_until(done: Callable[[], bool], seconds: float) -> bool:
     return True
 
 
-def stop_job(state: Mapping[str, Any], grace: float) -> List[str]:
-    """SIGTERM every process of the job (``job_pids``), wait up to ``grace`` s, SIGKILL whatever is left or
-    appeared meanwhile until none is. Returns the names of the recorded processes that were running."""
+def stop_job(state: Mapping[str, Any], grace: float, cut_short: Callable[[], bool] = lambda: False) -> List[str]:
+    """SIGTERM every process of the job (``job_pids``), wait up to ``grace`` s (less once ``cut_short()``),
+    SIGKILL whatever is left or appeared meanwhile until none is. Returns the names of the recorded processes
+    that were running."""
     table = process_table()
     hit = [r["name"] for r in state.get("procs", []) if job_group_alive(r, state["job_id"], table)]
     _signal(job_pids(state, table), signal.SIGTERM)
-    if not _wait_until(lambda: not job_pids(state), grace):
-        _wait_until(lambda: not _kill_left(state), 5)
+    _wait_until(lambda: not job_pids(state) or cut_short(), grace)
+    _wait_until(lambda: not _kill_left(state), 5)
     return hit
 
 

@@ -173,7 +173,7 @@ class Supervisor:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             stop_track.set()
             reason = self._stopping(reason)
-            hit = procs.stop_job(self.records.data, grace) if self.records else []
+            hit = procs.stop_job(self.records.data, grace, self._no_grace) if self.records else []
             for p in self.popens.values():
                 try:
                     p.wait(timeout=5)
@@ -185,6 +185,15 @@ class Supervisor:
             stop_hb.set()
             self.emit(m.Stopped, reason=reason, killed=tuple(hit))
         return 1 if self.failed else 0
+
+    def _no_grace(self) -> bool:
+        """Whether the launcher, while this agent waits out the grace period, says to stop without it (a second
+        Ctrl+C: ``Stop`` with grace 0)."""
+        try:
+            self.channel.get(0)
+        except Stop as s:
+            return s.grace == 0
+        return False
 
     def _stopping(self, reason: str) -> str:
         """Record every process still running as stopped (``status`` shows that, not its exit status, which
