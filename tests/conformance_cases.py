@@ -45,9 +45,6 @@ K8S_STANDIN_SMALL = ("the Kubernetes stand-in has 4 nodes of one pod each: a sec
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
 KNOWN_FAILURES: Dict[tuple, str] = {
-    ("signals", "mpi-openmpi"): "the second Ctrl+C does not skip the grace period: the run waits out KILL_GRACE "
-                                "(its stop is node kill --grace KILL_GRACE on every host, which the second "
-                                "interrupt does not cut short; ssh agents now do)",
     ("signals", "mpi-mpich"): MPICH_TWO_JOBS,
     ("launcher_gone", "mpi-mpich"): MPICH_TWO_JOBS,
     ("concurrent", "mpi-mpich"): MPICH_TWO_JOBS,
