@@ -37,20 +37,12 @@ NOT_OFFERED: Dict[tuple, str] = {
     ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
                              "(run refuses --max_restarts with BACKEND k8s)",
 }
-MPICH_TWO_JOBS = ("two MPICH (mpiexec.hydra) jobs at once on the same hosts: a run fails at its start with 'lost "
-                  "contact with node0 ...: its agent's connection closed' (exit 4); not investigated yet")
 K8S_STANDIN_SMALL = ("the Kubernetes stand-in has 4 nodes of one pod each: a second job's pods stay Pending and its "
                      "run fails after START_TIMEOUT (as documented for unschedulable pods); a limit of the test "
                      "harness, not of the backend: needs a larger stand-in")
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
 KNOWN_FAILURES: Dict[tuple, str] = {
-    ("signals", "mpi-openmpi"): "the second Ctrl+C does not skip the grace period: the run waits out KILL_GRACE "
-                                "(its stop is node kill --grace KILL_GRACE on every host, which the second "
-                                "interrupt does not cut short; ssh agents now do)",
-    ("signals", "mpi-mpich"): MPICH_TWO_JOBS,
-    ("launcher_gone", "mpi-mpich"): MPICH_TWO_JOBS,
-    ("concurrent", "mpi-mpich"): MPICH_TWO_JOBS,
     ("signals", "k8s"): K8S_STANDIN_SMALL,
     ("launcher_gone", "k8s"): K8S_STANDIN_SMALL,
     ("concurrent", "k8s"): K8S_STANDIN_SMALL,

@@ -39,14 +39,14 @@ class Agent:
     """An agent as a subprocess, its events decoded on a queue: ``supervise`` (the plan comes on stdin), or with
     ``plan_file`` ``bootstrap``, as an engine starts it (the plan from the file, no launcher channel)."""
 
-    def __init__(self, tmp: Path, orphan_timeout: float = 30.0, plan_file: str = "") -> None:
+    def __init__(self, tmp: Path, orphan_timeout: float = 30.0, plan_file: str = "", grace: float = 1.0) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         args = ["supervise", "--orphan-timeout", str(orphan_timeout)]
         if plan_file:
             args = ["bootstrap", "--engine", "mpi", "--plan", plan_file]
             # What mpirun sets for rank 0 of 2; test_bootstrap.py runs the agents under the real engines.
             env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0")
-        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *args, "--grace", "1"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *args, "--grace", str(grace)],
                                      stdin=subprocess.DEVNULL if plan_file else subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp, env=env)
         self.events: queue.Queue = queue.Queue()
@@ -186,6 +186,35 @@ def test_the_plan_can_come_from_a_file_without_a_launcher_channel(tmp_path, agen
     a.proc.send_signal(signal.SIGTERM)
     assert a.wait_for(lambda e: isinstance(e, m.Stopped)) == m.Stopped(0, "agent received SIGTERM", ("pserver.0",))
     assert a.proc.wait(timeout=10) == 0
+
+
+def test_kill_without_grace_cuts_short_an_agent_waiting_out_its_grace_period(tmp_path, agents):
+    """A second Ctrl+C of an MPI run: the agents have no channel, so the launcher says it with ``node kill --grace
+    0`` while ``node kill --grace 120`` waits for them; a trainer that ignores SIGTERM is SIGKILLed at once."""
+    (tmp_path / "hold.py").write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                      "print('up', flush=True)\ntime.sleep(600)\n")
+    plan = node_plan(tmp_path, py(LISTEN), f"{sys.executable} hold.py")  # no sh between: it gets the SIGTERM
+    (tmp_path / "plans.jsonl").write_text(m.encode(m.Start(plan)) + "\n")
+    state = tmp_path / "job" / procs.STATE_DIR
+    state.mkdir(parents=True)
+    (state / procs.NO_GRACE_FILE).write_text(f"{time.time() - 3600}\n")  # an earlier job of that name's
+    a = agents(tmp_path, plan_file=str(tmp_path / "plans.jsonl"), grace=120.0)
+    a.wait_for(lambda e: e == m.Log(0, "trainer.0", "up"))
+    pid = next(e.pid for e in a.seen if isinstance(e, m.Started) and e.proc == "trainer.0")
+    trainer = (pid, procs.start_time(pid))
+
+    def kill(grace: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "kill", "--job-dir", plan.job_dir,
+                                 "--grace", grace], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    first = kill("120")
+    a.wait_for(lambda e: isinstance(e, m.Stopping))
+    time.sleep(1.5)  # the earlier marker does not count: the trainer is still being waited for
+    assert procs.alive_as_recorded(*trainer) and first.poll() is None
+    started = time.monotonic()
+    second = kill("0")
+    assert a.wait_for(lambda e: isinstance(e, m.Stopped), timeout=20).killed == ("pserver.0", "trainer.0")
+    assert second.wait(timeout=20) == 0 and first.wait(timeout=20) == 0
+    assert time.monotonic() - started < 15 and not procs.alive_as_recorded(*trainer)
 
 
 def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers(tmp_path):

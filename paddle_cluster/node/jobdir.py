@@ -40,7 +40,9 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     pid, started = agent.get("pid", -1), agent.get("start_time")
     by_agent = procs.alive_as_recorded(pid, started)
     if by_agent:
-        procs.request_kill(job_dir)  # the agent then reports "stopped by paddle-cluster kill", not a failure
+        # The agent then reports "stopped by paddle-cluster kill", not a failure; with grace 0 it also stops
+        # waiting out the grace period of a stop already under way (a second Ctrl+C of an MPI run).
+        procs.request_kill(job_dir, grace)
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 6
         while time.monotonic() < deadline and procs.alive_as_recorded(pid, started):

@@ -22,6 +22,7 @@ from paddle_cluster import contract
 STATE_DIR = ".paddle_cluster"
 PROCS_FILE = "procs.json"
 KILL_FILE = "kill-requested"  # written by the 'kill' sub-command before it signals the agent
+NO_GRACE_FILE = "kill-now"  # and by 'kill --grace 0': an agent waiting out its grace period SIGKILLs at once
 
 
 def _stat_fields(pid: int) -> Optional[List[str]]:
@@ -259,15 +260,27 @@ class Records:
             os.replace(tmp, self.path)
 
 
-def request_kill(job_dir: str) -> None:
-    fd = os.open(os.path.join(job_dir, STATE_DIR, KILL_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
-                 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{time.time()}\n")
+def request_kill(job_dir: str, grace: Optional[float] = None) -> None:
+    """Mark the job as stopped by ``kill``; with ``grace`` 0 also as to be stopped without a grace period."""
+    for name in (KILL_FILE, NO_GRACE_FILE) if grace == 0 else (KILL_FILE,):
+        fd = os.open(os.path.join(job_dir, STATE_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                     0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{time.time()}\n")
 
 
 def kill_requested(job_dir: str) -> bool:
     return os.path.exists(os.path.join(job_dir, STATE_DIR, KILL_FILE))
+
+
+def no_grace_requested(job_dir: str, since: float) -> bool:
+    """Whether ``kill --grace 0`` ran at or after ``since`` (time.time(); an earlier run of a job of that name
+    does not count)."""
+    try:
+        with open(os.path.join(job_dir, STATE_DIR, NO_GRACE_FILE)) as f:
+            return float(f.read()) >= since
+    except (OSError, ValueError):
+        return False
 
 
 def load_records(job_dir: str) -> Optional[Dict[str, Any]]:

@@ -136,6 +136,7 @@ class Supervisor:
         self.lib_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.failed = False  # the agent ends because a process failed (its exit status says so)
         self.spawn_lock = threading.Lock()  # a child that dies at once is subprocess's to reap, not _track's
+        self.started = time.time()  # a ``kill --grace 0`` from before this agent (same job name) does not count
 
     def run(self) -> int:
         procs.become_subreaper()
@@ -188,7 +189,10 @@ class Supervisor:
 
     def _no_grace(self) -> bool:
         """Whether the launcher, while this agent waits out the grace period, says to stop without it (a second
-        Ctrl+C: ``Stop`` with grace 0)."""
+        Ctrl+C): ``Stop`` with grace 0 on the channel, or ``node kill --grace 0`` (agents an engine started have
+        no channel)."""
+        if self.plan is not None and procs.no_grace_requested(self.plan.job_dir, self.started):
+            return True
         try:
             self.channel.get(0)
         except Stop as s:

@@ -9,7 +9,8 @@ itself over the network of ``PADDLE_NIC`` (``oob``/``btl_tcp_if_include``).
 
 Stopping: ``node kill`` on every host (the agent stops its processes within the grace period, then anything
 left, ``setsid`` ones included: Open MPI itself only kills its ranks' process groups); mpirun then ends with its
-ranks, or gets SIGTERM, which it forwards to every rank. mpirun dies with the launcher
+ranks, or gets SIGTERM, which it forwards to every rank. A second interrupt runs ``node kill --grace 0`` on every
+host, which cuts short an agent waiting out the grace period. mpirun dies with the launcher
 (``PR_SET_PDEATHSIG``), so a killed launcher still stops every rank.
 """
 
@@ -99,6 +100,7 @@ class MPIBackend(Backend):
         self.spec: Optional[JobSpec] = None
         self.impl, self.launcher = "openmpi", "mpirun"
         self.addresses: List[str] = []
+        self.no_grace = False  # a second interrupt: stop without the grace period
 
     @property
     def lib(self) -> Optional[dispatch.Package]:
@@ -269,9 +271,24 @@ class MPIBackend(Backend):
 
     def request_stop(self, grace: float) -> None:
         p = self.mpirun
-        if p is not None and p.poll() is None:
-            # Twice within a second is mpirun's "abort now"; once is a forwarded SIGTERM.
-            p.send_signal(signal.SIGKILL if grace <= 0 else signal.SIGTERM)
+        if p is None or p.poll() is not None:
+            return
+        if grace > 0:
+            p.send_signal(signal.SIGTERM)  # mpirun forwards it to every rank
+            return
+        # Without grace (a second Ctrl+C): ``node kill --grace 0`` on every host, also where an agent is waiting
+        # out the grace period of the first stop (it SIGKILLs its processes at once); mpirun ends with its ranks.
+        # SIGKILL to mpirun instead left the agents waiting (Hydra's or Open MPI's teardown of the ranks is not
+        # theirs), and the run with them.
+        self.no_grace = True
+        threading.Thread(target=self._stop_now, args=(p,), daemon=True, name="no-grace").start()
+
+    def _stop_now(self, p: subprocess.Popen) -> None:
+        self.sweep(0)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
     def stop(self, grace: float) -> List[int]:
         p = self.mpirun
@@ -286,7 +303,7 @@ class MPIBackend(Backend):
         except subprocess.TimeoutExpired:
             self.request_stop(grace)
             try:
-                p.wait(timeout=grace + 15)
+                p.wait(timeout=(0 if self.no_grace else grace) + 15)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
