@@ -39,9 +39,6 @@ NOT_OFFERED: Dict[tuple, str] = {
 }
 MPICH_TWO_JOBS = ("two MPICH (mpiexec.hydra) jobs at once on the same hosts: a run fails at its start with 'lost "
                   "contact with node0 ...: its agent's connection closed' (exit 4); not investigated yet")
-K8S_STANDIN_SMALL = ("the Kubernetes stand-in has 4 nodes of one pod each: a second job's pods stay Pending and its "
-                     "run fails after START_TIMEOUT (as documented for unschedulable pods); a limit of the test "
-                     "harness, not of the backend: needs a larger stand-in")
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
 KNOWN_FAILURES: Dict[tuple, str] = {
@@ -51,9 +48,6 @@ KNOWN_FAILURES: Dict[tuple, str] = {
     ("signals", "mpi-mpich"): MPICH_TWO_JOBS,
     ("launcher_gone", "mpi-mpich"): MPICH_TWO_JOBS,
     ("concurrent", "mpi-mpich"): MPICH_TWO_JOBS,
-    ("signals", "k8s"): K8S_STANDIN_SMALL,
-    ("launcher_gone", "k8s"): K8S_STANDIN_SMALL,
-    ("concurrent", "k8s"): K8S_STANDIN_SMALL,
 }
 
 # Variables one backend adds to the contract, and why (everything else is the same on every backend).

@@ -5,8 +5,9 @@ the controllers the launcher depends on, in one loop -- the Job controller for I
 index named ``<job>-<index>-<suffix>``, hostname ``<job>-<index>``, the completion index as annotation, label
 and ``JOB_COMPLETION_INDEX``; ``completions``, ``parallelism``, ``backoffLimit``, ``activeDeadlineSeconds``,
 ``ttlSecondsAfterFinished``; conditions ``Complete``/``Failed``, the remaining pods terminated when the Job
-fails), the scheduler (one pod per node: each node is a network namespace with its own address, so every pod
-has its own IP as on Kubernetes), the kubelet (each pod a real process: the container's command, args,
+fails), the scheduler (each node holds a few pods, spread over the nodes the node selector allows; each pod
+is in a network namespace of its own with its own IP, as on Kubernetes; beyond that the pod stays Pending,
+Unschedulable), the kubelet (each pod a real process: the container's command, args,
 workingDir and env -- Secret references resolved -- its hostname, emptyDir/configMap volumes bind-mounted,
 its output the pod's log, terminationGracePeriodSeconds between SIGTERM and SIGKILL, the image a name for
 this checkout) and the cluster DNS (``<hostname>.<subdomain>.<ns>.svc`` for pods a headless Service selects,

@@ -121,6 +121,7 @@ class SSHCluster:
         cg_root = _cgroup2_root()
         self._cgroups = [cg_root / f"{self.token}-node{i}" for i in range(n)] if cg_root else []
         self._procs: list[subprocess.Popen] = []
+        self._bare: list[tuple[str, str]] = []  # add_bare_hosts: (netns, ip)
         self._closed = False
         self.key_path = str(self.workdir / "id_ed25519")
         self.known_hosts = str(self.workdir / "known_hosts")
@@ -237,6 +238,29 @@ class SSHCluster:
                 (self._cgroups[i] / "cgroup.procs").write_text(str(proc.pid))
             except OSError:  # a cgroup tree we may not use after all: no accounting (teardown removes what was made)
                 self._cgroups = []
+
+    def add_bare_hosts(self, k: int) -> list[tuple[str, str]]:
+        """``k`` more network namespaces on the cluster's bridge, each with its own address, ``eth0`` and ``lo``
+        but no sshd, hostname or mount namespace (the pods of tests/k8s_standin.py): ``[(netns, ip)]``.  Torn
+        down with the hosts (recorded in the state file first); their processes are not in :meth:`pids`."""
+        first = 10 + self.n + len(self._bare)
+        if first + k > 255:
+            raise ValueError(f"no room for {k} more addresses in {self.subnet}: {self.n} hosts, {len(self._bare)} "
+                             "bare ones already")
+        net = ipaddress.ip_network(self.subnet)
+        made = [(f"{self.token}-b{j}", str(net[j])) for j in range(first, first + k)]
+        self._state["netns"] = [*self._state["netns"], *(ns for ns, _ in made)]
+        Path(self._state["state_file"]).write_text(json.dumps(self._state))
+        for j, (ns, ip) in enumerate(made, start=first):
+            veth = f"{self.token}b{j}"
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "link", "set", veth, "master", self.bridge, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        self._bare += made
+        return made
 
     def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
