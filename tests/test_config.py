@@ -49,7 +49,7 @@ def assert_clean_config_error(res: subprocess.CompletedProcess, *needles: str) -
 
 # -- bad values: (id, conf.py body, substrings the message must contain: key, value, fix) ---------------
 BAD = [
-    ("missing-hosts", 'ROOT_DIR = "/home/paddle"\n', ["HOSTS", "missing", 'HOSTS = ["root@']),
+    ("missing-hosts", 'ROOT_DIR = "/home/paddle"\n', ["HOSTS", "is not set", 'HOSTS = ["root@']),
     ("hosts-string", 'HOSTS = "root@10.0.0.1"\n', ["HOSTS", "'root@10.0.0.1'", "non-empty list"]),
     ("hosts-empty", "HOSTS = []\n", ["HOSTS", "[]", "non-empty list"]),
     ("hosts-dict", 'HOSTS = {"a": 1}\n', ["HOSTS", "{'a': 1}", "non-empty list"]),
@@ -307,7 +307,7 @@ BAD_YAML = [
     ("syntax", "HOSTS: [a]\nPADDLE_PORT: [1, 2\nROOT_DIR: /x\n", ["YAML", "cannot parse", "line 3"]),
     ("indent", "HOSTS:\n  - a\n PADDLE_PORT: 1\n", ["YAML", "cannot parse", "line 3"]),
     ("not-mapping", "- root@10.0.0.1\n- root@10.0.0.2\n", ["YAML", "mapping of KEY: value"]),
-    ("empty", "", ["HOSTS", "missing"]),
+    ("empty", "", ["HOSTS", "is not set"]),
     ("hosts-string", "HOSTS: root@10.0.0.1\n", ["HOSTS", "'root@10.0.0.1'", "non-empty list"]),
     ("port-string", "HOSTS: [a]\nPADDLE_PORT: seven\n", ["PADDLE_PORT", "'seven'", "whole number"]),
     ("bool-string", "HOSTS: [a]\nSSH_ACCEPT_NEW_HOST_KEYS: 'yes'\n",
@@ -539,7 +539,7 @@ def test_backend_key_is_checked_and_hosts_is_the_backends_to_require(tmp_path):
         cfg = parse_config({"BACKEND": backend, "ROOT_DIR": "/shared/paddle"}, "t")
         assert (cfg.backend, cfg.hosts) == (backend, ())
     assert backend_of(parse_config({"BACKEND": "slurm"}, "t")).name == "slurm"
-    with pytest.raises(ConfigError, match=r"HOSTS = None in t: missing; backend mpi \(BACKEND = 'mpi' in t\)"):
+    with pytest.raises(ConfigError, match=r"HOSTS is not set in t: backend mpi \(BACKEND = 'mpi' in t\)"):
         backend_of(parse_config({"BACKEND": "mpi"}, "t"))
 
 

@@ -15,17 +15,20 @@ class ConfigError(ClusterError):
     """A wrong configuration value: names where it came from, the value and the fix. ``key`` is a config key
     (``ENTRY = 'x.py' in /p/conf.py: ...``; with ``default``, why the default applies: ``ENTRY = 'train.py'
     (the default; /p/conf.py does not set ENTRY): ...``) or, starting with ``-``, the command-line option that
-    gave it (``--entry x.py: ...``)."""
+    gave it (``--entry x.py: ...``); with ``unset``, the file has no such key (``HOSTS is not set in /p/conf.py:
+    ...``)."""
 
     exit_code = 2
 
-    def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "") -> None:
+    def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "",
+                 unset: bool = False) -> None:
         if key.startswith("-"):
             head = key if value is None else f"{key} {value}"
         elif default:
             head = f"{key} = {value!r} (the default; {default})"
-        else:
-            head = f"{key} = {value!r}" + (f" in {source}" if source else "")
+        else:  # unset: the file has no such key (not "= None", which a file may say)
+            head = f"{key} is not set" if unset else f"{key} = {value!r}"
+            head += f" in {source}" if source else ""
         super().__init__(f"{head}: {fix}")
         self.key, self.value, self.fix = key, value, fix
 

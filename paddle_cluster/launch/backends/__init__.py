@@ -82,9 +82,9 @@ def _require_hosts(cls: Type[Backend], cfg: ClusterConfig, why: str) -> None:
     """HOSTS is required by the backends whose nodes are its machines, not by those whose engine gives them."""
     if cls.needs_hosts and not cfg.hosts:
         others = " or ".join(f"--backend {b}" for b in REGISTRY if not backend_class(b).needs_hosts)
-        raise ConfigError("HOSTS", None, f"missing; backend {cls.name} ({why}) runs the job on the machines HOSTS "
+        raise ConfigError("HOSTS", None, f"backend {cls.name} ({why}) runs the job on the machines HOSTS "
                           f'lists: list them, e.g. HOSTS = ["root@192.168.1.10"], or run on an engine that gives '
-                          f"the nodes: {others}", cfg.source)
+                          f"the nodes: {others}", cfg.source, unset=True)
 
 
 def backend_for(cfg: ClusterConfig, opts: Optional[Mapping[str, Any]] = None, detach: bool = False) -> Backend:
