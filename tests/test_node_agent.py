@@ -176,8 +176,12 @@ def test_a_silent_launcher_stops_the_job(tmp_path, agents):
 
 
 def test_the_plan_can_come_from_a_file_without_a_launcher_channel(tmp_path, agents):
-    """What a scheduler-started agent does (no stdin): run its node's plan from a file, stop on a signal."""
+    """What a scheduler-started agent does (no stdin): run its node's plan from a file, stop on a signal. The job
+    directory an earlier job of that name left, stopped by ``kill``, does not make this one's stop a kill."""
     plan = node_plan(tmp_path, py(LISTEN), py("print('from a file')"))
+    state = Path(plan.job_dir) / procs.STATE_DIR
+    state.mkdir(parents=True)
+    (state / procs.KILL_FILE).write_text(f"{time.time() - 3600}\n")
     (tmp_path / "plans.jsonl").write_text("".join(m.encode(m.Start(p)) + "\n" for p in (
         plan, dataclasses.replace(plan, node=1, job_dir=str(tmp_path / "elsewhere")))))
     a = agents(tmp_path, plan_file=str(tmp_path / "plans.jsonl"))

@@ -269,18 +269,23 @@ def request_kill(job_dir: str, grace: Optional[float] = None) -> None:
             f.write(f"{time.time()}\n")
 
 
-def kill_requested(job_dir: str) -> bool:
-    return os.path.exists(os.path.join(job_dir, STATE_DIR, KILL_FILE))
-
-
-def no_grace_requested(job_dir: str, since: float) -> bool:
-    """Whether ``kill --grace 0`` ran at or after ``since`` (time.time(); an earlier run of a job of that name
-    does not count)."""
+def _requested(job_dir: str, name: str, since: float) -> bool:
     try:
-        with open(os.path.join(job_dir, STATE_DIR, NO_GRACE_FILE)) as f:
+        with open(os.path.join(job_dir, STATE_DIR, name)) as f:
             return float(f.read()) >= since
     except (OSError, ValueError):
         return False
+
+
+def kill_requested(job_dir: str, since: float) -> bool:
+    """Whether ``kill`` ran at or after ``since`` (time.time(); a kill of an earlier run of a job of that name,
+    whose job directory this run reuses, does not count)."""
+    return _requested(job_dir, KILL_FILE, since)
+
+
+def no_grace_requested(job_dir: str, since: float) -> bool:
+    """Whether ``kill --grace 0`` ran at or after ``since``, as ``kill_requested``."""
+    return _requested(job_dir, NO_GRACE_FILE, since)
 
 
 def load_records(job_dir: str) -> Optional[Dict[str, Any]]:

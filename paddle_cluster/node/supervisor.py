@@ -136,7 +136,7 @@ class Supervisor:
         self.lib_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.failed = False  # the agent ends because a process failed (its exit status says so)
         self.spawn_lock = threading.Lock()  # a child that dies at once is subprocess's to reap, not _track's
-        self.started = time.time()  # a ``kill --grace 0`` from before this agent (same job name) does not count
+        self.started = time.time()  # a ``kill`` from before this agent (same job name) does not count
 
     def run(self) -> int:
         procs.become_subreaper()
@@ -202,7 +202,7 @@ class Supervisor:
     def _stopping(self, reason: str) -> str:
         """Record every process still running as stopped (``status`` shows that, not its exit status, which
         races with the signal) and tell the launcher why, before the exits arrive."""
-        by_kill = self.plan is not None and procs.kill_requested(self.plan.job_dir)
+        by_kill = self.plan is not None and procs.kill_requested(self.plan.job_dir, self.started)
         reason = "stopped by paddle-cluster kill" if by_kill else reason
         if self.records is not None:
             why = "kill" if by_kill else "launcher" if reason == "stopped by the launcher" else reason
@@ -308,7 +308,7 @@ class Supervisor:
 
         def exited(code: int) -> None:
             rec["exit_code"], rec["signal"] = (None, -code) if code < 0 else (code, None)
-            if code < 0 and not rec.get("stopped") and procs.kill_requested(self.plan.job_dir):
+            if code < 0 and not rec.get("stopped") and procs.kill_requested(self.plan.job_dir, self.started):
                 # A kill that signals the whole job at once (Slurm's scancel) reaches this process before the
                 # agent's own handler runs: say it is a kill before its exit reads as a failure. (One the agent
                 # stopped itself was recorded and said by ``_stopping`` already.)
