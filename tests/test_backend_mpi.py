@@ -1,25 +1,24 @@
-"""``run --backend mpi``: the real CLI, real ``mpirun`` over the namespace hosts' sshd, one rank per host running the
-node bootstrap. fit_a_line trains to its target with 3 pservers x 3 trainers on 3 hosts; every trainer sees the
-whole env contract of its placement; ``status`` and ``logs`` show the job; Ctrl+C, ``kill`` and a killed
-launcher leave no process on any host (setsid grandchildren included); a failing trainer fails the job fast
-with its last lines."""
+"""``run --backend mpi``: the real CLI, real ``mpirun`` (Open MPI) or ``mpiexec.hydra`` (MPICH) over the namespace
+hosts' sshd, one rank per host running the node bootstrap: ``status`` (each process's last line), ``logs`` and
+``kill`` of a held job, and the chosen MPI starting it; a killed launcher leaves no process on any host; how ranks
+place themselves and how the MPI is chosen; ``--resume_from`` checked before ``mpirun``.
+
+The user's paths on both MPIs -- fit_a_line to its target with the README's conf.py, the env contract, Ctrl+C,
+``kill``, a failing trainer, a killed launcher, ``--max_restarts`` -- are the conformance suite's
+(tests/test_conformance.py, tests/conformance_cases.py: backends mpi-openmpi and mpi-mpich)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 from enginecluster import mpich_unavailable_reason
 from helpers import (
-    FINAL_MSE,
-    FIT_A_LINE,
     ROOT,
     assert_nothing_left,
-    check_trainer_env,
     cli,
     no_traceback,
     small_workspace,
@@ -46,22 +45,6 @@ def _conf(tmp: Path, cluster, **over) -> Path:
     return write_conf(tmp, cluster, BACKEND="mpi", MPI_IMPL=cluster.mpi_impl, LD_LIBRARY_PATH="", ENV={}, **over)
 
 
-def test_fit_a_line_trains_to_target_under_mpirun(hosts, tmp_path):
-    conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} -m paddle_cluster.ps", START_TIMEOUT=60.0)
-    res = cli(conf, "run", "--job_dispatch_package", str(FIT_A_LINE), "--job_name", f"fit{hosts.mpi_impl}", timeout=600)
-    no_traceback(res)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    mse = float(FINAL_MSE.search(res.stdout).group(1))
-    assert mse < 30, res.stdout[-2000:]
-    assert "all 3 trainer(s) exited 0" in res.stderr
-    for i in range(3):  # every trainer ran on its own host and wrote its metrics there
-        assert (hosts.root_dir(i) / f"fit{hosts.mpi_impl}" / "log" / f"metrics.trainer{i}.jsonl").stat().st_size > 0
-    impl, launcher = ("MPICH", "mpiexec.hydra") if hosts.mpi_impl == "mpich" else ("Open MPI", "mpirun")
-    assert re.search(rf"starting one rank per host with {impl} \(/\S*/{launcher}", res.stderr), res.stderr
-    print(f"\nfit_a_line, 3 pservers x 3 trainers over {hosts.mpi_impl}: test MSE {mse:.2f}")
-    assert_nothing_left(hosts)
-
-
 def _start_holding(conf: Path, ws: Path, job: str):
     """``run`` of the holding workspace, once its 3 trainers hold; (the process, its output lines so far)."""
     p = start_cli(conf, "run", "--job_workspace", str(ws), "--job_name", job)
@@ -77,18 +60,6 @@ def _start_holding(conf: Path, ws: Path, job: str):
         p.kill()
         raise AssertionError("".join(lines) + p.communicate()[1]) from None
     return p, lines
-
-
-def test_ctrl_c_stops_every_rank_and_setsid_grandchild(hosts, tmp_path):
-    ws = small_workspace(tmp_path)
-    p, lines = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpictrlc")
-    # Each rank's trainer got the contract of its host, Fluid and v2 names alike.
-    check_trainer_env(lines, hosts.ips, 7164, 2, 1, [f"{ROOT}/mpictrlc"] * 3)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert "interrupted" in err
-    assert_nothing_left(hosts)
 
 
 def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
@@ -110,6 +81,8 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     _, err = p.communicate(timeout=60)
     err = err.decode() if isinstance(err, bytes) else err
     assert p.returncode == 3 and "stopped by paddle-cluster kill" in err and "error" not in err, err
+    impl, launcher = ("MPICH", "mpiexec.hydra") if hosts.mpi_impl == "mpich" else ("Open MPI", "mpirun")
+    assert re.search(rf"starting one rank per host with {impl} \(/\S*/{launcher}", err), err  # the MPI_IMPL chosen
     assert_nothing_left(hosts)
     st = cli(conf, "status", "--json", "--job_name", "mpikill")
     doc = json.loads(st.stdout)
@@ -117,24 +90,15 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     assert [r["state"] for r in doc["processes"]] == ["stopped (kill)"] * 6, doc
 
 
+# Open MPI's is the conformance suite's launcher_gone[mpi-openmpi]; on MPICH that scenario (two jobs at once) is a
+# known failure (conformance_cases.MPICH_TWO_JOBS), so the one-job path is checked here.
+@pytest.mark.parametrize("hosts", ["mpich"], indirect=True)
 def test_killed_launcher_leaves_nothing(hosts, tmp_path):
     ws = small_workspace(tmp_path)
     p, _ = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpidead")
     p.kill()
     p.wait(timeout=10)
     assert_nothing_left(hosts, within=30)
-
-
-def test_failing_trainer_fails_the_job_fast_with_its_last_lines(hosts, tmp_path):
-    ws = small_workspace(tmp_path)
-    (ws / "crash-1").touch()
-    res = cli(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), "run", "--job_workspace", str(ws),
-              "--job_name", "mpifail", timeout=120)
-    no_traceback(res)
-    assert res.returncode == 1, res.stderr
-    assert "trainer.1 on node1" in res.stderr and "exited with code 3" in res.stderr
-    assert "| about to crash" in res.stderr
-    assert_nothing_left(hosts)
 
 
 def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():

@@ -1,7 +1,8 @@
 """Nodes of the cluster (the fan-out over them is ``fanout``).
 
 A ``Node`` runs commands, copies files and opens a long-lived command stream on one host. ``localhost``
-is a ``LocalNode`` (subprocess, no SSH); every other host is an ``SSHNode`` (Fabric ``Connection``). Both
+is a ``LocalNode`` (subprocess, no SSH); every other host is an ``SSHNode`` (Fabric ``Connection``, in
+``sshnode``: a config of local hosts only never imports paramiko). Both
 speak the same interface, so everything above this module is one code path.
 """
 
@@ -13,22 +14,20 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-import paramiko
-
 from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
-from .errors import ConnectError, HostError
+from .errors import HostError
 
 # paramiko logs a failed handshake (no SSH banner, a reset) as an ERROR with a traceback; with no handler of
-# its own that reaches the terminal above our one-line message. ``--debug`` turns the logging back on.
+# its own that reaches the terminal above our one-line message. ``--debug`` turns the logging back on
+# (set here, before cli reads --debug, although paramiko itself is only imported by sshnode).
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
 
@@ -171,250 +170,11 @@ class LocalNode(Node):
         return _PopenStream(argv)
 
 
-class _ChannelStream(Stream):
-    def __init__(self, channel: paramiko.Channel) -> None:
-        self.channel = channel
-        self._lock = threading.Lock()
-        self._lines = self._read()
-
-    def write(self, data: bytes) -> None:
-        with self._lock:
-            self.channel.sendall(data)
-
-    def lines(self) -> Iterator[str]:
-        return self._lines
-
-    def _read(self) -> Iterator[str]:
-        f = self.channel.makefile("rb")
-        try:
-            yield from bounded_lines(f.readline)
-        except (OSError, EOFError, paramiko.SSHException):
-            return
-
-    def settimeout(self, seconds: Optional[float]) -> None:
-        self.channel.settimeout(seconds)
-
-    def ended(self) -> bool:
-        return self.channel.exit_status_ready()
-
-    def close(self) -> None:
-        try:
-            self.channel.shutdown_write()
-        except (OSError, EOFError, paramiko.SSHException):
-            pass
-
-
-class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Trust an unknown host key and append it to ``path``; a lock keeps parallel connections from
-    clobbering each other's entries (paramiko's AutoAddPolicy rewrites the whole file per client)."""
-
-    _lock = threading.Lock()
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        with self._lock, open(self.path, "a") as f:
-            f.write(paramiko.hostkeys.HostKeyEntry([hostname], key).to_line())
-
-
-class SSHNode(Node):
-    """A remote host over SSH (Fabric). Unknown host keys are refused unless the config says otherwise."""
-
-    def __init__(self, index: int, spec: HostSpec, cfg: ClusterConfig) -> None:
-        super().__init__(index, spec, cfg)
-        self._conn = None
-        self._lock = threading.Lock()
-
-    def _connection(self):
-        with self._lock:
-            if self._conn is None:
-                self._conn = self._open()
-            return self._conn
-
-    def _open(self):
-        import fabric  # imported here so the local-only path never pays for it
-
-        cfg = self.cfg
-        fconf = fabric.Config(runtime_ssh_path=cfg.ssh_config_file) if cfg.ssh_config_file else fabric.Config()
-        kwargs = {"allow_agent": True, "look_for_keys": cfg.ssh_identity_file is None,
-                  "banner_timeout": cfg.ssh_connect_timeout, "auth_timeout": cfg.ssh_connect_timeout}
-        if cfg.ssh_identity_file:
-            kwargs["key_filename"] = cfg.ssh_identity_file
-        conn = fabric.Connection(self.spec.host, user=self.spec.user, port=self.spec.port, config=fconf,
-                                 connect_timeout=int(max(1, cfg.ssh_connect_timeout)), connect_kwargs=kwargs)
-        hop = conn
-        while isinstance(hop, fabric.Connection):  # the gateways of a ProxyJump chain need the same policy
-            self._harden(hop.client)
-            hop = hop.gateway
-        try:
-            conn.open()
-        except Exception as e:  # noqa: BLE001 - every way a connection fails becomes one line naming the fix
-            raise connect_error(self.label, conn.host, conn.port, conn.user, e, cfg) from e
-        return conn
-
-    def _harden(self, client: paramiko.SSHClient) -> None:
-        path = self.cfg.known_hosts
-        if os.path.exists(path):
-            client.load_host_keys(path)
-        if self.cfg.ssh_accept_new_host_keys:
-            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-            client.set_missing_host_key_policy(_AcceptNew(path))
-        else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
-
-    def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
-        conn = self._connection()
-        try:
-            chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
-            if timeout:
-                chan.settimeout(timeout)
-            chan.exec_command(shlex.join(argv))
-            if stdin:
-                chan.sendall(stdin.encode())
-            chan.shutdown_write()
-            out, err = chan.makefile("rb").read(), chan.makefile_stderr("rb").read()
-            code = chan.recv_exit_status()
-        except (socket.timeout, TimeoutError):
-            raise HostError(self.label, f"{shlex.join(argv)[:120]} did not finish within {timeout:.0f} s") from None
-        except (paramiko.SSHException, EOFError, OSError) as e:
-            raise HostError(self.label, f"SSH connection lost: {e}") from None
-        return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), code)
-
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
-            until: Optional[Callable[[], bool]] = None) -> None:
-        if self._put_openssh(local, remote, progress, until):
-            return
-        conn = self._connection()
-        try:
-            sftp = conn.client.open_sftp()
-            try:
-                # No size check afterwards: remote may be a FIFO, and the node checks the SHA-256 anyway.
-                with _cancel_when(until, sftp.close):
-                    sftp.put(local, remote, callback=progress, confirm=False)
-            finally:
-                sftp.close()
-        except (paramiko.SSHException, EOFError, OSError) as e:
-            why = "stopped: nothing reads it any more" if until is not None and until() else f"failed: {e}"
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} {why}") from None
-
-    def _openssh_argv(self, command: str) -> Optional[List[str]]:
-        """``ssh`` running ``command`` on this host with the same key, config and known_hosts as our own
-        connection, strict host-key checking and no prompts; None without an OpenSSH client."""
-        ssh = shutil.which("ssh")
-        if ssh is None:
-            return None
-        cfg = self.cfg
-        argv = [ssh, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o",
-                f"UserKnownHostsFile={cfg.known_hosts}", "-o", f"ConnectTimeout={int(max(1, cfg.ssh_connect_timeout))}"]
-        if cfg.ssh_config_file:
-            argv += ["-F", cfg.ssh_config_file]
-        if cfg.ssh_identity_file:
-            argv += ["-i", cfg.ssh_identity_file, "-o", "IdentitiesOnly=yes"]
-        if self.spec.port:
-            argv += ["-p", str(self.spec.port)]
-        if self.spec.user:
-            argv += ["-l", self.spec.user]
-        return argv + ["--", self.spec.host, command]
-
-    def _put_openssh(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]],
-                     until: Optional[Callable[[], bool]] = None) -> bool:
-        """Upload through the OpenSSH client: paramiko's SFTP runs in this process under one GIL (~55 MB/s,
-        and parallel uploads to several hosts share it), OpenSSH runs one process per host at line speed.
-        False (nothing done) when OpenSSH is missing or cannot log in; the caller then uses SFTP."""
-        argv = self._openssh_argv(f"cat > {shlex.quote(remote)}")
-        if argv is None:
-            return False
-        total = os.path.getsize(local)
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        done = 0
-        try:
-            with _cancel_when(until, p.kill), open(local, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    p.stdin.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        progress(done, total)
-            p.stdin.close()
-        except BrokenPipeError:
-            pass
-        err = p.stderr.read().decode(errors="replace").strip()
-        rc = p.wait()
-        if until is not None and done != total and until():
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} stopped: nothing reads it "
-                            "any more")
-        if rc == 255:  # ssh itself failed (login, host key, network): let paramiko try and report
-            return False
-        if rc != 0 or done != total:
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} failed: {err or rc}")
-        return True
-
-    def stream(self, argv: Sequence[str]) -> Stream:
-        conn = self._connection()
-        chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
-        chan.set_combine_stderr(True)
-        chan.exec_command(shlex.join(argv))
-        return _ChannelStream(chan)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-
-def _ssh_command(user: str, address: str, port: int, cfg: ClusterConfig, *extra: str) -> str:
-    key = f" -i {shlex.quote(cfg.ssh_identity_file)}" if cfg.ssh_identity_file else ""
-    return f"ssh{' '.join(('',) + extra)} -o BatchMode=yes -p {port}{key} {user}@{address} true"
-
-
-def connect_error(label: str, host: str, port: int, user: str, e: BaseException, cfg: ClusterConfig) -> ConnectError:
-    """What went wrong opening an SSH session, as a ``ConnectError``: the only place paramiko's and the socket
-    layer's exceptions are read."""
-    address = host
-    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError) and e.errors:
-        peer, e = next(iter(e.errors.items()))  # "[Errno None] Unable to connect": the cause is inside
-        address, port = peer[0], peer[1]
-    check = _ssh_command(user, address, port, cfg)
-    known = cfg.known_hosts
-    refused = paramiko.AuthenticationException
-    if isinstance(e, paramiko.BadHostKeyException):
-        return ConnectError(label, address, port, f"host key CHANGED (differs from {known})",
-                            f"if the host was reinstalled: ssh-keygen -R {address} -f {known}; otherwise do not "
-                            "connect")
-    if isinstance(e, refused):
-        keys = cfg.ssh_identity_file or "ssh-agent and ~/.ssh/id_*"
-        return ConnectError(label, address, port, f"login as {user} refused (tried {keys}; passwords are never "
-                            "prompted for)", f"install the key: ssh-copy-id -p {port}"
-                            f"{' -i ' + cfg.ssh_identity_file if cfg.ssh_identity_file else ''} {user}@{address}")
-    text = str(e)
-    if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in text:
-        return ConnectError(label, address, port, f"host key of {address} is unknown (not in {known})",
-                            f"check it and add it: ssh-keyscan -p {port} {address} >> {known} (or run once with "
-                            "--accept-new-host-keys)")
-    if isinstance(e, paramiko.SSHException) and "banner" in text:
-        return ConnectError(label, address, port, "connected, but no SSH greeting came (not an SSH server, or "
-                            "overloaded)", f"diagnose: {_ssh_command(user, address, port, cfg, '-v')}")
-    if isinstance(e, (socket.timeout, TimeoutError)):
-        return ConnectError(label, address, port, f"no answer within {cfg.ssh_connect_timeout:.0f} s "
-                            "(SSH_CONNECT_TIMEOUT; host down, wrong address or a firewall)", f"diagnose: ping -c 1 "
-                            f"{address}; {check}")
-    if isinstance(e, socket.gaierror):
-        return ConnectError(label, address, port, f"cannot resolve {host} ({e.strerror})", "fix the name in "
-                            "HOSTS or ~/.ssh/config; diagnose: getent hosts " + host)
-    errno_ = getattr(e, "errno", None)
-    if errno_ == 111:  # ECONNREFUSED
-        return ConnectError(label, address, port, "connection refused (no SSH server listening on that port)",
-                            f"start sshd there or fix the port in HOSTS; diagnose: {check}")
-    if errno_ in (101, 113):  # ENETUNREACH, EHOSTUNREACH
-        return ConnectError(label, address, port, "no route to host (down or on another network)",
-                            f"diagnose: ip route get {address}; ping -c 1 {address}")
-    what = f"SSH failed: {type(e).__name__}: {text}" if text else f"SSH failed: {type(e).__name__}"
-    return ConnectError(label, address, port, what, f"diagnose: {_ssh_command(user, address, port, cfg, '-v')}")
-
-
 def make_nodes(cfg: ClusterConfig) -> List[Node]:
+    if all(h.is_local for h in cfg.hosts):  # paramiko's import (~0.2 s of CPU) only where a host is remote
+        return [LocalNode(i, h, cfg) for i, h in enumerate(cfg.hosts)]
+    from .sshnode import SSHNode
+
     return [(LocalNode if h.is_local else SSHNode)(i, h, cfg) for i, h in enumerate(cfg.hosts)]
 
 
