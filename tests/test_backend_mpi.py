@@ -90,17 +90,6 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     assert [r["state"] for r in doc["processes"]] == ["stopped (kill)"] * 6, doc
 
 
-# Open MPI's is the conformance suite's launcher_gone[mpi-openmpi]; on MPICH that scenario (two jobs at once) is a
-# known failure (conformance_cases.MPICH_TWO_JOBS), so the one-job path is checked here.
-@pytest.mark.parametrize("hosts", ["mpich"], indirect=True)
-def test_killed_launcher_leaves_nothing(hosts, tmp_path):
-    ws = small_workspace(tmp_path)
-    p, _ = _start_holding(_conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py"), ws, "mpidead")
-    p.kill()
-    p.wait(timeout=10)
-    assert_nothing_left(hosts, within=30)
-
-
 def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():
     from paddle_cluster.node.bootstrap import BootstrapError, placement
 
