@@ -155,9 +155,9 @@ def _floor(cl, work: Path, counts: List[int], reps: int, prefix: str = "") -> Di
     """What every launch costs each node whatever the launcher does, on open connections: one SSH command
     (sshd's session and the user's login shell, which runs its rc files) and one Python interpreter."""
     sys.path.insert(0, REPO)
+    from paddle_cluster.launch.access import make_nodes
     from paddle_cluster.launch.config import load_config
     from paddle_cluster.launch.fanout import fanout
-    from paddle_cluster.launch.hosts import make_nodes
 
     out: Dict[str, Any] = {}
     for n in counts:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from helpers import make_workspace, wait_for, write_conf
 
+from paddle_cluster.launch.access import make_nodes
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
 from paddle_cluster.launch.errors import ClusterError, HostError
-from paddle_cluster.launch.hosts import make_nodes
 from paddle_cluster.launch.plan import JobSpec
 from paddle_cluster.node import chain, trees
 from paddle_cluster.node.unpack import UnsafeArchive

@@ -1,7 +1,7 @@
-"""The hosts of HOSTS outside a run (``check``, ``kill``, ``status``, ``logs``, ``plot``, Slurm's shared ROOT_DIR),
-reached the way ``run`` reaches them: one node session each (``launch/session.py``), which installs the node
-library where its hash is new and answers the node's probe, then ends. The library install and the probe exist
-only there."""
+"""The nodes of HOSTS (``make_nodes``, for ``run`` too), and those hosts outside a run (``check``, ``kill``,
+``status``, ``logs``, ``plot``, Slurm's shared ROOT_DIR), reached the way ``run`` reaches them: one node session
+each (``launch/session.py``), which installs the node library where its hash is new and answers the node's
+probe, then ends. The library install and the probe exist only there."""
 
 from __future__ import annotations
 
@@ -16,8 +16,16 @@ from . import dispatch, machines, preflight
 from .config import ClusterConfig
 from .errors import HostError
 from .fanout import FanoutResult, fanout
-from .hosts import Node, make_nodes
+from .hosts import LocalNode, Node
 from .session import NodeSession
+
+
+def make_nodes(cfg: ClusterConfig) -> List[Node]:
+    if all(h.is_local for h in cfg.hosts):  # paramiko's import (~0.2 s of CPU) only where a host is remote
+        return [LocalNode(i, h, cfg) for i, h in enumerate(cfg.hosts)]
+    from .sshnode import SSHNode
+
+    return [(LocalNode if h.is_local else SSHNode)(i, h, cfg) for i, h in enumerate(cfg.hosts)]
 
 
 def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,

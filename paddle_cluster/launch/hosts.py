@@ -18,7 +18,7 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 from paddle_cluster.node.lines import bounded_lines
 
@@ -168,14 +168,6 @@ class LocalNode(Node):
 
     def stream(self, argv: Sequence[str]) -> Stream:
         return _PopenStream(argv)
-
-
-def make_nodes(cfg: ClusterConfig) -> List[Node]:
-    if all(h.is_local for h in cfg.hosts):  # paramiko's import (~0.2 s of CPU) only where a host is remote
-        return [LocalNode(i, h, cfg) for i, h in enumerate(cfg.hosts)]
-    from .sshnode import SSHNode
-
-    return [(LocalNode if h.is_local else SSHNode)(i, h, cfg) for i, h in enumerate(cfg.hosts)]
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """``SSHNode``: a remote host over SSH (Fabric, paramiko), and ``connect_error``, the one place SSH and socket
 failures become a one-line ``ConnectError``. Apart from ``hosts`` so that only a config with a remote host
-imports paramiko (``hosts.make_nodes``): ~0.2 s of CPU that every other command would pay."""
+imports paramiko (``access.make_nodes``): ~0.2 s of CPU that every other command would pay."""
 
 from __future__ import annotations
 

@@ -20,10 +20,11 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
 
 from ... import dispatch, machines, preflight, relay, resume
+from ...access import make_nodes
 from ...config import ClusterConfig
 from ...errors import HostConfigError, HostError
 from ...fanout import fanout
-from ...hosts import Node, Stream, make_nodes
+from ...hosts import Node, Stream
 from ...plan import JobPlan, JobSpec, mint_plan
 from ...session import NodeSession
 from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered, plan_text
