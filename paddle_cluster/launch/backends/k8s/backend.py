@@ -284,24 +284,11 @@ class K8sBackend(Backend):
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
         self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
-        self._owned_by_jobs(job)
+        kc.own_by_jobs(self.kubectl, job)
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             return
         threading.Thread(target=self._watch_pods, args=(done,), daemon=True, name="k8s-pods").start()
-
-    def _owned_by_jobs(self, job: k8s.K8sJob) -> None:
-        """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
-        (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
-        jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
-        items = json.loads(self.kubectl.run(self.kubectl.get_named(jobs)) or "{}").get("items", [])
-        refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
-                for i in items]
-        if len(refs) != 2:
-            raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
-                               f"'{shlex.join(self.kubectl.get())}'")
-        rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
-        self.kubectl.run(self.kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
 
     def _watch_pods(self, done: threading.Event) -> None:
         """The pods' states as they change: a listing, then ``kubectl get --watch``; again after a problem (a

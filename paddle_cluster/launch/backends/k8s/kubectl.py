@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from paddle_cluster.node.pod import METRICS
 from ...errors import ClusterError
 from ...interrupt import stoppable
 from ..base import Event, NodeLost, ProcRow
-from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, object_name, selector
+from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
 # Set on a job's pods by ``kill`` before it deletes them: a run following the job reads it when they go, and ends
@@ -426,3 +427,17 @@ class PodWatch:
                 self.exited[node] = -1
                 out.append(NodeLost(node, f"pod {name} was deleted while its process ran"))
         return out
+
+
+def own_by_jobs(kubectl: Kubectl, job: K8sJob) -> None:
+    """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
+    (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
+    jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
+    items = json.loads(kubectl.run(kubectl.get_named(jobs)) or "{}").get("items", [])
+    refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
+            for i in items]
+    if len(refs) != 2:
+        raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
+                           f"'{shlex.join(kubectl.get())}'")
+    rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
+    kubectl.run(kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
