@@ -71,6 +71,7 @@ def test_lines_that_are_not_events_are_shown_and_a_huge_one_is_dropped(cluster, 
     python = py_dir / "python3"
     python.write_text(NOISY_PYTHON % cluster.python)
     python.chmod(0o755)
+    # PYTHON: the test is about an interpreter that writes to the agent's channel before the agent speaks.
     conf = write_conf(tmp_path, cluster, hosts=cluster.hosts[:1], PYTHON=str(python))
     run = launch(conf, "--job_dispatch_package", str(make_workspace(tmp_path / "ws")), "--job_name", "noisy",
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

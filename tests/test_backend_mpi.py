@@ -64,6 +64,8 @@ def _start_holding(conf: Path, ws: Path, job: str):
 
 def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     ws = small_workspace(tmp_path)
+    # PSERVER_COMMAND: small_workspace's ps.py only listens, so the job holds until kill (the user's path with
+    # the built-in pserver is the conformance suite's kill[mpi-*]).
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND="{python} ps.py")
     p, _ = _start_holding(conf, ws, "mpikill")
     st = cli(conf, "status", "--json", "--job_name", "mpikill")

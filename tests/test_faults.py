@@ -221,6 +221,7 @@ def test_sigkill_launcher_then_resume(cluster, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_kill_during_checkpoint_write_uses_previous_checkpoint(cluster, tmp_path):
+    # PSERVER_COMMAND: a pserver whose checkpoint write at step 30 is slow, so the kill lands mid-write.
     cfg = conf(tmp_path, cluster, PSERVER_COMMAND="{python} slow_ps.py", ENV={"SLOW_SAVE_STEP": "30"})
     ws = workspace(tmp_path)
     (ws / "slow_ps.py").write_text(SLOW_PS_PY.replace('stall = os.environ.get("SLOW_SAVE_STEP")',

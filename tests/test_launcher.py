@@ -187,6 +187,7 @@ def test_local_host_runs_without_ssh(tmp_path):
     """``localhost`` needs no sshd: the same agent runs as a subprocess."""
     ws = make_workspace(tmp_path / "ws")
     root = tmp_path / "root"
+    # PSERVER_COMMAND: make_workspace's ps.py only listens; the test is about the processes, not training.
     conf = local_conf(tmp_path, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2, PSERVER_COMMAND="{python} ps.py",
                       LD_LIBRARY_PATH="/extra/lib", ENV={"MY_SETTING": "42"}, KILL_GRACE=2.0)
     scratch = tmp_path / "scratch"

@@ -26,6 +26,7 @@ def test_plot_draws_the_metrics_files(tmp_path):
     ws.mkdir()
     (ws / "train.py").write_text(TRAIN)
     (ws / "ps.py").write_text(PS)
+    # PSERVER_COMMAND: the workspace's ps.py only listens; its trainers write the metrics plot draws.
     conf = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=0, TRAINERS_PER_NODE=2,
                       PSERVER_COMMAND="{python} ps.py", KILL_GRACE=1.0)
     env = checkout_env(HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))

@@ -39,6 +39,7 @@ class Local:
         self.ws.mkdir()
         (self.ws / "train.py").write_text(TRAIN_PY)
         (self.ws / "ps.py").write_text(LISTEN_PS_PY)
+        # PSERVER_COMMAND: a pserver that only listens; the tests are about the terminal's output.
         self.conf = local_conf(tmp, PSERVERS_PER_NODE=1, TRAINERS_PER_NODE=1, PSERVER_COMMAND="{python} ps.py",
                                KILL_GRACE=2.0)
         self.env = checkout_env(HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), XDG_CACHE_HOME=str(tmp / "cache"),
