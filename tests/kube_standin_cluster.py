@@ -12,10 +12,9 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
-from sshstate import _netns_pids
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -160,16 +159,15 @@ class Cluster:
         if st.get("phase") in TERMINAL:
             return
         if not spec.get("nodeName"):
-            placed = self._schedule(objs, pod)
-            if placed is None:
+            node = self._schedule(objs, pod)
+            if node is None:
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": f"0/{len(self.nodes)} nodes are available: no node with room for "
-                                                "another pod that matches the pod's node selector."}]
+                                     "message": f"0/{len(self.nodes)} nodes are available: no free node that "
+                                                "matches the pod's node selector."}]
             else:
-                node, sandbox = placed
                 spec["nodeName"] = node["name"]
                 st.update(conditions=[{"type": "PodScheduled", "status": "True"}], hostIP=node["ip"],
-                          podIP=sandbox["ip"], startTime=now())
+                          podIP=node["ip"], startTime=now())
         elif proc is None:
             self._start(doc, key, pod)
         elif proc.poll() is not None:
@@ -183,21 +181,14 @@ class Cluster:
         if st != before:
             touch(doc, pod)
 
-    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-        """(node, pod sandbox): the node with the fewest pods of those the node selector allows that have room
-        for one more (the default scheduler spreads pods likewise), and a sandbox no unfinished pod holds."""
-        held = {p["status"].get("podIP") for k, p in objs.items() if k.startswith("Pod/")
-                and p["spec"].get("nodeName") and p["status"].get("phase") not in TERMINAL}
+    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        taken = {p["spec"].get("nodeName") for k, p in objs.items() if k.startswith("Pod/")
+                 and p["status"].get("phase") not in TERMINAL}
         want = pod["spec"].get("nodeSelector") or {}
-        fits = []
         for node in self.nodes:
-            free = [s for s in node["pods"] if s["ip"] not in held]
-            if free and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
-                fits.append((len(node["pods"]) - len(free), node, free[0]))
-        if not fits:
-            return None
-        _, node, sandbox = min(fits, key=lambda f: f[0])
-        return node, sandbox
+            if node["name"] not in taken and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
+                return node
+        return None
 
     def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
         c = pod["spec"]["containers"][0]
@@ -258,9 +249,6 @@ class Cluster:
         log = self.store.log(ns, meta["name"])
         log.parent.mkdir(parents=True, exist_ok=True)
         node = next(n for n in self.nodes if n["name"] == spec["nodeName"])
-        sandbox = next(s for s in node["pods"] if s["ip"] == pod["status"]["podIP"])
-        if _netns_pids(sandbox["netns"]):
-            return None  # the sandbox's previous pod is still being killed: start on a later tick
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         wd = c.get("workingDir", "/")
         script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
@@ -270,9 +258,9 @@ class Cluster:
                               f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
         with open(log, "ab") as out:
             self.procs[key] = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts",
-                 "--propagation", "private", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                ["nsenter", f"--net=/run/netns/{node['netns']}", "--", "unshare", "--mount", "--uts", "--propagation",
+                 "private", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
