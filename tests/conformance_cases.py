@@ -47,6 +47,13 @@ KNOWN_FAILURES: Dict[tuple, str] = {
     ("launcher_gone", "k8s"): K8S_STANDIN_SMALL,
     ("concurrent", "k8s"): K8S_STANDIN_SMALL,
 }
+# A product bug seen in some runs only, cause not found yet: xfail(strict=False) (a pass is not a failure), so
+# the suite stays red-free without hiding it; the matrix says so.
+INTERMITTENT: Dict[tuple, str] = {
+    ("launcher_gone", "mpi-mpich"): "in 1 of 2 full CI runs (two MPICH jobs at once, one launcher SIGKILLed), "
+                                    "that job's agents did not stop on their own within 90 s; not reproduced in "
+                                    "11 targeted runs; cause not found",
+}
 
 # Variables one backend adds to the contract, and why (everything else is the same on every backend).
 EXTRA_VARS: Dict[tuple, str] = {
@@ -60,7 +67,8 @@ def matrix() -> str:
     rows = ["| scenario | " + " | ".join(BACKENDS) + " |", "| --- |" + " --- |" * len(BACKENDS)]
     for name in SCENARIOS:
         cells = [f"not offered ({NOT_OFFERED[name, b]})" if (name, b) in NOT_OFFERED else
-                 f"known failure ({KNOWN_FAILURES[name, b]})" if (name, b) in KNOWN_FAILURES else "pass"
+                 f"known failure ({KNOWN_FAILURES[name, b]})" if (name, b) in KNOWN_FAILURES else
+                 f"known intermittent failure ({INTERMITTENT[name, b]})" if (name, b) in INTERMITTENT else "pass"
                  for b in BACKENDS]
         rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
     rows.append("")
@@ -105,8 +113,9 @@ time.sleep(300)
 def cases(scenario: str):
     """The backends of ``scenario``; a backend that does not offer it runs the refusal check instead."""
     def marks(b: str) -> list:
-        known = KNOWN_FAILURES.get((scenario, b))
-        return [pytest.mark.xfail(strict=True, reason=known)] if known else []
+        known, flaky = KNOWN_FAILURES.get((scenario, b)), INTERMITTENT.get((scenario, b))
+        return [pytest.mark.xfail(strict=True, reason=known)] if known else \
+            [pytest.mark.xfail(strict=False, reason=flaky)] if flaky else []
     return [pytest.param(b, id=b, marks=marks(b)) for b in BACKENDS if (scenario, b) not in NOT_OFFERED]
 
 
