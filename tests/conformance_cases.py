@@ -37,16 +37,9 @@ NOT_OFFERED: Dict[tuple, str] = {
     ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
                              "(run refuses --max_restarts with BACKEND k8s)",
 }
-K8S_STANDIN_SMALL = ("the Kubernetes stand-in has 4 nodes of one pod each: a second job's pods stay Pending and its "
-                     "run fails after START_TIMEOUT (as documented for unschedulable pods); a limit of the test "
-                     "harness, not of the backend: needs a larger stand-in")
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
-KNOWN_FAILURES: Dict[tuple, str] = {
-    ("signals", "k8s"): K8S_STANDIN_SMALL,
-    ("launcher_gone", "k8s"): K8S_STANDIN_SMALL,
-    ("concurrent", "k8s"): K8S_STANDIN_SMALL,
-}
+KNOWN_FAILURES: Dict[tuple, str] = {}
 # A product bug seen in some runs only, cause not found yet: xfail(strict=False) (a pass is not a failure), so
 # the suite stays red-free without hiding it; the matrix says so.
 INTERMITTENT: Dict[tuple, str] = {

@@ -1,7 +1,8 @@
-"""The ``kube`` fixture's cluster: the stand-in controller (kube_standin.py) over the network namespaces of a
-tests/sshcluster.py cluster (one node per namespace, so every pod has its own address), and ``kubectl`` first
-on PATH. The image ``IMAGE`` is this checkout on PYTHONPATH with this interpreter as ``python3`` (and a
-non-root user, as a hardened image has); ``BARE_IMAGE`` has Python but no paddle-cluster."""
+"""The ``kube`` fixture's cluster: the stand-in controller (kube_standin.py) over a tests/sshcluster.py cluster
+(a node per host; each node's ``PODS_PER_NODE`` pod sandboxes are bare network namespaces on the same bridge,
+so every pod has its own address, as a CNI gives it), and ``kubectl`` first on PATH. The image ``IMAGE`` is
+this checkout on PYTHONPATH with this interpreter as ``python3`` (and a non-root user, as a hardened image
+has); ``BARE_IMAGE`` has Python but no paddle-cluster."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from kube_standin import Store
+from sshstate import _netns_pids
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 IMAGE = "registry.example/paddle/fit:1"
 BARE_IMAGE = "registry.example/python:3.11"
+# Pods a node holds (a kubelet's maxPods, 110 by default): enough for the conformance suite's three jobs of four
+# pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
+PODS_PER_NODE = 5
 
 
 class StandIn:
@@ -37,9 +42,12 @@ class StandIn:
         hosts = root / "hosts"
         hosts.write_text("127.0.0.1 localhost\n")
         image_env = {"PATH": f"{imagebin}:/usr/bin:/bin", "HOME": "/tmp"}
+        self.sandboxes = cluster.add_bare_hosts(PODS_PER_NODE * cluster.n)
         (root / "cluster.json").write_text(json.dumps({
             "nodes": [{"name": f"worker-{i}", "netns": cluster.netns(i), "ip": cluster.ips[i],
-                       "labels": {"kubernetes.io/hostname": f"worker-{i}", "pool": "gpu" if i == 0 else "cpu"}}
+                       "labels": {"kubernetes.io/hostname": f"worker-{i}", "pool": "gpu" if i == 0 else "cpu"},
+                       "pods": [{"netns": ns, "ip": ip}
+                                for ns, ip in self.sandboxes[i * PODS_PER_NODE:(i + 1) * PODS_PER_NODE]]}
                       for i in range(cluster.n)],
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
                        BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
@@ -73,8 +81,9 @@ class StandIn:
             time.sleep(0.05)
 
     def processes(self) -> List[int]:
-        """The pods' processes still alive on the nodes."""
-        return [pid for i in range(self.cluster.n) for pid in self.cluster.pids(i)]
+        """The pods' processes still alive on the nodes and in their sandboxes."""
+        return [pid for i in range(self.cluster.n) for pid in self.cluster.pids(i)] + [
+            pid for ns, _ in self.sandboxes for pid in _netns_pids(ns) if Path(f"/proc/{pid}").exists()]
 
     def close(self) -> None:
         self.controller.terminate()

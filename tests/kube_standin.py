@@ -5,9 +5,11 @@ the controllers the launcher depends on, in one loop -- the Job controller for I
 index named ``<job>-<index>-<suffix>``, hostname ``<job>-<index>``, the completion index as annotation, label
 and ``JOB_COMPLETION_INDEX``; ``completions``, ``parallelism``, ``backoffLimit``, ``activeDeadlineSeconds``,
 ``ttlSecondsAfterFinished``; conditions ``Complete``/``Failed``, the remaining pods terminated when the Job
-fails), the scheduler (one pod per node: each node is a network namespace with its own address, so every pod
-has its own IP as on Kubernetes), the kubelet (each pod a real process: the container's command, args,
-workingDir and env -- Secret references resolved -- its hostname, emptyDir/configMap volumes bind-mounted,
+fails), the scheduler (each node holds a few pods, spread over the nodes the node selector allows; each pod
+is in a network namespace of its own with its own IP, as on Kubernetes; beyond that the pod stays Pending,
+Unschedulable), the kubelet (each pod a real process, PID 1 of a PID namespace of its own: the container's
+command, args, workingDir and env -- Secret references resolved -- its hostname, emptyDir/configMap volumes
+bind-mounted,
 its output the pod's log, terminationGracePeriodSeconds between SIGTERM and SIGKILL, the image a name for
 this checkout) and the cluster DNS (``<hostname>.<subdomain>.<ns>.svc`` for pods a headless Service selects,
 in an /etc/hosts every pod shares). Deletion is foreground: a Job goes once its pods are gone.
@@ -45,6 +47,7 @@ RESOURCE = {"Pod": "pod", "Job": "job.batch", "Service": "service", "Secret": "s
 PLURAL = {"Pod": "pods", "Job": "jobs.batch", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps"}
 INDEX = "batch.kubernetes.io/job-completion-index"
 TICK = 0.05
+EMPTY = json.dumps({"objects": {}, "rv": 0, "events": []})
 
 
 def now() -> str:
@@ -56,27 +59,47 @@ def _key(kind: str, ns: str, name: str) -> str:
 
 
 class Store:
-    """The objects, in one JSON file changed under an exclusive lock (kubectl and the controller share it)."""
+    """The objects, in one JSON file changed under an exclusive lock (kubectl and the controller share it).
+
+    Written only when an edit changed something, and parsed by a poller only when it did: every ``TICK`` the
+    controller edits and each ``get --watch`` and ``logs --follow`` polls, five of them per job running."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.path = root / "objects.json"
         self.lock = root / "objects.lock"
+        self._seen = EMPTY  # the text this process last read
+
+    def _text(self) -> str:
+        try:
+            self._seen = self.path.read_text()
+        except FileNotFoundError:
+            self._seen = EMPTY
+        return self._seen
+
+    def changed(self) -> bool:
+        """Whether the objects changed since this process last read them: a poller's cheap check (reading the
+        file costs little beside parsing it; no lock: the file is replaced whole)."""
+        before = self._seen
+        return self._text() != before
 
     @contextmanager
     def edit(self) -> Iterator[Dict[str, Any]]:
         with open(self.lock, "a") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
-            doc = json.loads(self.path.read_text()) if self.path.exists() else {"objects": {}, "rv": 0, "events": []}
+            text = self._text()
+            doc = json.loads(text)
             yield doc
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(doc))
-            os.replace(tmp, self.path)
+            new = json.dumps(doc)
+            if new != text:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(new)
+                os.replace(tmp, self.path)
 
     def read(self) -> Dict[str, Any]:
         with open(self.lock, "a") as lk:
             fcntl.flock(lk, fcntl.LOCK_SH)
-            return json.loads(self.path.read_text()) if self.path.exists() else {"objects": {}, "rv": 0, "events": []}
+            return json.loads(self._text())
 
     def config(self) -> Dict[str, Any]:
         return json.loads((self.root / "cluster.json").read_text())
@@ -250,6 +273,8 @@ def _watch(store: Store, ns: str, kinds: List[str], selector: str) -> int:
         print(json.dumps({"type": "ADDED", "object": obj}, indent=2), flush=True)
     while True:
         time.sleep(TICK)
+        if not store.changed():
+            continue
         doc = store.read()
         for ev in doc["events"]:
             o = ev["object"]
@@ -326,6 +351,9 @@ def _logs(store: Store, ns: str, pod: str, flags: Dict[str, str]) -> int:
             if chunk:
                 sys.stdout.buffer.write(chunk)
                 sys.stdout.flush()
+                continue
+            if not store.changed():
+                time.sleep(TICK)
                 continue
             cur = store.read()["objects"].get(key)
             if cur is None or (cur.get("status") or {}).get("phase") in ("Succeeded", "Failed"):

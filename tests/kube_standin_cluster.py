@@ -12,9 +12,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
+from sshstate import _netns_pids
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -25,7 +26,6 @@ class Cluster:
         self.cfg = store.config()
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
-        self.mntns: Dict[str, str] = {}  # pod -> its container's mount namespace (each pod has its own)
         self.term_at: Dict[str, float] = {}
         self.hosts = Path(self.cfg["hosts_file"])
         self.hosts_text = ""
@@ -143,7 +143,6 @@ class Cluster:
         meta, spec, st = pod["metadata"], pod["spec"], pod["status"]
         before = copy.deepcopy(st)
         proc = self.procs.get(key)
-        self._container(key, proc)
         if meta.get("deletionTimestamp"):
             if proc is not None and proc.poll() is None:
                 grace = 0 if meta.get("forceKill") else spec.get("terminationGracePeriodSeconds", 30)
@@ -159,15 +158,16 @@ class Cluster:
         if st.get("phase") in TERMINAL:
             return
         if not spec.get("nodeName"):
-            node = self._schedule(objs, pod)
-            if node is None:
+            placed = self._schedule(objs, pod)
+            if placed is None:
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": f"0/{len(self.nodes)} nodes are available: no free node that "
-                                                "matches the pod's node selector."}]
+                                     "message": f"0/{len(self.nodes)} nodes are available: no node with room for "
+                                                "another pod that matches the pod's node selector."}]
             else:
+                node, sandbox = placed
                 spec["nodeName"] = node["name"]
                 st.update(conditions=[{"type": "PodScheduled", "status": "True"}], hostIP=node["ip"],
-                          podIP=node["ip"], startTime=now())
+                          podIP=sandbox["ip"], startTime=now())
         elif proc is None:
             self._start(doc, key, pod)
         elif proc.poll() is not None:
@@ -181,14 +181,21 @@ class Cluster:
         if st != before:
             touch(doc, pod)
 
-    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        taken = {p["spec"].get("nodeName") for k, p in objs.items() if k.startswith("Pod/")
-                 and p["status"].get("phase") not in TERMINAL}
+    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+        """(node, pod sandbox): the node with the fewest pods of those the node selector allows that have room
+        for one more (the default scheduler spreads pods likewise), and a sandbox no unfinished pod holds."""
+        held = {p["status"].get("podIP") for k, p in objs.items() if k.startswith("Pod/")
+                and p["spec"].get("nodeName") and p["status"].get("phase") not in TERMINAL}
         want = pod["spec"].get("nodeSelector") or {}
+        fits = []
         for node in self.nodes:
-            if node["name"] not in taken and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
-                return node
-        return None
+            free = [s for s in node["pods"] if s["ip"] not in held]
+            if free and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
+                fits.append((len(node["pods"]) - len(free), node, free[0]))
+        if not fits:
+            return None
+        _, node, sandbox = min(fits, key=lambda f: f[0])
+        return node, sandbox
 
     def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
         c = pod["spec"]["containers"][0]
@@ -249,6 +256,9 @@ class Cluster:
         log = self.store.log(ns, meta["name"])
         log.parent.mkdir(parents=True, exist_ok=True)
         node = next(n for n in self.nodes if n["name"] == spec["nodeName"])
+        sandbox = next(s for s in node["pods"] if s["ip"] == pod["status"]["podIP"])
+        if _netns_pids(sandbox["netns"]):
+            return None  # the sandbox's previous pod is still being killed: start on a later tick
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         wd = c.get("workingDir", "/")
         script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
@@ -258,36 +268,15 @@ class Cluster:
                               f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
         with open(log, "ab") as out:
             self.procs[key] = subprocess.Popen(
-                ["nsenter", f"--net=/run/netns/{node['netns']}", "--", "unshare", "--mount", "--uts", "--propagation",
-                 "private", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
+                # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
+                # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
+                ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
+                 "--fork", "--propagation", "private", "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
-
-    def _container(self, key: str, proc: Optional[subprocess.Popen]) -> None:
-        """A container's processes end with its main process, as a container runtime's PID namespace makes them
-        (a setsid grandchild included): noted by the mount namespace the pod's process runs in."""
-        if proc is None:
-            return
-        if proc.poll() is None:
-            if key not in self.mntns:
-                try:
-                    ns = os.readlink(f"/proc/{proc.pid}/ns/mnt")
-                except OSError:
-                    return
-                if ns != os.readlink("/proc/self/ns/mnt"):  # once unshare made the pod's own
-                    self.mntns[key] = ns
-            return
-        ns = self.mntns.pop(key, None)
-        if ns is None:
-            return
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.readlink(f"/proc/{pid}/ns/mnt") == ns:
-                    os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
 
     @staticmethod
     def _signal(proc: subprocess.Popen, sig: int) -> None:

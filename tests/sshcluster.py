@@ -121,6 +121,7 @@ class SSHCluster:
         cg_root = _cgroup2_root()
         self._cgroups = [cg_root / f"{self.token}-node{i}" for i in range(n)] if cg_root else []
         self._procs: list[subprocess.Popen] = []
+        self._bare: list[tuple[str, str]] = []  # add_bare_hosts: (netns, ip)
         self._closed = False
         self.key_path = str(self.workdir / "id_ed25519")
         self.known_hosts = str(self.workdir / "known_hosts")
@@ -199,13 +200,8 @@ class SSHCluster:
         raise RuntimeError(f"no free {SUBNET_FIRST_OCTETS}.x.0/24 subnet")
 
     def _add_node(self, i: int) -> None:
-        ns, veth, ip = self._netns[i], self._veths[i], self.ips[i]
-        _run(["ip", "netns", "add", ns])
-        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
-        _run(["ip", "link", "set", veth, "master", self.bridge, "up"])
-        _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
-        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        ns, ip = self._netns[i], self.ips[i]
+        self._plug(ns, self._veths[i], ip)
         root = self.root_dir(i)
         root.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / f"sshd{i}.conf"
@@ -237,6 +233,27 @@ class SSHCluster:
                 (self._cgroups[i] / "cgroup.procs").write_text(str(proc.pid))
             except OSError:  # a cgroup tree we may not use after all: no accounting (teardown removes what was made)
                 self._cgroups = []
+
+    def add_bare_hosts(self, k: int) -> list[tuple[str, str]]:
+        """``k`` more namespaces on the bridge with an address, ``eth0`` and ``lo`` but no sshd (the pods of
+        tests/k8s_standin.py): ``[(netns, ip)]``, torn down with the hosts; not in :meth:`pids`."""
+        first = 10 + self.n + len(self._bare)
+        if first + k > 255:
+            raise ValueError(f"no room in {self.subnet} for {k} more addresses")
+        made = [(f"{self.token}-b{j}", str(ipaddress.ip_network(self.subnet)[j])) for j in range(first, first + k)]
+        self._state["netns"] = [*self._state["netns"], *(ns for ns, _ in made)]
+        Path(self._state["state_file"]).write_text(json.dumps(self._state))
+        for j, (ns, ip) in enumerate(made, start=first):
+            self._plug(ns, f"{self.token}b{j}", ip)
+        self._bare += made
+        return made
+
+    def _plug(self, ns: str, veth: str, ip: str) -> None:
+        """A new namespace ``ns`` whose ``eth0`` (``ip``) is the far end of ``veth`` on the bridge."""
+        for argv in (["netns", "add", ns], ["link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                     ["link", "set", veth, "master", self.bridge, "up"], ["-n", ns, "addr", "add", f"{ip}/24", "dev",
+                     "eth0"], ["-n", ns, "link", "set", "eth0", "up"], ["-n", ns, "link", "set", "lo", "up"]):
+            _run(["ip", *argv])
 
     def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from k8s_standin import BARE_IMAGE, IMAGE, REPO, StandIn
+from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, REPO, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -195,6 +195,31 @@ def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) ->
     # Only the workers labelled pool=cpu run the pods (the stand-in's worker-0 is pool=gpu).
     kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
     assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
+    assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
+
+
+def test_a_node_holds_several_pods_each_with_its_own_address(kube: StandIn, job_dir: Path) -> None:
+    """Pods share a node as on a cluster (the conformance suite runs three jobs at once on the stand-in), each
+    with an address of its own; one more than the node selector's nodes hold stays Pending, and status says
+    why."""
+    slots = PODS_PER_NODE  # only worker-0 is pool=gpu
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", str(slots),
+              "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--detach", "--node-selector", "pool=gpu",
+              "--", "--passes", "50")
+    assert res.returncode == 0, res.stderr
+    def placed():
+        pods = kube.pods()
+        with_ip = [p for p in pods if p["status"].get("podIP")]
+        return with_ip if len(pods) == slots + 1 and len(with_ip) == slots else None
+
+    pods = kube.wait(placed, 60, f"{slots} pods placed")
+    assert {p["spec"]["nodeName"] for p in pods} == {"worker-0"}
+    addresses = {p["status"]["podIP"] for p in pods}
+    assert len(addresses) == slots and pods[0]["status"]["hostIP"] not in addresses, addresses
+    status = kube.wait(lambda: "Unschedulable" in (st := cli(kube, job_dir, "status")).stdout and st, 60,
+                       "status to show the pending pod")
+    assert status.returncode == 0 and "pending: Unschedulable" in status.stdout, status.stdout
     assert cli(kube, job_dir, "kill").returncode == 0
     assert kube.objects() == {}
 
