@@ -341,16 +341,12 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
     rows = backend_of(cfg).check(cfg)
     if as_json:
         _out(access.as_json(rows))
-    else:
-        _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
-               [[r.node, r.host, r.ssh, f"{r.interpreter} ({r.python}), numpy {r.numpy}" if r.python != "-" else "-",
-                 r.nic, r.ports,
-                 f"{r.root_dir}, {r.disk_free} free" if r.disk_free != "-" else r.root_dir] for r in rows],
-               wrap=("host", "python, numpy", "nic", "ports"))
+    elif rows:
+        _table(list(rows[0].HEADERS), [r.cells() for r in rows], wrap=rows[0].WRAP)
     bad = [r for r in rows if not r.ok]
     if bad:
-        raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"
-                           + "".join(f"\n  {r.node} ({r.host}): {r.problem}" for r in bad))
+        raise ClusterError(f"{len(bad)} of {len(rows)} {rows[0].NOUN} failed the check:"
+                           + "".join(f"\n  {r.failure()}" for r in bad))
 
 
 @main.command()
