@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -45,8 +46,12 @@ def examples(movielens: str, ptb_shards: str) -> Dict[str, Example]:
     }
 
 
-def free_base(n: int) -> int:
-    for base in range(40000, 60000, 16):
+def free_base(n: int, lo: int = 20000, hi: int = 32000) -> int:
+    """First of ``n`` consecutive ports free on 127.0.0.1, picked at random in [lo, hi) (below Linux's ephemeral
+    range, 32768 up) so that two runs at once, or a test run, rarely try the same ones."""
+    rng = random.Random()  # seeded from os.urandom: two processes started together still differ
+    for _ in range(200):
+        base = rng.randrange(lo, hi - n + 1)  # every port in [lo, hi)
         socks = []
         try:
             for p in range(base, base + n):
@@ -59,7 +64,7 @@ def free_base(n: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError("no free ports in 40000-60000")
+    raise RuntimeError(f"no {n} consecutive free ports in [{lo}, {hi})")
 
 
 def run(ex: Example, work: Path, trainers: int, mode: str) -> Dict[str, object]:

@@ -27,7 +27,7 @@ from .launch.backends import (
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
-from .launch.errors import OUTCOMES, ClusterError
+from .launch.errors import OUTCOMES, ClusterError, ConfigError
 from .launch.plan import JobSpec, default_job_name
 from .launch.run import run_job, submit
 from .launch.supervise import JobResult
@@ -331,26 +331,28 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
               "config, ssh): each checks what its jobs run on (docs/backends.md).")
+@click.option("--namespace", metavar="NS", help="k8s: the namespace to check (default: K8S_NAMESPACE, default).")
 @_handled
-def check(ctx: click.Context, as_json: bool, backend: Optional[str]) -> None:
+def check(ctx: click.Context, as_json: bool, backend: Optional[str], namespace: Optional[str]) -> None:
     """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
-    shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk."""
+    shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk. With --backend k8s: whether
+    kubectl may do in the namespace all that the backend does."""
     cfg = _config(ctx)
-    if backend:
-        cfg = override(cfg, {"backend": ("--backend", backend)})
+    given = {k: v for k, v in (("backend", ("--backend", backend)), ("k8s_namespace", ("--namespace", namespace)))
+             if v[1]}
+    cfg = override(cfg, given) if given else cfg
+    for flag, owner in foreign_options(cfg.backend, {"namespace": namespace}):
+        raise ConfigError(flag, namespace, f"for --backend {owner} only (backend {cfg.backend} is checked here): add "
+                          f"--backend {owner}, or leave {flag} out")
     rows = backend_of(cfg).check(cfg)
     if as_json:
         _out(access.as_json(rows))
-    else:
-        _table(["node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR"],
-               [[r.node, r.host, r.ssh, f"{r.interpreter} ({r.python}), numpy {r.numpy}" if r.python != "-" else "-",
-                 r.nic, r.ports,
-                 f"{r.root_dir}, {r.disk_free} free" if r.disk_free != "-" else r.root_dir] for r in rows],
-               wrap=("host", "python, numpy", "nic", "ports"))
+    elif rows:
+        _table(list(rows[0].HEADERS), [r.cells() for r in rows], wrap=rows[0].WRAP)
     bad = [r for r in rows if not r.ok]
     if bad:
-        raise ClusterError(f"{len(bad)} of {len(rows)} host(s) failed the check:"
-                           + "".join(f"\n  {r.node} ({r.host}): {r.problem}" for r in bad))
+        raise ClusterError(f"{len(bad)} of {len(rows)} {rows[0].NOUN} failed the check:"
+                           + "".join(f"\n  {r.failure()}" for r in bad))
 
 
 @main.command()

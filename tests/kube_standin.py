@@ -190,9 +190,11 @@ def kubectl(argv: List[str], store: Store) -> int:
     words, flags = _parse(argv)
     ns = flags.get("namespace", "default")
     verb, rest = words[0], words[1:]
-    if verb == "auth":
-        print("yes")
-        return 0
+    if verb == "auth":  # can-i VERB RESOURCE [--subresource S]: "no" (exit 1) for what KUBE_STANDIN_DENY lists
+        asked = f"{rest[1]} {rest[2]}" + (f"/{flags['subresource']}" if flags.get("subresource") else "")
+        denied = {d.strip() for d in os.environ.get("KUBE_STANDIN_DENY", "").split(",")}
+        print("no" if asked in denied else "yes")
+        return 1 if asked in denied else 0
     if verb in ("apply", "create"):
         return _apply(store, ns, sys.stdin.read(), create=verb == "create")
     if verb == "get":

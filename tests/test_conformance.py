@@ -22,7 +22,6 @@ import pytest
 from conformance_cases import (
     BEGIN,
     DOC,
-    DUAL_HOLD_PY,
     END,
     EXTRA_VARS,
     NOT_OFFERED,
@@ -114,11 +113,9 @@ def normalise(e: dict, backend: str, job: str) -> dict:
 
 @pytest.mark.parametrize("engine", cases("env_ctrl_c"), indirect=True)
 def test_env_contract_status_logs_and_ctrl_c(engine: Engine):
-    ws = workspace(engine.tmp, {"train.py": DUAL_HOLD_PY})
     job = engine.job("env")
-    r = engine.start(job, "--job_dispatch_package", str(ws))
+    r = engine.start_holding(job)
     try:
-        r.wait_lines(r"\] holding \d", engine.trainers)
         r.wait_lines(r"^\[pserver\.\d+@[^\]]+\] env ", engine.pservers)
         dumps = envs(r.out)
         check_contract(dumps, engine.trainers, engine.pservers)
@@ -152,11 +149,9 @@ def test_env_contract_status_logs_and_ctrl_c(engine: Engine):
 
 @pytest.mark.parametrize("engine", cases("kill"), indirect=True)
 def test_kill_from_another_process(engine: Engine):
-    ws = workspace(engine.tmp, {"train.py": DUAL_HOLD_PY})
     job = engine.job("kill")
-    r = engine.start(job, "--job_dispatch_package", str(ws))
+    r = engine.start_holding(job)
     try:
-        r.wait_lines(r"\] holding \d", engine.trainers)
         k = engine.cli("kill", "--job_name", job)
         assert k.returncode == 0, k.stdout + k.stderr
         rc = r.wait(120)

@@ -59,6 +59,8 @@ def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
     assert k.kill_pods() == [*ns, "delete", "pods", *sel, "--ignore-not-found", "--grace-period=0", "--force",
                              "--wait=false"]
     assert k.can_i("create", "jobs.batch") == [*ns, "auth", "can-i", "create", "jobs.batch"]
+    # A subresource by its flag: kubectl reads "pods/log" as the pod named "log".
+    assert k.can_i("get", "pods/log") == [*ns, "auth", "can-i", "get", "pods", "--subresource=log"]
 
 
 def test_the_plan_has_one_node_per_pod_and_the_manifests_contract() -> None:
@@ -239,8 +241,78 @@ def test_kill_and_status_of_a_k8s_job_without_a_cluster_fail_cleanly(tmp_path: P
 
 
 def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
-    res = _cli(tmp_path, "run", "--backend", "k8s", "--image", "img:1", path=str(tmp_path / "empty"))
-    assert res.returncode == 1 and "kubectl not found on PATH" in res.stderr, res.stderr
+    for args in (["run", "--backend", "k8s", "--image", "img:1"], ["check", "--backend", "k8s"]):
+        res = _cli(tmp_path, *args, path=str(tmp_path / "empty"))
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "kubectl not found on PATH: install kubectl (https://kubernetes.io/docs/tasks/tools/)" in res.stderr, \
+            res.stderr
+
+
+def test_check_namespace_is_refused_for_another_backend(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "check", "--namespace", "ml", path=str(tmp_path / "empty"))
+    assert res.returncode == 2 and "--namespace ml: for --backend k8s only (backend ssh is checked here)" in \
+        res.stderr, res.stderr
+
+
+@needs_kubectl
+def test_check_without_a_reachable_cluster_says_so_once(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "check", "--backend", "k8s")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+    assert "check --backend k8s: kubectl's current context did not answer" in line and "127.0.0.1" in line, line
+    assert "KUBECONFIG" in line, line
+
+
+# -- check --backend k8s against the Kubernetes stand-in --------------------------------------------------------
+
+def _user(kube, tmp: Path, deny: str = "") -> dict:
+    """A user's directory (conf.py as the README has it, and K8S_NAMESPACE) and shell, kubectl the stand-in's,
+    which answers no for what ``deny`` lists."""
+    (tmp / "conf.py").write_text('HOSTS = ["a", "b"]\nROOT_DIR = "/tmp/paddle"\nK8S_NAMESPACE = "ml"\n')
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), KUBE_STANDIN_DENY=deny)
+    return env
+
+
+def _check(kube, tmp: Path, *args: str, deny: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paddle_cluster", "check", "--backend", "k8s", *args], cwd=tmp,
+                          env=_user(kube, tmp, deny), capture_output=True, text=True, timeout=120)
+
+
+def test_check_k8s_asks_for_every_permission_the_backend_uses(kube, tmp_path: Path) -> None:
+    res = _check(kube, tmp_path, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(res.stdout)
+    asked = {(r["verb"], r["resource"]) for r in rows}
+    kinds = ("jobs.batch", "services", "secrets", "configmaps")
+    assert asked == {(v, k) for k in kinds for v in ("create", "get", "list", "delete")} | {
+        ("watch", "jobs.batch"), ("patch", "services"), ("patch", "secrets"), ("patch", "configmaps"),
+        ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("patch", "pods"), ("delete", "pods"),
+        ("get", "pods/log")} and len(rows) == len(asked), rows
+    assert all(r["ok"] and r["namespace"] == "ml" and r["needed_by"] for r in rows), rows
+    table = _check(kube, tmp_path, "--namespace", "team-a")  # the option over the config's K8S_NAMESPACE
+    assert table.returncode == 0 and "team-a" in table.stdout and " NO " not in table.stdout, table.stdout
+
+
+def test_check_k8s_names_each_missing_permission_and_fails(kube, tmp_path: Path) -> None:
+    res = _check(kube, tmp_path, deny="create jobs.batch,get pods/log")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    lines = [ln.strip() for ln in res.stderr.splitlines()]
+    assert "paddle-cluster: error: 2 of 26 permission(s) failed the check:" in lines, res.stderr
+    missing = [ln for ln in lines if ln.startswith("may not")]
+    assert [ln.split(" (")[0] for ln in missing] == ["may not create jobs.batch in namespace ml",
+                                                      "may not get pods/log in namespace ml"], res.stderr
+    assert "'kubectl --namespace ml auth can-i get pods --subresource=log' says no" in missing[1], missing
+    assert len([ln for ln in res.stdout.splitlines() if " NO " in ln]) == 2, res.stdout
+
+
+def test_run_refuses_before_creating_anything_when_a_permission_is_missing(kube, tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", "img:1",
+                          "--job_name", "denied"], cwd=tmp_path, env=_user(kube, tmp_path, deny="create secrets"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "kubectl says you may not create secrets in namespace ml" in res.stderr, res.stderr
+    assert not [k for k in kube.objects() if "/ml/" in k], kube.objects()
 
 
 @pytest.mark.parametrize("args,named", [

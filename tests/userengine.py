@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import pytest
+from conformance_cases import DUAL_HOLD_PY, workspace
 from helpers import REPO, free_port_range, rc_python, wait_for
 
 
@@ -69,6 +70,22 @@ class Engine:
 
     def start(self, job: str, *args: str) -> Running:
         return Running(self.argv("run", *self.run_opts, "--job_name", job, *args), self)
+
+    def start_holding(self, job: str, *args: str) -> Running:
+        """``job`` of the dual-role holding workspace (DUAL_HOLD_PY, ``args`` after it) in the background, once
+        every trainer says "holding"; a run that does not get there is stopped before the failure is raised."""
+        ws = self.tmp / "ws"
+        if not (ws / "train.py").exists():  # the workspace of an earlier holding job of this test serves again
+            workspace(self.tmp, {"train.py": DUAL_HOLD_PY})
+        r = self.start(job, "--job_dispatch_package", str(ws), *args)
+        try:
+            r.wait_lines(r"\] holding \d", self.trainers)
+        except BaseException:
+            if r.p.poll() is None:
+                r.p.kill()
+                r.p.wait()
+            raise
+        return r
 
     def assert_nothing_left(self) -> None:
         self.quiet()

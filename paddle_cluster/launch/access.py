@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Protocol, Sequence, Tuple
 
 from paddle_cluster.node.session import Request
 
@@ -57,8 +57,24 @@ def nodes_with_lib(cfg: ClusterConfig) -> Tuple[List[Node], dispatch.Package, Li
         raise
 
 
+class CheckLine(Protocol):
+    """A row of ``paddle-cluster check``, what one backend checks (a host, a permission): its table cells under
+    ``HEADERS`` and, when not ``ok``, the line saying what is wrong."""
+
+    ok: bool
+    HEADERS: ClassVar[Tuple[str, ...]]
+    WRAP: ClassVar[Tuple[str, ...]]  # the columns that wrap to fit the terminal
+    NOUN: ClassVar[str]  # what a row is, for "2 of 3 host(s) failed the check"
+
+    def cells(self) -> List[str]: ...
+
+    def failure(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class CheckRow:
+    """A host of HOSTS as ``check`` finds it."""
+
     node: str
     host: str
     ok: bool
@@ -71,6 +87,18 @@ class CheckRow:
     disk_free: str
     problem: str = ""
     interpreter: str = "-"  # the absolute path every process there runs (PYTHON as the login shell resolves it)
+
+    HEADERS: ClassVar[Tuple[str, ...]] = ("node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR")
+    WRAP: ClassVar[Tuple[str, ...]] = ("host", "python, numpy", "nic", "ports")
+    NOUN: ClassVar[str] = "host(s)"
+
+    def cells(self) -> List[str]:
+        return [self.node, self.host, self.ssh,
+                f"{self.interpreter} ({self.python}), numpy {self.numpy}" if self.python != "-" else "-", self.nic,
+                self.ports, f"{self.root_dir}, {self.disk_free} free" if self.disk_free != "-" else self.root_dir]
+
+    def failure(self) -> str:
+        return f"{self.node} ({self.host}): {self.problem}"
 
 
 def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[CheckRow]:

@@ -29,7 +29,7 @@ from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, mint_plan
 
 if TYPE_CHECKING:
-    from ..access import CheckRow
+    from ..access import CheckLine
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,9 @@ class Backend(ABC):
         return plot.collect(job.cfg, job.name)
 
     @classmethod
-    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
-        """``paddle-cluster check``: whether what its jobs run on is ready, a row per node; by default each host
-        of HOSTS (SSH, the interpreter and its numpy, PADDLE_NIC, ports, ROOT_DIR, disk)."""
+    def check(cls, cfg: ClusterConfig) -> Sequence[CheckLine]:
+        """``paddle-cluster check``: whether what its jobs run on is ready, a row per thing checked; by default
+        each host of HOSTS (SSH, the interpreter and its numpy, PADDLE_NIC, ports, ROOT_DIR, disk)."""
         from ..access import check_cluster
 
         if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way

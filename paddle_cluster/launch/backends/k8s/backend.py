@@ -23,19 +23,17 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
-from ...access import CheckRow
 from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec
 from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Rendered
 from . import kubectl as kc
 from . import manifests as k8s
-from . import pod_options
+from . import pod_options, rights
 from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_results, states_of, watch_events
 from .pod_options import PodOptions
 
 RETRY_S = 2.0  # between a watch that ended and the next
-NEEDED = (("create", "jobs.batch"), ("create", "services"), ("create", "secrets"), ("delete", "jobs.batch"))
 
 
 @dataclass(frozen=True)
@@ -188,9 +186,11 @@ class K8sBackend(Backend):
         return kc.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
 
     @classmethod
-    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
-        raise ClusterError("check --backend k8s: pods run the image's python3 (K8S_IMAGE), which no host here "
-                           "can probe; try the image with: docker run IMAGE python3 -c 'import numpy'")
+    def check(cls, cfg: ClusterConfig) -> List[rights.PermissionRow]:
+        """Whether kubectl's current context may do in K8S_NAMESPACE all that run, status, logs and kill do."""
+        if not k8s.namespace_ok(cfg.k8s_namespace):
+            raise cfg.error("k8s_namespace", k8s.NAMESPACE_FIX)
+        return rights.check(Kubectl(cfg.k8s_namespace, ""))
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:
@@ -242,11 +242,9 @@ class K8sBackend(Backend):
                                     resume_from=spec.resume_from or "")
         self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
-        for verb, resource in NEEDED:
-            if not self.kubectl.may(verb, resource):
-                raise ClusterError(f"kubectl says you may not {verb} {resource} in namespace {opts.namespace} "
-                                   f"('{shlex.join(self.kubectl.can_i(verb, resource))}'): ask your cluster's "
-                                   "admin, or choose another --namespace")
+        for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
+            if need.at_run and not self.kubectl.may(need.verb, need.resource):
+                raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
         roles = pod_roles(job)
         self.names = [f"{job.job_name(r)}-{i}" for r, i in roles]
         self.labels = [f"pod {n}" for n in self.names]

@@ -36,6 +36,10 @@ OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s crea
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
 
+class KubectlMissing(ClusterError):
+    """No kubectl on PATH."""
+
+
 @dataclass(frozen=True)
 class Kubectl:
     """The commands for one job: ``namespace`` and ``selector`` (``paddle-cluster/job=<name>``)."""
@@ -48,7 +52,8 @@ class Kubectl:
         return [self.binary, "--namespace", self.namespace, *args]
 
     def can_i(self, verb: str, resource: str) -> List[str]:
-        return self._ns("auth", "can-i", verb, resource)
+        kind, _, sub = resource.partition("/")  # pods/log: the subresource (kubectl reads pods/NAME as a pod)
+        return self._ns("auth", "can-i", verb, kind, *([f"--subresource={sub}"] if sub else []))
 
     def create(self) -> List[str]:
         """Create the objects of the YAML stream on stdin; one that exists already is an error, left as it is."""
@@ -99,15 +104,16 @@ class Kubectl:
         """Whether the API server lets us ``verb`` ``resource`` here; ``ClusterError`` when it cannot say."""
         argv = self.can_i(verb, resource)
         res = self._exec(argv, "", 60.0)
-        if res.stdout.strip() in ("yes", "no"):
-            return res.stdout.strip() == "yes"
+        answer = (res.stdout.split() or [""])[0]  # "no" may be followed by " - <the authorizer's reason>"
+        if answer in ("yes", "no"):
+            return answer == "yes"
         raise self._failed(argv, res)
 
     @staticmethod
     def _exec(argv: List[str], stdin: str, timeout: float) -> subprocess.CompletedProcess:
         if shutil.which(argv[0]) is None:
-            raise ClusterError(f"{argv[0]} not found on PATH: install kubectl and point it at your cluster "
-                               "(KUBECONFIG or ~/.kube/config)")
+            raise KubectlMissing(f"{argv[0]} not found on PATH: install kubectl (https://kubernetes.io/docs/tasks/"
+                                 "tools/) and point it at your cluster (KUBECONFIG or ~/.kube/config)")
         try:
             return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
