@@ -22,8 +22,8 @@ import pytest
 from helpers import free_port_range, wait_for
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.node import MAIN, procs
 from paddle_cluster.node import messages as m
-from paddle_cluster.node import procs
 
 SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.weakness)
 
@@ -219,6 +219,42 @@ def test_kill_without_grace_cuts_short_an_agent_waiting_out_its_grace_period(tmp
     assert a.wait_for(lambda e: isinstance(e, m.Stopped), timeout=20).killed == ("pserver.0", "trainer.0")
     assert second.wait(timeout=20) == 0 and first.wait(timeout=20) == 0
     assert time.monotonic() - started < 15 and not procs.alive_as_recorded(*trainer)
+
+
+def test_an_own_session_agent_runs_the_dispatched_library_and_stops_the_job_when_its_rank_is_killed(tmp_path):
+    """Under MPICH's Hydra the rank is ``bootstrap --own-session`` (Hydra SIGKILLs its ranks once mpiexec stops): the
+    agent, its child in a session of its own, runs from the library the launcher dispatched, as the rank does, on
+    a host whose python has no paddle_cluster (here: a bare venv's), and stops the job once the rank is killed."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    plan = node_plan(tmp_path, py(LISTEN), py("import time; print('up', flush=True); time.sleep(600)"))
+    (tmp_path / "plans.jsonl").write_text(m.encode(m.Start(plan)) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PMI_RANK="0", PMI_SIZE="1", MPI_LOCALRANKID="0")  # what Hydra sets for rank 0 of 1
+    rank = subprocess.Popen([str(bare / "bin" / "python"), "-c", MAIN, str(REPO), "bootstrap", "--engine", "mpi",
+                             "--plan", str(tmp_path / "plans.jsonl"), "--grace", "1", "--own-session"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=tmp_path)
+    out: List[str] = []  # the agent's events (its child's too: it inherits the pipe), or why it could not start
+    threading.Thread(target=lambda: out.extend(line.decode() for line in iter(rank.stdout.readline, b"")),
+                     daemon=True).start()
+
+    def events(kind) -> list:
+        return [ev for ev in map(m.decode, [x for x in out if x.startswith("{")]) if isinstance(ev, kind)]
+    try:
+        def up() -> bool:
+            assert rank.poll() is None, f"the rank ended ({rank.returncode}): {''.join(out)}"
+            return m.Log(0, "trainer.0", "up") in events(m.Log)
+        wait_for(up, 30, "the trainer's line")
+        pids = [ev.pid for ev in events(m.Started)]
+        rank.kill()  # as Hydra's proxy does
+        rank.wait(timeout=10)
+        stopped = wait_for(lambda: events(m.Stopped), 30, "the agent's Stopped event")
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+    assert stopped == [m.Stopped(0, "agent received SIGTERM", ("pserver.0", "trainer.0"))], out
+    assert len(pids) == 2 and not any(procs.alive_as_recorded(pid, None) for pid in pids)
 
 
 def test_checkpoints_sub_command_lists_the_steps_complete_for_the_given_pservers(tmp_path):

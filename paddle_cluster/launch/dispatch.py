@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import paddle_cluster
+from paddle_cluster.node import MAIN
 
 from . import cache
 from .errors import ClusterError, HostConfigError, HostError
@@ -231,9 +232,7 @@ def ensure_package(node: Node, pkg: Package, kind: str,
 
 def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
     """The command line that runs ``python -m paddle_cluster.node ARGS`` from the installed library."""
-    code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-            "from paddle_cluster.node.__main__ import main; sys.exit(main())")
-    return [node.cfg.python, "-c", code, f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}", *args]
+    return [node.cfg.python, "-c", MAIN, f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}", *args]
 
 
 def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120) -> Dict[str, Any]:

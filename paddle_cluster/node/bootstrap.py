@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
+from . import MAIN, probe, supervisor
 from . import messages as m
-from . import probe, supervisor
 
 ENGINES = ("mpi", "slurm")
 # A rank's index, the number of ranks and its index on its host, as each MPI family names them.
@@ -159,7 +159,10 @@ def shielded(argv: List[str]) -> int:
         if os.getppid() != parent:  # already gone before the line above
             os._exit(1)
 
-    child = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *argv], start_new_session=True,
+    # The child runs this library, the one the launcher dispatched: the host's python may have no paddle_cluster
+    # (``-m paddle_cluster.node`` then fails) or another version of it.
+    lib = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", MAIN, lib, *argv], start_new_session=True,
                              preexec_fn=die_with_parent)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
