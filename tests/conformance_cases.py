@@ -40,15 +40,6 @@ NOT_OFFERED: Dict[tuple, str] = {
 # Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
 # fix turns them into failures until the entry goes.
 KNOWN_FAILURES: Dict[tuple, str] = {}
-# A product bug seen in some runs only, cause not found yet: xfail(strict=False) (a pass is not a failure), so
-# the suite stays red-free without hiding it; the matrix says so.
-INTERMITTENT: Dict[tuple, str] = {
-    ("launcher_gone", "mpi-mpich"): "in 1 of 2 full CI runs, run at once on one machine (each suite runs this "
-                                    "case with the same job names, and the test finds a job's processes by name "
-                                    "machine-wide), the SIGKILLed launcher's job still had processes after 90 s; "
-                                    "not reproduced in 17 runs under load (stopped within 3 s); cause not proven",
-}
-
 # Variables one backend adds to the contract, and why (everything else is the same on every backend).
 EXTRA_VARS: Dict[tuple, str] = {
     ("slurm", "PADDLE_CHECKPOINT_DIR"): "each node's PADDLE_JOB_DIR is its own directory on the shared filesystem "
@@ -61,8 +52,7 @@ def matrix() -> str:
     rows = ["| scenario | " + " | ".join(BACKENDS) + " |", "| --- |" + " --- |" * len(BACKENDS)]
     for name in SCENARIOS:
         cells = [f"not offered ({NOT_OFFERED[name, b]})" if (name, b) in NOT_OFFERED else
-                 f"known failure ({KNOWN_FAILURES[name, b]})" if (name, b) in KNOWN_FAILURES else
-                 f"known intermittent failure ({INTERMITTENT[name, b]})" if (name, b) in INTERMITTENT else "pass"
+                 f"known failure ({KNOWN_FAILURES[name, b]})" if (name, b) in KNOWN_FAILURES else "pass"
                  for b in BACKENDS]
         rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
     rows.append("")
@@ -107,9 +97,8 @@ time.sleep(300)
 def cases(scenario: str):
     """The backends of ``scenario``; a backend that does not offer it runs the refusal check instead."""
     def marks(b: str) -> list:
-        known, flaky = KNOWN_FAILURES.get((scenario, b)), INTERMITTENT.get((scenario, b))
-        return [pytest.mark.xfail(strict=True, reason=known)] if known else \
-            [pytest.mark.xfail(strict=False, reason=flaky)] if flaky else []
+        known = KNOWN_FAILURES.get((scenario, b))
+        return [pytest.mark.xfail(strict=True, reason=known)] if known else []
     return [pytest.param(b, id=b, marks=marks(b)) for b in BACKENDS if (scenario, b) not in NOT_OFFERED]
 
 

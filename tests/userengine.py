@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from conformance_cases import DUAL_HOLD_PY, workspace
 from helpers import REPO, free_port_range, rc_python, wait_for
 
+SUITE = secrets.token_hex(2)  # this test session's mark in its job names (Engine.job)
 
 @dataclass
 class Engine:
@@ -60,8 +62,10 @@ class Engine:
                               timeout=timeout, stdin=subprocess.DEVNULL)
 
     def job(self, scenario: str) -> str:
-        """This backend's job name for ``scenario`` (each backend's jobs apart: the ssh and mpi ones share hosts)."""
-        name = f"cf{scenario.replace('_', '')}{self.name.replace('-', '')}"
+        """This backend's job name for ``scenario`` (each backend's jobs apart: the ssh and mpi ones share hosts),
+        with this test session's ``SUITE`` token: ``job_processes`` looks machine-wide, and a second suite run on
+        the same machine at the same time (two CI runs) must not count as ours."""
+        name = f"cf{scenario.replace('_', '')}{self.name.replace('-', '')}{SUITE}"
         self.jobs.append(name)
         return name
 
