@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 import warnings
-from typing import Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import click
 
@@ -27,8 +27,9 @@ from .launch.backends import (
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override
 from .launch.entry import PSERVER_CHOICES, settle
-from .launch.errors import OUTCOMES, ClusterError, ConfigError
+from .launch.errors import OUTCOMES, ClusterError
 from .launch.plan import JobSpec, default_job_name
+from .launch.registry import DEFAULT
 from .launch.run import run_job, submit
 from .launch.supervise import JobResult
 
@@ -114,7 +115,7 @@ class _ScriptArgsCommand(click.Command):
             return super().parse_args(ctx, list(args))
         except click.NoSuchOption as e:
             names, c = [], ctx
-            while c.parent is not None:  # "render k8s", not the program's name (python -m paddle_cluster ...)
+            while c.parent is not None:  # "render <backend>", not the program's name (python -m paddle_cluster ...)
                 names.insert(0, c.info_name or "")
                 c = c.parent
             raise click.UsageError(cmdline.unknown_option(" ".join(names), e.option_name, _opts(self, ctx), args,
@@ -137,15 +138,25 @@ def _options(*decorators):
     return apply
 
 
-def _backend_options(only: Optional[str] = None):
-    """The options each backend declares (``only``: that backend's), as click options."""
+def _backend_options(only: Optional[str] = None, check: bool = False):
+    """The options each backend declares (``only``: that backend's; ``check``: those ``check`` takes), as click
+    options."""
     def option(o: BackendOption):
         if o.kind is bool:
             return click.option(o.flag, o.dest, is_flag=True, help=o.help)
         return click.option(o.flag, o.dest, type=click.IntRange(min=o.minimum) if o.kind is int else str,
                             metavar=o.metavar or None, multiple=o.multiple, help=o.help)
 
-    return _options(*[option(o) for o in run_options(only)])
+    return _options(*[option(o) for o in run_options(only, check)])
+
+
+def _each_backend(what: Callable[[Type[Backend]], str], sep: str = ", ") -> str:
+    """What each backend says of itself (a class attribute), for a help text: "a and b: text, c: other"."""
+    said: Dict[str, List[str]] = {}
+    for b in REGISTRY:
+        if what(backend_class(b)):
+            said.setdefault(what(backend_class(b)), []).append(b)
+    return sep.join(f"{' and '.join(names)}: {text}" for text, names in said.items())
 
 
 class _ByBackend(_ScriptArgsCommand):
@@ -212,13 +223,13 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="Where the job runs: " + ", ".join(
-              f"{b} ({backend_class(b).summary})" for b in REGISTRY) + "; default: BACKEND of the config, ssh. See "
-              "docs/backends.md.")
+              f"{b} ({backend_class(b).summary})" for b in REGISTRY) + f"; default: BACKEND of the config, {DEFAULT}. "
+              "See docs/backends.md.")
 @click.option("--detach", is_flag=True, help="Submit and return (backends " + ", ".join(
               b for b in REGISTRY if not backend_class(b).detach) + "): the job runs on its own, status, logs and "
               "kill find it later.")
-@click.option("--dry-run", is_flag=True, help="Print what the backend would be given (the ssh plan, the mpirun "
-              "command, the sbatch script, the Kubernetes manifests) and start nothing.")
+@click.option("--dry-run", is_flag=True, help="Print what the backend would be given (" +
+              _each_backend(lambda c: c.renders) + ") and start nothing.")
 @_backend_options()
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py).")
@@ -255,7 +266,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if foreign:
         owners = {owner: [f for f, o in foreign if o == owner] for _, owner in foreign}
         chosen = "--backend" if backend else "the built-in local cluster" if cfg.is_builtin_default else \
-            f"BACKEND in {cfg.source}, else ssh"
+            f"BACKEND in {cfg.source}, else {DEFAULT}"
         raise click.UsageError("; ".join(f"{', '.join(flags)}: for --backend {owner} only" for owner, flags in
                                          owners.items())
                                + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
@@ -291,7 +302,8 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
         _out(line)
 
 
-@main.command()
+@main.command(help="Show a node's logs; NODE is node0, 0, or a host from HOSTS (" +
+              _each_backend(lambda c: c.node_hint, "; ") + ").")
 @click.argument("node")
 @click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True,
               help="Whose logs: the trainers', the pservers' or both.")
@@ -300,7 +312,6 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 @_earlier_job("Job whose logs to show")
 @_handled
 def logs(ctx: click.Context, node: str, role: str, follow: bool, lines: int, job_name: Optional[str]) -> None:
-    """Show a node's logs; NODE is node0, 0, or a host from HOSTS (k8s: a pod, fit-trainer-0 or trainer.0)."""
     cls, job = _earlier(ctx, job_name)
     cls.logs(job, node, role, lines, follow, _out)
 
@@ -327,24 +338,21 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
            caption=ended["message"] if ended else None)
 
 
-@main.command()
+@main.command(help="Preflight what a job would run on; each backend checks its own: " +
+              _each_backend(lambda c: c.checks, "; ") + ".")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
-              "config, ssh): each checks what its jobs run on (docs/backends.md).")
-@click.option("--namespace", metavar="NS", help="k8s: the namespace to check (default: K8S_NAMESPACE, default).")
+              f"config, {DEFAULT}): each checks what its jobs run on (docs/backends.md).")
+@_backend_options(check=True)
 @_handled
-def check(ctx: click.Context, as_json: bool, backend: Optional[str], namespace: Optional[str]) -> None:
-    """Preflight every host: SSH without prompts, the interpreter every process will run (PYTHON as the login
-    shell finds it, as an absolute path) and its numpy, NIC, ports, ROOT_DIR, disk. With --backend k8s: whether
-    kubectl may do in the namespace all that the backend does."""
+def check(ctx: click.Context, as_json: bool, backend: Optional[str], **backend_opts) -> None:
     cfg = _config(ctx)
-    given = {k: v for k, v in (("backend", ("--backend", backend)), ("k8s_namespace", ("--namespace", namespace)))
-             if v[1]}
-    cfg = override(cfg, given) if given else cfg
-    for flag, owner in foreign_options(cfg.backend, {"namespace": namespace}):
-        raise ConfigError(flag, namespace, f"for --backend {owner} only (backend {cfg.backend} is checked here): add "
-                          f"--backend {owner}, or leave {flag} out")
-    rows = backend_of(cfg).check(cfg)
+    if backend:
+        cfg = override(cfg, {"backend": ("--backend", backend)})
+    for flag, owner in foreign_options(cfg.backend, backend_opts):
+        raise click.UsageError(f"{flag}: for --backend {owner} only (backend {cfg.backend} is checked here): add "
+                               f"--backend {owner}, or leave {flag} out")
+    rows = backend_of(cfg).check(cfg, backend_opts)
     if as_json:
         _out(access.as_json(rows))
     elif rows:
@@ -374,10 +382,10 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     _say(f"wrote {os.path.abspath(path)}")
 
 
-@main.group()
+@main.group(help="Print what a backend is given to run a job (" + _each_backend(lambda c: c.renders) + "), starting "
+            "nothing: `run --dry-run` with one backend's options.")
 def render() -> None:
-    """Print what a backend is given to run a job (the ssh plan, the mpirun command, the sbatch script, the
-    Kubernetes manifests), starting nothing: `run --dry-run` with one backend's options."""
+    pass
 
 
 def _render_command(backend: str) -> None:

@@ -197,6 +197,18 @@ def test_no_code_outside_the_backends_packages_switches_on_a_backend():
     assert not found, found
 
 
+def test_cli_names_no_backend():
+    """Not in code, help texts nor comments: what ``--help`` says of a backend comes from its class (``summary``,
+    ``renders``, ``node_hint``, ``checks``, its options), so a new backend's help needs no edit of cli.py."""
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "paddle_cluster" / "cli.py").read_text()
+    engines = [*REGISTRY, "Kubernetes", "kubectl", "Slurm", "sbatch", "mpirun", "mpiexec", "Open MPI", "MPICH"]
+    found = [f"cli.py:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
+             if re.search(r"\b(" + "|".join(map(re.escape, engines)) + r")\b", line)]
+    assert not found, found
+
+
 class _QueueBackend(backend_class("k8s")):  # a throwaway engine declaring an option k8s has too
     name = "pbs"
     options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)

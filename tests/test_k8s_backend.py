@@ -250,7 +250,7 @@ def test_without_kubectl_the_error_says_so(tmp_path: Path) -> None:
 
 def test_check_namespace_is_refused_for_another_backend(tmp_path: Path) -> None:
     res = _cli(tmp_path, "check", "--namespace", "ml", path=str(tmp_path / "empty"))
-    assert res.returncode == 2 and "--namespace ml: for --backend k8s only (backend ssh is checked here)" in \
+    assert res.returncode == 2 and "--namespace: for --backend k8s only (backend ssh is checked here)" in \
         res.stderr, res.stderr
 
 

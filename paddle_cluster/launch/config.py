@@ -22,7 +22,7 @@ import yaml
 
 from .. import contract
 from .errors import ConfigError
-from .registry import REGISTRY
+from .registry import DEFAULT, REGISTRY
 
 LOCAL_HOSTS = ("localhost",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -103,7 +103,7 @@ class ClusterConfig:
     max_restarts: int = 0
     # Where jobs run: "ssh" (HOSTS), "mpi" (mpirun over HOSTS), "slurm" (an allocation) or "k8s" (a
     # Kubernetes namespace); docs/backends.md.
-    backend: str = "ssh"
+    backend: str = DEFAULT
     # Which MPI "mpi" runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or
     # "auto": what `mpirun --version` says, else whichever is installed.
     mpi_impl: str = "auto"

@@ -43,12 +43,12 @@ def option_owners() -> Dict[str, List[str]]:
     return owners
 
 
-def run_options(only: Optional[str] = None) -> List[BackendOption]:
-    """The options ``run`` (``only``: ``render <only>``) takes: one per flag, an option several backends declare
-    with each one's help."""
+def run_options(only: Optional[str] = None, check: bool = False) -> List[BackendOption]:
+    """The options ``run`` (``only``: ``render <only>``; ``check``: ``check``) takes: one per flag, an option
+    several backends declare with each one's help."""
     mine: Dict[str, List[Tuple[str, BackendOption]]] = {}
     for owner, o in declared_options():
-        if only in (None, owner):
+        if only in (None, owner) and (o.check or not check):
             mine.setdefault(o.flag, []).append((owner, o))
     return [dataclasses.replace(opts[0][1], help=" ".join(f"{b}: {o.help}" for b, o in opts)) if len(opts) > 1
             else opts[0][1] for opts in mine.values()]

@@ -43,6 +43,7 @@ class BackendOption:
     metavar: str = ""
     minimum: Optional[int] = None
     multiple: bool = False  # may be given more than once: a tuple of values
+    check: bool = False  # ``check`` takes it too (its ``check`` gets it)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,11 @@ class Backend(ABC):
     name: ClassVar[str]  # as BACKEND and --backend say it
     summary: ClassVar[str]  # where its jobs run, for --help: "HOSTS over SSH"
     render_hint: ClassVar[str] = ""  # what to do with ``render``'s output, for ``render <name> --help``
+    renders: ClassVar[str]  # what ``render`` prints, for --help: "the sbatch script"
+    node_hint: ClassVar[str] = ""  # what else ``logs NODE`` takes, for --help: "a pod, fit-trainer-0"
+    checks: ClassVar[str] = ("every host of HOSTS: SSH without prompts, the interpreter every process will run "
+                             "(PYTHON as the login shell finds it, as an absolute path) and its numpy, PADDLE_NIC, "
+                             "ports, ROOT_DIR, disk")  # what ``check`` looks at, for --help
     options: ClassVar[Tuple[BackendOption, ...]] = ()
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
     needs_hosts: ClassVar[bool] = True  # its nodes are the machines of HOSTS (False: the engine gives the nodes)
@@ -166,9 +172,9 @@ class Backend(ABC):
         return plot.collect(job.cfg, job.name)
 
     @classmethod
-    def check(cls, cfg: ClusterConfig) -> Sequence[CheckLine]:
-        """``paddle-cluster check``: whether what its jobs run on is ready, a row per thing checked; by default
-        each host of HOSTS (SSH, the interpreter and its numpy, PADDLE_NIC, ports, ROOT_DIR, disk)."""
+    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
+        """``paddle-cluster check``: whether what its jobs run on is ready (``checks``), a row per thing checked,
+        with the declared options marked ``check`` given (absent ones None)."""
         from ..access import check_cluster
 
         if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way

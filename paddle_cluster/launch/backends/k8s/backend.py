@@ -123,6 +123,9 @@ def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
 class K8sBackend(Backend):
     name = "k8s"
     summary = "Kubernetes Jobs"
+    renders = "the Kubernetes manifests"
+    node_hint = "a pod: fit-trainer-0 or trainer.0"
+    checks = "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth can-i)"
     render_hint = "Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
@@ -130,7 +133,8 @@ class K8sBackend(Backend):
     options = (
         BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
                       "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),
-        BackendOption("--namespace", "namespace", "The namespace (default: K8S_NAMESPACE, default).", metavar="NS"),
+        BackendOption("--namespace", "namespace", "The namespace (default: K8S_NAMESPACE, default).", metavar="NS",
+                      check=True),
         BackendOption("--pservers", "pservers", "Pserver pods (default: HOSTS x PSERVERS_PER_NODE; no HOSTS: "
                       "PSERVERS_PER_NODE).", int, "N", 1),
         BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE; no HOSTS: "
@@ -186,8 +190,10 @@ class K8sBackend(Backend):
         return kc.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
 
     @classmethod
-    def check(cls, cfg: ClusterConfig) -> List[rights.PermissionRow]:
-        """Whether kubectl's current context may do in K8S_NAMESPACE all that run, status, logs and kill do."""
+    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
+        """Whether kubectl's current context may do in the namespace all that run, status, logs and kill do."""
+        if opts.get("namespace"):
+            cfg = override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
         if not k8s.namespace_ok(cfg.k8s_namespace):
             raise cfg.error("k8s_namespace", k8s.NAMESPACE_FIX)
         return rights.check(Kubectl(cfg.k8s_namespace, ""))

@@ -60,6 +60,9 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
 class SlurmBackend(Backend):
     name = "slurm"
     summary = "an allocation of --nodes"
+    renders = "the sbatch script"
+    checks = ("this machine, whose environment srun gives the nodes: the interpreter and its numpy, ROOT_DIR (the "
+              "nodes are not known before the allocation)")
     detach = ""
     needs_hosts = False  # the allocation gives the nodes (--nodes; default: as many as HOSTS lists)
     options = (
@@ -170,7 +173,7 @@ class SlurmBackend(Backend):
         return [ops.kill(job.cfg, job.name, job.handle)]
 
     @classmethod
-    def check(cls, cfg: ClusterConfig) -> List[CheckRow]:
+    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[CheckRow]:
         return ops.check_here(cfg)
 
     @classmethod

@@ -38,6 +38,7 @@ PING_S = 2.0
 class SSHBackend(Backend):
     name = "ssh"
     summary = "HOSTS over SSH; localhost as a subprocess"
+    renders = "the plan each node is given"
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
