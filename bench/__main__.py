@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 import traceback
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 from . import targets as goals
@@ -100,7 +101,7 @@ class Suite:
                              "GB/s", st.spread(), check=chk, extra=st.to_dict()), dense.cpu_stats(res, ph),
                          f"dense1{tag}" if ph == "pushpull" else "")
             if integrity:
-                self._memory("1 trainer sync", res, size, 1)
+                self._memory("1 trainer sync", res)
         if mac != "HmacSha256":  # what a node with only the standard library gets
             res = dense.run(size, 1, warmup=w, reps=r, integrity=True, stdlib_mac=True)
             st = dense.step_stats(res, "pushpull")
@@ -121,7 +122,7 @@ class Suite:
                          check=dense.check(res), extra=st.to_dict()), dense.cpu_stats(res, "pushpull"),
                      f"dense2{tag}" if mode == "sync" else "")
             if mode == "sync" and integrity:
-                self._memory("2 trainers sync", res, size, 2)
+                self._memory("2 trainers sync", res)
         sweep = []
         for n in (1, 2):
             self._sgd(n)
@@ -176,16 +177,20 @@ class Suite:
                      extra={"cpu": cpu.to_dict(), **st.to_dict()}))
         self.m["cpu"][key] = cpu
 
-    def _memory(self, what: str, res: Dict[str, Any], size: int, trainers: int) -> None:
-        held = size // 2  # SGD: parameters only, no optimizer state; half the model per pserver
-        for k, (idle, end) in enumerate(zip(res["idle_mem"], res["end_mem"])):
-            grew = end["VmHWM"] - idle["VmRSS"]
-            ratio = grew / held
-            self.m.setdefault("mem", []).append((what, k, ratio, end["VmHWM"], idle["VmRSS"]))
-            self.add(Row("memory", f"pserver {k} peak RSS growth / bytes held, {what}", ratio, "x", None,
-                         note=f"peak {end['VmHWM'] / MB:.0f} MB, idle {idle['VmRSS'] / MB:.0f} MB, "
-                              f"holds {held / MB:.0f} MB", check="-",
-                         extra={"peak": end["VmHWM"], "idle": idle["VmRSS"], "held": held}))
+    def _memory(self, what: str, res: Dict[str, Any]) -> None:
+        """A row per pserver holding a block: its memory over what the design says it holds (``dense.Holds``),
+        the raw growth over the model's part in the note."""
+        from .dense import Memory
+
+        for k, (idle, end, h) in enumerate(zip(res["idle_mem"], res["end_mem"], res["holds"])):
+            if not h.held:  # a model too small to reach this pserver (the smoke size): nothing to judge
+                continue
+            mem = Memory(what, k, end["VmHWM"] - idle["VmRSS"], end["VmHWM"], idle["VmRSS"], h)
+            self.m.setdefault("mem", []).append(mem)
+            self.add(Row("memory", f"pserver {k} peak RSS growth / design, {what}", mem.ratio, "x", None,
+                         note=mem.note(), check="-",
+                         extra={"peak": mem.peak, "idle": mem.idle, "growth": mem.growth, "raw": mem.raw,
+                                "holds": asdict(h), "design": h.total}))
 
     def _plot_sweep(self, sweep) -> None:
         try:

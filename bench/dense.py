@@ -6,10 +6,88 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from paddle_cluster.ps import fold, optim
+from paddle_cluster.ps.placement import place_dense
+from paddle_cluster.ps.stream import SEGMENT
 
 from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_json
 from .cpu import Cpu, combine
+from .worker import model_shape
+
+
+@dataclass(frozen=True)
+class Holds:
+    """What the design says one pserver of a dense run holds beyond an idle pserver, in bytes: its blocks of
+    the model, their optimizer state, the sync pool's accumulator slots (``fold.AccPool``, with several sync
+    trainers) and one receive scratch segment (``Stream.chunks``) per trainer connection carrying its blocks."""
+
+    params: int
+    state: int
+    pool: int
+    scratch: int
+
+    @property
+    def held(self) -> int:
+        """The model's part: what grows with the model (parameters and optimizer state)."""
+        return self.params + self.state
+
+    @property
+    def total(self) -> int:
+        return self.held + self.pool + self.scratch
+
+    def note(self) -> str:
+        return (f"design {self.total / MB:.1f} MB = params {self.params / MB:.1f} + optimizer state "
+                f"{self.state / MB:.1f} + sync pool {self.pool / MB:.1f} + receive scratch {self.scratch / MB:.1f}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One pserver's memory in a run: ``growth``, its peak resident set (``VmHWM``) at the end over its resident
+    set idle before anything was registered, against ``holds``."""
+
+    what: str
+    pserver: int
+    growth: int
+    peak: int
+    idle: int
+    holds: Holds
+
+    @property
+    def ratio(self) -> float:
+        """Growth over what the design says it holds: the target, the same meaning at every model size."""
+        return self.growth / self.holds.total
+
+    @property
+    def raw(self) -> float:
+        """Growth over the model's part alone (parameters and optimizer state): the fixed pool and scratch
+        weigh more the smaller the model."""
+        return self.growth / self.holds.held
+
+    def note(self) -> str:
+        return (f"growth / model's part {self.raw:.2f}x; peak {self.peak / MB:.1f} MB, idle {self.idle / MB:.1f} MB, "
+                f"growth {self.growth / MB:.2f} MB; {self.holds.note()}")
+
+
+def holds(size: int, trainers: int, mode: str = "sync", max_block: int = 4 * MB, n_pservers: int = 2,
+          ports_num: int = 1, optimizer: str = "sgd") -> List[Holds]:
+    """``Holds`` of every pserver of ``run(size, trainers, mode, max_block)``, from the placement the trainers
+    compute and the runtime's own constants (so a change to the pool or the segment size moves it too)."""
+    placed = place_dense({"w": (model_shape(size), np.float32)}, n_pservers, ports_num, max_block_bytes=max_block)
+    state_copies = len(optim.UPDATES[optimizer][1])  # SGD none; its scratch buffer is never touched
+    slots = fold.AccPool(fold.POOL_BYTES).left  # how many segments the pool may allocate
+    out = []
+    for k in range(n_pservers):
+        mine = [b for b in placed.blocks if b.pserver == k]
+        params = sum(b.nbytes for b in mine)
+        pool = slots * SEGMENT if mine and mode == "sync" and trainers > 1 else 0
+        scratch = len({b.conn for b in mine}) * trainers * SEGMENT
+        out.append(Holds(params, params * state_copies, pool, scratch))
+    return out
 
 
 def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
@@ -22,7 +100,8 @@ def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * M
     the trainers' address, or ``trainer_ip(i)`` for each.
     ``integrity``: frames carry MACs (the default) or not (``INTEGRITY = False``); ``stdlib_mac``: the trainers
     offer only HMAC-SHA256, as on a node with neither OpenSSL 3 nor the ``cryptography`` package.
-    Also returns every pserver's memory (idle before registration, and at the end).
+    Also returns every pserver's memory (idle before registration, and at the end) and what the design says
+    it holds (``holds``).
     """
     hosts = hosts or ["127.0.0.1"] * n_pservers
     tmp = workdir or tempfile.mkdtemp(prefix="bench-dense-")
@@ -49,7 +128,8 @@ def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * M
             p.wait(20)
     finally:
         procs.close()
-    return {"trainers": results, "idle_mem": idle, "end_mem": end, "names": names}
+    return {"trainers": results, "idle_mem": idle, "end_mem": end, "names": names,
+            "holds": holds(size, trainers, mode, max_block, len(hosts))}
 
 
 def step_stats(res: Dict[str, Any], phase: str) -> Stats:

@@ -150,6 +150,7 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
           why or launcher.dispatch_detail(m, key, top))
     t("unchanged re-dispatch: workspace step (s)", m.get("dispatch_again_step"), "< 0.3 s", lambda v: v < 0.3,
       skipped.get("launcher", ""))
-    for what, k, r, _peak, _idle in m.get("mem", []):
-        t(f"pserver {k} memory / bytes held, {what}", r, "<= 1.2", lambda v: v <= 1.2)
+    for mem in m.get("mem", []):  # dense.Memory
+        t(f"pserver {mem.pserver} memory / design, {mem.what}", mem.ratio, "<= 1.2", lambda v: v <= 1.2,
+          mem.note())
     return T

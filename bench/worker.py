@@ -30,6 +30,12 @@ def _wait_for_all(done_dir: str, me: int, n: int, timeout: float = 300.0) -> Non
         time.sleep(0.01)
 
 
+def model_shape(size: int) -> tuple:
+    """The float32 parameter ``w`` of a dense run of ``size`` bytes (rows of 1024 once it has 8 of them)."""
+    n_elems = size // 4
+    return (n_elems // 1024, 1024) if n_elems >= 1024 * 8 else (n_elems,)
+
+
 def dense(a: dict) -> dict:
     mode, size, warmup, reps = a["mode"], int(a["size"]), int(a["warmup"]), int(a["reps"])
     phases = a.get("phases", ["pushpull"])
@@ -37,8 +43,7 @@ def dense(a: dict) -> dict:
         from paddle_cluster.ps import auth
 
         auth.OFFER = auth.HmacSha256.CODE
-    n_elems = size // 4
-    shape = (n_elems // 1024, 1024) if n_elems >= 1024 * 8 else (n_elems,)
+    shape = model_shape(size)
     ps = connect(mode=mode, optimizer=OptimizerSpec("sgd", lr=LR), max_block_bytes=int(a["max_block"]))
     tid, n = ps.trainer_id, ps.env.trainers
     value = np.float32(tid + 1)

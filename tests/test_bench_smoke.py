@@ -27,9 +27,11 @@ def test_bench_smoke_raw_dense_sparse(tmp_path):
     # The data-path and integrity goals, each with a figure and PASS/MISS.
     want = {"dense push+pull / raw TCP 2 streams (integrity off)", "integrity on / off: dense push+pull",
             "integrity on / off: 2-trainer sync", "2-trainer sync aggregate / raw TCP 2 streams (integrity off)",
-            "pserver 0 memory / bytes held, 2 trainers sync"}
+            "pserver 0 memory / design, 2 trainers sync"}
     got = {t["name"]: t for t in doc["targets"] if t["name"] in want}
     assert set(got) == want and all(t["met"] is not None and t["value"] is not None for t in got.values()), got
+    # Memory judged against the design's bytes, the raw growth over the parameters still in the JSON.
+    assert all(r["extra"]["raw"] > 0 and r["extra"]["design"] > 0 for r in rows if r["section"] == "memory")
     # The CPU of every data-path row's processes, the SGD path alone, and each data-path goal's CPU bound or
     # why there is none.
     assert all("cpu" in r["extra"] for r in rows if r["section"] == "raw" or "pushpull" in r["name"]
