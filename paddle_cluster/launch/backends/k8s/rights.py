@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, List, Tuple
 
+from ...config import ClusterConfig
 from ...errors import ClusterError
+from . import manifests
 from .kubectl import Kubectl, KubectlMissing
 
 LISTED = "run and kill delete the job's objects by label"
@@ -77,9 +79,12 @@ def refusal(k: Kubectl, need: Need) -> str:
             "namespace (--namespace, K8S_NAMESPACE)")
 
 
-def check(k: Kubectl) -> List[PermissionRow]:
-    """Every need of ``NEEDS`` asked of the API server (the first alone: a context that does not answer is one
-    error, not one per permission)."""
+def check(cfg: ClusterConfig) -> List[PermissionRow]:
+    """Every need of ``NEEDS`` asked of the API server in K8S_NAMESPACE (the first alone: a context that does not
+    answer is one error, not one per permission)."""
+    if not manifests.namespace_ok(cfg.k8s_namespace):
+        raise cfg.error("k8s_namespace", manifests.NAMESPACE_FIX)
+    k = Kubectl(cfg.k8s_namespace, "")
     try:
         answers = [k.may(NEEDS[0].verb, NEEDS[0].resource)]
     except KubectlMissing:
