@@ -174,15 +174,16 @@ class _ByBackend(_ScriptArgsCommand):
 
 def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
          trainer_args: Tuple[str, ...], entry_script: Optional[str], pserver: Optional[str], opts: dict,
-         detach: bool = False, notes: bool = True, origin: Optional[str] = None, **spec) -> Tuple[JobSpec, Backend]:
+         detach: bool = False, notes: bool = True, origin: Optional[str] = None, dry: bool = False,
+         **spec) -> Tuple[JobSpec, Backend]:
     """The job's spec, and its backend (``cfg.backend``) with the options given; ``notes``: say which pserver runs
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
-    prints only the request)."""
+    prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg), dispatch_dir, workspace,
+    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
                  tuple(trainer_args), init=tuple(settled.init.items()), **spec)
     return js, backend_for(settled.cfg, opts, detach)
 
@@ -278,7 +279,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         raise click.UsageError("give exactly one of --job_dispatch_package DIR and --job_workspace PATH")
     origin = origin_line(cfg) if cls.needs_workspace and cfg.is_builtin_default else None
     spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, backend_opts, detach,
-                    origin=origin, resume_from=resume_from, elastic=elastic, verbose=verbose,
+                    origin=origin, resume_from=resume_from, elastic=elastic, verbose=verbose, dry=dry_run,
                     max_restarts=cfg.max_restarts if max_restarts is None else max_restarts)
     if dry_run:
         click.echo(be.render(spec, _say).text(), nl=False)
@@ -409,7 +410,7 @@ def _render_command(backend: str) -> None:
             entry_script: Optional[str], pserver: Optional[str], trainer_args: Tuple[str, ...], **opts) -> None:
         cfg = override(_config(ctx), {"backend": (f"render {backend}", backend)})
         spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, opts,
-                        notes=False)
+                        notes=False, dry=True)
         click.echo(be.render(spec, _say).text(), nl=False)
 
 

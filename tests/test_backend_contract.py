@@ -43,21 +43,22 @@ def _isolated(tmp: Path) -> dict:
 
 @pytest.mark.parametrize("backend", list(REGISTRY))
 @pytest.mark.parametrize("how", ["run --dry-run", "render"])
-def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend, how):
+@pytest.mark.parametrize("name", [["--job_name", "dry"], []], ids=["named", "default-name"])
+def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend, how, name):
     conf, env = _user_conf(tmp_path), _isolated(tmp_path)
     (tmp_path / "scratch").mkdir()
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "train.py").write_text("print('hi')\n")
     args = ["run", "--backend", backend, "--dry-run"] if how == "run --dry-run" else ["render", backend]
-    if backend != "k8s":
-        args += ["--job_dispatch_package", str(ws)]
-    res = cli(conf, *args, *OPTIONS.get(backend, []), "--job_name", "dry", "--", "--num_passes", "2", env=env)
+    args += ["--job_dispatch_package", str(ws)]  # (k8s: packed into a ConfigMap)
+    res = cli(conf, *args, *OPTIONS.get(backend, []), *name, "--", "--num_passes", "2", env=env)
     assert res.returncode == 0, res.stderr
     for marker in NATIVE[backend]:
-        assert marker in res.stdout, (marker, res.stdout)
+        assert marker.replace("job dry", "job dry" if name else "job JOB") in res.stdout, (marker, res.stdout)
     assert "Traceback" not in res.stderr
-    # Nothing started, nothing written: no job directory, no journal entry, no cached archive, no temporary file.
+    # Nothing started, nothing written: no job directory, no journal entry (a default name is not reserved), no
+    # cached archive, no temporary file.
     assert not (tmp_path / "root").exists()
     assert not (tmp_path / "state").exists() and not (tmp_path / "cache").exists()
     assert list((tmp_path / "scratch").iterdir()) == []

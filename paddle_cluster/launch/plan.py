@@ -66,11 +66,12 @@ class JobSpec:
         return self.resume_root or f"{self.job_dir}/checkpoints"
 
 
-def default_job_name(cfg: ClusterConfig) -> str:
+def default_job_name(cfg: ClusterConfig, reserve: bool = True) -> str:
     """``JOB<date><time>``, with ``-2``, ``-3``... when a job started from this machine (of any config: two may
     share hosts and ROOT_DIR) already has that name: two runs started within one second would otherwise meet in
-    one job directory."""
-    return journal.reserve_name(cfg, datetime.now().strftime("JOB%Y%m%d%H%M%S"))
+    one job directory. ``reserve=False`` (a dry run, which writes nothing): the stamp, not kept as taken."""
+    stamp = datetime.now().strftime("JOB%Y%m%d%H%M%S")
+    return journal.reserve_name(cfg, stamp) if reserve else stamp
 
 
 @dataclass(frozen=True)

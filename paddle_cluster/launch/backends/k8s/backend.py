@@ -15,6 +15,7 @@ import json
 import queue
 import shlex
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -87,10 +88,12 @@ class K8sOptions:
 
 
 def packed_workspace(directory: str) -> bytes:
-    """``--job_dispatch_package``: the workspace as a gzipped tar small enough for a ConfigMap."""
-    pkg = dispatch.pack_workspace(directory, dispatch.workspace_cache_dir())
-    with open(pkg.path, "rb") as f:
-        data = gzip.compress(f.read(), mtime=0)
+    """``--job_dispatch_package``: the workspace as a gzipped tar small enough for a ConfigMap, packed in a
+    temporary directory (``render`` writes nothing; and a ConfigMap's workspace is small: no cache to keep)."""
+    with tempfile.TemporaryDirectory(prefix="paddle-cluster-pack-") as tmp:
+        pkg = dispatch.pack_workspace(directory, tmp)
+        with open(pkg.path, "rb") as f:
+            data = gzip.compress(f.read(), mtime=0)
     if len(data) > k8s.PACK_LIMIT - 4096:  # room for the ConfigMap's own fields
         raise ConfigError("--job_dispatch_package", directory, f"packs to {len(data) / 1024:.0f} KiB, over the "
                           f"{k8s.PACK_LIMIT // 1024} KiB a ConfigMap holds: build the workspace into the image and "
