@@ -158,6 +158,8 @@ def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job
         "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
     logs = cli(kube, job_dir, "logs", "trainer.0")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    logs = cli(kube, job_dir, "logs", "trainer.0", "--role", "pserver")  # a pod runs one process: not ignored
+    assert logs.returncode == 1 and "trainer.0 is a trainer's pod" in logs.stderr and not logs.stdout, logs
     kill = cli(kube, job_dir, "kill")
     assert kill.returncode == 0 and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in kill.stdout, kill
     assert kube.objects() == {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import queue
+import re
 import shlex
 import subprocess
 import tempfile
@@ -101,6 +102,14 @@ def packed_workspace(directory: str) -> bytes:
     return data
 
 
+def pod_of_role(node: str, role: str) -> None:
+    """``logs NODE --role ROLE``: a pod runs one process, so a ROLE other than the pod's is an error, not ignored."""
+    m_ = re.search(r"(pserver|trainer)[.-]\d+(-[a-z0-9]{5})?$", node)
+    if role != "all" and m_ and m_.group(1) != role:
+        raise ClusterError(f"logs {node} --role {role}: {node} is a {m_.group(1)}'s pod, and a pod runs one process: "
+                           f"leave --role out, or name a {role} (logs {role}.0)")
+
+
 def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
     """The plan of a job on Kubernetes: one node per pod, one process per node, the job's contract."""
     env = job.env
@@ -185,6 +194,7 @@ class K8sBackend(Backend):
 
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
+        pod_of_role(node, role)
         kc.stream_logs(cls._kubectl(job), node, lines, follow, out, job.cfg.job_dir(job.name))
 
     @classmethod

@@ -1,4 +1,5 @@
-"""The Open MPI backend: ``HOSTS`` prepared as over SSH, one ``mpirun`` starting a rank per host."""
+"""The MPI backend: ``HOSTS`` prepared as over SSH, one Open MPI ``mpirun`` or MPICH (Hydra) ``mpiexec``
+starting a rank per host."""
 
 from .backend import MPIBackend
 

@@ -87,7 +87,7 @@ def local_address(peer: str) -> Optional[str]:
 
 class MPIBackend(Backend):
     name = "mpi"
-    summary = "mpirun over HOSTS"
+    summary = "mpirun or mpiexec over HOSTS"
     renders = "the mpirun or mpiexec command"
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
