@@ -112,8 +112,8 @@ class MPIBackend(Backend):
     name = "mpi"
     summary = "mpirun over HOSTS"
     renders = "the mpirun or mpiexec command"
-    checks = (SSHBackend.checks + "; and on this machine the launcher run uses (mpirun or mpiexec.hydra, by "
-              "MPI_IMPL) and its version")
+    checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
+              "mpiexec.hydra, by MPI_IMPL) and its version")
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         self.cfg = cfg
