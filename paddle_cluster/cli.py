@@ -354,14 +354,21 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str], **backend_o
         raise click.UsageError(f"{flag}: for --backend {owner} only (backend {cfg.backend} is checked here): add "
                                f"--backend {owner}, or leave {flag} out")
     rows = backend_of(cfg).check(cfg, backend_opts)
+    kinds: Dict[type, list] = {}  # a table per kind of row (hosts, then the engine), in order
+    for r in rows:
+        kinds.setdefault(type(r), []).append(r)
     if as_json:
         _out(access.as_json(rows))
-    elif rows:
-        _table(list(rows[0].HEADERS), [r.cells() for r in rows], wrap=rows[0].WRAP)
-    bad = [r for r in rows if not r.ok]
-    if bad:
-        raise ClusterError(f"{len(bad)} of {len(rows)} {rows[0].NOUN} failed the check:"
-                           + "".join(f"\n  {r.failure()}" for r in bad))
+    else:
+        for k, same in enumerate(kinds.values()):
+            if k:
+                _out("")
+            _table(list(same[0].HEADERS), [r.cells() for r in same], wrap=same[0].WRAP)
+    counts = [f"{sum(not r.ok for r in same)} of {len(same)} {same[0].NOUN}" for same in kinds.values()
+              if not all(r.ok for r in same)]
+    if counts:
+        raise ClusterError(f"{' and '.join(counts)} failed the check:"
+                           + "".join(f"\n  {r.failure()}" for r in rows if not r.ok))
 
 
 @main.command()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from enginecluster import mpich_unavailable_reason
 from helpers import (
     ROOT,
     assert_nothing_left,
+    checkout_env,
     cli,
     no_traceback,
     small_workspace,
@@ -139,3 +141,31 @@ def test_resume_from_without_a_checkpoint_is_refused_before_mpirun(hosts, tmp_pa
         assert f"  node{i} ({hosts.hosts[i]}): {ROOT}/nosuchjob/checkpoints does not exist" in res.stderr, res.stderr
     no_traceback(res)
     assert_nothing_left(hosts)
+
+
+def test_check_names_the_launcher_run_would_use_or_says_how_to_install_it(hosts, tmp_path):
+    conf = _conf(tmp_path, hosts)
+    launcher = shutil.which("mpirun.openmpi" if hosts.mpi_impl == "openmpi" else "mpiexec.hydra")
+    said = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = re.search(r"(?:\(Open MPI\)|\(OpenRTE\)|Version:)\s+(\S+)", said).group(1)
+    ok = cli(conf, "check", "--backend", "mpi")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("writable") == 3, ok.stdout  # the hosts' rows, as before
+    row = [ln for ln in ok.stdout.splitlines() if ln.startswith("mpi ")]
+    assert len(row) == 1 and f"MPI_IMPL = '{hosts.mpi_impl}': {launcher}" in row[0], ok.stdout
+    assert version in row[0] and ("Open MPI" if hosts.mpi_impl == "openmpi" else "MPICH") in row[0], row
+
+    # A machine without the MPI (a PATH without it; the hosts are reached over SSH, as before): the hosts still
+    # pass, the engine's row fails with the hint `run` gives, and check exits 1 without a traceback.
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    res = cli(conf, "check", "--backend", "mpi", env=checkout_env(PATH=str(empty)))
+    no_traceback(res)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stdout.count("writable") == 3 and "MISSING" in res.stdout, res.stdout
+    assert "1 of 1 engine(s) failed the check:" in res.stderr, res.stderr
+    hint = ("apt-get install mpich" if hosts.mpi_impl == "mpich" else "apt-get install openmpi-bin")
+    assert "mpi: --backend mpi" in res.stderr and hint in res.stderr, res.stderr
+    run = cli(conf, "run", "--job_dispatch_package", str(small_workspace(tmp_path)), "--job_name", "nompi",
+              env=checkout_env(PATH=str(empty)))
+    assert run.returncode != 0 and hint in run.stderr, run.stderr  # the same hint as run's

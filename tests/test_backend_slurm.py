@@ -434,3 +434,37 @@ def test_resume_from_without_a_checkpoint_is_refused_before_submitting(slurm, tm
     no_traceback(res)
     assert not list(root.glob("JOB*"))  # no job directory made
     assert slurm.run(["squeue", "-h"], check=False).stdout.strip() == ""
+
+
+def test_check_looks_at_the_slurm_commands_and_the_controller(slurm, tmp_path):
+    conf, env, ws = _setup(slurm, tmp_path, hold=False)
+    ok = _cli(conf, env, "check")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (row,) = [ln for ln in ok.stdout.splitlines() if ln.startswith("slurm ")]
+    version = subprocess.run(["scontrol", "--version"], env=env, capture_output=True, text=True).stdout.strip()
+    assert "sbatch, srun, squeue, scancel, scontrol" in row and version in row and "UP" in row, ok.stdout
+
+    # The controller does not answer (a slurm.conf naming a port where nothing listens): that row fails, the
+    # machine's row still passes, exit 1 with the reason.
+    port = free_port_range(1)
+    (tmp_path / "down.conf").write_text(re.sub(r"(?m)^SlurmctldPort=\S+", f"SlurmctldPort={port}",
+                                               slurm.conf.read_text()))
+    down = _cli(conf, {**env, "SLURM_CONF": str(tmp_path / "down.conf")}, "check", timeout=120)
+    no_traceback(down)
+    assert down.returncode == 1 and "the controller: " in down.stdout, down.stdout + down.stderr
+    assert "1 of 1 engine(s) failed the check:" in down.stderr and "slurmctld" in down.stderr, down.stderr
+    assert "host(s)" not in down.stderr, down.stderr
+
+    # No Slurm commands on this machine (a PATH without them; PYTHON is absolute): the row names them all and
+    # gives the hint run gives.
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    res = _cli(conf, {**env, "PATH": str(empty)}, "check")
+    no_traceback(res)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "MISSING: sbatch, srun, squeue, scancel, scontrol" in res.stdout, res.stdout
+    hint = "run on a machine with the Slurm client commands (a login node), or install them"
+    assert hint in res.stderr and "host(s)" not in res.stderr, res.stderr
+    run = _cli(conf, {**env, "PATH": str(empty)}, "run", "--nodes", "1", "--job_dispatch_package", str(ws),
+               "--job_name", "x")
+    assert run.returncode != 0 and hint in run.stderr, run.stderr  # run's hint, the same

@@ -101,6 +101,27 @@ class CheckRow:
         return f"{self.node} ({self.host}): {self.problem}"
 
 
+@dataclass(frozen=True)
+class EngineRow:
+    """What a backend's engine needs on this machine as ``check`` finds it: the MPI launcher ``run`` would use,
+    or the Slurm client commands and the controller."""
+
+    engine: str
+    ok: bool
+    found: str
+    problem: str = ""
+
+    HEADERS: ClassVar[Tuple[str, ...]] = ("engine", "on this machine")
+    WRAP: ClassVar[Tuple[str, ...]] = ("on this machine",)
+    NOUN: ClassVar[str] = "engine(s)"
+
+    def cells(self) -> List[str]:
+        return [self.engine, self.found]
+
+    def failure(self) -> str:
+        return f"{self.engine}: {self.problem}"
+
+
 def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[CheckRow]:
     """Preflight every host of HOSTS in parallel (a backend's ``check``); never prompts, never hangs past the
     connect timeout. ``ignore``: the beginnings of problems that do not matter to the backend checking."""

@@ -25,11 +25,13 @@ import socket
 import subprocess
 import tempfile
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
+from ...access import CheckLine, EngineRow
+from ...config import ClusterConfig
 from ...errors import ClusterError
 from ...fanout import fanout
 from ...hosts import Node
@@ -55,7 +57,7 @@ def mpi_launcher(choice: str) -> Tuple[str, str]:
         if any(w in said for w in ("HYDRA", "Intel(R) MPI", "MPICH")):
             choice, hydra = "mpich", hydra or mpirun
         else:  # no mpirun, or one that does not say: whichever is installed
-            choice = "openmpi" if openmpi else "mpich"
+            choice = "mpich" if hydra and not openmpi else "openmpi"  # neither: Open MPI's hint names both
     if choice == "mpich":
         if hydra is None:
             raise ClusterError(f"--backend mpi with MPI_IMPL = 'mpich': mpiexec.hydra not found on this machine; "
@@ -75,6 +77,27 @@ def _version(exe: str) -> str:
         return ""
 
 
+def launcher_row(choice: str) -> EngineRow:
+    """``check --backend mpi``: the launcher ``run`` would use for ``MPI_IMPL`` and its version, or why none."""
+    try:
+        impl, path = mpi_launcher(choice)
+    except ClusterError as e:
+        return EngineRow("mpi", False, f"MPI_IMPL = {choice!r}: MISSING", str(e))
+    said = _version(path)
+    lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
+    if not lines:  # it did not run (a broken install), or ran past 30 s
+        hint = INSTALL_HINT if impl == "openmpi" else MPICH_HINT
+        return EngineRow("mpi", False, f"MPI_IMPL = {choice!r}: {path}",
+                         f"'{path} --version' printed nothing: run it to see why, or {hint}")
+    if impl == "openmpi":  # "mpirun (Open MPI) 4.1.4", "mpirun.openmpi (OpenRTE) 4.1.4"
+        version = next((f"Open MPI {ln.split()[-1]}" for ln in lines if "(Open MPI)" in ln or "(OpenRTE)" in ln),
+                       lines[0])
+    else:  # Hydra: "Version:   4.0.2"; others (Intel MPI) say it their way: their first line
+        version = next((f"MPICH (Hydra) {ln.split(':', 1)[1].strip()}" for ln in lines
+                        if ln.startswith("Version:")), lines[0])
+    return EngineRow("mpi", True, f"MPI_IMPL = {choice!r}: {path} ({version})")
+
+
 def local_address(peer: str) -> Optional[str]:
     """This machine's address on the way to ``peer`` (the kernel's choice of source; nothing is sent)."""
     try:
@@ -89,6 +112,8 @@ class MPIBackend(Backend):
     name = "mpi"
     summary = "mpirun or mpiexec over HOSTS"
     renders = "the mpirun or mpiexec command"
+    checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
+              "mpiexec.hydra, by MPI_IMPL) and its version")
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         self.cfg = cfg
@@ -135,6 +160,10 @@ class MPIBackend(Backend):
              "from /, one rank per host). Nothing was started.", shlex.join(argv)),
             *((f"{where}/{k}", text) for k, text in files.items()),
             ("each rank runs its node's share of the plan (node bootstrap):", self.ssh.plan_text(spec))))
+
+    @classmethod
+    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
+        return [*super().check(cfg, opts), launcher_row(cfg.mpi_impl)]
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:

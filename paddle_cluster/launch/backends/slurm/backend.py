@@ -28,7 +28,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
 from ... import dispatch, resume
-from ...access import CheckRow, probe_nodes
+from ...access import CheckLine, probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
@@ -62,7 +62,8 @@ class SlurmBackend(Backend):
     summary = "an allocation of --nodes"
     renders = "the sbatch script"
     checks = ("this machine, whose environment srun gives the nodes: the interpreter and its numpy, ROOT_DIR (the "
-              "nodes are not known before the allocation)")
+              "nodes are not known before the allocation); Slurm's client commands (sbatch, srun, squeue, scancel, "
+              "scontrol) and that the controller answers (scontrol ping)")
     detach = ""
     needs_hosts = False  # the allocation gives the nodes (--nodes; default: as many as HOSTS lists)
     options = (
@@ -173,7 +174,7 @@ class SlurmBackend(Backend):
         return [ops.kill(job.cfg, job.name, job.handle)]
 
     @classmethod
-    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[CheckRow]:
+    def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[CheckLine]:
         return ops.check_here(cfg)
 
     @classmethod

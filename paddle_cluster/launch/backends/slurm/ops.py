@@ -15,7 +15,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
-from ...access import CheckRow, check_cluster
+from ...access import CheckLine, EngineRow, check_cluster
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError
 from ...interrupt import stoppable
@@ -165,12 +165,36 @@ def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: st
             return 0
 
 
-def check_here(cfg: ClusterConfig) -> List[CheckRow]:
+TOOLS = ("sbatch", "srun", "squeue", "scancel", "scontrol")  # what run, status, logs and kill call
+
+
+def check_here(cfg: ClusterConfig) -> List[CheckLine]:
     """``check --backend slurm``: the nodes are not known before the allocation, so this machine is checked (srun
     runs the nodes with its environment, on the shared ROOT_DIR), for the interpreter and ROOT_DIR only: its
-    NIC and ports are not the nodes'."""
-    return check_cluster(dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),)),
-                         ignore=("PADDLE_NIC", "port("))
+    NIC and ports are not the nodes'; then Slurm's client commands and whether the controller answers."""
+    rows: List[CheckLine] = list(check_cluster(dataclasses.replace(cfg, hosts=(HostSpec.parse("localhost"),)),
+                                               ignore=("PADDLE_NIC", "port(")))
+    return [*rows, _engine_row()]
+
+
+def _engine_row() -> EngineRow:
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return EngineRow("slurm", False, "MISSING: " + ", ".join(missing),
+                         f"{', '.join(missing)} not found on this machine (PATH); run on a machine with the Slurm "
+                         "client commands (a login node), or install them (Debian: apt-get install slurm-client)")
+    try:
+        ping = slurm(["scontrol", "ping"], "asking the Slurm controller", 30).strip()
+        version = slurm(["scontrol", "--version"], "asking scontrol its version", 30).strip()
+    except ClusterError as e:
+        said = str(e).splitlines()  # scontrol's errors, then its fatal one: the first line and the last
+        return EngineRow("slurm", False, f"{', '.join(TOOLS)}; the controller: NO ANSWER",
+                         f"{said[0]}{' ... ' + said[-1] if len(said) > 1 else ''}; check SLURM_CONF (or "
+                         "/etc/slurm/slurm.conf) and that slurmctld runs")
+    if "DOWN" in ping or "UP" not in ping:  # older scontrol says DOWN with status 0
+        return EngineRow("slurm", False, f"{', '.join(TOOLS)} ({version}); the controller: DOWN",
+                         f"'scontrol ping' says: {ping}; start slurmctld or check SLURM_CONF")
+    return EngineRow("slurm", True, f"{', '.join(TOOLS)} ({version}); the controller: {' '.join(ping.split())}")
 
 
 def metrics(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
