@@ -289,7 +289,7 @@ def test_check_k8s_asks_for_every_permission_the_backend_uses(kube, tmp_path: Pa
         ("watch", "jobs.batch"), ("patch", "services"), ("patch", "secrets"), ("patch", "configmaps"),
         ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("patch", "pods"), ("delete", "pods"),
         ("get", "pods/log")} and len(rows) == len(asked), rows
-    assert all(r["ok"] and r["namespace"] == "ml" and r["needed_by"] for r in rows), rows
+    assert all(r["ok"] and r["kind"] == "permission" and r["namespace"] == "ml" and r["needed_by"] for r in rows), rows
     table = _check(kube, tmp_path, "--namespace", "team-a")  # the option over the config's K8S_NAMESPACE
     assert table.returncode == 0 and "team-a" in table.stdout and " NO " not in table.stdout, table.stdout
 

@@ -165,4 +165,5 @@ def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[Chec
 
 
 def as_json(rows: list) -> str:
-    return json.dumps([r.__dict__ for r in rows], indent=1)
+    """The rows as JSON, each with ``kind``: what it is ("host", "engine", "permission")."""
+    return json.dumps([{"kind": r.NOUN.split("(")[0], **r.__dict__} for r in rows], indent=1)
