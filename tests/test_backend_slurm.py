@@ -1,7 +1,8 @@
 """``run --backend slurm``: the real CLI against a real Slurm cluster (slurmctld, one slurmd per namespace host),
 ROOT_DIR on the shared filesystem. A conf.py without HOSTS trains fit_a_line and ``plot`` reads it; Ctrl+C of a
 pending job; a node that finishes first; a failing trainer fails the job fast with its last lines, and
-``--max_restarts`` resubmits; ``--detach`` + ``status``/``logs``/``kill``; resource options and pass-through;
+``--max_restarts`` resubmits; ``--detach`` + ``status``/``logs``/``kill``; a run inside ``salloc`` is its step
+for ``status``/``logs``/``kill``; resource options and pass-through;
 fail-fast inside the allocation.
 
 The user's paths every backend shares -- fit_a_line with the README's conf.py, the env contract, Ctrl+C of a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -181,6 +183,49 @@ def test_detach_then_status_logs_and_kill(slurm, tmp_path):
     slurm.wait_quiet()
     st = _cli(conf, env, "status", "--json")
     assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["stopped (kill)"] * 6, st.stdout
+
+
+def test_a_run_inside_an_allocation_is_its_step_for_status_logs_and_kill(slurm, tmp_path):
+    """``salloc -N2`` then ``run --backend slurm`` inside it (SLURM_JOB_ID set: run starts the srun step itself).
+    From another terminal ``status``, ``logs`` and ``kill`` find that step; ``kill`` ends the run (exit 3) and
+    every process of the step, and leaves the user's allocation running until it ends by itself."""
+    conf, env, ws = _setup(slurm, tmp_path)
+    go, rc = tmp_path / "go", tmp_path / "rc"
+    cli = shlex.join([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", "--backend", "slurm",
+                      "--nodes", "2", "--job_dispatch_package", str(ws), "--job_name", "inalloc"])
+    # The allocation's shell runs the CLI, then stays until the test lets it go: kill must not have ended it.
+    shell = f"{cli} >{tmp_path}/run.out 2>{tmp_path}/run.err; echo $? >{rc}; while [ ! -e {go} ]; do sleep 0.05; done"
+    alloc = subprocess.Popen(["salloc", "-N2", "-J", "myalloc", "bash", "-c", shell], env=env, cwd=tmp_path,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = slurm.shared_dir / tmp_path.name / "inalloc" / "node1" / "log" / "train.log"
+        wait_for(lambda: log.exists() and "holding 1" in log.read_text(), 90, "trainer 1 holding")
+        (job_id,) = slurm.active_jobs()
+        err = (tmp_path / "run.err").read_text()
+        step = re.search(r"Slurm step (\d+\.\d+) runs job inalloc", err).group(1)
+        assert step.startswith(f"{job_id}."), err
+        st = _cli(conf, env, "status", "--json")
+        assert st.returncode == 0, st.stderr
+        assert f"Slurm step {step}: RUNNING (allocation {job_id}: RUNNING)" in st.stderr, st.stderr
+        assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["running"] * 4, st.stdout
+        lg = _cli(conf, env, "logs", "node0", "--role", "trainer")
+        assert lg.returncode == 0 and "holding 0" in lg.stdout, lg.stderr
+        k = _cli(conf, env, "kill")
+        assert k.returncode == 0, k.stderr
+        assert f"Slurm step {step} (job inalloc): ended; nothing of it is left in squeue" in k.stdout, k.stdout
+        wait_for(rc.exists, 60, "the run inside the allocation to end")
+        assert rc.read_text().strip() == "3", (tmp_path / "run.err").read_text()  # stopped by paddle-cluster kill
+        # The allocation still runs, with no step and no process of the job left on its nodes.
+        assert slurm.active_jobs() == [job_id] and slurm.show_job(job_id)["JobState"] == "RUNNING"
+        assert slurm.run(["squeue", "-h", "-s", "-j", job_id]).stdout.strip() == ""
+        wait_for(lambda: not any(slurm.job_pids(i) for i in range(slurm.cluster.n)), 20, "no process on a node")
+        st = _cli(conf, env, "status", "--json")
+        assert f"Slurm step {step}: ENDED (allocation {job_id}: RUNNING)" in st.stderr, st.stderr
+        assert [r["state"] for r in json.loads(st.stdout)["processes"]] == ["stopped (kill)"] * 4, st.stdout
+    finally:
+        go.touch()
+        alloc.wait(60)
+    slurm.wait_quiet()
 
 
 def test_detached_jobs_are_found_through_the_journal_whatever_the_config_says(slurm, tmp_path):

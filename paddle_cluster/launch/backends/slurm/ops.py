@@ -63,17 +63,33 @@ def saved_job_id(job_dir: str) -> Optional[str]:
     except OSError:
         return None
 
-def active(job_id: str) -> Optional[bool]:
-    """Slurm still has the job queued, running or completing (``squeue`` lists it); None when Slurm gives no
-    answer now."""
+def steps(job_id: str, name: Optional[str] = None) -> List[str]:
+    """The ids (``JOB.STEP``) of the job's steps ``squeue`` lists, of that name only if given; [] once Slurm
+    forgot the job. ``ClusterError`` when Slurm gives no answer now."""
     try:
+        out = slurm(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], f"listing the steps of Slurm job {job_id}",
+                    30)
+    except ClusterError as e:
+        if FORGOTTEN in str(e):
+            return []
+        raise
+    rows = [ln.split(None, 1) + [""] for ln in out.splitlines() if ln.strip()]
+    return [r[0] for r in rows if name is None or r[1].strip() == name]
+
+
+def active(job_id: str) -> Optional[bool]:
+    """Slurm still has the job queued, running or completing (``squeue`` lists it), or the step (``JOB.STEP``)
+    runs; None when Slurm gives no answer now."""
+    try:
+        if "." in job_id:
+            return job_id in steps(job_id.split(".")[0])
         return bool(slurm(["squeue", "-h", "-j", job_id, "-o", "%T"], "", 30).strip())
     except ClusterError as e:
         return False if FORGOTTEN in str(e) else None
 
 def cancel_job(job_id: str, timeout: float) -> str:
-    """``scancel`` (a pending job too) and wait until ``squeue`` no longer lists it; its last state. Slurm not
-    answering for a moment is waited out, up to ``timeout``."""
+    """``scancel`` (a pending job too; a ``JOB.STEP``: that step only) and wait until ``squeue`` no longer lists
+    it; its last state. Slurm not answering for a moment is waited out, up to ``timeout``."""
     deadline = time.monotonic() + timeout
     cancelled, why = False, "still listed by squeue"
     while True:
@@ -92,6 +108,8 @@ def cancel_job(job_id: str, timeout: float) -> str:
             raise ClusterError(f"Slurm job {job_id}: {why} after {timeout:.0f} s of cancelling it; check "
                                f"`squeue -j {job_id}` and `scancel {job_id}` by hand")
         time.sleep(0.2)
+    if "." in job_id:  # a step's state is not kept once it ended
+        return "ended"
     try:
         return job_info(job_id).get("JobState", "gone")
     except ClusterError:
@@ -99,6 +117,7 @@ def cancel_job(job_id: str, timeout: float) -> str:
 
 
 def _job_id(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
+    """The Slurm job id, or ``JOB.STEP`` for a job that ran as a step of an existing allocation."""
     job_id = handle.get("slurm_job") or saved_job_id(cfg.job_dir(name))
     if not job_id:
         raise ClusterError(f"no Slurm job recorded for job {name} in {cfg.job_dir(name)}/.paddle_cluster; is "
@@ -123,17 +142,37 @@ def kill(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
     for d in _node_dirs(cfg, name):
         if procs.load_records(d) is not None:  # its agent then says "stopped by paddle-cluster kill", as on ssh
             procs.request_kill(d)
+    if "." in job_id:  # a step: scancel would SIGKILL it; its agents stop their processes on TERM, with grace
+        _term_step(job_id, cfg.kill_grace + 10)
     state = cancel_job(job_id, cfg.kill_grace + 60)
-    return f"Slurm job {job_id} (job {name}): {state}; nothing of it is left in squeue"
+    what = f"Slurm step {job_id}" if "." in job_id else f"Slurm job {job_id}"
+    return f"{what} (job {name}): {state}; nothing of it is left in squeue"
+
+
+def _term_step(step: str, timeout: float) -> None:
+    """SIGTERM to every task of the step (each node's agent then stops its processes within KILL_GRACE, saying
+    it was a kill), and wait up to ``timeout`` for the step to end; ``cancel_job`` does the rest."""
+    try:
+        slurm(["scancel", "--signal=TERM", step], f"signalling Slurm step {step}")
+    except ClusterError:  # ended already, or no answer: cancel_job tells and retries
+        return
+    deadline = time.monotonic() + timeout
+    while active(step) is not False and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def status(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> Tuple[str, List[ProcRow]]:
     """(Slurm's line about the job, a row per process from every node's records)."""
     job_id = _job_id(cfg, name, handle)
-    info = job_info(job_id)
+    alloc, _, step = job_id.partition(".")
+    info = job_info(alloc)
     state = info.get("JobState", "unknown to Slurm (finished long ago?)")
     head = f"Slurm job {job_id}: {state}"
-    if info.get("Reason") not in (None, "None"):
+    if step:  # a step of an allocation: its own state, the allocation's besides
+        runs = active(job_id)
+        state = "RUNNING" if runs else "ENDED" if runs is False else "unknown (no answer from squeue)"
+        head = f"Slurm step {job_id}: {state} (allocation {alloc}: {info.get('JobState', 'ended')})"
+    elif info.get("Reason") not in (None, "None"):
         head += f" ({info['Reason']})"
     if info.get("NodeList") not in (None, "(null)"):
         head += f" on {info['NodeList']}"
