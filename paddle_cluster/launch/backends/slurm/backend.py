@@ -16,7 +16,6 @@ per start, ``attempt-<k>/`` with the plan, the script, the addresses and the eve
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -37,7 +36,7 @@ from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, mint_plan
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
 from . import ops
-from .ops import JOB_ID_FILE, cancel_job, job_info, node_dir, slurm
+from .ops import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
 
 POLL_S = 0.5
@@ -242,47 +241,20 @@ class SlurmBackend(Backend):
             if [o for o in opts.sbatch_options() if not o.startswith("--cpus-per-task=")]:
                 self.say("the allocation's resources apply: sbatch options are for a new allocation (--detach, "
                          "or run outside it)")
-            alloc = os.environ["SLURM_JOB_ID"]
-            with contextlib.suppress(FileNotFoundError):  # a stale id would let kill reach another job
-                os.unlink(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}")
-            before = ops.steps(alloc, spec.name)  # a step of that name from before is not ours
-            self.srun = subprocess.Popen(srun, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=open(f"{adir}/srun.out", "ab"), cwd=spec.cwd,
-                                         start_new_session=True)
-            step = self._new_step(alloc, before)
-            if step:  # status, logs and kill find the step (never the whole allocation) through it
-                _write_id(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}", step)
-                self.say(f"Slurm step {step} runs job {spec.name}")
+            self.srun = ops.srun_in_allocation(srun, adir, spec.job_dir, spec.name, spec.cwd, self.say,
+                                               self.cfg.start_timeout)
         else:
             with open(f"{adir}/job.sh", "w") as f:
                 f.write(self.script(adir))
             out = slurm(self.sbatch_argv(adir), "submitting the job")
             self.job_id = out.strip().split(";")[0]
-            _write_id(f"{spec.job_dir}/.paddle_cluster/{JOB_ID_FILE}", self.job_id)
+            ops.write_id(spec.job_dir, self.job_id)
             self.say(f"submitted Slurm job {self.job_id} ({opts.nodes} node(s))")
         if opts.detach:
             return
         threading.Thread(target=self._follow, args=(adir, self.events, self._done), daemon=True,
                          name="slurm").start()
         self._wait_running()
-
-    def _new_step(self, alloc: str, before: List[str]) -> Optional[str]:
-        """The id (``JOB.STEP``) of the step our srun started: the one of the job's name Slurm lists that was not
-        listed before it; None when srun ended first or Slurm did not list it within START_TIMEOUT."""
-        assert self.spec is not None and self.srun is not None
-        deadline = time.monotonic() + self.cfg.start_timeout
-        while self.srun.poll() is None and time.monotonic() < deadline:
-            try:
-                new = [s for s in ops.steps(alloc, self.spec.name) if s not in before]
-            except ClusterError:  # no answer this time: ask again
-                new = []
-            if new:
-                return new[0]
-            time.sleep(POLL_S / 5)
-        if self.srun.poll() is None:
-            self.say(f"Slurm did not list the step of job {self.spec.name} in allocation {alloc} within "
-                     f"START_TIMEOUT; status, logs and kill cannot find it (Ctrl+C here stops it)")
-        return None
 
     def _wait_running(self) -> None:
         """Until the job runs (Slurm's reason printed while it is pending); Ctrl+C here cancels it."""
@@ -385,13 +357,6 @@ class SlurmBackend(Backend):
 
     def close(self) -> None:
         self._done.set()
-
-
-def _write_id(path: str, job_id: str) -> None:
-    """The Slurm job (or step) id for status, logs and kill, replaced whole."""
-    with open(f"{path}.tmp", "w") as f:
-        f.write(job_id + "\n")
-    os.replace(f"{path}.tmp", path)
 
 
 def _renew(path: str, beat: int) -> None:

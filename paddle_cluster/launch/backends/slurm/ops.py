@@ -4,6 +4,7 @@ and logs (``backend.py`` for the layout)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -11,7 +12,7 @@ import shlex
 import shutil
 import subprocess
 import time
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, procs
 
@@ -75,6 +76,43 @@ def steps(job_id: str, name: Optional[str] = None) -> List[str]:
         raise
     rows = [ln.split(None, 1) + [""] for ln in out.splitlines() if ln.strip()]
     return [r[0] for r in rows if name is None or r[1].strip() == name]
+
+
+def write_id(job_dir: str, job_id: str) -> None:
+    """The Slurm job (or step) id for status, logs and kill, replaced whole."""
+    path = f"{job_dir}/.paddle_cluster/{JOB_ID_FILE}"
+    with open(f"{path}.tmp", "w") as f:
+        f.write(job_id + "\n")
+    os.replace(f"{path}.tmp", path)
+
+
+def srun_in_allocation(srun: List[str], adir: str, job_dir: str, name: str, cwd: str, say: Callable[[str], None],
+                       start_timeout: float) -> subprocess.Popen:
+    """Inside an allocation (``SLURM_JOB_ID``): ``srun`` started here, and the id (``JOB.STEP``) of the step it
+    started recorded for status, logs and kill (which then stop that step, never the whole allocation): the step
+    of the job's name Slurm lists that it did not list before; none recorded when srun ended first or Slurm did
+    not list it within ``start_timeout``."""
+    alloc = os.environ["SLURM_JOB_ID"]
+    with contextlib.suppress(FileNotFoundError):  # a stale id would let kill reach another job
+        os.unlink(f"{job_dir}/.paddle_cluster/{JOB_ID_FILE}")
+    before = steps(alloc, name)  # a step of that name from before is not ours
+    proc = subprocess.Popen(srun, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open(f"{adir}/srun.out", "ab"), cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + start_timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            new = [s for s in steps(alloc, name) if s not in before]
+        except ClusterError:  # no answer this time: ask again
+            new = []
+        if new:
+            write_id(job_dir, new[0])
+            say(f"Slurm step {new[0]} runs job {name}")
+            return proc
+        time.sleep(0.1)
+    if proc.poll() is None:
+        say(f"Slurm did not list the step of job {name} in allocation {alloc} within START_TIMEOUT; status, logs "
+            "and kill cannot find it (Ctrl+C here stops it)")
+    return proc
 
 
 def active(job_id: str) -> Optional[bool]:
@@ -188,7 +226,8 @@ def status(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> Tuple[st
 
 
 def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: str, role: str, n: int,
-         follow: bool) -> int:
+         follow: bool) -> None:
+    """``logs``: a node's log files on the shared filesystem; ``ClusterError`` when it has none (yet)."""
     t = node_text.strip()
     idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
     d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
@@ -198,10 +237,13 @@ def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: st
     job_id = _job_id(cfg, name, handle)
     with stoppable():
         try:
-            return jobdir.print_logs(d, role, n, follow, ended=lambda: active(job_id) is False,
-                                      watch_stdin=False)
+            missing = jobdir.print_logs(d, role, n, follow, ended=lambda: active(job_id) is False,
+                                        watch_stdin=False)
         except KeyboardInterrupt:
-            return 0
+            return
+    if missing:  # (what is missing is said above)
+        raise ClusterError(f"no {'' if role == 'all' else role + ' '}logs of {node_text} of Slurm job {name} yet: "
+                           "its processes have not started there (status says where the job stands)")
 
 
 TOOLS = ("sbatch", "srun", "squeue", "scancel", "scontrol")  # what run, status, logs and kill call
