@@ -165,5 +165,6 @@ def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[Chec
 
 
 def as_json(rows: list) -> str:
-    """The rows as JSON, each with ``kind``: what it is ("host", "engine", "permission")."""
-    return json.dumps([{"kind": r.NOUN.split("(")[0], **r.__dict__} for r in rows], indent=1)
+    """The rows as JSON; a row of ``check`` with its ``kind``: what it is ("host", "engine", "permission")."""
+    return json.dumps([{**({"kind": r.NOUN.split("(")[0]} if hasattr(r, "NOUN") else {}), **r.__dict__}
+                       for r in rows], indent=1)
