@@ -41,6 +41,7 @@ from ..ssh.backend import SSHBackend
 
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
+HINTS = {"openmpi": INSTALL_HINT, "mpich": MPICH_HINT}  # by implementation
 
 
 def mpi_launcher(choice: str) -> Tuple[str, str]:
@@ -86,9 +87,8 @@ def launcher_row(choice: str) -> EngineRow:
     said = _version(path)
     lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
     if not lines:  # it did not run (a broken install), or ran past 30 s
-        hint = INSTALL_HINT if impl == "openmpi" else MPICH_HINT
         return EngineRow("mpi", False, f"MPI_IMPL = {choice!r}: {path}",
-                         f"'{path} --version' printed nothing: run it to see why, or {hint}")
+                         f"'{path} --version' printed nothing: run it to see why, or {HINTS[impl]}")
     if impl == "openmpi":  # "mpirun (Open MPI) 4.1.4", "mpirun.openmpi (OpenRTE) 4.1.4"
         version = next((f"Open MPI {ln.split()[-1]}" for ln in lines if "(Open MPI)" in ln or "(OpenRTE)" in ln),
                        lines[0])
@@ -291,8 +291,7 @@ class MPIBackend(Backend):
             self.mpirun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, env=env, cwd="/", preexec_fn=_own_session)
         except OSError as e:
-            hint = INSTALL_HINT if self.impl == "openmpi" else MPICH_HINT
-            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {hint}") from None
+            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {HINTS[self.impl]}") from None
         threading.Thread(target=_read, args=(self.mpirun, events, len(plan.nodes)), daemon=True,
                          name="mpirun").start()
 

@@ -24,6 +24,8 @@ from ..base import ProcRow
 
 _FIELD = re.compile(r"(\S+?)=(\S*)")
 JOB_ID_FILE = "slurm_job"
+CLIENT_HINT = ("run on a machine with the Slurm client commands (a login node), or install them (Debian: apt-get "
+               "install slurm-client)")
 FORGOTTEN = "Invalid job id"  # what scontrol and squeue say of a job Slurm no longer keeps
 
 
@@ -31,8 +33,7 @@ def slurm(argv: List[str], what: str, timeout: float = 60) -> str:
     """A Slurm client command's output; ``ClusterError`` naming it and Slurm's message when it fails."""
     exe = shutil.which(argv[0])
     if exe is None:
-        raise ClusterError(f"--backend slurm: {argv[0]} not found; run on a machine with the Slurm client "
-                           "commands (a login node), or install them (Debian: apt-get install slurm-client)")
+        raise ClusterError(f"--backend slurm: {argv[0]} not found; {CLIENT_HINT}")
     try:
         res = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=timeout,
                              stdin=subprocess.DEVNULL)
@@ -262,8 +263,7 @@ def _engine_row() -> EngineRow:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return EngineRow("slurm", False, "MISSING: " + ", ".join(missing),
-                         f"{', '.join(missing)} not found on this machine (PATH); run on a machine with the Slurm "
-                         "client commands (a login node), or install them (Debian: apt-get install slurm-client)")
+                         f"{', '.join(missing)} not found on this machine (PATH); {CLIENT_HINT}")
     try:
         ping = slurm(["scontrol", "ping"], "asking the Slurm controller", 30).strip()
         version = slurm(["scontrol", "--version"], "asking scontrol its version", 30).strip()
