@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from paddle_cluster.launch.config import (
     BUILTIN_SOURCE,
     KEYS,
     ClusterConfig,
-    ConfigWarning,
     HostSpec,
     load_config,
     parse_config,
@@ -332,29 +330,29 @@ def test_yaml_digit_string_is_a_number(tmp_path):
     assert cfg.paddle_port == 9000
 
 
-# -- unknown keys warn and the run goes on ------------------------------------------------------------
-def test_unknown_key_warns_with_closest_key(tmp_path):
-    path = write(tmp_path, HOSTS_LINE + "PADDLE_PROT = 7000\n")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_config(str(path), environ={})
-    msgs = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    assert len(msgs) == 1 and "PADDLE_PROT" in msgs[0] and "did you mean PADDLE_PORT?" in msgs[0]
-    assert cfg.paddle_port == 7164  # the misspelt key did not set anything
+# -- unknown keys are refused, with the closest key ------------------------------------------------------
+def test_misspelt_key_is_refused_with_closest_key(tmp_path):
+    path = write(tmp_path, HOSTS_LINE + "PADDLE_PROT = 7850\n")
+    with pytest.raises(ConfigError, match=r"PADDLE_PROT = 7850 in .*conf\.py: not a paddle-cluster key; "
+                                          r"did you mean PADDLE_PORT\?"):
+        load_config(str(path), environ={})
+
+
+def test_lower_case_key_in_conf_py_is_refused_with_its_upper_case_name(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean ROOT_DIR"):
+        load_config(str(write(tmp_path, HOSTS_LINE + "root_dir = '/srv'\n")), environ={})
 
 
 def test_unknown_key_without_close_match_lists_known_keys(tmp_path):
     path = write(tmp_path, HOSTS_LINE + "ZZZZ = 1\n")
-    with pytest.warns(ConfigWarning, match="known keys: HOSTS, ROOT_DIR"):
+    with pytest.raises(ConfigError, match="known keys: HOSTS, ROOT_DIR.*start its name with _"):
         load_config(str(path), environ={})
 
 
 def test_conf_py_helpers_are_not_keys(tmp_path):
     body = "import os\nfrom os.path import join\n_base = '10.0.0.'\nclass X: pass\n" \
            "HOSTS = [_base + str(i) for i in (1, 2)]\nROOT_DIR = join('/srv', 'paddle')\n"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)
-        cfg = load_config(str(write(tmp_path, body)), environ={})
+    cfg = load_config(str(write(tmp_path, body)), environ={})
     assert [h.host for h in cfg.hosts] == ["10.0.0.1", "10.0.0.2"] and cfg.root_dir == "/srv/paddle"
 
 
@@ -368,15 +366,14 @@ def check_json(res: subprocess.CompletedProcess) -> list:
     return json.loads(res.stdout)
 
 
-def test_unknown_key_cli_warns_and_continues(tmp_path):
+def test_misspelt_key_fails_check_in_one_line(tmp_path):
     root = tmp_path / "root"
-    path = write(tmp_path, local_conf(root, "PADDLE_PROT = 7000\n"))
-    res = cli("--conf", str(path), "check", "--json")
-    assert "warning" in res.stderr and "PADDLE_PROT" in res.stderr and "PADDLE_PORT" in res.stderr
-    rows = check_json(res)
-    assert res.returncode == 0, res.stderr
-    assert [r["host"] for r in rows] == ["localhost"] and rows[0]["ok"]
-    assert root.is_dir()  # the check really ran against this config
+    path = write(tmp_path, local_conf(root, "PADDLE_PROT = 7850\n"))
+    res = cli("--conf", str(path), "check")
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "PADDLE_PROT = 7850" in lines[0] and "did you mean PADDLE_PORT?" in lines[0], lines
+    assert "Traceback" not in res.stderr and not root.exists()  # refused before the check touched anything
 
 
 # -- lookup order ------------------------------------------------------------------------------------
@@ -496,9 +493,7 @@ def test_localhost_is_local():
 # -- the examples and the docs ------------------------------------------------------------------------
 def test_conf_py_example_loads_and_sets_every_key(tmp_path):
     path = shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)  # no unknown or misspelt keys in the example
-        cfg = load_config(str(path), environ={})
+    cfg = load_config(str(path), environ={})  # an unknown or misspelt key in the example would raise
     text = (REPO / "conf.py.example").read_text()
     for key in KEYS:
         assert f"\n{key} = " in text, key
@@ -515,9 +510,7 @@ def test_conf_py_example_loads_and_sets_every_key(tmp_path):
 
 def test_cluster_yaml_example_equals_conf_py_example(tmp_path):
     py = load_config(str(shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")), environ={})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ConfigWarning)
-        ym = load_config(str(shutil.copy(REPO / "cluster.yaml.example", tmp_path / "cluster.yaml")), environ={})
+    ym = load_config(str(shutil.copy(REPO / "cluster.yaml.example", tmp_path / "cluster.yaml")), environ={})
     assert same(py, ym)
     text = (REPO / "cluster.yaml.example").read_text()
     for key in KEYS:

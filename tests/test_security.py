@@ -18,7 +18,6 @@ import stat
 import subprocess
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from hypothesis import strategies as st
 
 from paddle_cluster import contract
 from paddle_cluster.launch.backends import backend_of
-from paddle_cluster.launch.config import KEYS, ClusterConfig, ConfigWarning, load_config
+from paddle_cluster.launch.config import KEYS, ClusterConfig, load_config
 from paddle_cluster.launch.errors import ConfigError
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
@@ -245,18 +244,16 @@ def _load_in_sandbox(name: str, text: str) -> None:
         path = Path(d) / name
         path.write_text(text, encoding="utf-8", errors="surrogatepass")
         before = sorted(os.listdir(d))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConfigWarning)
-            try:
-                cfg = load_config(str(path), environ={})
-                assert isinstance(cfg, ClusterConfig) and os.path.isabs(cfg.root_dir)
-                # HOSTS is the backend's to require (ssh and mpi do; slurm and k8s give the nodes).
-                assert backend_of(cfg).name == cfg.backend
-            except ConfigError as e:
-                # One message naming the key, this file and the fix: "KEY = value in FILE: fix" or "KEY is not set".
-                msg = str(e)
-                assert msg.startswith((f"{e.key} = ", f"{e.key} is not set")), msg
-                assert f" in {path}: " in msg and e.fix and msg.endswith(e.fix), msg
+        try:
+            cfg = load_config(str(path), environ={})
+            assert isinstance(cfg, ClusterConfig) and os.path.isabs(cfg.root_dir)
+            # HOSTS is the backend's to require (ssh and mpi do; slurm and k8s give the nodes).
+            assert backend_of(cfg).name == cfg.backend
+        except ConfigError as e:
+            # One message naming the key, this file and the fix: "KEY = value in FILE: fix" or "KEY is not set".
+            msg = str(e)
+            assert msg.startswith((f"{e.key} = ", f"{e.key} is not set")), msg
+            assert f" in {path}: " in msg and e.fix and msg.endswith(e.fix), msg
         assert sorted(os.listdir(d)) == before
 
 

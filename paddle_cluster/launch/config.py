@@ -13,7 +13,6 @@ import re
 import shlex
 import stat
 import types
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
@@ -291,9 +290,11 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
     """Validate ``raw`` (upper-case keys) into a ``ClusterConfig``; wrong values raise ``ConfigError``."""
     for key in raw:
         if key not in KEYS:
-            close = difflib.get_close_matches(key, KEYS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(KEYS)}"
-            warnings.warn(f"{source}: unknown key {key}{hint}", ConfigWarning, stacklevel=2)
+            # A misspelt key must not leave its setting at the default unnoticed (PADDLE_PROT = 7850 ran on 7164).
+            close = difflib.get_close_matches(key.upper(), KEYS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(KEYS)}"
+            raise ConfigError(key, raw[key], f"not a paddle-cluster key; {hint} (a helper variable of your own in "
+                              "conf.py: start its name with _)", source)
     # HOSTS may be left out: the backends whose nodes are its machines require it once the backend is known
     # (``--backend`` included), and those whose engine gives the nodes (Slurm, Kubernetes) do not.
     base = ClusterConfig(hosts=())
@@ -319,10 +320,6 @@ def override(cfg: ClusterConfig, given: Mapping[str, Tuple[str, Any]]) -> Cluste
     new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items()}, options=tuple(options.items()))
     validate(new)
     return new
-
-
-class ConfigWarning(UserWarning):
-    """A config problem that does not stop the job (e.g. an unknown key)."""
 
 
 def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
