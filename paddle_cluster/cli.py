@@ -144,7 +144,8 @@ def _backend_options(only: Optional[str] = None, check: bool = False):
     def option(o: BackendOption):
         if o.kind is bool:
             return click.option(o.flag, o.dest, is_flag=True, help=o.help)
-        return click.option(o.flag, o.dest, type=click.IntRange(min=o.minimum) if o.kind is int else str,
+        kind = str if o.kind is not int else click.INT if o.minimum is None else click.IntRange(min=o.minimum)
+        return click.option(o.flag, o.dest, type=kind,
                             metavar=o.metavar or None, multiple=o.multiple, help=o.help)
 
     return _options(*[option(o) for o in run_options(only, check)])

@@ -28,6 +28,13 @@ def test_every_option_has_help_text():
     assert not missing, f"options without help: {missing}"
 
 
+def test_no_help_text_shows_an_unset_bound():
+    """An integer option with no lower bound said ``[x<=None]`` (run --run-as-user, --ttl)."""
+    shown = {where or "paddle-cluster": CliRunner().invoke(main, [*where.split(), "--help"], terminal_width=200).output
+             for where, _ in [("", main), *_commands(main)]}
+    assert not [w for w, out in shown.items() if "None]" in out], [w for w, out in shown.items() if "None]" in out]
+
+
 def test_run_help_lists_the_exit_statuses():
     out = " ".join(CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output.split())
     for code, what in OUTCOMES.items():
