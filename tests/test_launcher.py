@@ -271,3 +271,18 @@ def test_status_logs_plot_name_their_config_first(tmp_path):
                                  text=True, timeout=60, env=checkout_env(env))
         assert builtin.stderr.splitlines()[0].startswith(
             f"paddle-cluster: no conf.py or cluster.yaml in {ws}: using the built-in local cluster"), builtin.stderr
+
+
+def test_logs_of_a_node_the_cluster_lacks_is_a_usage_error(tmp_path):
+    """``logs node5`` on a one-node cluster names the nodes there are and exits 2, as click's usage errors do
+    (it exited 1, the status of a failed job)."""
+    ws = make_workspace(tmp_path / "ws")
+    # PSERVER_COMMAND: make_workspace's ps.py only listens; its train.py checks the environment (these ENV and
+    # LD_LIBRARY_PATH) and exits.
+    conf = local_conf(tmp_path, ENV={"MY_SETTING": "42"}, PSERVER_COMMAND="{python} ps.py",
+                      LD_LIBRARY_PATH="/extra/lib")
+    env = dict(os.environ, HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+    assert cli(conf, "run", "--job_dispatch_package", str(ws), env=env).returncode == 0
+    res = cli(conf, "logs", "node5", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "unknown node 'node5'; this cluster has node0 (localhost)" in res.stderr and "Traceback" not in res.stderr

@@ -33,6 +33,13 @@ class ConfigError(ClusterError):
         self.key, self.value, self.fix = key, value, fix
 
 
+class UsageError(ClusterError):
+    """A command-line argument that names nothing there is (``logs node5`` on three nodes): a usage error, as
+    click's own, so exit 2."""
+
+    exit_code = 2
+
+
 class HostError(ClusterError):
     """Something went wrong on one host; the message starts with that host."""
 

@@ -21,7 +21,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
 from paddle_cluster.node.pod import METRICS
 
-from ...errors import ClusterError
+from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
 from ..base import Event, NodeLost, ProcRow
 from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
@@ -223,7 +223,7 @@ def find_pod(pods: List[PodState], text: str) -> PodState:
         if text in (p.hostname, p.name, proc_name(p)):
             return p
     names = ", ".join(f"{p.hostname} ({proc_name(p)})" for p in pods) or "none"
-    raise ClusterError(f"no pod {text!r} in this job; its pods: {names}")
+    raise UsageError(f"no pod {text!r} in this job; its pods: {names}")
 
 
 # -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from paddle_cluster.node import jobdir, procs
 
 from ...access import CheckLine, EngineRow, check_cluster
 from ...config import ClusterConfig, HostSpec
-from ...errors import ClusterError
+from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
 from ..base import ProcRow
 
@@ -233,8 +233,10 @@ def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: st
     idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
     d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
     if idx is None or not os.path.isdir(d):
-        have = ", ".join(os.path.basename(x) for x in _node_dirs(cfg, name)) or "none yet"
-        raise ClusterError(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have}")
+        have = ", ".join(os.path.basename(x) for x in _node_dirs(cfg, name))
+        # A node name among the ones there are is a usage error; before any node wrote its logs, it is not.
+        error = UsageError if idx is None or have else ClusterError
+        raise error(f"unknown node {node_text!r} of Slurm job {name}; its nodes: {have or 'none yet'}")
     job_id = _job_id(cfg, name, handle)
     with stoppable():
         try:

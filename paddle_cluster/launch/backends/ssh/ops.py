@@ -11,7 +11,7 @@ from paddle_cluster.node.jobdir import KillOutcome
 from ... import dispatch
 from ...access import nodes_with_lib
 from ...config import ClusterConfig
-from ...errors import ClusterError, HostError
+from ...errors import ClusterError, HostError, UsageError
 from ...fanout import fanout
 from ...hosts import Node
 from ...interrupt import stoppable
@@ -110,7 +110,7 @@ def resolve_node(cfg: ClusterConfig, text: str) -> int:
                 idx = i
     if idx is None or not 0 <= idx < len(cfg.hosts):
         names = ", ".join(f"node{i} ({h.text})" for i, h in enumerate(cfg.hosts))
-        raise ClusterError(f"unknown node {text!r}; this cluster has {names}")
+        raise UsageError(f"unknown node {text!r}; this cluster has {names}")
     return idx
 
 
