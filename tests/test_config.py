@@ -506,6 +506,9 @@ def test_conf_py_example_loads_and_sets_every_key(tmp_path):
     assert [h.text for h in cfg.hosts] == ["root@192.168.100.17", "root@192.168.100.18"]
     assert (cfg.root_dir, cfg.paddle_nic, cfg.paddle_port, cfg.paddle_ports_num,
             cfg.paddle_ports_num_for_sparse) == ("/home/paddle", "eth0", 7164, 2, 2)
+    # The example says what the defaults are and sets them: PSERVER_COMMAND set to any value would fix the
+    # pserver program and stop ENTRY's PSERVER role from choosing it (the example once set it so).
+    assert cfg.pserver_command is None and ClusterConfig(hosts=()).pserver_command is None
 
 
 def test_cluster_yaml_example_equals_conf_py_example(tmp_path):
