@@ -468,10 +468,12 @@ def final_w(run: Launch, trainers: int = 3) -> float:
 def rc_python(cluster, tmp: Path):
     """Root's ``~/.bashrc`` on every host (each in its own mount namespace; the file itself is shared) puts a
     directory first on PATH whose ``python3`` is an interpreter with numpy; yields that ``python3``'s path."""
-    bindir = tmp / "rc-python" / "bin"
-    bindir.mkdir(parents=True)
+    # This interpreter's own directory, not a link to the file behind it: a link elsewhere to a venv's python
+    # runs the base interpreter, without the venv's packages (numpy among them).
+    bindir = Path(sys.executable).parent
     python = bindir / "python3"
-    python.symlink_to(os.path.realpath(sys.executable))  # the interpreter behind this venv: it has numpy
+    assert python.exists(), f"{bindir} has no python3 for the hosts' rc file to put first on PATH"
+    (tmp / "rc-python").mkdir(parents=True)
     rc = tmp / "rc-python" / "bashrc"
     rc.write_text(f'export PATH="{bindir}:$PATH"\n')
     bashrc = str(Path(os.path.expanduser("~root")) / ".bashrc")
