@@ -13,10 +13,9 @@ from typing import Dict, List
 
 import pytest
 from conformance_cases import DUAL_HOLD_PY, cases, workspace
-from helpers import SEEDS, dataset_dir, ported, wait_for
+from helpers import HOUSING, SEEDS, ported, wait_for
 from userengine import Engine, Running, job_processes, seed_cache
 
-HOUSING_DATA = dataset_dir("uci_housing") / "housing.data"  # ../shared/datasets, or $PADDLE_CLUSTER_DATASETS
 GRACE = 120  # KILL_GRACE of the signals scenario: a stop that waits it out fails the test's wait of 60 s
 # Where the launcher's death does not stop the job (docs/backends.md): the engine runs it on its own.
 RUNS_ON_WITHOUT_LAUNCHER = {"slurm": "a launcher that dies while following a job leaves it running, as --detach",
@@ -170,7 +169,7 @@ def assert_loss_falls(lines: List[str], trainers: int) -> None:
 
 @pytest.mark.parametrize("engine", cases("concurrent"), indirect=True)
 def test_jobs_launched_at_once(engine: Engine):
-    seed_cache(engine, HOUSING_DATA)
+    seed_cache(engine, HOUSING)  # the repository ships the UCI housing data (examples/fit_a_line)
     engine.add_conf(**engine.cache_keys)  # where the nodes' cache is not their ~/.cache/paddle/dataset
     ws = workspace(engine.tmp, {"hold.py": HOLD_UNTIL_PY})
     ported(SEEDS / "dist_train.py", ws / "dist_train.py")
