@@ -44,6 +44,22 @@ def pytest_collectreport(report):
         report.longrepr = f"skipped under CI={os.environ['CI']}, which counts as a failure: {report.longrepr}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_state_dirs(tmp_path_factory):
+    """The launcher's journal (XDG_STATE_HOME) and archive cache (XDG_CACHE_HOME) of every CLI run the tests make
+    live in this session's directories, never in the user's ~/.local/state or ~/.cache; a test that needs its
+    own sets them (or HOME) in the environment it gives the CLI."""
+    root = tmp_path_factory.mktemp("xdg")
+    saved = {k: os.environ.get(k) for k in ("XDG_STATE_HOME", "XDG_CACHE_HOME")}
+    os.environ.update(XDG_STATE_HOME=str(root / "state"), XDG_CACHE_HOME=str(root / "cache"))
+    yield root
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def _skip_if_unavailable() -> None:
     reason = unavailable_reason()
     if reason:

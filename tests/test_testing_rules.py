@@ -57,6 +57,25 @@ def test_under_ci_a_skip_fails_the_run_with_its_reason(tmp_path):
     assert _pytest(tmp_path, CI="false").returncode == 0
 
 
+def test_cli_runs_keep_the_launchers_state_out_of_the_users_home(tmp_path):
+    """Under the suite's conftest, the journal and the archive cache of a test's CLI run are the session's
+    (``own_state_dirs``), never the user's ~/.local/state/paddle-cluster (tests used to write journals there)."""
+    home = tmp_path / "home"
+    probe = tmp_path / "test_state.py"
+    probe.write_text(
+        "import os\nfrom paddle_cluster.launch import journal\n"
+        "from paddle_cluster.launch.config import builtin_default\n\n"
+        "def test_state():\n"
+        f"    assert not str(journal._state_file(builtin_default())).startswith({str(home)!r})\n"
+        f"    assert not os.environ['XDG_CACHE_HOME'].startswith({str(home)!r})\n")
+    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "XDG_STATE_HOME", "XDG_CACHE_HOME")}
+    environ.update(HOME=str(home), PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                          str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "conftest", str(probe)],
+                         env=environ, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_datasets_come_from_the_checkout_or_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("PADDLE_CLUSTER_DATASETS", raising=False)
     monkeypatch.delenv("PTB_DIR", raising=False)
