@@ -75,20 +75,42 @@ def _b36(n: int) -> str:
             return out
 
 
-def _neighbour_room(n: int) -> None:
-    """Make the kernel's ARP table hold what ``n`` hosts talking to each other need (raise only, never lower).
+_ARP = Path("/proc/sys/net/ipv4/neigh/default")
+_arp_saved: dict = {}  # the machine's own limits before the first raise
+_arp_owners: dict = {}  # the open clusters (by id) -> their host count
+
+
+def _arp_want(n: int) -> dict:
+    return {"gc_thresh3": max(1024, 8 * n * n), "gc_thresh2": max(512, 4 * n * n)}
+
+
+def _neighbour_room(n: int, owner: int) -> None:
+    """Make the kernel's ARP table hold what ``n`` hosts talking to each other need (raise only), until the
+    cluster closes (``_neighbour_room_done``).
 
     The table and its limits are one for the whole machine, every network namespace's entries in it: each host
     holds an entry per peer, ~n*n in all.  At the default hard limit (gc_thresh3 = 1024) 32 hosts overflow it,
     new entries are refused, and the SYNs that needed one are dropped -- connects between some hosts then wait
     ~20 s for TCP's retries (measured: /proc/net/stat/arp_cache table_fulls rising, every other counter quiet).
     """
-    base = Path("/proc/sys/net/ipv4/neigh/default")
-    want = {"gc_thresh3": max(1024, 8 * n * n), "gc_thresh2": max(512, 4 * n * n)}
-    for name, value in want.items():
+    _arp_owners[owner] = n
+    for name, value in _arp_want(n).items():
         with contextlib.suppress(OSError, ValueError):
-            if int((base / name).read_text()) < value:
-                (base / name).write_text(str(value))
+            now = int((_ARP / name).read_text())
+            if now < value:
+                _arp_saved.setdefault(name, now)
+                (_ARP / name).write_text(str(value))
+
+
+def _neighbour_room_done(owner: int) -> None:
+    """Lower the limits to what the clusters still open need, and to the machine's own once none is."""
+    _arp_owners.pop(owner, None)
+    for name in list(_arp_saved):
+        need = max([_arp_want(n)[name] for n in _arp_owners.values()], default=0)
+        with contextlib.suppress(OSError, ValueError):
+            (_ARP / name).write_text(str(max(_arp_saved[name], need)))
+        if not _arp_owners:
+            del _arp_saved[name]
 
 
 class SSHCluster:
@@ -160,7 +182,7 @@ class SSHCluster:
             net = ipaddress.ip_network(self.subnet)
             self.gateway = str(net[1])
             self.ips = [str(net[10 + i]) for i in range(self.n)]
-            _neighbour_room(self.n)
+            _neighbour_room(self.n, id(self))
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
             # Bridged frames skip the host's iptables (br_netfilter + a FORWARD DROP policy, as Docker
@@ -434,6 +456,7 @@ class SSHCluster:
             return
         self._closed = True
         _teardown(self._state)
+        _neighbour_room_done(id(self))
         for proc in self._procs:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5)  # reap our own children so no zombie is left

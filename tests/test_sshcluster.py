@@ -165,6 +165,17 @@ def test_close_leaves_nothing_behind(make_ssh_cluster):
         ["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
 
 
+def test_arp_limits_are_raised_for_a_large_cluster_and_put_back_after(make_ssh_cluster):
+    """12 hosts need more than the default 1024 ARP entries; once that cluster closes, the limits are what the
+    clusters still open need (the session's 3-host ones: the machine's own); they used to stay raised."""
+    limit = Path("/proc/sys/net/ipv4/neigh/default/gc_thresh3")
+    before = int(limit.read_text())
+    big = make_ssh_cluster(12)
+    assert int(limit.read_text()) >= 8 * 12 * 12
+    big.close()
+    assert int(limit.read_text()) == before
+
+
 def test_cpu_seconds_counts_one_host_and_its_exited_processes(ssh_cluster):
     if ssh_cluster.cpu_seconds(0) is None:
         pytest.skip("no writable cgroup v2 mount: CPU accounting is unavailable here")
