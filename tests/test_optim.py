@@ -229,3 +229,39 @@ def test_initial_accumulator_fills_new_state():
     spec = OptimizerSpec("adagrad", initial_accumulator_value=0.25)
     assert DenseOptimizer(spec, np.zeros(3, np.float32)).state["m"].tolist() == [0.25] * 3
     assert SparseOptimizer(spec, 2).new_state(1)["m"].tolist() == [[0.25, 0.25]]
+
+
+PADDLE_CASES = [  # (paddle.optimizer class, its options, the OptimizerSpec that must do the same)
+    ("SGD", dict(learning_rate=0.1, weight_decay=0.01), dict(name="sgd", lr=0.1, weight_decay=0.01)),
+    ("Momentum", dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01),
+     dict(name="momentum", lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("Momentum", dict(learning_rate=0.1, momentum=0.9, use_nesterov=True),
+     dict(name="momentum", lr=0.1, momentum=0.9, nesterov=True)),
+    ("Adagrad", dict(learning_rate=0.1, epsilon=1e-6, initial_accumulator_value=0.2),
+     dict(name="adagrad", lr=0.1, eps=1e-6, initial_accumulator_value=0.2)),
+    ("Adam", dict(learning_rate=0.01, beta1=0.8, beta2=0.99, epsilon=1e-3, weight_decay=0.01),
+     dict(name="adam", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-3, weight_decay=0.01)),
+    ("Adam", dict(learning_rate=0.01, amsgrad=True, epsilon=1e-3), dict(name="adam", lr=0.01, amsgrad=True, eps=1e-3)),
+    ("AdamW", dict(learning_rate=0.01, weight_decay=0.1, epsilon=1e-3),
+     dict(name="adamw", lr=0.01, weight_decay=0.1, eps=1e-3)),
+]
+
+
+@pytest.mark.parametrize("cls,options,spec", PADDLE_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(PADDLE_CASES)])
+def test_dense_matches_paddle_optimizer(cls, options, spec):
+    """Paddle 3's dygraph optimizers (float weight_decay: L2, coupled; AdamW's: decoupled) are these rules too."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal((5, 3)).astype(np.float32)
+    grads = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(5)]
+    w = paddle.create_parameter([5, 3], "float32", default_initializer=paddle.nn.initializer.Assign(p0))
+    opt = getattr(paddle.optimizer, cls)(parameters=[w], **options)
+    for g in grads:
+        (w * paddle.to_tensor(g)).sum().backward()  # d/dw = g
+        opt.step()
+        opt.clear_grad()
+    p = p0.copy()
+    d = DenseOptimizer(OptimizerSpec(**spec), p)
+    for g in grads:
+        d.apply(p, g.copy())
+    np.testing.assert_allclose(p, w.numpy(), rtol=1e-5, atol=1e-6)

@@ -63,12 +63,13 @@ def test_two_trainers_equal_plain_torch_on_the_whole_batch(tmp_path, case):
 
 
 @pytest.mark.timeout(60)
-def test_alone_without_a_launcher(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_alone_without_a_launcher(tmp_path, mode):
     """No launcher: rank 0 of 1 against an in-process pserver, the whole batch, equal to plain torch."""
     out = tmp_path / "alone.pt"
     env = checkout_env({k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")})
-    res = subprocess.run([sys.executable, str(JOB), "sgd", str(out), "4"], env=env, capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path)
+    res = subprocess.run([sys.executable, str(JOB), "sgd", str(out), "4", f"mode={mode}"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     r = torch.load(out)
     assert (r["rank"], r["size"]) == (0, 1)
@@ -161,6 +162,12 @@ def test_bad_input_fails_in_one_line(tmp_path, monkeypatch):
         with pytest.raises(ValueError) as e:
             net.emb(torch.tensor([[1, J.V]]))
         assert str(e.value) == f"embedding 'emb': id {J.V} is outside its id space [0, {J.V}) (num_embeddings={J.V})"
+        J.torch.nn.functional.mse_loss(net(*J.batch(0)[:2]), J.batch(0)[2]).backward()
+        opt.param_groups[0]["momentum"] = 0.9  # plain SGD when wrapped: the rule would change
+        with pytest.raises(ValueError) as e:
+            opt.step()
+        assert str(e.value) == ("name='momentum': fixed when the model was defined (name='sgd'); only beta1, "
+                                "beta2, eps, lr, momentum, weight_decay may change during training")
         with pytest.raises(RuntimeError, match="already has one"):
             pct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
     finally:

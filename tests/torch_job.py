@@ -91,14 +91,15 @@ def reference(case: str, start: dict, steps: int) -> dict:
     return net.state_dict()
 
 
-def main(case: str, out: str, steps: int = 5, checkpoint: bool = False, hidden: int = HIDDEN) -> None:
+def main(case: str, out: str, steps: int = 5, checkpoint: bool = False, hidden: int = HIDDEN,
+         mode: str = "sync") -> None:
     import paddle_cluster.torch as pct
 
     out = out.format(rank=pct.rank())  # "{rank}" in OUT: one file per trainer of a launched job
     torch.manual_seed(pct.rank())  # each trainer starts elsewhere: trainer 0's values must win
     net = Net(pct.Embedding(V, DIM, init_scale=0.3) if CASES[case][2] else None, hidden)
     inner = make(case, net)
-    opt = pct.DistributedOptimizer(inner, named_parameters=net.named_parameters())
+    opt = pct.DistributedOptimizer(inner, named_parameters=net.named_parameters(), mode=mode)
     start = {k: v.clone() for k, v in pct.state_dict(net).items()}
     sched = scheduler(opt if CASES[case][3] else inner)
     for _ in range(opt.start_step):  # a resumed job: the schedule where the checkpoint left it
@@ -120,4 +121,4 @@ def main(case: str, out: str, steps: int = 5, checkpoint: bool = False, hidden: 
 if __name__ == "__main__":
     args = dict(a.split("=", 1) for a in sys.argv[4:] if "=" in a)
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 5, "checkpoint" in sys.argv[4:],
-         int(args.get("hidden", HIDDEN)))
+         int(args.get("hidden", HIDDEN)), args.get("mode", "sync"))

@@ -77,19 +77,6 @@ def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optimize
         raise ValueError(f"DistributedOptimizer: torch.optim.{kind} {spec}: {e}") from None
 
 
-def _hypers(spec: OptimizerSpec, group: Dict[str, Any]) -> Dict[str, Any]:
-    """The group's hyper-parameters now, in the spec's terms (what an LR scheduler may have changed)."""
-    now = {"lr": float(group["lr"]), "weight_decay": float(group.get("weight_decay", 0.0))}
-    if spec.name == "momentum":
-        now.update(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
-                   nesterov=bool(group["nesterov"]))
-    elif spec.name == "adagrad":
-        now.update(eps=float(group["eps"]), lr_decay=float(group["lr_decay"]))
-    elif spec.name in ("adam", "adamw"):
-        now.update(beta1=float(group["betas"][0]), beta2=float(group["betas"][1]), eps=float(group["eps"]))
-    return now
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a ``torch.optim`` optimizer (SGD, Adagrad, Adam, AdamW): ``zero_grad()``, ``loss.backward()``,
     ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
@@ -181,7 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if all(g is None for g in grads.values()) and not any(rows.values()):
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
-        hypers = [_hypers(s, g) for s, g in zip(self.specs, self.param_groups)]
+        # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
+        hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
         values = self.bridge.step(grads, rows, hypers)
         self._load(values)
         for emb in self.embeddings:
