@@ -192,29 +192,38 @@ def shutdown() -> None:
         ctx.bridge.close()
 
 
-def state_dict(model: torch.nn.Module, final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
-    """``model.state_dict()`` with its values as the pservers hold them now, each ``Embedding``'s ``weight`` the
-    whole table (the rows that exist; the others at their initial value): a plain ``torch.nn.Embedding`` of
-    the same size loads it. Async mode: waits (``final_wait`` s at most) for the other trainers to finish."""
+def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
+    """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
+    ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
+    ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
+    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    if tables not in ("whole", "rows"):
+        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
     if _context is None:
         raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
     b = _context.bridge
     if b.ps.mode == "async" and b.size > 1 and b.rank == 0:
         b.ps.wait_others_closed(final_wait)
-    _context._load({k: v for k, v in b.ps.pull().items()})
+    _context._load(b.ps.pull())
     out = model.state_dict()
     for prefix, m in model.named_modules():
         if isinstance(m, Embedding):
-            out[f"{prefix}.weight" if prefix else "weight"] = torch.from_numpy(b.table_dense(m.name))
+            key = f"{prefix}.weight" if prefix else "weight"
+            if tables == "whole":
+                out[key] = torch.from_numpy(b.table_dense(m.name))
+            else:
+                del out[key]
+                ids, rows = b.table_rows(m.name)
+                out[f"{key}.ids"], out[f"{key}.rows"] = torch.from_numpy(ids), torch.from_numpy(rows)
     return out
 
 
-def save(model: torch.nn.Module, path: str) -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model)`` to ``path`` with ``torch.save``, atomically; the path written
-    (None on other trainers, which write nothing)."""
+def save(model: torch.nn.Module, path: str, tables: str = "whole") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
+    written (None on other trainers, which write nothing)."""
     if rank() != 0:
         return None
-    sd = state_dict(model)
+    sd = state_dict(model, tables)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(sd, tmp)
     os.replace(tmp, path)
