@@ -196,12 +196,18 @@ def rows_sparse(st: State, conn: Conn, h: P.Header) -> None:
         st.sync.wait_step(t, h.step, "rows")
         with st.sync.rw.shared():
             lo = int(np.searchsorted(t.keys[:t.n], first[0]))
-            ids = t.keys[lo:lo + limit].copy()
-            rows = t.table[t.pos[lo:lo + limit]]
+            n = max(0, min(limit, t.n - lo))
+            held = n * (8 + t.width * t.dtype.itemsize)  # the page's copy, held until sent
+            st.budget.charge(held, f"{t.describe()}: a page of {n} rows")
+            ids = t.keys[lo:lo + n].copy()
+            rows = t.table[t.pos[lo:lo + n]]
         step = t.step
-    header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=ids.nbytes + rows.nbytes,
-                           aux=len(ids))
-    conn.stream.send(header, ids, rows)
+    try:
+        header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step,
+                               length=ids.nbytes + rows.nbytes, aux=n)
+        conn.stream.send(header, ids, rows)
+    finally:
+        st.budget.release(held)
 
 
 # -- control ---------------------------------------------------------------------------------------------------
