@@ -182,7 +182,9 @@ class Bridge:
             if changed:
                 OptimizerSpec.from_dict({**spec, **changed})  # a bad value fails here, in one line
                 if self.rank == 0 and (g.names or g.tables):  # trainer 0 runs the job's hyper-parameters
-                    self.ps.set_hyper(g.names + g.tables, **{k: float(v) for k, v in changed.items()})
+                    # One group is the whole model: no names (the pservers bound how many a change may name).
+                    names = None if len(self.groups) == 1 else g.names + g.tables
+                    self.ps.set_hyper(names, **{k: float(v) for k, v in changed.items()})
                 sent.update(changed)
 
     def table_rows(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
