@@ -210,7 +210,10 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
             if tables == "whole":
-                out[key] = torch.from_numpy(b.table_dense(m.name))
+                try:
+                    out[key] = torch.from_numpy(b.table_dense(m.name))
+                except ValueError as e:
+                    raise ValueError(f"{e}: pass tables='rows' for the rows that exist") from None
             else:
                 del out[key]
                 ids, rows = b.table_rows(m.name)

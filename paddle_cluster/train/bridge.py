@@ -197,8 +197,8 @@ class Bridge:
         t = self.tables[name]
         nbytes = t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
         if nbytes > DENSE_TABLE_BYTES:
-            raise ValueError(f"table {name!r} whole is {nbytes >> 20} MiB ({t.num_embeddings} rows of {t.width}): "
-                             "read the rows that exist instead")
+            raise ValueError(f"table {name!r} whole would be {nbytes >> 20} MiB ({t.num_embeddings} rows of "
+                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB")
         ids, rows = self.table_rows(name)
         out = np.empty((t.num_embeddings, t.width), dtype=t.dtype)
         chunk = max(1, (1 << 18) // t.width)
