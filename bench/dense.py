@@ -78,7 +78,7 @@ def holds(size: int, trainers: int, mode: str = "sync", max_block: int = 4 * MB,
     """``Holds`` of every pserver of ``run(size, trainers, mode, max_block)``, from the placement the trainers
     compute and the runtime's own constants (so a change to the pool or the segment size moves it too)."""
     placed = place_dense({"w": (model_shape(size), np.float32)}, n_pservers, ports_num, max_block_bytes=max_block)
-    state_copies = len(optim.UPDATES[optimizer][1])  # SGD none; its scratch buffer is never touched
+    state_copies = len(optim.slots(optim.OptimizerSpec(optimizer))[0])  # SGD none; its scratch buffer is never touched
     slots = fold.AccPool(fold.POOL_BYTES).left  # how many segments the pool may allocate
     out = []
     for k in range(n_pservers):

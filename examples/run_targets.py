@@ -5,6 +5,8 @@ it meets the target, the 1x1/2x2 agreement, and the wall time of each ``paddle-c
 
     python examples/run_targets.py --movielens /data/ml-100k --ptb /data/ptb [--only fit_a_line,word2vec]
 
+torch_recommendation needs torch (``pip install torch==2.13.0``).
+
 The data are not shipped (licences); give their paths. For fit_a_line and word2vec the single trainer gets the
 global batch of the two trainers together, so the 1x1 and 2x2 sync runs are the same optimisation; the
 recommender scales its gradients by the trainer count instead (see its README), so it keeps its default batch.
@@ -42,6 +44,8 @@ def examples(movielens: str, ptb_shards: str) -> Dict[str, Example]:
     return {
         "fit_a_line": Example("fit_a_line", "test_mse", 30.0, (), ("--batch-size", "16")),
         "recommendation": Example("recommendation", "test_rmse", 0.90, ("--data", movielens), ()),
+        # PyTorch, user and movie rows only (no side features): its global batch is split over the trainers.
+        "torch_recommendation": Example("torch_recommendation", "test_rmse", 0.91, ("--data", movielens), ()),
         "word2vec": Example("word2vec", "valid_ppl", 250.0, ("--data", ptb_shards), ("--batch-size", "1024")),
     }
 
@@ -94,12 +98,13 @@ def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--movielens", default=os.environ.get("MOVIELENS_DIR"), help="ml-1m or ml-100k directory")
     ap.add_argument("--ptb", default=os.environ.get("PTB_DIR"), help="directory with ptb.{train,valid,test}.txt")
-    ap.add_argument("--only", default="fit_a_line,recommendation,word2vec")
+    ap.add_argument("--only", default="fit_a_line,recommendation,torch_recommendation,word2vec")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     chosen = [n for n in a.only.split(",") if n]
-    missing = [flag for flag, need in (("--movielens", "recommendation"), ("--ptb", "word2vec"))
-               if need in chosen and not getattr(a, flag[2:])]
+    missing = [flag for flag, needs in (("--movielens", ("recommendation", "torch_recommendation")),
+                                        ("--ptb", ("word2vec",)))
+               if set(needs) & set(chosen) and not getattr(a, flag[2:])]
     if missing:
         ap.error(f"{' and '.join(missing)} needed for the chosen examples (or drop them with --only)")
     work = Path(tempfile.mkdtemp(prefix="paddle-targets-"))

@@ -160,3 +160,108 @@ def test_sparse_shape_errors():
     assert not table.any()
     # An empty push is fine.
     opt.apply(table, opt.new_state(4), np.zeros(0, np.int64), np.zeros((0, 3), np.float32))
+
+
+# -- the rules of torch.optim, against torch.optim itself --------------------------------------------------
+
+TORCH_CASES = [  # (torch class, its options, the OptimizerSpec that must do the same)
+    ("SGD", dict(lr=0.1, weight_decay=0.01), dict(name="sgd", lr=0.1, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01),
+     dict(name="momentum", lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01)),
+    ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True), dict(name="momentum", lr=0.1, momentum=0.9, nesterov=True)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.05, initial_accumulator_value=0.2, eps=1e-10, weight_decay=0.01),
+     dict(name="adagrad", lr=0.1, lr_decay=0.05, initial_accumulator_value=0.2, eps=1e-10, weight_decay=0.01)),
+    ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-3, weight_decay=0.01),
+     dict(name="adam", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-3, weight_decay=0.01)),
+    ("Adam", dict(lr=0.01, amsgrad=True), dict(name="adam", lr=0.01, amsgrad=True)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1, eps=1e-3), dict(name="adamw", lr=0.01, weight_decay=0.1, eps=1e-3)),
+]
+
+
+@pytest.mark.parametrize("cls,options,spec", TORCH_CASES, ids=[f"{c[0]}-{c[2]['name']}-{i}"
+                                                                  for i, c in enumerate(TORCH_CASES)])
+def test_dense_and_sparse_match_torch_optim(cls, options, spec):
+    """Dense and sparse (every row touched every step) forms end where torch.optim does, to float32 tolerance."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal((5, 3)).astype(np.float32)
+    grads = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(5)]
+    w = torch.nn.Parameter(torch.tensor(p0))
+    opt = getattr(torch.optim, cls)([w], **options)
+    for g in grads:
+        w.grad = torch.tensor(g)
+        opt.step()
+    dense, table = p0.copy(), p0.copy()
+    d = DenseOptimizer(OptimizerSpec(**spec), dense)
+    s = SparseOptimizer(OptimizerSpec(**spec), 3)
+    state = s.new_state(5)
+    for g in grads:
+        d.apply(dense, g.copy())
+        s.apply(table, state, np.arange(5), g.copy())
+    np.testing.assert_allclose(dense, w.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(table, w.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_first_step_counts_per_row():
+    """A row first touched late starts as at step 1: momentum with dampening takes its gradient undampened."""
+    spec = OptimizerSpec("momentum", lr=1.0, momentum=0.5, dampening=0.5)
+    s = SparseOptimizer(spec, 1)
+    table, state = np.zeros((2, 1), np.float32), s.new_state(2)
+    s.apply(table, state, np.array([0]), np.ones((1, 1)))
+    s.apply(table, state, np.array([0, 1]), np.ones((2, 1)))
+    assert table[:, 0].tolist() == [-2.0, -1.0]  # row 0: v=1 then 0.5*1+0.5*1; row 1: v=1 at its first step
+
+
+@pytest.mark.parametrize("bad,says", [
+    ({"name": "momentum", "nesterov": True, "momentum": 0.9, "dampening": 0.1}, "nesterov"),
+    ({"name": "adam", "amsgrad": 1}, "amsgrad=1"),
+    ({"name": "sgd", "dampening": 2}, "dampening=2"),
+    ({"name": "adagrad", "lr_decay": -1}, "lr_decay"),
+    ({"name": "lamb"}, "adamw"),
+])
+def test_spec_refuses_bad_options_in_one_line(bad, says):
+    with pytest.raises(ValueError) as e:
+        OptimizerSpec.from_dict(bad)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_initial_accumulator_fills_new_state():
+    spec = OptimizerSpec("adagrad", initial_accumulator_value=0.25)
+    assert DenseOptimizer(spec, np.zeros(3, np.float32)).state["m"].tolist() == [0.25] * 3
+    assert SparseOptimizer(spec, 2).new_state(1)["m"].tolist() == [[0.25, 0.25]]
+
+
+PADDLE_CASES = [  # (paddle.optimizer class, its options, the OptimizerSpec that must do the same)
+    ("SGD", dict(learning_rate=0.1, weight_decay=0.01), dict(name="sgd", lr=0.1, weight_decay=0.01)),
+    ("Momentum", dict(learning_rate=0.1, momentum=0.9, weight_decay=0.01),
+     dict(name="momentum", lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("Momentum", dict(learning_rate=0.1, momentum=0.9, use_nesterov=True),
+     dict(name="momentum", lr=0.1, momentum=0.9, nesterov=True)),
+    ("Adagrad", dict(learning_rate=0.1, epsilon=1e-6, initial_accumulator_value=0.2),
+     dict(name="adagrad", lr=0.1, eps=1e-6, initial_accumulator_value=0.2)),
+    ("Adam", dict(learning_rate=0.01, beta1=0.8, beta2=0.99, epsilon=1e-3, weight_decay=0.01),
+     dict(name="adam", lr=0.01, beta1=0.8, beta2=0.99, eps=1e-3, weight_decay=0.01)),
+    ("Adam", dict(learning_rate=0.01, amsgrad=True, epsilon=1e-3), dict(name="adam", lr=0.01, amsgrad=True, eps=1e-3)),
+    ("AdamW", dict(learning_rate=0.01, weight_decay=0.1, epsilon=1e-3),
+     dict(name="adamw", lr=0.01, weight_decay=0.1, eps=1e-3)),
+]
+
+
+@pytest.mark.parametrize("cls,options,spec", PADDLE_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(PADDLE_CASES)])
+def test_dense_matches_paddle_optimizer(cls, options, spec):
+    """Paddle 3's dygraph optimizers (float weight_decay: L2, coupled; AdamW's: decoupled) are these rules too."""
+    paddle = pytest.importorskip("paddle")
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal((5, 3)).astype(np.float32)
+    grads = [rng.standard_normal((5, 3)).astype(np.float32) for _ in range(5)]
+    w = paddle.create_parameter([5, 3], "float32", default_initializer=paddle.nn.initializer.Assign(p0))
+    opt = getattr(paddle.optimizer, cls)(parameters=[w], **options)
+    for g in grads:
+        (w * paddle.to_tensor(g)).sum().backward()  # d/dw = g
+        opt.step()
+        opt.clear_grad()
+    p = p0.copy()
+    d = DenseOptimizer(OptimizerSpec(**spec), p)
+    for g in grads:
+        d.apply(p, g.copy())
+    np.testing.assert_allclose(p, w.numpy(), rtol=1e-5, atol=1e-6)

@@ -260,3 +260,31 @@ def test_a_barrier_timeout_in_the_middle_of_a_streamed_reply_ends_that_connectio
             hold.set()
             for c in clients:
                 c.close()
+
+
+@pytest.mark.timeout(60)
+def test_read_sparse_returns_every_existing_row_page_by_page(tmp_path):
+    """A table of 50 million declared rows on 2 pservers holds only the rows touched; ``read_sparse`` returns
+    exactly those (ids sorted, values as a pull sees them), whatever the page size."""
+    env = H.make_env(2, 1, tmp_path, ports_num=1, sparse_ports=1)
+    with H.procs(tmp_path) as pr:
+        servers = [pr.pserver(env, k) for k in range(2)]
+        ps = connect(mode="sync", optimizer=OptimizerSpec("adagrad", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_sparse("emb", 4, vocab_size=50_000_000, init_scale=0.1)
+            ids = np.array([49_999_999, 7, 3, 10, 7, 0])
+            ps.pull_sparse("emb", ids)
+            ps.push_sparse("emb", [3, 10], np.ones((2, 4), np.float32))
+            ps.push({})
+            want = np.unique(ids)
+            rows = ps.pull_sparse("emb", want)
+            assert sum(s["tables"]["0"]["rows"] for s in ps.status()) == len(want)
+            got_ids, got_rows = ps.read_sparse("emb")
+            np.testing.assert_array_equal(got_ids, want)
+            np.testing.assert_array_equal(got_rows, rows)
+            paged = ps._sparse.rows("emb", ps.step, page_rows=1)
+            np.testing.assert_array_equal(paged[0], want)
+            np.testing.assert_array_equal(paged[1], rows)
+        finally:
+            ps.close()
+        assert H.wait_all(pr, servers, 15) == [0, 0]

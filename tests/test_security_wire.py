@@ -34,7 +34,7 @@ MAX_FRAME = 64 * 1024
 W = np.linspace(-1, 1, 1000, dtype=np.float32)
 W_BYTES = W.nbytes
 ROW_BYTES = 4 * 4  # sparse table width 4, float32
-DATA_OPS = [P.Op.PUSH_DENSE, P.Op.PULL_DENSE, P.Op.INIT_DENSE, P.Op.PUSH_SPARSE, P.Op.PULL_SPARSE]
+DATA_OPS = [P.Op.PUSH_DENSE, P.Op.PULL_DENSE, P.Op.INIT_DENSE, P.Op.PUSH_SPARSE, P.Op.PULL_SPARSE, P.Op.ROWS_SPARSE]
 JSON_OPS = [P.Op.DECLARE, P.Op.DEF_DENSE, P.Op.DEF_SPARSE, P.Op.SET_HYPER]
 RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "relay.py")
 
@@ -295,7 +295,7 @@ def test_relay_that_only_forwards_changes_nothing(tmp_path):
 
 def _expected_len(op: int, aux: int) -> int:
     return {P.Op.PUSH_DENSE: W_BYTES, P.Op.INIT_DENSE: W_BYTES, P.Op.PULL_DENSE: 0,
-            P.Op.PUSH_SPARSE: aux * (8 + ROW_BYTES), P.Op.PULL_SPARSE: aux * 8}[op]
+            P.Op.PUSH_SPARSE: aux * (8 + ROW_BYTES), P.Op.PULL_SPARSE: aux * 8, P.Op.ROWS_SPARSE: 8}[op]
 
 
 @st.composite

@@ -250,6 +250,14 @@ class PSClient:
         self.wait()
         return self._sparse.pull(name, ids, self.step)
 
+    def read_sparse(self, name: str) -> Tuple[np.ndarray, np.ndarray]:
+        """Every row of table ``name`` that exists, for ``self.step``: (sorted int64 ids, rows of shape
+        ``(len(ids), width)``). Reads only, page by page; what a final model or an export needs."""
+        self._check_open()
+        self._sparse.get(name)
+        self.wait()
+        return self._sparse.rows(name, self.step)
+
     def push_sparse(self, name: str, ids: Any, grads: Any) -> PushHandle:
         """Row gradients for ``self.step`` (one row per id; duplicates are summed here). At most once per
         table per step; the step advances with the next ``push``."""

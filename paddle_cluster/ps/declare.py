@@ -20,14 +20,14 @@ from .budget import SHARD_OVERHEAD
 from .dense import DenseBlock
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .net import Conn
-from .optim import OptimizerSpec
+from .optim import STRUCTURAL, OptimizerSpec
 from .shards import TableShard, dense_bytes
 from .state import State
 
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 
 MODES = ("sync", "async")
-_HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - {"name"}
+_HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - STRUCTURAL
 
 
 def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:

@@ -38,6 +38,7 @@ from .state import State
 from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
+ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
 
 
 # -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
@@ -180,6 +181,35 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
     conn.reply_ok(key=h.key, step=t.step)
 
 
+def rows_sparse(st: State, conn: Conn, h: P.Header) -> None:
+    """A page of the rows that exist: those with ids from the payload's first id on, in id order, at most
+    ``h.aux`` of them and at most ``ROWS_PAGE_BYTES`` of reply (the reply's ``aux``: how many). Reads only
+    (no row is created), for step ``h.step``: the final model's table, page by page."""
+    t = _table(st, h)
+    if h.dtype != P.dtype_code(np.int64):
+        raise ProtocolError(f"{t.describe()}: a rows request carries one int64 id, frame says dtype code {h.dtype}")
+    P.expect_length(h, 8, f"{t.describe()}: rows request")
+    first = np.empty(1, dtype=np.int64)
+    conn.stream.recv_into(first)
+    limit = max(1, min(int(h.aux), ROWS_PAGE_BYTES // (8 + t.width * t.dtype.itemsize)))
+    with t.cv:
+        st.sync.wait_step(t, h.step, "rows")
+        with st.sync.rw.shared():
+            lo = int(np.searchsorted(t.keys[:t.n], first[0]))
+            n = max(0, min(limit, t.n - lo))
+            held = n * (8 + t.width * t.dtype.itemsize)  # the page's copy, held until sent
+            st.budget.charge(held, f"{t.describe()}: a page of {n} rows")
+            ids = t.keys[lo:lo + n].copy()
+            rows = t.table[t.pos[lo:lo + n]]
+        step = t.step
+    try:
+        header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step,
+                               length=ids.nbytes + rows.nbytes, aux=n)
+        conn.stream.send(header, ids, rows)
+    finally:
+        st.budget.release(held)
+
+
 # -- control ---------------------------------------------------------------------------------------------------
 
 
@@ -250,6 +280,7 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.PULL_DENSE: pull_dense,
     P.Op.PUSH_SPARSE: push_sparse,
     P.Op.PULL_SPARSE: pull_sparse,
+    P.Op.ROWS_SPARSE: rows_sparse,
     P.Op.SET_HYPER: set_hyper,
     P.Op.SAVE: save,
     P.Op.CLOSE: close,

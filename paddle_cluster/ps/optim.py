@@ -1,19 +1,25 @@
 """Server-side optimizers: dense (whole array) and sparse (row-wise, lazy) updates, numpy only.
 
-Formulas (``g`` is the gradient plus ``weight_decay * param`` when weight decay is set, i.e. coupled L2):
+Formulas, those of ``torch.optim`` and ``paddle.optimizer`` (``g`` is the gradient plus ``weight_decay *
+param`` when weight decay is set, i.e. coupled L2, except for adamw):
 
 * sgd:      ``param -= lr * g``
-* momentum: ``v = momentum * v + g; param -= lr * v``
-* adagrad:  ``m += g * g; param -= lr * g / (sqrt(m) + eps)``
+* momentum: ``v = momentum * v + (1 - dampening) * g`` (the first step ``v = g``, undampened, as torch);
+  ``param -= lr * (g + momentum * v)`` with ``nesterov``, else ``param -= lr * v``
+* adagrad:  ``m += g * g; param -= lr / (1 + (t-1) * lr_decay) * g / (sqrt(m) + eps)``, ``m`` starting at
+  ``initial_accumulator_value``
 * adam:     ``t += 1; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-  param -= lr * m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m / (1-b1^t)``, ``v_hat = v / (1-b2^t)``
+  param -= lr * m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m / (1-b1^t)``, ``v_hat = v / (1-b2^t)``;
+  with ``amsgrad`` ``v_hat`` is that of ``vmax = max(vmax, v)``
+* adamw:    ``param *= 1 - lr * weight_decay`` (decoupled), then adam's step without coupled decay
 
-Each optimizer is ONE update function (``UPDATES``) over a parameter, its gradient and its state slots;
-the dense form applies it to a whole array, the sparse form to the rows named in ``idx`` (gathered,
-updated, scattered back), so both round exactly alike. Sparse optimizers are lazy: only those rows change,
-and Adam counts steps per row, so a row seen for the first time gets a full bias correction no matter how
-old the table is. ``spec.lr`` is read on every ``apply`` so a server can change the learning rate while
-running.
+Each optimizer is ONE update function (``UPDATES``) over a parameter, its gradient and its state slots
+(``slots(spec)``: which ones depends on the options, so a job without dampening, lr_decay or amsgrad keeps
+exactly the state it always had); the dense form applies it to a whole array, the sparse form to the rows named
+in ``idx`` (gathered, updated, scattered back), so both round exactly alike. Sparse optimizers are lazy: only
+those rows change, and every step count (adam's bias correction, adagrad's lr_decay, momentum's first step) is
+kept per row, so a row seen for the first time is treated as at step 1 no matter how old the table is.
+``spec.lr`` is read on every ``apply`` so a server can change the learning rate while running.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam")
+OPTIMIZERS = ("sgd", "momentum", "adagrad", "adam", "adamw")
+# Options that fix which state an optimizer keeps, or how it starts: set once, never by ``set_hyper``.
+STRUCTURAL = frozenset({"name", "dampening", "nesterov", "lr_decay", "initial_accumulator_value", "amsgrad"})
+_FLAGS = ("nesterov", "amsgrad")
 
 
 @dataclass
@@ -39,6 +48,11 @@ class OptimizerSpec:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    lr_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    amsgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -47,13 +61,21 @@ class OptimizerSpec:
             if f.name == "name":
                 continue
             value = getattr(self, f.name)
+            if f.name in _FLAGS:
+                if not isinstance(value, bool):
+                    raise ValueError(f"optimizer {f.name}={value!r}: expected true or false")
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"optimizer {f.name}={value!r}: expected a finite number")
             setattr(self, f.name, float(value))
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ValueError("optimizer lr, eps and weight_decay must be >= 0")
+        if min(self.lr, self.eps, self.weight_decay, self.lr_decay, self.initial_accumulator_value) < 0:
+            raise ValueError("optimizer lr, eps, weight_decay, lr_decay and initial_accumulator_value must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 <= self.momentum < 1):
             raise ValueError("optimizer beta1, beta2 and momentum must be in [0, 1)")
+        if not 0 <= self.dampening <= 1:
+            raise ValueError(f"optimizer dampening={self.dampening}: expected a number in [0, 1]")
+        if self.nesterov and self.name == "momentum" and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError("optimizer nesterov=true needs momentum > 0 and dampening = 0")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,31 +134,54 @@ def _sgd(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarra
 
 def _momentum(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
               t: Any) -> None:
+    """``t`` (counted only with dampening): the step count, scalar or one per row; at 1, ``v = g`` undampened."""
     f, v = p.dtype.type, st["v"]
     v *= f(s.momentum)
-    v += g
-    np.multiply(v, f(s.lr), out=buf)
+    if s.dampening:
+        np.multiply(g, f(1.0 - s.dampening), out=buf)
+        first = np.asarray(t == 1.0)
+        if first.ndim:  # rows seen for the first time
+            rows = first[:, 0]
+            buf[rows] = g[rows]
+        elif first:
+            buf[...] = g
+        v += buf
+    else:
+        v += g
+    if s.nesterov:
+        np.multiply(v, f(s.momentum), out=buf)
+        buf += g
+        buf *= f(s.lr)
+    else:
+        np.multiply(v, f(s.lr), out=buf)
     p -= buf
 
 
 def _adagrad(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
              t: Any) -> None:
+    """``t`` (counted only with lr_decay): the step count, scalar or one per row."""
     f, m = p.dtype.type, st["m"]
     np.multiply(g, g, out=buf)
     m += buf
     np.sqrt(m, out=buf)
     buf += f(s.eps)
     np.divide(g, buf, out=buf)
-    buf *= f(s.lr)
+    if s.lr_decay:
+        buf *= np.asarray(s.lr / (1.0 + (t - 1.0) * s.lr_decay)).astype(p.dtype)
+    else:
+        buf *= f(s.lr)
     p -= buf
 
 
 def _adam(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarray], buf: np.ndarray,
           t: Any) -> None:
-    """``t``: the step count, a float (dense) or one per row as a float64 column (sparse)."""
+    """``t``: the step count, a float (dense) or one per row as a float64 column (sparse). adamw decays
+    ``p`` first, decoupled from the gradient."""
     f, m, v = p.dtype.type, st["m"], st["v"]
     step, eps_hat = _adam_scalars(s, t)
     step, eps_hat = np.asarray(step).astype(p.dtype), np.asarray(eps_hat).astype(p.dtype)
+    if s.name == "adamw" and s.weight_decay:
+        p *= f(1.0 - s.lr * s.weight_decay)
     m *= f(s.beta1)
     np.multiply(g, f(1.0 - s.beta1), out=buf)
     m += buf
@@ -144,6 +189,9 @@ def _adam(s: OptimizerSpec, p: np.ndarray, g: np.ndarray, st: Dict[str, np.ndarr
     np.multiply(g, g, out=buf)
     buf *= f(1.0 - s.beta2)
     v += buf
+    if s.amsgrad:
+        np.maximum(st["vmax"], v, out=st["vmax"])
+        v = st["vmax"]
     np.sqrt(v, out=buf)
     buf += eps_hat
     np.divide(m, buf, out=buf)
@@ -159,13 +207,27 @@ def _adam_scalars(s: OptimizerSpec, t: Any) -> Tuple[Any, Any]:
 
 
 Update = Callable[[OptimizerSpec, np.ndarray, np.ndarray, Dict[str, np.ndarray], np.ndarray, Any], None]
-# name -> (its update, its state slots shaped like the parameter, whether it counts steps in slot "t")
-UPDATES: Dict[str, Tuple[Update, Tuple[str, ...], bool]] = {
-    "sgd": (_sgd, (), False),
-    "momentum": (_momentum, ("v",), False),
-    "adagrad": (_adagrad, ("m",), False),
-    "adam": (_adam, ("m", "v"), True),
-}
+UPDATES: Dict[str, Update] = {"sgd": _sgd, "momentum": _momentum, "adagrad": _adagrad, "adam": _adam, "adamw": _adam}
+
+
+def slots(spec: OptimizerSpec) -> Tuple[Tuple[str, ...], bool]:
+    """The state slots shaped like the parameter that ``spec`` keeps, and whether it counts steps (slot "t")."""
+    if spec.name == "momentum":
+        return ("v",), bool(spec.dampening)
+    if spec.name == "adagrad":
+        return ("m",), bool(spec.lr_decay)
+    if spec.name in ("adam", "adamw"):
+        return ("m", "v") + (("vmax",) if spec.amsgrad else ()), True
+    return (), False
+
+
+def coupled_decay(spec: OptimizerSpec) -> bool:
+    """Whether ``weight_decay * param`` is added to the gradient (L2); adamw decays the parameter instead."""
+    return bool(spec.weight_decay) and spec.name != "adamw"
+
+
+def _initial(spec: OptimizerSpec, slot: str) -> float:
+    return spec.initial_accumulator_value if slot == "m" and spec.name == "adagrad" else 0.0
 
 
 # -- dense ---------------------------------------------------------------------------------------------
@@ -178,8 +240,10 @@ class DenseOptimizer:
         self.spec = spec
         self.dtype = param.dtype
         self.shape = param.shape
-        self._update, slots, counts = UPDATES[spec.name]
-        self.state: Dict[str, np.ndarray] = {k: np.zeros(param.shape, dtype=param.dtype) for k in slots}
+        self._update = UPDATES[spec.name]
+        names, counts = slots(spec)
+        self.state: Dict[str, np.ndarray] = {k: np.full(param.shape, _initial(spec, k), dtype=param.dtype)
+                                             for k in names}
         if counts:
             self.state["t"] = np.zeros((1,), dtype=np.int64)
         # Scratch buffers reused across calls so a step allocates nothing of the parameter's size.
@@ -200,7 +264,7 @@ class DenseOptimizer:
         if param.shape != self.shape or grad.shape != self.shape:
             raise ValueError(f"param {param.shape} / grad {grad.shape} do not match {self.shape}")
         g = np.asarray(grad, dtype=self.dtype)
-        if self.spec.weight_decay:
+        if coupled_decay(self.spec):
             if self._gbuf is None:
                 self._gbuf = np.empty(self.shape, dtype=self.dtype)
             np.multiply(param, self.dtype.type(self.spec.weight_decay), out=self._gbuf)
@@ -223,14 +287,16 @@ class SparseOptimizer:
         self.spec = spec
         self.width = int(width)
         self.dtype = np.dtype(dtype)
-        self._update, slots, counts = UPDATES[spec.name]
-        self.row_slots: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {k: ((self.width,), self.dtype) for k in slots}
+        self._update = UPDATES[spec.name]
+        names, counts = slots(spec)
+        self.row_slots: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {k: ((self.width,), self.dtype) for k in names}
         if counts:
             self.row_slots["t"] = ((), np.dtype(np.int64))
 
     def new_state(self, capacity: int) -> Dict[str, np.ndarray]:
-        """Zeroed per-row state for a table of ``capacity`` rows (a convenience for callers and tests)."""
-        return {k: np.zeros((capacity, *suffix), dtype=dt) for k, (suffix, dt) in self.row_slots.items()}
+        """Fresh per-row state for a table of ``capacity`` rows (zero, adagrad's accumulator at its initial value)."""
+        return {k: np.full((capacity, *suffix), _initial(self.spec, k), dtype=dt)
+                for k, (suffix, dt) in self.row_slots.items()}
 
     def _check(self, table: np.ndarray, idx: np.ndarray, grad: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
@@ -253,7 +319,7 @@ class SparseOptimizer:
         if len(idx) == 0:
             return
         rows = table[idx]
-        g = grad + self.dtype.type(self.spec.weight_decay) * rows if self.spec.weight_decay else grad
+        g = grad + self.dtype.type(self.spec.weight_decay) * rows if coupled_decay(self.spec) else grad
         st = {k: state[k][idx] for k in self.row_slots}
         t = None
         if "t" in st:

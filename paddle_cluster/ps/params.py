@@ -218,6 +218,29 @@ class SparseTables:
         gather(futures)
         return out[inv].reshape(ids.shape + (t.width,))
 
+    def rows(self, name: str, step: int, page_rows: int = 1 << 16) -> Tuple[np.ndarray, np.ndarray]:
+        """Every row of table ``name`` that exists, for ``step``: (sorted ids, their rows), read page by page
+        from every pserver at once (``ROWS_SPARSE``)."""
+        t = self.get(name)
+
+        def read(ch: Channel) -> Tuple[np.ndarray, np.ndarray]:
+            ids_parts, row_parts = [], []
+            first = np.array([np.iinfo(np.int64).min], dtype=np.int64)
+            while True:
+                ids, rows = _rows_page(ch, t, step, first, page_rows)
+                ids_parts.append(ids)
+                row_parts.append(rows)
+                if not len(ids) or ids[-1] == np.iinfo(np.int64).max:
+                    break
+                first = ids[-1:] + 1
+            return np.concatenate(ids_parts), np.concatenate(row_parts)
+
+        parts = gather([self._channel(t, k).submit(read) for k in range(len(self.channels))])
+        ids = np.concatenate([i for i, _ in parts])
+        rows = np.concatenate([r for _, r in parts]).reshape(-1, t.width)
+        order = np.argsort(ids, kind="stable")
+        return ids[order], rows[order]
+
     def push(self, name: str, ids: Any, grads: Any, step: int, all_ps: bool) -> List[Future]:
         """Row gradients (duplicate ids summed here), at most once per table per step."""
         t = self.get(name)
@@ -263,3 +286,19 @@ class SparseTables:
             futures.append(self._channel(t, k).submit(
                 lambda ch, hd=header, a=sub_ids, g=sub_g: pipeline(ch, [(hd, (a, g))], [expect_ok])))
         return futures
+
+
+def _rows_page(ch: Channel, t: Table, step: int, first: np.ndarray, page_rows: int) -> Tuple[np.ndarray, np.ndarray]:
+    """One ``ROWS_SPARSE`` page of table ``t`` from ``ch``'s pserver: its rows with ids from ``first[0]`` on."""
+    got: List[np.ndarray] = []
+
+    def cb(ch: Channel, h: P.Header) -> None:
+        n = h.aux
+        if h.op != P.Op.DATA or h.length != n * (8 + t.width * t.dtype.itemsize):
+            raise ConnectionLost(f"bad reply to a rows request of {t.name!r}: {h}")
+        ids, rows = np.empty(n, dtype=np.int64), np.empty((n, t.width), dtype=t.dtype)
+        ch.stream.recv_into(ids, rows)
+        got.extend((ids, rows))
+    pipeline(ch, [(P.pack_header(P.Op.ROWS_SPARSE, P.dtype_code(np.int64), key=t.key, step=step, length=8,
+                                 aux=page_rows), (first,))], [cb])
+    return got[0], got[1]

@@ -49,6 +49,7 @@ class Op(enum.IntEnum):
     PULL_DENSE = 21  # -> DATA: the block's value for ``step``
     PUSH_SPARSE = 22  # aux=n: n int64 ids then n rows of gradients
     PULL_SPARSE = 23  # aux=n: n int64 ids -> DATA: n rows
+    ROWS_SPARSE = 24  # aux=at most n rows, payload: int64 first id -> DATA aux=m: the m rows from it, ids then rows
     SET_HYPER = 30  # JSON: optimizer hyper-parameters from a step on
     SAVE = 31  # JSON: write this pserver's shard of a checkpoint
     CLOSE = 32  # this trainer is done

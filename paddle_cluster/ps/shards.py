@@ -54,7 +54,7 @@ def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int
     """What a block of ``meta`` holds, in Python integers (never wraps): its value, its optimizer's state and
     scratch, and with several trainers the sum of their gradients."""
     n = math.prod(int(s) for s in meta["shape"]) * np.dtype(meta["dtype"]).itemsize
-    copies = 2 + len(optim.UPDATES[spec.name][1]) + int(bool(spec.weight_decay)) + int(trainers > 1)
+    copies = 2 + len(optim.slots(spec)[0]) + int(optim.coupled_decay(spec)) + int(trainers > 1)
     return n * copies + SHARD_OVERHEAD
 
 

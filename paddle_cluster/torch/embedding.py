@@ -1,0 +1,70 @@
+"""``Embedding``: a ``torch.nn.Module`` whose rows live on the pservers, fetched per batch, unique ids only."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..train.bridge import Bridge, TableDef
+
+
+class Embedding(torch.nn.Module):
+    """A table of ``num_embeddings`` rows of ``embedding_dim`` on the pservers: ``forward(ids)`` (any integer
+    shape) returns ``ids.shape + (embedding_dim,)`` with autograd; the row gradients go out at the wrapped
+    optimizer's ``step()``. A row is created the first time its id is used (uniform in ``(-init_scale,
+    init_scale)``, from ``seed``), so a table of 50 million rows costs nothing until rows are touched.
+
+    Its ``weight`` is a zero-size placeholder: it puts the table in the optimizer's parameter groups (so the
+    table follows its group's update rule and hyper-parameters) and names it in ``state_dict``, where
+    ``paddle_cluster.torch.state_dict`` fills in the whole table. ``name`` (default: the placeholder's name in
+    ``named_parameters`` without ``.weight``) must be the same on every trainer.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None, *,
+                 init_scale: float = 0.01, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.name, self.init_scale, self.seed, self.dtype = name, float(init_scale), int(seed), dtype
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+        self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
+        self._bridge: Optional[Bridge] = None
+        self._lookups: List[Tuple[np.ndarray, torch.Tensor]] = []  # this step's (unique ids, rows leaf tensor)
+
+    def table(self, name: str) -> TableDef:
+        """(DistributedOptimizer.) Its definition, named ``name`` unless it was given one."""
+        self.name = self.name or name
+        return TableDef(self.name, self.num_embeddings, self.embedding_dim, self.init_scale, self.seed,
+                        torch.empty(0, dtype=self.dtype).numpy().dtype)
+
+    def forward(self, ids: Any) -> torch.Tensor:
+        if self._bridge is None:
+            raise RuntimeError(f"Embedding {self.name or ''}: its rows are on the pservers; wrap the optimizer "
+                               "holding its parameters in paddle_cluster.torch.DistributedOptimizer before the "
+                               "first forward")
+        ids = torch.as_tensor(ids)
+        lk = self._bridge.lookup(self.name, ids.detach().cpu().numpy())
+        rows = torch.from_numpy(lk.rows)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._lookups.append((lk.ids, rows))
+        out = rows[torch.from_numpy(lk.inverse)].reshape(*lk.shape, self.embedding_dim)
+        return out.to(ids.device) if ids.device.type != "cpu" else out
+
+    def row_grads(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """(DistributedOptimizer.) This step's row gradients, one ``(unique ids, grads)`` per lookup used."""
+        return [(ids, rows.grad.numpy()) for ids, rows in self._lookups if rows.grad is not None]
+
+    def zero_grad_rows(self) -> None:
+        for _, rows in self._lookups:
+            rows.grad = None
+
+    def end_step(self) -> None:
+        self._lookups = []
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r} (rows on the pservers)"

@@ -1,0 +1,233 @@
+"""``DistributedOptimizer``: a ``torch.optim`` optimizer whose update the pservers apply; ``rank``, ``size``,
+and the final model (``state_dict``, ``save``)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..contract import JobEnv
+from ..ps.optim import OptimizerSpec
+from ..train.bridge import Bridge, Group
+from .embedding import Embedding
+
+# torch.optim class -> the server rule; the options each may set (any other non-default one is refused).
+SUPPORTED = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adamw"}
+_ONE_LINE = ("supported: torch.optim.SGD (momentum, dampening, nesterov, weight_decay), Adagrad (lr_decay, "
+             "initial_accumulator_value, eps, weight_decay), Adam and AdamW (betas, eps, weight_decay, amsgrad)")
+# Options that change how torch computes, never what: ignored.
+_HOW = {"foreach", "fused", "capturable", "differentiable", "params", "param_names", "initial_lr"}
+
+_context: Optional[DistributedOptimizer] = None
+
+
+def rank() -> int:
+    """This trainer's id (alone: 0)."""
+    if _context is not None:
+        return _context.bridge.rank
+    env = JobEnv.from_environ()
+    return 0 if env is None or env.trainer_id is None else int(env.trainer_id)
+
+
+def size() -> int:
+    """The job's trainer count (alone: 1)."""
+    if _context is not None:
+        return _context.bridge.size
+    env = JobEnv.from_environ()
+    return 1 if env is None else int(env.trainers)
+
+
+def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> OptimizerSpec:
+    """The server rule doing what ``optimizer`` does to ``group``; ValueError (one line) for anything else."""
+    kind = type(optimizer).__name__
+    if type(optimizer) is not getattr(torch.optim, kind, None) or kind not in SUPPORTED:
+        what = f"torch.optim.{kind}" if type(optimizer) is getattr(torch.optim, kind, None) else \
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise ValueError(f"DistributedOptimizer: {what} is not supported; {_ONE_LINE}")
+    g = {k: v for k, v in group.items() if k not in _HOW}
+    if g.pop("maximize", False):
+        raise ValueError(f"DistributedOptimizer: torch.optim.{kind}(maximize=True) is not supported; {_ONE_LINE}")
+    spec = {"name": SUPPORTED[kind], "lr": float(g.pop("lr")), "weight_decay": float(g.pop("weight_decay", 0.0))}
+    if kind == "SGD":
+        momentum, dampening, nesterov = float(g.pop("momentum", 0.0)), float(g.pop("dampening", 0.0)), \
+            bool(g.pop("nesterov", False))
+        if momentum:
+            spec.update(name="momentum", momentum=momentum, dampening=dampening, nesterov=nesterov)
+    elif kind == "Adagrad":
+        g.pop("initial_accumulator_value", None)  # torch fills every group's sum from the constructor's value
+        spec.update(eps=float(g.pop("eps")), lr_decay=float(g.pop("lr_decay", 0.0)),
+                    initial_accumulator_value=float(optimizer.defaults.get("initial_accumulator_value", 0.0)))
+    else:
+        beta1, beta2 = g.pop("betas")
+        spec.update(beta1=float(beta1), beta2=float(beta2), eps=float(g.pop("eps")),
+                    amsgrad=bool(g.pop("amsgrad", False)))
+        if g.pop("decoupled_weight_decay", False):
+            spec["name"] = "adamw"
+    other = {k: v for k, v in g.items() if v not in (None, False, 0)}
+    if other:
+        raise ValueError(f"DistributedOptimizer: torch.optim.{kind} option(s) {other} not supported; {_ONE_LINE}")
+    try:
+        return OptimizerSpec.from_dict(spec)
+    except ValueError as e:
+        raise ValueError(f"DistributedOptimizer: torch.optim.{kind} {spec}: {e}") from None
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a ``torch.optim`` optimizer (SGD, Adagrad, Adam, AdamW): ``zero_grad()``, ``loss.backward()``,
+    ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
+    values into the parameters in place; the pservers apply the wrapped optimizer's rule with each parameter
+    group's hyper-parameters, and a change to them (an LR scheduler stepping either optimizer) from the next
+    step on. Every trainer starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then
+    the step it continues from). ``mode``: "sync" (every step averages all trainers' gradients) or "async".
+    One per trainer process."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+                 mode: str = "sync", **connect_kw: Any) -> None:
+        global _context
+        if _context is not None:
+            raise RuntimeError("DistributedOptimizer: this process already has one; wrap one optimizer per "
+                               "trainer (give it several parameter groups for several rules' hyper-parameters)")
+        specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
+        names = self._names(optimizer, named_parameters)
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups, self.state = optimizer.param_groups, optimizer.state  # one set: a scheduler on either
+        self.optimizer = optimizer
+        self.specs = specs
+        self.dense: List[Tuple[str, torch.nn.Parameter]] = []
+        self.embeddings: List[Embedding] = []
+        groups, tables = [], []
+        for spec, g in zip(specs, optimizer.param_groups):
+            group = Group(spec)
+            for p in g["params"]:
+                emb = getattr(p, "_paddle_cluster_table", None)
+                if emb is not None:
+                    name = names[p][:-len(".weight")] if names[p].endswith(".weight") else names[p]
+                    tables.append(emb.table(name))
+                    group.tables.append(emb.name)
+                    self.embeddings.append(emb)
+                else:
+                    group.names.append(names[p])
+                    self.dense.append((names[p], p))
+            groups.append(group)
+        self.bridge = Bridge(mode, **connect_kw)
+        try:
+            start = self.bridge.define({n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
+        except BaseException:
+            self.bridge.close()
+            raise
+        _context = self
+        # Before the client's thread pools stop at interpreter exit (threading's exit hooks run before atexit's,
+        # the latest first), so a script that just ends still tells the pservers it is done.
+        getattr(threading, "_register_atexit", atexit.register)(shutdown)
+        self._load(start)
+        for emb in self.embeddings:
+            emb._bridge = self.bridge
+        self.start_step = self.bridge.start_step
+
+    @staticmethod
+    def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
+               ) -> Dict[torch.nn.Parameter, str]:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if named is None:  # positional names: the same on every trainer that builds the same optimizer
+            return {p: f"group{i}.param{j}" for i, g in enumerate(optimizer.param_groups)
+                    for j, p in enumerate(g["params"])}
+        by_param: Dict[torch.nn.Parameter, str] = {}
+        for name, p in named:
+            by_param.setdefault(p, name)
+        missing = [i for i, p in enumerate(params) if p not in by_param]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: {len(missing)} of the optimizer's parameters are not in "
+                             "named_parameters: pass the named_parameters() of the model the optimizer trains")
+        return by_param
+
+    def _load(self, values: Dict[str, np.ndarray]) -> None:
+        with torch.no_grad():
+            for name, p in self.dense:
+                p.copy_(torch.from_numpy(values[name]))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for emb in self.embeddings:
+            emb.zero_grad_rows()
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Send this step's gradients, load the values after it into the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
+                 .numpy() for n, p in self.dense}
+        rows = {emb.name: emb.row_grads() for emb in self.embeddings}
+        if all(g is None for g in grads.values()) and not any(rows.values()):
+            raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
+                               "loss.backward() first")
+        # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
+        hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
+        values = self.bridge.step(grads, rows, hypers)
+        self._load(values)
+        for emb in self.embeddings:
+            emb.end_step()
+        self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
+        return loss
+
+    def save_checkpoint(self, name: Optional[str] = None) -> Any:
+        """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
+        the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
+        trainers: nothing (None)."""
+        return self.bridge.save_checkpoint(name) if self.bridge.rank == 0 else None
+
+
+def shutdown() -> None:
+    """Tell the pservers this trainer is done (also run at exit): in a job, they exit once every trainer is."""
+    global _context
+    if _context is not None:
+        ctx, _context = _context, None
+        ctx.bridge.close()
+
+
+def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
+    """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
+    ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
+    ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
+    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    if tables not in ("whole", "rows"):
+        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
+    if _context is None:
+        raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
+    b = _context.bridge
+    if b.ps.mode == "async" and b.size > 1 and b.rank == 0:
+        b.ps.wait_others_closed(final_wait)
+    _context._load(b.ps.pull())
+    out = model.state_dict()
+    for prefix, m in model.named_modules():
+        if isinstance(m, Embedding):
+            key = f"{prefix}.weight" if prefix else "weight"
+            if tables == "whole":
+                try:
+                    out[key] = torch.from_numpy(b.table_dense(m.name))
+                except ValueError as e:
+                    raise ValueError(f"{e}: pass tables='rows' for the rows that exist") from None
+            else:
+                del out[key]
+                ids, rows = b.table_rows(m.name)
+                out[f"{key}.ids"], out[f"{key}.rows"] = torch.from_numpy(ids), torch.from_numpy(rows)
+    return out
+
+
+def save(model: torch.nn.Module, path: str, tables: str = "whole") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
+    written (None on other trainers, which write nothing)."""
+    if rank() != 0:
+        return None
+    sd = state_dict(model, tables)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(sd, tmp)
+    os.replace(tmp, path)
+    return path
