@@ -1,7 +1,7 @@
 """``python -m bench``: the paddle-cluster benchmark suite. See docs/benchmarks.md.
 
 Prints a table and the issue's targets, writes ``bench/results/latest.json`` (and the block-size plot).
-Sections: raw, dense, sparse, peers, shaped, launcher (``--only a,b``); ``--quick`` for small sizes,
+Sections: raw, dense, sparse, peers, torch, shaped, launcher (``--only a,b``); ``--quick`` for small sizes,
 ``--smoke`` for tiny ones (the test suite's check that the suite runs). ``shaped`` and ``launcher`` need
 root and are skipped with a note otherwise.
 """
@@ -22,22 +22,25 @@ from . import targets as goals
 from .common import MB, REPO, Row, loadavg
 from .cpu import Cpu
 
-SECTIONS = ("raw", "dense", "sparse", "peers", "shaped", "launcher")
+SECTIONS = ("raw", "dense", "sparse", "peers", "torch", "shaped", "launcher")
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     "full": {"size": 64 * MB, "warmup": 2, "reps": 7, "raw_reps": 5,
              "blocks": [256 << 10, MB, 4 * MB, 16 * MB, 32 * MB],
              "tiny": 4096, "tiny_reps": 500, "sparse": (1_000_000, 64, 100_000), "sparse_reps": 5,
              "shaped_size": 64 * MB, "shaped_reps": 4, "launch_counts": (1, 2, 4, 8, 16, 32), "launch_reps": 3,
-             "dispatch_mb": 200, "dispatch_counts": (1, 3, 8), "dispatch_reps": 2},
+             "dispatch_mb": 200, "dispatch_counts": (1, 3, 8), "dispatch_reps": 2,
+             "torch_size": 64 * MB, "torch_rows": 1_000_000, "torch_reps": 5},
     "quick": {"size": 16 * MB, "warmup": 1, "reps": 4, "raw_reps": 3, "blocks": [256 << 10, 4 * MB, 16 * MB],
               "tiny": 4096, "tiny_reps": 200, "sparse": (200_000, 64, 20_000), "sparse_reps": 3,
               "shaped_size": 16 * MB, "shaped_reps": 3, "launch_counts": (1, 2), "launch_reps": 2,
-              "dispatch_mb": 20, "dispatch_counts": (1, 3), "dispatch_reps": 1},
+              "dispatch_mb": 20, "dispatch_counts": (1, 3), "dispatch_reps": 1,
+              "torch_size": 16 * MB, "torch_rows": 1_000_000, "torch_reps": 3},
     "smoke": {"size": 2 * MB, "warmup": 1, "reps": 2, "raw_reps": 2, "blocks": [MB],
               "tiny": 4096, "tiny_reps": 20, "sparse": (20_000, 16, 2_000), "sparse_reps": 2,
               "shaped_size": 2 * MB, "shaped_reps": 2, "launch_counts": (1,), "launch_reps": 1,
-              "dispatch_mb": 2, "dispatch_counts": (1, 3), "dispatch_reps": 1},
+              "dispatch_mb": 2, "dispatch_counts": (1, 3), "dispatch_reps": 1,
+              "torch_size": 1 * MB, "torch_rows": 20_000, "torch_reps": 2},
 }
 
 
@@ -254,6 +257,27 @@ class Suite:
                                                peers.gloo_allreduce, peers.ps_sync)
         if ("gloo", 2) in self.m["ps_vs_ring"]:
             self.m["gloo"] = self.m["ps_vs_ring"][("gloo", 2)]
+
+    def torch(self) -> None:
+        """A PyTorch model on the pservers against DDP with gloo: an MLP at 2 and 4 trainers, and an embedding
+        table of which 1 % is touched per step (bench/frameworks.py)."""
+        from . import frameworks
+
+        c = self.cfg
+        size, rows, dim = c["torch_size"], c["torch_rows"], 32
+        runs = [("dense", n, f"torch_ps{n}", f"torch_ddp{n}") for n in (2, 4)] + [("embedding", 2, "emb_ps", "emb_ddp")]
+        for model, n, ps_key, ddp_key in runs:
+            what = frameworks.describe(model, size, rows, dim)
+            ps, ddp, chk = frameworks.measure(model, size, c["warmup"], c["torch_reps"], n, rows=rows, dim=dim)
+            if ps is None:
+                self.skipped["torch"] = chk
+                self.add(Row("torch", f"{what}, {n} trainers", None, "ms", note=f"skipped: {chk}", check="-"))
+                return
+            self.m[ps_key], self.m[ddp_key] = ps.median, ddp.median
+            self.add(Row("torch", f"DDP gloo: {what}, {n} trainers", 1e3 * ddp.median, "ms", ddp.spread(),
+                         check=chk, extra=ddp.to_dict(), note=f"global batch {frameworks.GLOBAL_BATCH}"))
+            self.add(Row("torch", f"pservers (2, integrity off): {what}, {n} trainers", 1e3 * ps.median, "ms",
+                         ps.spread(), check=chk, extra=ps.to_dict(), note=f"{ps.median / ddp.median:.2f}x DDP's step"))
 
     def _ps_vs_ring(self, section: str, where: str, size: int, warmup: int, reps: int, gloo, ps,
                     workers=(2, 4), pservers=(2, 4)) -> Dict[Any, float]:

@@ -126,6 +126,11 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
                  if key == "ps_vs_ring" and best else None)
             t(f"sync PS step (best of 2, 4 pservers) / gloo, {n} workers, {where}", v, "<= 1.2",
               lambda v: v <= 1.2, skipped.get("gloo", ""), b)
+    for n in (2, 4):
+        t(f"PyTorch MLP on the pservers / under DDP gloo, step, {n} trainers", ratio(f"torch_ps{n}", f"torch_ddp{n}"),
+          "<= 1.2", lambda v: v <= 1.2, skipped.get("torch", ""))
+    t("embedding 1 % touched: DDP gloo (dense all-reduce) / pservers, step", ratio("emb_ddp", "emb_ps"), ">= 3",
+      lambda v: v >= 3.0, skipped.get("torch", ""))
     for n in (1, 2):
         v = m.get(f"barrier{n}_p99")
         t(f"barrier round trip p99, {n} trainer(s) (ms)", None if v is None else 1e3 * v, "<= 1 ms",
