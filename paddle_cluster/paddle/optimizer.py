@@ -20,9 +20,9 @@ from .embedding import Embedding
 # paddle.optimizer class -> the server rule.
 SUPPORTED = {"SGD": "sgd", "Momentum": "momentum", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adamw"}
 _ONE_LINE = ("supported: paddle.optimizer.SGD, Momentum (momentum, use_nesterov), Adagrad (epsilon, "
-             "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those and coeff, "
-             "apply_decay_param_fun), each with a float or LRScheduler learning_rate and weight_decay as a float "
-             "or L2Decay, without grad_clip")
+             "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those, its decoupled "
+             "weight_decay, apply_decay_param_fun), each with a float or LRScheduler learning_rate, parameter "
+             "groups, weight_decay a float or L2Decay, no grad_clip")
 
 _context: Optional[DistributedOptimizer] = None
 
@@ -43,8 +43,8 @@ def size() -> int:
     return 1 if env is None else int(env.trainers)
 
 
-def _refuse(what: str) -> ValueError:
-    return ValueError(f"DistributedOptimizer: {what} is not supported; {_ONE_LINE}")
+def _refuse(what: str, why: str = "") -> ValueError:
+    return ValueError(f"DistributedOptimizer: {what} is not supported{f' ({why})' if why else ''}; {_ONE_LINE}")
 
 
 def _float(v: Any) -> float:
@@ -73,7 +73,8 @@ def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any
                       else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
     g = group or {}
     if g.get("grad_clip", optimizer._grad_clip) is not None:
-        raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...) (gradients are averaged on the pservers)")
+        raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...)",
+                      "it would clip each trainer's part of the gradient, not the gradient the pservers apply")
     mult = param.optimize_attr.get("learning_rate", 1.0) if param.optimize_attr else 1.0
     if not isinstance(mult, (int, float)):
         raise _refuse(f"a tensor learning_rate on parameter {param.name}")
