@@ -11,7 +11,7 @@ and ``Embedding``.
     ppc.save(model, "model.pdparams")               # trainer 0: a plain Paddle state_dict, tables included
 
 The only module of paddle_cluster that imports paddle: a node without it still runs numpy jobs.
-docs/frameworks.md describes the API, the update rules and the state kept per embedding row.
+docs/pytorch.md (its PaddlePaddle section) describes the API, the update rules and the state kept per embedding row.
 """
 
 from __future__ import annotations

@@ -239,10 +239,13 @@ def shutdown() -> None:
         ctx.bridge.close()
 
 
-def state_dict(model: paddle.nn.Layer, final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
-    """``model.state_dict()`` with its values as the pservers hold them now, each ``Embedding``'s ``weight`` the
-    whole table (the rows that exist; the others at their initial value): a plain ``paddle.nn.Embedding`` of
-    the same size loads it. Async mode: waits (``final_wait`` s at most) for the other trainers to finish."""
+def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
+    """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
+    ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
+    ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
+    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    if tables not in ("whole", "rows"):
+        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
     if _context is None:
         raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
     b = _context.bridge
@@ -252,16 +255,22 @@ def state_dict(model: paddle.nn.Layer, final_wait: float = 600.0) -> Dict[str, p
     out = model.state_dict()
     for prefix, m in model.named_sublayers(include_self=True):
         if isinstance(m, Embedding):
-            out[f"{prefix}.weight" if prefix else "weight"] = paddle.to_tensor(b.table_dense(m.name))
+            key = f"{prefix}.weight" if prefix else "weight"
+            if tables == "whole":
+                out[key] = paddle.to_tensor(b.table_dense(m.name))
+            else:
+                del out[key]
+                ids, rows = b.table_rows(m.name)
+                out[f"{key}.ids"], out[f"{key}.rows"] = paddle.to_tensor(ids), paddle.to_tensor(rows)
     return out
 
 
-def save(model: paddle.nn.Layer, path: str) -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model)`` to ``path`` with ``paddle.save``, atomically; the path written
-    (None on other trainers, which write nothing)."""
+def save(model: paddle.nn.Layer, path: str, tables: str = "whole") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
+    written (None on other trainers, which write nothing)."""
     if rank() != 0:
         return None
-    sd = state_dict(model)
+    sd = state_dict(model, tables)
     tmp = f"{path}.tmp{os.getpid()}"
     paddle.save(sd, tmp)
     os.replace(tmp, path)
