@@ -87,6 +87,30 @@ def test_alone_without_a_launcher(alone, tmp_path):
     _close(r["final"], J.reference("momentum", r["start"], 4))
 
 
+def test_minimize_and_clear_grad_as_in_dygraph_paddle(alone):
+    """``minimize(loss)`` after ``backward()`` is one step; ``clear_grad()`` between a forward and its backward
+    keeps that lookup's rows (their gradient is still to come), after a backward drops them."""
+    ppc = alone
+    emb, lin = ppc.Embedding(J.V, 2, name="t"), paddle.nn.Linear(2, 1)
+    opt = ppc.DistributedOptimizer(paddle.optimizer.SGD(0.5, parameters=emb.parameters() + lin.parameters()))
+    ids = paddle.to_tensor([[3, 5, 3]])
+    out = lin(emb(ids).sum(1)).sum()
+    opt.clear_grad()
+    before = {n: np.array(p.numpy()) for n, p in lin.named_parameters()}
+    rows = emb._bridge.lookup("t", np.array([3, 5])).rows
+    out.backward()
+    grads = {n: np.array(p.grad.numpy()) for n, p in lin.named_parameters()}
+    w = lin.weight.numpy()[:, 0]
+    opt.minimize(out)
+    for n, p in lin.named_parameters():
+        np.testing.assert_allclose(p.numpy(), before[n] - 0.5 * grads[n], rtol=1e-6)
+    # id 3 twice: row gradient 2 * w, id 5 once: w
+    after = emb._bridge.lookup("t", np.array([3, 5])).rows
+    np.testing.assert_allclose(after, rows - 0.5 * np.stack([2 * w, w]), rtol=1e-6)
+    opt.clear_grad()
+    assert emb.row_grads() == [] and float(lin.weight.grad.abs().sum()) == 0.0
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_and_resume_continue_a_paddle_job(tmp_path):
     """``paddle-cluster run`` (2 pservers, 2 trainers): 3 steps of Adam and a checkpoint; a second job
