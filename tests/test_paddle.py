@@ -111,6 +111,22 @@ def test_minimize_and_clear_grad_as_in_dygraph_paddle(alone):
     assert emb.row_grads() == [] and float(lin.weight.grad.abs().sum()) == 0.0
 
 
+def test_a_plain_sparse_embedding_steps_as_with_paddle(alone):
+    """A ``paddle.nn.Embedding(sparse=True)`` in the model (its gradient: rows only) steps as plain Paddle's SGD."""
+    ppc = alone
+    ours, plain = paddle.nn.Embedding(J.V, 2, sparse=True), paddle.nn.Embedding(J.V, 2, sparse=True)
+    start = ours.weight.numpy()
+    plain.weight.set_value(start)
+    opts = [ppc.DistributedOptimizer(paddle.optimizer.SGD(0.5, parameters=ours.parameters())),
+            paddle.optimizer.SGD(0.5, parameters=plain.parameters())]
+    ids = paddle.to_tensor([[3, 5, 3], [7, 3, 1]])
+    for emb, opt in zip((ours, plain), opts):
+        (emb(ids) * paddle.arange(12, dtype="float32").reshape([2, 3, 2])).sum().backward()
+        opt.step()
+    np.testing.assert_allclose(ours.weight.numpy(), plain.weight.numpy(), rtol=1e-6)
+    assert np.abs(ours.weight.numpy()[3] - start[3]).min() > 0.1  # it trained
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_and_resume_continue_a_paddle_job(tmp_path):
     """``paddle-cluster run`` (2 pservers, 2 trainers): 3 steps of Adam and a checkpoint; a second job

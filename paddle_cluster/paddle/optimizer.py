@@ -115,6 +115,16 @@ def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any
         raise ValueError(f"DistributedOptimizer: paddle.optimizer.{kind} {spec}: {e}") from None
 
 
+def _dense_grad(p: Any) -> Optional[np.ndarray]:
+    """``p``'s gradient as a whole array (a ``paddle.nn.Embedding(sparse=True)``'s is its rows only)."""
+    g = p.grad
+    if g is None or not g.is_selected_rows():
+        return None if g is None else g.numpy()
+    dense = np.zeros(p.shape, dtype=g.numpy().dtype)
+    np.add.at(dense, np.asarray(g.rows(), dtype=np.int64), g._get_tensor_from_selected_rows().numpy())
+    return dense
+
+
 class DistributedOptimizer:
     """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters
     on the pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the
@@ -192,7 +202,7 @@ class DistributedOptimizer:
 
     def step(self) -> None:
         """Send this step's gradients, load the values after it into the parameters."""
-        grads = {n: None if p.grad is None else p.grad.numpy() for n, p in self.dense}
+        grads = {n: _dense_grad(p) for n, p in self.dense}
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
         if all(g is None for g in grads.values()) and not any(rows.values()):
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
