@@ -127,6 +127,26 @@ def test_a_plain_sparse_embedding_steps_as_with_paddle(alone):
     assert np.abs(ours.weight.numpy()[3] - start[3]).min() > 0.1  # it trained
 
 
+@pytest.mark.parametrize("cls", ["Momentum", "Adam"])
+def test_param_attr_learning_rate_and_regularizer_as_with_paddle(alone, cls):
+    """A ``ParamAttr`` learning-rate multiplier and regularizer (which wins over the optimizer's weight_decay)."""
+    ppc = alone
+    attr = paddle.ParamAttr(learning_rate=0.5, regularizer=paddle.regularizer.L2Decay(0.3))
+    ours, plain = paddle.nn.Linear(3, 2, weight_attr=attr), paddle.nn.Linear(3, 2, weight_attr=attr)
+    plain.set_state_dict(ours.state_dict())
+    start = ours.weight.numpy()
+    opts = [getattr(paddle.optimizer, cls)(0.1, parameters=m.parameters(), weight_decay=0.01) for m in (ours, plain)]
+    opts[0] = ppc.DistributedOptimizer(opts[0])
+    x = paddle.to_tensor(np.arange(12, dtype=np.float32).reshape(4, 3) / 10)
+    for _ in range(3):
+        for m, opt in zip((ours, plain), opts):
+            m(x).pow(2).mean().backward()
+            opt.step()
+            opt.clear_grad()
+    _close(J.numpy(ours.state_dict()), J.numpy(plain.state_dict()))
+    assert np.abs(ours.weight.numpy() - start).max() > 1e-3
+
+
 @pytest.mark.timeout(120)
 def test_checkpoint_and_resume_continue_a_paddle_job(tmp_path):
     """``paddle-cluster run`` (2 pservers, 2 trainers): 3 steps of Adam and a checkpoint; a second job
