@@ -221,7 +221,9 @@ def test_bad_input_fails_in_one_line(alone):
             (lambda: paddle.optimizer.SGD(0.1, parameters=P, grad_clip=clip), "SGD(grad_clip=...) is not supported"),
             (lambda: paddle.optimizer.Adam(0.1, parameters=P, weight_decay=paddle.regularizer.L1Decay(0.1)),
              "weight decay L1Decay (parameter linear_"),
-            (lambda: paddle.optimizer.Momentum(0.1, momentum=1.5, parameters=P), "momentum must be in [0, 1)")):
+            (lambda: paddle.optimizer.Momentum(0.1, momentum=1.5, parameters=P), "momentum must be in [0, 1)"),
+            (lambda: paddle.optimizer.SGD(0.1, parameters=[paddle.create_parameter([2], "float16")]),
+             "paddle.float16 is not supported (float32 and float64 parameters are)")):
         with pytest.raises(ValueError) as e:
             ppc.DistributedOptimizer(make())
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

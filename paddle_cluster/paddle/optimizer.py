@@ -72,6 +72,8 @@ def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any
         raise _refuse(f"paddle.optimizer.{kind}" if type(optimizer) is getattr(paddle.optimizer, kind, None)
                       else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
     g = group or {}
+    if param.dtype not in (paddle.float32, paddle.float64):
+        raise _refuse(f"parameter {param.name} of {param.dtype}", "float32 and float64 parameters are")
     if g.get("grad_clip", optimizer._grad_clip) is not None:
         raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...)",
                       "it would clip each trainer's part of the gradient, not the gradient the pservers apply")
