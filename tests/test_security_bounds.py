@@ -254,6 +254,49 @@ def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_l
 
 
 @pytest.mark.timeout(60)
+def test_a_frame_trickled_byte_by_byte_is_closed_at_the_stall_bound_whatever_its_pace(tmp_path):
+    """A valid STATUS (56 bytes with its tag) sent one byte every 0.5 s: each byte well inside a 2 s per-recv
+    timeout, the whole frame would take 28 s. The frame has one clock: it is closed after ~2 s, never
+    answered; a frame that arrives at speed on the same kind of connection is served."""
+    env = H.make_env(1, 1, tmp_path, barrier_timeout=1.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        s = socket.create_connection((env.pservers[0].host, env.dense_ports(0)[0]), timeout=10)
+        try:
+            keys = A.client_handshake(s, env.key_of(0), env.job_id, 0, 0, True)
+            header = P.pack_header(P.Op.STATUS)
+            frame = header + keys.send.start(0, header).tag()
+            assert len(frame) == 56
+            t0, sent, closed = time.monotonic(), 0, None
+            s.settimeout(0.5)
+            for byte in frame:
+                try:
+                    s.sendall(bytes([byte]))
+                    sent += 1
+                    if s.recv(1) == b"":  # closed by the pserver (it never answers: the frame is not whole)
+                        closed = time.monotonic() - t0
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+        finally:
+            s.close()
+        assert closed is not None and sent < len(frame), (closed, sent)
+        assert 1.5 <= closed <= 4.5, closed  # 2 x BARRIER_TIMEOUT, plus the 0.5 s of this loop's recv
+        log = pr.log(server)
+        assert "stalled for 2 s in the middle of a frame (it did not arrive whole within 2 x BARRIER_TIMEOUT, " \
+               "whatever its pace)" in log, log
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0), env=trainer_env(env, 0))
+        try:
+            assert ps.status()[0]["pserver_id"] == 0
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("secret,why", [("a" * 32, "1 distinct characters"),
                                         ("0123456789abcdef" * 2, "a 16-character pattern repeated"),
                                         ("abcdefghijklmnopqrstuvwxyz012345", "mostly a run"),

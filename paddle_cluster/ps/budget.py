@@ -16,6 +16,7 @@ from .errors import LimitExceeded
 
 DEFAULT_FRACTION = 0.5
 SHARD_OVERHEAD = 4096  # what a block or table costs besides its arrays (locks, conditions, bookkeeping)
+CONN_OVERHEAD = 64 << 10  # an authenticated connection besides its buffers: its thread, stream and small scratch
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
