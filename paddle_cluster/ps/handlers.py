@@ -38,6 +38,7 @@ from .state import State
 from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
+STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
 
 
 # -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
@@ -203,19 +204,43 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def status(st: State, conn: Conn, h: P.Header) -> None:
+    """The pserver's state as JSON, built piece by piece: charged to the budget as it grows, and at most a
+    JSON frame (``protocol.MAX_JSON_BYTES``, what a trainer reads), else refused naming its size."""
     if h.length:
         raise ProtocolError("STATUS takes no payload")
     sync = st.sync
-    with sync.lock:
-        body = {
-            "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
-            "staleness": st.staleness, "dropped_stale": st.dropped_stale, "hyper_pending": len(sync.hyper.changes),
-            "active": sorted(sync.active), "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
-            "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in st.blocks.items()},
-            "tables": {str(k): {"name": t.name, "step": t.step, "rows": t.n, "lr": t.spec.lr}
-                       for k, t in st.tables.items()},
-        }
-    conn.reply_ok(body)
+    out, held = bytearray(), 0
+    try:
+        def put(piece: bytes) -> None:
+            nonlocal held
+            if len(out) + len(piece) > P.MAX_JSON_BYTES:
+                raise LimitExceeded(f"the STATUS reply of {len(st.blocks)} blocks and {len(st.tables)} tables would "
+                                    f"exceed {P.MAX_JSON_BYTES} bytes (the cap of a JSON frame)")
+            while len(out) + len(piece) > held:  # bytearray over-allocates by at most 1/8
+                st.budget.charge(STATUS_CHUNK, "the STATUS reply")
+                held += STATUS_CHUNK
+            out.extend(piece)
+
+        with sync.lock:
+            head = {
+                "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
+                "staleness": st.staleness, "dropped_stale": st.dropped_stale,
+                "hyper_pending": len(sync.hyper.changes), "active": sorted(sync.active),
+                "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
+            }
+            put(P.encode_json(head)[:-1])
+            for field, shards in (("blocks", st.blocks), ("tables", st.tables)):
+                put(b',"%s":{' % field.encode())
+                for i, (k, s) in enumerate(shards.items()):
+                    entry = {"name": s.name, "step": s.step, "lr": s.spec.lr}
+                    if field == "tables":
+                        entry = {"name": s.name, "step": s.step, "rows": s.n, "lr": s.spec.lr}
+                    put(b"%s\"%d\":%s" % (b"," if i else b"", k, P.encode_json(entry)))
+                put(b"}")
+            put(b"}")
+        conn.stream.send(P.pack_header(P.Op.OK, P.DTYPE_JSON, length=len(out)), out)
+    finally:
+        st.budget.release(held)
 
 
 def save(st: State, conn: Conn, h: P.Header) -> None:
