@@ -26,7 +26,7 @@ from helpers import checkout_env, cli, local_conf
 from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
-from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PServer, connect
+from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PSError, PServer, connect
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
 
@@ -213,6 +213,75 @@ def test_nan_and_inf_gradients_are_refused_naming_parameter_and_trainer(tmp_path
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]
         assert "NaN/Inf gradients accepted (PADDLE_ALLOW_NONFINITE=1)" in pr.log(server)
+
+
+def _until_refused(push, n=15):
+    """Call ``push`` ``n`` times; (the index of the refused call, its NonFinite)."""
+    for i in range(n):
+        try:
+            push()
+        except NonFinite as e:
+            return i, e
+    raise AssertionError(f"none of {n} pushes was refused")
+
+
+@pytest.mark.timeout(120)
+def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(tmp_path):
+    """Finite gradients can still overflow: 15 pushes of 3e38 at lr 0.1 would take a float32 parameter past its
+    range (-inf at the 12th). That update is refused naming the parameter and the trainer, and -inf is never
+    served: a sparse row is left as it was, a dense block (its values lost) is no longer served, on the
+    whole-block path and on sync SGD's segment path. Trainer 0's initial value holding NaN and a table's
+    init_scale of 1e999 are refused too."""
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(4, np.float32)})
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            big = np.full(4, 3e38, np.float32)
+            before = {}
+
+            def push_row():
+                before["row"] = ps.pull_sparse("emb", [5]).copy()
+                ps.push_sparse("emb", [5], big[None, :])
+                ps.push({"w": np.zeros(4, np.float32)})  # ends the step
+                ps.wait()
+
+            i, e = _until_refused(push_row)
+            assert i == 11 and "the update of table 'emb' at step" in str(e) and "from trainer 0's" in str(e), (i, e)
+            np.testing.assert_array_equal(ps.pull_sparse("emb", [5]), before["row"])  # unchanged, finite
+            assert np.isfinite(before["row"]).all()
+            i, e = _until_refused(lambda: (ps.push({"w": big}), ps.wait()))
+            assert i == 11, i
+            assert re.search(r"the update of block w\[0:4\] at step 23 from trainer 0's gradient would make it hold "
+                             r"NaN or Inf \(finite values overflowed", str(e)), e
+            with pytest.raises(PSError, match=r"block w\[0:4\] at step 23 .* NaN or Inf"):
+                ps.pull()
+            with pytest.raises(NonFinite, match=r"trainer 0's initial value of block v\[0:4\] holds NaN or Inf"):
+                ps.register_dense({"v": np.array([0, np.nan, 0, 0], np.float32)})
+            body = (b'{"name":"inf","width":2,"dtype":"float32","init_scale":1e999,"seed":0,"vocab_size":10,'
+                    b'"max_rows":null}')
+            header = P.pack_header(P.Op.DEF_SPARSE, P.DTYPE_JSON, key=77, length=len(body))
+            with pytest.raises(NonFinite, match=r"table 'inf': init_scale=inf would make rows of float32 that are not "
+                                                r"finite; refused"):
+                ps._ctl(0).submit(lambda ch: (ch.send(header, body), ch.reply_json())).result()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+        # Sync SGD folds and applies a push segment by segment (fold.py): each segment is checked once applied.
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"big": np.zeros(3 * MiB // 4, np.float32)})  # three 1 MiB segments
+            g = np.zeros(3 * MiB // 4, np.float32)
+            g[-1] = 3e38
+            i, e = _until_refused(lambda: (ps.push({"big": g}), ps.wait()))
+            assert i == 11 and "the update of block big[0:786432] at step 11 from trainer 0's gradient" in str(e)
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
 
 
 @pytest.mark.timeout(90)

@@ -35,7 +35,6 @@ from .errors import (
 from .net import Conn
 from .shards import TableShard
 from .state import State
-from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
 STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
@@ -57,7 +56,7 @@ def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
 
 def init_dense(st: State, conn: Conn, h: P.Header) -> None:
     b = _block(st, h, payload=True)
-    b.init(conn)
+    b.init(conn, st.allow_nonfinite)
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -89,13 +88,15 @@ def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
                             f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
 
 
-def _complete_table(sync: Sync, t: TableShard) -> None:
+def _complete_table(st: State, t: TableShard) -> None:
     """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+    sync = st.sync
     if not sync.ready_to_apply(t):
         return
     ids, g, pos = t.pending_mean()
+    by = None if st.allow_nonfinite else finite.trainers(t.pending)
     try:
-        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
+        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos, by))
     finally:
         if t.budget is not None:  # what the pushes held (``push_sparse`` charged it)
             t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
@@ -169,12 +170,13 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
     with t.cv:
         if sync.mode == "async":
             try:
-                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos))
+                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos, None if st.allow_nonfinite
+                                                           else f"trainer {tr}"))
             finally:
                 st.budget.release(held)
         elif t.step == h.step:
             t.pending[tr] = (ids, grads, pos)
-            _complete_table(sync, t)
+            _complete_table(st, t)
         else:
             st.budget.release(held)
         t.wake()
@@ -195,7 +197,7 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
     for t in st.tables.values():
         with t.cv:
             if st.sync.mode == "sync":
-                _complete_table(st.sync, t)
+                _complete_table(st, t)
             t.wake()
     conn.reply_ok()
     if all_closed:
@@ -258,6 +260,9 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
         for shard in st.shards():
             with shard.cv:
                 st.sync.wait_step(shard, step, "checkpoint")
+    broken = [s.error for s in st.shards() if s.error]
+    if broken:  # its values are not to be trusted (async mode saves without waiting for a step)
+        raise CheckpointError(f"cannot write checkpoint {path}: {broken[0]}")
     try:
         d = ckpt.save_shard(path, st.snapshot(step))
     except OSError as e:
