@@ -283,6 +283,37 @@ def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(t
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]
 
+    # Two sync trainers: the one whose push completes the step is refused, the other's pull, waiting for that
+    # step, fails at once with the same message (not a barrier timeout naming nobody's fault).
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=30.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        clients = _both(env, lr=0.1)
+        errors = {}
+
+        def train(ps):
+            try:
+                ps.register_dense({"w": np.zeros(4, np.float32)})
+                for _ in range(30):  # their sum stays finite; w passes float32's range at the 23rd step
+                    ps.push_pull({"w": np.full(4, 1.5e38, np.float32)})
+            except PSError as e:
+                errors[ps.trainer_id] = e
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=train, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        took = time.monotonic() - t0
+        for c in clients:
+            c.close()
+        assert sorted(errors) == [0, 1], errors
+        assert all("the update of block w[0:4] at step 22 from trainers 0, 1's gradient would make it hold NaN or "
+                   "Inf" in str(e) for e in errors.values()), [str(e) for e in errors.values()]
+        assert took < 20, took  # not the 30 s barrier timeout
+        assert H.wait_all(pr, [server], 10) == [0]
+
 
 @pytest.mark.timeout(90)
 def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_log_line(tmp_path):

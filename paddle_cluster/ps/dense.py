@@ -107,6 +107,7 @@ class DenseBlock(SegmentFold, Shard):
                 finite.updated(values, self.describe(), by, step)
             except NonFinite as e:
                 self.error = str(e)
+                self.wake()  # its waiting pulls fail with the same message (``Sync.wait_step``)
                 raise
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -237,8 +238,9 @@ class DenseBlock(SegmentFold, Shard):
         return kept
 
     def trainer_closed(self) -> None:
-        """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now."""
-        if self.sync.mode == "sync":
+        """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
+        whose update was refused: its values are lost)."""
+        if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
             else:

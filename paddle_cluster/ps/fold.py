@@ -21,7 +21,7 @@ from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, 
 import numpy as np
 
 from . import finite, optim
-from .errors import ConnectionLost, PSError
+from .errors import ConnectionLost, PSError, RemoteError
 from .optim import OptimizerSpec
 from .stream import SEGMENT
 from .sync import Sync
@@ -106,6 +106,7 @@ class SegmentFold:
     describe: Callable[[], str]
     wake: Callable[[], None]
     check_update: Callable[[np.ndarray, str, int], None]
+    error: Optional[str]
 
     def _start_segments(self, lock: threading.RLock) -> None:
         self.segs: Dict[int, Segment] = {}  # this step's segments some trainers have sent
@@ -252,9 +253,11 @@ class SegmentFold:
             if self.ready(i, step):
                 return
             try:
-                self.sync.wait(self.seg_cv[i], lambda: self.ready(i, step), step,
+                self.sync.wait(self.seg_cv[i], lambda: self.ready(i, step) or self.error is not None, step,
                                f"pull {self.describe()} segment {i}",
                                lambda: set(self.sync.active) - self._who(i), gone)
+                if not self.ready(i, step):  # an update of the step was refused (``check_update``)
+                    raise RemoteError(f"pserver {self.sync.pserver_id}: {self.error}")
             except PSError as e:
                 if i == 0:
                     raise

@@ -27,6 +27,7 @@ from .errors import (
     ConnectionLost,
     Forbidden,
     LimitExceeded,
+    NonFinite,
     ProtocolError,
     PSError,
     RemoteError,
@@ -191,14 +192,16 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
         conn.stream.discard()
     # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
     all_closed = st.sync.close_trainer(conn.trainer)
-    for b in st.blocks.values():  # a step that was waiting only for this trainer completes now
-        with b.cv:
-            b.trainer_closed()
-    for t in st.tables.values():
-        with t.cv:
-            if st.sync.mode == "sync":
-                _complete_table(st, t)
-            t.wake()
+    for shard in st.shards():  # a step that was waiting only for this trainer completes now
+        with shard.cv:
+            try:
+                if isinstance(shard, DenseBlock):
+                    shard.trainer_closed()
+                elif st.sync.mode == "sync":
+                    _complete_table(st, shard)
+            except NonFinite as e:  # that update was refused (the shard says why to whoever asks next)
+                log.warning("pserver %d: %s", st.pserver_id, e)
+            shard.wake()
     conn.reply_ok()
     if all_closed:
         log.info("pserver %d: all %d trainers closed; exiting", st.pserver_id, st.trainers)

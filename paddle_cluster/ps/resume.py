@@ -170,7 +170,7 @@ def read_shard(path: str, expect: Mapping[str, Tuple[Tuple[int, ...], str]], lim
                 a = np.empty(shape, dtype=dt)
                 with z.open(name + ".npy") as f:
                     _header(f)
-                    if f.readinto(memoryview(a).cast("B")) != a.nbytes or f.read(1):
+                    if a.nbytes and f.readinto(memoryview(a.reshape(-1)).cast("B")) != a.nbytes or f.read(1):
                         raise CheckpointError(f"checkpoint {where}: member {name}.npy is shorter than its header "
                                               "says; refusing it")
                 out[name] = a
