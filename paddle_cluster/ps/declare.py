@@ -45,12 +45,12 @@ def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 @contextmanager
-def _body(st: State, conn: Conn, h: P.Header, what: str) -> Iterator[Dict[str, Any]]:
-    """The JSON body of a definition: refused from its header past ``MAX_DEFINITION`` bytes, charged to the
-    budget as ``JSON_HELD`` times its size while the request holds it (one waiting for trainer 0's, until then)."""
-    if h.length > MAX_DEFINITION:
-        raise LimitExceeded(f"trainer {conn.trainer}'s {what} of {h.length} bytes is over the {MAX_DEFINITION}-byte "
-                            f"limit of a definition (names are at most {MAX_NAME} characters)")
+def json_body(st: State, conn: Conn, h: P.Header, what: str, limit: int = MAX_DEFINITION) -> Iterator[Dict[str, Any]]:
+    """The JSON body of a request: refused from its header past ``limit`` bytes, charged to the budget as
+    ``JSON_HELD`` times its size while the request holds it (a definition waiting for trainer 0's, until then)."""
+    if h.length > limit:
+        raise LimitExceeded(f"trainer {conn.trainer}'s {what} of {h.length} bytes is over the {limit}-byte limit of "
+                            f"one (names are at most {MAX_NAME} characters)")
     held = JSON_HELD * h.length
     st.budget.charge(held, f"trainer {conn.trainer}'s {what} ({h.length} bytes of JSON)")
     try:
@@ -129,7 +129,7 @@ def _confirmed(shards: Dict[int, S], key: int) -> bool:
 
 
 def declare(st: State, conn: Conn, h: P.Header) -> None:
-    with _body(st, conn, h, "DECLARE") as body:
+    with json_body(st, conn, h, "DECLARE") as body:
         _declare(st, conn, body)
 
 
@@ -167,7 +167,7 @@ def _declare(st: State, conn: Conn, body: Dict[str, Any]) -> None:
 
 
 def def_dense(st: State, conn: Conn, h: P.Header) -> None:
-    with _body(st, conn, h, "dense block definition") as body:
+    with json_body(st, conn, h, "dense block definition") as body:
         _def_dense(st, conn, h, body)
 
 
@@ -202,7 +202,7 @@ def _def_dense(st: State, conn: Conn, h: P.Header, body: Dict[str, Any]) -> None
 
 
 def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    with _body(st, conn, h, "sparse table definition") as body:
+    with json_body(st, conn, h, "sparse table definition") as body:
         _def_sparse(st, conn, h, body)
 
 
@@ -246,7 +246,11 @@ def _count(v: Any) -> Any:
 
 
 def set_hyper(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
+    with json_body(st, conn, h, "SET_HYPER", P.MAX_JSON_BYTES) as b:
+        _set_hyper(st, conn, b)
+
+
+def _set_hyper(st: State, conn: Conn, body: Dict[str, Any]) -> None:
     values = body.get("values")
     if not isinstance(values, dict) or not values:
         raise ConfigMismatch("SET_HYPER needs a non-empty 'values' object")

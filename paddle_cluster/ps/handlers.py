@@ -18,7 +18,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import finite
 from . import protocol as P
-from .declare import declare, def_dense, def_sparse, set_hyper
+from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .errors import (
     AuthError,
@@ -249,9 +249,8 @@ def status(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def save(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
-    step = int(body.get("step", h.step))
-    name = body.get("path")
+    with json_body(st, conn, h, "SAVE") as b:
+        step, name = int(b.get("step", h.step)), b.get("path")
     if name is None:
         path = ckpt.step_dir(st.checkpoint_root, step)
     elif not ckpt.valid_name(name):
