@@ -4,7 +4,8 @@ the pserver running out of memory.
 
 The default is a share of the node's memory: ``DEFAULT_FRACTION`` of the smaller of ``MemTotal`` and the
 cgroup's limit, divided among the job's pservers on that node. The rest is left for the trainers, the
-transient copy a checkpoint makes and the interpreter itself.
+transient copy a checkpoint makes and the interpreter itself. What is charged and what is not, row by row:
+docs/reliability.md, *What is bounded, by what figure*.
 """
 
 from __future__ import annotations
