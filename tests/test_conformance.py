@@ -32,6 +32,8 @@ from conformance_cases import (
 from helpers import FIT_A_LINE, wait_for
 from userengine import Engine, pserver_pids, user_env
 
+from paddle_cluster.contract import SOCKET_IFNAME_VARS
+
 # -- fit_a_line with the README's conf.py --------------------------------------------------------------------
 
 MSE = re.compile(r"^\[trainer\.0@[^\]]+\] final test_mse=(\S+)$", re.M)
@@ -110,6 +112,8 @@ def normalise(e: dict, backend: str, job: str) -> dict:
     for k, v in sorted(e.items()):
         if (backend, k) in EXTRA_VARS:
             continue
+        if k in SOCKET_IFNAME_VARS:  # PADDLE_NIC of the engine's conf.py
+            v = "NIC"
         v = re.sub(rf"\b{job}-[0-9a-f]+\b", "JOB-ID", v.replace(f"/{job}", "/JOB"))
         for h in sorted(hosts - {""}, key=len, reverse=True):
             v = v.replace(h, "HOST")
