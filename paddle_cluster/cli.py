@@ -180,11 +180,11 @@ def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
     prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
+    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
+                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
-                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
     return js, backend_for(settled.cfg, opts, detach)
 
 
