@@ -1,7 +1,7 @@
 """Collective jobs (no pservers: PSERVERS_PER_NODE = 0, ``run --collective``) on the real test hosts: a
 ``paddle.distributed`` script as ``python -m paddle.distributed.launch`` would start it, a ``torch.distributed``
-DDP script with two trainers on each of two hosts (torchrun's ``--nproc_per_node 2``), and a busy MASTER_PORT named before
-anything starts. The same scenario on every backend is the conformance suite's ``collective``."""
+DDP script with two trainers on each of two hosts (torchrun's ``--nproc_per_node 2``), and a busy MASTER_PORT
+named before anything starts. The same scenario on every backend is the conformance suite's ``collective``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ opt.step()
 w = [round(v, 5) for v in model.module.weight.detach().flatten().tolist()]
 print(f"torch rank {rank} local {os.environ['LOCAL_RANK']}/{os.environ['LOCAL_WORLD_SIZE']} group "
       f"{os.environ['GROUP_RANK']} master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} w {w}", flush=True)
+dist.barrier()  # before the shutdown: gloo's teardown otherwise aborts now and then (docs/troubleshooting.md)
+dist.destroy_process_group()
 """
 
 

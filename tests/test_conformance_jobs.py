@@ -235,10 +235,11 @@ t = torch.tensor([float(rank)])
 dist.all_reduce(t)
 print(f"rank {rank} world {world} local {os.environ['LOCAL_RANK']}/{os.environ['LOCAL_WORLD_SIZE']} "
       f"group {os.environ['GROUP_RANK']} sum {t.item():g} step {step:.5f}", flush=True)
-if "fail" in sys.argv[1:]:
-    if rank == 1:
-        sys.exit("rank 1: out of data")
-    dist.barrier()  # waits for rank 1 until the launcher stops this process, or gloo notices rank 1 gone
+if "fail" in sys.argv[1:] and rank == 1:
+    sys.exit("rank 1: out of data")
+dist.barrier()  # with "fail", waits for rank 1 until the launcher stops this process, or gloo notices it gone
+# torch's documented shutdown; the barrier first: without it gloo's teardown aborts now and then (SIGABRT,
+# "terminate called without an active exception"), launched this way or any other
 dist.destroy_process_group()
 """
 RANK_LINE = re.compile(r"\] rank (\d+) world (\d+) local (\d+)/(\d+) group (\d+) sum (\S+) step (\S+)$")

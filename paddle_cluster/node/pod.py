@@ -119,15 +119,19 @@ def wait_pservers(env: JobEnv, deadline: float) -> None:
 
 def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
     """``env`` with the trainer pods' names (PADDLE_TRAINER_ENDPOINTS, trainer 0's is MASTER_ADDR) replaced by
-    their addresses, once every one resolves: gloo and Paddle's stores want the peers' addresses."""
+    their addresses, once every one resolves, in a job without pservers. With pservers, a name that does not
+    resolve now stays (a trainer that already finished is no longer published): that job's trainers need not
+    meet."""
     resolved = []
     for e in env.trainer_endpoints:
         while not _addresses(e.host):
+            if env.pservers:
+                break
             if time.monotonic() > deadline:
                 raise PodError(f"trainer pod {e.host} does not resolve within the start timeout (START_TIMEOUT): "
                                "see the trainer pods' events; is the job's headless Service there?")
             time.sleep(POLL_S)
-        resolved.append(Endpoint(_addresses(e.host)[0], e.port))
+        resolved.append(Endpoint((_addresses(e.host) or [e.host])[0], e.port))
     return dataclasses.replace(env, trainer_endpoints=tuple(resolved))
 
 
