@@ -8,7 +8,12 @@ from __future__ import annotations
 import re
 import textwrap
 
+import pytest
 from helpers import OMIT, assert_nothing_left, cli, no_traceback, wait_for, write_conf
+
+from paddle_cluster.contract import TRAINER, Endpoint, JobEnv
+from paddle_cluster.ps import connect
+from paddle_cluster.ps.errors import ConfigMismatch
 
 # Unchanged from a script paddle.distributed.launch starts: init_parallel_env reads PADDLE_TRAINER_ID,
 # PADDLE_TRAINERS_NUM, PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT and MASTER_ADDR/MASTER_PORT.
@@ -86,3 +91,10 @@ def test_a_busy_master_port_is_named_before_anything_starts(cluster, tmp_path):
     assert res.returncode == 1
     assert f"node0 ({cluster.hosts[0]}): port(s) 7164 on {cluster.ips[0]} are already in use" in res.stderr
     no_traceback(res)
+
+
+def test_connect_in_a_job_without_pservers_says_so():
+    env = JobEnv("j", (), 2, trainer_endpoints=(Endpoint("10.0.0.1", 7165), Endpoint("10.0.0.2", 7165)),
+                 master_port=7164).for_process(TRAINER, 1, "10.0.0.2")
+    with pytest.raises(ConfigMismatch, match="this job has no pservers"):
+        connect(env=JobEnv.from_environ(env.to_environ()))
