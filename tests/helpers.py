@@ -492,15 +492,18 @@ def rc_python(cluster, tmp: Path):
             cluster.exec(i, ["umount", bashrc], check=False)
 
 
-def secret_holders(tops: Iterable[Path], needles: Iterable[str]) -> Tuple[List[str], List[str]]:
-    """Where the job secret (any of ``needles``) is on disk under ``tops``: (every regular file holding it, read
-    as root whatever its mode; those of them user ``nobody`` can read). nobody walks from each top as a user there
-    does (each top opened as root: the tests' own parents are private), in a forked child with its ids."""
+def secret_holders(tops: Iterable[Path], needles: Iterable[str], skip: Iterable[Path] = ()) -> Tuple[List[str],
+                                                                                                   List[str]]:
+    """Where the job secret (any of ``needles``) is on disk under the directories ``tops`` (but in ``skip``):
+    (every regular file holding it, read as root whatever its mode; those of them user ``nobody`` can read).
+    nobody walks from each top as a user there does (each top opened as root: the tests' own parents are
+    private), in a forked child with its ids."""
     import pwd
 
     needles = [n.encode() for n in needles if n]
-    held = [str(p) for top in tops for p in Path(top).rglob("*")
-            if p.is_file() and not p.is_symlink() and any(n in p.read_bytes() for n in needles)]
+    skipped = {str(p) for p in skip}
+    held = [str(p) for top in tops for p in Path(top).rglob("*") if str(p) not in skipped
+            and p.is_file() and not p.is_symlink() and any(n in p.read_bytes() for n in needles)]
     pw = pwd.getpwnam("nobody")
     readable: List[str] = []
     for top in tops:
@@ -525,8 +528,9 @@ def secret_holders(tops: Iterable[Path], needles: Iterable[str]) -> Tuple[List[s
                         except OSError:
                             data = b""
                         os.close(fd)
-                        if any(n in data for n in needles):
-                            found.append(os.path.normpath(os.path.join(top, dirpath, name)))
+                        path = os.path.normpath(os.path.join(top, dirpath, name))
+                        if path not in skipped and any(n in data for n in needles):
+                            found.append(path)
                 os.write(w, "\n".join(found).encode())
             finally:
                 os._exit(0)

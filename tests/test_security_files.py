@@ -119,3 +119,82 @@ def test_mpi_plans_are_private_while_the_job_runs_and_gone_after(mpi_env, tmp_pa
     held, _ = secret_holders([*roots, *_state_files()], [secret])
     assert held == [] and [list((r / ".paddle_cluster" / "plans").glob("mpisec.*")) for r in roots] == [[]] * 3
     assert_nothing_left(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_plans_are_private_while_the_job_runs_and_gone_after(slurm_cluster, tmp_path):
+    """ROOT_DIR on the filesystem the nodes share: each node's plan is its own, 0600, removed by that node once
+    read; while the job runs nobody reads the secret anywhere under ROOT_DIR (the batch script, the events, the
+    logs); once killed no file holds it."""
+    slurm = slurm_cluster
+    root = slurm.shared_dir / tmp_path.name
+    # PSERVER_COMMAND: ps.py listens and holds, so the job runs until kill (as test_backend_slurm's held jobs).
+    settings = {"BACKEND": "slurm", "ROOT_DIR": str(root), "PADDLE_NIC": "eth0", "PYTHON": sys.executable,
+                "PSERVER_COMMAND": "{python} ps.py", "KILL_GRACE": 2.0}
+    conf = tmp_path / "conf.py"
+    conf.write_text("".join(f"{k} = {v!r}\n" for k, v in settings.items()))
+    env = {k: v for k, v in slurm.env.items() if not k.startswith(("PADDLE_", "XDG_", "SLURM_JOB"))}
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO), SLURM_CONF=str(slurm.conf))
+    ws = small_workspace(tmp_path)
+    argv = [sys.executable, "-m", "paddle_cluster", "--conf", str(conf)]
+    p = subprocess.Popen([*argv, "run", "--nodes", "3", "--job_dispatch_package", str(ws), "--job_name", "slsec"],
+                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        logs = [root / "slsec" / f"node{i}" / "log" / "train.log" for i in range(3)]
+        wait_for(lambda: all(f.exists() and "holding" in f.read_text() for f in logs), 120, "3 trainers holding")
+        pid = json.loads((root / "slsec" / "node0" / ".paddle_cluster" / "procs.json").read_text())["procs"][0]["pid"]
+        secret = _environ(pid)["PADDLE_JOB_SECRET"]
+        held, readable = secret_holders([root], [secret])
+        assert readable == [] and held == [], (held, readable)  # each node removed its plan once read
+        assert list((root / "slsec" / ".paddle_cluster").glob("attempt-1/job.sh"))  # what sbatch ran is there
+        k = subprocess.run([*argv, "kill", "--job_name", "slsec"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert k.returncode == 0, k.stderr
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+        slurm.run(["scancel", "--user=root"], check=False)
+        slurm.wait_quiet()
+    held, _ = secret_holders([root, *_state_files()], [secret])
+    assert held == [], held
+
+
+@pytest.mark.timeout(240)
+def test_k8s_only_the_secret_object_holds_it(kube, tmp_path):
+    """The Secret object holds the job secret and nothing else does: the pods get it by reference, no other
+    object of the cluster's store, no file of the pods (their logs, volumes, job directories) nor of the launcher
+    holds it, while the job runs for nobody, and once it was killed for anyone."""
+    from k8s_standin import IMAGE
+
+    # PSERVER_COMMAND: ps.py listens and holds, so the job runs until kill.
+    (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\n'
+                                      'PSERVER_COMMAND = "{python} ps.py"\n')
+    ws = small_workspace(tmp_path)
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
+
+    def cli_k8s(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+
+    store = kube.root / "objects.json"  # the API server's store, where the Secret object is
+    res = cli_k8s("run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
+                  "--job_workspace", str(ws), "--job_name", "k8sec", "--detach")
+    assert res.returncode == 0, res.stderr
+    try:
+        (secret_obj,) = kube.objects("Secret/default/k8sec").values()
+        secret = secret_obj["data"]["job-secret"]
+        kube.wait(lambda: sum("holding" in kube.store.log("default", p["metadata"]["name"]).read_text()
+                              for p in kube.pods() if kube.store.log("default", p["metadata"]["name"]).exists()
+                              and p["metadata"]["name"].startswith("k8sec-trainer")) == 2, 120, "2 trainers holding")
+        others = {k: v for k, v in kube.objects(ns="default").items() if k != "Secret/default/k8sec"}
+        assert secret not in json.dumps(others), [k for k, v in others.items() if secret in json.dumps(v)]
+        held, readable = secret_holders([kube.root, tmp_path], [secret], skip=[store])
+        assert readable == [] and held == [], (held, readable)
+    finally:
+        k = cli_k8s("kill", "--job_name", "k8sec")
+    assert k.returncode == 0, k.stderr
+    held, _ = secret_holders([kube.root, tmp_path], [secret], skip=[store])
+    assert held == [] and secret not in json.dumps(kube.objects()), held
