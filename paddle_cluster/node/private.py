@@ -19,9 +19,11 @@ class PrivateError(Exception):
     """A private file cannot be written safely here; the message names the path and what to fix."""
 
 
-def private_dir(path: str) -> None:
-    """``path`` a directory only this user can enter: made (its parents as needed), or, when it exists, checked
-    to be a directory of this user, not a link, and set to 0700; ``PrivateError`` otherwise."""
+def private_dir(path: str) -> int:
+    """``path`` a directory only this user can enter, opened (the fd, for the caller to close): made (its parents
+    as needed), or, when it exists, checked to be a directory of this user, not a link, and set to 0700;
+    ``PrivateError`` otherwise. What goes in is then made through the fd, not the name, which another user
+    able to write the parent could swap after the check."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         os.mkdir(path, 0o700)
@@ -39,24 +41,32 @@ def private_dir(path: str) -> None:
                                "another user could read or replace what goes in it; remove it, it is made again")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def write_private(path: str, data: bytes) -> None:
     """``data`` as the file ``path``, readable by this user alone from the first byte: its directory made private
     (``private_dir``), a new file at 0600 written whole, then renamed over whatever had that name."""
-    where = os.path.dirname(path) or "."
-    private_dir(where)
-    tmp = os.path.join(where, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    name = os.path.basename(path)
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    where = private_dir(os.path.dirname(path) or ".")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        remove(tmp)
-        raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=where)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=where, dst_dir_fd=where)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=where)
+            except FileNotFoundError:
+                pass
+            raise
+    finally:
+        os.close(where)
 
 
 def remove(path: str) -> bool:
