@@ -169,7 +169,7 @@ def assert_loss_falls(lines: List[str], trainers: int) -> None:
 
 @pytest.mark.parametrize("engine", cases("concurrent"), indirect=True)
 def test_jobs_launched_at_once(engine: Engine):
-    seed_cache(engine, HOUSING)  # the repository ships the UCI housing data (examples/fit_a_line)
+    seed_cache(engine, "uci_housing", HOUSING)  # the repository ships the UCI housing data (examples/fit_a_line)
     engine.add_conf(**engine.cache_keys)  # where the nodes' cache is not their ~/.cache/paddle/dataset
     ws = workspace(engine.tmp, {"hold.py": HOLD_UNTIL_PY})
     ported(SEEDS / "dist_train.py", ws / "dist_train.py")

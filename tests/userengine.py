@@ -181,12 +181,13 @@ def pserver_pids(job: str) -> List[int]:
     return pids
 
 
-def seed_cache(engine: Engine, *files: Path) -> None:
-    """``files`` (each ``<dataset>/<name>``) into every node's dataset cache, as a user copies them there."""
+def seed_cache(engine: Engine, dataset: str, *files: Path) -> None:
+    """``files`` into every node's dataset cache as dataset ``dataset``'s (``<cache>/<dataset>/<name>``), as a user
+    copies them there."""
     for cache in engine.caches:
         for f in files:
-            (cache / f.parent.name).mkdir(parents=True, exist_ok=True)
-            shutil.copy(f, cache / f.parent.name / f.name)
+            (cache / dataset).mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, cache / dataset / f.name)
 
 
 def _ssh_engine(request, tmp: Path, name: str) -> Engine:
