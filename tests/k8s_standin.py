@@ -39,8 +39,6 @@ class StandIn:
         (bindir / "kubectl").write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'kube_standin.py'} kubectl \"$@\"\n")
         (bindir / "kubectl").chmod(0o755)
         (imagebin / "python3").symlink_to(sys.executable)
-        hosts = root / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n")
         image_env = {"PATH": f"{imagebin}:/usr/bin:/bin", "HOME": "/tmp"}
         self.sandboxes = cluster.add_bare_hosts(PODS_PER_NODE * cluster.n)
         (root / "cluster.json").write_text(json.dumps({
@@ -51,7 +49,7 @@ class StandIn:
                       for i in range(cluster.n)],
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
                        BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
-            "hosts_file": str(hosts)}))
+            "dns": cluster.gateway}))
         self.store = Store(root)
         self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}
         self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
@@ -84,6 +82,12 @@ class StandIn:
         """The pods' processes still alive on the nodes and in their sandboxes."""
         return [pid for i in range(self.cluster.n) for pid in self.cluster.pids(i)] + [
             pid for ns, _ in self.sandboxes for pid in _netns_pids(ns) if Path(f"/proc/{pid}").exists()]
+
+    def dns_fault(self, mode: str, seconds: float) -> None:
+        """The cluster DNS fails on purpose for ``seconds``: ``servfail`` (EAI_AGAIN in the pods) or ``drop``."""
+        from kube_standin_dns import fault
+
+        fault(self.root, mode, seconds)
 
     def close(self) -> None:
         self.controller.terminate()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
+from kube_standin_dns import ClusterDNS
 from sshstate import _netns_pids
 
 TERMINAL = ("Succeeded", "Failed")
@@ -27,11 +28,11 @@ class Cluster:
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
         self.term_at: Dict[str, float] = {}
-        self.hosts = Path(self.cfg["hosts_file"])
-        self.hosts_text = ""
-        # The cluster DNS answers at once for a name it does not know (here: nothing listens on port 53).
+        self.dns_server = ClusterDNS(self.cfg["dns"], store.root)
+        # As the kubelet writes it (ndots:5: a job's names are tried under the cluster domain first).
         self.resolv = store.root / "resolv.conf"
-        self.resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        self.resolv.write_text(f"nameserver {self.cfg['dns']}\nsearch cluster.local\noptions ndots:5 timeout:1 "
+                               "attempts:2\n")
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -259,9 +260,14 @@ class Cluster:
         sandbox = next(s for s in node["pods"] if s["ip"] == pod["status"]["podIP"])
         if _netns_pids(sandbox["netns"]):
             return None  # the sandbox's previous pod is still being killed: start on a later tick
+        # The kubelet's /etc/hosts: localhost and the pod's own names.
+        vols.mkdir(parents=True, exist_ok=True)
+        hosts = vols / "etc-hosts"
+        fq = f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc.cluster.local " if spec.get("subdomain") else ""
+        hosts.write_text(f"127.0.0.1 localhost\n{pod['status']['podIP']} {fq}{spec['hostname']}\n")
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         wd = c.get("workingDir", "/")
-        script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
+        script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {hosts} /etc/hosts",
                               f"mount --bind {self.resolv} /etc/resolv.conf",
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
@@ -287,27 +293,19 @@ class Cluster:
 
     # -- DNS -----------------------------------------------------------------------------------------------------
     def dns(self, objs: Dict[str, Any]) -> None:
-        """/etc/hosts of every pod: each pod's hostname, and the stable names of pods a headless Service of its
-        subdomain selects (publishNotReadyAddresses: from scheduling on, until the pod ends)."""
-        lines = ["127.0.0.1 localhost"]
+        """The cluster DNS's records: the stable names of the pods a headless Service of their subdomain selects
+        (publishNotReadyAddresses: from scheduling on, until the pod ends)."""
+        records = {}
         for k, p in sorted(objs.items()):
             if not k.startswith("Pod/") or p["status"].get("phase") in TERMINAL or not p["status"].get("podIP"):
                 continue
             spec, ns, ip = p["spec"], p["metadata"]["namespace"], p["status"]["podIP"]
-            names = [spec["hostname"]]
             svc = objs.get(_key("Service", ns, spec.get("subdomain", "")))
             if svc is not None and svc["spec"].get("clusterIP") == "None" and \
                     matches(p["metadata"]["labels"], ",".join(f"{a}={b}" for a, b in svc["spec"]["selector"].items())):
                 fq = f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc"
-                names += [fq, f"{fq}.cluster.local"]
-            lines.append(f"{ip} {' '.join(names)}")
-        text = "\n".join(lines) + "\n"
-        if text != self.hosts_text:
-            with open(self.hosts, "r+") as f:  # in place: every pod has this very file bind-mounted
-                f.seek(0)
-                f.write(text)
-                f.truncate()
-            self.hosts_text = text
+                records[fq] = records[f"{fq}.cluster.local"] = ip
+        self.dns_server.records = records
 
     def shutdown(self) -> None:
         for proc in self.procs.values():
@@ -315,6 +313,7 @@ class Cluster:
                 self._signal(proc, signal.SIGKILL)
         for proc in self.procs.values():
             proc.wait()
+        self.dns_server.close()
 
 
 def controller_main(root: Path) -> int:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -320,3 +321,49 @@ def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path)
     assert "interrupted" in err and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in err, err
     assert kube.objects() == {} and kube.processes() == []
     assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()
+
+
+# Each trainer connects, then trains on for N seconds (its connection open, as a long pass keeps it) and ends.
+PATIENT = r'''
+import sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
+ps.register_dense({"w": np.zeros(8, np.float32)})
+print("connected", flush=True)
+time.sleep(float(sys.argv[1]))
+ps.push({"w": np.ones(8, np.float32)})
+print(f"done w0={ps.pull()['w'][0]:g}", flush=True)
+ps.close()
+'''
+
+
+def test_a_dns_outage_is_not_the_trainers_ending(kube: StandIn, job_dir: Path) -> None:
+    """The cluster DNS failing (SERVFAIL, then no answer at all, as while CoreDNS restarts) for longer than a
+    pserver's grace for NXDOMAIN: the pserver retries and says so, never counts it, and the job finishes."""
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
+                                 "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
+                                 "patient", "--", "22"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-*.log")) == 2, 90, "both trainers connected")
+        kube.dns_fault("servfail", 9)
+        time.sleep(9)
+        kube.dns_fault("drop", 9)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out + err
+    assert "[trainer.1@fit-trainer-1] done w0=" in out, out
+    pserver = (job_dir / "root/fit/log/pserver.0.log").read_text()
+    assert "cannot resolve the trainers' names (Temporary failure in name resolution)" in pserver, pserver
+    assert "the resolver answers again after" in pserver, pserver
+    assert kube.objects() == {}
