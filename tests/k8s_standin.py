@@ -20,10 +20,13 @@ from sshstate import _netns_pids
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 IMAGE = "registry.example/paddle/fit:1"
+SLOW_IMAGE = "registry.example/paddle/fit:2"  # the same, but a node's first pull of it takes PULL_S
+PULL_S = 4
 BARE_IMAGE = "registry.example/python:3.11"
 # Pods a node holds (a kubelet's maxPods, 110 by default): enough for the conformance suite's three jobs of four
 # pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
 PODS_PER_NODE = 5
+GPU = "nvidia.com/gpu"
 
 
 class StandIn:
@@ -42,15 +45,20 @@ class StandIn:
         image_env = {"PATH": f"{imagebin}:/usr/bin:/bin", "HOME": "/tmp"}
         self.sandboxes = cluster.add_bare_hosts(PODS_PER_NODE * cluster.n)
         (root / "cluster.json").write_text(json.dumps({
+            # worker-0 is a GPU node, tainted as GPU nodes are: only pods tolerating the taint go there.
             "nodes": [{"name": f"worker-{i}", "netns": cluster.netns(i), "ip": cluster.ips[i],
                        "labels": {"kubernetes.io/hostname": f"worker-{i}", "pool": "gpu" if i == 0 else "cpu"},
+                       "allocatable": {"cpu": "8", "memory": "16Gi", **({GPU: "2"} if i == 0 else {})},
+                       "taints": [{"key": GPU, "value": "present", "effect": "NoSchedule"}] if i == 0 else [],
                        "pods": [{"netns": ns, "ip": ip}
                                 for ns, ip in self.sandboxes[i * PODS_PER_NODE:(i + 1) * PODS_PER_NODE]]}
                       for i in range(cluster.n)],
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
+                       SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000, "pull_s": PULL_S},
                        BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
             "dns": cluster.gateway}))
         self.store = Store(root)
+        self.setup_keys: set = set()
         self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}
         self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
                                            cwd=HERE, env=self.env, stdin=subprocess.DEVNULL,
@@ -61,9 +69,27 @@ class StandIn:
                               timeout=120)
 
     def objects(self, kind: str = "", ns: str = "") -> Dict[str, Dict[str, Any]]:
-        """``kind/ns/name`` -> object, of ``kind`` in ``ns`` (all when empty)."""
+        """``kind/ns/name`` -> object, of ``kind`` in ``ns`` (all when empty); Events only when asked for (a cluster
+        keeps them an hour after their objects are gone) and never the cluster's own objects (those ``setup``
+        made)."""
         return {k: v for k, v in self.store.read()["objects"].items()
-                if k.startswith(f"{kind}/{ns}/" if ns else kind)}
+                if k.startswith(f"{kind}/{ns}/" if ns else kind) and (kind == "Event" or not k.startswith("Event/"))
+                and k not in self.setup_keys}
+
+    def setup(self, manifests: str) -> None:
+        """Create what a cluster's admin would (ServiceAccounts, PriorityClasses, ResourceQuotas)."""
+        import yaml
+
+        res = self.kubectl("create", "--filename", "-", stdin=manifests)
+        assert res.returncode == 0, res.stderr
+        for d in yaml.safe_load_all(manifests):
+            ns = "" if d["kind"] == "PriorityClass" else d["metadata"].get("namespace", "default")
+            self.setup_keys.add(f"{d['kind']}/{ns}/{d['metadata']['name']}")
+
+    def events(self, ns: str = "default") -> List[str]:
+        """``kind/name: reason: message`` of each Event recorded."""
+        return [f"{e['involvedObject']['kind']}/{e['involvedObject']['name']}: {e['reason']}: {e['message']}"
+                for e in self.objects("Event", ns).values()]
 
     def pods(self, ns: str = "default") -> List[Dict[str, Any]]:
         return list(self.objects("Pod", ns).values())

@@ -42,9 +42,21 @@ KINDS = {  # what kubectl accepts -> (apiVersion, kind)
     "services": ("v1", "Service"), "service": ("v1", "Service"), "svc": ("v1", "Service"),
     "secrets": ("v1", "Secret"), "secret": ("v1", "Secret"),
     "configmaps": ("v1", "ConfigMap"), "configmap": ("v1", "ConfigMap"), "cm": ("v1", "ConfigMap"),
+    "events": ("v1", "Event"), "event": ("v1", "Event"), "ev": ("v1", "Event"),
+    "resourcequotas": ("v1", "ResourceQuota"), "resourcequota": ("v1", "ResourceQuota"),
+    "quota": ("v1", "ResourceQuota"),
+    "serviceaccounts": ("v1", "ServiceAccount"), "serviceaccount": ("v1", "ServiceAccount"),
+    "sa": ("v1", "ServiceAccount"),
+    "priorityclasses": ("scheduling.k8s.io/v1", "PriorityClass"),
+    "priorityclass": ("scheduling.k8s.io/v1", "PriorityClass"), "pc": ("scheduling.k8s.io/v1", "PriorityClass"),
 }
-RESOURCE = {"Pod": "pod", "Job": "job.batch", "Service": "service", "Secret": "secret", "ConfigMap": "configmap"}
-PLURAL = {"Pod": "pods", "Job": "jobs.batch", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps"}
+RESOURCE = {"Pod": "pod", "Job": "job.batch", "Service": "service", "Secret": "secret", "ConfigMap": "configmap",
+            "Event": "event", "ResourceQuota": "resourcequota", "ServiceAccount": "serviceaccount",
+            "PriorityClass": "priorityclass.scheduling.k8s.io"}
+PLURAL = {"Pod": "pods", "Job": "jobs.batch", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
+          "Event": "events", "ResourceQuota": "resourcequotas", "ServiceAccount": "serviceaccounts",
+          "PriorityClass": "priorityclasses.scheduling.k8s.io"}
+CLUSTER_SCOPED = {"PriorityClass"}  # kept under the namespace ""
 INDEX = "batch.kubernetes.io/job-completion-index"
 TICK = 0.05
 EMPTY = json.dumps({"objects": {}, "rv": 0, "events": []})
@@ -175,13 +187,14 @@ def _selected(doc: Dict[str, Any], ns: str, kinds: List[str], named: List[Tuple[
     out = []
     if named:
         for kind, name in named:
-            obj = doc["objects"].get(_key(kind, ns, name))
+            obj = doc["objects"].get(_key(kind, "" if kind in CLUSTER_SCOPED else ns, name))
             if obj is not None:
                 out.append(obj)
         return out
     for kind in kinds:
+        where = f"{kind}/{'' if kind in CLUSTER_SCOPED else ns}/"
         for key, obj in sorted(doc["objects"].items()):
-            if key.startswith(f"{kind}/{ns}/") and matches(obj["metadata"].get("labels") or {}, selector):
+            if key.startswith(where) and matches(obj["metadata"].get("labels") or {}, selector):
                 out.append(obj)
     return out
 
@@ -214,6 +227,8 @@ def _apply(store: Store, ns: str, text: str, create: bool) -> int:
     errors = []
     for d in (d for d in yaml.safe_load_all(text) if d):
         kind, meta = d["kind"], d["metadata"]
+        if kind in CLUSTER_SCOPED:
+            meta["namespace"] = ""
         meta.setdefault("namespace", ns)
         with store.edit() as doc:
             key = _key(kind, meta["namespace"], meta["name"])

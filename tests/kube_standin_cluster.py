@@ -12,9 +12,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
+from kube_standin_admission import place, refusal
 from kube_standin_dns import ClusterDNS
 from sshstate import _netns_pids
 
@@ -28,6 +29,8 @@ class Cluster:
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
         self.term_at: Dict[str, float] = {}
+        self.pulled: set = set()  # (node, image) pulled once: a node keeps its images
+        self.pulling: Dict[Tuple[str, str], float] = {}  # (node, image) -> when its first pull started
         self.dns_server = ClusterDNS(self.cfg["dns"], store.root)
         # As the kubelet writes it (ndots:5: a job's names are tried under the cluster domain first).
         self.resolv = store.root / "resolv.conf"
@@ -50,6 +53,25 @@ class Cluster:
                         owners and not any(o["uid"] in uids for o in owners)):
                     touch(doc, objs.pop(key), "DELETED")
             self.dns(objs)
+
+    def event(self, doc: Dict[str, Any], obj: Dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Record an Event about ``obj``, as a controller does: the same one again only counts up."""
+        meta = obj["metadata"]
+        ns, uid = meta["namespace"], meta["uid"]
+        for key, e in doc["objects"].items():
+            if key.startswith(f"Event/{ns}/") and e["involvedObject"]["uid"] == uid and e["reason"] == reason \
+                    and e["message"] == message:
+                e.update(count=e["count"] + 1, lastTimestamp=now())
+                touch(doc, e)
+                return
+        name = f"{meta['name']}.{secrets.token_hex(8)}"
+        ev = {"apiVersion": "v1", "kind": "Event", "type": type_, "reason": reason, "message": message, "count": 1,
+              "metadata": {"name": name, "namespace": ns, "uid": secrets.token_hex(8), "creationTimestamp": now()},
+              "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+                                 "namespace": ns, "uid": uid},
+              "firstTimestamp": now(), "lastTimestamp": now()}
+        doc["objects"][_key("Event", ns, name)] = ev
+        touch(doc, ev, "ADDED")
 
     # -- Job controller ------------------------------------------------------------------------------------------
     def job(self, doc: Dict[str, Any], key: str) -> None:
@@ -104,17 +126,41 @@ class Cluster:
             if st != before:
                 touch(doc, job)
             return
+        suspended = next((c for c in conds if c["type"] == "Suspended"), None)
+        if spec.get("suspend"):  # no pods (those running are stopped) until it is resumed
+            for p in active:
+                self._delete(doc, p)
+            if suspended is None or suspended["status"] != "True":
+                conds[:] = [c for c in conds if c["type"] != "Suspended"] + [{
+                    "type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "Job suspended",
+                    "lastTransitionTime": now()}]
+                self.event(doc, job, "Normal", "Suspended", "Job suspended")
+            st["_start"] = time.time()  # activeDeadlineSeconds counts only while it is not suspended
+            if st != before:
+                touch(doc, job)
+            return
+        if suspended is not None and suspended["status"] == "True":
+            suspended.update(status="False", reason="JobResumed", message="Job resumed", lastTransitionTime=now())
+            self.event(doc, job, "Normal", "Resumed", "Job resumed")
         busy = {int(p["metadata"]["annotations"][INDEX]) for p in active}
         for i in range(n):
-            if len(busy) >= spec.get("parallelism", n):
+            if len(busy) >= spec.get("parallelism", n) or time.time() < st.get("_retry_at", 0):
                 break
             if i not in busy and i not in succeeded:
-                self._create_pod(doc, job, i)
+                # The API server admits the pod or refuses it; the Job controller retries (with a backoff).
+                why = refusal(objs, ns, spec["template"]["spec"])
+                if why:
+                    self.event(doc, job, "Warning", "FailedCreate",
+                               f'Error creating: pods "{meta["name"]}-{i}-" is forbidden: {why}')
+                    st["_retry_at"] = time.time() + 2
+                    break
+                pod = self._create_pod(doc, job, i)
+                self.event(doc, job, "Normal", "SuccessfulCreate", f"Created pod: {pod}")
                 busy.add(i)
         if st != before:
             touch(doc, job)
 
-    def _create_pod(self, doc: Dict[str, Any], job: Dict[str, Any], index: int) -> None:
+    def _create_pod(self, doc: Dict[str, Any], job: Dict[str, Any], index: int) -> str:
         meta, tmpl = job["metadata"], job["spec"]["template"]
         name = f"{meta['name']}-{index}-{secrets.token_hex(3)[:5]}"
         labels = {**(tmpl["metadata"].get("labels") or {}), "controller-uid": meta["uid"], "job-name": meta["name"],
@@ -131,6 +177,7 @@ class Cluster:
                "spec": spec, "status": {"phase": "Pending"}}
         doc["objects"][_key("Pod", meta["namespace"], name)] = pod
         touch(doc, pod, "ADDED")
+        return name
 
     def _delete(self, doc: Dict[str, Any], obj: Dict[str, Any]) -> None:
         if not obj["metadata"].get("deletionTimestamp"):
@@ -159,11 +206,12 @@ class Cluster:
         if st.get("phase") in TERMINAL:
             return
         if not spec.get("nodeName"):
-            placed = self._schedule(objs, pod)
+            placed, why = place(objs, self.nodes, pod)
             if placed is None:
+                if (st.get("conditions") or [{}])[0].get("message") != why:
+                    self.event(doc, pod, "Warning", "FailedScheduling", why)
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": f"0/{len(self.nodes)} nodes are available: no node with room for "
-                                                "another pod that matches the pod's node selector."}]
+                                     "message": why}]
             else:
                 node, sandbox = placed
                 spec["nodeName"] = node["name"]
@@ -182,22 +230,6 @@ class Cluster:
         if st != before:
             touch(doc, pod)
 
-    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-        """(node, pod sandbox): the node with the fewest pods of those the node selector allows that have room
-        for one more (the default scheduler spreads pods likewise), and a sandbox no unfinished pod holds."""
-        held = {p["status"].get("podIP") for k, p in objs.items() if k.startswith("Pod/")
-                and p["spec"].get("nodeName") and p["status"].get("phase") not in TERMINAL}
-        want = pod["spec"].get("nodeSelector") or {}
-        fits = []
-        for node in self.nodes:
-            free = [s for s in node["pods"] if s["ip"] not in held]
-            if free and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
-                fits.append((len(node["pods"]) - len(free), node, free[0]))
-        if not fits:
-            return None
-        _, node, sandbox = min(fits, key=lambda f: f[0])
-        return node, sandbox
-
     def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
         c = pod["spec"]["containers"][0]
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
@@ -212,6 +244,18 @@ class Cluster:
         image = self.cfg["images"].get(c["image"])
         if image is None:
             return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
+        pull = (spec["nodeName"], c["image"])
+        if image.get("pull_s") and pull not in self.pulled:  # a node's first pull of the image takes a while
+            started = self.pulling.setdefault(pull, time.time())
+            if not meta.get("_pulling"):
+                meta["_pulling"] = True
+                self.event(doc, pod, "Normal", "Pulling", f'Pulling image "{c["image"]}"')
+            if time.time() - started < image["pull_s"]:
+                return self._waiting(pod, "ContainerCreating", "")
+            self.pulled.add(pull)
+        if meta.pop("_pulling", None):
+            self.event(doc, pod, "Normal", "Pulled", f'Successfully pulled image "{c["image"]}" in '
+                       f'{time.time() - self.pulling[pull]:.1f}s')
         env = dict(image.get("env", {}))
         for e in c.get("env", []):
             if "value" in e:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, REPO, StandIn
+from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, REPO, SLOW_IMAGE, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -175,10 +175,23 @@ def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
 
 
+# What a cluster's admin provides: the ServiceAccount and PriorityClass the pod options name.
+ADMIN = """apiVersion: v1
+kind: ServiceAccount
+metadata: {name: trainer-sa, namespace: default}
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ml-high}
+value: 1000
+"""
+
+
 def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) -> None:
+    kube.setup(ADMIN)
     opts = ["--trainer-requests", "cpu=2", "--gpus", "1", "--pserver-limits", "memory=2Gi", "--node-selector",
-            "pool=cpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
-            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600", "--queue", "q"]
+            "pool=gpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
+            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600"]
     res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
     assert res.returncode == 0, res.stderr
     rendered = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
@@ -193,12 +206,107 @@ def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) ->
             spec["template"]["spec"]["containers"][0].update(env=[], args=[])
             spec["template"]["metadata"]["labels"].pop("paddle-cluster/job-id")
         assert made["spec"]["template"] == doc["spec"]["template"]
-        assert made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
         assert made["spec"]["activeDeadlineSeconds"] == 3600
-    # Only the workers labelled pool=cpu run the pods (the stand-in's worker-0 is pool=gpu).
+    # Only the GPU node (labelled pool=gpu, its taint tolerated) runs them: its 2 GPUs, one per trainer.
     kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
-    assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
+    assert {p["spec"]["nodeName"] for p in kube.pods()} == {"worker-0"}
     assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
+
+
+def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: float) -> tuple:
+    """Start ``paddle-cluster ARGS``, read its output until a line matches ``pattern`` (or it ends), then stop it
+    as a user would (Ctrl+C): (that line or None, seconds it took, the whole output, exit code)."""
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(cwd), XDG_STATE_HOME=str(cwd / "state"))
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.stdout is not None
+    seen, found, took = [], None, 0.0
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if re.search(pattern, line):
+                found, took = line.strip(), time.monotonic() - t0
+                break
+            if time.monotonic() - t0 > within:
+                break
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+        seen += p.stdout.readlines()
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return found, took, "".join(seen), p.returncode
+
+
+@pytest.mark.parametrize("opts, said", [
+    (["--service-account", "nobody-sa"], 'job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is '
+     'forbidden: error looking up service account default/nobody-sa: serviceaccount "nobody-sa" not found'),
+    (["--priority-class", "ml-low"], 'job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is '
+     'forbidden: no PriorityClass with name ml-low was found'),
+])
+def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(kube: StandIn, job_dir: Path, opts: List[str],
+                                                                     said: str) -> None:
+    t0 = time.monotonic()
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert said in res.stderr, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 30  # not START_TIMEOUT (60 s) + 30 s
+    assert kube.objects() == {}
+
+
+QUOTA = """apiVersion: v1
+kind: ResourceQuota
+metadata: {name: compute, namespace: default}
+spec:
+  hard: {limits.memory: 8Gi, requests.cpu: "4"}
+"""
+
+
+def test_a_quota_is_named_when_it_refuses_the_pods_and_met_with_limits(kube: StandIn, job_dir: Path) -> None:
+    kube.setup(QUOTA)
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert ('job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is forbidden: failed quota: '
+            'compute: must specify limits.memory for: pserver') in res.stderr, res.stderr
+    assert kube.objects() == {}
+    # With limits the quota admits one job of 3 pods (3 of its 4 CPUs); of a second one the pserver fits, the
+    # trainers wait for room, and the launcher says so (the start timeout waits meanwhile).
+    limits = ["--pserver-limits", "memory=1Gi", "--trainer-limits", "memory=1Gi"]
+    first = cli(kube, job_dir, *run_args(job_dir, "--job_name", "first", "--detach", *limits, "--", "--passes", "50"))
+    assert first.returncode == 0, first.stderr
+    kube.wait(lambda: len(kube.pods()) == 3, 30, "the first job's pods")
+    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "second", *limits, "--",
+                                                             "--passes", "1"), "waits for room|cannot create", 60)
+    assert line and line.endswith("job.batch/second-trainer waits for room in the namespace's quota: pods "
+                                  '"second-trainer-0-" is forbidden: exceeded quota: compute, requested: '
+                                  "requests.cpu=1, used: requests.cpu=4, limited: requests.cpu=4"), out
+    assert took < 20, took
+    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    kube.wait(lambda: kube.objects() == {}, 60, "both jobs gone")
+
+
+def test_an_unschedulable_pod_says_what_the_scheduler_said(kube: StandIn, job_dir: Path) -> None:
+    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "fit", "--gpus", "4", "--",
+                                                             "--passes", "1"), "Unschedulable", 60)
+    assert line and "0/4 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: present}, 3 " \
+        "Insufficient nvidia.com/gpu." in line, out
+    assert took < 20, took
+    kube.wait(lambda: kube.objects() == {}, 60, "the job deleted after Ctrl+C")
+
+
+def test_a_slow_first_pull_is_reported_and_waited_for(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", SLOW_IMAGE, "--pservers", "1", "--trainers", "2",
+              "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--", "--passes", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    pulls = re.findall(r"pod/fit-\S+: pulling image registry.example/paddle/fit:2; the start timeout waits", res.stdout)
+    pulled = re.findall(r'pod/fit-\S+: Successfully pulled image "registry.example/paddle/fit:2" in ([\d.]+)s',
+                        res.stdout)
+    assert pulls and pulled and max(float(s) for s in pulled) >= PULL_S, res.stdout
     assert kube.objects() == {}
 
 
@@ -209,7 +317,7 @@ def test_a_node_holds_several_pods_each_with_its_own_address(kube: StandIn, job_
     slots = PODS_PER_NODE  # only worker-0 is pool=gpu
     res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", str(slots),
               "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--detach", "--node-selector", "pool=gpu",
-              "--", "--passes", "50")
+              "--toleration", "nvidia.com/gpu:NoSchedule", "--", "--passes", "50")
     assert res.returncode == 0, res.stderr
     def placed():
         pods = kube.pods()

@@ -32,6 +32,7 @@ from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRe
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, rights
+from .jobwatch import JobWatch
 from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_results, states_of, watch_events
 from .pod_options import PodOptions
 
@@ -231,8 +232,10 @@ class K8sBackend(Backend):
         self.watch = PodWatch({})
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
+        self._state = threading.Lock()
         self._polling: Optional[threading.Event] = None
-        self._watcher: Optional[subprocess.Popen] = None
+        self._watchers: List[subprocess.Popen] = []
+        self.jobwatch = JobWatch({}, lambda p: None)
         self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
         self.jobset = False  # render k8s --jobset
@@ -263,7 +266,10 @@ class K8sBackend(Backend):
         roles = pod_roles(job)
         self.names = [f"{job.job_name(r)}-{i}" for r, i in roles]
         self.labels = [f"pod {n}" for n in self.names]
-        self.watch = PodWatch({ri: node for node, ri in enumerate(roles)})
+        nodes = {ri: node for node, ri in enumerate(roles)}
+        self.watch = PodWatch(nodes)
+        self.jobwatch = JobWatch({job.job_name(r): [n for (r_, _), n in nodes.items() if r_ == r]
+                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)))
         say(f"job {job.name}: {job.pservers} pserver pod(s), {job.trainers} trainer pod(s) of {opts.image} in "
             f"namespace {opts.namespace}")
         return [k8s.pod_host(job.name, job.namespace, r, i) for r, i in roles]
@@ -301,36 +307,50 @@ class K8sBackend(Backend):
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             return
-        threading.Thread(target=self._watch_pods, args=(done,), daemon=True, name="k8s-pods").start()
+        for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
+                                       ("events", False, self.jobwatch.events)):
+            threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
+                             name=f"k8s-{kind}").start()
 
-    def _watch_pods(self, done: threading.Event) -> None:
-        """The pods' states as they change: a listing, then ``kubectl get --watch``; again after a problem (a
-        watch the API server ended, a lost connection), the listing catching up on what the watch missed."""
+    def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
+        return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
+
+    def _watch(self, done: threading.Event, kind: str, selected: bool,
+               update: Callable[[List[Dict[str, Any]]], List[Event]]) -> None:
+        """The job's objects of ``kind`` as they change (``update`` gets them all, and says what that means): a
+        listing, then ``kubectl get --watch``; again after a problem (a watch the API server ended, a lost
+        connection), the listing catching up on what the watch missed."""
         problem = ""
         while not done.is_set():
             try:
-                pods = {p["metadata"]["name"]: p for p in json.loads(self.kubectl.run(
-                    self.kubectl.get_pods(), timeout=60) or "{}").get("items", [])}
-                self._handle(self.watch.update(states_of(pods.values())))
-                w = self._watcher = subprocess.Popen(self.kubectl.watch_pods(), stdin=subprocess.DEVNULL,
-                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                objs = {o["metadata"]["name"]: o for o in json.loads(self.kubectl.run(
+                    self.kubectl.list_of(kind, selected), timeout=60) or "{}").get("items", [])}
+                self._update(update, objs)
+                w = subprocess.Popen(self.kubectl.watch(kind, selected), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                self._watchers.append(w)
                 assert w.stdout is not None and w.stderr is not None
                 for ev in watch_events(w.stdout):
                     name = ev["object"].get("metadata", {}).get("name", "")
                     if ev.get("type") == "DELETED":
-                        pods.pop(name, None)
+                        objs.pop(name, None)
                     else:
-                        pods[name] = ev["object"]
-                    self._handle(self.watch.update(states_of(pods.values())))
+                        objs[name] = ev["object"]
+                    self._update(update, objs)
                 err = w.stderr.read().strip()
                 if w.wait() != 0 and not done.is_set():
-                    raise ClusterError(f"kubectl get pods --watch: {(err.splitlines() or ['ended'])[-1]}")
+                    raise ClusterError(f"kubectl get {kind} --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
             except (ClusterError, ValueError) as e:
-                if str(e) != problem:  # once per distinct problem, not every retry
+                if str(e) != problem and not done.is_set():  # once per distinct problem, not every retry
                     problem = str(e)
-                    self._put(m.Note(0, f"cannot follow the pods' states: {e}"))
+                    self._put(m.Note(0, f"cannot follow the job's {kind}: {e}"))
             done.wait(RETRY_S)
+
+    def _update(self, update: Callable[[List[Dict[str, Any]]], List[Event]], objs: Dict[str, Any]) -> None:
+        with self._state:  # three watches feed the same state
+            events = update(list(objs.values()))
+        self._handle(events)
 
     def _handle(self, events: List[Event]) -> None:
         for ev in events:
@@ -377,10 +397,18 @@ class K8sBackend(Backend):
                     return
 
     def next_event(self, timeout: float) -> Optional[Event]:
+        with self._state:
+            due = self.jobwatch.due()
+        for ev in due:
+            self._put(ev)
         try:
             return self.events.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def holding(self) -> bool:
+        with self._state:
+            return self.jobwatch.holding()
 
     def request_stop(self, grace: float) -> None:
         if self._polling is None:
@@ -395,8 +423,9 @@ class K8sBackend(Backend):
             return []
         self._polling.set()
         self._closing = True
-        if self._watcher is not None and self._watcher.poll() is None:
-            self._watcher.terminate()
+        for w in self._watchers:
+            if w.poll() is None:
+                w.terminate()
         if grace == 0:
             self.request_stop(0)
         try:
@@ -418,9 +447,10 @@ class K8sBackend(Backend):
 
     def close(self) -> None:
         self._closing = True
-        if self._watcher is not None and self._watcher.poll() is None:
-            self._watcher.terminate()
-            self._watcher.wait(timeout=5)
+        for w in self._watchers:
+            if w.poll() is None:
+                w.terminate()
+                w.wait(timeout=5)
         with self._lock:
             for p, _ in self.followers.values():
                 if p.poll() is None:

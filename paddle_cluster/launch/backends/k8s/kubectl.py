@@ -68,12 +68,20 @@ class Kubectl:
         return self._ns("patch", *names, "--type", "merge", "--patch", json.dumps(change))
 
     def get_pods(self) -> List[str]:
-        return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
+        return self.list_of("pods")
+
+    def list_of(self, kind: str, selected: bool = True) -> List[str]:
+        """The job's objects of ``kind`` (``selected``: by the job's selector; else all of the namespace's, as
+        Events, which carry no labels), as JSON."""
+        return self._ns("get", kind, *(["--selector", self.selector] if selected else []), "--output", "json")
+
+    def watch(self, kind: str, selected: bool = True) -> List[str]:
+        """Those objects as they change: one JSON document per event, ``{"type": ..., "object": ...}``."""
+        return self._ns("get", kind, *(["--selector", self.selector] if selected else []), "--watch",
+                        "--output-watch-events", "--output", "json")
 
     def watch_pods(self) -> List[str]:
-        """The job's pods as they change: one JSON document per event, ``{"type": ..., "object": pod}``."""
-        return self._ns("get", "pods", "--selector", self.selector, "--watch", "--output-watch-events",
-                        "--output", "json")
+        return self.watch("pods")
 
     def get(self) -> List[str]:
         """The job's Jobs and pods, as a table for people."""
