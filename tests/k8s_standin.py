@@ -27,6 +27,7 @@ BARE_IMAGE = "registry.example/python:3.11"
 # pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
 PODS_PER_NODE = 5
 GPU = "nvidia.com/gpu"
+QUEUE = "q"  # the Kueue LocalQueue of the stand-in
 
 
 class StandIn:
@@ -56,7 +57,9 @@ class StandIn:
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
                        SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000, "pull_s": PULL_S},
                        BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
-            "dns": cluster.gateway}))
+            "dns": cluster.gateway,
+            # Kueue's queues (LocalQueue -> the CPUs its ClusterQueue lends): one job of 3 pods of 1 CPU at a time.
+            "queues": {QUEUE: "4"}}))
         self.store = Store(root)
         self.setup_keys: set = set()
         self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}

@@ -47,16 +47,20 @@ KINDS = {  # what kubectl accepts -> (apiVersion, kind)
     "quota": ("v1", "ResourceQuota"),
     "serviceaccounts": ("v1", "ServiceAccount"), "serviceaccount": ("v1", "ServiceAccount"),
     "sa": ("v1", "ServiceAccount"),
+    "jobsets.jobset.x-k8s.io": ("jobset.x-k8s.io/v1alpha2", "JobSet"),
+    "jobset.jobset.x-k8s.io": ("jobset.x-k8s.io/v1alpha2", "JobSet"), "jobsets": ("jobset.x-k8s.io/v1alpha2", "JobSet"),
     "priorityclasses": ("scheduling.k8s.io/v1", "PriorityClass"),
     "priorityclass": ("scheduling.k8s.io/v1", "PriorityClass"), "pc": ("scheduling.k8s.io/v1", "PriorityClass"),
 }
 RESOURCE = {"Pod": "pod", "Job": "job.batch", "Service": "service", "Secret": "secret", "ConfigMap": "configmap",
             "Event": "event", "ResourceQuota": "resourcequota", "ServiceAccount": "serviceaccount",
-            "PriorityClass": "priorityclass.scheduling.k8s.io"}
+            "PriorityClass": "priorityclass.scheduling.k8s.io", "JobSet": "jobset.jobset.x-k8s.io"}
 PLURAL = {"Pod": "pods", "Job": "jobs.batch", "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
           "Event": "events", "ResourceQuota": "resourcequotas", "ServiceAccount": "serviceaccounts",
-          "PriorityClass": "priorityclasses.scheduling.k8s.io"}
-CLUSTER_SCOPED = {"PriorityClass"}  # kept under the namespace ""
+          "PriorityClass": "priorityclasses.scheduling.k8s.io", "JobSet": "jobsets.jobset.x-k8s.io"}
+CLUSTER_SCOPED = {"PriorityClass"}
+QUEUE = "kueue.x-k8s.io/queue-name"
+JOBSETS = "jobsets.jobset.x-k8s.io"  # kept under the namespace ""
 INDEX = "batch.kubernetes.io/job-completion-index"
 TICK = 0.05
 EMPTY = json.dumps({"objects": {}, "rv": 0, "events": []})
@@ -208,6 +212,11 @@ def kubectl(argv: List[str], store: Store) -> int:
         denied = {d.strip() for d in os.environ.get("KUBE_STANDIN_DENY", "").split(",")}
         print("no" if asked in denied else "yes")
         return 1 if asked in denied else 0
+    if verb == "api-resources":  # --api-group=G --output name
+        group = flags.get("api-group", "")
+        have = [r for r in PLURAL.values() if store.config().get("jobset", True) or r != JOBSETS]
+        print("\n".join(r for r in sorted(have) if r.endswith(f".{group}")))
+        return 0
     if verb in ("apply", "create"):
         return _apply(store, ns, sys.stdin.read(), create=verb == "create")
     if verb == "get":
@@ -227,6 +236,10 @@ def _apply(store: Store, ns: str, text: str, create: bool) -> int:
     errors = []
     for d in (d for d in yaml.safe_load_all(text) if d):
         kind, meta = d["kind"], d["metadata"]
+        if kind == "JobSet" and not store.config().get("jobset", True):
+            errors.append(f'error: resource mapping not found for name: "{meta["name"]}" namespace: "{ns}" from '
+                          f'"STDIN": no matches for kind "JobSet" in version "{d["apiVersion"]}"')
+            continue
         if kind in CLUSTER_SCOPED:
             meta["namespace"] = ""
         meta.setdefault("namespace", ns)
@@ -247,8 +260,11 @@ def _apply(store: Store, ns: str, text: str, create: bool) -> int:
                                    creationTimestamp=old["metadata"]["creationTimestamp"] if old else now())
             if kind == "Secret" and "stringData" in obj:
                 obj.setdefault("data", {}).update(obj.pop("stringData"))  # (kept plain: a test double)
-            if kind == "Job":
+            if kind in ("Job", "JobSet"):
                 obj["status"] = old["status"] if old else {}
+                obj["metadata"].setdefault("labels", {})
+                if not old and obj["metadata"]["labels"].get(QUEUE) in store.config().get("queues", {}):
+                    obj["spec"]["suspend"] = True  # Kueue's webhook: a queued workload runs once admitted
             doc["objects"][key] = obj
             touch(doc, obj, "MODIFIED" if old else "ADDED")
         print(f"{RESOURCE[kind]}/{meta['name']} {'configured' if old else 'created'}")

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Tuple
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
 from kube_standin_admission import place, refusal
 from kube_standin_dns import ClusterDNS
+from kube_standin_workloads import jobset, kueue
 from sshstate import _netns_pids
 
 TERMINAL = ("Succeeded", "Failed")
@@ -41,12 +42,18 @@ class Cluster:
     def tick(self) -> None:
         with self.store.edit() as doc:
             objs = doc["objects"]
+            kueue(self, doc)
+            for key in [k for k in objs if k.startswith("JobSet/")]:
+                jobset(self, doc, key)
             for key in [k for k in objs if k.startswith("Job/")]:
                 self.job(doc, key)
             for key in [k for k in objs if k.startswith("Pod/")]:
                 self.pod(doc, key)
             uids = {o["metadata"]["uid"] for o in objs.values()}
-            for key in [k for k in objs if not k.startswith(("Job/", "Pod/"))]:
+            for key in [k for k in objs if k.startswith("Job/") and objs[k]["metadata"].get("ownerReferences")]:
+                if not any(o["uid"] in uids for o in objs[key]["metadata"]["ownerReferences"]):
+                    self._delete(doc, objs[key])  # its JobSet is gone: the Job goes, its pods first
+            for key in [k for k in objs if not k.startswith(("Job/", "Pod/", "JobSet/"))]:
                 owners = objs[key]["metadata"].get("ownerReferences") or []
                 # The garbage collector: a dependent goes once every owner is gone.
                 if objs[key]["metadata"].get("deletionTimestamp") or (

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, REPO, SLOW_IMAGE, StandIn
+from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, QUEUE, REPO, SLOW_IMAGE, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -475,3 +475,29 @@ def test_a_dns_outage_is_not_the_trainers_ending(kube: StandIn, job_dir: Path) -
     assert "cannot resolve the trainers' names (Temporary failure in name resolution)" in pserver, pserver
     assert "the resolver answers again after" in pserver, pserver
     assert kube.objects() == {}
+
+
+def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: StandIn, job_dir: Path) -> None:
+    """--queue makes the job one JobSet, one Kueue workload: while another job holds the queue neither its
+    pservers nor its trainers start (as two Jobs, two workloads, its pservers were admitted, waited START_TIMEOUT
+    for trainers Kueue held back, and failed the job); once admitted it runs to its end."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("START_TIMEOUT = 8\n")
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    first = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
+                "--job_name", "first", "--job_dispatch_package", "patient", "--queue", QUEUE, "--detach", "--", "16")
+    assert first.returncode == 0, first.stderr
+    kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        "first-trainer-0-*.log")) == 2, 60, "the first job's trainers connected")
+    t0 = time.monotonic()
+    second = cli(kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes", "1"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert time.monotonic() - t0 > 8  # it waited longer than its START_TIMEOUT, and ran
+    assert "[agent@second-pserver-0-0] job.batch/second-pserver-0 is suspended (waiting for Kueue queue q to " \
+           "admit it); the start timeout waits meanwhile" in second.stdout, second.stdout
+    assert "job.batch/second-pserver-0 was admitted (resumed)" in second.stdout, second.stdout
+    assert "[trainer.1@second-trainer-0-1] final test_mse=" in second.stdout or "final test_mse" in second.stdout
+    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    assert kube.objects() == {}, kube.objects()

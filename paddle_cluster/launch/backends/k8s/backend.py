@@ -118,7 +118,7 @@ def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
     endpoints = tuple(Endpoint(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k))
     nodes = []
     for i, (role, index) in enumerate(pod_roles(job)):
-        host = k8s.pod_host(job.name, job.namespace, role, index)
+        host = k8s.pod_host(job.name, job.namespace, role, index, job.jobset)
         cmd = job.pserver_cmd if role == PSERVER else job.trainer_cmd
         full = env.for_process(role, index, host).to_environ()
         # No log file: Kubernetes keeps the pod's log (K8sBackend.log_of says how to read it).
@@ -153,9 +153,9 @@ class K8sBackend(Backend):
         BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE; no HOSTS: "
                       "TRAINERS_PER_NODE).", int, "M", 1),
         *pod_options.OPTIONS,
-        BackendOption("--jobset", "jobset", "render k8s: one JobSet (jobset.x-k8s.io/v1alpha2: its controller must "
-                      "be installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
-                      "workload.", bool),
+        BackendOption("--jobset", "jobset", "One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
+                      "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
+                      "workload (--queue implies it).", bool),
     )
 
     @classmethod
@@ -187,7 +187,8 @@ class K8sBackend(Backend):
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
-        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""))
+        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""),
+                          bool(job.handle.get("jobset")))
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -247,32 +248,45 @@ class K8sBackend(Backend):
         for flag, given, why in (
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
-                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others"),
-                ("--jobset", self.jobset, "run creates a Service and two Jobs and follows them; render k8s --jobset "
-                 "writes the JobSet for kubectl")):
+                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
         pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack,
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack, jobset=self.jobset,
                                     resume_from=spec.resume_from or "")
         self.job_dir, self.say = spec.job_dir, say
-        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
+        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary, kc.kinds(job.jobset))
+        if job.jobset:
+            self._need_jobsets()
         for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
             if need.at_run and not self.kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
         roles = pod_roles(job)
-        self.names = [f"{job.job_name(r)}-{i}" for r, i in roles]
+        self.names = [job.pod_hostname(r, i) for r, i in roles]
         self.labels = [f"pod {n}" for n in self.names]
         nodes = {ri: node for node, ri in enumerate(roles)}
         self.watch = PodWatch(nodes)
         self.jobwatch = JobWatch({job.job_name(r): [n for (r_, _), n in nodes.items() if r_ == r]
-                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)))
+                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)), job.pods.queue)
         say(f"job {job.name}: {job.pservers} pserver pod(s), {job.trainers} trainer pod(s) of {opts.image} in "
             f"namespace {opts.namespace}")
-        return [k8s.pod_host(job.name, job.namespace, r, i) for r, i in roles]
+        return [k8s.pod_host(job.name, job.namespace, r, i, job.jobset) for r, i in roles]
+
+    def _need_jobsets(self) -> None:
+        """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""
+        listed = self.kubectl.run(self.kubectl.api_resources(k8s.JOBSET_API.split("/")[0])).split()
+        if k8s.JOBSET_RESOURCE not in listed:
+            why = "--queue NAME" if self.opts.pods.queue else "--jobset"
+            raise ConfigError(why.split()[0], self.opts.pods.queue or True, "needs JobSet (jobset.x-k8s.io), which "
+                              "this cluster does not offer ('kubectl api-resources --api-group=jobset.x-k8s.io' lists "
+                              "nothing): Kueue admits a job's pservers and trainers as one workload only as a "
+                              "JobSet; install JobSet (github.com/kubernetes-sigs/jobset) or leave the option out")
+        need = rights.Need("create", k8s.JOBSET_RESOURCE, "run creates the JobSet (--queue, --jobset)", True)
+        if not self.kubectl.may(need.verb, need.resource):
+            raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
     def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
         assert self.job is not None, "prepare first"
@@ -280,7 +294,8 @@ class K8sBackend(Backend):
 
     def remember(self) -> Dict[str, str]:
         assert self.job is not None, "prepare first"
-        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
+        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id,
+                **({"jobset": "1"} if self.job.jobset else {})}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
@@ -303,7 +318,7 @@ class K8sBackend(Backend):
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
         self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
-        kc.own_by_jobs(self.kubectl, job)
+        kc.own_by_owners(self.kubectl, job)
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             return

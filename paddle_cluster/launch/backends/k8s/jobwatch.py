@@ -24,9 +24,11 @@ def _took(seconds: float) -> str:
 
 
 class JobWatch:
-    def __init__(self, job_nodes: Dict[str, List[int]], pod_node: Callable[[PodState], Optional[int]]) -> None:
+    def __init__(self, job_nodes: Dict[str, List[int]], pod_node: Callable[[PodState], Optional[int]],
+                 queue: str = "") -> None:
         self.job_nodes = job_nodes  # the name of each Job of the job -> its nodes
         self.pod_node = pod_node
+        self.queue = queue  # --queue: Kueue's LocalQueue
         self.objects: Dict[str, Tuple[str, int]] = {}  # uid -> ("job.batch/NAME" or "pod/NAME", its node)
         self.waiting: Dict[str, Dict[str, Any]] = {}  # Events about objects not known yet, by their name
         self.said: set = set()  # (uid, reason, message) reported
@@ -59,7 +61,7 @@ class JobWatch:
             conds = {c.get("type"): c for c in (d.get("status") or {}).get("conditions") or []
                      if c.get("status") == "True"}
             if "Suspended" in conds and uid not in self.suspended:
-                queue = (meta.get("labels") or {}).get(QUEUE_LABEL)
+                queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or self.queue
                 self.suspended[uid] = why = (f"waiting for Kueue queue {queue} to admit it" if queue else
                                              "spec.suspend is true: it runs once resumed")
                 out.append(m.Note(nodes[0], f"{what} is suspended ({why}); the start timeout waits meanwhile"))

@@ -24,7 +24,7 @@ from paddle_cluster.node.pod import METRICS
 from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
 from ..base import Event, NodeLost, ProcRow
-from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
+from .manifests import JOBSET_RESOURCE, LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
 # Set on a job's pods by ``kill`` before it deletes them: a run following the job reads it when they go, and ends
@@ -33,6 +33,11 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job 
 KILLED_ANNOTATION = "paddle-cluster/stopped-by"
 KILLED = "paddle-cluster kill"
 OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)
+
+
+def kinds(jobset: bool) -> str:
+    """What a job's objects are: those of ``OBJECTS``, and its JobSet (whose Jobs and Service go with it)."""
+    return f"{OBJECTS},{JOBSET_RESOURCE}" if jobset else OBJECTS
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
 
@@ -47,6 +52,7 @@ class Kubectl:
     namespace: str
     selector: str
     binary: str = "kubectl"
+    kinds: str = OBJECTS  # what delete deletes
 
     def _ns(self, *args: str) -> List[str]:
         return [self.binary, "--namespace", self.namespace, *args]
@@ -93,8 +99,12 @@ class Kubectl:
 
     def delete(self, wait: bool) -> List[str]:
         """Delete the job's objects; foreground: a Job is gone only once its pods are (with their grace)."""
-        return self._ns("delete", OBJECTS, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",
+        return self._ns("delete", self.kinds, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",
                         f"--wait={'true' if wait else 'false'}")
+
+    def api_resources(self, group: str) -> List[str]:
+        """The resources the API server offers in ``group``, one name a line."""
+        return [self.binary, "api-resources", f"--api-group={group}", "--output", "name"]
 
     def kill_pods(self) -> List[str]:
         """The second Ctrl+C: no grace period."""
@@ -236,9 +246,10 @@ def find_pod(pods: List[PodState], text: str) -> PodState:
 
 # -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------
 
-def for_job(namespace: str, job_name: str, job_id: str = "") -> Kubectl:
+def for_job(namespace: str, job_name: str, job_id: str = "", jobset: bool = False) -> Kubectl:
     """The commands for job ``job_name``: by its unique id when the run that started it remembered one."""
-    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)))
+    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)),
+                   kinds=kinds(jobset))
 
 
 @dataclass(frozen=True)
@@ -259,7 +270,8 @@ def owners(text: str) -> List[Owner]:
     out = []
     for i in items:
         labels = (i.get("metadata") or {}).get("labels") or {}
-        kind = {"Job": "job.batch"}.get(i.get("kind", ""), str(i.get("kind", "")).lower())
+        kind = {"Job": "job.batch", "JobSet": "jobset.jobset.x-k8s.io"}.get(i.get("kind", ""),
+                                                                          str(i.get("kind", "")).lower())
         out.append(Owner(f"{kind}/{i['metadata']['name']}", labels.get(LABEL_JOB, ""), labels.get(LABEL_ID, "")))
     return out
 
@@ -443,15 +455,16 @@ class PodWatch:
         return out
 
 
-def own_by_jobs(kubectl: Kubectl, job: K8sJob) -> None:
-    """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
-    (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
-    jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
-    items = json.loads(kubectl.run(kubectl.get_named(jobs)) or "{}").get("items", [])
-    refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
-            for i in items]
-    if len(refs) != 2:
-        raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
-                           f"'{shlex.join(kubectl.get())}'")
-    rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
+def own_by_owners(kubectl: Kubectl, job: K8sJob) -> None:
+    """The Secret, the Service and the ConfigMap belong to the two Jobs (or the JobSet), so Kubernetes deletes
+    them with those (ttlSecondsAfterFinished, or anyone deleting them) -- launcher or not. Their uids exist only
+    now."""
+    owning = job.owner_names()
+    items = json.loads(kubectl.run(kubectl.get_named(owning)) or "{}").get("items", [])
+    refs = [{"apiVersion": i["apiVersion"], "kind": i["kind"], "name": i["metadata"]["name"],
+             "uid": i["metadata"]["uid"]} for i in items]
+    if len(refs) != len(owning):
+        raise ClusterError(f"the {'JobSet' if job.jobset else 'Jobs'} of job {job.name} vanished right after they "
+                           f"were created; see '{shlex.join(kubectl.get())}'")
+    rest = [n for n in job.object_names() if n not in owning]
     kubectl.run(kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))
