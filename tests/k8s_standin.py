@@ -1,6 +1,7 @@
-"""The ``kube`` fixture's cluster: the stand-in controller (kube_standin.py) over a tests/sshcluster.py cluster
-(a node per host; each node's ``PODS_PER_NODE`` pod sandboxes are bare network namespaces on the same bridge,
-so every pod has its own address, as a CNI gives it), and ``kubectl`` first on PATH. The image ``IMAGE`` is
+"""The ``kube`` fixture's cluster: the stand-in's API server and controller (kube_standin.py) over a
+tests/sshcluster.py cluster (a node per host; each node's ``PODS_PER_NODE`` pod sandboxes are bare network
+namespaces on the same bridge, so every pod has its own address, as a CNI gives it), and ``KUBECONFIG`` naming
+it for the real ``kubectl`` (``env``; ``kubeconfig(deny)`` for a user denied some rights). The image ``IMAGE`` is
 this checkout on PYTHONPATH with this interpreter as ``python3`` (and a non-root user, as a hardened image
 has); ``BARE_IMAGE`` has Python but no paddle-cluster."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -34,14 +36,12 @@ class StandIn:
     def __init__(self, cluster, root: Path) -> None:
         self.cluster, self.root = cluster, root
         root.mkdir(parents=True)
-        bindir, imagebin, barebin = root / "bin", root / "image-bin", root / "bare-bin"
-        for d in (bindir, imagebin, barebin):
+        imagebin, barebin = root / "image-bin", root / "bare-bin"
+        for d in (imagebin, barebin):
             d.mkdir()
         # Python without site-packages: no numpy, no paddle-cluster.
         (barebin / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
         (barebin / "python3").chmod(0o755)
-        (bindir / "kubectl").write_text(f"#!/bin/sh\nexec {sys.executable} {HERE / 'kube_standin.py'} kubectl \"$@\"\n")
-        (bindir / "kubectl").chmod(0o755)
         (imagebin / "python3").symlink_to(sys.executable)
         image_env = {"PATH": f"{imagebin}:/usr/bin:/bin", "HOME": "/tmp"}
         self.sandboxes = cluster.add_bare_hosts(PODS_PER_NODE * cluster.n)
@@ -62,10 +62,36 @@ class StandIn:
             "queues": {QUEUE: "4"}}))
         self.store = Store(root)
         self.setup_keys: set = set()
-        self.env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "KUBE_STANDIN": str(root)}
         self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
-                                           cwd=HERE, env=self.env, stdin=subprocess.DEVNULL,
+                                           cwd=HERE, stdin=subprocess.DEVNULL,
                                            stdout=open(root / "controller.log", "wb"), stderr=subprocess.STDOUT)
+        # The API server the real kubectl (on PATH: scripts/test installs it) talks to, through a kubeconfig.
+        port = root / "apiserver.port"
+        self.apiserver = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "apiserver", str(root),
+                                           str(port)], cwd=HERE, stdin=subprocess.DEVNULL,
+                                          stdout=open(root / "apiserver.log", "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not (port.exists() and port.read_text()):
+            assert self.apiserver.poll() is None and time.monotonic() < deadline, (root / "apiserver.log").read_text()
+            time.sleep(0.02)
+        self.server = f"http://127.0.0.1:{port.read_text()}"
+        self.env = {**os.environ, "KUBECONFIG": str(self.kubeconfig()), "KUBECACHEDIR": str(root / "kubecache")}
+
+    def kubeconfig(self, deny: str = "") -> Path:
+        """A kubeconfig naming the API server and a user of its own, denied what ``deny`` lists (``"create
+        jobs.batch,get pods/log"``), as RBAC would deny it: in ``auth can-i`` and in every request."""
+        user = f"user-{secrets.token_hex(4)}"  # (kubectl sends no token over plain HTTP: the user it impersonates)
+        users = self.root / "users.json"
+        known = json.loads(users.read_text()) if users.exists() else {}
+        known[user] = [d.strip() for d in deny.split(",") if d.strip()]
+        users.write_text(json.dumps(known))
+        path = self.root / f"kubeconfig-{user}"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+            "clusters": [{"name": "standin", "cluster": {"server": self.server}}],
+            "users": [{"name": "user", "user": {"as": user}}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "user"}}]}))
+        return path
 
     def kubectl(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
         return subprocess.run(["kubectl", *args], input=stdin, env=self.env, capture_output=True, text=True,
@@ -119,5 +145,7 @@ class StandIn:
         fault(self.root, mode, seconds)
 
     def close(self) -> None:
+        self.apiserver.terminate()
+        self.apiserver.wait(timeout=30)
         self.controller.terminate()
         self.controller.wait(timeout=30)

@@ -272,7 +272,7 @@ class Cluster:
             secret = objs.get(_key("Secret", ns, ref["name"]))
             if secret is None or ref["key"] not in (secret.get("data") or {}):
                 return self._waiting(pod, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
-            env[e["name"]] = secret["data"][ref["key"]]
+            env[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         env["HOSTNAME"] = spec["hostname"]
         # The kubelet's check; the process itself runs as root here (this machine's interpreter is under /root).
         sc = {**(spec.get("securityContext") or {}), **(c.get("securityContext") or {})}

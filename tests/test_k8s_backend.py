@@ -269,11 +269,12 @@ def test_check_without_a_reachable_cluster_says_so_once(tmp_path: Path) -> None:
 # -- check --backend k8s against the Kubernetes stand-in --------------------------------------------------------
 
 def _user(kube, tmp: Path, deny: str = "") -> dict:
-    """A user's directory (conf.py as the README has it, and K8S_NAMESPACE) and shell, kubectl the stand-in's,
-    which answers no for what ``deny`` lists."""
+    """A user's directory (conf.py as the README has it, and K8S_NAMESPACE) and shell, whose kubeconfig names the
+    stand-in's API server and a user it denies what ``deny`` lists."""
     (tmp / "conf.py").write_text('HOSTS = ["a", "b"]\nROOT_DIR = "/tmp/paddle"\nK8S_NAMESPACE = "ml"\n')
     env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
-    env.update(PYTHONPATH=str(REPO), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), KUBE_STANDIN_DENY=deny)
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"),
+               KUBECONFIG=str(kube.kubeconfig(deny)))
     return env
 
 
@@ -335,12 +336,14 @@ def test_run_k8s_needs_an_image(tmp_path: Path) -> None:
     assert res.returncode != 0 and "--image" in res.stderr and "K8S_IMAGE" in res.stderr, res.stderr
 
 
-def test_watch_events_are_read_as_kubectl_prints_them() -> None:
-    """``get --watch -o json`` prints each event as an indented document, one after another."""
+@pytest.mark.parametrize("indent", [None, 4])
+def test_watch_events_are_read_as_kubectl_prints_them(indent: Optional[int]) -> None:
+    """``get --watch -o json`` prints each event as one line (kubectl 1.32, as test_k8s_run's real kubectl
+    shows) or, as older ones did, as an indented document, one after another."""
     docs = [{"type": "ADDED", "object": pod("trainer", 0, "Pending")},
             {"type": "MODIFIED", "object": pod("trainer", 0, "Running", {"running": {}})},
             {"type": "DELETED", "object": pod("trainer", 0, "Running", {"running": {}})}]
-    text = "".join(json.dumps(d, indent=4) + "\n" for d in docs)
+    text = "".join(json.dumps(d, indent=indent) + "\n" for d in docs)
     assert list(watch_events(text.splitlines(keepends=True))) == docs
 
 

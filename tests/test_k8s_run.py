@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from enginecluster import kubectl_unavailable_reason
 from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, QUEUE, REPO, SLOW_IMAGE, StandIn
 from rt_helpers import free_port_range
 
@@ -33,6 +34,9 @@ runpy.run_path("train.py", run_name="__main__")
 
 @pytest.fixture
 def kube(make_ssh_cluster, tmp_path):
+    reason = kubectl_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
     cluster = make_ssh_cluster(4)
     k = StandIn(cluster, tmp_path / "kube")
     yield k
@@ -133,8 +137,9 @@ def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kub
     try:
         kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in kube.pods()) == 3, 60, "3 running pods")
         # The launcher made the Jobs own the Secret and the Service right after creating them all.
-        kube.wait(lambda: kube.objects("Secret/default/fit-secret")["Secret/default/fit-secret"]["metadata"].get(
-            "ownerReferences"), 30, "the Secret owned by the Jobs")
+        kube.wait(lambda: all(o["metadata"].get("ownerReferences") for k, o in kube.objects().items()
+                              if k in ("Secret/default/fit-secret", "Service/default/fit")), 30,
+                  "the Secret and the Service owned by the Jobs")
     finally:
         launcher.kill()
         launcher.wait()

@@ -175,19 +175,28 @@ def states_of(items: Iterable[Dict[str, Any]]) -> List[PodState]:
     return [p for p in (_pod(item) for item in items) if p is not None]
 
 
+def items_of(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The objects ``kubectl get -o json`` printed: a List, or the object itself when one was named."""
+    if "items" in doc:
+        return list(doc["items"] or [])
+    return [doc] if doc.get("kind") else []
+
+
 def watch_events(lines: Iterable[str]) -> Iterator[Dict[str, Any]]:
-    """The documents of ``Kubectl.watch_pods``' output, one after another (each printed over many lines)."""
+    """The documents of ``Kubectl.watch``'s output, one after another: one a line (kubectl 1.32) or each
+    indented over many lines (older kubectl), so a document ends on a line ending with its closing brace."""
     buf: List[str] = []
     for line in lines:
         buf.append(line)
-        if line.rstrip() == "}":  # a document's last line (its braces inside are indented)
-            try:
-                doc = json.loads("".join(buf))
-            except ValueError:
-                continue
-            buf = []
-            if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
-                yield doc
+        if not line.rstrip().endswith("}"):
+            continue
+        try:
+            doc = json.loads("".join(buf))
+        except ValueError:
+            continue  # a brace inside an indented document
+        buf = []
+        if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
+            yield doc
 
 
 def _pod(item: Dict[str, Any]) -> Optional[PodState]:
@@ -264,7 +273,7 @@ class Owner:
 def owners(text: str) -> List[Owner]:
     """The objects of ``Kubectl.get_named``'s JSON."""
     try:
-        items = json.loads(text or "{}").get("items", [])
+        items = items_of(json.loads(text or "{}"))
     except ValueError:
         raise ClusterError(f"kubectl get printed no JSON: {text[:200]!r}") from None
     out = []
@@ -460,7 +469,7 @@ def own_by_owners(kubectl: Kubectl, job: K8sJob) -> None:
     them with those (ttlSecondsAfterFinished, or anyone deleting them) -- launcher or not. Their uids exist only
     now."""
     owning = job.owner_names()
-    items = json.loads(kubectl.run(kubectl.get_named(owning)) or "{}").get("items", [])
+    items = items_of(json.loads(kubectl.run(kubectl.get_named(owning)) or "{}"))
     refs = [{"apiVersion": i["apiVersion"], "kind": i["kind"], "name": i["metadata"]["name"],
              "uid": i["metadata"]["uid"]} for i in items]
     if len(refs) != len(owning):
