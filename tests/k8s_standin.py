@@ -144,6 +144,12 @@ class StandIn:
 
         fault(self.root, mode, seconds)
 
+    def expire_watches(self) -> None:
+        """The API server ends every watch open now with 410 Expired, as after compacting its history."""
+        from kube_apiserver import expire_watches
+
+        expire_watches(self.root)
+
     def close(self) -> None:
         self.apiserver.terminate()
         self.apiserver.wait(timeout=30)

@@ -428,6 +428,7 @@ class Handler(BaseHTTPRequestHandler):
         deadline = time.monotonic() + float(q.get("timeoutSeconds") or 1800)
         while time.monotonic() < deadline:
             if expired.exists() and float(expired.read_text() or 0) > opened:
+                sys.stderr.write(f"watch of {kind} in {ns or 'all namespaces'} expired (410)\n")
                 return self.gone(since, oldest)
             if store.changed():
                 doc = store.read()

@@ -201,11 +201,15 @@ class Cluster:
         if meta.get("deletionTimestamp"):
             if proc is not None and proc.poll() is None:
                 grace = 0 if meta.get("forceKill") else spec.get("terminationGracePeriodSeconds", 30)
-                if key not in self.term_at:
+                if key not in self.term_at:  # SIGTERM to the container's PID 1 only, as a runtime sends it
                     self.term_at[key] = time.time()
-                    self._signal(proc, signal.SIGTERM if grace else signal.SIGKILL)
+                    self._signal(proc, signal.SIGTERM, init_only=True) if grace else self._signal(proc, signal.SIGKILL)
                 elif time.time() - self.term_at[key] >= grace:
                     self._signal(proc, signal.SIGKILL)
+                return
+            if proc is not None and st.get("phase") not in TERMINAL:  # the kubelet reports the end first
+                self._ended(pod, proc)
+                touch(doc, pod)
                 return
             self.procs.pop(key, None)
             touch(doc, objs.pop(key), "DELETED")
@@ -227,15 +231,19 @@ class Cluster:
         elif proc is None:
             self._start(doc, key, pod)
         elif proc.poll() is not None:
-            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-            c = spec["containers"][0]
-            st["phase"] = "Succeeded" if code == 0 else "Failed"
-            st["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
-                                        "restartCount": 0, "state": {"terminated": {
-                                            "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                            "finishedAt": now()}}}]
+            self._ended(pod, proc)
         if st != before:
             touch(doc, pod)
+
+    @staticmethod
+    def _ended(pod: Dict[str, Any], proc: subprocess.Popen) -> None:
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        c = pod["spec"]["containers"][0]
+        pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+        pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
+                                               "restartCount": 0, "state": {"terminated": {
+                                                   "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                                   "finishedAt": now()}}}]
 
     def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
         c = pod["spec"]["containers"][0]
@@ -336,10 +344,16 @@ class Cluster:
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
 
     @staticmethod
-    def _signal(proc: subprocess.Popen, sig: int) -> None:
+    def _signal(proc: subprocess.Popen, sig: int, init_only: bool = False) -> None:
+        """``sig`` to the pod's processes, or (``init_only``) to its PID 1 alone: unshare's child."""
         try:
+            if init_only:
+                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if children:
+                    os.kill(int(children[0]), sig)
+                    return
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError):
             pass
 
     # -- DNS -----------------------------------------------------------------------------------------------------

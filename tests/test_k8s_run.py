@@ -506,3 +506,51 @@ def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: Stand
     assert "[trainer.1@second-trainer-0-1] final test_mse=" in second.stdout or "final test_mse" in second.stdout
     assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
     assert kube.objects() == {}, kube.objects()
+
+
+def test_a_watch_the_api_server_expires_is_listed_again(kube: StandIn, job_dir: Path) -> None:
+    """The API server ends every watch with 410 Expired (its history compacted) while the job runs: run lists
+    again and watches on, says nothing of it, and follows the job to its end."""
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
+                                 "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
+                                 "patient", "--", "4"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-*.log")) == 2, 90, "both trainers connected")
+        kube.expire_watches()
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0 and "cannot follow" not in out + err, out + err
+    assert "[trainer.1@fit-trainer-1] done w0=" in out, out
+    expired = (kube.root / "apiserver.log").read_text()
+    assert all(f"watch of {kind} in default expired (410)" in expired for kind in ("Pod", "Job", "Event")), expired
+    assert kube.objects() == {}
+
+
+def test_a_waiting_pod_ends_at_once_when_deleted(kube: StandIn, job_dir: Path) -> None:
+    """The runtime sends SIGTERM to the container's PID 1 only, which the kernel drops unless PID 1 handles it:
+    trainer pods waiting for a pserver that cannot be scheduled end at once when the job is killed, not after
+    their grace period (KILL_GRACE, 30 s here)."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("KILL_GRACE = 30\n")
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--pserver-requests", "cpu=100",
+                                       "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        "fit-trainer-*.log")) == 2, 60, "both trainers waiting for the pserver")
+    t0 = time.monotonic()
+    kill = cli(kube, job_dir, "kill")
+    assert kill.returncode == 0, kill.stdout + kill.stderr
+    assert time.monotonic() - t0 < 15, "the pods waited out their grace period"
+    (log,) = (kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
+    assert "stopped by signal 15 before starting the process" in log.read_text()
+    assert kube.objects() == {}

@@ -140,6 +140,10 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role is None:
         raise PodError("PADDLE_TRAINING_ROLE is not set: the pod was not rendered by paddle-cluster render k8s")
     index = completion_index(base)
+    # This is the container's PID 1, which the kernel shields from a SIGTERM it does not handle: a pod deleted
+    # while it waits would stay until its grace period ran out.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _end_waiting)
     if pack:
         unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
@@ -172,6 +176,11 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
+
+
+def _end_waiting(signum: int, _frame: object) -> None:
+    say(f"{PREFIX}stopped by signal {signum} before starting the process")
+    raise SystemExit(128 + signum)
 
 
 def _wait(child: subprocess.Popen, trainer_names: List[str], first_timeout: float) -> int:

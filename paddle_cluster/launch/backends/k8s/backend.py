@@ -338,14 +338,19 @@ class K8sBackend(Backend):
         problem = ""
         while not done.is_set():
             try:
-                objs = {o["metadata"]["name"]: o for o in json.loads(self.kubectl.run(
-                    self.kubectl.list_of(kind, selected), timeout=60) or "{}").get("items", [])}
+                objs = {o["metadata"]["name"]: o for o in kc.items_of(json.loads(self.kubectl.run(
+                    self.kubectl.list_of(kind, selected), timeout=60) or "{}"))}
                 self._update(update, objs)
                 w = subprocess.Popen(self.kubectl.watch(kind, selected), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 self._watchers.append(w)
                 assert w.stdout is not None and w.stderr is not None
+                expired = ""
                 for ev in watch_events(w.stdout):
+                    if ev.get("type") == "ERROR":  # the API server ended the watch (410: its history moved on)
+                        expired = ev["object"].get("message", "") or "ended"
+                        w.terminate()  # (kubectl would wait for more)
+                        break
                     name = ev["object"].get("metadata", {}).get("name", "")
                     if ev.get("type") == "DELETED":
                         objs.pop(name, None)
@@ -353,9 +358,13 @@ class K8sBackend(Backend):
                         objs[name] = ev["object"]
                     self._update(update, objs)
                 err = w.stderr.read().strip()
-                if w.wait() != 0 and not done.is_set():
+                if expired and "too old resource version" not in expired:
+                    raise ClusterError(f"kubectl get {kind} --watch: {expired}")
+                if w.wait() not in (0, -15) and not done.is_set():
                     raise ClusterError(f"kubectl get {kind} --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
+                if expired:
+                    continue  # as any watcher does after a 410: list again at once, then watch from there
             except (ClusterError, ValueError) as e:
                 if str(e) != problem and not done.is_set():  # once per distinct problem, not every retry
                     problem = str(e)
