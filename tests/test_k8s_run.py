@@ -554,3 +554,14 @@ def test_a_waiting_pod_ends_at_once_when_deleted(kube: StandIn, job_dir: Path) -
     (log,) = (kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
     assert "stopped by signal 15 before starting the process" in log.read_text()
     assert kube.objects() == {}
+
+
+def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(kube: StandIn, tmp_path: Path) -> None:
+    """scripts/k8s-scenarios, which docs/backends.md gives users to check the backend on their own cluster (a
+    kubeconfig and an image), passes here: its scenarios are the user's commands, its checks kubectl's."""
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path))
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s-scenarios"), "--image", IMAGE], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "5 passed, 0 failed" in res.stdout, res.stdout + res.stderr
+    assert kube.objects() == {}

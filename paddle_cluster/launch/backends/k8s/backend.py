@@ -358,13 +358,15 @@ class K8sBackend(Backend):
                         objs[name] = ev["object"]
                     self._update(update, objs)
                 err = w.stderr.read().strip()
-                if expired and "too old resource version" not in expired:
+                code = w.wait()
+                if "too old resource version" in expired:
+                    problem = ""
+                    continue  # as any watcher does after a 410: list again at once, then watch from there
+                if expired:
                     raise ClusterError(f"kubectl get {kind} --watch: {expired}")
-                if w.wait() not in (0, -15) and not done.is_set():
+                if code not in (0, -15) and not done.is_set():
                     raise ClusterError(f"kubectl get {kind} --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
-                if expired:
-                    continue  # as any watcher does after a 410: list again at once, then watch from there
             except (ClusterError, ValueError) as e:
                 if str(e) != problem and not done.is_set():  # once per distinct problem, not every retry
                     problem = str(e)
