@@ -426,12 +426,14 @@ class Handler(BaseHTTPRequestHandler):
         if since < oldest - 1:
             return self.gone(since, oldest)
         deadline = time.monotonic() + float(q.get("timeoutSeconds") or 1800)
+        fresh = True  # the changes since resourceVersion already made (kubectl listed, then watches) come first
         while time.monotonic() < deadline:
             if expired.exists() and float(expired.read_text() or 0) > opened:
                 sys.stderr.write(f"watch of {kind} in {ns or 'all namespaces'} expired (410)\n")
                 return self.gone(since, oldest)
-            if store.changed():
-                doc = store.read()
+            if fresh or store.changed():
+                doc = doc if fresh else store.read()
+                fresh = False
                 for ev in doc["events"]:
                     o = ev["object"]
                     rv = int(o["metadata"]["resourceVersion"])
