@@ -125,9 +125,12 @@ def slurm_cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory):
     """The Kubernetes stand-in (tests/k8s_standin.py) on 4 SSH hosts of its own, shared by the session."""
+    from enginecluster import kubectl_unavailable_reason
     from k8s_standin import StandIn
 
-    _skip_if_unavailable()
+    reason = kubectl_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
     with SSHCluster(4, tmp_path_factory.mktemp("kube_hosts")) as hosts:
         k = StandIn(hosts, tmp_path_factory.mktemp("kube") / "kube")
         yield k

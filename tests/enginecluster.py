@@ -34,6 +34,7 @@ MPICH_BINARIES = {"mpiexec.hydra": "mpich"}
 SLURM_BINARIES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
                   "srun": "slurm-client", "scontrol": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client",
                   "scancel": "slurm-client"}
+KUBECTL_BINARIES = {"kubectl": "kubernetes-client"}  # the real client, talking to the stand-in (k8s_standin.py)
 SUN_PATH_MAX = 107  # a Unix socket path longer than this cannot be bound
 
 
@@ -61,6 +62,11 @@ def mpi_unavailable_reason() -> Optional[str]:
 def mpich_unavailable_reason() -> Optional[str]:
     """Why MPICH's mpiexec cannot run on a test cluster here (a skip reason), or None."""
     return _unavailable(MPICH_BINARIES)
+
+
+def kubectl_unavailable_reason() -> Optional[str]:
+    """Why the Kubernetes stand-in cannot be used here (a skip reason), or None."""
+    return _unavailable(KUBECTL_BINARIES)
 
 
 def slurm_unavailable_reason() -> Optional[str]:

@@ -12,9 +12,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
+from kube_standin_admission import place, refusal
+from kube_standin_dns import ClusterDNS
+from kube_standin_workloads import jobset, kueue
 from sshstate import _netns_pids
 
 TERMINAL = ("Succeeded", "Failed")
@@ -27,28 +30,55 @@ class Cluster:
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
         self.term_at: Dict[str, float] = {}
-        self.hosts = Path(self.cfg["hosts_file"])
-        self.hosts_text = ""
-        # The cluster DNS answers at once for a name it does not know (here: nothing listens on port 53).
+        self.pulled: set = set()  # (node, image) pulled once: a node keeps its images
+        self.pulling: Dict[Tuple[str, str], float] = {}  # (node, image) -> when its first pull started
+        self.dns_server = ClusterDNS(self.cfg["dns"], store.root)
+        # As the kubelet writes it (ndots:5: a job's names are tried under the cluster domain first).
         self.resolv = store.root / "resolv.conf"
-        self.resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        self.resolv.write_text(f"nameserver {self.cfg['dns']}\nsearch cluster.local\noptions ndots:5 timeout:1 "
+                               "attempts:2\n")
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def tick(self) -> None:
         with self.store.edit() as doc:
             objs = doc["objects"]
+            kueue(self, doc)
+            for key in [k for k in objs if k.startswith("JobSet/")]:
+                jobset(self, doc, key)
             for key in [k for k in objs if k.startswith("Job/")]:
                 self.job(doc, key)
             for key in [k for k in objs if k.startswith("Pod/")]:
                 self.pod(doc, key)
             uids = {o["metadata"]["uid"] for o in objs.values()}
-            for key in [k for k in objs if not k.startswith(("Job/", "Pod/"))]:
+            for key in [k for k in objs if k.startswith("Job/") and objs[k]["metadata"].get("ownerReferences")]:
+                if not any(o["uid"] in uids for o in objs[key]["metadata"]["ownerReferences"]):
+                    self._delete(doc, objs[key])  # its JobSet is gone: the Job goes, its pods first
+            for key in [k for k in objs if not k.startswith(("Job/", "Pod/", "JobSet/"))]:
                 owners = objs[key]["metadata"].get("ownerReferences") or []
                 # The garbage collector: a dependent goes once every owner is gone.
                 if objs[key]["metadata"].get("deletionTimestamp") or (
                         owners and not any(o["uid"] in uids for o in owners)):
                     touch(doc, objs.pop(key), "DELETED")
             self.dns(objs)
+
+    def event(self, doc: Dict[str, Any], obj: Dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Record an Event about ``obj``, as a controller does: the same one again only counts up."""
+        meta = obj["metadata"]
+        ns, uid = meta["namespace"], meta["uid"]
+        for key, e in doc["objects"].items():
+            if key.startswith(f"Event/{ns}/") and e["involvedObject"]["uid"] == uid and e["reason"] == reason \
+                    and e["message"] == message:
+                e.update(count=e["count"] + 1, lastTimestamp=now())
+                touch(doc, e)
+                return
+        name = f"{meta['name']}.{secrets.token_hex(8)}"
+        ev = {"apiVersion": "v1", "kind": "Event", "type": type_, "reason": reason, "message": message, "count": 1,
+              "metadata": {"name": name, "namespace": ns, "uid": secrets.token_hex(8), "creationTimestamp": now()},
+              "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+                                 "namespace": ns, "uid": uid},
+              "firstTimestamp": now(), "lastTimestamp": now()}
+        doc["objects"][_key("Event", ns, name)] = ev
+        touch(doc, ev, "ADDED")
 
     # -- Job controller ------------------------------------------------------------------------------------------
     def job(self, doc: Dict[str, Any], key: str) -> None:
@@ -103,17 +133,41 @@ class Cluster:
             if st != before:
                 touch(doc, job)
             return
+        suspended = next((c for c in conds if c["type"] == "Suspended"), None)
+        if spec.get("suspend"):  # no pods (those running are stopped) until it is resumed
+            for p in active:
+                self._delete(doc, p)
+            if suspended is None or suspended["status"] != "True":
+                conds[:] = [c for c in conds if c["type"] != "Suspended"] + [{
+                    "type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "Job suspended",
+                    "lastTransitionTime": now()}]
+                self.event(doc, job, "Normal", "Suspended", "Job suspended")
+            st["_start"] = time.time()  # activeDeadlineSeconds counts only while it is not suspended
+            if st != before:
+                touch(doc, job)
+            return
+        if suspended is not None and suspended["status"] == "True":
+            suspended.update(status="False", reason="JobResumed", message="Job resumed", lastTransitionTime=now())
+            self.event(doc, job, "Normal", "Resumed", "Job resumed")
         busy = {int(p["metadata"]["annotations"][INDEX]) for p in active}
         for i in range(n):
-            if len(busy) >= spec.get("parallelism", n):
+            if len(busy) >= spec.get("parallelism", n) or time.time() < st.get("_retry_at", 0):
                 break
             if i not in busy and i not in succeeded:
-                self._create_pod(doc, job, i)
+                # The API server admits the pod or refuses it; the Job controller retries (with a backoff).
+                why = refusal(objs, ns, spec["template"]["spec"])
+                if why:
+                    self.event(doc, job, "Warning", "FailedCreate",
+                               f'Error creating: pods "{meta["name"]}-{i}-" is forbidden: {why}')
+                    st["_retry_at"] = time.time() + 2
+                    break
+                pod = self._create_pod(doc, job, i)
+                self.event(doc, job, "Normal", "SuccessfulCreate", f"Created pod: {pod}")
                 busy.add(i)
         if st != before:
             touch(doc, job)
 
-    def _create_pod(self, doc: Dict[str, Any], job: Dict[str, Any], index: int) -> None:
+    def _create_pod(self, doc: Dict[str, Any], job: Dict[str, Any], index: int) -> str:
         meta, tmpl = job["metadata"], job["spec"]["template"]
         name = f"{meta['name']}-{index}-{secrets.token_hex(3)[:5]}"
         labels = {**(tmpl["metadata"].get("labels") or {}), "controller-uid": meta["uid"], "job-name": meta["name"],
@@ -130,6 +184,7 @@ class Cluster:
                "spec": spec, "status": {"phase": "Pending"}}
         doc["objects"][_key("Pod", meta["namespace"], name)] = pod
         touch(doc, pod, "ADDED")
+        return name
 
     def _delete(self, doc: Dict[str, Any], obj: Dict[str, Any]) -> None:
         if not obj["metadata"].get("deletionTimestamp"):
@@ -146,11 +201,15 @@ class Cluster:
         if meta.get("deletionTimestamp"):
             if proc is not None and proc.poll() is None:
                 grace = 0 if meta.get("forceKill") else spec.get("terminationGracePeriodSeconds", 30)
-                if key not in self.term_at:
+                if key not in self.term_at:  # SIGTERM to the container's PID 1 only, as a runtime sends it
                     self.term_at[key] = time.time()
-                    self._signal(proc, signal.SIGTERM if grace else signal.SIGKILL)
+                    self._signal(proc, signal.SIGTERM, init_only=True) if grace else self._signal(proc, signal.SIGKILL)
                 elif time.time() - self.term_at[key] >= grace:
                     self._signal(proc, signal.SIGKILL)
+                return
+            if proc is not None and st.get("phase") not in TERMINAL:  # the kubelet reports the end first
+                self._ended(pod, proc)
+                touch(doc, pod)
                 return
             self.procs.pop(key, None)
             touch(doc, objs.pop(key), "DELETED")
@@ -158,11 +217,12 @@ class Cluster:
         if st.get("phase") in TERMINAL:
             return
         if not spec.get("nodeName"):
-            placed = self._schedule(objs, pod)
+            placed, why = place(objs, self.nodes, pod)
             if placed is None:
+                if (st.get("conditions") or [{}])[0].get("message") != why:
+                    self.event(doc, pod, "Warning", "FailedScheduling", why)
                 st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                     "message": f"0/{len(self.nodes)} nodes are available: no node with room for "
-                                                "another pod that matches the pod's node selector."}]
+                                     "message": why}]
             else:
                 node, sandbox = placed
                 spec["nodeName"] = node["name"]
@@ -171,31 +231,19 @@ class Cluster:
         elif proc is None:
             self._start(doc, key, pod)
         elif proc.poll() is not None:
-            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-            c = spec["containers"][0]
-            st["phase"] = "Succeeded" if code == 0 else "Failed"
-            st["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
-                                        "restartCount": 0, "state": {"terminated": {
-                                            "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                            "finishedAt": now()}}}]
+            self._ended(pod, proc)
         if st != before:
             touch(doc, pod)
 
-    def _schedule(self, objs: Dict[str, Any], pod: Dict[str, Any]) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
-        """(node, pod sandbox): the node with the fewest pods of those the node selector allows that have room
-        for one more (the default scheduler spreads pods likewise), and a sandbox no unfinished pod holds."""
-        held = {p["status"].get("podIP") for k, p in objs.items() if k.startswith("Pod/")
-                and p["spec"].get("nodeName") and p["status"].get("phase") not in TERMINAL}
-        want = pod["spec"].get("nodeSelector") or {}
-        fits = []
-        for node in self.nodes:
-            free = [s for s in node["pods"] if s["ip"] not in held]
-            if free and all((node.get("labels") or {}).get(k) == v for k, v in want.items()):
-                fits.append((len(node["pods"]) - len(free), node, free[0]))
-        if not fits:
-            return None
-        _, node, sandbox = min(fits, key=lambda f: f[0])
-        return node, sandbox
+    @staticmethod
+    def _ended(pod: Dict[str, Any], proc: subprocess.Popen) -> None:
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        c = pod["spec"]["containers"][0]
+        pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+        pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
+                                               "restartCount": 0, "state": {"terminated": {
+                                                   "exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                                   "finishedAt": now()}}}]
 
     def _waiting(self, pod: Dict[str, Any], reason: str, message: str) -> None:
         c = pod["spec"]["containers"][0]
@@ -211,6 +259,18 @@ class Cluster:
         image = self.cfg["images"].get(c["image"])
         if image is None:
             return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
+        pull = (spec["nodeName"], c["image"])
+        if image.get("pull_s") and pull not in self.pulled:  # a node's first pull of the image takes a while
+            started = self.pulling.setdefault(pull, time.time())
+            if not meta.get("_pulling"):
+                meta["_pulling"] = True
+                self.event(doc, pod, "Normal", "Pulling", f'Pulling image "{c["image"]}"')
+            if time.time() - started < image["pull_s"]:
+                return self._waiting(pod, "ContainerCreating", "")
+            self.pulled.add(pull)
+        if meta.pop("_pulling", None):
+            self.event(doc, pod, "Normal", "Pulled", f'Successfully pulled image "{c["image"]}" in '
+                       f'{time.time() - self.pulling[pull]:.1f}s')
         env = dict(image.get("env", {}))
         for e in c.get("env", []):
             if "value" in e:
@@ -220,7 +280,7 @@ class Cluster:
             secret = objs.get(_key("Secret", ns, ref["name"]))
             if secret is None or ref["key"] not in (secret.get("data") or {}):
                 return self._waiting(pod, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
-            env[e["name"]] = secret["data"][ref["key"]]
+            env[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         env["HOSTNAME"] = spec["hostname"]
         # The kubelet's check; the process itself runs as root here (this machine's interpreter is under /root).
         sc = {**(spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
@@ -259,9 +319,14 @@ class Cluster:
         sandbox = next(s for s in node["pods"] if s["ip"] == pod["status"]["podIP"])
         if _netns_pids(sandbox["netns"]):
             return None  # the sandbox's previous pod is still being killed: start on a later tick
+        # The kubelet's /etc/hosts: localhost and the pod's own names.
+        vols.mkdir(parents=True, exist_ok=True)
+        hosts = vols / "etc-hosts"
+        fq = f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc.cluster.local " if spec.get("subdomain") else ""
+        hosts.write_text(f"127.0.0.1 localhost\n{pod['status']['podIP']} {fq}{spec['hostname']}\n")
         envs = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         wd = c.get("workingDir", "/")
-        script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {self.hosts} /etc/hosts",
+        script = " && ".join([f"hostname {shlex.quote(spec['hostname'])}", f"mount --bind {hosts} /etc/hosts",
                               f"mount --bind {self.resolv} /etc/resolv.conf",
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
@@ -279,35 +344,33 @@ class Cluster:
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]
 
     @staticmethod
-    def _signal(proc: subprocess.Popen, sig: int) -> None:
+    def _signal(proc: subprocess.Popen, sig: int, init_only: bool = False) -> None:
+        """``sig`` to the pod's processes, or (``init_only``) to its PID 1 alone: unshare's child."""
         try:
+            if init_only:
+                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if children:
+                    os.kill(int(children[0]), sig)
+                    return
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, FileNotFoundError):
             pass
 
     # -- DNS -----------------------------------------------------------------------------------------------------
     def dns(self, objs: Dict[str, Any]) -> None:
-        """/etc/hosts of every pod: each pod's hostname, and the stable names of pods a headless Service of its
-        subdomain selects (publishNotReadyAddresses: from scheduling on, until the pod ends)."""
-        lines = ["127.0.0.1 localhost"]
+        """The cluster DNS's records: the stable names of the pods a headless Service of their subdomain selects
+        (publishNotReadyAddresses: from scheduling on, until the pod ends)."""
+        records = {}
         for k, p in sorted(objs.items()):
             if not k.startswith("Pod/") or p["status"].get("phase") in TERMINAL or not p["status"].get("podIP"):
                 continue
             spec, ns, ip = p["spec"], p["metadata"]["namespace"], p["status"]["podIP"]
-            names = [spec["hostname"]]
             svc = objs.get(_key("Service", ns, spec.get("subdomain", "")))
             if svc is not None and svc["spec"].get("clusterIP") == "None" and \
                     matches(p["metadata"]["labels"], ",".join(f"{a}={b}" for a, b in svc["spec"]["selector"].items())):
                 fq = f"{spec['hostname']}.{spec['subdomain']}.{ns}.svc"
-                names += [fq, f"{fq}.cluster.local"]
-            lines.append(f"{ip} {' '.join(names)}")
-        text = "\n".join(lines) + "\n"
-        if text != self.hosts_text:
-            with open(self.hosts, "r+") as f:  # in place: every pod has this very file bind-mounted
-                f.seek(0)
-                f.write(text)
-                f.truncate()
-            self.hosts_text = text
+                records[fq] = records[f"{fq}.cluster.local"] = ip
+        self.dns_server.records = records
 
     def shutdown(self) -> None:
         for proc in self.procs.values():
@@ -315,6 +378,7 @@ class Cluster:
                 self._signal(proc, signal.SIGKILL)
         for proc in self.procs.values():
             proc.wait()
+        self.dns_server.close()
 
 
 def controller_main(root: Path) -> int:

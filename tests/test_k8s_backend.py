@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -20,9 +21,11 @@ from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
 from paddle_cluster.launch import access
-from paddle_cluster.launch.backends.base import NodeLost
+from paddle_cluster.launch.backends.base import JobRefused, NodeLost
+from paddle_cluster.launch.backends.k8s import jobwatch
 from paddle_cluster.launch.backends.k8s import manifests as k8s
 from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, k8s_plan, log_events
+from paddle_cluster.launch.backends.k8s.jobwatch import JobWatch
 from paddle_cluster.launch.backends.k8s.kubectl import (
     INDEX_ANNOTATION,
     KILLED,
@@ -266,11 +269,12 @@ def test_check_without_a_reachable_cluster_says_so_once(tmp_path: Path) -> None:
 # -- check --backend k8s against the Kubernetes stand-in --------------------------------------------------------
 
 def _user(kube, tmp: Path, deny: str = "") -> dict:
-    """A user's directory (conf.py as the README has it, and K8S_NAMESPACE) and shell, kubectl the stand-in's,
-    which answers no for what ``deny`` lists."""
+    """A user's directory (conf.py as the README has it, and K8S_NAMESPACE) and shell, whose kubeconfig names the
+    stand-in's API server and a user it denies what ``deny`` lists."""
     (tmp / "conf.py").write_text('HOSTS = ["a", "b"]\nROOT_DIR = "/tmp/paddle"\nK8S_NAMESPACE = "ml"\n')
     env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
-    env.update(PYTHONPATH=str(REPO), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"), KUBE_STANDIN_DENY=deny)
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp), XDG_STATE_HOME=str(tmp / "state"),
+               KUBECONFIG=str(kube.kubeconfig(deny)))
     return env
 
 
@@ -288,7 +292,7 @@ def test_check_k8s_asks_for_every_permission_the_backend_uses(kube, tmp_path: Pa
     assert asked == {(v, k) for k in kinds for v in ("create", "get", "list", "delete")} | {
         ("watch", "jobs.batch"), ("patch", "services"), ("patch", "secrets"), ("patch", "configmaps"),
         ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("patch", "pods"), ("delete", "pods"),
-        ("get", "pods/log")} and len(rows) == len(asked), rows
+        ("get", "pods/log"), ("list", "events"), ("watch", "events")} and len(rows) == len(asked), rows
     assert all(r["ok"] and r["kind"] == "permission" and r["namespace"] == "ml" and r["needed_by"] for r in rows), rows
     table = _check(kube, tmp_path, "--namespace", "team-a")  # the option over the config's K8S_NAMESPACE
     assert table.returncode == 0 and "team-a" in table.stdout and " NO " not in table.stdout, table.stdout
@@ -298,7 +302,7 @@ def test_check_k8s_names_each_missing_permission_and_fails(kube, tmp_path: Path)
     res = _check(kube, tmp_path, deny="create jobs.batch,get pods/log")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     lines = [ln.strip() for ln in res.stderr.splitlines()]
-    assert "paddle-cluster: error: 2 of 26 permission(s) failed the check:" in lines, res.stderr
+    assert "paddle-cluster: error: 2 of 28 permission(s) failed the check:" in lines, res.stderr
     missing = [ln for ln in lines if ln.startswith("may not")]
     assert [ln.split(" (")[0] for ln in missing] == ["may not create jobs.batch in namespace ml",
                                                       "may not get pods/log in namespace ml"], res.stderr
@@ -332,10 +336,100 @@ def test_run_k8s_needs_an_image(tmp_path: Path) -> None:
     assert res.returncode != 0 and "--image" in res.stderr and "K8S_IMAGE" in res.stderr, res.stderr
 
 
-def test_watch_events_are_read_as_kubectl_prints_them() -> None:
-    """``get --watch -o json`` prints each event as an indented document, one after another."""
+@pytest.mark.parametrize("indent", [None, 4])
+def test_watch_events_are_read_as_kubectl_prints_them(indent: Optional[int]) -> None:
+    """``get --watch -o json`` prints each event as one line (kubectl 1.32, as test_k8s_run's real kubectl
+    shows) or, as older ones did, as an indented document, one after another."""
     docs = [{"type": "ADDED", "object": pod("trainer", 0, "Pending")},
             {"type": "MODIFIED", "object": pod("trainer", 0, "Running", {"running": {}})},
             {"type": "DELETED", "object": pod("trainer", 0, "Running", {"running": {}})}]
-    text = "".join(json.dumps(d, indent=4) + "\n" for d in docs)
+    text = "".join(json.dumps(d, indent=indent) + "\n" for d in docs)
     assert list(watch_events(text.splitlines(keepends=True))) == docs
+
+
+# -- the Jobs' conditions and the namespace's Events ----------------------------------------------------------------
+
+def job_doc(role: str, *conditions: Dict[str, Any], queue: str = "") -> Dict[str, Any]:
+    """A Job of the job as the API server returns it, checked against the official V1Job model."""
+    doc = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": f"fit-{role}", "namespace": "ml", "uid": f"uid-{role}",
+                        "labels": {k8s.LABEL_JOB: "fit", **({k8s.QUEUE_LABEL: queue} if queue else {})}},
+           "spec": {"template": {"spec": {"containers": [{"name": role, "image": "img:1"}]}}},
+           "status": {"conditions": [{"status": "True", "lastTransitionTime": "2026-11-23T09:00:00Z", **c}
+                                     for c in conditions]}}
+    M.V1Job.model_validate(doc)
+    return doc
+
+
+def event_doc(kind: str, name: str, uid: str, reason: str, message: str, type_: str = "Normal") -> Dict[str, Any]:
+    doc = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.{uid}.{reason}", "namespace": "ml"},
+           "involvedObject": {"kind": kind, "name": name, "namespace": "ml", "uid": uid},
+           "reason": reason, "message": message, "type": type_, "count": 1}
+    M.CoreV1Event.model_validate(doc)
+    return doc
+
+
+def _jobwatch() -> JobWatch:
+    nodes = {(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2}
+    return JobWatch({"fit-pserver": [0], "fit-trainer": [1, 2]}, lambda p: nodes.get((p.role, p.index)))
+
+
+def test_a_suspended_job_holds_the_start_timeout_until_admitted() -> None:
+    w = _jobwatch()
+    suspended = {"type": "Suspended", "reason": "JobSuspended", "message": "Job suspended"}
+    assert w.jobs([job_doc("trainer", suspended, queue="q")]) == [m.Note(1, "job.batch/fit-trainer is suspended "
+                                                                    "(waiting for Kueue queue q to admit it); the "
+                                                                    "start timeout waits meanwhile")]
+    assert w.holding() and w.jobs([job_doc("trainer", suspended, queue="q")]) == []
+    assert w.jobs([job_doc("trainer")]) == [m.Note(1, "job.batch/fit-trainer was admitted (resumed): its pods are "
+                                                      "created")]
+    assert not w.holding()
+
+
+def test_a_failed_job_says_its_reason_and_a_failed_pod_leaves_it_to_the_pod() -> None:
+    w = _jobwatch()
+    deadline = {"type": "FailureTarget", "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline"}
+    assert w.jobs([job_doc("pserver", deadline)]) == [JobRefused(
+        "job.batch/fit-pserver failed: DeadlineExceeded: Job was active longer than specified deadline")]
+    assert w.jobs([job_doc("pserver", deadline, {**deadline, "type": "Failed"})]) == []  # once
+    backoff = {"type": "Failed", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified "
+               "backoff limit"}
+    assert w.jobs([job_doc("trainer", backoff)]) == [m.Note(1, "job.batch/fit-trainer failed: BackoffLimitExceeded: "
+                                                               "Job has reached the specified backoff limit")]
+
+
+def test_events_name_the_object_and_the_reason_once_its_uid_is_known() -> None:
+    w = _jobwatch()
+    refused = event_doc("Job", "fit-trainer", "uid-trainer", "FailedCreate", 'Error creating: pods "fit-trainer-0-" '
+                        'is forbidden: failed quota: compute: must specify limits.memory for: trainer', "Warning")
+    stale = event_doc("Job", "fit-trainer", "uid-of-an-earlier-run", "FailedCreate", "Error creating: old")
+    assert w.events([refused, stale]) == []  # no Job of this run seen yet
+    assert w.jobs([job_doc("trainer")]) == [JobRefused(
+        'job.batch/fit-trainer cannot create its pods: pods "fit-trainer-0-" is forbidden: failed quota: compute: '
+        'must specify limits.memory for: trainer')]
+    assert w.events([refused, stale]) == []  # each once; another run's never
+    full = event_doc("Job", "fit-trainer", "uid-trainer", "FailedCreate", 'Error creating: pods "fit-trainer-1-" is '
+                     "forbidden: exceeded quota: compute, requested: requests.cpu=1, used: requests.cpu=4, limited: "
+                     "requests.cpu=4", "Warning")
+    assert w.events([full])[0].line.startswith("job.batch/fit-trainer waits for room in the namespace's quota: ")
+    assert w.holding()
+    assert w.events([event_doc("Job", "fit-trainer", "uid-trainer", "SuccessfulCreate", "Created pod: x")]) == []
+    assert not w.holding()
+
+
+def test_an_image_pull_holds_the_start_timeout_and_is_said_again_while_it_lasts(monkeypatch) -> None:
+    w = _jobwatch()
+    p = pod("trainer", 1, "Pending", {"waiting": {"reason": "ContainerCreating"}})
+    p["metadata"]["uid"] = "uid-pod"
+    w.pods([p])
+    assert w.events([event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Pulling", 'Pulling image "img:1"')]) == [
+        m.Note(2, "pod/fit-trainer-1-x7k2p: pulling image img:1; the start timeout waits meanwhile")]
+    assert w.holding() and w.due() == []
+    clock = time.monotonic() + 125
+    monkeypatch.setattr(jobwatch.time, "monotonic", lambda: clock)
+    assert w.due() == [m.Note(2, "pod/fit-trainer-1-x7k2p: pulling image img:1 for 2m")]
+    pulled = 'Successfully pulled image "img:1" in 2m5.1s (2m5.1s including waiting)'
+    assert w.events([event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Pulled", pulled)]) == [
+        m.Note(2, f"pod/fit-trainer-1-x7k2p: {pulled}")]
+    assert not w.holding()

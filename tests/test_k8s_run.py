@@ -12,11 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
 import pytest
-from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, REPO, StandIn
+from enginecluster import kubectl_unavailable_reason
+from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, QUEUE, REPO, SLOW_IMAGE, StandIn
 from rt_helpers import free_port_range
 
 EXAMPLE = REPO / "examples" / "fit_a_line"
@@ -32,6 +34,9 @@ runpy.run_path("train.py", run_name="__main__")
 
 @pytest.fixture
 def kube(make_ssh_cluster, tmp_path):
+    reason = kubectl_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
     cluster = make_ssh_cluster(4)
     k = StandIn(cluster, tmp_path / "kube")
     yield k
@@ -132,8 +137,9 @@ def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kub
     try:
         kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in kube.pods()) == 3, 60, "3 running pods")
         # The launcher made the Jobs own the Secret and the Service right after creating them all.
-        kube.wait(lambda: kube.objects("Secret/default/fit-secret")["Secret/default/fit-secret"]["metadata"].get(
-            "ownerReferences"), 30, "the Secret owned by the Jobs")
+        kube.wait(lambda: all(o["metadata"].get("ownerReferences") for k, o in kube.objects().items()
+                              if k in ("Secret/default/fit-secret", "Service/default/fit")), 30,
+                  "the Secret and the Service owned by the Jobs")
     finally:
         launcher.kill()
         launcher.wait()
@@ -174,10 +180,23 @@ def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
 
 
+# What a cluster's admin provides: the ServiceAccount and PriorityClass the pod options name.
+ADMIN = """apiVersion: v1
+kind: ServiceAccount
+metadata: {name: trainer-sa, namespace: default}
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: ml-high}
+value: 1000
+"""
+
+
 def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) -> None:
+    kube.setup(ADMIN)
     opts = ["--trainer-requests", "cpu=2", "--gpus", "1", "--pserver-limits", "memory=2Gi", "--node-selector",
-            "pool=cpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
-            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600", "--queue", "q"]
+            "pool=gpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
+            "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600"]
     res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
     assert res.returncode == 0, res.stderr
     rendered = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
@@ -192,12 +211,107 @@ def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) ->
             spec["template"]["spec"]["containers"][0].update(env=[], args=[])
             spec["template"]["metadata"]["labels"].pop("paddle-cluster/job-id")
         assert made["spec"]["template"] == doc["spec"]["template"]
-        assert made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
         assert made["spec"]["activeDeadlineSeconds"] == 3600
-    # Only the workers labelled pool=cpu run the pods (the stand-in's worker-0 is pool=gpu).
+    # Only the GPU node (labelled pool=gpu, its taint tolerated) runs them: its 2 GPUs, one per trainer.
     kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
-    assert "worker-0" not in {p["spec"]["nodeName"] for p in kube.pods()}
+    assert {p["spec"]["nodeName"] for p in kube.pods()} == {"worker-0"}
     assert cli(kube, job_dir, "kill").returncode == 0
+    assert kube.objects() == {}
+
+
+def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: float) -> tuple:
+    """Start ``paddle-cluster ARGS``, read its output until a line matches ``pattern`` (or it ends), then stop it
+    as a user would (Ctrl+C): (that line or None, seconds it took, the whole output, exit code)."""
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(cwd), XDG_STATE_HOME=str(cwd / "state"))
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.stdout is not None
+    seen, found, took = [], None, 0.0
+    try:
+        for line in p.stdout:
+            seen.append(line)
+            if re.search(pattern, line):
+                found, took = line.strip(), time.monotonic() - t0
+                break
+            if time.monotonic() - t0 > within:
+                break
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+        seen += p.stdout.readlines()
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return found, took, "".join(seen), p.returncode
+
+
+@pytest.mark.parametrize("opts, said", [
+    (["--service-account", "nobody-sa"], 'job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is '
+     'forbidden: error looking up service account default/nobody-sa: serviceaccount "nobody-sa" not found'),
+    (["--priority-class", "ml-low"], 'job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is '
+     'forbidden: no PriorityClass with name ml-low was found'),
+])
+def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(kube: StandIn, job_dir: Path, opts: List[str],
+                                                                     said: str) -> None:
+    t0 = time.monotonic()
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert said in res.stderr, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 30  # not START_TIMEOUT (60 s) + 30 s
+    assert kube.objects() == {}
+
+
+QUOTA = """apiVersion: v1
+kind: ResourceQuota
+metadata: {name: compute, namespace: default}
+spec:
+  hard: {limits.memory: 8Gi, requests.cpu: "4"}
+"""
+
+
+def test_a_quota_is_named_when_it_refuses_the_pods_and_met_with_limits(kube: StandIn, job_dir: Path) -> None:
+    kube.setup(QUOTA)
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert ('job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is forbidden: failed quota: '
+            'compute: must specify limits.memory for: pserver') in res.stderr, res.stderr
+    assert kube.objects() == {}
+    # With limits the quota admits one job of 3 pods (3 of its 4 CPUs); of a second one the pserver fits, the
+    # trainers wait for room, and the launcher says so (the start timeout waits meanwhile).
+    limits = ["--pserver-limits", "memory=1Gi", "--trainer-limits", "memory=1Gi"]
+    first = cli(kube, job_dir, *run_args(job_dir, "--job_name", "first", "--detach", *limits, "--", "--passes", "50"))
+    assert first.returncode == 0, first.stderr
+    kube.wait(lambda: len(kube.pods()) == 3, 30, "the first job's pods")
+    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "second", *limits, "--",
+                                                             "--passes", "1"), "waits for room|cannot create", 60)
+    assert line and line.endswith("job.batch/second-trainer waits for room in the namespace's quota: pods "
+                                  '"second-trainer-0-" is forbidden: exceeded quota: compute, requested: '
+                                  "requests.cpu=1, used: requests.cpu=4, limited: requests.cpu=4"), out
+    assert took < 20, took
+    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    kube.wait(lambda: kube.objects() == {}, 60, "both jobs gone")
+
+
+def test_an_unschedulable_pod_says_what_the_scheduler_said(kube: StandIn, job_dir: Path) -> None:
+    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "fit", "--gpus", "4", "--",
+                                                             "--passes", "1"), "Unschedulable", 60)
+    assert line and "0/4 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: present}, 3 " \
+        "Insufficient nvidia.com/gpu." in line, out
+    assert took < 20, took
+    kube.wait(lambda: kube.objects() == {}, 60, "the job deleted after Ctrl+C")
+
+
+def test_a_slow_first_pull_is_reported_and_waited_for(kube: StandIn, job_dir: Path) -> None:
+    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", SLOW_IMAGE, "--pservers", "1", "--trainers", "2",
+              "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--", "--passes", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    pulls = re.findall(r"pod/fit-\S+: pulling image registry.example/paddle/fit:2; the start timeout waits", res.stdout)
+    pulled = re.findall(r'pod/fit-\S+: Successfully pulled image "registry.example/paddle/fit:2" in ([\d.]+)s',
+                        res.stdout)
+    assert pulls and pulled and max(float(s) for s in pulled) >= PULL_S, res.stdout
     assert kube.objects() == {}
 
 
@@ -208,7 +322,7 @@ def test_a_node_holds_several_pods_each_with_its_own_address(kube: StandIn, job_
     slots = PODS_PER_NODE  # only worker-0 is pool=gpu
     res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", str(slots),
               "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--detach", "--node-selector", "pool=gpu",
-              "--", "--passes", "50")
+              "--toleration", "nvidia.com/gpu:NoSchedule", "--", "--passes", "50")
     assert res.returncode == 0, res.stderr
     def placed():
         pods = kube.pods()
@@ -320,3 +434,134 @@ def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path)
     assert "interrupted" in err and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in err, err
     assert kube.objects() == {} and kube.processes() == []
     assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()
+
+
+# Each trainer connects, then trains on for N seconds (its connection open, as a long pass keeps it) and ends.
+PATIENT = r'''
+import sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5))
+ps.register_dense({"w": np.zeros(8, np.float32)})
+print("connected", flush=True)
+time.sleep(float(sys.argv[1]))
+ps.push({"w": np.ones(8, np.float32)})
+print(f"done w0={ps.pull()['w'][0]:g}", flush=True)
+ps.close()
+'''
+
+
+def test_a_dns_outage_is_not_the_trainers_ending(kube: StandIn, job_dir: Path) -> None:
+    """The cluster DNS failing (SERVFAIL, then no answer at all, as while CoreDNS restarts) for longer than a
+    pserver's grace for NXDOMAIN: the pserver retries and says so, never counts it, and the job finishes."""
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
+                                 "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
+                                 "patient", "--", "22"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-*.log")) == 2, 90, "both trainers connected")
+        kube.dns_fault("servfail", 9)
+        time.sleep(9)
+        kube.dns_fault("drop", 9)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out + err
+    assert "[trainer.1@fit-trainer-1] done w0=" in out, out
+    pserver = (job_dir / "root/fit/log/pserver.0.log").read_text()
+    assert "cannot resolve the trainers' names (Temporary failure in name resolution)" in pserver, pserver
+    assert "the resolver answers again after" in pserver, pserver
+    assert kube.objects() == {}
+
+
+def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: StandIn, job_dir: Path) -> None:
+    """--queue makes the job one JobSet, one Kueue workload: while another job holds the queue neither its
+    pservers nor its trainers start (as two Jobs, two workloads, its pservers were admitted, waited START_TIMEOUT
+    for trainers Kueue held back, and failed the job); once admitted it runs to its end."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("START_TIMEOUT = 8\n")
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    first = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
+                "--job_name", "first", "--job_dispatch_package", "patient", "--queue", QUEUE, "--detach", "--", "16")
+    assert first.returncode == 0, first.stderr
+    kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        "first-trainer-0-*.log")) == 2, 60, "the first job's trainers connected")
+    t0 = time.monotonic()
+    second = cli(kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes", "1"))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert time.monotonic() - t0 > 8  # it waited longer than its START_TIMEOUT, and ran
+    assert "[agent@second-pserver-0-0] job.batch/second-pserver-0 is suspended (waiting for Kueue queue q to " \
+           "admit it); the start timeout waits meanwhile" in second.stdout, second.stdout
+    assert "job.batch/second-pserver-0 was admitted (resumed)" in second.stdout, second.stdout
+    assert "[trainer.1@second-trainer-0-1] final test_mse=" in second.stdout or "final test_mse" in second.stdout
+    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    assert kube.objects() == {}, kube.objects()
+
+
+def test_a_watch_the_api_server_expires_is_listed_again(kube: StandIn, job_dir: Path) -> None:
+    """The API server ends every watch with 410 Expired (its history compacted) while the job runs: run lists
+    again and watches on, says nothing of it, and follows the job to its end."""
+    ws = job_dir / "patient"
+    ws.mkdir()
+    (ws / "train.py").write_text(PATIENT)
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
+                                 "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
+                                 "patient", "--", "4"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+            "fit-trainer-*.log")) == 2, 90, "both trainers connected")
+        kube.expire_watches()
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0 and "cannot follow" not in out + err, out + err
+    assert "[trainer.1@fit-trainer-1] done w0=" in out, out
+    expired = (kube.root / "apiserver.log").read_text()
+    assert all(f"watch of {kind} in default expired (410)" in expired for kind in ("Pod", "Job", "Event")), expired
+    assert kube.objects() == {}
+
+
+def test_a_waiting_pod_ends_at_once_when_deleted(kube: StandIn, job_dir: Path) -> None:
+    """The runtime sends SIGTERM to the container's PID 1 only, which the kernel drops unless PID 1 handles it:
+    trainer pods waiting for a pserver that cannot be scheduled end at once when the job is killed, not after
+    their grace period (KILL_GRACE, 30 s here)."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("KILL_GRACE = 30\n")
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--pserver-requests", "cpu=100",
+                                       "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        "fit-trainer-*.log")) == 2, 60, "both trainers waiting for the pserver")
+    t0 = time.monotonic()
+    kill = cli(kube, job_dir, "kill")
+    assert kill.returncode == 0, kill.stdout + kill.stderr
+    assert time.monotonic() - t0 < 15, "the pods waited out their grace period"
+    (log,) = (kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
+    assert "stopped by signal 15 before starting the process" in log.read_text()
+    assert kube.objects() == {}
+
+
+def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(kube: StandIn, tmp_path: Path) -> None:
+    """scripts/k8s-scenarios, which docs/backends.md gives users to check the backend on their own cluster (a
+    kubeconfig and an image), passes here: its scenarios are the user's commands, its checks kubectl's."""
+    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path))
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s-scenarios"), "--image", IMAGE], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "5 passed, 0 failed" in res.stdout, res.stdout + res.stderr
+    assert kube.objects() == {}

@@ -14,7 +14,7 @@ from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
-from .backends.base import Backend, Event, NodeLost
+from .backends.base import Backend, Event, JobRefused, NodeLost
 from .config import BUILTIN_PSERVER
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
 from .plan import JobPlan
@@ -129,6 +129,8 @@ class Attempt:
             self.ready[ev.node] = ev.why
         elif isinstance(ev, m.Note):
             self.out(f"[agent@{self.backend.names[ev.node]}] {ev.line}")
+        elif isinstance(ev, JobRefused) and not self.stopping:
+            raise JobFailed(ev.why)
         elif isinstance(ev, NodeLost):
             raise LostContact(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}; the job was stopped")
         elif isinstance(ev, (m.Stopping, m.Stopped)) and not self.stopping:
@@ -147,8 +149,13 @@ class Attempt:
              check: Optional[Callable[[], None]] = None) -> bool:
         """Handle events until ``until()``: True; False when ``timeout`` s passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        last = time.monotonic()
         while not until():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and self.backend.holding():
+                deadline += now - last  # the cluster holds the job (queued, pulling): not the job's slowness
+            last = now
+            if deadline is not None and now > deadline:
                 return False
             ev = self.backend.next_event(0.2)
             if ev is not None:

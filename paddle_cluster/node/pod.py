@@ -14,10 +14,12 @@ passed on to it. What the job's processes leave in the pod's job-dir volume goes
 metrics records are also printed to the log once it exits (``METRICS`` lines: the launcher keeps them).
 
 The whole job ends on the cluster itself, without a launcher watching: a pserver pod given the trainers' names
-(``--trainer-names``) stops its pserver and fails once none of them resolves any more, i.e. every trainer pod
-has ended (the headless Service publishes a pod's name only until it ends) without the pserver having
-finished -- a trainer failed, its Job failed and the Job controller ended the other trainers. When the
-trainers finish, the pserver ends on its own (every trainer closed). Standard library only.
+(``--trainer-names``) stops its pserver and fails once the cluster DNS says, for ``TRAINERS_GONE_GRACE_S``
+without a break, that none of them exists (NXDOMAIN): every trainer pod has ended (the headless Service
+publishes a pod's name only until it ends) without the pserver having finished -- a trainer failed, its Job
+failed and the Job controller ended the other trainers. A resolver that fails or does not answer (a CoreDNS
+restart: EAI_AGAIN, a timeout) says nothing about the trainers: it is logged and asked again, never counted.
+When the trainers finish, the pserver ends on its own (every trainer closed). Standard library only.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metric
 POLL_S = 0.2
 TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
-TRAINERS_GONE_CHECKS = 3  # consecutive checks finding no trainer name: not a DNS hiccup
+# NXDOMAIN for every trainer name this long (its negative answers cached ~5 s by CoreDNS): the trainers are gone.
+TRAINERS_GONE_GRACE_S = 15.0
+NXDOMAIN = "NXDOMAIN"  # the resolver's authoritative "no such name" (EAI_NONAME, EAI_NODATA)
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
 EXIT_TRAINERS_GONE = 5  # a pserver stopped because its trainers ended without finishing
 
@@ -64,11 +69,19 @@ def completion_index(environ: Mapping[str, str]) -> int:
     return int(text)
 
 
-def _addresses(host: str) -> List[str]:
+def lookup(host: str) -> Tuple[List[str], str]:
+    """(``host``'s addresses, "") or ([], why not): ``NXDOMAIN`` when the resolver answered that no such name
+    exists, else its error (a temporary failure, a timeout), which says nothing about the name."""
     try:
-        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
-    except OSError:
-        return []
+        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}), ""
+    except socket.gaierror as e:
+        return [], NXDOMAIN if e.errno in _NO_SUCH_NAME else (e.strerror or str(e))
+    except (OSError, UnicodeError) as e:
+        return [], str(e)
+
+
+def _addresses(host: str) -> List[str]:
+    return lookup(host)[0]
 
 
 def _is_mine(address: str) -> bool:
@@ -136,7 +149,7 @@ def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
 
 
 def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
-           trainer_names: str = "", pack: str = "") -> int:
+           trainer_names: str = "", pack: str = "", first_trainer_timeout: Optional[float] = None) -> int:
     """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code."""
     base: Dict[str, str] = dict(os.environ if environ is None else environ)
     env = JobEnv.from_environ(base)
@@ -146,6 +159,10 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role is None:
         raise PodError("PADDLE_TRAINING_ROLE is not set: the pod was not rendered by paddle-cluster render k8s")
     index = completion_index(base)
+    # This is the container's PID 1, which the kernel shields from a SIGTERM it does not handle: a pod deleted
+    # while it waits would stay until its grace period ran out.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _end_waiting)
     if pack:
         unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
@@ -177,23 +194,44 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: child.send_signal(signum))
     names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
-    code = _wait(child, names, start_timeout)
+    code = _wait(child, names, start_timeout if first_trainer_timeout is None else first_trainer_timeout)
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
 
 
-def _wait(child: subprocess.Popen, trainer_names: List[str], start_timeout: float) -> int:
-    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once no trainer pod is left: none of the
-    names resolves, after one did or after ``start_timeout`` s (trainers that ended before a first look)."""
-    seen, gone, since = False, 0, time.monotonic()
+def _end_waiting(signum: int, _frame: object) -> None:
+    say(f"{PREFIX}stopped by signal {signum} before starting the process")
+    raise SystemExit(128 + signum)
+
+
+def _wait(child: subprocess.Popen, trainer_names: List[str], first_timeout: float) -> int:
+    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once the trainers are gone: every name
+    answered NXDOMAIN for ``TRAINERS_GONE_GRACE_S``, after one resolved or, unless ``first_timeout`` is 0 (their
+    pods are admitted with this one: a JobSet), after ``first_timeout`` s (trainers that ended before a first
+    look). A resolver error is neither an address nor NXDOMAIN: said once, asked again."""
+    seen, since = False, time.monotonic()
+    gone_since: Optional[float] = None  # when every name first answered NXDOMAIN, none resolving since
+    failing: Optional[Tuple[float, str]] = None  # since when, and why, the resolver has not answered
     while True:
         if trainer_names:
-            alive = any(_addresses(n) for n in trainer_names)
-            seen = seen or alive
-            gone = 0 if alive else gone + 1
-            if gone >= TRAINERS_GONE_CHECKS and (seen or time.monotonic() - since > start_timeout):
-                return _stop_pserver(child)
+            answers = [lookup(n) for n in trainer_names]
+            now = time.monotonic()
+            errors = sorted({why for addrs, why in answers if not addrs and why != NXDOMAIN})
+            if errors and failing is None:
+                failing = (now, errors[0])
+                say(f"{PREFIX}cannot resolve the trainers' names ({errors[0]}): asking again; a resolver "
+                    "failure does not count as the trainers being gone")
+            elif not errors and failing is not None:
+                say(f"{PREFIX}the resolver answers again after {now - failing[0]:.0f} s")
+                failing = None
+            if any(addrs for addrs, _ in answers):
+                seen, gone_since = True, None
+            elif all(why == NXDOMAIN for _, why in answers):
+                gone_since = now if gone_since is None else gone_since
+                waited = seen or (first_timeout > 0 and now - since > first_timeout)
+                if waited and now - gone_since >= TRAINERS_GONE_GRACE_S:
+                    return _stop_pserver(child)
         try:
             return child.wait(timeout=TRAINERS_CHECK_S)
         except subprocess.TimeoutExpired:
@@ -201,8 +239,9 @@ def _wait(child: subprocess.Popen, trainer_names: List[str], start_timeout: floa
 
 
 def _stop_pserver(child: subprocess.Popen) -> int:
-    say(f"{ERROR}no trainer pod is left and not every trainer closed its connection (a trainer failed, or its "
-        "Job was stopped): stopping this pserver")
+    say(f"{ERROR}no trainer pod is left (the cluster DNS has answered NXDOMAIN for every trainer's name for "
+        f"{TRAINERS_GONE_GRACE_S:g} s) and not every trainer closed its connection (a trainer failed, or its Job was "
+        "stopped): stopping this pserver")
     child.terminate()
     try:
         child.wait(timeout=STOP_GRACE_S)
@@ -266,6 +305,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paddle_cluster.node pod", description=__doc__.split("\n")[0])
     ap.add_argument("--start-timeout", type=float, default=60.0)
     ap.add_argument("--trainer-names", default="", help="pserver: the trainers' DNS names, {} for the index")
+    ap.add_argument("--first-trainer-timeout", type=float, default=None,
+                    help="pserver: seconds to wait for a first trainer name to resolve (default: the start timeout; "
+                    "0: for ever, the trainers being admitted with this pod)")
     ap.add_argument("--unpack", default="", help="a gzipped tar of the workspace to unpack into it first")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -274,7 +316,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("give the command to run after --")
     try:
         say(f"{IMAGE}{image_check()}")
-        return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
+        return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack,
+                      first_trainer_timeout=a.first_trainer_timeout)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
         return EXIT_NOT_READY

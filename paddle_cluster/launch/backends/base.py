@@ -115,7 +115,15 @@ class NodeLost:
     why: str
 
 
-Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopping, m.Stopped, NodeLost]
+@dataclass(frozen=True)
+class JobRefused:
+    """The cluster will not run the job as it is: it refused to create its processes, or ended it itself (a
+    deadline). ``why`` names the object and the cluster's reason."""
+
+    why: str
+
+
+Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopping, m.Stopped, NodeLost, JobRefused]
 
 
 class Backend(ABC):
@@ -217,6 +225,10 @@ class Backend(ABC):
     @abstractmethod
     def next_event(self, timeout: float) -> Optional[Event]:
         """The next event of the started job within ``timeout`` s, or None."""
+
+    def holding(self) -> bool:
+        """The cluster holds the job back (queued for admission, pulling its image): the start timeout waits."""
+        return False
 
     @abstractmethod
     def request_stop(self, grace: float) -> None:

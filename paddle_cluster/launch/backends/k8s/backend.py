@@ -32,6 +32,7 @@ from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRe
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, rights
+from .jobwatch import JobWatch
 from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_results, states_of, watch_events
 from .pod_options import PodOptions
 
@@ -117,7 +118,7 @@ def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
     endpoints = tuple(Endpoint(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k))
     nodes = []
     for i, (role, index) in enumerate(pod_roles(job)):
-        host = k8s.pod_host(job.name, job.namespace, role, index)
+        host = k8s.pod_host(job.name, job.namespace, role, index, job.jobset)
         cmd = job.pserver_cmd if role == PSERVER else job.trainer_cmd
         full = env.for_process(role, index, host).to_environ()
         # No log file: Kubernetes keeps the pod's log (K8sBackend.log_of says how to read it).
@@ -152,9 +153,9 @@ class K8sBackend(Backend):
         BackendOption("--trainers", "trainers", "Trainer pods (default: HOSTS x TRAINERS_PER_NODE; no HOSTS: "
                       "TRAINERS_PER_NODE).", int, "M", 1),
         *pod_options.OPTIONS,
-        BackendOption("--jobset", "jobset", "render k8s: one JobSet (jobset.x-k8s.io/v1alpha2: its controller must "
-                      "be installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
-                      "workload.", bool),
+        BackendOption("--jobset", "jobset", "One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
+                      "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
+                      "workload (--queue implies it).", bool),
     )
 
     @classmethod
@@ -186,7 +187,8 @@ class K8sBackend(Backend):
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
-        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""))
+        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""),
+                          bool(job.handle.get("jobset")))
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -231,8 +233,10 @@ class K8sBackend(Backend):
         self.watch = PodWatch({})
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
+        self._state = threading.Lock()
         self._polling: Optional[threading.Event] = None
-        self._watcher: Optional[subprocess.Popen] = None
+        self._watchers: List[subprocess.Popen] = []
+        self.jobwatch = JobWatch({}, lambda p: None)
         self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
         self.jobset = False  # render k8s --jobset
@@ -244,29 +248,45 @@ class K8sBackend(Backend):
         for flag, given, why in (
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
-                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others"),
-                ("--jobset", self.jobset, "run creates a Service and two Jobs and follows them; render k8s --jobset "
-                 "writes the JobSet for kubectl")):
+                ("--elastic", spec.elastic, "a failed trainer pod fails the trainer Job, which stops the others")):
             if given:
                 raise ConfigError(flag, given, f"not available with BACKEND k8s: {why}")
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
         pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack,
+        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack, jobset=self.jobset,
                                     resume_from=spec.resume_from or "")
         self.job_dir, self.say = spec.job_dir, say
-        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary)
+        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary, kc.kinds(job.jobset))
+        if job.jobset:
+            self._need_jobsets()
         for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
             if need.at_run and not self.kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
         roles = pod_roles(job)
-        self.names = [f"{job.job_name(r)}-{i}" for r, i in roles]
+        self.names = [job.pod_hostname(r, i) for r, i in roles]
         self.labels = [f"pod {n}" for n in self.names]
-        self.watch = PodWatch({ri: node for node, ri in enumerate(roles)})
+        nodes = {ri: node for node, ri in enumerate(roles)}
+        self.watch = PodWatch(nodes)
+        self.jobwatch = JobWatch({job.job_name(r): [n for (r_, _), n in nodes.items() if r_ == r]
+                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)), job.pods.queue)
         say(f"job {job.name}: {job.pservers} pserver pod(s), {job.trainers} trainer pod(s) of {opts.image} in "
             f"namespace {opts.namespace}")
-        return [k8s.pod_host(job.name, job.namespace, r, i) for r, i in roles]
+        return [k8s.pod_host(job.name, job.namespace, r, i, job.jobset) for r, i in roles]
+
+    def _need_jobsets(self) -> None:
+        """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""
+        listed = self.kubectl.run(self.kubectl.api_resources(k8s.JOBSET_API.split("/")[0])).split()
+        if k8s.JOBSET_RESOURCE not in listed:
+            why = "--queue NAME" if self.opts.pods.queue else "--jobset"
+            raise ConfigError(why.split()[0], self.opts.pods.queue or True, "needs JobSet (jobset.x-k8s.io), which "
+                              "this cluster does not offer ('kubectl api-resources --api-group=jobset.x-k8s.io' lists "
+                              "nothing): Kueue admits a job's pservers and trainers as one workload only as a "
+                              "JobSet; install JobSet (github.com/kubernetes-sigs/jobset) or leave the option out")
+        need = rights.Need("create", k8s.JOBSET_RESOURCE, "run creates the JobSet (--queue, --jobset)", True)
+        if not self.kubectl.may(need.verb, need.resource):
+            raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
     def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
         assert self.job is not None, "prepare first"
@@ -274,7 +294,8 @@ class K8sBackend(Backend):
 
     def remember(self) -> Dict[str, str]:
         assert self.job is not None, "prepare first"
-        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id}
+        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id,
+                **({"jobset": "1"} if self.job.jobset else {})}
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
@@ -297,40 +318,65 @@ class K8sBackend(Backend):
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
         self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
-        kc.own_by_jobs(self.kubectl, job)
+        kc.own_by_owners(self.kubectl, job)
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             return
-        threading.Thread(target=self._watch_pods, args=(done,), daemon=True, name="k8s-pods").start()
+        for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
+                                       ("events", False, self.jobwatch.events)):
+            threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
+                             name=f"k8s-{kind}").start()
 
-    def _watch_pods(self, done: threading.Event) -> None:
-        """The pods' states as they change: a listing, then ``kubectl get --watch``; again after a problem (a
-        watch the API server ended, a lost connection), the listing catching up on what the watch missed."""
+    def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
+        return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
+
+    def _watch(self, done: threading.Event, kind: str, selected: bool,
+               update: Callable[[List[Dict[str, Any]]], List[Event]]) -> None:
+        """The job's objects of ``kind`` as they change (``update`` gets them all, and says what that means): a
+        listing, then ``kubectl get --watch``; again after a problem (a watch the API server ended, a lost
+        connection), the listing catching up on what the watch missed."""
         problem = ""
         while not done.is_set():
             try:
-                pods = {p["metadata"]["name"]: p for p in json.loads(self.kubectl.run(
-                    self.kubectl.get_pods(), timeout=60) or "{}").get("items", [])}
-                self._handle(self.watch.update(states_of(pods.values())))
-                w = self._watcher = subprocess.Popen(self.kubectl.watch_pods(), stdin=subprocess.DEVNULL,
-                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                objs = {o["metadata"]["name"]: o for o in kc.items_of(json.loads(self.kubectl.run(
+                    self.kubectl.list_of(kind, selected), timeout=60) or "{}"))}
+                self._update(update, objs)
+                w = subprocess.Popen(self.kubectl.watch(kind, selected), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                self._watchers.append(w)
                 assert w.stdout is not None and w.stderr is not None
+                expired = ""
                 for ev in watch_events(w.stdout):
+                    if ev.get("type") == "ERROR":  # the API server ended the watch (410: its history moved on)
+                        expired = ev["object"].get("message", "") or "ended"
+                        w.terminate()  # (kubectl would wait for more)
+                        break
                     name = ev["object"].get("metadata", {}).get("name", "")
                     if ev.get("type") == "DELETED":
-                        pods.pop(name, None)
+                        objs.pop(name, None)
                     else:
-                        pods[name] = ev["object"]
-                    self._handle(self.watch.update(states_of(pods.values())))
+                        objs[name] = ev["object"]
+                    self._update(update, objs)
                 err = w.stderr.read().strip()
-                if w.wait() != 0 and not done.is_set():
-                    raise ClusterError(f"kubectl get pods --watch: {(err.splitlines() or ['ended'])[-1]}")
+                code = w.wait()
+                if "too old resource version" in expired:
+                    problem = ""
+                    continue  # as any watcher does after a 410: list again at once, then watch from there
+                if expired:
+                    raise ClusterError(f"kubectl get {kind} --watch: {expired}")
+                if code not in (0, -15) and not done.is_set():
+                    raise ClusterError(f"kubectl get {kind} --watch: {(err.splitlines() or ['ended'])[-1]}")
                 problem = ""
             except (ClusterError, ValueError) as e:
-                if str(e) != problem:  # once per distinct problem, not every retry
+                if str(e) != problem and not done.is_set():  # once per distinct problem, not every retry
                     problem = str(e)
-                    self._put(m.Note(0, f"cannot follow the pods' states: {e}"))
+                    self._put(m.Note(0, f"cannot follow the job's {kind}: {e}"))
             done.wait(RETRY_S)
+
+    def _update(self, update: Callable[[List[Dict[str, Any]]], List[Event]], objs: Dict[str, Any]) -> None:
+        with self._state:  # three watches feed the same state
+            events = update(list(objs.values()))
+        self._handle(events)
 
     def _handle(self, events: List[Event]) -> None:
         for ev in events:
@@ -377,10 +423,18 @@ class K8sBackend(Backend):
                     return
 
     def next_event(self, timeout: float) -> Optional[Event]:
+        with self._state:
+            due = self.jobwatch.due()
+        for ev in due:
+            self._put(ev)
         try:
             return self.events.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def holding(self) -> bool:
+        with self._state:
+            return self.jobwatch.holding()
 
     def request_stop(self, grace: float) -> None:
         if self._polling is None:
@@ -395,8 +449,9 @@ class K8sBackend(Backend):
             return []
         self._polling.set()
         self._closing = True
-        if self._watcher is not None and self._watcher.poll() is None:
-            self._watcher.terminate()
+        for w in self._watchers:
+            if w.poll() is None:
+                w.terminate()
         if grace == 0:
             self.request_stop(0)
         try:
@@ -418,9 +473,10 @@ class K8sBackend(Backend):
 
     def close(self) -> None:
         self._closing = True
-        if self._watcher is not None and self._watcher.poll() is None:
-            self._watcher.terminate()
-            self._watcher.wait(timeout=5)
+        for w in self._watchers:
+            if w.poll() is None:
+                w.terminate()
+                w.wait(timeout=5)
         with self._lock:
             for p, _ in self.followers.values():
                 if p.poll() is None:

@@ -24,7 +24,7 @@ from paddle_cluster.node.pod import METRICS
 from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
 from ..base import Event, NodeLost, ProcRow
-from .manifests import LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
+from .manifests import JOBSET_RESOURCE, LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job controller on Indexed pods
 # Set on a job's pods by ``kill`` before it deletes them: a run following the job reads it when they go, and ends
@@ -33,6 +33,11 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"  # set by the Job 
 KILLED_ANNOTATION = "paddle-cluster/stopped-by"
 KILLED = "paddle-cluster kill"
 OBJECTS = "jobs.batch,services,secrets,configmaps"  # everything render k8s creates (pods go with their Jobs)
+
+
+def kinds(jobset: bool) -> str:
+    """What a job's objects are: those of ``OBJECTS``, and its JobSet (whose Jobs and Service go with it)."""
+    return f"{OBJECTS},{JOBSET_RESOURCE}" if jobset else OBJECTS
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
 
 
@@ -47,6 +52,7 @@ class Kubectl:
     namespace: str
     selector: str
     binary: str = "kubectl"
+    kinds: str = OBJECTS  # what delete deletes
 
     def _ns(self, *args: str) -> List[str]:
         return [self.binary, "--namespace", self.namespace, *args]
@@ -68,12 +74,20 @@ class Kubectl:
         return self._ns("patch", *names, "--type", "merge", "--patch", json.dumps(change))
 
     def get_pods(self) -> List[str]:
-        return self._ns("get", "pods", "--selector", self.selector, "--output", "json")
+        return self.list_of("pods")
+
+    def list_of(self, kind: str, selected: bool = True) -> List[str]:
+        """The job's objects of ``kind`` (``selected``: by the job's selector; else all of the namespace's, as
+        Events, which carry no labels), as JSON."""
+        return self._ns("get", kind, *(["--selector", self.selector] if selected else []), "--output", "json")
+
+    def watch(self, kind: str, selected: bool = True) -> List[str]:
+        """Those objects as they change: one JSON document per event, ``{"type": ..., "object": ...}``."""
+        return self._ns("get", kind, *(["--selector", self.selector] if selected else []), "--watch",
+                        "--output-watch-events", "--output", "json")
 
     def watch_pods(self) -> List[str]:
-        """The job's pods as they change: one JSON document per event, ``{"type": ..., "object": pod}``."""
-        return self._ns("get", "pods", "--selector", self.selector, "--watch", "--output-watch-events",
-                        "--output", "json")
+        return self.watch("pods")
 
     def get(self) -> List[str]:
         """The job's Jobs and pods, as a table for people."""
@@ -85,8 +99,12 @@ class Kubectl:
 
     def delete(self, wait: bool) -> List[str]:
         """Delete the job's objects; foreground: a Job is gone only once its pods are (with their grace)."""
-        return self._ns("delete", OBJECTS, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",
+        return self._ns("delete", self.kinds, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",
                         f"--wait={'true' if wait else 'false'}")
+
+    def api_resources(self, group: str) -> List[str]:
+        """The resources the API server offers in ``group``, one name a line."""
+        return [self.binary, "api-resources", f"--api-group={group}", "--output", "name"]
 
     def kill_pods(self) -> List[str]:
         """The second Ctrl+C: no grace period."""
@@ -157,19 +175,28 @@ def states_of(items: Iterable[Dict[str, Any]]) -> List[PodState]:
     return [p for p in (_pod(item) for item in items) if p is not None]
 
 
+def items_of(doc: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The objects ``kubectl get -o json`` printed: a List, or the object itself when one was named."""
+    if "items" in doc:
+        return list(doc["items"] or [])
+    return [doc] if doc.get("kind") else []
+
+
 def watch_events(lines: Iterable[str]) -> Iterator[Dict[str, Any]]:
-    """The documents of ``Kubectl.watch_pods``' output, one after another (each printed over many lines)."""
+    """The documents of ``Kubectl.watch``'s output, one after another: one a line (kubectl 1.32) or each
+    indented over many lines (older kubectl), so a document ends on a line ending with its closing brace."""
     buf: List[str] = []
     for line in lines:
         buf.append(line)
-        if line.rstrip() == "}":  # a document's last line (its braces inside are indented)
-            try:
-                doc = json.loads("".join(buf))
-            except ValueError:
-                continue
-            buf = []
-            if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
-                yield doc
+        if not line.rstrip().endswith("}"):
+            continue
+        try:
+            doc = json.loads("".join(buf))
+        except ValueError:
+            continue  # a brace inside an indented document
+        buf = []
+        if isinstance(doc, dict) and isinstance(doc.get("object"), dict):
+            yield doc
 
 
 def _pod(item: Dict[str, Any]) -> Optional[PodState]:
@@ -228,9 +255,10 @@ def find_pod(pods: List[PodState], text: str) -> PodState:
 
 # -- kill, status, logs of a job on Kubernetes ------------------------------------------------------------------
 
-def for_job(namespace: str, job_name: str, job_id: str = "") -> Kubectl:
+def for_job(namespace: str, job_name: str, job_id: str = "", jobset: bool = False) -> Kubectl:
     """The commands for job ``job_name``: by its unique id when the run that started it remembered one."""
-    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)))
+    return Kubectl(namespace, f"{LABEL_ID}={job_id}" if job_id else selector(object_name(job_name)),
+                   kinds=kinds(jobset))
 
 
 @dataclass(frozen=True)
@@ -245,13 +273,14 @@ class Owner:
 def owners(text: str) -> List[Owner]:
     """The objects of ``Kubectl.get_named``'s JSON."""
     try:
-        items = json.loads(text or "{}").get("items", [])
+        items = items_of(json.loads(text or "{}"))
     except ValueError:
         raise ClusterError(f"kubectl get printed no JSON: {text[:200]!r}") from None
     out = []
     for i in items:
         labels = (i.get("metadata") or {}).get("labels") or {}
-        kind = {"Job": "job.batch"}.get(i.get("kind", ""), str(i.get("kind", "")).lower())
+        kind = {"Job": "job.batch", "JobSet": "jobset.jobset.x-k8s.io"}.get(i.get("kind", ""),
+                                                                          str(i.get("kind", "")).lower())
         out.append(Owner(f"{kind}/{i['metadata']['name']}", labels.get(LABEL_JOB, ""), labels.get(LABEL_ID, "")))
     return out
 
@@ -435,16 +464,16 @@ class PodWatch:
         return out
 
 
-def own_by_jobs(kubectl: Kubectl, job: K8sJob) -> None:
-    """The Secret and the Service belong to the Jobs (two, or the trainers' alone), so Kubernetes deletes them
-    with the Jobs (ttlSecondsAfterFinished, or anyone deleting them) -- launcher or not. Their uids exist only
-    now."""
-    jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
-    items = json.loads(kubectl.run(kubectl.get_named(jobs)) or "{}").get("items", [])
-    refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
-            for i in items]
-    if len(refs) != len(jobs):
-        raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
-                           f"'{shlex.join(kubectl.get())}'")
-    rest = [n for n in job.object_names() if not n.startswith("job.batch/")]
+def own_by_owners(kubectl: Kubectl, job: K8sJob) -> None:
+    """The Secret, the Service and the ConfigMap belong to the Jobs (two, or the trainers' alone) or the JobSet, so
+    Kubernetes deletes them with those (ttlSecondsAfterFinished, or anyone deleting them) -- launcher or not. Their
+    uids exist only now."""
+    owning = job.owner_names()
+    items = items_of(json.loads(kubectl.run(kubectl.get_named(owning)) or "{}"))
+    refs = [{"apiVersion": i["apiVersion"], "kind": i["kind"], "name": i["metadata"]["name"],
+             "uid": i["metadata"]["uid"]} for i in items]
+    if len(refs) != len(owning):
+        raise ClusterError(f"the {'JobSet' if job.jobset else 'Jobs'} of job {job.name} vanished right after they "
+                           f"were created; see '{shlex.join(kubectl.get())}'")
+    rest = [n for n in job.object_names() if n not in owning]
     kubectl.run(kubectl.patch(rest, {"metadata": {"ownerReferences": refs}}))

@@ -33,6 +33,8 @@ from .pod_options import PodOptions
 LABEL_JOB = "paddle-cluster/job"
 LABEL_ROLE = "paddle-cluster/role"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+JOBSET_RESOURCE = "jobsets.jobset.x-k8s.io"
 LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so it never touches another job
 SECRET_KEY = "job-secret"
 DEFAULT_NAMESPACE = "default"
@@ -80,17 +82,27 @@ class K8sJob:
 
     def object_names(self) -> List[str]:
         """``kind/name`` of every object the manifests create (``kubectl get`` arguments)."""
-        return [f"secret/{self.name}-secret", f"service/{self.name}"] + (
-            [f"configmap/{self.name}-workspace"] if self.workspace_pack else []) + [
-            f"job.batch/{self.job_name(role)}" for role in self.roles]
+        return [f"secret/{self.name}-secret"] + ([] if self.jobset else [f"service/{self.name}"]) + (
+            [f"configmap/{self.name}-workspace"] if self.workspace_pack else []) + self.owner_names()
 
     @property
     def roles(self) -> Tuple[str, ...]:
         """The roles that have pods: both, or the trainers alone (a collective job)."""
         return (PSERVER, TRAINER) if self.pservers else (TRAINER,)
 
+    def owner_names(self) -> List[str]:
+        """``kind/name`` of the objects owning the rest: the Jobs (two, or the trainers' alone), or the JobSet."""
+        if self.jobset:
+            return [f"jobset.jobset.x-k8s.io/{self.name}"]
+        return [f"job.batch/{self.job_name(role)}" for role in self.roles]
+
     def job_name(self, role: str) -> str:
-        return f"{self.name}-{_ROLE_WORD[role]}"
+        """The name of the Job running the pods of ``role`` (a JobSet names its Jobs ``<JobSet>-<role>-0``)."""
+        return f"{self.name}-{_ROLE_WORD[role]}" + ("-0" if self.jobset else "")
+
+    def pod_hostname(self, role: str, index: int) -> str:
+        """Pod ``index`` of a role's hostname, ``<Job name>-<index>``: its node name for paddle-cluster."""
+        return f"{self.job_name(role)}-{index}"
 
     def labels(self, role: Optional[str] = None) -> Dict[str, str]:
         out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
@@ -156,6 +168,7 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
         raise ConfigError("--namespace", namespace, NAMESPACE_FIX)
     if not workspace.startswith("/"):
         raise ConfigError("--job_workspace", workspace, "must be an absolute path inside the image")
+    jobset = jobset or bool(pods.queue)  # Kueue admits a JobSet as one workload, two Jobs as two
     name = k8s_name(job_name, n_tr, n_ps, jobset)
     # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
     root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
@@ -219,7 +232,7 @@ def _jobset(job: K8sJob) -> Dict[str, Any]:
     }
     if job.pods.ttl is not None:
         spec["ttlSecondsAfterFinished"] = job.pods.ttl
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta, "spec": spec}
+    return {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": meta, "spec": spec}
 
 
 def _workspace(job: K8sJob) -> Dict[str, Any]:
@@ -237,7 +250,7 @@ def render(job: K8sJob) -> str:
             f"trainer(s) in namespace {job.namespace}\n# This stream holds the job secret (in the Secret): pipe it "
             f"into 'kubectl create -f -' rather than keeping it (create, not apply: it refuses to replace objects "
             f"of another job of this name).\n# Delete everything with: kubectl delete -n {job.namespace} "
-            f"{'jobsets.jobset.x-k8s.io' if job.jobset else 'jobs.batch,services'},secrets,configmaps -l "
+            f"{JOBSET_RESOURCE if job.jobset else 'jobs.batch,services'},secrets,configmaps -l "
             f"{job.selector}\n")
     return head + to_yaml(manifests(job))
 
@@ -289,6 +302,9 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
                     # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
                     *(["--trainer-names", trainer_names(job)] if role == PSERVER else []),
+                    # A JobSet's pods are admitted together and fail together (its failurePolicy): a pserver
+                    # waits for its trainers however long they take to appear.
+                    *(["--first-trainer-timeout", "0"] if role == PSERVER and job.jobset else []),
                     *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []), "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
@@ -314,10 +330,7 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
             if keeps_checkpoints else []),
         **job.pods.pod_spec(),
     }
-    meta = _meta(job, job.job_name(role), role)
-    if job.pods.queue:
-        meta["labels"][QUEUE_LABEL] = job.pods.queue
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
             "spec": {"completionMode": "Indexed", "completions": n, "parallelism": n, "backoffLimit": 0,
                      **job.pods.job_spec(),
                      "template": {"metadata": {"labels": job.labels(role)}, "spec": pod}}}

@@ -46,6 +46,8 @@ NEEDS: Tuple[Need, ...] = (
     Need("patch", "pods", "kill marks the pods, so a run following them ends 'stopped by paddle-cluster kill'"),
     Need("delete", "pods", "a second Ctrl+C deletes the pods without their grace period"),
     Need("get", "pods/log", "run, logs and kill read the pods' output"),
+    Need("list", "events", "run says why the cluster holds or refuses the job (quota, admission, image pulls)"),
+    Need("watch", "events", "run says why the cluster holds or refuses the job (quota, admission, image pulls)"),
 )
 
 

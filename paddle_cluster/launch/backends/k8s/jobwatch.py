@@ -1,0 +1,133 @@
+"""What the cluster says about a job beyond its pods' states: its Jobs' conditions (suspended, failed with a
+reason) and the namespace's Events about its objects (pods refused by admission, images being pulled, warnings),
+turned into events each once, and whether the cluster holds the job back (suspended or queued for quota room,
+pulling an image), during which the start timeout waits. Pure: the backend feeds it what kubectl prints."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from paddle_cluster.node import messages as m
+
+from ..base import Event, JobRefused
+from .kubectl import PodState, states_of
+from .manifests import QUEUE_LABEL
+
+PULL_NOTE_S = 30.0  # a pull still going on is said again this often
+_IMAGE = re.compile(r'image "([^"]+)"')
+
+
+def _took(seconds: float) -> str:
+    return f"{seconds / 60:.0f}m" if seconds >= 90 else f"{seconds:.0f}s"
+
+
+class JobWatch:
+    def __init__(self, job_nodes: Dict[str, List[int]], pod_node: Callable[[PodState], Optional[int]],
+                 queue: str = "") -> None:
+        self.job_nodes = job_nodes  # the name of each Job of the job -> its nodes
+        self.pod_node = pod_node
+        self.queue = queue  # --queue: Kueue's LocalQueue
+        self.objects: Dict[str, Tuple[str, int]] = {}  # uid -> ("job.batch/NAME" or "pod/NAME", its node)
+        self.waiting: Dict[str, Dict[str, Any]] = {}  # Events about objects not known yet, by their name
+        self.said: set = set()  # (uid, reason, message) reported
+        self.suspended: Dict[str, str] = {}  # Job uid -> what it waits for
+        self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
+        self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
+        self.failed: set = set()
+
+    def holding(self) -> bool:
+        return bool(self.suspended or self.queued or self.pulling)
+
+    def pods(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
+        for d in docs:
+            (p,) = states_of([d]) or [None]
+            node = None if p is None else self.pod_node(p)
+            if node is not None:
+                self.objects[d["metadata"].get("uid", "")] = (f"pod/{p.name}", node)
+        return self._catch_up()
+
+    def jobs(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
+        out: List[Event] = []
+        for d in docs:
+            meta = d.get("metadata") or {}
+            name, uid = meta.get("name", ""), meta.get("uid", "")
+            nodes = self.job_nodes.get(name)
+            if not nodes:
+                continue
+            what = f"job.batch/{name}"
+            self.objects[uid] = (what, nodes[0])
+            conds = {c.get("type"): c for c in (d.get("status") or {}).get("conditions") or []
+                     if c.get("status") == "True"}
+            if "Suspended" in conds and uid not in self.suspended:
+                queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or self.queue
+                self.suspended[uid] = why = (f"waiting for Kueue queue {queue} to admit it" if queue else
+                                             "spec.suspend is true: it runs once resumed")
+                out.append(m.Note(nodes[0], f"{what} is suspended ({why}); the start timeout waits meanwhile"))
+            elif "Suspended" not in conds and uid in self.suspended:
+                del self.suspended[uid]
+                out.append(m.Note(nodes[0], f"{what} was admitted (resumed): its pods are created"))
+            for kind in ("FailureTarget", "Failed"):
+                c = conds.get(kind)
+                if c is None or uid in self.failed:
+                    continue
+                self.failed.add(uid)
+                why = f"{what} failed: {c.get('reason', '')}: {c.get('message', '')}".rstrip(": ")
+                # A pod that failed fails its Job (BackoffLimitExceeded): that pod's exit tells more.
+                out.append(m.Note(nodes[0], why) if c.get("reason") == "BackoffLimitExceeded" else JobRefused(why))
+        return out + self._catch_up()
+
+    def events(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
+        out: List[Event] = []
+        for e in docs:
+            if (e.get("involvedObject") or {}).get("uid") in self.objects:
+                out += self._event(e)
+            elif len(self.waiting) < 1000:  # maybe about a pod or Job this watch has not seen yet
+                self.waiting[(e.get("metadata") or {}).get("name", "")] = e
+        return out
+
+    def _catch_up(self) -> List[Event]:
+        known = [k for k, e in self.waiting.items() if e["involvedObject"].get("uid") in self.objects]
+        return [ev for k in known for ev in self._event(self.waiting.pop(k))]
+
+    def _event(self, e: Dict[str, Any]) -> List[Event]:
+        uid = e["involvedObject"]["uid"]
+        what, node = self.objects[uid]
+        reason, message = e.get("reason", ""), (e.get("message") or "").strip()
+        key = (uid, reason, message)
+        if key in self.said:
+            return []
+        self.said.add(key)
+        if reason == "Pulling":
+            image = (_IMAGE.search(message) or [None, "?"])[1]
+            now = time.monotonic()
+            self.pulling[uid] = (image, now, now)
+            return [m.Note(node, f"{what}: pulling image {image}; the start timeout waits meanwhile")]
+        if reason in ("Pulled", "Failed", "ErrImagePull", "BackOff") and uid in self.pulling:
+            image, since, _ = self.pulling.pop(uid)
+            if reason == "Pulled":  # the kubelet's "Successfully pulled image ... in 2m3.5s ..."
+                return [m.Note(node, f"{what}: {message}")]
+        if reason == "SuccessfulCreate":
+            self.queued.pop(uid, None)
+            return []
+        if reason == "FailedCreate":
+            why = message.removeprefix("Error creating: ")
+            if "exceeded quota" in why:  # room may come: the Job controller retries
+                self.queued[uid] = why
+                return [m.Note(node, f"{what} waits for room in the namespace's quota: {why}")]
+            return [JobRefused(f"{what} cannot create its pods: {why}")]
+        if e.get("type") == "Warning" and reason != "FailedScheduling":  # (the pod's state says that one)
+            return [m.Note(node, f"{what}: {reason}: {message}")]
+        return []
+
+    def due(self) -> List[Event]:
+        """A pull still going on, said again every ``PULL_NOTE_S``: ``pulling image ... for 2m``."""
+        out: List[Event] = []
+        now = time.monotonic()
+        for uid, (image, since, said) in list(self.pulling.items()):
+            if now - said >= PULL_NOTE_S:
+                self.pulling[uid] = (image, since, now)
+                what, node = self.objects[uid]
+                out.append(m.Note(node, f"{what}: pulling image {image} for {_took(now - since)}"))
+        return out

@@ -1,0 +1,147 @@
+"""The stand-in's JobSet controller and Kueue (``kube_standin.py`` says what else is modelled).
+
+JobSet (jobset.x-k8s.io/v1alpha2): a JobSet makes its headless Service (``network.enableDNSHostnames``: named
+after it, selecting its pods) and one Job ``<JobSet>-<replicated Job>-<i>`` per replica, whose pods are in the
+JobSet's subdomain; its ``spec.suspend`` is its Jobs'; it is ``Completed`` once every Job of
+``successPolicy.targetReplicatedJobs`` is, and ``Failed`` (its Jobs deleted, ``failurePolicy.maxRestarts`` 0)
+once any Job failed; ``ttlSecondsAfterFinished`` deletes it, and the garbage collector its Jobs and Service.
+
+Kueue: the cluster's queues (``cluster.json`` ``queues``: name -> CPUs) admit the workloads labelled
+``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one workload) in the order they came
+(StrictFIFO), each once the CPUs its pods request fit beside those of the workloads admitted and not finished;
+its webhook created them suspended (kube_standin.py), admission resumes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import time
+from typing import Any, Dict, List
+
+from kube_standin import QUEUE, _key, now, touch
+from kube_standin_admission import pod_usage, qty
+
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+
+
+def _done(obj: Dict[str, Any]) -> bool:
+    return any(c["type"] in ("Complete", "Completed", "Failed") and c["status"] == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+def _owned(objs: Dict[str, Any], owner: Dict[str, Any], kind: str) -> List[Dict[str, Any]]:
+    uid = owner["metadata"]["uid"]
+    return [o for k, o in objs.items() if k.startswith(f"{kind}/{owner['metadata']['namespace']}/")
+            and any(r["uid"] == uid for r in o["metadata"].get("ownerReferences") or [])]
+
+
+def jobset(cluster, doc: Dict[str, Any], key: str) -> None:
+    objs = doc["objects"]
+    js = objs[key]
+    meta, spec = js["metadata"], js["spec"]
+    ns, name = meta["namespace"], meta["name"]
+    jobs = _owned(objs, js, "Job")
+    ref = {"apiVersion": js["apiVersion"], "kind": "JobSet", "name": name, "uid": meta["uid"], "controller": True}
+    if meta.get("deletionTimestamp"):
+        for j in jobs:
+            _delete(doc, j)
+        if not jobs:
+            touch(doc, objs.pop(key), "DELETED")
+        return
+    st = js.setdefault("status", {})
+    before = copy.deepcopy(st)
+    conds = st.setdefault("conditions", [])
+    if _key("Service", ns, name) not in objs:
+        svc = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": name, "namespace": ns, "uid": secrets.token_hex(8), "creationTimestamp": now(),
+                            "ownerReferences": [ref]},
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {JOBSET_NAME: name}}}
+        objs[_key("Service", ns, name)] = svc
+        touch(doc, svc, "ADDED")
+    if not _done(js):
+        for rj in spec["replicatedJobs"]:
+            for i in range(rj.get("replicas", 1)):
+                jname = f"{name}-{rj['name']}-{i}"
+                jkey = _key("Job", ns, jname)
+                if jkey in objs:
+                    if objs[jkey]["spec"].get("suspend", False) != spec.get("suspend", False):
+                        objs[jkey]["spec"]["suspend"] = spec.get("suspend", False)
+                        touch(doc, objs[jkey])
+                    continue
+                tmpl = copy.deepcopy(rj["template"])
+                labels = {**(tmpl.get("metadata") or {}).get("labels", {}), JOBSET_NAME: name,
+                          REPLICATED_JOB: rj["name"]}
+                jspec = tmpl["spec"]
+                jspec["suspend"] = spec.get("suspend", False)
+                pod = jspec["template"]
+                pod.setdefault("metadata", {}).setdefault("labels", {}).update({JOBSET_NAME: name,
+                                                                                REPLICATED_JOB: rj["name"]})
+                pod["spec"]["subdomain"] = name
+                job = {"apiVersion": "batch/v1", "kind": "Job", "spec": jspec, "status": {},
+                       "metadata": {"name": jname, "namespace": ns, "labels": labels, "uid": secrets.token_hex(8),
+                                    "creationTimestamp": now(), "ownerReferences": [ref]}}
+                objs[jkey] = job
+                touch(doc, job, "ADDED")
+                cluster.event(doc, js, "Normal", "SuccessfulCreate", f"Created job: {jname}")
+        failed = [j for j in jobs if any(c["type"] == "Failed" and c["status"] == "True"
+                                         for c in (j.get("status") or {}).get("conditions") or [])]
+        target = (spec.get("successPolicy") or {}).get("targetReplicatedJobs") or [rj["name"] for rj in
+                                                                                   spec["replicatedJobs"]]
+        wanted = [j for j in jobs if j["metadata"]["labels"].get(REPLICATED_JOB) in target]
+        if failed:
+            conds.append({"type": "Failed", "status": "True", "reason": "FailedJobs", "lastTransitionTime": now(),
+                          "message": f"jobset failed due to one or more job failures "
+                                     f"({failed[0]['metadata']['name']})"})
+            for j in jobs:
+                if not _done(j):
+                    _delete(doc, j)
+        elif wanted and all(any(c["type"] == "Complete" and c["status"] == "True"
+                                for c in (j.get("status") or {}).get("conditions") or []) for j in wanted):
+            conds.append({"type": "Completed", "status": "True", "reason": "AllJobsCompleted",
+                          "lastTransitionTime": now(), "message": "jobset completed successfully"})
+    if _done(js):
+        st.setdefault("_done", time.time())
+        ttl = spec.get("ttlSecondsAfterFinished")
+        if ttl is not None and time.time() - st["_done"] >= ttl:
+            meta["deletionTimestamp"] = now()
+    if st != before:
+        touch(doc, js)
+
+
+def _delete(doc: Dict[str, Any], obj: Dict[str, Any]) -> None:
+    if not obj["metadata"].get("deletionTimestamp"):
+        obj["metadata"]["deletionTimestamp"] = now()
+        touch(doc, obj)
+
+
+def _cpus(workload: Dict[str, Any]) -> float:
+    """What a workload's pods request of CPU, all of them at once."""
+    if workload["kind"] == "Job":
+        templates = [(workload["spec"], 1)]
+    else:
+        templates = [(rj["template"]["spec"], rj.get("replicas", 1)) for rj in workload["spec"]["replicatedJobs"]]
+    return sum(pod_usage(s["template"]["spec"]).get("requests.cpu", 0) * s.get("parallelism", 1) * n
+               for s, n in templates)
+
+
+def kueue(cluster, doc: Dict[str, Any]) -> None:
+    objs = doc["objects"]
+    queues = cluster.cfg.get("queues") or {}
+    for queue, cpus in queues.items():
+        workloads = sorted((o for k, o in objs.items() if k.startswith(("JobSet/", "Job/"))
+                            and (o["metadata"].get("labels") or {}).get(QUEUE) == queue
+                            and not o["metadata"].get("ownerReferences") and not o["metadata"].get("deletionTimestamp")
+                            and not _done(o)), key=lambda o: (o["metadata"]["creationTimestamp"],
+                                                               int(o["metadata"]["resourceVersion"])))
+        used = sum(_cpus(w) for w in workloads if not w["spec"].get("suspend"))
+        for w in workloads:
+            if not w["spec"].get("suspend"):
+                continue
+            if used + _cpus(w) > qty(cpus):
+                break  # StrictFIFO: the head waits, and those behind it
+            used += _cpus(w)
+            w["spec"]["suspend"] = False
+            touch(doc, w)
+            cluster.event(doc, w, "Normal", "Started", f"Admitted by clusterQueue {queue}")
