@@ -5,10 +5,11 @@ it meets the target, the 1x1/2x2 agreement, and the wall time of each ``paddle-c
 
     python examples/run_targets.py --movielens /data/ml-100k --ptb /data/ptb [--only fit_a_line,word2vec]
 
-torch_recommendation needs torch (``pip install torch==2.13.0``).
+torch_recommendation needs torch (``pip install torch==2.13.0``); fit_a_line_paddle, fit_a_line written in Paddle 3
+dygraph (``examples/fit_a_line/train_paddle.py``), needs paddlepaddle (``pip install paddlepaddle==3.3.1``).
 
-The data are not shipped (licences); give their paths. For fit_a_line and word2vec the single trainer gets the
-global batch of the two trainers together, so the 1x1 and 2x2 sync runs are the same optimisation; the
+The data are not shipped (licences); give their paths. For fit_a_line(_paddle) and word2vec the single trainer
+gets the global batch of the two trainers together, so the 1x1 and 2x2 sync runs are the same optimisation; the
 recommender scales its gradients by the trainer count instead (see its README), so it keeps its default batch.
 """
 
@@ -38,11 +39,15 @@ class Example:
     target: float  # the final metric must be at most this
     args: Tuple[str, ...]  # for every run
     one_trainer: Tuple[str, ...]  # extra, for the 1x1 run: the global batch of the 2x2 run
+    package: str = ""  # its directory under examples/ (default: its name)
+    entry: str = "train.py"
 
 
 def examples(movielens: str, ptb_shards: str) -> Dict[str, Example]:
     return {
         "fit_a_line": Example("fit_a_line", "test_mse", 30.0, (), ("--batch-size", "16")),
+        "fit_a_line_paddle": Example("fit_a_line_paddle", "test_mse", 30.0, (), ("--batch-size", "16"),
+                                     package="fit_a_line", entry="train_paddle.py"),
         "recommendation": Example("recommendation", "test_rmse", 0.90, ("--data", movielens), ()),
         # PyTorch, user and movie rows only (no side features): its global batch is split over the trainers.
         "torch_recommendation": Example("torch_recommendation", "test_rmse", 0.91, ("--data", movielens), ()),
@@ -82,7 +87,8 @@ def run(ex: Example, work: Path, trainers: int, mode: str) -> Dict[str, object]:
     args = list(ex.args) + (list(ex.one_trainer) if trainers == 1 else []) + ["--mode", mode]
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "run", "--job_dispatch_package",
-                          str(HERE / ex.name), "--job_name", name, "--", *args],
+                          str(HERE / (ex.package or ex.name)), "--entry", ex.entry, "--job_name", name, "--",
+                          *args],
                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
     wall = time.monotonic() - t0
     found = re.findall(rf"final {ex.metric}=([0-9.eE+-]+|nan|inf)", res.stdout)
@@ -98,7 +104,7 @@ def main(argv: List[str] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--movielens", default=os.environ.get("MOVIELENS_DIR"), help="ml-1m or ml-100k directory")
     ap.add_argument("--ptb", default=os.environ.get("PTB_DIR"), help="directory with ptb.{train,valid,test}.txt")
-    ap.add_argument("--only", default="fit_a_line,recommendation,torch_recommendation,word2vec")
+    ap.add_argument("--only", default="fit_a_line,fit_a_line_paddle,recommendation,torch_recommendation,word2vec")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args(argv)
     chosen = [n for n in a.only.split(",") if n]

@@ -181,12 +181,22 @@ def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
     prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
+    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
+                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
-                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
     return js, backend_for(settled.cfg, opts, detach)
+
+
+_COLLECTIVE = click.option(
+    "--collective", is_flag=True, help="No pservers (PSERVERS_PER_NODE = 0): trainers only, each with the variables "
+    "torchrun and paddle.distributed.launch set (MASTER_ADDR, RANK, PADDLE_TRAINER_ENDPOINTS, ...), for a "
+    "torch.distributed or paddle.distributed script.")
+
+
+def _with_collective(cfg: ClusterConfig, collective: bool) -> ClusterConfig:
+    return override(cfg, {"pservers_per_node": ("--collective", 0)}) if collective else cfg
 
 
 def _earlier_job(what: str):
@@ -239,13 +249,14 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "-m paddle_cluster.ps) or entry (the entry script, as PADDLE_TRAINING_ROLE=PSERVER). Default: "
               "PSERVER_COMMAND of the config when set, else the entry script when it handles the PSERVER role "
               "(compares it with \"PSERVER\"), else builtin.")
+@_COLLECTIVE
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @_SCRIPT_ARGS
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str], detach: bool,
-        dry_run: bool, entry_script: Optional[str], pserver: Optional[str], verbose: bool,
+        dry_run: bool, entry_script: Optional[str], pserver: Optional[str], collective: bool, verbose: bool,
         trainer_args: Tuple[str, ...],
         **backend_opts) -> Optional[JobResult]:
     """Start a job: pservers first, trainers once every pserver listens.
@@ -261,7 +272,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
       --port N, --ports_num N, --ports_num_for_sparse N  ->  the job's ports (as PADDLE_PORT, ... in conf.py)
     --num_gradient_servers and --trainer_id are the launcher's and refused (docs/migrating.md).
     """
-    cfg = _config(ctx)
+    cfg = _with_collective(_config(ctx), collective)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
     foreign = foreign_options(cfg.backend, backend_opts)
@@ -411,12 +422,14 @@ def _render_command(backend: str) -> None:
                   "(default: ENTRY of the config, train.py).")
     @click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin or "
                   "entry (as run --pserver).")
+    @_COLLECTIVE
     @_backend_options(backend)
     @_SCRIPT_ARGS
     @_handled
     def cmd(ctx: click.Context, job_name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
-            entry_script: Optional[str], pserver: Optional[str], trainer_args: Tuple[str, ...], **opts) -> None:
-        cfg = override(_config(ctx), {"backend": (f"render {backend}", backend)})
+            entry_script: Optional[str], pserver: Optional[str], collective: bool, trainer_args: Tuple[str, ...],
+            **opts) -> None:
+        cfg = override(_with_collective(_config(ctx), collective), {"backend": (f"render {backend}", backend)})
         spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, opts,
                         notes=False, dry=True)
         click.echo(be.render(spec, _say).text(), nl=False)

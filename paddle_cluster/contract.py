@@ -22,6 +22,11 @@ TRAINER = "TRAINER"
 ROLES = (PSERVER, TRAINER)
 
 PORT_MAX = 65535
+# What torchrun sets for each process (torch.distributed's env:// rendezvous): every trainer of every job gets them.
+TORCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# The interface gloo and NCCL bind to (PADDLE_NIC): unset, gloo binds the address of the host name, often
+# 127.0.0.1, and its full mesh fails across hosts. The only contract names ENV may override.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 256
 
@@ -63,6 +68,15 @@ def pserver_ports(first: int, ports_num: int, ports_num_for_sparse: int, index: 
     return tuple(range(base, base + per))
 
 
+def trainer_ports(first: int, pservers: int, ports_num: int, ports_num_for_sparse: int,
+                  trainers: int) -> Tuple[int, ...]:
+    """A node's collective ports, right after its ``pservers`` pservers' (``pserver_ports``): MASTER_PORT (rank
+    0's store, used on trainer 0's node), then one port per trainer of the node (its PADDLE_TRAINER_ENDPOINTS
+    entry). In a job without pservers MASTER_PORT is ``first`` (PADDLE_PORT)."""
+    base = first + pservers * (ports_num + ports_num_for_sparse)
+    return tuple(range(base, base + 1 + trainers))
+
+
 @dataclass(frozen=True)
 class JobEnv:
     """Everything a pserver or trainer needs to know about its job.
@@ -97,6 +111,13 @@ class JobEnv:
     # PADDLE_INIT_TRAINER_COUNT=4 in every process.
     init: Dict[str, str] = field(default_factory=dict, compare=False)
     extra: Dict[str, str] = field(default_factory=dict, compare=False)
+    # The trainers' collective side (torch.distributed, paddle.distributed): each trainer's address and port in
+    # id order (trainer 0's address is MASTER_ADDR), MASTER_PORT, trainers per node (LOCAL_WORLD_SIZE: ids are
+    # node-major, so LOCAL_RANK and GROUP_RANK follow from the id) and the interface gloo and NCCL bind to.
+    trainer_endpoints: Tuple[Endpoint, ...] = ()
+    master_port: int = 0
+    local_world_size: int = 1
+    nic: str = ""
 
     def __post_init__(self) -> None:
         if self.role is not None and self.role not in ROLES:
@@ -109,6 +130,11 @@ class JobEnv:
             raise ContractError(f"PADDLE_PSERVER_ID={self.pserver_id}: must be in [0, {len(self.pservers)})")
         if self.ports_num < 1 or self.ports_num_for_sparse < 0:
             raise ContractError("PADDLE_INIT_PORTS_NUM must be >= 1 and PADDLE_INIT_PORTS_NUM_FOR_SPARSE >= 0")
+        if self.trainer_endpoints and len(self.trainer_endpoints) != self.trainers:
+            raise ContractError(f"PADDLE_TRAINER_ENDPOINTS names {len(self.trainer_endpoints)} trainers, "
+                                f"PADDLE_TRAINERS {self.trainers}")
+        if self.local_world_size < 1 or self.trainers % self.local_world_size:
+            raise ContractError(f"LOCAL_WORLD_SIZE={self.local_world_size}: must divide WORLD_SIZE={self.trainers}")
         owned = sorted(set(self.init) - set(V2_INIT_OPTIONS))
         if owned:
             raise ContractError(f"--{owned[0]}: not a v2 option a job sets ({', '.join(V2_INIT_OPTIONS)})")
@@ -191,17 +217,40 @@ class JobEnv:
         if self.checkpoint_dir:
             env["PADDLE_CHECKPOINT_DIR"] = self.checkpoint_dir
         if self.role is not None:
-            env["PADDLE_TRAINING_ROLE"] = self.role
+            env["PADDLE_TRAINING_ROLE"] = env["TRAINING_ROLE"] = self.role  # TRAINING_ROLE: Paddle fleet's
         if self.current_ip is not None:
             env["PADDLE_CURRENT_IP"] = self.current_ip
         if self.trainer_id is not None:
             env["PADDLE_TRAINER_ID"] = str(self.trainer_id)
             env["PADDLE_INIT_TRAINER_ID"] = str(self.trainer_id)
         if self.pserver_id is not None:
+            me = self.pservers[self.pserver_id]
             env["PADDLE_PSERVER_ID"] = str(self.pserver_id)
-            env["PADDLE_CURRENT_ENDPOINT"] = str(self.pservers[self.pserver_id])
+            env["PADDLE_CURRENT_ENDPOINT"] = str(me)
+            env.update(POD_IP=me.host, PADDLE_PORT=str(me.port))  # what Paddle fleet's role maker reads
+        env.update(self.collective_environ())
         env.update({f"PADDLE_INIT_{k.upper()}": v for k, v in self.init.items()})
-        env.update(self.extra)
+        env.update(self.extra)  # ENV: may set the SOCKET_IFNAME_VARS (the configuration refuses the rest)
+        return env
+
+    def collective_environ(self) -> Dict[str, str]:
+        """torchrun's and ``paddle.distributed.launch``'s variables (and Paddle fleet's list of pservers): the
+        job-wide ones, and a trainer's own rank, local rank, group rank and endpoint."""
+        env: Dict[str, str] = {}
+        if self.pservers:
+            env["PADDLE_PSERVERS_IP_PORT_LIST"] = ",".join(str(e) for e in self.pservers)
+        if self.nic:
+            env.update({name: self.nic for name in SOCKET_IFNAME_VARS})
+        if not self.trainer_endpoints:
+            return env
+        env.update(MASTER_ADDR=self.trainer_endpoints[0].host, MASTER_PORT=str(self.master_port),
+                   WORLD_SIZE=str(self.trainers), LOCAL_WORLD_SIZE=str(self.local_world_size),
+                   PADDLE_TRAINERS_NUM=str(self.trainers),
+                   PADDLE_TRAINER_ENDPOINTS=",".join(str(e) for e in self.trainer_endpoints))
+        if self.trainer_id is not None:
+            env.update(RANK=str(self.trainer_id), LOCAL_RANK=str(self.trainer_id % self.local_world_size),
+                       GROUP_RANK=str(self.trainer_id // self.local_world_size),
+                       PADDLE_CURRENT_ENDPOINT=str(self.trainer_endpoints[self.trainer_id]))
         return env
 
     @classmethod
@@ -210,13 +259,18 @@ class JobEnv:
         env = os.environ if environ is None else environ
         eps_text = env.get("PADDLE_PSERVER_ENDPOINTS", "")
         eps_var = "PADDLE_PSERVER_ENDPOINTS"
+        try:
+            trainer_eps = tuple(Endpoint.parse(t) for t in env.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
+                                if t.strip())
+        except ContractError as e:
+            raise ContractError(f"PADDLE_TRAINER_ENDPOINTS: {e}") from None
         if not eps_text:
             # A seed-style launch (Fluid names only): one pserver per IP, all on the same port.
             ips = env.get("PADDLE_PSERVER_IPS") or env.get("PADDLE_INIT_PSERVERS") or ""
             port = env.get("PADDLE_PSERVER_PORT") or env.get("PADDLE_INIT_PORT") or ""
-            if not ips:
+            if not ips and not trainer_eps:  # trainer endpoints alone: a job without pservers
                 return None
-            if not port:
+            if ips and not port:
                 raise ContractError("PADDLE_PSERVER_IPS is set but PADDLE_PSERVER_PORT is not")
             eps_text = ",".join(f"{ip}:{port}" for ip in ips.split(",") if ip)
             eps_var = "PADDLE_PSERVER_IPS/PADDLE_PSERVER_PORT" if env.get("PADDLE_PSERVER_IPS") else \
@@ -225,7 +279,7 @@ class JobEnv:
             pservers = tuple(Endpoint.parse(t) for t in eps_text.split(",") if t.strip())
         except ContractError as e:
             raise ContractError(f"{eps_var}: {e}") from None
-        if not pservers:
+        if not pservers and not trainer_eps:
             raise ContractError(f"PADDLE_PSERVER_ENDPOINTS={eps_text!r} names no pserver")
         role = env.get("PADDLE_TRAINING_ROLE") or None
         pserver_id = _int(env, "PADDLE_PSERVER_ID")
@@ -259,7 +313,19 @@ class JobEnv:
             trainer_id=trainer_id if role != PSERVER else None,
             pserver_id=pserver_id if role != TRAINER else None,
             current_ip=current_ip,
+            trainer_endpoints=trainer_eps,
+            master_port=_int(env, "MASTER_PORT") or 0 if trainer_eps else 0,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE") or 1 if trainer_eps else 1,
+            nic=env.get(SOCKET_IFNAME_VARS[0], ""),
         )
+
+
+def reserved_names() -> frozenset:
+    """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself):
+    every ``PADDLE_*`` name and the collective ones; ``ENV`` may set the SOCKET_IFNAME_VARS."""
+    job = JobEnv("x", (Endpoint("h", 1),), 1, trainer_endpoints=(Endpoint("h", 2),), master_port=3, nic="lo")
+    names = {n for role in ROLES for n in job.for_process(role, 0, "h").to_environ()}
+    return frozenset(names - set(SOCKET_IFNAME_VARS) - {"PYTHONUNBUFFERED"})
 
 
 def job_id_of(environ: Mapping[str, str]) -> str:

@@ -32,6 +32,10 @@ SCENARIOS = {
                   "share hosts): seed 003's dual-role dist_train.py (import lines changed) reading uci_housing from "
                   "each node's pre-seeded dataset cache, whose loss falls; two trainer-only jobs that hold: `kill` "
                   "of one leaves the others, which finish; each job's status and logs are its own, during and after",
+    "collective": "--collective (no pservers): a torch.distributed script as torchrun starts it (gloo, env://) "
+                  "takes a DDP step and an all_reduce across every trainer, each with its RANK, LOCAL_RANK and "
+                  "GROUP_RANK; then one whose rank 1 fails while the others wait in a collective: exit 1 naming it; "
+                  "nothing left",
 }
 NOT_OFFERED: Dict[tuple, str] = {
     ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
@@ -71,13 +75,15 @@ def docs_with_matrix(text: str) -> str:
     return text[:start] + "\n" + matrix() + text[stop:]
 
 
-# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable it got as one JSON line; the pserver
+# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable (and torchrun's, Paddle fleet's) it got
+# as one JSON line; the pserver
 # listens on its ports, the trainer starts a setsid grandchild (which escapes every process group); both hold.
 # With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
 DUAL_HOLD_PY = r"""
 import json, os, signal, socket, subprocess, sys, time
-from paddle_cluster.contract import JobEnv
-dump = {k: v for k, v in os.environ.items() if k.startswith("PADDLE_")}
+from paddle_cluster.contract import SOCKET_IFNAME_VARS, TORCH_VARS, JobEnv
+dump = {k: v for k, v in os.environ.items()
+        if k.startswith("PADDLE_") or k in TORCH_VARS + SOCKET_IFNAME_VARS + ("TRAINING_ROLE", "POD_IP")}
 if "PADDLE_JOB_SECRET" in dump:
     dump["PADDLE_JOB_SECRET"] = "(set)"  # not into the logs
 if os.environ["PADDLE_TRAINING_ROLE"] == "PSERVER":

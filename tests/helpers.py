@@ -182,8 +182,10 @@ def local_conf(tmp: Path, name: str = "conf.py", **over) -> Path:
     if "PADDLE_PORT" not in settings:
         per = settings.get("PADDLE_PORTS_NUM", ClusterConfig.paddle_ports_num) + \
             settings.get("PADDLE_PORTS_NUM_FOR_SPARSE", ClusterConfig.paddle_ports_num_for_sparse)
-        settings["PADDLE_PORT"] = free_port_range(per * settings.get("PSERVERS_PER_NODE",
-                                                                     ClusterConfig.pservers_per_node))
+        # The pservers' ports, then MASTER_PORT and the trainers' (a collective job's only ones).
+        settings["PADDLE_PORT"] = free_port_range(
+            per * settings.get("PSERVERS_PER_NODE", ClusterConfig.pservers_per_node) + 1
+            + settings.get("TRAINERS_PER_NODE", ClusterConfig.trainers_per_node))
     return write_settings(tmp / name, settings)
 
 

@@ -49,6 +49,7 @@ def test_run_help_lists_the_exit_statuses():
     (["--jobname", "x"], "--job_name"),
     (["--Job_Name", "x"], "--job_name"),
     (["--num_passes", "10"], None),  # a v2 option of the script: it belongs after --
+    (["--colective"], "--collective"),
 ])
 def test_unknown_run_option_is_refused_with_the_closest_one(tmp_path, typed, meant):
     ws = make_workspace(tmp_path / "ws")
@@ -60,6 +61,20 @@ def test_unknown_run_option_is_refused_with_the_closest_one(tmp_path, typed, mea
     assert (f"Error: run has no option {option}{hint}; nothing was started. The entry script's own arguments go "
             f"after --: paddle-cluster run [OPTIONS] -- {' '.join(typed)}") in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+    assert not (tmp_path / "root").exists(), "nothing may start: not even ROOT_DIR is made"
+
+
+@pytest.mark.parametrize("typed, named", [
+    (["--pserver", "builtin"], "--pserver builtin"),
+    (["--resume_from", "JOB1"], "--resume_from JOB1"),
+    (["--elastic"], "--elastic"),
+])
+def test_a_collective_job_refuses_a_pserver_option_in_one_line(tmp_path, typed, named):
+    ws = make_workspace(tmp_path / "ws")
+    res = cli(local_conf(tmp_path), "run", "--collective", *typed, "--job_dispatch_package", str(ws),
+              env=_home(tmp_path))
+    assert res.returncode == 2 and res.stderr.startswith(f"paddle-cluster: error: {named}"), res.stderr
+    assert "this job has no pservers (--collective)" in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
     assert not (tmp_path / "root").exists(), "nothing may start: not even ROOT_DIR is made"
 
 

@@ -32,6 +32,8 @@ from conformance_cases import (
 from helpers import FIT_A_LINE, wait_for
 from userengine import Engine, pserver_pids, user_env
 
+from paddle_cluster.contract import SOCKET_IFNAME_VARS
+
 # -- fit_a_line with the README's conf.py --------------------------------------------------------------------
 
 MSE = re.compile(r"^\[trainer\.0@[^\]]+\] final test_mse=(\S+)$", re.M)
@@ -82,7 +84,15 @@ def check_contract(dumps: Dict[Tuple[str, int], dict], trainers: int, pservers: 
         ips = e["PADDLE_PSERVER_IPS"].split(",")
         assert len(ips) == pservers and e["PADDLE_PSERVER_ENDPOINTS"].count(":") == pservers, e
         assert e["PADDLE_TRAINERS"] == str(trainers), e
+        assert e["TRAINING_ROLE"] == role.upper() and e["PADDLE_TRAINERS_NUM"] == e["WORLD_SIZE"] == str(trainers)
+        assert len(e["PADDLE_TRAINER_ENDPOINTS"].split(",")) == trainers, e
+        assert e["MASTER_ADDR"] == e["PADDLE_TRAINER_ENDPOINTS"].split(",")[0].rpartition(":")[0], e
+        if role == "pserver":
+            assert e["PADDLE_PSERVERS_IP_PORT_LIST"] == e["PADDLE_PSERVER_ENDPOINTS"], e
+            assert f"{e['POD_IP']}:{e['PADDLE_PORT']}" == e["PADDLE_CURRENT_ENDPOINT"], e
         if role == "trainer":
+            assert e["RANK"] == str(i) and e["PADDLE_CURRENT_ENDPOINT"] == e["PADDLE_TRAINER_ENDPOINTS"].split(",")[i]
+            assert int(e["GROUP_RANK"]) * int(e["LOCAL_WORLD_SIZE"]) + int(e["LOCAL_RANK"]) == i, e
             assert "PADDLE_JOB_SECRET" not in e
             assert e["PADDLE_TRAINER_ID"] == e["PADDLE_INIT_TRAINER_ID"] == str(i)
             assert e["PADDLE_INIT_NUM_GRADIENT_SERVERS"] == str(trainers)
@@ -96,11 +106,14 @@ def check_contract(dumps: Dict[Tuple[str, int], dict], trainers: int, pservers: 
 def normalise(e: dict, backend: str, job: str) -> dict:
     """A dump with what depends on the placement replaced by its kind: addresses, ports, ids, keys, paths, and
     a list of any length by its first element; the variables ``EXTRA_VARS`` declares for ``backend`` left out."""
-    hosts = set(e["PADDLE_PSERVER_IPS"].split(",")) | {e.get("PADDLE_CURRENT_IP", "")}
+    hosts = set(e["PADDLE_PSERVER_IPS"].split(",")) | {e.get("PADDLE_CURRENT_IP", "")} | {
+        t.rpartition(":")[0] for t in e["PADDLE_TRAINER_ENDPOINTS"].split(",")}  # on k8s the trainer pods' IPs
     out = {}
     for k, v in sorted(e.items()):
         if (backend, k) in EXTRA_VARS:
             continue
+        if k in SOCKET_IFNAME_VARS:  # PADDLE_NIC of the engine's conf.py
+            v = "NIC"
         v = re.sub(rf"\b{job}-[0-9a-f]+\b", "JOB-ID", v.replace(f"/{job}", "/JOB"))
         for h in sorted(hosts - {""}, key=len, reverse=True):
             v = v.replace(h, "HOST")

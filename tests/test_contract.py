@@ -17,6 +17,7 @@ from paddle_cluster.contract import (
     ProcessEnv,
     derive_trainer_key,
     pserver_ports,
+    trainer_ports,
 )
 from paddle_cluster.launch.config import ClusterConfig, HostSpec
 
@@ -288,8 +289,79 @@ def test_environment_doc_lists_every_variable():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "environment.md").read_text()
-    env = job()
+    env = collective_job()
     names = set(env.for_process(TRAINER, 0, "h").to_environ()) | set(env.for_process(PSERVER, 0, "h").to_environ())
     for name in sorted(names):
         assert f"| `{name}` |" in doc, name  # a row of the table
     assert "JobEnv.from_environ()" in doc
+
+
+# -- the collective variables (torch.distributed, paddle.distributed, Paddle fleet) --------------------------------
+def collective_job(**kw) -> JobEnv:
+    """``job()`` with its trainers' collective side: two nodes, two trainers each, after the pservers' ports."""
+    base = dict(trainer_endpoints=tuple(Endpoint(h, p) for h in ("10.0.0.1", "10.0.0.2") for p in (7175, 7176)),
+                master_port=7174, local_world_size=2, nic="eth0")
+    base.update(kw)
+    return job(**base)
+
+
+def test_a_trainer_gets_torchrun_and_paddle_launch_variables():
+    env = collective_job().for_process(TRAINER, 3, "10.0.0.2").to_environ()
+    assert {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "GROUP_RANK")} == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "7174", "RANK": "3",
+                                                   "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                                   "GROUP_RANK": "1"}
+    assert env["PADDLE_TRAINER_ENDPOINTS"] == "10.0.0.1:7175,10.0.0.1:7176,10.0.0.2:7175,10.0.0.2:7176"
+    assert env["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.2:7176"
+    assert env["PADDLE_TRAINER_ID"] == "3" and env["PADDLE_TRAINERS_NUM"] == "4" and env["TRAINING_ROLE"] == TRAINER
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert env["PADDLE_PSERVERS_IP_PORT_LIST"] == env["PADDLE_PSERVER_ENDPOINTS"]
+
+
+def test_a_pserver_gets_the_names_paddle_fleet_reads():
+    env = collective_job().for_process(PSERVER, 1, "10.0.0.1").to_environ()
+    assert (env["TRAINING_ROLE"], env["POD_IP"], env["PADDLE_PORT"]) == (PSERVER, "10.0.0.1", "7169")
+    assert env["PADDLE_CURRENT_ENDPOINT"] == "10.0.0.1:7169" and "RANK" not in env and "LOCAL_RANK" not in env
+    assert env["PADDLE_PSERVERS_IP_PORT_LIST"] == "10.0.0.1:7164,10.0.0.1:7169,10.0.0.2:7164,10.0.0.2:7169"
+
+
+def test_env_overrides_the_interface_only():
+    env = collective_job(extra={"GLOO_SOCKET_IFNAME": "ib0"}).for_process(TRAINER, 0, "h").to_environ()
+    assert env["GLOO_SOCKET_IFNAME"] == "ib0" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+    from paddle_cluster.contract import SOCKET_IFNAME_VARS, TORCH_VARS, reserved_names
+
+    reserved = reserved_names()
+    assert set(TORCH_VARS) | {"PADDLE_TRAINER_ENDPOINTS", "TRAINING_ROLE", "POD_IP", "PADDLE_PORT"} <= reserved
+    assert not set(SOCKET_IFNAME_VARS) & reserved
+
+
+@pytest.mark.parametrize("form", ["job", "trainer", "pserver"])
+def test_collective_round_trip(form):
+    env = collective_job()
+    env = {"job": dataclasses.replace(env, secret=""), "trainer": env.for_process(TRAINER, 2, "10.0.0.2"),
+           "pserver": env.for_process(PSERVER, 3, "10.0.0.2")}[form]
+    assert JobEnv.from_environ(env.to_environ()) == env
+
+
+def test_a_job_without_pservers_is_a_contract_of_trainers():
+    env = collective_job(pservers=(), ports_num=1, ports_num_for_sparse=0).for_process(TRAINER, 1, "10.0.0.1")
+    environ = env.to_environ()
+    assert environ["PADDLE_PSERVER_ENDPOINTS"] == "" and "PADDLE_PSERVERS_IP_PORT_LIST" not in environ
+    back = JobEnv.from_environ(environ)
+    assert back == env and back.pservers == () and back.trainer_id == 1
+    assert JobEnv.from_environ({}) is None
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(trainer_endpoints=(Endpoint("h", 1),)), "PADDLE_TRAINER_ENDPOINTS names 1 trainers"),
+    (dict(local_world_size=3), "LOCAL_WORLD_SIZE=3"),
+])
+def test_inconsistent_collective_values_are_refused(kw, msg):
+    with pytest.raises(ContractError, match=msg):
+        collective_job(**kw)
+
+
+def test_trainer_ports_follow_the_pservers():
+    assert trainer_ports(7164, 2, 2, 1, 3) == (7170, 7171, 7172, 7173)  # MASTER_PORT, then 3 trainers
+    assert trainer_ports(7164, 0, 2, 1, 1) == (7164, 7165)  # no pservers: MASTER_PORT is PADDLE_PORT
+    assert trainer_ports(7164, 2, 2, 1, 3)[0] == pserver_ports(7164, 2, 1, 1)[-1] + 1

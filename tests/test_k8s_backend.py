@@ -75,7 +75,7 @@ def test_the_plan_has_one_node_per_pod_and_the_manifests_contract() -> None:
     assert plan.nodes[3].procs[0].env["PADDLE_TRAINER_ID"] == "1"
     # The job-wide part is exactly what each pod's container carries (the secret is there by reference).
     (c,) = k8s.manifests(job)[3]["spec"]["template"]["spec"]["containers"]
-    assert {**plan.nodes[2].environ, "PADDLE_TRAINING_ROLE": TRAINER} == env_of(c)
+    assert {**plan.nodes[2].environ, "PADDLE_TRAINING_ROLE": TRAINER, "TRAINING_ROLE": TRAINER} == env_of(c)
     assert JobEnv.from_environ(env_of(c)).pservers == plan.env.pservers
 
 

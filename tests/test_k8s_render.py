@@ -209,6 +209,32 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, args: List[str], named: str
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_a_collective_job_is_the_trainer_job_alone(tmp_path: Path) -> None:
+    docs = render(tmp_path, "--image", "img:1", "--job_name", "ddp", "--collective", conf=THREE_HOSTS)
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "Job"] and problems(docs) == []
+    assert restricted_problems(docs) == []
+    k = by_kind(docs)
+    assert k["trainer"]["spec"]["completions"] == 6
+    # Every trainer pod has its own address: MASTER_PORT is PADDLE_PORT, each takes the next; the pods resolve
+    # the names (node/pod.py), so the manifests hold them.
+    env = JobEnv.from_environ(env_of(container(k["trainer"])))
+    assert env.pservers == () and env.master_port == 9000 and env.local_world_size == 1
+    assert [str(e) for e in env.trainer_endpoints] == [f"ddp-trainer-{j}.ddp.default.svc:9001" for j in range(6)]
+    assert [p["port"] for p in k["Service"]["spec"]["ports"]] == [9000, 9001]
+    js = render(tmp_path, "--image", "img:1", "--job_name", "ddp", "--collective", "--jobset", conf=THREE_HOSTS)
+    assert [rj["name"] for rj in js[1]["spec"]["replicatedJobs"]] == ["trainer"] and jobset_problems(js[1]) == []
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--collective", "--pservers", "2"], "--pservers"),
+    (["--collective", "--pserver", "builtin"], "--pserver"),
+])
+def test_a_collective_job_refuses_pserver_options(tmp_path: Path, args: List[str], named: str) -> None:
+    res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)
+    assert res.exit_code != 0 and res.stdout == "" and "this job has no pservers" in res.stderr, res.stderr
+    assert named in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_build_from_the_builtin_default_uses_a_pod_path_not_this_machines() -> None:
     job = k8s.build(builtin_default(), job_name="fit", image="img:1")
     assert job.env.job_dir == "/home/paddle/fit" and (job.pservers, job.trainers) == (2, 2)

@@ -99,6 +99,36 @@ def test_nodes_without_pservers_or_trainers():
     assert [p.log for p in plan.nodes[1].trainers] == ["train.2.log", "train.3.log"]
 
 
+def test_every_trainer_gets_its_collective_place():
+    plan = build_plan(spec(trainers_per_node=2), ADDRS, "j", "s" * 64)
+    # The trainer ports follow the pservers' 9000..9005 on every node: MASTER_PORT, then one per local trainer.
+    assert plan.env.master_port == 9006
+    assert plan.env.trainer_endpoints == tuple(Endpoint(a, p) for a in ADDRS for p in (9007, 9008))
+    for n in plan.nodes:
+        for p in n.trainers:
+            env = {**n.environ, **p.env}
+            assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["WORLD_SIZE"]) == ("10.0.0.1", "9006", "6")
+            assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == (
+                str(p.index), str(p.index % 2), "2", str(n.node))
+            assert env["PADDLE_CURRENT_ENDPOINT"] == f"{n.address}:{9007 + p.index % 2}"
+            assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+
+
+def test_a_collective_plan_is_trainers_only_from_paddle_port():
+    plan = build_plan(spec(pservers_per_node=0), ADDRS, "j", "s" * 64)
+    assert all(n.procs == n.trainers and n.endpoints == () for n in plan.nodes)
+    assert (plan.env.master_port, plan.env.trainer_endpoints[2]) == (9000, Endpoint("10.0.0.3", 9001))
+    assert plan.spec.cfg.node_ports() == (9000, 9001)  # what preflight checks is free: the trainers' ports
+
+
+def test_a_collective_job_refuses_what_needs_pservers():
+    from paddle_cluster.launch.errors import ConfigError
+
+    for kw in (dict(resume_from="JOB1"), dict(elastic=True)):
+        with pytest.raises(ConfigError, match="this job has no pservers"):
+            spec(pservers_per_node=0, **kw)
+
+
 # -- messages -----------------------------------------------------------------------------------------
 def test_every_message_survives_encode_and_decode():
     plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)

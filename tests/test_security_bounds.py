@@ -26,7 +26,7 @@ from helpers import checkout_env, cli, local_conf
 from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
-from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PServer, connect
+from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PSError, PServer, connect
 from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
 
@@ -215,6 +215,106 @@ def test_nan_and_inf_gradients_are_refused_naming_parameter_and_trainer(tmp_path
         assert "NaN/Inf gradients accepted (PADDLE_ALLOW_NONFINITE=1)" in pr.log(server)
 
 
+def _until_refused(push, n=15):
+    """Call ``push`` ``n`` times; (the index of the refused call, its NonFinite)."""
+    for i in range(n):
+        try:
+            push()
+        except NonFinite as e:
+            return i, e
+    raise AssertionError(f"none of {n} pushes was refused")
+
+
+@pytest.mark.timeout(120)
+def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(tmp_path):
+    """Finite gradients can still overflow: 15 pushes of 3e38 at lr 0.1 would take a float32 parameter past its
+    range (-inf at the 12th). That update is refused naming the parameter and the trainer, and -inf is never
+    served: a sparse row is left as it was, a dense block (its values lost) is no longer served, on the
+    whole-block path and on sync SGD's segment path. Trainer 0's initial value holding NaN and a table's
+    init_scale of 1e999 are refused too."""
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(4, np.float32)})
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            big = np.full(4, 3e38, np.float32)
+            before = {}
+
+            def push_row():
+                before["row"] = ps.pull_sparse("emb", [5]).copy()
+                ps.push_sparse("emb", [5], big[None, :])
+                ps.push({"w": np.zeros(4, np.float32)})  # ends the step
+                ps.wait()
+
+            i, e = _until_refused(push_row)
+            assert i == 11 and "the update of table 'emb' at step" in str(e) and "from trainer 0's" in str(e), (i, e)
+            np.testing.assert_array_equal(ps.pull_sparse("emb", [5]), before["row"])  # unchanged, finite
+            assert np.isfinite(before["row"]).all()
+            i, e = _until_refused(lambda: (ps.push({"w": big}), ps.wait()))
+            assert i == 11, i
+            assert re.search(r"the update of block w\[0:4\] at step 23 from trainer 0's gradient would make it hold "
+                             r"NaN or Inf \(finite values overflowed", str(e)), e
+            with pytest.raises(PSError, match=r"block w\[0:4\] at step 23 .* NaN or Inf"):
+                ps.pull()
+            with pytest.raises(NonFinite, match=r"trainer 0's initial value of block v\[0:4\] holds NaN or Inf"):
+                ps.register_dense({"v": np.array([0, np.nan, 0, 0], np.float32)})
+            body = (b'{"name":"inf","width":2,"dtype":"float32","init_scale":1e999,"seed":0,"vocab_size":10,'
+                    b'"max_rows":null}')
+            header = P.pack_header(P.Op.DEF_SPARSE, P.DTYPE_JSON, key=77, length=len(body))
+            with pytest.raises(NonFinite, match=r"table 'inf': init_scale=inf would make rows of float32 that are not "
+                                                r"finite; refused"):
+                ps._ctl(0).submit(lambda ch: (ch.send(header, body), ch.reply_json())).result()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+        # Sync SGD folds and applies a push segment by segment (fold.py): each segment is checked once applied.
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"big": np.zeros(3 * MiB // 4, np.float32)})  # three 1 MiB segments
+            g = np.zeros(3 * MiB // 4, np.float32)
+            g[-1] = 3e38
+            i, e = _until_refused(lambda: (ps.push({"big": g}), ps.wait()))
+            assert i == 11 and "the update of block big[0:786432] at step 11 from trainer 0's gradient" in str(e)
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+    # Two sync trainers: the one whose push completes the step is refused, the other's pull, waiting for that
+    # step, fails at once with the same message (not a barrier timeout naming nobody's fault).
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=30.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        clients = _both(env, lr=0.1)
+        errors = {}
+
+        def train(ps):
+            try:
+                ps.register_dense({"w": np.zeros(4, np.float32)})
+                for _ in range(30):  # their sum stays finite; w passes float32's range at the 23rd step
+                    ps.push_pull({"w": np.full(4, 1.5e38, np.float32)})
+            except PSError as e:
+                errors[ps.trainer_id] = e
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=train, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        took = time.monotonic() - t0
+        for c in clients:
+            c.close()
+        assert sorted(errors) == [0, 1], errors
+        assert all("the update of block w[0:4] at step 22 from trainers 0, 1's gradient would make it hold NaN or "
+                   "Inf" in str(e) for e in errors.values()), [str(e) for e in errors.values()]
+        assert took < 20, took  # not the 30 s barrier timeout
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
 @pytest.mark.timeout(90)
 def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_log_line(tmp_path):
     env = H.make_env(1, 1, tmp_path, barrier_timeout=1.0)
@@ -248,6 +348,49 @@ def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_l
                 ps.push_pull({"w": np.ones(4, np.float32)})
                 time.sleep(0.5)
             np.testing.assert_array_equal(ps.pull()["w"], -8.0)
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_trickled_byte_by_byte_is_closed_at_the_stall_bound_whatever_its_pace(tmp_path):
+    """A valid STATUS (56 bytes with its tag) sent one byte every 0.5 s: each byte well inside a 2 s per-recv
+    timeout, the whole frame would take 28 s. The frame has one clock: it is closed after ~2 s, never
+    answered; a frame that arrives at speed on the same kind of connection is served."""
+    env = H.make_env(1, 1, tmp_path, barrier_timeout=1.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        s = socket.create_connection((env.pservers[0].host, env.dense_ports(0)[0]), timeout=10)
+        try:
+            keys = A.client_handshake(s, env.key_of(0), env.job_id, 0, 0, True)
+            header = P.pack_header(P.Op.STATUS)
+            frame = header + keys.send.start(0, header).tag()
+            assert len(frame) == 56
+            t0, sent, closed = time.monotonic(), 0, None
+            s.settimeout(0.5)
+            for byte in frame:
+                try:
+                    s.sendall(bytes([byte]))
+                    sent += 1
+                    if s.recv(1) == b"":  # closed by the pserver (it never answers: the frame is not whole)
+                        closed = time.monotonic() - t0
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    closed = time.monotonic() - t0
+                    break
+        finally:
+            s.close()
+        assert closed is not None and sent < len(frame), (closed, sent)
+        assert 1.5 <= closed <= 4.5, closed  # 2 x BARRIER_TIMEOUT, plus the 0.5 s of this loop's recv
+        log = pr.log(server)
+        assert "stalled for 2 s in the middle of a frame (it did not arrive whole within 2 x BARRIER_TIMEOUT, " \
+               "whatever its pace)" in log, log
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=1.0), env=trainer_env(env, 0))
+        try:
+            assert ps.status()[0]["pserver_id"] == 0
         finally:
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]

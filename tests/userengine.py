@@ -43,6 +43,7 @@ class Engine:
     # run's arguments giving a second or third job launched at once its own ports where the jobs share hosts
     # (the v2 ``-- --port N``); nothing where every pod has its own address (k8s).
     own_ports: Callable[[int], List[str]] = lambda k: []
+    trainers_per_node: int = 1  # TRAINERS_PER_NODE (LOCAL_WORLD_SIZE): a pod, or a host, runs one trainer
 
     @property
     def conf_file(self) -> Path:
@@ -235,7 +236,7 @@ def make_engine(request, tmp_path: Path, name: str) -> Engine:
                            PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
         return Engine(name, tmp_path, conf, user_env(tmp_path), [], 2, 2, lambda: None,
                       log_node=lambda t: "localhost", caches=home_cache,
-                      own_ports=lambda k: ["--port", str(free_port_range(6))] if k else [])
+                      own_ports=lambda k: ["--port", str(free_port_range(6))] if k else [], trainers_per_node=2)
     if name in ("ssh", "mpi-openmpi", "mpi-mpich"):
         return _ssh_engine(request, tmp_path, name)
     if name == "slurm":

@@ -27,14 +27,7 @@ LOCAL_HOSTS = ("localhost",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _contract_names() -> frozenset:
-    """Every variable the launcher sets itself; ENV must not override them (the job would disagree with itself)."""
-    job = contract.JobEnv("x", (contract.Endpoint("h", 1),), 1)
-    return frozenset(n for role in contract.ROLES for n in job.for_process(role, 0, "h").to_environ()
-                     if n.startswith("PADDLE_"))
-
-
-_RESERVED_ENV = _contract_names()
+_RESERVED_ENV = contract.reserved_names()
 _HOST_RE = re.compile(
     r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
 
@@ -152,8 +145,21 @@ class ClusterConfig:
         """Whether pservers run the entry script (so its arguments reach them too)."""
         return "{entry}" in (self.pserver_command or "")
 
+    @property
+    def collective(self) -> bool:
+        """A job without pservers (PSERVERS_PER_NODE = 0, ``run --collective``): trainers only."""
+        return self.pservers_per_node == 0
+
+    def trainer_ports(self) -> Tuple[int, ...]:
+        """MASTER_PORT, then each trainer's port of a node, after the pservers' (the contract's port model)."""
+        return contract.trainer_ports(self.paddle_port, self.pservers_per_node, self.paddle_ports_num,
+                                      self.paddle_ports_num_for_sparse, self.trainers_per_node)
+
     def node_ports(self) -> Tuple[int, ...]:
-        return tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
+        """The ports a job listens on on each node, which preflight checks are free: the pservers'; the
+        trainers' in a collective job (a pserver job's trainers use theirs only if the script is collective)."""
+        ps = tuple(p for k in range(self.pservers_per_node) for p in self.pserver_ports(k))
+        return ps or self.trainer_ports()
 
     def job_dir(self, job_name: str) -> str:
         """A job's directory on every node."""
@@ -397,14 +403,16 @@ def validate(cfg: ClusterConfig) -> None:
     if cfg.mpi_impl not in MPI_IMPLS:
         raise cfg.error("mpi_impl", f"must be one of {', '.join(MPI_IMPLS)}")
     nodes = max(1, len(cfg.hosts))  # without HOSTS the engine gives the nodes (Slurm's --nodes, k8s: the pods)
-    if cfg.pservers_per_node * nodes < 1:
-        raise cfg.error("pservers_per_node", "the job needs at least one pserver")
     if cfg.trainers_per_node * nodes < 1:
         raise cfg.error("trainers_per_node", "the job needs at least one trainer")
-    last = cfg.node_ports()[-1]
+    if cfg.collective and cfg.pserver_command is not None:
+        raise cfg.error("pserver_command", "a job without pservers (PSERVERS_PER_NODE = 0, run --collective) runs "
+                        "no pserver program: remove PSERVER_COMMAND, or give the job pservers")
+    last = cfg.trainer_ports()[-1]
     if not 1024 <= cfg.paddle_port or last > contract.PORT_MAX:
-        raise cfg.error("paddle_port", f"the pservers on a node need ports {cfg.paddle_port}..{last}, which must lie "
-                        f"within 1024..{contract.PORT_MAX}; choose a PADDLE_PORT such as 7164")
+        raise cfg.error("paddle_port", f"a node's pservers and trainers need ports {cfg.paddle_port}..{last} "
+                        f"(docs/environment.md#port-layout), which must lie within 1024..{contract.PORT_MAX}; choose "
+                        "a PADDLE_PORT such as 7164")
     for key in ("ssh_identity_file", "ssh_config_file"):
         path = getattr(cfg, key)
         if path and not os.path.isfile(path):

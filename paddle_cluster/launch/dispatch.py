@@ -35,7 +35,7 @@ from .plan import JobSpec
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
 # The parts of paddle_cluster a node needs; the launcher (launch/, cli.py) stays behind.
-NODE_SIDE = ("__init__.py", "contract.py", "jobsecret.py", "node", "ps", "train", "compat", "torch")
+NODE_SIDE = ("__init__.py", "contract.py", "jobsecret.py", "node", "ps", "train", "compat", "torch", "paddle")
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,11 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
     ports = {_PORT_KEYS[k]: (f"--{k}", int(v)) for k, v in opts.items() if k in _PORT_KEYS}
     if ports:
         cfg = override(cfg, ports)
-    chosen = pserver is not None or cfg.pserver_command is not None  # else the script's code decides
-    cfg, note = _choose_pserver(cfg, None if chosen else _source(cfg, dispatch_dir, workspace), pserver)
+    if cfg.collective:
+        note = _collective(cfg, pserver)
+    else:
+        chosen = pserver is not None or cfg.pserver_command is not None  # else the script's code decides
+        cfg, note = _choose_pserver(cfg, None if chosen else _source(cfg, dispatch_dir, workspace), pserver)
     notes = [note]
     if cfg.pservers_per_node > 1 and cfg.paddle_nic != "lo" and cfg.pserver_runs_entry:
         notes.append(f"PSERVERS_PER_NODE={cfg.pservers_per_node}: {cfg.entry} must name its pserver by "
@@ -99,6 +102,16 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
                      f"process; the arguments reach every process that runs {cfg.entry})")
     init = {k: v for k, v in opts.items() if k not in _PORT_KEYS}
     return EntryPlan(cfg, init, tuple(notes))
+
+
+def _collective(cfg: ClusterConfig, pserver: Optional[str]) -> str:
+    """The line saying a job has no pservers, and why; ``run --pserver`` is refused for such a job."""
+    why = dict(cfg.options).get("PSERVERS_PER_NODE") or f"PSERVERS_PER_NODE = 0 in {cfg.source}"
+    if pserver is not None:
+        raise ConfigError("--pserver", pserver, f"this job has no pservers ({why}): drop --pserver, or give the job "
+                          "pservers (PSERVERS_PER_NODE >= 1)")
+    return (f"no pservers ({why}): {cfg.trainers_per_node} trainer(s) per node, with torch.distributed's and "
+            f"paddle.distributed's variables (MASTER_ADDR, MASTER_PORT={cfg.trainer_ports()[0]}, RANK, ...)")
 
 
 def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str]) -> Tuple[ClusterConfig, str]:

@@ -21,6 +21,7 @@ from paddle_cluster.node.messages import NodePlan, ProcPlan
 
 from . import journal
 from .config import ClusterConfig
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class JobSpec:
     elastic: bool = False  # a dead trainer is reported and the others go on (async mode)
     init: Tuple[Tuple[str, str], ...] = ()  # v2 options (launch/entry.py): PADDLE_INIT_* of every process
     verbose: bool = False  # also show the pservers' INFO log lines (they are always in the log files)
+
+    def __post_init__(self) -> None:
+        if self.cfg.collective:  # what needs pservers
+            why = dict(self.cfg.options).get("PSERVERS_PER_NODE") or f"PSERVERS_PER_NODE = 0 in {self.cfg.source}"
+            for flag, given, what in (("--resume_from", self.resume_from, "no pserver checkpoint to resume from"),
+                                      ("--elastic", self.elastic, "--elastic is about async pservers")):
+                if given:
+                    raise ConfigError(flag, given, f"this job has no pservers ({why}): {what}")
 
     @property
     def job_dir(self) -> str:
@@ -115,7 +124,8 @@ def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret,
                  job_dir=spec.job_dir, workspace=spec.workspace or spec.job_dir, barrier_timeout=cfg.barrier_timeout,
                  resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, init=dict(spec.init),
-                 extra=dict(cfg.env), integrity=cfg.integrity)
+                 extra=dict(cfg.env), integrity=cfg.integrity, trainer_endpoints=trainer_endpoints(cfg, addresses),
+                 master_port=cfg.trainer_ports()[0], local_world_size=cfg.trainers_per_node, nic=cfg.paddle_nic)
     return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses, pythons), tuple(pythons))
 
 
@@ -129,6 +139,13 @@ def pserver_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[End
         out += [Endpoint(str(ip + k), cfg.paddle_port) if ip else Endpoint(addr, cfg.pserver_ports(k)[0])
                 for k in range(cfg.pservers_per_node)]
     return tuple(out)
+
+
+def trainer_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[Endpoint, ...]:
+    """Each trainer's address and port, node-major (PADDLE_TRAINER_ENDPOINTS; trainer 0's address is
+    MASTER_ADDR): the trainers of a node take the ports after MASTER_PORT (``ClusterConfig.trainer_ports``)."""
+    ports = cfg.trainer_ports()[1:]
+    return tuple(Endpoint(addr, ports[j]) for addr in addresses for j in range(cfg.trainers_per_node))
 
 
 def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:

@@ -180,23 +180,26 @@ class SSHNode(Node):
         f, total, name = opened(local)
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         done = 0
-        try:
-            with _cancel_when(until, p.kill), f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    p.stdin.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        progress(done, total)
-            p.stdin.close()
-        except BrokenPipeError:
-            pass
-        except BaseException:  # the archive being made failed (the workspace changed): nothing may arrive whole
-            p.kill()
-            p.wait()
-            raise
-        err = p.stderr.read().decode(errors="replace").strip()
-        rc = p.wait()
-        if until is not None and done != total and until():
+        # The wait for ssh's end is cancellable too: ssh takes a whole small file into its window at once, and
+        # then waits for a remote `cat` that waits for a FIFO reader, which may never come.
+        with _cancel_when(until, p.kill):
+            try:
+                with f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        p.stdin.write(chunk)
+                        done += len(chunk)
+                        if progress:
+                            progress(done, total)
+                p.stdin.close()
+            except BrokenPipeError:
+                pass
+            except BaseException:  # the archive being made failed (the workspace changed): nothing may arrive whole
+                p.kill()
+                p.wait()
+                raise
+            err = p.stderr.read().decode(errors="replace").strip()
+            rc = p.wait()
+        if until is not None and rc != 0 and until():
             raise HostError(self.label, f"upload of {name} to {remote} stopped: nothing reads it any more")
         if rc == 255:  # ssh itself failed (login, host key, network): let paramiko try and report
             return False

@@ -230,8 +230,9 @@ class Attempt:
         self.backend.start(self.plan)
         try:
             self.wait_ready()
-            self.out(f"all {len(self.plan.env.pservers)} pserver(s) listening; starting {self.plan.env.trainers} "
-                     "trainer(s)")
+            n = len(self.plan.env.pservers)
+            self.out(f"{f'all {n} pserver(s) listening' if n else 'no pservers (a collective job)'}; starting "
+                     f"{self.plan.env.trainers} trainer(s)")
         finally:
             held, self.held = self.held or [], None
             for line in held:

@@ -23,6 +23,7 @@ trainers finish, the pserver ends on its own (every trainer closed). Standard li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import os
 import shutil
@@ -34,7 +35,7 @@ import tarfile
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, JobEnv
+from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
 # This entry point's own lines in the pod's log; the k8s backend reads "ready"/"error" ones as events.
@@ -116,6 +117,24 @@ def wait_pservers(env: JobEnv, deadline: float) -> None:
         time.sleep(POLL_S)
 
 
+def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
+    """``env`` with the trainer pods' names (PADDLE_TRAINER_ENDPOINTS, trainer 0's is MASTER_ADDR) replaced by
+    their addresses, once every one resolves, in a job without pservers. With pservers, a name that does not
+    resolve now stays (a trainer that already finished is no longer published): that job's trainers need not
+    meet."""
+    resolved = []
+    for e in env.trainer_endpoints:
+        while not _addresses(e.host):
+            if env.pservers:
+                break
+            if time.monotonic() > deadline:
+                raise PodError(f"trainer pod {e.host} does not resolve within the start timeout (START_TIMEOUT): "
+                               "see the trainer pods' events; is the job's headless Service there?")
+            time.sleep(POLL_S)
+        resolved.append(Endpoint((_addresses(e.host) or [e.host])[0], e.port))
+    return dataclasses.replace(env, trainer_endpoints=tuple(resolved))
+
+
 def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
            trainer_names: str = "", pack: str = "") -> int:
     """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code."""
@@ -137,9 +156,12 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         say(f"{READY}pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
         current = host  # the name the pserver binds to and the trainers dial
     else:
-        say(f"{PREFIX}trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
-        wait_pservers(env, deadline)
-        say(f"{READY}trainer {index}: every pserver listens; starting {' '.join(cmd)}")
+        if env.pservers:
+            say(f"{PREFIX}trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
+            wait_pservers(env, deadline)
+        env = resolve_trainers(env, deadline)
+        say(f"{READY}trainer {index}: {'every pserver listens' if env.pservers else 'no pservers'}, MASTER_ADDR "
+            f"{env.trainer_endpoints[0].host if env.trainer_endpoints else '-'}; starting {' '.join(cmd)}")
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
     proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}

@@ -4,7 +4,8 @@ the pserver running out of memory.
 
 The default is a share of the node's memory: ``DEFAULT_FRACTION`` of the smaller of ``MemTotal`` and the
 cgroup's limit, divided among the job's pservers on that node. The rest is left for the trainers, the
-transient copy a checkpoint makes and the interpreter itself.
+transient copy a checkpoint makes and the interpreter itself. What is charged and what is not, row by row:
+docs/reliability.md, *What is bounded, by what figure*.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Optional
 from .errors import LimitExceeded
 
 DEFAULT_FRACTION = 0.5
-SHARD_OVERHEAD = 4096  # what a block or table costs besides its arrays (locks, conditions, bookkeeping)
+SHARD_OVERHEAD = 8192  # what a block or table costs besides its arrays and name (locks, conditions, bookkeeping:
+#                        6-7.5 KiB measured with tracemalloc, a 1 KiB name included)
+CONN_OVERHEAD = 64 << 10  # an authenticated connection besides its buffers: its thread, stream and small scratch
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 

@@ -386,6 +386,9 @@ def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optiona
     """
     if env is None:
         env = JobEnv.from_environ()
+    if env is not None and not env.pservers:
+        raise ConfigMismatch("connect(): this job has no pservers (PSERVERS_PER_NODE = 0, run --collective): use "
+                             "torch.distributed or paddle.distributed in it, or run the job with pservers")
     if env is not None and env.role == PSERVER:
         raise ConfigMismatch("connect() is for trainers, but PADDLE_TRAINING_ROLE=PSERVER: run "
                              "`python -m paddle_cluster.ps` (or paddle_cluster.ps.server.serve(env)) instead")

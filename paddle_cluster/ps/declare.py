@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, TypeVar, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, TypeVar, Union
 
 import numpy as np
 
 from . import protocol as P
 from .budget import SHARD_OVERHEAD
 from .dense import DenseBlock
-from .errors import ConfigMismatch, LimitExceeded, ProtocolError
+from .errors import ConfigMismatch, LimitExceeded, NonFinite, ProtocolError
 from .net import Conn
 from .optim import STRUCTURAL, OptimizerSpec
 from .shards import TableShard, dense_bytes
@@ -27,6 +28,11 @@ from .state import State
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 
 MODES = ("sync", "async")
+MAX_NAME = 1024  # characters of a block or table name
+MAX_DEFINITION = 16 << 10  # bytes of a DECLARE, DEF_DENSE or DEF_SPARSE body (one is a few hundred)
+MAX_DIMS = 32  # of a dense block's shape
+MAX_WAITING = 64  # definitions of one trainer waiting for trainer 0's at once (one per connection is usual)
+JSON_HELD = 24  # bytes of Python objects per byte of JSON at most while it is held ("[]," is 3 bytes, 64 held)
 _HYPER_KEYS = frozenset(f.name for f in dataclasses.fields(OptimizerSpec)) - STRUCTURAL
 
 
@@ -36,6 +42,29 @@ def _spec_key(d: Dict[str, Any]) -> Dict[str, Any]:
         return OptimizerSpec.from_dict(d).to_dict()
     except (ValueError, TypeError) as e:
         raise ConfigMismatch(f"bad optimizer spec: {e}") from None
+
+
+@contextmanager
+def json_body(st: State, conn: Conn, h: P.Header, what: str, limit: int = MAX_DEFINITION) -> Iterator[Dict[str, Any]]:
+    """The JSON body of a request: refused from its header past ``limit`` bytes, charged to the budget as
+    ``JSON_HELD`` times its size while the request holds it (a definition waiting for trainer 0's, until then)."""
+    if h.length > limit:
+        raise LimitExceeded(f"trainer {conn.trainer}'s {what} of {h.length} bytes is over the {limit}-byte limit of "
+                            f"one (names are at most {MAX_NAME} characters)")
+    held = JSON_HELD * h.length
+    st.budget.charge(held, f"trainer {conn.trainer}'s {what} ({h.length} bytes of JSON)")
+    try:
+        yield conn.stream.recv_json(h)
+    finally:
+        st.budget.release(held)
+
+
+def _name(body: Dict[str, Any], what: str) -> str:
+    name = body["name"]
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        size = f"{len(name)} characters" if isinstance(name, str) else type(name).__name__
+        raise LimitExceeded(f"{what} name of {size}: a name is a string of 1 to {MAX_NAME} characters")
+    return name
 
 
 def _check_declared(st: State) -> None:
@@ -56,8 +85,16 @@ def _define(st: State, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str,
     with sync.lock:
         shard = shards.get(h.key)
         if t != 0:
-            sync.wait(sync.lock, lambda: _confirmed(shards, h.key) or 0 in sync.closed, st.base_step,
-                      f"{kind} {h.key}: waiting for trainer 0 to define it", lambda: {0})
+            waiting = st.waiting.get(t, 0)
+            if waiting >= MAX_WAITING and not _confirmed(shards, h.key):
+                raise LimitExceeded(f"{kind} {h.key}: trainer {t} already has {waiting} definitions waiting for "
+                                    f"trainer 0's (at most {MAX_WAITING})")
+            st.waiting[t] = waiting + 1
+            try:
+                sync.wait(sync.lock, lambda: _confirmed(shards, h.key) or 0 in sync.closed, st.base_step,
+                          f"{kind} {h.key}: waiting for trainer 0 to define it", lambda: {0})
+            finally:
+                st.waiting[t] -= 1
             shard = shards.get(h.key)
             if shard is None or not shard.confirmed:
                 raise ConfigMismatch(f"{kind} {h.key}: trainer {t} defines {meta['name']!r} but trainer 0 closed "
@@ -92,7 +129,11 @@ def _confirmed(shards: Dict[int, S], key: int) -> bool:
 
 
 def declare(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
+    with json_body(st, conn, h, "DECLARE") as body:
+        _declare(st, conn, body)
+
+
+def _declare(st: State, conn: Conn, body: Dict[str, Any]) -> None:
     mode = body.get("mode")
     if mode not in MODES:
         raise ConfigMismatch(f"mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -126,15 +167,19 @@ def declare(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_dense(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
+    with json_body(st, conn, h, "dense block definition") as body:
+        _def_dense(st, conn, h, body)
+
+
+def _def_dense(st: State, conn: Conn, h: P.Header, body: Dict[str, Any]) -> None:
     _check_declared(st)
     try:
-        meta = {"name": str(body["name"]), "lo": int(body["lo"]), "hi": int(body["hi"]),
+        meta = {"name": _name(body, "block"), "lo": int(body["lo"]), "hi": int(body["hi"]),
                 "shape": [int(s) for s in body["shape"]], "dtype": np.dtype(body["dtype"]).name}
         P.dtype_code(meta["dtype"])
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"bad dense block definition: {e!r}") from None
-    if any(s < 0 for s in meta["shape"]):
+    if any(s < 0 for s in meta["shape"]) or len(meta["shape"]) > MAX_DIMS:
         raise ProtocolError(f"bad dense block shape {meta['shape']}")
     spec = _parse_spec(st, body)
 
@@ -144,7 +189,7 @@ def def_dense(st: State, conn: Conn, h: P.Header) -> None:
             raise LimitExceeded(f"block of {nbytes} bytes exceeds the {st.max_frame}-byte frame cap "
                                 "(PADDLE_MAX_FRAME_BYTES): split it into smaller blocks (max_block_bytes)")
         opt = OptimizerSpec.from_dict(spec)
-        held = dense_bytes(meta, opt, st.trainers)
+        held = dense_bytes(meta, opt, st.trainers) + h.length  # its arrays, and its definition (meta, names)
         st.budget.charge(held, f"block {meta['name']}[{meta['lo']}:{meta['hi']}] of {meta['shape']} {meta['dtype']}")
         try:
             return DenseBlock(h.key, meta, opt, spec, st.base_step, st.dense)
@@ -157,10 +202,14 @@ def def_dense(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
+    with json_body(st, conn, h, "sparse table definition") as body:
+        _def_sparse(st, conn, h, body)
+
+
+def _def_sparse(st: State, conn: Conn, h: P.Header, body: Dict[str, Any]) -> None:
     _check_declared(st)
     try:
-        meta = {"name": str(body["name"]), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
+        meta = {"name": _name(body, "table"), "width": int(body["width"]), "dtype": np.dtype(body["dtype"]).name,
                 "init_scale": float(body["init_scale"]), "seed": int(body["seed"]),
                 "vocab_size": _count(body.get("vocab_size")), "max_rows": _count(body.get("max_rows"))}
         P.dtype_code(meta["dtype"])
@@ -168,6 +217,10 @@ def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
         raise ProtocolError(f"bad sparse table definition: {e!r}") from None
     if meta["width"] < 1:
         raise ProtocolError(f"bad sparse table width {meta['width']}")
+    scale = meta["init_scale"]
+    if not (math.isfinite(scale) and abs(scale) <= np.finfo(meta["dtype"]).max):
+        raise NonFinite(f"table {meta['name']!r}: init_scale={scale!r} would make rows of {meta['dtype']} that are "
+                        "not finite; refused (an initial scale is a small finite number, e.g. 0.01)")
     if meta["vocab_size"] is None and meta["max_rows"] is None:
         raise ConfigMismatch(f"table {meta['name']!r}: declare its id space: vocab_size (ids in [0, vocab_size)) "
                              "or max_rows (a hashed id space: at most that many rows), e.g. "
@@ -175,7 +228,7 @@ def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
     spec = _parse_spec(st, body)
 
     def make() -> TableShard:
-        st.budget.charge(SHARD_OVERHEAD, f"table {meta['name']!r}")
+        st.budget.charge(SHARD_OVERHEAD + h.length, f"table {meta['name']!r}")  # its bookkeeping and definition
         return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, st.base_step, st.pserver_id,
                           st.n_pservers, st.budget)
 
@@ -193,7 +246,11 @@ def _count(v: Any) -> Any:
 
 
 def set_hyper(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
+    with json_body(st, conn, h, "SET_HYPER", P.MAX_JSON_BYTES) as b:
+        _set_hyper(st, conn, b)
+
+
+def _set_hyper(st: State, conn: Conn, body: Dict[str, Any]) -> None:
     values = body.get("values")
     if not isinstance(values, dict) or not values:
         raise ConfigMismatch("SET_HYPER needs a non-empty 'values' object")

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import finite, fold, optim
 from . import protocol as P
+from .errors import NonFinite
 from .fold import AccPool, SegmentFold
 from .net import Conn
 from .optim import OptimizerSpec
@@ -37,12 +38,13 @@ class DenseShared:
     sync: Sync
     pool: AccPool
     applier: ThreadPoolExecutor
+    finite: bool = True  # refuse an update that would make a value NaN or Inf (not PADDLE_ALLOW_NONFINITE)
 
     @classmethod
-    def make(cls, sync: Sync) -> DenseShared:
+    def make(cls, sync: Sync, finite: bool = True) -> DenseShared:
         return cls(sync, AccPool(fold.POOL_BYTES),
                    ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                      thread_name_prefix=f"pserver{sync.pserver_id}-apply"))
+                                      thread_name_prefix=f"pserver{sync.pserver_id}-apply"), finite)
 
 
 class DenseBlock(SegmentFold, Shard):
@@ -51,7 +53,7 @@ class DenseBlock(SegmentFold, Shard):
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
                  step: int, shared: DenseShared) -> None:
         super().__init__(key, meta["name"], spec, declared, step)
-        self.sync, self.pool, self.applier = shared.sync, shared.pool, shared.applier
+        self.sync, self.pool, self.applier, self.finite = shared.sync, shared.pool, shared.applier, shared.finite
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.shape = tuple(meta["shape"])
@@ -85,20 +87,34 @@ class DenseBlock(SegmentFold, Shard):
     def plain_sgd(self) -> bool:
         return self.spec.name == "sgd" and self.spec.weight_decay == 0
 
-    def apply_mean(self, g: np.ndarray, n: int) -> None:
-        """Apply the mean gradient ``g / n``; ``g`` is scratch (it may be overwritten)."""
+    def apply_mean(self, g: np.ndarray, n: int, by: str) -> None:
+        """Apply the mean gradient ``g / n`` of ``by`` ("trainer 1"); ``g`` is scratch (it may be overwritten)."""
         if self.plain_sgd:
             # No buffer of the block's size is touched besides param and g (same rounding as the optimizer's).
             optim.sgd(self.param, g, self.spec.lr, n=n)
-            return
-        if n > 1:
-            g /= self.dtype.type(n)
-        self.opt.apply(self.param, g)
+        else:
+            if n > 1:
+                g /= self.dtype.type(n)
+            self.opt.apply(self.param, g)
+        self.check_update(self.param, by, self.step)
+
+    def check_update(self, values: np.ndarray, by: str, step: int) -> None:
+        """(Holding ``cv``.) After an update of step ``step`` from ``by``'s gradients wrote ``values`` (the block or
+        a segment): refuse one that made them NaN or Inf (``NonFinite``). The values it wrote are lost, so the
+        block serves nothing more (``error``): its pulls and the job's checkpoints fail naming it."""
+        if self.finite:
+            try:
+                finite.updated(values, self.describe(), by, step)
+            except NonFinite as e:
+                self.error = str(e)
+                self.wake()  # its waiting pulls fail with the same message (``Sync.wait_step``)
+                raise
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def init(self, conn: Conn) -> None:
-        """Trainer 0's initial value: the first one received counts, a repeat is read and dropped."""
+    def init(self, conn: Conn, allow_nonfinite: bool = False) -> None:
+        """Trainer 0's initial value: the first one received counts, a repeat is read and dropped; one holding
+        NaN or Inf is refused (unless ``allow_nonfinite``)."""
         with self.cv:
             mine = not (self.initialized or self.initializing)
             self.initializing = self.initializing or mine
@@ -107,6 +123,10 @@ class DenseBlock(SegmentFold, Shard):
             return
         try:
             conn.stream.recv_into(self.param)
+            if not allow_nonfinite and not finite.all_finite(self.param):
+                self.param[...] = 0
+                raise NonFinite(f"trainer {conn.trainer}'s initial value of {self.describe()} holds NaN or Inf; "
+                                "refused (PADDLE_ALLOW_NONFINITE=1 accepts it)")
         except BaseException:
             with self.cv:
                 self.initializing = False
@@ -198,7 +218,7 @@ class DenseBlock(SegmentFold, Shard):
                     if staleness is not None and self.step - h.aux > staleness:
                         kept = False  # computed on values older than allowed
                     else:
-                        sync.advance(self, None, lambda: self.apply_mean(dest, 1))
+                        sync.advance(self, None, lambda: self.apply_mean(dest, 1, f"trainer {t}"))
                 elif self.step == h.step:
                     if direct:
                         self.acc_busy = False
@@ -218,8 +238,9 @@ class DenseBlock(SegmentFold, Shard):
         return kept
 
     def trainer_closed(self) -> None:
-        """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now."""
-        if self.sync.mode == "sync":
+        """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
+        whose update was refused: its values are lost)."""
+        if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
             else:
@@ -241,7 +262,7 @@ class DenseBlock(SegmentFold, Shard):
         self.pending[t] = True
         last = sync.ready_to_apply(self)
         if first and last:  # the only contributor: apply straight from the receive buffer
-            sync.advance(self, self.step, lambda: self.apply_mean(g, 1))
+            sync.advance(self, self.step, lambda: self.apply_mean(g, 1, f"trainer {t}"))
             self.pending.clear()
             return
         if not last or not self.plain_sgd:
@@ -253,7 +274,13 @@ class DenseBlock(SegmentFold, Shard):
             return
         # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
         n = len(self.pending)
-        sync.advance(self, self.step, lambda: optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n))
+        by = finite.trainers(self.pending)
+
+        def update() -> None:
+            optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
+            self.check_update(self.param, by, self.step)
+
+        sync.advance(self, self.step, update)
         self.pending.clear()
 
     def _complete(self) -> None:
@@ -270,7 +297,10 @@ class DenseBlock(SegmentFold, Shard):
         with self.cv:
             try:
                 # acc holds the contributors' gradients, summed in trainer order by _add.
-                self.sync.advance(self, self.step, lambda: self.apply_mean(self.acc, len(self.pending)))
+                self.sync.advance(self, self.step, lambda: self.apply_mean(self.acc, len(self.pending),
+                                                                           finite.trainers(self.pending)))
+            except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
+                log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it
                 log.exception("pserver %d: optimizer failed on %s", self.sync.pserver_id, self.describe())
                 self.error = f"optimizer failed on {self.describe()} at step {self.step}: {e!r}"
@@ -278,3 +308,4 @@ class DenseBlock(SegmentFold, Shard):
                 self.pending.clear()
                 self.applying = False
                 self.wake()
+

@@ -81,7 +81,8 @@ class LimitExceeded(PSError, code=12):
 
 
 class NonFinite(PSError, code=13):
-    """A pushed gradient holds NaN or Inf (refused unless ``PADDLE_ALLOW_NONFINITE=1``)."""
+    """A pushed gradient holds NaN or Inf, or an update, an initial value or a table's initial scale would make a
+    parameter do so (refused unless ``PADDLE_ALLOW_NONFINITE=1``; an initial scale always)."""
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from .errors import NonFinite
@@ -19,6 +21,21 @@ def all_finite(a: np.ndarray) -> bool:
         if a.dtype in _BLAS and np.isfinite(np.dot(flat, flat)):
             return True
         return bool(np.isfinite(flat).all())
+
+
+def trainers(ids: Iterable[int]) -> str:
+    """``trainer 1`` / ``trainers 0, 1``: whose gradients an update summed, for a message."""
+    ids = sorted(ids)
+    return f"trainer {ids[0]}" if len(ids) == 1 else "trainers " + ", ".join(map(str, ids))
+
+
+def updated(a: np.ndarray, what: str, by: str, step: int) -> None:
+    """Raise ``NonFinite`` unless ``a``, the values an update of ``what`` (the parameter) at ``step`` made from
+    ``by``'s gradients ("trainer 1", "trainers 0, 1"), is finite: finite gradients can still overflow it."""
+    if not all_finite(a):
+        raise NonFinite(f"the update of {what} at step {step} from {by}'s gradient would make it hold NaN or Inf "
+                        "(finite values overflowed: lower the learning rate, clip the gradients); refused "
+                        "(PADDLE_ALLOW_NONFINITE=1 accepts it)")
 
 
 def check(a: np.ndarray, what: str, trainer: int, step: int) -> None:

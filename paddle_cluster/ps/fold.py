@@ -20,8 +20,8 @@ from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, 
 
 import numpy as np
 
-from . import optim
-from .errors import ConnectionLost, PSError
+from . import finite, optim
+from .errors import ConnectionLost, PSError, RemoteError
 from .optim import OptimizerSpec
 from .stream import SEGMENT
 from .sync import Sync
@@ -105,6 +105,8 @@ class SegmentFold:
     nbytes: int
     describe: Callable[[], str]
     wake: Callable[[], None]
+    check_update: Callable[[np.ndarray, str, int], None]
+    error: Optional[str]
 
     def _start_segments(self, lock: threading.RLock) -> None:
         self.segs: Dict[int, Segment] = {}  # this step's segments some trainers have sent
@@ -209,6 +211,8 @@ class SegmentFold:
                         # The next trainer in order may add now (else it sleeps out its poll).
                         self.seg_cv[i].notify_all()
                         return
+                # One pass over the segment while it is in cache; refused, the step never completes.
+                self.check_update(p, f"trainer {t}" if s is None else finite.trainers(s.who | {t}), step)
                 if s is not None:
                     self._free(i)
                 self._segment_done(i)
@@ -249,9 +253,11 @@ class SegmentFold:
             if self.ready(i, step):
                 return
             try:
-                self.sync.wait(self.seg_cv[i], lambda: self.ready(i, step), step,
+                self.sync.wait(self.seg_cv[i], lambda: self.ready(i, step) or self.error is not None, step,
                                f"pull {self.describe()} segment {i}",
                                lambda: set(self.sync.active) - self._who(i), gone)
+                if not self.ready(i, step):  # an update of the step was refused (``check_update``)
+                    raise RemoteError(f"pserver {self.sync.pserver_id}: {self.error}")
             except PSError as e:
                 if i == 0:
                     raise
@@ -265,9 +271,11 @@ class SegmentFold:
             s = self.segs[i]
             if s.who and sync.active <= s.who:
                 lo = i * SEGMENT // self.dtype.itemsize
+                p = self.param.reshape(-1)[lo:lo + len(s.acc)]
                 with sync.rw.shared():
                     sync.apply_hyper(self, self.step)
-                    _sgd(self, self.param.reshape(-1)[lo:lo + len(s.acc)], s.acc, None, len(s.who))
+                    _sgd(self, p, s.acc, None, len(s.who))
+                self.check_update(p, finite.trainers(s.who), self.step)
                 self._free(i)
                 self._segment_done(i)
 

@@ -18,7 +18,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import finite
 from . import protocol as P
-from .declare import declare, def_dense, def_sparse, set_hyper
+from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .errors import (
     AuthError,
@@ -27,6 +27,7 @@ from .errors import (
     ConnectionLost,
     Forbidden,
     LimitExceeded,
+    NonFinite,
     ProtocolError,
     PSError,
     RemoteError,
@@ -35,10 +36,10 @@ from .errors import (
 from .net import Conn
 from .shards import TableShard
 from .state import State
-from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
 ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
+STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
 
 
 # -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
@@ -57,7 +58,7 @@ def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
 
 def init_dense(st: State, conn: Conn, h: P.Header) -> None:
     b = _block(st, h, payload=True)
-    b.init(conn)
+    b.init(conn, st.allow_nonfinite)
     conn.reply_ok(key=h.key, step=b.step)
 
 
@@ -89,13 +90,15 @@ def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
                             f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
 
 
-def _complete_table(sync: Sync, t: TableShard) -> None:
+def _complete_table(st: State, t: TableShard) -> None:
     """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+    sync = st.sync
     if not sync.ready_to_apply(t):
         return
     ids, g, pos = t.pending_mean()
+    by = None if st.allow_nonfinite else finite.trainers(t.pending)
     try:
-        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos))
+        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos, by))
     finally:
         if t.budget is not None:  # what the pushes held (``push_sparse`` charged it)
             t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
@@ -169,12 +172,13 @@ def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
     with t.cv:
         if sync.mode == "async":
             try:
-                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos))
+                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos, None if st.allow_nonfinite
+                                                           else f"trainer {tr}"))
             finally:
                 st.budget.release(held)
         elif t.step == h.step:
             t.pending[tr] = (ids, grads, pos)
-            _complete_table(sync, t)
+            _complete_table(st, t)
         else:
             st.budget.release(held)
         t.wake()
@@ -218,14 +222,16 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
         conn.stream.discard()
     # Answered once the state says so: a trainer told "closed" is no longer counted by any barrier.
     all_closed = st.sync.close_trainer(conn.trainer)
-    for b in st.blocks.values():  # a step that was waiting only for this trainer completes now
-        with b.cv:
-            b.trainer_closed()
-    for t in st.tables.values():
-        with t.cv:
-            if st.sync.mode == "sync":
-                _complete_table(st.sync, t)
-            t.wake()
+    for shard in st.shards():  # a step that was waiting only for this trainer completes now
+        with shard.cv:
+            try:
+                if isinstance(shard, DenseBlock):
+                    shard.trainer_closed()
+                elif st.sync.mode == "sync":
+                    _complete_table(st, shard)
+            except NonFinite as e:  # that update was refused (the shard says why to whoever asks next)
+                log.warning("pserver %d: %s", st.pserver_id, e)
+            shard.wake()
     conn.reply_ok()
     if all_closed:
         log.info("pserver %d: all %d trainers closed; exiting", st.pserver_id, st.trainers)
@@ -233,25 +239,48 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
 
 
 def status(st: State, conn: Conn, h: P.Header) -> None:
+    """The pserver's state as JSON, built piece by piece: charged to the budget as it grows, and at most a
+    JSON frame (``protocol.MAX_JSON_BYTES``, what a trainer reads), else refused naming its size."""
     if h.length:
         raise ProtocolError("STATUS takes no payload")
     sync = st.sync
-    with sync.lock:
-        body = {
-            "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
-            "staleness": st.staleness, "dropped_stale": st.dropped_stale, "hyper_pending": len(sync.hyper.changes),
-            "active": sorted(sync.active), "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
-            "blocks": {str(k): {"name": b.name, "step": b.step, "lr": b.spec.lr} for k, b in st.blocks.items()},
-            "tables": {str(k): {"name": t.name, "step": t.step, "rows": t.n, "lr": t.spec.lr}
-                       for k, t in st.tables.items()},
-        }
-    conn.reply_ok(body)
+    out, held = bytearray(), 0
+    try:
+        def put(piece: bytes) -> None:
+            nonlocal held
+            if len(out) + len(piece) > P.MAX_JSON_BYTES:
+                raise LimitExceeded(f"the STATUS reply of {len(st.blocks)} blocks and {len(st.tables)} tables would "
+                                    f"exceed {P.MAX_JSON_BYTES} bytes (the cap of a JSON frame)")
+            while len(out) + len(piece) > held:  # bytearray over-allocates by at most 1/8
+                st.budget.charge(STATUS_CHUNK, "the STATUS reply")
+                held += STATUS_CHUNK
+            out.extend(piece)
+
+        with sync.lock:
+            head = {
+                "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
+                "staleness": st.staleness, "dropped_stale": st.dropped_stale,
+                "hyper_pending": len(sync.hyper.changes), "active": sorted(sync.active),
+                "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
+            }
+            put(P.encode_json(head)[:-1])
+            for field, shards in (("blocks", st.blocks), ("tables", st.tables)):
+                put(b',"%s":{' % field.encode())
+                for i, (k, s) in enumerate(shards.items()):
+                    entry = {"name": s.name, "step": s.step, "lr": s.spec.lr}
+                    if field == "tables":
+                        entry = {"name": s.name, "step": s.step, "rows": s.n, "lr": s.spec.lr}
+                    put(b"%s\"%d\":%s" % (b"," if i else b"", k, P.encode_json(entry)))
+                put(b"}")
+            put(b"}")
+        conn.stream.send(P.pack_header(P.Op.OK, P.DTYPE_JSON, length=len(out)), out)
+    finally:
+        st.budget.release(held)
 
 
 def save(st: State, conn: Conn, h: P.Header) -> None:
-    body = conn.stream.recv_json(h)
-    step = int(body.get("step", h.step))
-    name = body.get("path")
+    with json_body(st, conn, h, "SAVE") as b:
+        step, name = int(b.get("step", h.step)), b.get("path")
     if name is None:
         path = ckpt.step_dir(st.checkpoint_root, step)
     elif not ckpt.valid_name(name):
@@ -263,6 +292,9 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
         for shard in st.shards():
             with shard.cv:
                 st.sync.wait_step(shard, step, "checkpoint")
+    broken = [s.error for s in st.shards() if s.error]
+    if broken:  # its values are not to be trusted (async mode saves without waiting for a step)
+        raise CheckpointError(f"cannot write checkpoint {path}: {broken[0]}")
     try:
         d = ckpt.save_shard(path, st.snapshot(step))
     except OSError as e:

@@ -24,9 +24,9 @@ import numpy as np
 from ..contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from . import auth
 from . import protocol as P
-from .budget import Budget
-from .errors import AuthError, ConnectionLost, ProtocolError, PSError
-from .stream import Stream
+from .budget import CONN_OVERHEAD, Budget
+from .errors import AuthError, ConnectionLost, LimitExceeded, ProtocolError, PSError
+from .stream import Scratch, Stalled, Stream
 
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
@@ -276,6 +276,7 @@ class Listener:
     def _serve_conn(self, sock: socket.socket, peer: str, port: int) -> None:
         conn = Conn(sock, peer, port, self.pserver_id, self.budget)
         pending = True
+        held = 0  # charged to the budget for this connection besides its buffers
         try:
             P.tune_socket(sock)
             try:
@@ -294,7 +295,18 @@ class Listener:
                 self._pending -= 1
             pending = False
             P.set_io_timeout(sock, self.stall_after)
-            conn.stream = Stream(sock, keys, self.max_frame)
+            scratch = None
+            if self.budget is not None:
+                who = f"trainer {conn.trainer}'s connection from {peer}"
+                try:
+                    self.budget.charge(CONN_OVERHEAD, who)
+                except LimitExceeded as e:
+                    conn.stream = Stream(sock, keys, self.max_frame)
+                    conn.drop(str(e), e)
+                    return
+                held += CONN_OVERHEAD
+                scratch = Scratch(self.budget.charge, who)
+            conn.stream = Stream(sock, keys, self.max_frame, self.stall_after, scratch)
             self.touch(conn.trainer)
             self._heard[conn.trainer] = time.monotonic()
             poller = select.poll()
@@ -310,7 +322,11 @@ class Listener:
                     return
                 if not self.handle(conn, h):
                     return
-        except BlockingIOError:  # SO_RCVTIMEO / SO_SNDTIMEO: no byte moved for stall_after seconds
+        except Stalled:
+            log.warning("pserver %d: closed connection from %s (trainer %d, port %d): stalled for %.0f s in the "
+                        "middle of a frame (it did not arrive whole within %d x BARRIER_TIMEOUT, whatever its pace)",
+                        self.pserver_id, peer, conn.trainer, port, self.stall_after, STALL_BARRIERS)
+        except BlockingIOError:  # SO_SNDTIMEO: no byte of a reply moved for stall_after seconds
             log.warning("pserver %d: closed connection from %s (trainer %d, port %d): stalled for %.0f s in the "
                         "middle of a frame or of a reply it does not read (BARRIER_TIMEOUT)", self.pserver_id, peer,
                         conn.trainer, port, self.stall_after)
@@ -319,7 +335,7 @@ class Listener:
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
             if self.budget is not None:
-                self.budget.release(conn.rbuf.nbytes)
+                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
             self._forget(sock, pending)
             try:
                 sock.close()

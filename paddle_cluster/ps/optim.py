@@ -313,8 +313,10 @@ class SparseOptimizer:
                 raise ValueError("row positions must be unique (sum duplicate rows' gradients first)")
         return idx, grad
 
-    def apply(self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray) -> None:
-        """Update ``table[idx]`` and its state rows; ``idx`` must be unique, in-range row positions."""
+    def apply(self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray,
+              check: Optional[Callable[[np.ndarray], None]] = None) -> None:
+        """Update ``table[idx]`` and its state rows; ``idx`` must be unique, in-range row positions. ``check``
+        sees the updated rows before anything is written back, and may refuse them by raising."""
         idx, grad = self._check(table, idx, grad)
         if len(idx) == 0:
             return
@@ -326,6 +328,8 @@ class SparseOptimizer:
             st["t"] += 1
             t = st["t"].astype(np.float64)[:, None]  # each row's own step count, in float64 like the dense path
         self._update(self.spec, rows, g, st, np.empty_like(rows), t)
+        if check is not None:
+            check(rows)
         table[idx] = rows
         for k, a in st.items():
             state[k][idx] = a

@@ -157,7 +157,7 @@ def send_frame(sock: socket.socket, header: bytes, *payload: Any) -> None:
     send_views(sock, views)
 
 
-def _consume(views: list, n: int) -> None:
+def consume(views: list, n: int) -> None:
     """Drop the first ``n`` bytes of ``views`` (what one call sent or received): whole views from the
     front, then the start of the next."""
     while n:
@@ -174,7 +174,7 @@ def send_views(sock: socket.socket, views: list) -> None:
     """``sendmsg`` every view, resuming after partial sends (``views`` is consumed)."""
     try:
         while views:
-            _consume(views, sock.sendmsg(views))
+            consume(views, sock.sendmsg(views))
     except (BrokenPipeError, ConnectionResetError) as e:
         raise ConnectionLost(f"connection broke while sending: {e}") from None
 
@@ -197,7 +197,7 @@ def recv_views(sock: socket.socket, views: list) -> None:
             if r == 0:
                 raise ConnectionLost(f"connection closed after {got} of {n} bytes")
             got += r
-            _consume(views, r)
+            consume(views, r)
     except ConnectionResetError as e:
         raise ConnectionLost(f"connection reset: {e}") from None
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zipfile
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import atomic
-from .budget import Budget
+from .budget import Budget, human
 from .checkpoint import (
     FORMAT,
     SHARD,
@@ -50,8 +50,9 @@ def _require(path: str, missing: str) -> None:
         raise unreadable(path, e) from None
 
 
-def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
-    """Load and verify this pserver's shard of the checkpoint in ``step_path``."""
+def load_shard(step_path: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None) -> ShardState:
+    """Load and verify this pserver's shard of the checkpoint in ``step_path``; its arrays may hold at most
+    ``limit`` bytes (the pserver's memory budget), checked from their headers before any is read."""
     d = shard_dir(step_path, pserver_id)
     _require(d, f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})")
     body = read_manifest(d)
@@ -75,11 +76,13 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
             corrupt = "" if why.endswith("missing") else ": corrupt"
             raise CheckpointError(f"checkpoint {d}: {why}{corrupt}; refusing it")
     try:
-        arrays = atomic.load_npz(os.path.join(d, SHARD))
-    except (FileNotFoundError, ValueError) as e:
+        arrays = read_shard(os.path.join(d, SHARD), _expected(m), limit)
+    except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
     except OSError as e:
         raise unreadable(os.path.join(d, SHARD), e) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {d}: manifest does not describe the shard ({e!r})") from None
 
     def get(name: str, meta: Mapping[str, Any]) -> np.ndarray:
         a = arrays.get(name)
@@ -103,12 +106,107 @@ def load_shard(step_path: str, pserver_id: int, n_pservers: int) -> ShardState:
             rows = arrays.get(f"s{t['key']}.rows")
             if ids is None or rows is None or len(ids) != t["rows"] or rows.shape != (t["rows"], t["width"]):
                 raise CheckpointError(f"checkpoint {d}: table {t['name']!r} rows do not match the manifest")
+            # Every id is input: sorted and unique (the table's lookups and its id-space check rely on it) and
+            # this pserver's own; trainer 0's definition then checks the ends against the id space it declares.
+            if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])) or \
+                    len(ids) and bool(np.any(np.mod(ids, n_pservers) != pserver_id)):
+                raise CheckpointError(f"checkpoint {d}: {SHARD} member s{t['key']}.ids.npy (table {t['name']!r}): "
+                                      f"ids are not sorted and unique, or belong to another pserver than "
+                                      f"{pserver_id} of {n_pservers}; refusing it")
             tables.append(TableState(int(t["key"]), t["name"], int(t["width"]), t["dtype"], float(t["init_scale"]),
                                      int(t["seed"]), t["spec"], int(t["step"]), ids, rows,
                                      {n: get(f"s{t['key']}.slot.{n}", am) for n, am in t["slots"].items()}))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {d}: manifest does not describe the shard ({e!r})") from None
     return ShardState(step, pserver_id, n_pservers, m.get("mode"), m.get("optimizer"), blocks, tables, path=d)
+
+
+def _expected(m: Mapping[str, Any]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """Member name -> (shape, dtype) of every array the manifest ``m`` describes."""
+    out: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+
+    def put(name: str, meta: Mapping[str, Any]) -> None:
+        out[name] = (tuple(int(x) for x in meta["shape"]), np.dtype(meta["dtype"]).str)
+
+    for b in m["blocks"]:
+        put(f"d{b['key']}.param", b["param"])
+        for n, am in b["opt"].items():
+            put(f"d{b['key']}.opt.{n}", am)
+    for t in m["tables"]:
+        put(f"s{t['key']}.ids", {"shape": [t["rows"]], "dtype": "<i8"})
+        put(f"s{t['key']}.rows", {"shape": [t["rows"], t["width"]], "dtype": t["dtype"]})
+        for n, am in t["slots"].items():
+            put(f"s{t['key']}.slot.{n}", am)
+    return out
+
+
+def read_shard(path: str, expect: Mapping[str, Tuple[Tuple[int, ...], str]], limit: Optional[int]
+               ) -> Dict[str, np.ndarray]:
+    """The arrays of ``shard.npz`` at ``path``, treated as input: every member is one the manifest describes
+    (``expect``), its ``.npy`` header says the manifest's shape and dtype and its size in the archive is the
+    header's plus exactly that many bytes, and all of them fit ``limit`` -- all checked before any array is
+    allocated, so nothing is decompressed past a declared size. ``CheckpointError`` names the member."""
+    where = os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
+    sizes: Dict[str, int] = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                name = info.filename[:-4] if info.filename.endswith(".npy") else None
+                bad = _member_problem(z, info, expect.get(name)) if name is not None else "not an array"
+                if name in sizes:
+                    bad = "appears twice"
+                if bad is not None:
+                    raise CheckpointError(f"checkpoint {where}: member {info.filename}: {bad}; refusing it")
+                sizes[name] = info.file_size
+            missing = sorted(set(expect) - set(sizes))
+            if missing:
+                raise CheckpointError(f"checkpoint {where}: member {missing[0]}.npy missing; refusing it")
+            total = sum(int(np.prod(shape, dtype=object)) * np.dtype(dt).itemsize for shape, dt in expect.values())
+            if limit is not None and total > limit:
+                raise CheckpointError(f"checkpoint {where}: its arrays hold {human(total)}, more than this pserver's "
+                                      f"memory budget of {human(limit)} (PADDLE_PSERVER_MEMORY); refusing it")
+            out = {}
+            for name, (shape, dt) in expect.items():
+                a = np.empty(shape, dtype=dt)
+                with z.open(name + ".npy") as f:
+                    _header(f)
+                    if a.nbytes and f.readinto(memoryview(a.reshape(-1)).cast("B")) != a.nbytes or f.read(1):
+                        raise CheckpointError(f"checkpoint {where}: member {name}.npy is shorter than its header "
+                                              "says; refusing it")
+                out[name] = a
+            return out
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {where}: not a readable archive ({e}); refusing it") from None
+
+
+def _header(f: Any) -> Tuple[Tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) from the ``.npy`` header at the start of ``f``; ``f`` is left after it."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f".npy format version {version} (this runtime writes 1.0)")
+
+
+def _member_problem(z: zipfile.ZipFile, info: zipfile.ZipInfo, want: Optional[Tuple[Tuple[int, ...], str]]
+                    ) -> Optional[str]:
+    """Why a member of ``shard.npz`` is not the array the manifest describes (``want``), from its header alone."""
+    if want is None:
+        return "not in the manifest"
+    try:
+        with z.open(info) as f:
+            shape, fortran, dtype = _header(f)
+            header = f.tell() if f.seekable() else None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        return f"bad .npy header ({e})"
+    if tuple(shape) != want[0] or dtype.str != want[1] or fortran or dtype.hasobject:
+        return (f"header says {dtype.str}{tuple(shape)}{' (Fortran order)' if fortran else ''}, the manifest "
+                f"{want[1]}{want[0]}")
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if header is None or info.file_size != header + nbytes:
+        return f"holds {info.file_size} bytes, its header says {nbytes} bytes of data"
+    return None
 
 
 def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
@@ -132,7 +230,7 @@ def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
     return None
 
 
-def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardState]:
+def load_latest(root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None) -> Optional[ShardState]:
     """The newest complete, verified checkpoint under ``root``; None if there is none at all.
 
     Incomplete or corrupt ones are skipped with a log line; if checkpoints exist but none is usable,
@@ -142,7 +240,7 @@ def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardSt
     reasons = []
     for sp in steps:
         try:
-            shard = load_shard(sp, pserver_id, n_pservers)
+            shard = load_shard(sp, pserver_id, n_pservers, limit)
             why = _siblings_complete(sp, pserver_id)
             if why is None:
                 return shard
@@ -157,16 +255,18 @@ def load_latest(root: str, pserver_id: int, n_pservers: int) -> Optional[ShardSt
     return None
 
 
-def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int) -> Optional[ShardState]:
-    """``resume`` is "" (fresh start), "latest", a step number, or a step directory path."""
+def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None
+                   ) -> Optional[ShardState]:
+    """``resume`` is "" (fresh start), "latest", a step number, or a step directory path; ``limit``: see
+    ``load_shard``."""
     resume = resume.strip()
     if not resume:
         return None
     if resume == "latest":
-        return load_latest(root, pserver_id, n_pservers)
+        return load_latest(root, pserver_id, n_pservers, limit)
     path = step_dir(root, int(resume)) if resume.isdigit() else resume
     _require(path, f"checkpoint {path} does not exist")
-    shard = load_shard(path, pserver_id, n_pservers)
+    shard = load_shard(path, pserver_id, n_pservers, limit)
     why = _siblings_complete(path, pserver_id)
     if why is not None:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt ({why}); refusing it")

@@ -26,6 +26,13 @@ from .sync import Sync
 log = logging.getLogger("paddle_cluster.ps")
 
 
+def make_budget(env: JobEnv, pserver_id: int, memory: int = 0) -> Budget:
+    """Pserver ``pserver_id``'s memory budget: ``memory`` bytes (PADDLE_PSERVER_MEMORY), else its share of the node."""
+    here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
+    return Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
+                  f"default: half of this node's memory over its {here} pserver(s)")
+
+
 class PServer:
     """Pserver ``pserver_id`` of the job described by ``env``.
 
@@ -43,14 +50,12 @@ class PServer:
         check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
         if not env.integrity:
             log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
-        here = sum(1 for e in env.pservers if e.host == env.pservers[pserver_id].host)
-        budget = Budget(memory or default_limit(here), pserver_id, "PADDLE_PSERVER_MEMORY" if memory else
-                        f"default: half of this node's memory over its {here} pserver(s)")
+        budget = make_budget(env, pserver_id, memory)
         self.done = threading.Event()
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
         self.state = st = State(pserver_id, len(env.pservers), env.trainers, int(max_frame),
                                 checkpoint_root or ckpt.default_root(env.job_dir), budget, allow_nonfinite,
-                                self.sync, DenseShared.make(self.sync), self.done)
+                                self.sync, DenseShared.make(self.sync, not allow_nonfinite), self.done)
         if resume is not None:
             self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
             st.resumed_from = resume.path
@@ -108,7 +113,7 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
                         format=f"%(asctime)s pserver[{k}] %(levelname)s %(message)s")
     root = env.checkpoint_dir or ckpt.default_root(env.job_dir)
     try:
-        shard = resolve_resume(env.resume, root, k, len(env.pservers))
+        shard = resolve_resume(env.resume, root, k, len(env.pservers), make_budget(env, k, proc.pserver_memory).limit)
     except (CheckpointError, ValueError) as e:
         log.error("cannot resume (%s): %s", env.resume, e)
         return 3
@@ -125,9 +130,10 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     except ContractError as e:
         log.error("%s", e)
         return 2
-    except LimitExceeded as e:
+    except (LimitExceeded, CheckpointError) as e:
         log.error("cannot resume from %s: %s", shard.path if shard else "?", e)
         return 3
+    del shard  # the loaded copy: the pserver holds its own arrays now
     try:
         server.start()
     except OSError as e:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 
-from . import optim
+from . import finite, optim
 from .budget import SHARD_OVERHEAD, Budget
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
 from .optim import OptimizerSpec
@@ -185,13 +185,16 @@ class TableShard(Shard):
         if len(ids) and bool(np.any(np.mod(ids, self.n_pservers) != self.pserver_id)):
             raise ProtocolError(f"{self.describe()}: ids that belong to another pserver")
 
-    def apply_rows(self, ids: np.ndarray, grads: np.ndarray, pos: Optional[np.ndarray] = None) -> None:
+    def apply_rows(self, ids: np.ndarray, grads: np.ndarray, pos: Optional[np.ndarray] = None,
+                   by: Optional[str] = None) -> None:
         """Apply row gradients of sorted unique ``ids`` (rows created on first use; ``pos``: their rows, as a
-        ``lookup`` made them -- a row never moves)."""
+        ``lookup`` made them -- a row never moves). ``by`` (whose gradients, for the message): refuse
+        (``NonFinite``) an update that would make a row hold NaN or Inf, changing nothing."""
         if len(ids):
             if pos is None:
                 pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
-            self.opt.apply(self.table, self.state, pos, grads)
+            check = None if by is None else (lambda rows: finite.updated(rows, self.describe(), by, self.step))
+            self.opt.apply(self.table, self.state, pos, grads, check)
 
     def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted

@@ -37,6 +37,7 @@ class State:
     resumed_from: Optional[str] = None
     blocks: Dict[int, DenseBlock] = field(default_factory=dict)
     tables: Dict[int, TableShard] = field(default_factory=dict)
+    waiting: Dict[int, int] = field(default_factory=dict)  # trainer -> its definitions waiting for trainer 0's
 
     def shards(self) -> List[Shard]:
         """Every dense block, then every table shard."""

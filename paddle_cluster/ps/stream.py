@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hmac
 import socket
+import struct
+import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import protocol as P
@@ -26,14 +28,39 @@ from .auth import TAG_SIZE, Keys
 from .errors import ConnectionLost, IntegrityError, ProtocolError
 
 SEGMENT = 1 << 20  # per tag and per fold: fewer calls per byte than 256 KiB, still cached (docs/benchmarks.md)
+DISCARD = 16 << 10  # what a payload read only to be dropped is read into, at a time
+
+
+class Stalled(BlockingIOError):
+    """A frame did not arrive whole within the stall bound, however its bytes were paced."""
+
+
+class Scratch:
+    """Where a connection's segment-sized scratch buffers are charged (a pserver's ``Budget``), and what for."""
+
+    def __init__(self, charge: Callable[[int, str], None], who: str) -> None:
+        self.charge, self.who = charge, who
 
 
 class Stream:
-    """Frames over ``sock`` under ``keys`` (None: integrity off). One reader and one writer at a time."""
+    """Frames over ``sock`` under ``keys`` (None: integrity off). One reader and one writer at a time.
 
-    def __init__(self, sock: socket.socket, keys: Optional[Keys], max_frame: int = P.DEFAULT_MAX_FRAME_BYTES
-                 ) -> None:
+    ``stall`` (a pserver's connection): the seconds a frame may take to arrive whole, counted while this side
+    waits in ``recv`` for it (not while it waits for other trainers between segments), however the peer paces
+    its bytes; past it ``Stalled``. ``SO_RCVTIMEO`` starts at ``stall`` and is lowered to what the frame has left
+    only after a short read, so a frame that arrives at speed costs no extra system call. ``scratch``: where the
+    segment buffers a connection allocates are charged (``held`` says how much)."""
+
+    def __init__(self, sock: socket.socket, keys: Optional[Keys], max_frame: int = P.DEFAULT_MAX_FRAME_BYTES,
+                 stall: Optional[float] = None, scratch: Optional[Scratch] = None) -> None:
         self.sock = sock
+        self.stall = stall
+        self.scratch = scratch
+        self.held = 0  # bytes of scratch buffers charged to ``scratch``
+        self._clock = 0.0  # seconds the frame being read may still wait in recv
+        self._timeo = stall  # the socket's SO_RCVTIMEO
+        if stall is not None:
+            self._set_timeo(stall)
         self.keys = keys
         self.max_frame = max_frame
         self.tx_seq = 0
@@ -65,13 +92,13 @@ class Stream:
         if self.keys is None:
             self._send_plain(header, payload, ready)
             return
+        copy = self._send_scratch() if volatile else None  # before anything is counted: it may be refused
         pos = 0
         mac = self.keys.send
         run = mac.start(self.tx_seq, header)
         self.tx_seq += 1
         out = [memoryview(header), memoryview(run.tag())]
         room = SEGMENT
-        copy = self._send_scratch() if volatile else None
         for p in payload:
             v = P.byte_view(p)
             off = 0
@@ -112,8 +139,15 @@ class Stream:
 
     def _send_scratch(self) -> memoryview:
         if self._scratch_tx is None:
+            self._charge("a send buffer")
             self._scratch_tx = memoryview(bytearray(SEGMENT))
         return self._scratch_tx
+
+    def _charge(self, what: str) -> None:
+        """Charge one more segment-sized buffer of this connection (``LimitExceeded`` if it does not fit)."""
+        if self.scratch is not None:
+            self.scratch.charge(SEGMENT, f"{what} of {SEGMENT >> 20} MiB for {self.scratch.who}")
+            self.held += SEGMENT
 
     def send_json(self, op: int, obj: Any, **fields: Any) -> None:
         body = P.encode_json(obj)
@@ -126,7 +160,11 @@ class Stream:
         if self.left:
             raise ProtocolError(f"{self.left} payload bytes of the previous frame were not read")
         view = memoryview(self._hbuf)
-        P.recv_into(self.sock, view)
+        if self.stall is not None:
+            self._clock = self.stall  # the frame's clock starts with its first byte
+            if self._timeo != self.stall:
+                self._set_timeo(self.stall)
+        self._recv([view])
         if self.keys is not None:
             mac = self.keys.recv
             self._run = mac.start(self.rx_seq, view[:P.HEADER_SIZE])
@@ -152,21 +190,24 @@ class Stream:
         """The rest of the payload as (offset, verified bytes) pieces of at most ``SEGMENT`` bytes, each
         received into ``into(offset)`` (a buffer of ``SEGMENT`` bytes) or, where that is None, into a reused
         scratch buffer (valid until the next piece)."""
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(SEGMENT))
         off = 0
         while self.left:
             n = min(self.left, self._room)
             dest = into(off) if into is not None else None
+            if dest is None and self._scratch is None:
+                self._charge("a receive buffer")
+                self._scratch = memoryview(bytearray(SEGMENT))
             v = self._scratch[:n] if dest is None else P.byte_view(dest)[:n]
             self._fill(v)
             yield off, v
             off += n
 
     def discard(self) -> None:
-        """Read (and still verify) the rest of the payload, so the stream stays in step."""
-        for _ in self.chunks():
-            pass
+        """Read (and still verify) the rest of the payload, so the stream stays in step: ``DISCARD`` bytes at a
+        time, so a refused payload costs no buffer of its size."""
+        buf = memoryview(bytearray(min(self.left, DISCARD)))
+        while self.left:
+            self._fill(buf[:min(self.left, len(buf))])
 
     def recv_json(self, h: P.Header) -> Dict[str, Any]:
         if h.length > P.MAX_JSON_BYTES:
@@ -177,7 +218,7 @@ class Stream:
 
     def _fill(self, view: memoryview) -> None:
         if self.keys is None:
-            P.recv_into(self.sock, view)
+            self._recv([view])
             self.left -= len(view)
             return
         off, n = 0, len(view)
@@ -189,7 +230,7 @@ class Stream:
             ends = self._room == 0 or self.left == 0
             # The segment and its tag in one call; hashed right after, while the bytes are still cached.
             try:
-                P.recv_views(self.sock, [seg, memoryview(self._tag)] if ends else [seg])
+                self._recv([seg, memoryview(self._tag)] if ends else [seg])
             except ConnectionLost as e:
                 raise ConnectionLost(f"connection closed in the middle of a frame ({e})") from None
             self._run.update(seg)
@@ -197,3 +238,41 @@ class Stream:
                 if not hmac.compare_digest(self._run.tag(), self._tag):
                     raise IntegrityError(f"frame {self.rx_seq - 1}: payload failed its MAC (tampered in transit)")
                 self._room = SEGMENT
+
+    def _recv(self, views: list) -> None:
+        """Fill ``views`` (``protocol.recv_views``), within what the frame's clock has left."""
+        if self.stall is None:
+            P.recv_views(self.sock, views)
+            return
+        views = [v for v in views if len(v)]
+        n = sum(len(v) for v in views)
+        got = 0
+        while views:
+            t0 = time.monotonic()
+            try:
+                r = self.sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0] if len(views) > 1 else \
+                    self.sock.recv_into(views[0], len(views[0]), socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO passed without a byte
+                r = -1
+            except ConnectionResetError as e:
+                raise ConnectionLost(f"connection reset: {e}") from None
+            self._clock -= time.monotonic() - t0
+            if r == 0:
+                raise ConnectionLost(f"connection closed after {got} of {n} bytes")
+            if r > 0:
+                got += r
+                P.consume(views, r)
+            if not views:
+                return
+            # A short read: the peer is slower than the socket's timeout. What the frame has left bounds the
+            # next wait, whatever its pace.
+            if self._clock <= 0:
+                raise Stalled(f"a frame did not arrive whole within {self.stall:g} s")
+            if self._timeo is None or self._timeo - self._clock > 0.05 * self.stall:
+                self._set_timeo(self._clock)
+
+    def _set_timeo(self, seconds: float) -> None:
+        seconds = max(seconds, 0.001)  # 0 would mean no timeout at all
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+        self._timeo = seconds

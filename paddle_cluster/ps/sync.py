@@ -226,8 +226,11 @@ class Sync:
             self.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
                       lambda: {0} - self.closed)
         if self.mode == "sync":
-            self.wait(shard.cv, lambda: shard.step >= step, step, f"{what} {shard.describe()}",
-                      lambda: set(self.active) - set(shard.pending) - shard.receiving, gone)
+            self.wait(shard.cv, lambda: shard.step >= step or shard.error is not None, step,
+                      f"{what} {shard.describe()}", lambda: set(self.active) - set(shard.pending) - shard.receiving,
+                      gone)
+            if shard.step < step and shard.error:  # the update of the step waited for was refused
+                raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
 
     def ready_to_apply(self, shard: Shard) -> bool:
         return bool(shard.pending) and self.active.issubset(shard.pending.keys())

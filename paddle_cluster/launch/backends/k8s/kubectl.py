@@ -436,13 +436,14 @@ class PodWatch:
 
 
 def own_by_jobs(kubectl: Kubectl, job: K8sJob) -> None:
-    """The Secret and the Service belong to the two Jobs, so Kubernetes deletes them with the Jobs
-    (ttlSecondsAfterFinished, or anyone deleting both) -- launcher or not. Their uids exist only now."""
+    """The Secret and the Service belong to the Jobs (two, or the trainers' alone), so Kubernetes deletes them
+    with the Jobs (ttlSecondsAfterFinished, or anyone deleting them) -- launcher or not. Their uids exist only
+    now."""
     jobs = [n for n in job.object_names() if n.startswith("job.batch/")]
     items = json.loads(kubectl.run(kubectl.get_named(jobs)) or "{}").get("items", [])
     refs = [{"apiVersion": "batch/v1", "kind": "Job", "name": i["metadata"]["name"], "uid": i["metadata"]["uid"]}
             for i in items]
-    if len(refs) != 2:
+    if len(refs) != len(jobs):
         raise ClusterError(f"the Jobs of job {job.name} vanished right after they were created; see "
                            f"'{shlex.join(kubectl.get())}'")
     rest = [n for n in job.object_names() if not n.startswith("job.batch/")]

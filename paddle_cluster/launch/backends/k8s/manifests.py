@@ -82,7 +82,12 @@ class K8sJob:
         """``kind/name`` of every object the manifests create (``kubectl get`` arguments)."""
         return [f"secret/{self.name}-secret", f"service/{self.name}"] + (
             [f"configmap/{self.name}-workspace"] if self.workspace_pack else []) + [
-            f"job.batch/{self.job_name(PSERVER)}", f"job.batch/{self.job_name(TRAINER)}"]
+            f"job.batch/{self.job_name(role)}" for role in self.roles]
+
+    @property
+    def roles(self) -> Tuple[str, ...]:
+        """The roles that have pods: both, or the trainers alone (a collective job)."""
+        return (PSERVER, TRAINER) if self.pservers else (TRAINER,)
 
     def job_name(self, role: str) -> str:
         return f"{self.name}-{_ROLE_WORD[role]}"
@@ -138,9 +143,12 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
           resume_from: str = "") -> K8sJob:
     """The job ``cfg`` and the flags describe; counts default to the config's (hosts, or one without HOSTS, x
     per-node)."""
+    if cfg.collective and pservers:
+        raise ConfigError("--pservers", pservers, "this job has no pservers (PSERVERS_PER_NODE = 0, run --collective): "
+                          "drop --pservers, or give the job pservers")
     n_ps = max(1, len(cfg.hosts)) * cfg.pservers_per_node if pservers is None else pservers
     n_tr = max(1, len(cfg.hosts)) * cfg.trainers_per_node if trainers is None else trainers
-    if n_ps < 1 or n_tr < 1:
+    if (n_ps < 1 and not cfg.collective) or n_tr < 1:
         raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
     if not image or any(c.isspace() for c in image):
         raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
@@ -154,6 +162,10 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     if workspace_pack:  # unpacked by each pod into its job-dir volume
         workspace = f"{root}/{name}/workspace"
     eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i, jobset), cfg.paddle_port) for i in range(n_ps))
+    # Every trainer pod has its own address: each takes the first trainer port of a node (the pod resolves the
+    # names to the pods' addresses before its process starts: node/pod.py).
+    master_port, trainer_port = cfg.trainer_ports()[:2]
+    trainer_eps = tuple(Endpoint(pod_host(name, namespace, TRAINER, j, jobset), trainer_port) for j in range(n_tr))
     if resume_from and not pods.checkpoint_pvc:
         raise ConfigError("--resume_from", resume_from, "a pod's checkpoints go with it: give --checkpoint-pvc CLAIM "
                           "(a PersistentVolumeClaim the pserver pods share) to the job you resume from and to this one")
@@ -166,7 +178,8 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
                  ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
                  secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
                  workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env),
-                 resume="latest" if resume_from else "", checkpoint_dir=ckpt)
+                 resume="latest" if resume_from else "", checkpoint_dir=ckpt, trainer_endpoints=trainer_eps,
+                 master_port=master_port, nic=cfg.paddle_nic)
     pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
     trainer_cmd += tuple(trainer_args)
     if cfg.pserver_runs_entry:  # the arguments reach every process running the entry script, as over SSH
@@ -180,7 +193,7 @@ def manifests(job: K8sJob) -> List[Dict[str, Any]]:
     pack = [_workspace(job)] if job.workspace_pack else []
     if job.jobset:
         return [_secret(job), *pack, _jobset(job)]
-    return [_secret(job), _service(job), *pack, _indexed_job(job, PSERVER), _indexed_job(job, TRAINER)]
+    return [_secret(job), _service(job), *pack, *(_indexed_job(job, role) for role in job.roles)]
 
 
 def _jobset(job: K8sJob) -> Dict[str, Any]:
@@ -188,7 +201,7 @@ def _jobset(job: K8sJob) -> Dict[str, Any]:
     when the trainers have (the pservers are then stopped) and fails, stopping everything, when any Job fails;
     Kueue admits it as one workload."""
     replicated = []
-    for role in (PSERVER, TRAINER):
+    for role in job.roles:
         j = _indexed_job(job, role)
         spec = j["spec"]
         spec.pop("ttlSecondsAfterFinished", None)  # the JobSet's, below
@@ -239,8 +252,11 @@ def _secret(job: K8sJob) -> Dict[str, Any]:
 
 
 def _ports(job: K8sJob) -> List[Tuple[str, int]]:
-    """A pserver pod's ports, named (every pserver pod has its own address, so all use the same ports)."""
+    """A pserver pod's ports, named (every pserver pod has its own address, so all use the same ports); without
+    pservers, a trainer pod's (MASTER_PORT, which trainer 0 listens on, and its PADDLE_TRAINER_ENDPOINTS port)."""
     env = job.env
+    if not env.pservers:
+        return [("master", env.master_port), ("trainer", env.trainer_endpoints[0].port)]
     return [(f"dense-{i}" if i < env.ports_num else f"sparse-{i - env.ports_num}", port)
             for i, port in enumerate(env.all_ports(0))]
 

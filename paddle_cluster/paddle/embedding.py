@@ -1,0 +1,68 @@
+"""``Embedding``: a ``paddle.nn.Layer`` whose rows live on the pservers, fetched per batch, unique ids only."""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import paddle
+
+from ..train.bridge import Bridge, TableDef
+
+
+class Embedding(paddle.nn.Layer):
+    """A table of ``num_embeddings`` rows of ``embedding_dim`` on the pservers: ``forward(ids)`` (any integer
+    shape) returns ``ids.shape + [embedding_dim]`` with autograd; the row gradients go out at the wrapped
+    optimizer's ``step()``. A row is created the first time its id is used (uniform in ``(-init_scale,
+    init_scale)``, from ``seed``), so a table of 50 million rows costs nothing until rows are touched.
+
+    Its ``weight`` is a zero-row placeholder: it puts the table in the optimizer's parameters (so the table
+    follows its group's update rule and hyper-parameters) and names it in ``state_dict``, where
+    ``paddle_cluster.paddle.state_dict`` fills in the whole table. ``name`` (default: the placeholder's Paddle
+    name, e.g. ``embedding_0.w_0``) must be the same on every trainer.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None, *,
+                 init_scale: float = 0.01, seed: int = 0, dtype: str = "float32") -> None:
+        super().__init__()
+        for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.name, self.init_scale, self.seed = name, float(init_scale), int(seed)
+        self.weight = self.create_parameter([0, embedding_dim], dtype=dtype)
+        self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
+        self._bridge: Optional[Bridge] = None
+        self._lookups: List[Tuple[np.ndarray, paddle.Tensor]] = []  # this step's (unique ids, rows leaf tensor)
+
+    def table(self, name: str) -> TableDef:
+        """(DistributedOptimizer.) Its definition, named ``name`` unless it was given one."""
+        self.name = self.name or name
+        return TableDef(self.name, self.num_embeddings, self.embedding_dim, self.init_scale, self.seed,
+                        np.dtype(self.weight.numpy().dtype))
+
+    def forward(self, ids: Any) -> paddle.Tensor:
+        if self._bridge is None:
+            raise RuntimeError(f"Embedding {self.name or ''}: its rows are on the pservers; wrap the optimizer "
+                               "holding its parameters in paddle_cluster.paddle.DistributedOptimizer before the "
+                               "first forward")
+        lk = self._bridge.lookup(self.name, ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids))
+        grad = paddle.is_grad_enabled()
+        rows = paddle.to_tensor(lk.rows, stop_gradient=not grad)
+        if grad:
+            self._lookups.append((lk.ids, rows))
+        return paddle.gather(rows, paddle.to_tensor(lk.inverse)).reshape([*lk.shape, self.embedding_dim])
+
+    def row_grads(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """(DistributedOptimizer.) This step's row gradients, one ``(unique ids, grads)`` per lookup used."""
+        return [(ids, rows.grad.numpy()) for ids, rows in self._lookups if rows.grad is not None]
+
+    def clear_rows(self) -> None:
+        """(clear_grad.) Forget the lookups whose gradients were computed: what a later backward adds is new."""
+        self._lookups = [(ids, rows) for ids, rows in self._lookups if rows.grad is None]
+
+    def end_step(self) -> None:
+        self._lookups = []
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r} (rows on the pservers)"

@@ -1,0 +1,289 @@
+"""``DistributedOptimizer``: a ``paddle.optimizer`` optimizer whose update the pservers apply; ``rank``, ``size``,
+and the final model (``state_dict``, ``save``)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import paddle
+from paddle.regularizer import L2Decay
+
+from ..contract import JobEnv
+from ..ps.optim import OptimizerSpec
+from ..train.bridge import Bridge, Group
+from .embedding import Embedding
+
+# paddle.optimizer class -> the server rule.
+SUPPORTED = {"SGD": "sgd", "Momentum": "momentum", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "adamw"}
+_ONE_LINE = ("supported: paddle.optimizer.SGD, Momentum (momentum, use_nesterov), Adagrad (epsilon, "
+             "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those, its decoupled "
+             "weight_decay, apply_decay_param_fun), each with a float or LRScheduler learning_rate, parameter "
+             "groups, weight_decay a float or L2Decay, no grad_clip")
+
+_context: Optional[DistributedOptimizer] = None
+
+
+def rank() -> int:
+    """This trainer's id (alone: 0)."""
+    if _context is not None:
+        return _context.bridge.rank
+    env = JobEnv.from_environ()
+    return 0 if env is None or env.trainer_id is None else int(env.trainer_id)
+
+
+def size() -> int:
+    """The job's trainer count (alone: 1)."""
+    if _context is not None:
+        return _context.bridge.size
+    env = JobEnv.from_environ()
+    return 1 if env is None else int(env.trainers)
+
+
+def _refuse(what: str, why: str = "") -> ValueError:
+    return ValueError(f"DistributedOptimizer: {what} is not supported{f' ({why})' if why else ''}; {_ONE_LINE}")
+
+
+def _float(v: Any) -> float:
+    return float(v.item() if isinstance(v, paddle.Tensor) else v)
+
+
+def _l2(reg: Any, where: str) -> float:
+    """The coefficient of an L2 weight decay (None: 0); anything else (L1Decay) refused."""
+    if reg is None:
+        return 0.0
+    if isinstance(reg, (int, float)):
+        return float(reg)
+    if isinstance(reg, L2Decay):
+        return float(reg._coeff)
+    raise _refuse(f"weight decay {type(reg).__name__} ({where})")
+
+
+def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any]], param: Any
+            ) -> Tuple[OptimizerSpec, float]:
+    """The server rule doing what ``optimizer`` does to ``param`` (in parameter group ``group``, None without
+    groups) and the parameter's learning-rate multiplier (a group's or ParamAttr's ``learning_rate``);
+    ValueError (one line) for anything else."""
+    kind = type(optimizer).__name__
+    if type(optimizer) is not getattr(paddle.optimizer, kind, None) or kind not in SUPPORTED:
+        raise _refuse(f"paddle.optimizer.{kind}" if type(optimizer) is getattr(paddle.optimizer, kind, None)
+                      else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    g = group or {}
+    if param.dtype not in (paddle.float32, paddle.float64):
+        raise _refuse(f"parameter {param.name} of {param.dtype}", "float32 and float64 parameters are")
+    if g.get("grad_clip", optimizer._grad_clip) is not None:
+        raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...)",
+                      "it would clip each trainer's part of the gradient, not the gradient the pservers apply")
+    mult = param.optimize_attr.get("learning_rate", 1.0) if param.optimize_attr else 1.0
+    if not isinstance(mult, (int, float)):
+        raise _refuse(f"a tensor learning_rate on parameter {param.name}")
+    opt = optimizer._default_dict
+    spec: Dict[str, Any] = {"name": SUPPORTED[kind], "lr": 1.0}
+    if kind == "AdamW":
+        if getattr(optimizer, "_lr_ratio", None) is not None:
+            raise _refuse("paddle.optimizer.AdamW(lr_ratio=...)")
+        if param.regularizer is not None:
+            raise _refuse(f"a regularizer on parameter {param.name} under AdamW")
+        fun = optimizer._apply_decay_param_fun
+        spec["weight_decay"] = _float(g.get("weight_decay", opt["weight_decay"])) \
+            if fun is None or fun(param.name) else 0.0
+    elif kind == "Momentum":  # paddle fuses an L2Decay into the momentum kernel; it lives in its own keys
+        if _float(g.get("rescale_grad", opt["rescale_grad"])) != 1.0:
+            raise _refuse("paddle.optimizer.Momentum(rescale_grad != 1)")
+        if param.regularizer is not None:
+            decay = _l2(param.regularizer, f"parameter {param.name}")
+        else:
+            _l2(optimizer.regularization, "the optimizer's weight_decay")
+            decay = _float(g.get("regularization_coeff", opt["regularization_coeff"]))
+        spec.update(weight_decay=decay, momentum=_float(g.get("momentum", opt["momentum"])),
+                    nesterov=bool(g.get("use_nesterov", opt["use_nesterov"])))
+    else:
+        # The parameter's regularizer wins (a group's weight_decay is set there), else the optimizer's.
+        reg = param.regularizer if param.regularizer is not None else optimizer.regularization
+        spec["weight_decay"] = _l2(reg, f"parameter {param.name}")
+    if kind == "Adagrad":
+        spec.update(eps=_float(g.get("epsilon", opt["epsilon"])),
+                    initial_accumulator_value=_float(g.get("initial_accumulator_value",
+                                                           opt["initial_accumulator_value"])))
+    elif kind in ("Adam", "AdamW"):
+        spec.update(beta1=_float(g.get("beta1", opt["beta1"])), beta2=_float(g.get("beta2", opt["beta2"])),
+                    eps=_float(g.get("epsilon", opt["epsilon"])), amsgrad=bool(getattr(optimizer, "_amsgrad", False)))
+    try:
+        return OptimizerSpec.from_dict(spec), float(mult)
+    except ValueError as e:
+        raise ValueError(f"DistributedOptimizer: paddle.optimizer.{kind} {spec}: {e}") from None
+
+
+def _dense_grad(p: Any) -> Optional[np.ndarray]:
+    """``p``'s gradient as a whole array (a ``paddle.nn.Embedding(sparse=True)``'s is its rows only)."""
+    g = p.grad
+    if g is None or not g.is_selected_rows():
+        return None if g is None else g.numpy()
+    dense = np.zeros(p.shape, dtype=g.numpy().dtype)
+    np.add.at(dense, np.asarray(g.rows(), dtype=np.int64), g._get_tensor_from_selected_rows().numpy())
+    return dense
+
+
+class DistributedOptimizer:
+    """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters
+    on the pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the
+    gradients (dense and embedding rows) and loads the new values into the parameters in place; the pservers
+    apply the wrapped optimizer's rule with each parameter's hyper-parameters, and its learning rate as
+    ``get_lr()`` gives it at each step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer
+    starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then the step it continues
+    from). Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them. Parameters are
+    named by their Paddle names (the same on every trainer that builds the same model), or by
+    ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
+    trainers' gradients) or "async". One per trainer process."""
+
+    def __init__(self, optimizer: paddle.optimizer.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, mode: str = "sync",
+                 **connect_kw: Any) -> None:
+        global _context
+        if _context is not None:
+            raise RuntimeError("DistributedOptimizer: this process already has one; wrap one optimizer per "
+                               "trainer (give it parameter groups for several groups' hyper-parameters)")
+        groups = optimizer._param_groups or []
+        entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
+            else [(None, p) for p in groups]
+        entries = [(g, p) for g, p in entries if not p.stop_gradient]
+        names = self._names(entries, named_parameters)
+        by_rule: Dict[Tuple[Any, ...], Tuple[Group, float]] = {}
+        self.dense: List[Tuple[str, Any]] = []
+        self.embeddings: List[Embedding] = []
+        tables = []
+        for g, p in entries:
+            spec, mult = spec_of(optimizer, g, p)
+            group, _ = by_rule.setdefault((tuple(sorted(spec.to_dict().items())), mult), (Group(spec), mult))
+            emb = getattr(p, "_paddle_cluster_table", None)
+            if emb is not None:
+                name = names[id(p)]
+                tables.append(emb.table(name[:-len(".weight")] if name.endswith(".weight") else name))
+                group.tables.append(emb.name)
+                self.embeddings.append(emb)
+            else:
+                group.names.append(names[id(p)])
+                self.dense.append((names[id(p)], p))
+        self.optimizer = optimizer
+        self.groups = [g for g, _ in by_rule.values()]
+        self.mults = [m for _, m in by_rule.values()]
+        self.bridge = Bridge(mode, **connect_kw)
+        try:
+            start = self.bridge.define({n: p.numpy() for n, p in self.dense}, tables, self.groups)
+        except BaseException:
+            self.bridge.close()
+            raise
+        _context = self
+        # Before the client's thread pools stop at interpreter exit (threading's exit hooks run before atexit's,
+        # the latest first), so a script that just ends still tells the pservers it is done.
+        getattr(threading, "_register_atexit", atexit.register)(shutdown)
+        self._load(start)
+        for emb in self.embeddings:
+            emb._bridge = self.bridge
+        self.start_step = self.bridge.start_step
+
+    @staticmethod
+    def _names(entries: List[Tuple[Any, Any]], named: Optional[Iterable[Tuple[str, Any]]]) -> Dict[int, str]:
+        if named is None:
+            return {id(p): p.name for _, p in entries}
+        by_param: Dict[int, str] = {}
+        for name, p in named:
+            by_param.setdefault(id(p), name)
+        missing = [p.name for _, p in entries if id(p) not in by_param]
+        if missing:
+            raise ValueError(f"DistributedOptimizer: the optimizer's parameters {missing} are not in "
+                             "named_parameters: pass the named_parameters() of the model the optimizer trains")
+        return by_param
+
+    def _load(self, values: Dict[str, np.ndarray]) -> None:
+        for name, p in self.dense:
+            p.set_value(values[name])
+
+    def step(self) -> None:
+        """Send this step's gradients, load the values after it into the parameters."""
+        grads = {n: _dense_grad(p) for n, p in self.dense}
+        rows = {emb.name: emb.row_grads() for emb in self.embeddings}
+        if all(g is None for g in grads.values()) and not any(rows.values()):
+            raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
+                               "loss.backward() first")
+        lr = float(self.optimizer.get_lr())
+        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults])
+        self._load(values)
+        for emb in self.embeddings:
+            emb.end_step()
+
+    def minimize(self, loss: Any, startup_program: Any = None, parameters: Any = None, no_grad_set: Any = None
+                 ) -> Tuple[List[Any], List[Tuple[Any, Any]]]:
+        """As paddle's dygraph ``minimize``: ``step()`` after ``loss.backward()``; the (parameter, gradient)
+        pairs it used."""
+        pairs = [(p, p.grad) for _, p in self.dense if p.grad is not None]
+        self.step()
+        return [], pairs
+
+    def clear_grad(self, set_to_zero: bool = True) -> None:
+        self.optimizer.clear_grad(set_to_zero)
+        for emb in self.embeddings:
+            emb.clear_rows()
+
+    clear_gradients = clear_grad
+
+    def get_lr(self) -> float:
+        return self.optimizer.get_lr()
+
+    def set_lr(self, value: float) -> None:
+        self.optimizer.set_lr(value)
+
+    def save_checkpoint(self, name: Optional[str] = None) -> Any:
+        """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
+        the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
+        trainers: nothing (None)."""
+        return self.bridge.save_checkpoint(name) if self.bridge.rank == 0 else None
+
+
+def shutdown() -> None:
+    """Tell the pservers this trainer is done (also run at exit): in a job, they exit once every trainer is."""
+    global _context
+    if _context is not None:
+        ctx, _context = _context, None
+        ctx.bridge.close()
+
+
+def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
+    """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
+    ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
+    ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
+    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    if tables not in ("whole", "rows"):
+        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
+    if _context is None:
+        raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
+    b = _context.bridge
+    if b.ps.mode == "async" and b.size > 1 and b.rank == 0:
+        b.ps.wait_others_closed(final_wait)
+    _context._load(b.ps.pull())
+    out = model.state_dict()
+    for prefix, m in model.named_sublayers(include_self=True):
+        if isinstance(m, Embedding):
+            key = f"{prefix}.weight" if prefix else "weight"
+            if tables == "whole":
+                out[key] = paddle.to_tensor(b.table_dense(m.name))
+            else:
+                del out[key]
+                ids, rows = b.table_rows(m.name)
+                out[f"{key}.ids"], out[f"{key}.rows"] = paddle.to_tensor(ids), paddle.to_tensor(rows)
+    return out
+
+
+def save(model: paddle.nn.Layer, path: str, tables: str = "whole") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
+    written (None on other trainers, which write nothing)."""
+    if rank() != 0:
+        return None
+    sd = state_dict(model, tables)
+    tmp = f"{path}.tmp{os.getpid()}"
+    paddle.save(sd, tmp)
+    os.replace(tmp, path)
+    return path
