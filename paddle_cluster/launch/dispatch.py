@@ -64,7 +64,11 @@ WORTH_DELTA = 0.5  # launch/delta.py's: a changed workspace is packed first (a d
 
 class WorkspaceChanged(ClusterError):
     """A file of the workspace changed (or came, or went) while it was packed: the archive would hold part of
-    one version and part of another, so it is never used."""
+    one version and part of another, so it is never used (nothing of it is kept on any node)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: nothing of it was kept on any node; run again once the workspace holds still "
+                         "(a job writing into it? write outputs elsewhere)")
 
 
 @dataclass(frozen=True)
