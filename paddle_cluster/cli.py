@@ -25,9 +25,9 @@ from .launch.backends import (
     run_options,
 )
 from .launch.backends.base import Backend, BackendOption, status_json
-from .launch.config import ClusterConfig, load_config, origin_line, override
+from .launch.config import ClusterConfig, load_config, origin_line, override, refuse_line_break
 from .launch.entry import PSERVER_CHOICES, settle
-from .launch.errors import OUTCOMES, ClusterError
+from .launch.errors import OUTCOMES, ClusterError, ConfigError
 from .launch.plan import JobSpec, default_job_name
 from .launch.registry import DEFAULT
 from .launch.run import run_job, submit
@@ -102,9 +102,12 @@ def _checked_name(_ctx: click.Context, _param: click.Parameter, value: Optional[
 def _checked_resume(ctx: click.Context, param: click.Parameter, value: Optional[str]) -> Optional[str]:
     """``--resume_from`` is a checkpoint directory (absolute) or an earlier job's name."""
     try:
+        refuse_line_break("--resume_from", value)
         return value if value is None or value.startswith("/") else check_job_name(value)
     except ContractError as e:
         raise click.BadParameter(f"{e}; or give an absolute checkpoint directory") from None
+    except ConfigError as e:
+        raise click.BadParameter(e.fix) from None
 
 
 class _ScriptArgsCommand(click.Command):

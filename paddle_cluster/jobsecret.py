@@ -3,20 +3,20 @@ the trainer keys derived from it. Standard library only: it runs on every node; 
 
 from __future__ import annotations
 
-import collections
+import functools
 import hashlib
 import hmac
 import math
 import os
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional, Tuple
 
 # The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
 # asks for it by this name.
 SECRET_VAR = "PADDLE_JOB_SECRET"
 # The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
 MIN_SECRET_CHARS = 32
-# What a secret's character frequencies must estimate at least: far below a generated one's 128 bits (the
-# estimate undercounts short random strings), far above a typed word or a repeated character.
+# What ``estimate`` must give a secret at least: far below a generated one (32 random hex digits estimate 90 bits
+# or more, 64 over 200), far above typed ones (a word or keyboard run repeated, with digits: 15 to 50).
 MIN_SECRET_BITS = 64
 
 
@@ -28,47 +28,112 @@ def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
 
 
 def secret_problem(value: str, var: str) -> Optional[str]:
-    """What is wrong with ``value`` as a secret (``var`` names its variable): empty, short or obviously
-    low-entropy, with how to make a good one; None when it is fine. Never shows the secret."""
+    """What is wrong with ``value`` as a secret (``var`` names its variable): empty, short or easy to guess (under
+    ``MIN_SECRET_BITS`` by ``estimate_bits``), with how to make a good one; None when it is fine. Never shows the
+    secret."""
     if not value or len(value) < MIN_SECRET_CHARS:
         state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
     else:
-        weak = weakness(value)
-        if weak is None:
+        bits, kinds = estimate(value)
+        if bits >= MIN_SECRET_BITS:
             return None
-        state = f"is too easy to guess ({weak}); a generated one carries at least 128 bits"
+        made = f" of {', '.join(kinds)}" if kinds else ""
+        state = (f"is too easy to guess (about {bits:.0f} bits, made{made}; at least {MIN_SECRET_BITS} are needed, "
+                 "a generated one carries 128 or more)")
     return (f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
             "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
             "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
 
 
-def weakness(value: str) -> Optional[str]:
-    """Why ``value`` is obviously low-entropy, or None: few distinct characters (under ``MIN_SECRET_BITS`` by
-    its character frequencies: 32 random hex digits estimate about 110), a repeated pattern, or mostly a run
-    (``abcdef...``, ``012345...``). A heuristic against typed secrets; a generated one passes."""
-    n = len(value)
-    counts = collections.Counter(value)
-    bits = max(0.0, -sum(c * math.log2(c / n) for c in counts.values()))
-    if bits < MIN_SECRET_BITS:
-        return f"{len(counts)} distinct characters, about {bits:.0f} bits by their frequencies"
-    period = _period(value)
-    if period <= n // 2:
-        return f"a {period}-character pattern repeated"
-    steps = collections.Counter(ord(b) - ord(a) for a, b in zip(value, value[1:]))
-    if steps.most_common(1)[0][1] * 2 > n - 1:
-        return "mostly a run of consecutive characters"
-    return None
+# -- the estimate ------------------------------------------------------------------------------------------
+# zxcvbn's idea, small: a secret is the cheapest sequence of pieces an attacker would try -- a common word, a run
+# along the keyboard or the alphabet, a year, a piece repeated, else characters one by one from their class --
+# and its strength is log2 of the guesses that sequence takes. Random characters cost their class's size each;
+# every pattern costs far less than the characters it covers.
+
+# Common passwords and the words a job's secret is typed from, most common first (the rank is the guesses).
+WORDS = tuple("""password 123456 qwerty secret admin letmein welcome monkey dragon master login abc123 iloveyou
+sunshine princess football baseball shadow superman trustno1 hello freedom whatever michael jordan pass word love
+god money computer internet python linux root user default changeme token key test guest paddle paddlepaddle
+cluster train trainer server pserver job model deep learning tensor baidu tiger summer winter spring autumn
+flower orange banana apple cherry purple silver golden black white green yellow blue red star moon sun sky
+admin1 access batman charlie daniel thomas hunter ranger buster soccer hockey killer george andrew michelle
+jessica pepper ginger maggie secure private hidden magic mustang cookie coffee chocolate player matrix
+forever family friend happy lucky angel heaven hell home house music party""".split())
+_RANK = {w: i + 1 for i, w in enumerate(dict.fromkeys(WORDS))}
+_LONGEST = max(map(len, _RANK))
+_LEET = str.maketrans("4@8(3610$5+7!|2", "aabceiloosttilz")
+KEYBOARD = ("`1234567890-=", "qwertyuiop[]\\", "asdfghjkl;'", "zxcvbnm,./", "~!@#$%^&*()_+", "qwertyuiop{}|",
+            'asdfghjkl:"', "zxcvbnm<>?", "1qaz2wsx3edc4rfv5tgb6yhn7ujm8ik,9ol.0p;/-['=]")
+_KEY_STARTS = sum(len(r) for r in KEYBOARD)
 
 
-def _period(s: str) -> int:
-    """The shortest ``p`` with ``s[i] == s[i + p]`` everywhere (the prefix function: linear time)."""
-    pi = [0] * len(s)
-    for i in range(1, len(s)):
-        k = pi[i - 1]
-        while k and s[i] != s[k]:
-            k = pi[k - 1]
-        pi[i] = k + (s[i] == s[k])
-    return len(s) - pi[-1]
+def _class_size(c: str) -> int:
+    return 10 if c.isdigit() else 26 if c.isalpha() and c.isascii() else 33 if c.isascii() else 100
+
+
+def _word(piece: str) -> float:
+    """Guesses for ``piece`` as a listed word, l33t or capitalised maybe; 0 when it is none."""
+    low = piece.lower()
+    rank = _RANK.get(low) or _RANK.get(low.translate(_LEET))
+    if not rank:
+        return 0.0
+    subs = sum(a != b for a, b in zip(low, low.translate(_LEET))) if low not in _RANK else 0
+    upper = sum(c.isupper() for c in piece)
+    case = 1 if not upper else 2 if upper == len(piece) or (upper == 1 and piece[0].isupper()) else 2 ** upper
+    return rank * case * 2 ** subs
+
+
+def _run(piece: str) -> float:
+    """Guesses for ``piece`` as a run: a constant step through the character codes (``abcd``, ``9753``) or along
+    a keyboard row or column (``qwerty``, ``1qaz``), either way; 0 when it is none."""
+    steps = {ord(b) - ord(a) for a, b in zip(piece, piece[1:])}
+    if len(steps) == 1 and abs(next(iter(steps))) <= 5:
+        return 36 * 2 * 5 * len(piece)  # its start, direction and step, and its length
+    low = piece.lower()
+    if any(low in row or low[::-1] in row for row in KEYBOARD):
+        return _KEY_STARTS * 2 * len(piece)
+    return 0.0
+
+
+def estimate(value: str) -> Tuple[float, Tuple[str, ...]]:
+    """log2 of the guesses ``value`` takes as its cheapest sequence of pieces, and the kinds of pattern in it
+    ("a common word", ...; none for random characters). Quadratic in the length only where a piece repeats."""
+    return _estimate(value, True)
+
+
+def _offer(best: List[Tuple[float, Tuple[str, ...]]], i: int, j: int, bits: float, *kinds: str) -> None:
+    """The piece ``i:j`` at ``bits`` (made of ``kinds`` of pattern): kept as the way to ``j`` when cheaper than the
+    best so far."""
+    here, before = best[i]
+    if here + bits < best[j][0]:
+        best[j] = (here + bits, before + tuple(k for k in dict.fromkeys(kinds) if k not in before))
+
+
+def _estimate(s: str, repeats: bool) -> Tuple[float, Tuple[str, ...]]:
+    n = len(s)
+    best: List[Tuple[float, Tuple[str, ...]]] = [(0.0, ())] + [(math.inf, ())] * n
+    for i in range(n):
+        if best[i][0] == math.inf:
+            continue
+        offer = functools.partial(_offer, best, i)
+        offer(i + 1, math.log2(_class_size(s[i])))
+        for j in range(i + 3, min(n, i + _LONGEST) + 1):
+            if _word(s[i:j]):
+                offer(j, math.log2(_word(s[i:j])) + 1, "a common word")
+        if s[i:i + 4].isdigit() and 1900 <= int(s[i:i + 4]) <= 2099:
+            offer(i + 4, math.log2(200) + 1, "a year")
+        j = i + 3
+        while j <= n and _run(s[i:j]):  # a run's every prefix is one
+            offer(j, math.log2(_run(s[i:j])) + 1, "a keyboard or alphabet run")
+            j += 1
+        for p in range(1, (n - i) // 2 + 1) if repeats else ():
+            base, k, cost = s[i:i + p], 1, None
+            while s[i + k * p:i + (k + 1) * p] == base:
+                k += 1
+                cost = cost or _estimate(base, False)
+                offer(i + k * p, cost[0] + math.log2(k) + 1, *cost[1], "a repeated piece")
+    return best[n]
 
 
 def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:

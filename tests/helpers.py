@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, List, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "/home/paddle"  # ROOT_DIR on the SSH cluster's nodes (each has its own, see sshcluster.py)
@@ -492,3 +492,53 @@ def rc_python(cluster, tmp: Path):
     finally:
         for i in mounted:
             cluster.exec(i, ["umount", bashrc], check=False)
+
+
+def secret_holders(tops: Iterable[Path], needles: Iterable[str], skip: Iterable[Path] = ()) -> Tuple[List[str],
+                                                                                                   List[str]]:
+    """Where the job secret (any of ``needles``) is on disk under the directories ``tops`` (but in ``skip``):
+    (every regular file holding it, read as root whatever its mode; those of them user ``nobody`` can read).
+    nobody walks from each top as a user there does (each top opened as root: the tests' own parents are
+    private), in a forked child with its ids."""
+    import pwd
+
+    needles = [n.encode() for n in needles if n]
+    skipped = {str(p) for p in skip}
+    held = [str(p) for top in tops for p in Path(top).rglob("*") if str(p) not in skipped
+            and p.is_file() and not p.is_symlink() and any(n in p.read_bytes() for n in needles)]
+    pw = pwd.getpwnam("nobody")
+    readable: List[str] = []
+    for top in tops:
+        top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: nobody's ids, no capabilities; every file it can open and read
+            try:
+                os.close(r)
+                os.setgroups([])
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+                found = []
+                for dirpath, _dirs, files, dfd in os.fwalk(".", dir_fd=top_fd):
+                    for name in files:
+                        try:
+                            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+                        except OSError:
+                            continue
+                        try:
+                            data = os.read(fd, 1 << 24) if os.path.isfile(f"/proc/self/fd/{fd}") else b""
+                        except OSError:
+                            data = b""
+                        os.close(fd)
+                        path = os.path.normpath(os.path.join(top, dirpath, name))
+                        if path not in skipped and any(n in data for n in needles):
+                            found.append(path)
+                os.write(w, "\n".join(found).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            readable += [x for x in f.read().decode().split("\n") if x]
+        os.waitpid(pid, 0)
+        os.close(top_fd)
+    return held, readable

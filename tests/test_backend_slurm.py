@@ -103,12 +103,17 @@ from paddle_cluster.contract import JobEnv
 env = JobEnv.from_environ()
 socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
 print("listening", flush=True)
-while not os.path.exists(os.path.join(os.environ["PADDLE_WORKSPACE"], f"done.{env.pserver_id}")):
+# Done once its own trainer is, and once every trainer has started: a trainer starts only after its node saw every
+# pserver listening, so no node is still waiting to see this one (it would wait for a pserver that has gone).
+ws = os.environ["PADDLE_WORKSPACE"]
+need = [f"done.{env.pserver_id}"] + [f"started.{t}" for t in range(env.trainers)]
+while not all(os.path.exists(os.path.join(ws, name)) for name in need):
     time.sleep(0.05)
 """
 LATE_TRAIN_PY = """
 import os, time
 tid = int(os.environ["PADDLE_TRAINER_ID"])
+open(os.path.join(os.environ["PADDLE_WORKSPACE"], f"started.{tid}"), "w").close()
 time.sleep(0 if tid == 0 else 9)
 open(os.path.join(os.environ["PADDLE_WORKSPACE"], f"done.{tid}"), "w").close()
 print("done", tid, flush=True)

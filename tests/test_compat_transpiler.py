@@ -16,7 +16,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv, derive_t
 from paddle_cluster.ps import load_dense
 from paddle_cluster.ps.server import PServer
 
-SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,8 @@ from paddle_cluster.contract import (
 )
 from paddle_cluster.launch.config import ClusterConfig, HostSpec
 
-SECRET = "s3cr3t-Jq7Zx2vLmWk4PbN8rTy6Hc9F0dG5"  # as a job secret must be: not guessable (jobsecret.weakness)
-SECRET2 = "xx-9b1e4c7f2a5d8e3b6c9f1a4d7e2b5c8f"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET = "s3cr3t-Jq7Zx2vLmWk4PbN8rTy6Hc9F0dG5"  # as a job secret must be: not guessable (jobsecret.estimate)
+SECRET2 = "xx-9b1e4c7f2a5d8e3b6c9f1a4d7e2b5c8f"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 FLUID = ("PADDLE_TRAINING_ROLE", "PADDLE_PSERVER_IPS", "PADDLE_PSERVER_PORT", "PADDLE_TRAINERS",
          "PADDLE_TRAINER_ID", "PADDLE_CURRENT_IP")

@@ -25,7 +25,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node import MAIN, procs
 from paddle_cluster.node import messages as m
 
-SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.placement import init_rows, place_dense, shard_of, split_rows
 from paddle_cluster.ps.stream import SEGMENT, Stream
 
-SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 pytestmark = pytest.mark.timeout(30)
 

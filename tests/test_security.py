@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import EVERY, Launch, assert_nothing_left, cli, conf, final_w, proc_pid, workspace
+from helpers import EVERY, Launch, assert_nothing_left, cli, conf, final_w, proc_pid, secret_holders, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,7 +33,7 @@ from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
 
-SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.weakness)
+SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -121,6 +121,8 @@ def test_secret_files_binding_and_kill_scope(cluster, tmp_path):
     for f in state.glob("*.json"):
         assert secret not in f.read_text()
     assert_nothing_left(cluster)
+    # Nor is it in any file the job left on a node (while it ran, none held it: above).
+    assert secret_holders([cluster.root_dir(i) for i in range(3)], [secret, *keys])[0] == []
 
 
 @pytest.mark.timeout(60)

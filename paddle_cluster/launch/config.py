@@ -342,8 +342,8 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
             if name in _RESERVED_ENV:
                 raise ConfigError(key, value, f"{name} is set by paddle-cluster for every process (see "
                                   "docs/environment.md); remove it from ENV", source)
-            if any(c in str(v) for c in "\n\r\0"):
-                raise ConfigError(key, value, f"the value of {name} contains a newline or NUL byte, which an "
+            if line_break(str(v)):
+                raise ConfigError(key, value, f"the value of {name} contains {line_break(str(v))}, which an "
                                   "environment variable cannot carry", source)
         return {k: str(v) for k, v in value.items()}
     if isinstance(default, bool):
@@ -383,8 +383,29 @@ def _hosts(value: Any, source: str) -> Tuple[HostSpec, ...]:
     return hosts
 
 
+_BREAKS = {"\n": "a newline", "\r": "a carriage return", "\0": "a NUL byte"}
+# Values end up in scripts, config files and manifests (an #SBATCH line, mpirun's ssh config, a pod's command):
+# a line break there would end the line and make the rest a line of its own.
+NO_BREAKS = "a value written into a script or config file must stay on one line; remove it"
+
+
+def line_break(value: str) -> str:
+    """What line break (or NUL) ``value`` holds, as words ("a newline"); "" when none."""
+    return next((what for c, what in _BREAKS.items() if c in value), "")
+
+
+def refuse_line_break(option: str, value: Optional[str]) -> None:
+    """``ConfigError`` naming ``option`` when its value holds a line break or NUL (``line_break``)."""
+    if value and line_break(value):
+        raise ConfigError(option, value, f"contains {line_break(value)}: {NO_BREAKS}")
+
+
 def validate(cfg: ClusterConfig) -> None:
     """Each setting alone and together; an error names where the wrong value came from (``ClusterConfig.error``)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in _ORIGIN and isinstance(value, str) and line_break(value):
+            raise cfg.error(f.name, f"contains {line_break(value)}: {NO_BREAKS}")
     if not os.path.isabs(cfg.root_dir):
         raise cfg.error("root_dir", "must be an absolute path on every host, e.g. /home/paddle")
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):

@@ -491,9 +491,10 @@ def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
     return [node.cfg.python, "-c", MAIN, f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}", *args]
 
 
-def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120) -> Dict[str, Any]:
-    """A node sub-command's JSON answer."""
-    return node.run_json(agent_argv(node, lib, *args), what, timeout)
+def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120,
+               stdin: str = "") -> Dict[str, Any]:
+    """A node sub-command's JSON answer (``stdin``: what it reads)."""
+    return node.run_json(agent_argv(node, lib, *args), what, timeout, stdin)
 
 
 @contextlib.contextmanager

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import contract
-from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override
+from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override, refuse_line_break
 from .errors import ConfigError
 
 ROLE_VAR = "PADDLE_TRAINING_ROLE"
+ARGS = "-- (the entry script's arguments)"
 PSERVER_CHOICES = {"builtin": BUILTIN_PSERVER, "entry": ENTRY_PSERVER}  # run --pserver
 _PORT_KEYS = {"port": "paddle_port", "ports_num": "paddle_ports_num",
               "ports_num_for_sparse": "paddle_ports_num_for_sparse"}
@@ -78,13 +79,16 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
            entry: Optional[str] = None, pserver: Optional[str] = None) -> EntryPlan:
     """The config a job runs with: ``entry`` (``run --entry``) for ENTRY, the v2 port options applied, and the
     pserver chosen (``pserver``: ``run --pserver``, a key of ``PSERVER_CHOICES``; see the module's rule)."""
+    for option, value in [("--job_dispatch_package", dispatch_dir), ("--job_workspace", workspace),
+                          *((ARGS, a) for a in args)]:
+        refuse_line_break(option, value)
     check_workspace(dispatch_dir)
     if entry is not None:
         cfg = override(cfg, {"entry": ("--entry", entry)})
     try:
         opts = contract.v2_options(args)
     except contract.ContractError as e:
-        raise ConfigError("-- (the entry script's arguments)", None, str(e)) from None
+        raise ConfigError(ARGS, None, str(e)) from None
     ports = {_PORT_KEYS[k]: (f"--{k}", int(v)) for k, v in opts.items() if k in _PORT_KEYS}
     if ports:
         cfg = override(cfg, ports)

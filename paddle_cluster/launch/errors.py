@@ -23,7 +23,9 @@ class ConfigError(ClusterError):
     def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "",
                  unset: bool = False) -> None:
         if key.startswith("-"):
-            head = key if value is None else f"{key} {value}"
+            # A value with a line break is shown quoted: the message stays one line.
+            shown = f"{value!r}" if isinstance(value, str) and any(c in value for c in "\n\r\0") else value
+            head = key if value is None else f"{key} {shown}"
         elif default:
             head = f"{key} = {value!r} (the default; {default})"
         else:  # unset: the file has no such key (not "= None", which a file may say)

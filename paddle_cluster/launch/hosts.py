@@ -93,10 +93,12 @@ class Node:
     def close(self) -> None:
         pass
 
-    def run_json(self, argv: Sequence[str], what: str, timeout: Optional[float] = None) -> Dict[str, Any]:
-        """Run ``argv`` and return its answer: a JSON object on the last line of its output, whatever the exit
-        status (the answer says what went wrong). Without one, a ``HostError`` quoting the output."""
-        res = self.run(argv, timeout=timeout)
+    def run_json(self, argv: Sequence[str], what: str, timeout: Optional[float] = None,
+                 stdin: str = "") -> Dict[str, Any]:
+        """Run ``argv`` (given ``stdin``) and return its answer: a JSON object on the last line of its output,
+        whatever the exit status (the answer says what went wrong). Without one, a ``HostError`` quoting the
+        output."""
+        res = self.run(argv, timeout=timeout, stdin=stdin)
         try:
             doc = json.loads(res.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import paramiko
@@ -199,6 +200,12 @@ class SSHNode(Node):
                 raise
             err = p.stderr.read().decode(errors="replace").strip()
             rc = p.wait()
+        if rc == 255 and until is not None:
+            # A node gone mid-upload ends ssh with 255 too, and its session's end shows a moment later: falling back
+            # to SFTP then would leave an SFTP server on the node blocked opening a FIFO nobody reads.
+            deadline = time.monotonic() + 2.0
+            while not until() and time.monotonic() < deadline:
+                time.sleep(0.05)
         if until is not None and rc != 0 and until():
             raise HostError(self.label, f"upload of {name} to {remote} stopped: nothing reads it any more")
         if rc == 255:  # ssh itself failed (login, host key, network): let paramiko try and report

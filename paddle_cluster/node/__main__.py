@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import bootstrap, jobdir, supervisor, unpack
+from . import bootstrap, jobdir, private, supervisor, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,11 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-timeout", type=float, default=20.0, help="with --keep-going-while: seconds")
     p.add_argument("--own-session", action="store_true", help="run the agent in a POSIX session of its own that gets "
                    "SIGTERM when this process dies: for engines that SIGKILL their ranks (MPICH's Hydra)")
+    p.add_argument("--remove-plan", action="store_true", help="remove the plan file once read (it holds the job "
+                   "secret; each node has its own: {node} in --plan, or a file per host)")
     for name in ("kill", "status", "metrics"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
         if name == "kill":
             p.add_argument("--grace", type=float, default=5.0)
+    p = sub.add_parser("private", help="a file only this user can read (an engine's plan, which holds the job "
+                       "secret): --write PATH takes stdin, in a directory checked and made private; --remove PATH")
+    act = p.add_mutually_exclusive_group(required=True)
+    act.add_argument("--write", metavar="PATH")
+    act.add_argument("--remove", metavar="PATH")
     p = sub.add_parser("checkpoints", help="the steps under ROOT whose shards of every given pserver are complete")
     p.add_argument("--root", required=True)
     p.add_argument("--pservers", required=True, help="pserver ids, comma-separated")
@@ -91,7 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return bootstrap.shielded([x for x in args if x != "--own-session"])
     if a.cmd == "bootstrap":
         return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going,
-                              lease=a.keep_going_while, lease_timeout=a.lease_timeout)
+                              lease=a.keep_going_while, lease_timeout=a.lease_timeout, remove_plan=a.remove_plan)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
     if a.cmd == "unpack":
@@ -100,6 +107,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = jobdir.kill(a.job_dir, a.grace)
     elif a.cmd == "status":
         doc = jobdir.status(a.job_dir)
+    elif a.cmd == "private":
+        try:
+            if a.write:
+                private.write_private(a.write, sys.stdin.buffer.read())
+            doc = {"ok": True, "removed": private.remove(a.remove)} if a.remove else {"ok": True}
+        except (private.PrivateError, OSError) as e:
+            doc = {"ok": False, "error": str(e) if isinstance(e, private.PrivateError) else
+                   f"{a.write or a.remove}: {e.strerror or e}"}
     elif a.cmd == "checkpoints":
         from paddle_cluster.ps.checkpoint import complete_steps  # numpy: only this one needs it
         from paddle_cluster.ps.errors import CheckpointError

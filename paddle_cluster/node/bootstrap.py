@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
-from . import MAIN, probe, supervisor
+from . import MAIN, private, probe, supervisor
 from . import messages as m
 
 ENGINES = ("mpi", "slurm")
@@ -181,7 +181,9 @@ def _events_to(path: str) -> None:
 
 def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous_dir: str = "", nic: str = "",
          timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None,
-         lease: str = "", lease_timeout: float = 20.0) -> int:
+         lease: str = "", lease_timeout: float = 20.0, remove_plan: bool = False) -> int:
+    """``remove_plan``: the plan file (``{node}`` in ``plan_path``: this node's index) is this node's alone and
+    is removed once read, so the secret it holds stays on disk only until the agent has it."""
     env = os.environ if environ is None else environ
     try:
         where = placement(engine, env)
@@ -192,6 +194,7 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
         _events_to(events.replace("{node}", str(where.node)))
     emit = supervisor.Emitter()
     emit.node = where.node
+    plan_path = plan_path.replace("{node}", str(where.node))
     try:
         addresses = rendezvous(rendezvous_dir, where, nic, timeout) if rendezvous_dir else None
         plan = read_plan(plan_path, where.node, addresses)
@@ -199,4 +202,7 @@ def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous
         emit(m.NotReady, why=f"{where.host}: {e}")
         emit(m.Stopped, reason=f"bootstrap failed: {e}")
         return 2
+    finally:
+        if remove_plan:
+            private.remove(plan_path)
     return supervisor.supervise(lease_timeout, grace, plan, fail_fast=fail_fast and not lease, lease=lease)

@@ -21,11 +21,15 @@ import select
 import socket
 import tempfile
 import time
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Dict, Optional
 
 CHUNK = 1 << 20
 NONCE = 32
 LINK_TIMEOUT = 10.0  # connecting to the next node and proving the token, each way
+# A connection to a receiver must prove the token within this (the node before does in one round trip); a peer
+# that does not is dropped, and never delays the others (each is answered as its proof arrives).
+HANDSHAKE_TIMEOUT = 2.0
+MAX_PENDING = 64  # connections proving the token at once; past it the oldest is dropped
 ACCEPT_TIMEOUT = 30.0  # how long a node waits for the node before it to connect (a refused link says so sooner)
 IDLE_TIMEOUT = 60.0  # a source that sends nothing for this long is given up
 PROGRESS_S = 10.0  # how often a node receiving an archive tells the launcher how far it is
@@ -166,6 +170,37 @@ class _Onward:
             self.spool = None
 
 
+class _Pending:
+    """A connection to a receiver that has not proven the token yet: the nonce it was sent, what it said so far,
+    when it is dropped."""
+
+    def __init__(self, mine: bytes, until: float) -> None:
+        self.mine, self.until, self.got = mine, until, b""
+
+    def read(self, sock: socket.socket, token: bytes, sha: str) -> bool:
+        """Take what arrived; True once a right proof is in and answered. A wrong one, or a closed or broken
+        connection, ends it at once (``until`` set to now)."""
+        try:
+            more = sock.recv(32 + NONCE - len(self.got))
+        except BlockingIOError:
+            return False
+        except OSError:
+            more = b""
+        self.got += more
+        if not more or len(self.got) == 32 + NONCE and not hmac.compare_digest(
+                self.got[:32], _proof(token, b"send", sha, self.mine)):
+            self.until = 0.0
+            return False
+        if len(self.got) < 32 + NONCE:
+            return False
+        try:
+            sock.sendall(_proof(token, b"recv", sha, self.got[32:]))  # 32 bytes into an empty buffer
+        except OSError:
+            self.until = 0.0
+            return False
+        return True
+
+
 class Receiver:
     """One node's end of the dispatch: its FIFO (``fifo``, alone in a directory of its own, ``where``) and its
     listener (``port``). The spool goes into ``where`` too."""
@@ -231,30 +266,56 @@ class Receiver:
                     orders.forward = ""  # that node saw this one stop (or never heard from it): it is sent it otherwise
 
     def _accept(self, token: bytes, sha: str, orders: Orders):
+        """The node before, proven to hold ``token``. Every connection gets its nonce at once and is answered in
+        turn as its proof arrives, so a peer that says nothing holds nothing the right one needs: it is dropped
+        after HANDSHAKE_TIMEOUT, or sooner when MAX_PENDING others wait (the oldest goes)."""
         deadline = time.monotonic() + ACCEPT_TIMEOUT
-        while True:
-            left = deadline - time.monotonic()
-            r, _, _ = select.select([self.listener, orders.fd], [], [], max(left, 0))
-            if orders.fd in r:
-                orders.take()
-                if orders.stop:
-                    return None, f"the link from the node before failed ({orders.stop})"
-                continue
-            if not r:
-                return None, f"the node before did not connect within {ACCEPT_TIMEOUT:g} s"
+        pending: Dict[socket.socket, _Pending] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    return None, f"the node before did not connect within {ACCEPT_TIMEOUT:g} s"
+                for sock in [s for s, p in pending.items() if p.until <= now]:
+                    del pending[sock]
+                    sock.close()
+                wake = min([deadline, *(p.until for p in pending.values())])
+                r, _, _ = select.select([self.listener, orders.fd, *pending], [], [], max(wake - now, 0))
+                if orders.fd in r:
+                    orders.take()
+                    if orders.stop:
+                        return None, f"the link from the node before failed ({orders.stop})"
+                    continue
+                if self.listener in r:
+                    self._greet(pending)
+                for sock in (s for s in r if s in pending):
+                    if pending[sock].read(sock, token, sha):
+                        del pending[sock]
+                        sock.setblocking(True)
+                        return sock, ""
+        finally:
+            for sock in pending:
+                sock.close()
+
+    def _greet(self, pending: Dict[socket.socket, _Pending]) -> None:
+        """A new connection: our nonce sent, its proof awaited (never blocking: a full send buffer is a stranger)."""
+        try:
             sock, _peer = self.listener.accept()
-            try:  # a connection that cannot prove the token is dropped; the right one may still come
-                mine = secrets.token_bytes(NONCE)
-                sock.sendall(mine)
-                end = time.monotonic() + LINK_TIMEOUT
-                answer, theirs = recv_by(sock, 32, end), recv_by(sock, NONCE, end)
-                if hmac.compare_digest(answer, _proof(token, b"send", sha, mine)):
-                    sock.sendall(_proof(token, b"recv", sha, theirs))
-                    sock.settimeout(None)
-                    return sock, ""
-            except (OSError, LinkError):
-                pass
+        except OSError:
+            return
+        sock.setblocking(False)
+        mine = secrets.token_bytes(NONCE)
+        try:
+            if sock.send(mine) != NONCE:
+                raise OSError("short send")
+        except OSError:
             sock.close()
+            return
+        if len(pending) >= MAX_PENDING:
+            oldest = min(pending, key=lambda s: pending[s].until)
+            del pending[oldest]
+            oldest.close()
+        pending[sock] = _Pending(mine, time.monotonic() + HANDSHAKE_TIMEOUT)
 
     @staticmethod
     def _pump(fd: int, size: int, sha: str, out: BinaryIO, orders: Orders, onward: _Onward, report: Report) -> str:

@@ -10,7 +10,7 @@ import importlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
-from ..config import ClusterConfig
+from ..config import ClusterConfig, refuse_line_break
 from ..errors import ClusterError, ConfigError
 from ..registry import REGISTRY
 from .base import Backend, BackendOption, JobRef
@@ -90,7 +90,12 @@ def _require_hosts(cls: Type[Backend], cfg: ClusterConfig, why: str) -> None:
 def backend_for(cfg: ClusterConfig, opts: Optional[Mapping[str, Any]] = None, detach: bool = False) -> Backend:
     """The backend ``BACKEND`` names, with its declared options from ``opts`` (absent ones: the config's)."""
     cls = backend_of(cfg)
-    return cls.create(cfg, {o.dest: (opts or {}).get(o.dest) for o in cls.options}, detach)
+    given = {o.dest: (opts or {}).get(o.dest) for o in cls.options}
+    for o in cls.options:  # every value may end up in a script or a manifest
+        for value in given[o.dest] if o.multiple and given[o.dest] else [given[o.dest]]:
+            if isinstance(value, str):
+                refuse_line_break(o.flag, value)
+    return cls.create(cfg, given, detach)
 
 
 def find_job(cfg: ClusterConfig, name: str) -> Tuple[Type[Backend], JobRef]:

@@ -32,7 +32,7 @@ from paddle_cluster.node import messages as m
 from ... import dispatch
 from ...access import CheckLine, EngineRow
 from ...config import ClusterConfig
-from ...errors import ClusterError
+from ...errors import ClusterError, HostError
 from ...fanout import fanout
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec
@@ -121,7 +121,8 @@ class MPIBackend(Backend):
         self.nodes, self.names, self.labels = self.ssh.nodes, self.ssh.names, self.ssh.labels
         self.mpirun: Optional[subprocess.Popen] = None
         self.attempt = 0
-        self.tmp = ""  # this job's hostfile, ssh config and plan, made in ``prepare``
+        self.tmp = ""  # this job's hostfile and ssh config, made in ``prepare``
+        self.plan_path = ""  # the running start's plan on every host, until removed
         self.events = EventQueue([], cfg.orphan_timeout)
         self.spec: Optional[JobSpec] = None
         self.impl, self.launcher = "openmpi", "mpirun"
@@ -152,7 +153,7 @@ class MPIBackend(Backend):
             say(f"{e}; shown for Open MPI's mpirun")
         where = "<job-tmp>"
         files = self.files(where)
-        plan = f"{self.cfg.root_dir}/.paddle_cluster/plans/<job id>.1.jsonl"
+        plan = self.plan_file(spec.name, 1)
         argv = self.argv(plan, self.cfg.kill_grace, {k: f"{where}/{k}" for k in files},
                          lib=dispatch.Package("", "<node library sha256>", 0, 0))
         return Rendered((
@@ -251,7 +252,7 @@ class MPIBackend(Backend):
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
         shield = ("--own-session",) if self.impl == "mpich" else ()
         agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
-                                    "--grace", str(grace), "--keep-going", *shield)
+                                    "--remove-plan", "--grace", str(grace), "--keep-going", *shield)
         if len(set(self.pythons)) == 1:  # one command for every rank: the agent too runs what preflight checked
             agent[0] = self.pythons[0]
         return agent
@@ -269,16 +270,17 @@ class MPIBackend(Backend):
     def start(self, plan: JobPlan) -> None:
         assert self.lib is not None and self.mpirun is None, "prepare first, and stop before starting again"
         self.attempt += 1
-        plan_dir = f"{self.cfg.root_dir}/.paddle_cluster/plans"
-        plan_path = f"{plan_dir}/{plan.name}.{self.attempt}.jsonl"
-        local = os.path.join(self.tmp, "plan.jsonl")
-        fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the job secret
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes))
+        self.plan_path = plan_path = self.plan_file(plan.name, self.attempt)
+        text = "".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes)
+        lib = self.lib
 
         def put(n: Node) -> None:
-            n.run(["mkdir", "-p", "-m", "700", plan_dir], timeout=60)
-            n.put(local, plan_path)
+            # It holds the job secret: written by the node itself, 0600 from its first byte in a directory it
+            # checks (another user's refused) and makes 0700; the rank removes it once read (--remove-plan).
+            doc = dispatch.agent_json(n, lib, "private", "--write", plan_path, what="writing the plan", timeout=60,
+                                      stdin=text)
+            if not doc.get("ok"):
+                raise HostError(n.label, f"cannot write the plan: {doc.get('error')}")
 
         fanout(self.nodes, put).ok("sending the plan")
         self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
@@ -337,7 +339,20 @@ class MPIBackend(Backend):
                 p.kill()
                 p.wait()
         self.mpirun = None
+        self.remove_plan()
         return unswept
+
+    def plan_file(self, job: str, attempt: int) -> str:
+        """Where start ``attempt`` puts the plan on every host (its own copy on each)."""
+        return f"{self.cfg.root_dir}/.paddle_cluster/plans/{job}.{attempt}.jsonl"
+
+    def remove_plan(self) -> None:
+        """The plan file gone from every host, where a rank did not remove it (it never started, or failed before
+        reading it): it holds the job secret. A host that cannot be reached keeps it (0600, in a 0700 directory)."""
+        path, lib, self.plan_path = self.plan_path, self.lib, ""
+        if path and lib is not None:
+            fanout(self.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
+                                                             what="removing the plan", timeout=60))
 
     def sweep(self, grace: float) -> List[int]:
         """``node kill`` on every host: anything of the job still running there (Open MPI kills its ranks'
@@ -352,6 +367,7 @@ class MPIBackend(Backend):
         return sorted(fanout(self.nodes, kill).errors)
 
     def close(self) -> None:
+        self.remove_plan()  # a start that failed before mpirun ran
         self.ssh.close()
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)

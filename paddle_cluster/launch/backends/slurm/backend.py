@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from paddle_cluster.node import messages as m
+from paddle_cluster.node import private
 from paddle_cluster.node.bootstrap import placeholder
 
 from ... import dispatch, resume
@@ -42,6 +43,7 @@ from .options import SlurmOptions, batch_script
 POLL_S = 0.5
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
+PLAN = "plan.{node}.jsonl"  # in a start's directory: node {node}'s share, which holds the job secret
 LEASE = "launcher.lease"  # rewritten every second by the launcher that follows the job (see node bootstrap)
 
 
@@ -107,6 +109,7 @@ class SlurmBackend(Backend):
         self.job_id: Optional[str] = None
         self.srun: Optional[subprocess.Popen] = None  # inside an existing allocation
         self.attempt = 0
+        self.adir = ""  # the current start's directory (attempt-<k>)
         self.events = EventQueue([], cfg.orphan_timeout)
         self._done = threading.Event()
 
@@ -200,7 +203,7 @@ class SlurmBackend(Backend):
         else:
             keep = ()
         argv = dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
-                                   f"{adir}/plan.jsonl", "--events", f"{adir}/events.{{node}}.jsonl",
+                                   f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
         return [self.pythons[0], *argv[1:]] if self.pythons else argv
@@ -228,11 +231,9 @@ class SlurmBackend(Backend):
         assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"
         spec, opts = self.spec, self.opts
         self.attempt += 1
-        adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt}"
-        os.makedirs(adir, mode=0o700, exist_ok=True)
-        fd = os.open(f"{adir}/plan.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the secret
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(m.encode(m.Start(n)) + "\n" for n in per_node(plan)))
+        self.adir = adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt}"
+        for n in per_node(plan):  # each node's share holds the secret: 0600, and its node removes it once read
+            private.write_private(f"{adir}/{PLAN}".replace("{node}", str(n.node)), m.encode(m.Start(n)).encode())
         srun = self.srun_argv(adir)
         self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
         self._done = threading.Event()
@@ -335,6 +336,8 @@ class SlurmBackend(Backend):
 
     def stop(self, grace: float) -> List[int]:
         if self.job_id is None and self.srun is None:
+            if self.adir:  # a start that failed before submitting
+                ops.remove_plans(self.adir)
             return []
         self._done.set()
         if self.srun is not None:
@@ -345,9 +348,11 @@ class SlurmBackend(Backend):
                 self.srun.kill()
                 self.srun.wait()
             self.srun = None
+            ops.remove_plans(self.adir)
             return []
         job_id, self.job_id = self.job_id, None
         cancel_job(job_id, grace + 60)
+        ops.remove_plans(self.adir)  # the nodes that never read theirs
         return []
 
     def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
@@ -356,7 +361,7 @@ class SlurmBackend(Backend):
         return [complete_steps(root, ids) for _, ids in sorted(pservers.items())]
 
     def close(self) -> None:
-        self._done.set()
+        self._done.set()  # (a detached job's nodes have yet to read their plans: only stop removes them)
 
 
 def _renew(path: str, beat: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import re
 import shlex
@@ -14,7 +15,7 @@ import subprocess
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.node import jobdir, procs
+from paddle_cluster.node import jobdir, private, procs
 
 from ...access import CheckLine, EngineRow, check_cluster
 from ...config import ClusterConfig, HostSpec
@@ -176,6 +177,12 @@ def _node_dirs(cfg: ClusterConfig, name: str) -> List[str]:
     return [path for _, path in sorted(found)]
 
 
+def remove_plans(adir: str) -> None:
+    """The plan files of start ``adir`` that no node read (and so removed): they hold the job secret."""
+    for path in glob.glob(f"{glob.escape(adir)}/plan.*.jsonl"):
+        private.remove(path)
+
+
 def kill(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
     job_id = _job_id(cfg, name, handle)
     for d in _node_dirs(cfg, name):
@@ -184,6 +191,8 @@ def kill(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
     if "." in job_id:  # a step: scancel would SIGKILL it; its agents stop their processes on TERM, with grace
         _term_step(job_id, cfg.kill_grace + 10)
     state = cancel_job(job_id, cfg.kill_grace + 60)
+    for adir in glob.glob(f"{glob.escape(cfg.job_dir(name))}/.paddle_cluster/attempt-*"):  # a job that never ran
+        remove_plans(adir)
     what = f"Slurm step {job_id}" if "." in job_id else f"Slurm job {job_id}"
     return f"{what} (job {name}): {state}; nothing of it is left in squeue"
 
