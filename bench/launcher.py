@@ -2,8 +2,9 @@
 
 Needs root (``tests/sshcluster.py``). ``run`` is driven through the CLI exactly as a user would; every
 trainer prints its wall-clock start time, so "ready" is when the last trainer of the job started (the
-launcher starts trainers only after every pserver listens). Dispatch is timed through the launcher's own
-``deliver`` (the node sessions of ``run``, without the agents), against ``scp`` of the same file. The floor is
+launcher starts trainers only after every pserver listens). Dispatch is timed as the user waits for it,
+through the launcher's own ``deliver`` (the node sessions of ``run``, without the agents): a new workspace every
+round (packing included), less a tiny new workspace's ``deliver``, against ``scp`` of the same file. The floor is
 what each node costs whatever the launcher does: one SSH command, one interpreter. Every launch, dispatch and
 ``scp`` also reports its CPU: the launcher's (with its ``ssh`` children) and every host's (its cgroup), so the
 goals can show the bound (launcher + hosts) / cores beside the time. The launch, floor and dispatch
