@@ -1,7 +1,8 @@
 """``python -m bench``: the paddle-cluster benchmark suite. See docs/benchmarks.md.
 
 Prints a table and the issue's targets, writes ``bench/results/latest.json`` (and the block-size plot).
-Sections: raw, dense, sparse, peers, torch, shaped, launcher (``--only a,b``); ``--quick`` for small sizes,
+Sections: raw, dense, sparse, peers, torch, shaped, launcher, dispatch (the launcher's dispatch rows alone)
+(``--only a,b``); ``--quick`` for small sizes,
 ``--smoke`` for tiny ones (the test suite's check that the suite runs). ``shaped`` and ``launcher`` need
 root and are skipped with a note otherwise.
 """
@@ -22,7 +23,7 @@ from . import targets as goals
 from .common import MB, REPO, Row, loadavg
 from .cpu import Cpu
 
-SECTIONS = ("raw", "dense", "sparse", "peers", "torch", "shaped", "launcher")
+SECTIONS = ("raw", "dense", "sparse", "peers", "torch", "shaped", "launcher", "dispatch")
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     "full": {"size": 64 * MB, "warmup": 2, "reps": 7, "raw_reps": 5,
@@ -353,15 +354,20 @@ class Suite:
             "shaped", "1 Gbit/s links", size, c["warmup"], c["shaped_reps"],
             lambda size, w, r, n: done[("gloo", n)], lambda size, w, r, n, p: done[("ps", n, p)])
 
-    def launcher(self) -> None:
+    def launcher(self, parts=("launch", "dispatch")) -> None:
         from . import launcher
 
         if self._no_cluster("launcher"):
             return
         c = self.cfg
         out = launcher.run(counts=tuple(c["launch_counts"]), reps=c["launch_reps"], dispatch_mb=c["dispatch_mb"],
-                           dispatch_counts=tuple(c["dispatch_counts"]), dispatch_reps=c["dispatch_reps"])
+                           dispatch_counts=tuple(c["dispatch_counts"]), dispatch_reps=c["dispatch_reps"], parts=parts)
         launcher.report(out, c, self.add, self.m)
+
+    def dispatch(self) -> None:
+        """The launcher section's dispatch rows alone (``--only dispatch``; ``launcher`` has them too)."""
+        if "launcher" not in self.only:
+            self.launcher(parts=("dispatch",))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

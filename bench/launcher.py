@@ -2,8 +2,9 @@
 
 Needs root (``tests/sshcluster.py``). ``run`` is driven through the CLI exactly as a user would; every
 trainer prints its wall-clock start time, so "ready" is when the last trainer of the job started (the
-launcher starts trainers only after every pserver listens). Dispatch is timed through the launcher's own
-``deliver`` (the node sessions of ``run``, without the agents), against ``scp`` of the same file. The floor is
+launcher starts trainers only after every pserver listens). Dispatch is timed as the user waits for it,
+through the launcher's own ``deliver`` (the node sessions of ``run``, without the agents): a new workspace every
+round (packing included), less a tiny new workspace's ``deliver``, against ``scp`` of the same file. The floor is
 what each node costs whatever the launcher does: one SSH command, one interpreter. Every launch, dispatch and
 ``scp`` also reports its CPU: the launcher's (with its ``ssh`` children) and every host's (its cgroup), so the
 goals can show the bound (launcher + hosts) / cores beside the time. The launch, floor and dispatch
@@ -81,9 +82,10 @@ def _run_cli(cl, conf: Path, ws: Path, n: int) -> Tuple[float, float, float]:
 
 
 def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_counts=(1, 3, 8),
-        dispatch_reps: int = 3) -> Dict[str, Any]:
+        dispatch_reps: int = 3, parts=("launch", "dispatch")) -> Dict[str, Any]:
     """Every row on the machine as it is, and the launch, floor and dispatch rows again with hosts whose login
-    shell reads no rc file (``plain_``, ``plainslow_``), in one run on one cluster."""
+    shell reads no rc file (``plain_``, ``plainslow_``), and the 3-host dispatch with another job loading the
+    machine (``loaded_``), in one run on one cluster. ``parts``: "launch", "dispatch" or both."""
     sc = sshcluster_module()
     out: Dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
@@ -96,26 +98,31 @@ def run(counts=(1, 2, 4, 8), reps: int = 3, dispatch_mb: int = 200, dispatch_cou
         out["cpu_accounting"] = cl.cpu_seconds(0) is not None
         # -- run -> all processes ready ---------------------------------------------------------------
         _run_cli(cl, write_conf(work / "conf-warm.py", cl, cl.hosts[:max(counts)]), ws, max(counts))  # the lib
-        for key, launch_counts in (("", counts), ("plain_", plain)):
-            cl.set_plain_shell(bool(key))
-            out.update(_launches(cl, work, ws, launch_counts, reps, key))
-            out.update(_floor(cl, work, sorted({*plain, max(launch_counts)}), reps, key))
-        out.update(_census(cl, work, ws, plain))
+        if "launch" in parts:
+            for key, launch_counts in (("", counts), ("plain_", plain)):
+                cl.set_plain_shell(bool(key))
+                out.update(_launches(cl, work, ws, launch_counts, reps, key))
+                out.update(_floor(cl, work, sorted({*plain, max(launch_counts)}), reps, key))
+            out.update(_census(cl, work, ws, plain))
         cl.set_plain_shell(False)
         # -- dispatch of a big workspace, on 1 Gbit/s links (the launcher's own link too) --------------------
         big, blob = _workspace_of(work / "big", dispatch_mb)
         small, small_blob = _workspace_of(work / "small", dispatch_mb // 4)
         top = (max(dispatch_counts),)
+        mid = tuple(n for n in dispatch_counts if n == 3) or top
         for rate, key, ws_dir, file, hosts in (("1gbit", "", big, blob, dispatch_counts),
+                                               ("1gbit", "loaded_", big, blob, mid),
                                                # where the shared cores are not the limit (see docs)
                                                ("100mbit", "slow_", small, small_blob, top),
                                                ("1gbit", "plain_", big, blob, dispatch_counts),
                                                ("100mbit", "plainslow_", small, small_blob, top)):
+            if "dispatch" not in parts:
+                break
             cl.set_plain_shell(key.startswith("plain"))
             for i in range(cl.n):
                 cl.shape(i, rate)
             cl.shape_uplink(rate)
-            out.update(_dispatch(cl, work, ws_dir, file, hosts, dispatch_reps, key))
+            out.update(_dispatch(cl, work, ws_dir, file, hosts, dispatch_reps, key, loaded=key == "loaded_"))
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -180,25 +187,49 @@ def _workspace_of(ws: Path, mb: int):
     """A workspace of ``mb`` MiB of random bytes (data.bin) and a train.py; (its directory, data.bin)."""
     ws.mkdir()
     blob = ws / "data.bin"
-    with open(blob, "wb") as f:
-        for _ in range(mb):
-            f.write(os.urandom(1 << 20))
+    _renew(blob, mb)
     (ws / "train.py").write_text(TRAIN_PY)
     return ws, blob
 
 
-def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str = "") -> Dict[str, Any]:
-    """Full dispatch to each count of hosts (nothing cached; the whole ``deliver``, and the sending: from the first
-    byte sent to every job directory in place, overlapping the later nodes' sessions starting), the same again
-    unchanged on 3 hosts (and its workspace step: from the last node up to every job directory), and one ``scp``."""
+def _renew(blob: Path, mb: int) -> str:
+    """New random contents for ``blob`` (a new workspace: the launcher has no archive of it); their SHA-256."""
+    h = hashlib.sha256()
+    with open(blob, "wb") as f:
+        for _ in range(mb):
+            b = os.urandom(1 << 20)
+            h.update(b)
+            f.write(b)
+    return h.hexdigest()
+
+
+HOG = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    sum(range(10000))\n"
+
+
+def _hog() -> subprocess.Popen:
+    """Another job loading the machine: one process keeping one core busy (as the issue's "heavy job")."""
+    return subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL)
+
+
+def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str = "",
+              loaded: bool = False) -> Dict[str, Any]:
+    """Dispatch as the user waits for it: every round a new workspace (new bytes: packed while it is sent), the
+    whole ``deliver`` from the call to every job directory in place, packing included, and the same for a tiny
+    new workspace (what every launch costs whatever its size: sessions, probe, placing); the difference is the
+    workspace's own time, set against one ``scp``. Also the sending (first byte sent -> every job directory in
+    place), the same workspace again unchanged on 3 hosts (and its workspace step), and one ``scp``.
+    ``loaded``: another job keeps one core busy meanwhile."""
     sys.path.insert(0, REPO)
     from paddle_cluster.launch.backends.ssh import SSHBackend
     from paddle_cluster.launch.config import load_config
     from paddle_cluster.launch.plan import JobSpec
 
     quiet = lambda _msg: None  # noqa: E731
-    want = hashlib.sha256(blob.read_bytes()).hexdigest()
+    mb = blob.stat().st_size >> 20
     out: Dict[str, Any] = {f"{key}dispatch_ok": True}
+    tiny = work / f"tiny-{key}"
+    tiny.mkdir(exist_ok=True)
+    (tiny / "train.py").write_text(TRAIN_PY)
 
     def clear(n: int) -> None:
         for i in range(n):
@@ -207,59 +238,74 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
             for d in cl.root_dir(i).glob("BENCHJOB*"):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def verify(name: str, n: int) -> bool:
+    def verify(name: str, n: int, want: str) -> bool:
         return all(hashlib.sha256((cl.root_dir(i) / name / "data.bin").read_bytes()).hexdigest() == want
                    for i in range(n))
 
-    for n in counts:
-        cfg = load_config(str(write_conf(work / f"conf-dispatch{n}.py", cl, cl.hosts[:n])))
-        backend = SSHBackend(cfg)
-        backend.probe_cluster(quiet, check_ports=False)
-        full, again, step, moved, mine, nodes = [], [], [], [], [], []
-        try:
-            for r in range(reps + 1):
-                clear(n)
-                spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
-                c0, n0 = _cpu_self(), _cpu_nodes(cl, n)
-                t0 = time.perf_counter()
-                backend.deliver(spec, quiet)
-                t1 = time.perf_counter()
-                c1 = _cpu_self()
-                _settle(cl, n, sessions=False)  # the connections stay open: their sshd is idle
-                out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n)
-                if r:  # the first round is the warm-up
-                    full.append(t1 - t0)
-                    moved.append(backend.sending_seconds)
-                    mine.append(c1 - c0)
-                    nodes.append(sum(_cpu_nodes(cl, n)) - sum(n0))
-                if n == 3:
-                    spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
-                    t2 = time.perf_counter()
-                    backend.deliver(spec2, quiet)
-                    t3 = time.perf_counter()
-                    out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec2.name, n)
-                    if r:
-                        again.append(t3 - t2)
-                        step.append(backend.workspace_seconds)
-        finally:
-            backend.close()
-        out[f"{key}dispatch_full_{n}"], out[f"{key}dispatch_moved_{n}"] = Stats(full), Stats(moved)
-        out[f"{key}dispatch_cpu_{n}"], out[f"{key}dispatch_node_cpu_{n}"] = Stats(mine), Stats(nodes)
-        if again:
-            out[f"{key}dispatch_again"], out[f"{key}dispatch_again_step"] = Stats(again), Stats(step)
-    scp, mine, nodes = [], [], []
-    for r in range(reps + 1):
-        c0, n0 = _cpu_self(), _cpu_nodes(cl, 1)
-        t0 = time.perf_counter()
-        subprocess.run(["scp", "-q", "-i", cl.key_path, "-o", f"UserKnownHostsFile={cl.known_hosts}",
-                        "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", str(blob),
-                        f"root@{cl.ips[0]}:/home/paddle/scp-data.bin"], check=True, stdin=subprocess.DEVNULL)
-        t1, c1 = time.perf_counter(), _cpu_self()
-        _settle(cl, 1, sessions=True)
-        if r:
-            scp.append(t1 - t0)
-            mine.append(c1 - c0)
-            nodes.append(_cpu_nodes(cl, 1)[0] - n0[0])
+    hog = _hog() if loaded else None
+    try:
+        for n in counts:
+            cfg = load_config(str(write_conf(work / f"conf-dispatch{n}.py", cl, cl.hosts[:n])))
+            backend = SSHBackend(cfg)
+            backend.probe_cluster(quiet, check_ports=False)
+            full, small, again, step, moved, mine, nodes = [], [], [], [], [], [], []
+            try:
+                for r in range(reps + 1):
+                    clear(n)
+                    (tiny / "train.py").write_text(TRAIN_PY + f"# {key} {n} {r}\n")  # new: packed as sent
+                    t0 = time.perf_counter()
+                    backend.deliver(JobSpec(cfg, f"BENCHJOB{r}t", dispatch_dir=str(tiny)), quiet)
+                    small_s = time.perf_counter() - t0
+                    want = _renew(blob, mb)
+                    spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
+                    c0, n0 = _cpu_self(), _cpu_nodes(cl, n)
+                    t0 = time.perf_counter()
+                    backend.deliver(spec, quiet)
+                    t1 = time.perf_counter()
+                    c1 = _cpu_self()
+                    _settle(cl, n, sessions=False)  # the connections stay open: their sshd is idle
+                    out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec.name, n, want)
+                    if r:  # the first round is the warm-up
+                        full.append(t1 - t0)
+                        small.append(small_s)
+                        moved.append(backend.sending_seconds)
+                        mine.append(c1 - c0)
+                        nodes.append(sum(_cpu_nodes(cl, n)) - sum(n0))
+                    if n == 3 and not loaded:
+                        spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
+                        t2 = time.perf_counter()
+                        backend.deliver(spec2, quiet)
+                        t3 = time.perf_counter()
+                        out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec2.name, n, want)
+                        if r:
+                            again.append(t3 - t2)
+                            step.append(backend.workspace_seconds)
+            finally:
+                backend.close()
+            out[f"{key}dispatch_full_{n}"], out[f"{key}dispatch_moved_{n}"] = Stats(full), Stats(moved)
+            out[f"{key}dispatch_tiny_{n}"] = Stats(small)
+            out[f"{key}dispatch_user_{n}"] = Stats([b - a for a, b in zip(small, full)])
+            out[f"{key}dispatch_cpu_{n}"], out[f"{key}dispatch_node_cpu_{n}"] = Stats(mine), Stats(nodes)
+            if again:
+                out[f"{key}dispatch_again"], out[f"{key}dispatch_again_step"] = Stats(again), Stats(step)
+        scp, mine, nodes = [], [], []
+        want = hashlib.sha256(blob.read_bytes()).hexdigest()
+        for r in range(reps + 1):
+            c0, n0 = _cpu_self(), _cpu_nodes(cl, 1)
+            t0 = time.perf_counter()
+            subprocess.run(["scp", "-q", "-i", cl.key_path, "-o", f"UserKnownHostsFile={cl.known_hosts}",
+                            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", str(blob),
+                            f"root@{cl.ips[0]}:/home/paddle/scp-data.bin"], check=True, stdin=subprocess.DEVNULL)
+            t1, c1 = time.perf_counter(), _cpu_self()
+            _settle(cl, 1, sessions=True)
+            if r:
+                scp.append(t1 - t0)
+                mine.append(c1 - c0)
+                nodes.append(_cpu_nodes(cl, 1)[0] - n0[0])
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
     out[f"{key}scp"], out[f"{key}scp_cpu_1"], out[f"{key}scp_node_cpu_1"] = Stats(scp), Stats(mine), Stats(nodes)
     out[f"{key}scp_ok"] = hashlib.sha256((cl.root_dir(0) / "scp-data.bin").read_bytes()).hexdigest() == want
     clear(max(counts))
@@ -329,25 +375,30 @@ def report(out: Dict[str, Any], c: Dict[str, Any], add, m: Dict[str, Any]) -> No
                 + (f"; per host: channels {ch}, interpreters {py}" if len(set(ch)) + len(set(py)) > 2 else "")))
     mb = c["dispatch_mb"]
     rows = []
-    for key, suffix in (("", ""), ("plain_", PLAIN)):
+    new = "new workspace, as the user waits (packing included)"
+    for key, suffix in (("", ""), ("loaded_", ", another job loading the machine"), ("plain_", PLAIN)):
         for n in c["dispatch_counts"]:
-            rows += [(f"{key}dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links{suffix}",
+            rows += [(f"{key}dispatch_full_{n}", f"dispatch {mb} MB to {n} host(s), 1 Gbit/s links{suffix}: {new}",
                       f"{key}dispatch", n),
+                     (f"{key}dispatch_user_{n}", "  less a tiny new workspace's dispatch (the workspace's own time)",
+                      "", n),
                      (f"{key}dispatch_moved_{n}", "  of which the sending (first byte -> trees in place)", "", n)]
         rows += [(f"{key}dispatch_again", f"dispatch again, unchanged, 3 hosts: whole deliver{suffix}", "", 3),
                  (f"{key}dispatch_again_step", "  of which the workspace step (last node up -> job dirs)", "", 3),
                  (f"{key}scp", f"scp of the same {mb} MB file to 1 host, 1 Gbit/s{suffix}", f"{key}scp", 1)]
     top = max(c["dispatch_counts"])
     for key, suffix in (("slow_", ""), ("plainslow_", PLAIN)):
-        rows += [(f"{key}dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links{suffix}",
-                  f"{key}dispatch", top),
+        rows += [(f"{key}dispatch_full_{top}", f"dispatch {mb // 4} MB to {top} hosts, 100 Mbit/s links{suffix}: "
+                  f"{new}", f"{key}dispatch", top),
+                 (f"{key}dispatch_user_{top}", "  less a tiny new workspace's dispatch (the workspace's own time)",
+                  "", top),
                  (f"{key}dispatch_moved_{top}", "  of which the sending (first byte -> trees in place)", "", top),
                  (f"{key}scp", f"scp of the same {mb // 4} MB file to 1 host, 100 Mbit/s{suffix}", f"{key}scp", 1)]
     for key, label, cpu, n in rows:
         if key not in out:
             continue
         st = out[key]
-        prefix = next((p for p in ("plainslow_", "slow_", "plain_") if key.startswith(p)), "")
+        prefix = next((p for p in ("plainslow_", "slow_", "plain_", "loaded_") if key.startswith(p)), "")
         good = out[prefix + ("scp_ok" if key.endswith("scp") else "dispatch_ok")]
         add(Row("launcher", label, st.median, "s", st.spread(), check="ok" if good else "FAILED",
                 note=_cpu_note(out, cpu, n) if cpu else "", extra=st.to_dict()))

@@ -145,13 +145,16 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
     for key, shell in (("", ""), ("plain_", ", plain shell")):
         t(f"launch 8 hosts / 1 host{shell}", ratio(f"{key}launch_8", f"{key}launch_1"), "<= 1.5", lambda v: v <= 1.5,
           why or launcher.launch_detail(m, key, 8))
+    # A new workspace as the user waits (packing included), less a tiny one's dispatch (see docs/benchmarks.md).
+    for key, shell in (("", ""), ("loaded_", ", another job loading the machine"), ("plain_", ", plain shell")):
         for n in cfg["dispatch_counts"]:
-            t(f"dispatch to {n} host(s) / scp to 1 (1 Gbit/s){shell}", ratio(f"{key}dispatch_full_{n}", f"{key}scp"),
-              "<= 1.3", lambda v: v <= 1.3, why or launcher.dispatch_detail(m, key, n))
+            goal = 1.15 if n == 3 else 1.3
+            t(f"new workspace to {n} host(s) / scp to 1 (1 Gbit/s){shell}", ratio(f"{key}dispatch_user_{n}",
+              f"{key}scp"), f"<= {goal}", lambda v, goal=goal: v <= goal, why or launcher.dispatch_detail(m, key, n))
     top = max(cfg["dispatch_counts"])
     for key, shell in (("slow_", ""), ("plainslow_", ", plain shell")):
-        t(f"dispatch to {top} hosts / scp to 1 (100 Mbit/s: the cores not the limit){shell}",
-          ratio(f"{key}dispatch_full_{top}", f"{key}scp"), "<= 1.3", lambda v: v <= 1.3,
+        t(f"new workspace to {top} hosts / scp to 1 (100 Mbit/s: the cores not the limit){shell}",
+          ratio(f"{key}dispatch_user_{top}", f"{key}scp"), "<= 1.3", lambda v: v <= 1.3,
           why or launcher.dispatch_detail(m, key, top))
     t("unchanged re-dispatch: workspace step (s)", m.get("dispatch_again_step"), "< 0.3 s", lambda v: v < 0.3,
       skipped.get("launcher", ""))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import make_workspace, wait_for, write_conf
 
+from paddle_cluster.launch import dispatch
 from paddle_cluster.launch.access import make_nodes
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
@@ -440,3 +441,34 @@ def test_an_upload_into_a_fifo_nobody_reads_is_stopped_not_left_waiting(make_ssh
                 node.put(str(src), fifo, until=lambda: True)
         finally:
             node.close()
+
+
+def test_a_workspace_changed_while_it_is_sent_is_refused_and_nothing_is_placed(make_ssh_cluster, tmp_path,
+                                                                                 monkeypatch):
+    """A new workspace goes out as it is packed; a file already sent changes before the packer reaches the end.
+    The dispatch fails naming the file, no node keeps a tree or a job directory (they received the mixed bytes,
+    never a hash to accept them under), and the next dispatch sends the new version whole. The change is made
+    from inside the launcher's packer, once 2 MiB went out: the only way to make it at a known point."""
+    c = make_ssh_cluster(2)
+    ws = make_workspace(tmp_path / "ws")
+    (ws / "data" / "blob.bin").write_bytes(os.urandom(4 << 20))
+    emit, sent = dispatch.Packing._emit, [0]
+
+    def emit_then_change(self, b):
+        emit(self, b)
+        sent[0] += len(b)
+        if sent[0] > (2 << 20) and sent[0] - len(b) <= (2 << 20):
+            (ws / "data" / "part-0").write_text("changed meanwhile\n")  # sorted after blob.bin: not read yet
+
+    monkeypatch.setattr(dispatch.Packing, "_emit", emit_then_change)
+    with pytest.raises(ClusterError) as e:
+        _deliver(c, tmp_path, ws, "moving1")
+    assert "part-0 changed" in str(e.value) and "while the workspace was read" in str(e.value), str(e.value)
+    for i in range(2):
+        wait_for(lambda i=i: c.pids(i) == [], 30, f"node{i}'s session to end")
+        assert not any((c.root_dir(i) / ".paddle_cluster" / "trees").glob("[0-9a-f]*")), i
+        assert not (c.root_dir(i) / "moving1").exists()
+    monkeypatch.undo()
+    _deliver(c, tmp_path, ws, "moving2")
+    assert [_tree_digest(c.root_dir(i) / "moving2") for i in range(2)] == [_tree_digest(ws)] * 2
+    assert (c.root_dir(1) / "moving2" / "data" / "part-0").read_text() == "changed meanwhile\n"

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import posixpath
 import secrets
+import stat
 import sys
 import tarfile
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import paddle_cluster
 from paddle_cluster.node import MAIN
@@ -56,45 +58,254 @@ def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:
             yield full, posixpath.normpath(posixpath.join(rel_dir.replace(os.sep, "/"), name))
 
 
-class _Hashing:
-    """A file read through ``read`` while its SHA-256 is taken."""
+CHUNK = 1 << 20
+WORTH_DELTA = 0.5  # launch/delta.py's: a changed workspace is packed first (a delta may go) when at most this changed
 
-    def __init__(self, f: Any) -> None:
-        self.f, self.h = f, hashlib.sha256()
 
-    def read(self, n: int = -1) -> bytes:
-        b = self.f.read(n)
-        self.h.update(b)
-        return b
+class WorkspaceChanged(ClusterError):
+    """A file of the workspace changed (or came, or went) while it was packed: the archive would hold part of
+    one version and part of another, so it is never used (nothing of it is kept on any node)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: nothing of it was kept on any node; run again once the workspace holds still "
+                         "(a job writing into it? write outputs elsewhere)")
+
+
+@dataclass(frozen=True)
+class _Member:
+    full: Path
+    info: tarfile.TarInfo
+    stat: list  # [arcname, size, mtime_ns, ctime_ns, mode]: what it was when listed
+
+
+def _stat_row(full: Path, arc: str) -> list:
+    st = full.lstat()
+    return [arc, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode]  # ctime: even `touch -d`
+
+
+def _layout(entries: List[Tuple[Path, str]]) -> Tuple[List[_Member], int]:
+    """Every entry's tar header (sorted, no owner names: an unchanged tree has an unchanged hash) and the
+    archive's exact size, from the entries' metadata alone: nothing is read yet. A hard link is sent as the
+    file it names."""
+    tar = tarfile.TarFile(fileobj=io.BytesIO(), mode="w", format=tarfile.PAX_FORMAT)
+    members, offset = [], 0
+    for full, arc in entries:
+        row = _stat_row(full, arc)
+        tar.inodes = {}  # never a hard-link member: each name carries its own contents
+        info = tar.gettarinfo(str(full), arcname=arc)
+        if info is None or not (info.isfile() or info.issym()):
+            continue  # a socket, FIFO or device: never sent
+        if info.isfile() and info.size != row[1]:
+            raise WorkspaceChanged(f"{full} changed while the workspace was read")
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        members.append(_Member(full, info, row))
+        offset += len(info.tobuf(tarfile.PAX_FORMAT, tar.encoding, tar.errors))
+        offset += -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE if info.isfile() else 0
+    offset += 2 * tarfile.BLOCKSIZE
+    return members, -(-offset // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
+def _write_tar(members: List[_Member], size: int, emit: Callable[[bytes], None],
+               manifest: Dict[str, str]) -> str:
+    """The tar of ``members`` (``_layout``) passed to ``emit`` piece by piece as each file is read, once: its
+    SHA-256, and into ``manifest`` what each entry is (``delta.py``: the content's SHA-256 and whether it is
+    executable, or a link). A file that is not as it was listed, before or after it is read, raises
+    ``WorkspaceChanged``; the caller checks the whole listing once more at the end (``_unchanged``)."""
+    h = hashlib.sha256()
+    done = 0
+
+    def out(b: bytes) -> None:
+        nonlocal done
+        h.update(b)
+        emit(b)
+        done += len(b)
+
+    enc, errors = tarfile.ENCODING, "surrogateescape"
+    for mb in members:
+        info = mb.info
+        out(info.tobuf(tarfile.PAX_FORMAT, enc, errors))
+        if info.issym():
+            manifest[info.name] = "link:" + info.linkname
+            continue
+        content = hashlib.sha256()
+        with open(mb.full, "rb") as f:
+            before = os.fstat(f.fileno())
+            if [before.st_size, before.st_mtime_ns, before.st_ctime_ns] != mb.stat[1:4]:
+                raise WorkspaceChanged(f"{mb.full} changed while the workspace was read")
+            left = info.size
+            while left:
+                b = f.read(min(CHUNK, left))
+                if not b:
+                    raise WorkspaceChanged(f"{mb.full} shrank while the workspace was read")
+                content.update(b)
+                out(b)
+                left -= len(b)
+            after = os.fstat(f.fileno())
+            if [after.st_size, after.st_mtime_ns, after.st_ctime_ns] != mb.stat[1:4]:
+                raise WorkspaceChanged(f"{mb.full} changed while the workspace was read")
+        pad = -info.size % tarfile.BLOCKSIZE
+        if pad:
+            out(tarfile.NUL * pad)
+        manifest[info.name] = content.hexdigest() + ("x" if info.mode & 0o111 else "")
+    out(tarfile.NUL * (size - done))  # the end blocks and the record's padding
+    assert done == size, f"the tar came to {done} bytes, laid out as {size}"
+    return h.hexdigest()
+
+
+def _unchanged(members: List[_Member], entries: List[Tuple[Path, str]]) -> None:
+    """Raise ``WorkspaceChanged`` unless the files listed now (``entries``) are those ``members`` were listed as:
+    with each file's own check as it was read, the archive is one version of the workspace."""
+    now: Dict[str, list] = {}
+    for full, arc in entries:
+        with contextlib.suppress(FileNotFoundError):
+            now[arc] = _stat_row(full, arc)
+    listed = set()
+    for mb in members:
+        listed.add(mb.stat[0])
+        if now.get(mb.stat[0]) != mb.stat:
+            raise WorkspaceChanged(f"{mb.full} changed (or went away) while the workspace was read")
+    came = [arc for arc, row in now.items() if arc not in listed and (stat.S_ISREG(row[4]) or stat.S_ISLNK(row[4]))]
+    if came:
+        raise WorkspaceChanged(f"{came[0]} appeared while the workspace was read")
 
 
 def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str,
          manifest: Optional[Dict[str, str]] = None, tmp: Optional[str] = None) -> Package:
-    """A deterministic tar (sorted, no owner names), so an unchanged tree has an unchanged hash; ``manifest``
-    gets what each entry is (``delta.py``: the content's SHA-256 and whether it is executable, or a link).
-    Written to ``tmp`` when given, else to a new file in ``out_dir``."""
+    """A deterministic tar of ``entries``, made and hashed in one read of each file (``_write_tar``); ``manifest``
+    gets what each entry is. Written to ``tmp`` when given, else to a new file in ``out_dir``."""
     if tmp is None:
         fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tar", dir=out_dir)
         os.close(fd)
-    files = {} if manifest is None else manifest
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT, copybufsize=1 << 20) as tar:
-        for full, arc in entries:
-            info = tar.gettarinfo(str(full), arcname=arc)
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            if info.isfile():
-                with open(full, "rb") as f:
-                    hashing = _Hashing(f)
-                    tar.addfile(info, hashing)
-                files[arc] = hashing.h.hexdigest() + ("x" if info.mode & 0o111 else "")
-            elif info.issym():
-                tar.addfile(info)
-                files[arc] = "link:" + info.linkname
-    h = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return Package(tmp, h.hexdigest(), os.path.getsize(tmp), len(entries))
+    members, size = _layout(entries)
+    with open(tmp, "wb") as f:
+        sha = _write_tar(members, size, f.write, {} if manifest is None else manifest)
+    _unchanged(members, entries)
+    return Package(tmp, sha, size, len(members))
+
+
+class Packing:
+    """A new workspace's archive made while it is sent: ``start()`` reads every file once, in a thread, hashing
+    it and appending it to a temporary in the cache, which ``reader()``s follow as it grows (the first byte can
+    leave as soon as it is read). ``size`` and ``files`` are known at once (``_layout``), ``sha256`` once the
+    last byte is read and the workspace was found unchanged throughout (``wait``); only then does the archive
+    enter the cache (so the next launch of the same workspace sends nothing it need not)."""
+
+    def __init__(self, directory: str, entries: List[Tuple[Path, str]], members: List[_Member], size: int,
+                 cache_dir: str, key: str, meta: Dict[str, Any], hold: Optional[contextlib.ExitStack]) -> None:
+        self.directory, self.size, self.files = directory, size, len(members)
+        self.sha256 = ""
+        self.error: Optional[BaseException] = None
+        self._entries, self._members, self._meta = entries, members, meta
+        self._cache_dir, self._key, self._hold = cache_dir, key, hold
+        self._tmp = cache.temp_name(cache_dir, "workspace-tar")
+        self._out = open(self._tmp, "wb", buffering=0)
+        self._fd = os.open(self._tmp, os.O_RDONLY)  # readers keep it whatever the temporary's name becomes
+        self._written = 0
+        self._cond = threading.Condition()
+        self._done = self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pack", daemon=True)
+
+    @property
+    def path(self) -> str:
+        return self._tmp
+
+    def start(self) -> Packing:
+        self._thread.start()
+        return self
+
+    def _emit(self, b: bytes) -> None:
+        if self._stop:
+            raise ClusterError(f"packing the workspace {self.directory} was stopped: the launch failed")
+        view = memoryview(b)
+        while view:
+            view = view[self._out.write(view):]
+        with self._cond:
+            self._written += len(b)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        manifest: Dict[str, str] = {}
+        try:
+            sha = _write_tar(self._members, self.size, self._emit, manifest)
+            self._out.close()
+            _unchanged(self._members, _workspace_entries(self.directory))  # listed again: a file that came too
+            self._publish(sha, manifest)
+            with self._cond:
+                self.sha256 = sha
+        except BaseException as e:  # noqa: BLE001 - said by every reader and by wait()
+            with self._cond:
+                self.error = e if isinstance(e, ClusterError) else ClusterError(
+                    f"packing the workspace {self.directory} failed: {e}")
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+            self._out.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)  # published, or failed: readers keep their descriptor
+
+    def _publish(self, sha: str, manifest: Dict[str, str]) -> None:
+        meta = {**self._meta, "sha256": sha, "size": self.size, "files": self.files, "manifest": manifest}
+        with cache.locked(self._cache_dir):
+            if cache.lookup(self._cache_dir, self._key, self._hold) is None:
+                cache.publish(self._cache_dir, self._key, self._tmp, meta)
+                cache.lookup(self._cache_dir, self._key, self._hold)
+
+    def wait(self) -> Package:
+        """The archive once whole and found unchanged, as a cached Package; its ``WorkspaceChanged`` (or other
+        ``ClusterError``) otherwise."""
+        with self._cond:
+            while not self._done:
+                self._cond.wait()
+        if self.error is not None:
+            raise self.error
+        return Package(os.path.join(self._cache_dir, f"{self._key}.tar"), self.sha256, self.size, self.files)
+
+    def failed(self) -> Optional[BaseException]:
+        with self._cond:
+            return self.error
+
+    def reader(self) -> _Follower:
+        return _Follower(self)
+
+    def _read(self, pos: int, n: int) -> bytes:
+        with self._cond:
+            while self._written <= pos and not self._done:
+                self._cond.wait()
+            if self.error is not None:
+                raise self.error
+            n = min(n, self._written - pos)
+        return os.pread(self._fd, n, pos) if n > 0 else b""
+
+    def close(self) -> None:
+        """Stop using the archive (after ``wait``, or to give up: the thread ends at its next piece)."""
+        self._stop = True
+        self._thread.join()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class _Follower(io.RawIOBase):
+    """The archive read from its start as it is written: ``read`` waits for more, b"" once it is whole."""
+
+    def __init__(self, packing: Packing) -> None:
+        super().__init__()
+        self._p, self._pos = packing, 0
+        self.name = os.path.basename(packing.directory.rstrip("/")) + ".tar"
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        b = self._p._read(self._pos, CHUNK if n is None or n < 0 else n)
+        self._pos += len(b)
+        return b
+
+    def readinto(self, buf: Any) -> int:
+        b = self.read(len(buf))
+        buf[:len(b)] = b
+        return len(b)
 
 
 def pack_workspace(directory: str, cache_dir: str, keep: int = 4,
@@ -105,24 +316,68 @@ def pack_workspace(directory: str, cache_dir: str, keep: int = 4,
     the ``keep`` most recently used archives stay in the cache, and any a launch holds (``hold``: until that
     stack closes, no concurrent launch evicts the archive).
     """
+    return _cached_tar(_workspace_entries(directory), str(Path(directory).resolve()), cache_dir, "workspace-",
+                       keep, hold)
+
+
+def _workspace_entries(directory: str) -> List[Tuple[Path, str]]:
     root = Path(directory)
     if not root.is_dir():
         raise ClusterError(f"--job_dispatch_package {directory}: no such directory")
     entries = list(_walk(root, SKIP_TOP))
     if not entries:
         raise ClusterError(f"--job_dispatch_package {directory}: the directory is empty")
-    return _cached_tar(entries, str(root.resolve()), cache_dir, "workspace-", keep, hold)
+    return entries
+
+
+def workspace_archive(directory: str, cache_dir: str, keep: int = 4,
+                      hold: Optional[contextlib.ExitStack] = None) -> Union[Package, Packing]:
+    """The workspace's cached archive (``pack_workspace``) when nothing changed, or when little did (then it is
+    packed first: a node holding the previous version is sent only the changed files, ``delta.py``); else a
+    ``Packing``, started, to send while it is made. ``hold`` as for ``pack_workspace``."""
+    entries = _workspace_entries(directory)
+    origin = str(Path(directory).resolve())
+    key, stats = _key(entries, origin)
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    with cache.locked(cache_dir):
+        meta = cache.lookup(cache_dir, key, hold)
+        cache.evict(cache_dir, keep)
+    if meta is not None:
+        return Package(os.path.join(cache_dir, f"{key}.tar"), meta["sha256"], meta["size"], meta["files"])
+    previous = _previous(cache_dir, origin)
+    if previous is not None:
+        total = sum(s[1] for s in stats)
+        changed = sum(s[1] for s in stats if tuple(s) not in previous)
+        if changed <= WORTH_DELTA * total:
+            return pack_workspace(directory, cache_dir, keep, hold)
+    members, size = _layout(entries)
+    return Packing(directory, entries, members, size, cache_dir, key, {"origin": origin, "stats": stats},
+                   hold).start()
+
+
+def _previous(cache_dir: str, origin: str) -> Optional[set]:
+    """The listing (``_stat_row``s) of the most recent archive of ``origin`` in the cache; None without one."""
+    best: Tuple[float, Optional[set]] = (-1.0, None)
+    for meta in Path(cache_dir).glob("*.json"):
+        try:
+            doc = json.loads(meta.read_text())
+            if isinstance(doc, dict) and doc.get("origin") == origin and meta.stat().st_mtime > best[0]:
+                best = (meta.stat().st_mtime, {tuple(s) for s in doc["stats"]})
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return best[1]
+
+
+def _key(entries: List[Tuple[Path, str]], origin: str) -> Tuple[str, List[list]]:
+    stats = [_stat_row(full, arc) for full, arc in entries]
+    return hashlib.sha256(json.dumps([origin, stats]).encode()).hexdigest(), stats
 
 
 def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, prefix: str, keep: int,
                 hold: Optional[contextlib.ExitStack] = None) -> Package:
     """``_tar(entries)`` from ``cache_dir`` when no entry's path, size, times or mode changed since it was made;
     safe with other launches doing the same at the same moment (``cache.py``)."""
-    stats = []
-    for full, arc in entries:
-        st = full.lstat()
-        stats.append([arc, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode])  # ctime: even `touch -d`
-    key = hashlib.sha256(json.dumps([origin, stats]).encode()).hexdigest()
+    key, stats = _key(entries, origin)
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     tar_path = os.path.join(cache_dir, f"{key}.tar")
     with cache.locked(cache_dir):
@@ -136,7 +391,8 @@ def _cached_tar(entries: List[Tuple[Path, str]], origin: str, cache_dir: str, pr
             with cache.locked(cache_dir):
                 meta = cache.lookup(cache_dir, key, hold)  # another launch may have made it meanwhile
                 if meta is None:
-                    meta = {"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files, "manifest": manifest}
+                    meta = {"sha256": pkg.sha256, "size": pkg.size, "files": pkg.files, "manifest": manifest,
+                            "origin": origin, "stats": stats}
                     cache.publish(cache_dir, key, tmp, meta)
                     meta = cache.lookup(cache_dir, key, hold)
                 cache.evict(cache_dir, keep)

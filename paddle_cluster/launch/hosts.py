@@ -18,7 +18,7 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Protocol, Sequence, Tuple, Union
 
 from paddle_cluster.node.lines import bounded_lines
 
@@ -80,10 +80,11 @@ class Node:
     def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
         raise NotImplementedError
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+    def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:
-        """Copy ``local`` to ``remote`` (a file or a FIFO); ``until()``, polled meanwhile, stops the copy once
-        true (a HostError): a FIFO whose reader died would otherwise hold the upload forever."""
+        """Copy ``local`` (a path, or an archive still being made) to ``remote`` (a file or a FIFO); ``until()``,
+        polled meanwhile, stops the copy once true (a HostError): a FIFO whose reader died would otherwise hold
+        the upload forever."""
         raise NotImplementedError
 
     def stream(self, argv: Sequence[str]) -> Stream:
@@ -106,6 +107,26 @@ class Node:
             detail = (res.stderr.strip() or res.stdout.strip()).splitlines()[-5:]
             raise HostError(self.label, f"{what} failed (exit {res.exit_code}): " + " | ".join(detail))
         return doc
+
+
+class Growing(Protocol):
+    """An archive sent while it is made (``launch/dispatch.Packing``): its final ``size``, and a ``reader()`` from
+    its start whose ``read`` waits for more (and raises the packer's error)."""
+
+    size: int
+    directory: str
+
+    def reader(self) -> BinaryIO: ...
+
+
+Local = Union[str, Growing]
+
+
+def opened(local: Local) -> Tuple[BinaryIO, int, str]:
+    """What ``put`` sends, read from its start: (a file object, its size, its name for messages)."""
+    if isinstance(local, str):
+        return open(local, "rb"), os.path.getsize(local), os.path.basename(local)
+    return local.reader(), local.size, f"the archive of {os.path.basename(local.directory.rstrip('/'))}"
 
 
 class _PopenStream(Stream):
@@ -155,17 +176,16 @@ class LocalNode(Node):
             raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
         return CommandResult(p.stdout, p.stderr, p.returncode)
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+    def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:
+        fi, size, name = opened(local)
         try:
-            with _cancel_when(until, lambda: _unblock_fifo(remote)), open(local, "rb") as fi, \
+            with _cancel_when(until, lambda: _unblock_fifo(remote)), fi, \
                     open(remote, "wb") as fo:  # remote may be a FIFO (node/chain.py)
                 shutil.copyfileobj(fi, fo, 1 << 20)
         except BrokenPipeError:
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} stopped: nothing reads "
-                            "it any more") from None
+            raise HostError(self.label, f"upload of {name} to {remote} stopped: nothing reads it any more") from None
         if progress:
-            size = os.path.getsize(local)
             progress(size, size)
 
     def stream(self, argv: Sequence[str]) -> Stream:

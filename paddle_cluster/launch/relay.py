@@ -9,13 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY
 
 from . import delta, dispatch
-from .dispatch import Package
+from .dispatch import Package, Packing
 from .errors import HostError
 from .session import NodeSession
 
@@ -45,9 +45,15 @@ class Dispatch:
     lacks the archive (``join``) or holds it (``settled``) as soon as it is up; a node that lacks it is put at
     the end of the chain of what it is to be sent (the whole archive, or the changed files against the tree it
     holds, when this launcher made that tree too), the first of a chain fed by the launcher. Once every node
-    has said, the last of each chain is told no one follows it. ``abort`` stops every node of the dispatch."""
+    has said, the last of each chain is told no one follows it. ``abort`` stops every node of the dispatch.
 
-    def __init__(self, pkg: Package, directory: str, job_dir: str, nodes: int, bar: Progress, tmp: str) -> None:
+    A new workspace (``pkg`` a ``Packing``) goes down one chain while it is packed: every node is sent it without
+    its hash (``Fetch`` without ``sha``), then ``Seal`` with it once the launcher read the last byte and found the
+    workspace unchanged throughout; if it changed, the dispatch is aborted (nothing is placed anywhere)."""
+
+    def __init__(self, pkg: Union[Package, Packing], directory: str, job_dir: str, nodes: int, bar: Progress,
+                 tmp: str) -> None:
+        self.live = pkg if isinstance(pkg, Packing) else None
         self.pkg, self.directory, self.job_dir, self.bar, self.tmp = pkg, directory, job_dir, bar, tmp
         self.started: Optional[float] = None  # when the launcher began to send (time.perf_counter)
         self.failed = False
@@ -61,6 +67,9 @@ class Dispatch:
         self._by_delta: Dict[str, List[str]] = {}  # base -> the nodes sent that delta
         self._told: List[str] = []
         self._broken: Dict[str, str] = {}  # node name -> why the link into it failed, as its sender said
+        self._sealed = ""
+        if self.live is not None:
+            threading.Thread(target=self._seal, daemon=True, name="seal").start()
 
     # -- who goes where ----------------------------------------------------------------------------------------
     def settled(self) -> None:
@@ -75,17 +84,19 @@ class Dispatch:
             if self.failed:
                 raise Aborted()
             it, on = self.pkg, ""
-            made = self._delta(nd.base) if nd.base else None
+            made = self._delta(nd.base) if nd.base and self.live is None else None
             if made is not None:
                 it, on = made[0], nd.base
                 self._by_delta[on].append(nd.name)
-            tail = self._tails.get(it.sha256)
-            self._tails[it.sha256] = nd
+            tail = self._tails.get(self._sha(it))
+            self._tails[self._sha(it)] = nd
             self._members.append(nd)
             if tail is not None:
                 self._before[nd.name], self._after[tail.name] = tail, nd
-                nd.session.send(m.Fetch("chain", it.sha256, it.size, on))
+                nd.session.send(m.Fetch("chain", self._sha(it), it.size, on))
                 tail.session.send(m.Forward(nd.listener))
+                if self._sealed:
+                    nd.session.send(m.Seal(self._sealed))
             self._settle()
         try:
             self._receive(nd, it, on, direct=tail is None)
@@ -118,6 +129,28 @@ class Dispatch:
                            f"({_size(made[0].size)} of {_size(self.pkg.size)}) against the workspace held there")
         return out + sorted(self._told)
 
+    def _sha(self, it: Union[Package, Packing]) -> str:
+        """The hash a node is told with ``Fetch``: none for the archive still being made (``Seal`` says it)."""
+        return "" if it is self.live else it.sha256
+
+    def _seal(self) -> None:
+        """Once the archive being sent is whole: its hash to every node sent it (those joining later are told
+        as they join); if the workspace changed while it was read, the dispatch stops."""
+        assert self.live is not None
+        try:
+            sha = self.live.wait().sha256
+        except Exception as e:  # noqa: BLE001 - a ClusterError naming the file; wait() raises it again for the caller
+            self.abort(str(e))
+            return
+        with self._lock:
+            self._sealed = sha
+            members = list(self._members)
+        for nd in members:
+            try:
+                nd.session.send(m.Seal(sha))
+            except Exception:  # noqa: BLE001 - its session is gone: that node's own error is said
+                pass
+
     def _settle(self) -> None:
         self._pending -= 1
         if self._pending == 0:  # every node has said: no one else joins
@@ -131,7 +164,7 @@ class Dispatch:
             self._by_delta[base] = []
         return self._deltas[base]
 
-    def _leave(self, nd: Need, sha: str) -> None:
+    def _leave(self, nd: Need, sha: str) -> None:  # never the archive being made: it has no delta
         """``nd`` is sent another archive than its chain's: it forwards nothing (a later node joins elsewhere)."""
         with self._lock:
             if self._tails.get(sha) is nd:
@@ -139,13 +172,17 @@ class Dispatch:
                 nd.session.send(m.Forward(""))
 
     # -- one node ----------------------------------------------------------------------------------------------
-    def _feed(self, nd: Need, it: Package, on: str) -> None:
-        nd.session.send(m.Fetch("launcher", it.sha256, it.size, on))
+    def _feed(self, nd: Need, it: Union[Package, Packing], on: str) -> None:
+        nd.session.send(m.Fetch("launcher", self._sha(it), it.size, on))
+        with self._lock:
+            if self._sealed and it is self.live:
+                nd.session.send(m.Seal(self._sealed))
         if self.started is None:
             self.started = time.perf_counter()
         node = nd.session.node
         try:
-            node.put(it.path, nd.fifo, self.bar(node.name, it.size), until=nd.session.stream.ended)
+            node.put(self.live if it is self.live else it.path, nd.fifo, self.bar(node.name, it.size),
+                     until=nd.session.stream.ended)
         except HostError as e:  # the node stops waiting for it, and the nodes after it stop waiting for that one
             if nd.session.stream.ended():  # killed, or it crashed: nothing there reads the upload any more
                 raise HostError(node.label, "its session ended while it received the workspace (the upload was "
@@ -153,7 +190,7 @@ class Dispatch:
             nd.session.send(m.Abort(str(e)))
             raise
 
-    def _receive(self, nd: Need, it: Package, on: str, direct: bool) -> None:
+    def _receive(self, nd: Need, it: Union[Package, Packing], on: str, direct: bool) -> None:
         node = nd.session.node
         if direct:
             self._feed(nd, it, on)

@@ -19,7 +19,7 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, Node, Stream, _cancel_when
+from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened
 
 
 class _ChannelStream(Stream):
@@ -133,22 +133,23 @@ class SSHNode(Node):
             raise HostError(self.label, f"SSH connection lost: {e}") from None
         return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), code)
 
-    def put(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]] = None,
+    def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:
         if self._put_openssh(local, remote, progress, until):
             return
         conn = self._connection()
+        fi, size, name = opened(local)
         try:
             sftp = conn.client.open_sftp()
             try:
                 # No size check afterwards: remote may be a FIFO, and the node checks the SHA-256 anyway.
-                with _cancel_when(until, sftp.close):
-                    sftp.put(local, remote, callback=progress, confirm=False)
+                with _cancel_when(until, sftp.close), fi:
+                    sftp.putfo(fi, remote, size, callback=progress, confirm=False)
             finally:
                 sftp.close()
         except (paramiko.SSHException, EOFError, OSError) as e:
             why = "stopped: nothing reads it any more" if until is not None and until() else f"failed: {e}"
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} {why}") from None
+            raise HostError(self.label, f"upload of {name} to {remote} {why}") from None
 
     def _openssh_argv(self, command: str) -> Optional[List[str]]:
         """``ssh`` running ``command`` on this host with the same key, config and known_hosts as our own
@@ -169,7 +170,7 @@ class SSHNode(Node):
             argv += ["-l", self.spec.user]
         return argv + ["--", self.spec.host, command]
 
-    def _put_openssh(self, local: str, remote: str, progress: Optional[Callable[[int, int], None]],
+    def _put_openssh(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]],
                      until: Optional[Callable[[], bool]] = None) -> bool:
         """Upload through the OpenSSH client: paramiko's SFTP runs in this process under one GIL (~55 MB/s,
         and parallel uploads to several hosts share it), OpenSSH runs one process per host at line speed.
@@ -177,14 +178,14 @@ class SSHNode(Node):
         argv = self._openssh_argv(f"cat > {shlex.quote(remote)}")
         if argv is None:
             return False
-        total = os.path.getsize(local)
+        f, total, name = opened(local)
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         done = 0
         # The wait for ssh's end is cancellable too: ssh takes a whole small file into its window at once, and
         # then waits for a remote `cat` that waits for a FIFO reader, which may never come.
         with _cancel_when(until, p.kill):
             try:
-                with open(local, "rb") as f:
+                with f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
                         p.stdin.write(chunk)
                         done += len(chunk)
@@ -193,6 +194,10 @@ class SSHNode(Node):
                 p.stdin.close()
             except BrokenPipeError:
                 pass
+            except BaseException:  # the archive being made failed (the workspace changed): nothing may arrive whole
+                p.kill()
+                p.wait()
+                raise
             err = p.stderr.read().decode(errors="replace").strip()
             rc = p.wait()
         if rc == 255 and until is not None:
@@ -202,12 +207,11 @@ class SSHNode(Node):
             while not until() and time.monotonic() < deadline:
                 time.sleep(0.05)
         if until is not None and rc != 0 and until():
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} stopped: nothing reads it "
-                            "any more")
+            raise HostError(self.label, f"upload of {name} to {remote} stopped: nothing reads it any more")
         if rc == 255:  # ssh itself failed (login, host key, network): let paramiko try and report
             return False
         if rc != 0 or done != total:
-            raise HostError(self.label, f"upload of {os.path.basename(local)} to {remote} failed: {err or rc}")
+            raise HostError(self.label, f"upload of {name} to {remote} failed: {err or rc}")
         return True
 
     def stream(self, argv: Sequence[str]) -> Stream:

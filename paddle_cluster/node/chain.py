@@ -83,12 +83,14 @@ def connect(address: str, token: bytes, sha: str) -> socket.socket:
 
 class Orders:
     """What the launcher says while a node receives, read off ``fd`` one order per ``take()`` (the session's
-    stdin, ``node/session.py``): the next node (``forward``: None not said yet, "" none) and ``stop`` (why)."""
+    stdin, ``node/session.py``): the next node (``forward``: None not said yet, "" none), ``stop`` (why) and, for an
+    archive sent while it was made, its hash once the launcher knows it (``sealed``)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.forward: Optional[str] = None
         self.stop = ""
+        self.sealed = ""
 
     def take(self) -> None:
         raise NotImplementedError
@@ -232,7 +234,8 @@ class Receiver:
     def receive(self, source: str, token: bytes, sha: str, size: int, out: BinaryIO, orders: Orders,
                 report: Report) -> str:
         """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into ``out``,
-        passing it on as ``orders`` say; "" when it arrived whole with the right hash (and went on whole, or
+        passing it on as ``orders`` say; ``sha`` "": an archive sent while it is made, whose hash ``orders.sealed``
+        gives at the end; "" when it arrived whole with the right hash (and went on whole, or
         the link on failed), else why not. ``report("forward", error=..., linked=...)`` says the link to the
         next node failed: never made (that node still waits), or broken (it sees its sender stop);
         ``report("progress", got=...)`` every PROGRESS_S, so the launcher hears the node is alive however long
@@ -319,7 +322,7 @@ class Receiver:
         h = hashlib.sha256()
         buf = memoryview(bytearray(CHUNK))
         got, n, said = 0, 0, time.monotonic()  # n: bytes in buf not yet hashed and unpacked
-        while got < size or not onward.done():
+        while got < size or not onward.done() or not (sha or orders.sealed):
             if orders.forward is not None and not onward.decided:
                 onward.decide(orders.forward)
                 continue
@@ -355,7 +358,7 @@ class Receiver:
                     h.update(buf[:n])
                     out.write(buf[:n])
                     n = 0
-        return "" if h.hexdigest() == sha else "checksum mismatch after the transfer"
+        return "" if h.hexdigest() == (sha or orders.sealed) else "checksum mismatch after the transfer"
 
     def close(self) -> None:
         self.listener.close()

@@ -107,6 +107,14 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Seal:
+    """The SHA-256 of an archive sent while it was made (``Fetch`` without ``sha``), known once its last byte was
+    read: what the node checks it received, and the name its tree is kept under."""
+
+    sha: str
+
+
+@dataclass(frozen=True)
 class Place:
     """Every node has the workspace: put the tree in the cache and the job directory in place."""
 
@@ -192,10 +200,10 @@ class Stopped:
 
 
 COMMANDS = (Start, Ping, Stop)
-SESSION = (Go, Fetch, Forward, Place, Abort)
+SESSION = (Go, Fetch, Forward, Seal, Place, Abort)
 EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped)
 Command = Union[Start, Ping, Stop]
-SessionCommand = Union[Go, Fetch, Forward, Place, Abort]
+SessionCommand = Union[Go, Fetch, Forward, Seal, Place, Abort]
 Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped]
 _TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + SESSION + EVENTS}
 

@@ -17,6 +17,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from .unpack import UnsafeArchive, sweep_stale
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # linux/fcntl.h; in fcntl from Python 3.10
 REPLY = "session"  # the key every answer of a session carries, so other output (a warning) is told apart
+SHA = re.compile("[0-9a-f]{64}")  # a sealed hash names a directory: nothing else is taken
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,11 @@ class Request:
     grace: float = 5.0
     checkpoints: str = ""  # with --resume_from: the checkpoint root whose shards of ``pservers`` the probe surveys
     pservers: Tuple[int, ...] = ()
+    workspace_new: bool = False  # the archive is sent while the launcher packs it: its hash comes last (``Seal``)
 
     @property
     def wants_workspace(self) -> bool:
-        return bool(self.workspace_sha or self.workspace_dir)
+        return bool(self.workspace_sha or self.workspace_new or self.workspace_dir)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -108,6 +111,8 @@ class _Orders(chain.Orders):
             self.place = True
         elif isinstance(msg, m.Abort):
             self.stop = msg.why
+        elif isinstance(msg, m.Seal) and SHA.fullmatch(msg.sha):
+            self.sealed = msg.sha
         elif isinstance(msg, (m.Go, m.Fetch)):
             self.next = msg
         else:  # the launcher gave up, or sent garbage
@@ -133,25 +138,27 @@ def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[cha
     if req.workspace_dir:
         return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
                 or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}, None
-    if not req.workspace_sha:
+    if not req.workspace_sha and not req.workspace_new:
         return {}, None
+    held = False
     try:
         contract.check_job_name(os.path.basename(req.job_dir))
         dest = os.path.realpath(req.job_dir)
         _sweep(req.root, os.path.dirname(dest))
         if os.path.exists(dest) and os.listdir(dest):
             raise UnsafeArchive(f"{dest} already exists and is not empty; choose another --job_name")
-        trees.pin(req.root, req.workspace_sha)  # a concurrent launch's session prunes others, never this one
-        held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
-        if trees.holds(req.root, req.workspace_sha):
-            return {"held": True}, None
+        if req.workspace_sha:  # (a new workspace, sent while it is packed, has no hash yet: it is always sent)
+            trees.pin(req.root, req.workspace_sha)  # a concurrent launch's session prunes others, never this one
+            held = os.path.isdir(trees.tree_dir(req.root, req.workspace_sha))
+            if trees.holds(req.root, req.workspace_sha):
+                return {"held": True}, None
         packages = os.path.join(req.root, ".paddle_cluster", "packages")
         os.makedirs(packages, mode=0o700, exist_ok=True)
-        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha}.rx-{os.getpid()}"))
+        rx = chain.Receiver(address, os.path.join(packages, f"{req.workspace_sha or 'new'}.rx-{os.getpid()}"))
     except (contract.ContractError, UnsafeArchive, OSError) as e:
         return {"ok": False, "error": str(e)}, None
     # damaged: its cached tree was written into since it was unpacked, and dropped
-    base = trees.newest(req.root)
+    base = trees.newest(req.root) if req.workspace_sha else ""  # a new workspace goes whole
     if base:
         trees.pin(req.root, base)  # what the changed files will be linked with (pruned before: sent whole)
     return {"need": rx.fifo, "port": rx.port, "damaged": held, "base": base}, rx
@@ -192,9 +199,9 @@ def _place(req: Request, orders: _Orders, unpacking: Optional[_Unpacking] = None
     when the launcher stopped the dispatch instead (nothing is kept)."""
     if not orders.placed():
         if unpacking is not None:
-            unpacking.finish(False)
+            unpacking.finish("")
         return None
-    error = unpacking.finish(True) if unpacking is not None else None
+    error = unpacking.finish(req.workspace_sha) if unpacking is not None else None
     try:
         if error is None and not trees.materialize(req.root, req.workspace_sha, req.job_dir):
             error = UnsafeArchive(f"the cached tree {req.workspace_sha[:12]} is gone or was written into")
@@ -218,10 +225,10 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes, orders: _Orders) -> O
             why = rx.receive(cmd.source, token, sha, size, unpacking.out, orders, _reply)
             error = None if why else unpacking.unpacked()
         except BaseException:
-            unpacking.finish(False)
+            unpacking.finish("")
             raise
         if why or error is not None:
-            unpacking.finish(False)
+            unpacking.finish("")
         if not why and error is not None and cmd.base:
             why = f"the changed files could not be put on the tree held here: {error}"
             orders.forward = ""  # the next node has the changed files; this one is sent the whole archive alone
@@ -230,13 +237,16 @@ def _fetch(req: Request, rx: chain.Receiver, token: bytes, orders: _Orders) -> O
             continue
         if error is not None:
             return {"ok": False, "error": str(error)}
+        if not req.workspace_sha:  # sent while it was packed: named by the hash it was checked against
+            req = dataclasses.replace(req, workspace_sha=orders.sealed)
+            trees.pin(req.root, req.workspace_sha)
         _reply("workspace", workspace={"received": True})
         return _place(req, orders, unpacking)
 
 
 class _Unpacking:
     """An archive streamed through a pipe (``out``) into the cache's unpacker while it arrives; the tree is put
-    in the cache only by ``finish(True)`` (its hash was right, and every node has it)."""
+    in the cache only by ``finish(sha)`` (its hash was right, and every node has it), named ``sha``."""
 
     def __init__(self, req: Request, size: int, base: str) -> None:
         r, w = os.pipe()
@@ -245,7 +255,7 @@ class _Unpacking:
         except OSError:
             pass  # a smaller pipe only means more wake-ups
         self.out = os.fdopen(w, "wb", buffering=0)
-        self.ready, self.decided, self.ok = threading.Event(), threading.Event(), False
+        self.ready, self.decided, self.sha = threading.Event(), threading.Event(), ""
         self.failed: List[Exception] = []
         self.thread = threading.Thread(target=self._run, args=(r, req, size, base), name="unpack")
         self.thread.start()
@@ -257,9 +267,9 @@ class _Unpacking:
                     pass
                 self.ready.set()
                 self.decided.wait()
-                return self.ok
+                return bool(self.sha)
             try:
-                trees.store(req.root, f, req.workspace_sha, max(req.max_members, 1) + 1, size, verified, base)
+                trees.store(req.root, f, lambda: self.sha, max(req.max_members, 1) + 1, size, verified, base)
             except Exception as e:  # noqa: BLE001 - whatever a bad archive provokes is answered, never a traceback
                 self.failed.append(e)
             finally:
@@ -273,13 +283,13 @@ class _Unpacking:
         self.ready.wait()
         return self.failed[0] if self.failed else None
 
-    def finish(self, ok: bool) -> Optional[Exception]:
-        """Put the tree in the cache (``ok``) or drop it; the unpacker's error."""
+    def finish(self, sha: str) -> Optional[Exception]:
+        """Put the tree in the cache under ``sha``, or ("") drop it; the unpacker's error."""
         self.out.close()
-        self.ok = ok
+        self.sha = sha
         self.decided.set()
         self.thread.join()
-        return self.failed[0] if self.failed and ok else None
+        return self.failed[0] if self.failed and sha else None
 
 
 def main(text: str) -> int:

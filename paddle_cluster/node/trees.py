@@ -134,26 +134,34 @@ def _by_recency(parent: str) -> List[str]:
     return sorted(used, key=used.__getitem__, reverse=True)
 
 
-def store(root: str, archive: Union[str, BinaryIO], sha: str, max_members: int, max_bytes: Optional[int] = None,
-          verified: Callable[[], bool] = lambda: True, base: str = "") -> None:
+def store(root: str, archive: Union[str, BinaryIO], sha: Union[str, Callable[[], str]], max_members: int,
+          max_bytes: Optional[int] = None, verified: Callable[[], bool] = lambda: True, base: str = "") -> None:
     """Unpack an archive (a path, or a stream as it arrives) into the cache (refusing what ``safe_extract``
     refuses), its files made read-only and recorded; drop old trees. The tree is put in place only if
-    ``verified()`` (asked once all is unpacked: is the archive's hash the expected one?). With ``base``, the
-    archive is a delta (``launch/delta.py``): the files it lists are linked from that tree, the rest is in it."""
-    top = tree_dir(root, sha)
-    os.makedirs(os.path.dirname(top), mode=0o700, exist_ok=True)
-
-    def fill(tmp: str) -> None:
+    ``verified()`` (asked once all is unpacked: is the archive's hash the expected one?), under ``sha`` (or
+    ``sha()``, asked then: the hash of an archive sent while it was made is known only at its end). With
+    ``base``, the archive is a delta (``launch/delta.py``): the files it lists are linked from that tree, the
+    rest is in it."""
+    parent = os.path.dirname(tree_dir(root, "x"))
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    tmp = os.path.join(parent, f"{sha if isinstance(sha, str) else 'new'}.unpacking-{os.getpid()}")
+    try:
+        os.makedirs(tmp, mode=0o700)
         _unpack_sealed(archive, tmp, max_members, max_bytes, root, base)
         if not verified():
             raise UnsafeArchive("checksum mismatch: the archive is not the one the launcher packed")
-
-    try:
-        fresh_dir(top, fill, "unpacking")
-    except (UnsafeArchive, OSError):  # OSError: it was put in place between our check and our rename
-        if _intact(root, sha) is None:
-            raise
-        # another launcher stored the same archive at the same moment: its tree is as good as ours
+        name = sha if isinstance(sha, str) else sha()
+        top = tree_dir(root, name)
+        try:
+            if os.path.isdir(top) and not os.listdir(top):
+                os.rmdir(top)
+            os.rename(tmp, top)
+        except OSError:  # it was put in place meanwhile: another launcher stored the same archive at the same moment
+            if _intact(root, name) is None:
+                raise
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     _prune(root, keep=KEEP)
 
 

@@ -14,7 +14,7 @@ import secrets
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import Request
@@ -110,11 +110,16 @@ class SSHBackend(Backend):
         pkg = None
         try:
             if spec is not None and spec.dispatch_dir:
-                pkg = dispatch.pack_workspace(spec.dispatch_dir, dispatch.workspace_cache_dir(), hold=stack)
+                # A new workspace is packed while it is sent (its hash comes last); an unchanged one is cached.
+                pkg = dispatch.workspace_archive(spec.dispatch_dir, dispatch.workspace_cache_dir(), hold=stack)
+                if isinstance(pkg, dispatch.Packing):
+                    stack.callback(pkg.close)
                 say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, "
-                    f"sha256 {pkg.sha256[:12]}")
+                    + (f"sha256 {pkg.sha256[:12]}" if isinstance(pkg, dispatch.Package) else "new: packed as sent"))
             req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
-                          workspace_sha=pkg.sha256 if pkg else "", job_dir=spec.job_dir if spec else "",
+                          workspace_new=isinstance(pkg, dispatch.Packing),
+                          workspace_sha=pkg.sha256 if isinstance(pkg, dispatch.Package) else "",
+                          job_dir=spec.job_dir if spec else "",
                           max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
                           workspace_dir=(spec.workspace or "") if spec else "",
                           workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
@@ -168,7 +173,10 @@ class SSHBackend(Backend):
             # Each node says what it holds of the workspace as soon as it is up, and the nodes that lack it get it
             # down a chain that starts with the first; nothing is written before every node's probe is in and
             # agrees (no machine twice) and every node has the workspace (``place``).
-            docs = fanout(self.nodes, open_one).ok("preparing the nodes")
+            res = fanout(self.nodes, open_one)
+            if isinstance(pkg, dispatch.Packing) and pkg.failed() is not None:
+                raise pkg.failed()  # the workspace changed while it was sent: that, not the nodes' aborts
+            docs = res.ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
                 self.resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
@@ -206,7 +214,7 @@ class SSHBackend(Backend):
         return addresses
 
     def _workspace(self, n: Node, s: NodeSession, doc: dict, spec: Optional[JobSpec],
-                   pkg: Optional[dispatch.Package], token: str, chain: Optional[relay.Dispatch],
+                   pkg: Union[dispatch.Package, dispatch.Packing, None], token: str, chain: Optional[relay.Dispatch],
                    sent_to: Dict[int, bool], damaged: List[str]) -> None:
         """What node ``n`` holds of the workspace; the archive sent to it down the chain when it lacks it."""
         ws = s.go(token)
