@@ -242,3 +242,35 @@ def test_definitions_waiting_for_trainer_0_are_bounded_and_charged(tmp_path):
                 r.close()
         server.kill()
 
+
+
+@pytest.mark.timeout(120)
+def test_waiting_hyper_parameter_changes_are_charged(tmp_path):
+    """Trainer 0 may set hyper-parameters from a step far ahead: each change waits, holding its names, until every
+    shard reaches that step. 900 names of 1000 characters a change (~0.9 MiB each, up to 1024 may wait) are
+    charged while they wait and refused once the budget is spent, naming the change (they were not charged)."""
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0, MEMORY)
+        raw = Raw(env, 0)
+        try:
+            _declare(raw, env, mode="sync")
+            assert not isinstance(raw.call_json(P.Op.DEF_DENSE, _dense("w", 4), key=1), PSError)  # never steps
+            base = _hwm(server.pid)
+            names = [f"{k:04d}" + "n" * 996 for k in range(900)]
+            refused, held = None, 0
+            while refused is None:
+                got = raw.call_json(P.Op.SET_HYPER, {"from_step": 10**9, "values": {"lr": 0.5}, "names": names})
+                if isinstance(got, PSError):
+                    refused = got
+                else:
+                    held += 1
+                assert held < 1024, "the waiting changes were never refused"
+            assert isinstance(refused, LimitExceeded), refused
+            assert "a hyper-parameter change naming 900 parameters, waiting for its step" in str(refused), refused
+            assert "64 MiB memory budget (PADDLE_PSERVER_MEMORY)" in str(refused), refused
+            grew = _hwm(server.pid) - base
+            assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB for {held} waiting changes"
+        finally:
+            raw.close()
+        server.kill()

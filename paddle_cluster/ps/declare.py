@@ -265,9 +265,11 @@ def _set_hyper(st: State, conn: Conn, body: Dict[str, Any]) -> None:
         names = body.get("names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise ValueError("'names' must be a list of parameter/table names")
+        if names is not None and any(not 1 <= len(n) <= MAX_NAME for n in names):
+            raise ValueError(f"a parameter or table name has 1 to {MAX_NAME} characters")
     except (ValueError, TypeError) as e:
         raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
     with st.sync.lock:
         st.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
-                          st.shards())
+                          st.shards(), st.budget)
     conn.reply_ok()

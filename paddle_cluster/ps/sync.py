@@ -21,6 +21,8 @@ from .shards import Shard
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
 MAX_HYPER_NAMES = 4096  # distinct names hyper-parameter changes may name
+HYPER_HELD = 1024  # bytes a waiting change is charged besides its names (its values, the record, the list entry)
+NAME_HELD = 100  # bytes per name of a waiting change besides its characters (the str object, the set entry)
 POLL = 1.0  # s between looks at the deadline and at shutdown while waiting; a notify wakes a waiter sooner
 
 
@@ -32,6 +34,12 @@ class HyperChange:
     from_step: int
     values: Dict[str, float]
     names: Optional[frozenset]
+    held: int = 0  # bytes charged to the pserver's budget while it waits
+
+
+def hyper_bytes(names: Optional[Iterable[str]]) -> int:
+    """What a waiting change holds, as charged to the budget."""
+    return HYPER_HELD + sum(len(n) + NAME_HELD for n in names or ())
 
 
 class HyperHistory:
@@ -43,17 +51,24 @@ class HyperHistory:
         self.next_seq = 1
         self.base: Dict[Optional[str], Dict[str, Tuple[int, float]]] = {}
         self.base_seq = 0  # every change up to this one is in ``base``
+        self._release: Callable[[int], None] = lambda n: None  # the budget a waiting change is charged to
 
     def add(self, from_step: int, values: Dict[str, float], names: Optional[frozenset],
-            shards: Iterable[Shard]) -> None:
-        """(Holding ``Sync.lock``.) Record a change; ConfigMismatch when too many are waiting."""
+            shards: Iterable[Shard], budget: Any = None) -> None:
+        """(Holding ``Sync.lock``.) Record a change, charged to ``budget`` until every shard has applied it;
+        ConfigMismatch when too many are waiting, LimitExceeded when the budget has no room for it."""
         self._compact(shards)
         if len(self.changes) >= MAX_PENDING_HYPER:
             raise ConfigMismatch(f"{len(self.changes)} hyper-parameter changes are waiting for a step that has not "
                                  "been reached; set them once per step at most")
         if names is not None and len(set(self.base) | names) > MAX_HYPER_NAMES:
             raise ConfigMismatch(f"hyper-parameter changes may name at most {MAX_HYPER_NAMES} parameters")
-        self.changes = [*self.changes, HyperChange(self.next_seq, from_step, values, names)]
+        held = 0
+        if budget is not None:
+            held = hyper_bytes(names)
+            budget.charge(held, f"a hyper-parameter change naming {len(names or ())} parameters, waiting for its step")
+            self._release = budget.release
+        self.changes = [*self.changes, HyperChange(self.next_seq, from_step, values, names, held)]
         self.next_seq += 1
 
     def _compact(self, shards: Iterable[Shard]) -> None:
@@ -62,6 +77,7 @@ class HyperHistory:
             if c.seq <= done:
                 for who in [None] if c.names is None else sorted(c.names):
                     self.base.setdefault(who, {}).update({k: (c.seq, v) for k, v in c.values.items()})
+                self._release(c.held)
         self.changes = [c for c in self.changes if c.seq > done]
         self.base_seq = max(self.base_seq, done)
 
