@@ -6,6 +6,7 @@ matches its single-process run."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def test_seed_dist_train_1_pserver_2_trainers_loss_falls(tmp_path):
         got = losses(out)
         assert [(e, b) for e, b, _ in got] == [(e, b) for e in range(30) for b in (9, 19, 29, 39, 49)]
         first = sum(v for e, _, v in got if e == 0) / 5
-        last = sum(v for e, _, v in got if e == 29) / 5
+        # The median of the last 5 epochs' printed batches: one epoch's 5 shuffled batches vary by tens.
+        last = statistics.median(v for e, _, v in got if e >= 25)
         assert first > 300 and last < first / 4, (first, last)  # as in the quick start: ~600 down to tens
 
 

@@ -3,18 +3,15 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import threading
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import paddle
 from paddle.regularizer import L2Decay
 
-from ..contract import JobEnv
 from ..ps.optim import OptimizerSpec
-from ..train.bridge import Bridge, Group
+from ..train import bridge
+from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as paddle users call it)
 from .embedding import Embedding
 
 # paddle.optimizer class -> the server rule.
@@ -23,25 +20,6 @@ _ONE_LINE = ("supported: paddle.optimizer.SGD, Momentum (momentum, use_nesterov)
              "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those, its decoupled "
              "weight_decay, apply_decay_param_fun), each with a float or LRScheduler learning_rate, parameter "
              "groups, weight_decay a float or L2Decay, no grad_clip")
-
-_context: Optional[DistributedOptimizer] = None
-
-
-def rank() -> int:
-    """This trainer's id (alone: 0)."""
-    if _context is not None:
-        return _context.bridge.rank
-    env = JobEnv.from_environ()
-    return 0 if env is None or env.trainer_id is None else int(env.trainer_id)
-
-
-def size() -> int:
-    """The job's trainer count (alone: 1)."""
-    if _context is not None:
-        return _context.bridge.size
-    env = JobEnv.from_environ()
-    return 1 if env is None else int(env.trainers)
-
 
 def _refuse(what: str, why: str = "") -> ValueError:
     return ValueError(f"DistributedOptimizer: {what} is not supported{f' ({why})' if why else ''}; {_ONE_LINE}")
@@ -142,10 +120,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer: paddle.optimizer.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, mode: str = "sync",
                  **connect_kw: Any) -> None:
-        global _context
-        if _context is not None:
-            raise RuntimeError("DistributedOptimizer: this process already has one; wrap one optimizer per "
-                               "trainer (give it parameter groups for several groups' hyper-parameters)")
+        bridge.vacant()
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
             else [(None, p) for p in groups]
@@ -170,16 +145,13 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
-        self.bridge = Bridge(mode, **connect_kw)
+        self.bridge = bridge.Bridge(mode, **connect_kw)
         try:
             start = self.bridge.define({n: p.numpy() for n, p in self.dense}, tables, self.groups)
         except BaseException:
             self.bridge.close()
             raise
-        _context = self
-        # Before the client's thread pools stop at interpreter exit (threading's exit hooks run before atexit's,
-        # the latest first), so a script that just ends still tells the pservers it is done.
-        getattr(threading, "_register_atexit", atexit.register)(shutdown)
+        bridge.hold(self)
         self._load(start)
         for emb in self.embeddings:
             emb._bridge = self.bridge
@@ -240,15 +212,7 @@ class DistributedOptimizer:
         """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
         the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
         trainers: nothing (None)."""
-        return self.bridge.save_checkpoint(name) if self.bridge.rank == 0 else None
-
-
-def shutdown() -> None:
-    """Tell the pservers this trainer is done (also run at exit): in a job, they exit once every trainer is."""
-    global _context
-    if _context is not None:
-        ctx, _context = _context, None
-        ctx.bridge.close()
+        return self.bridge.save_checkpoint(name)
 
 
 def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
@@ -256,23 +220,18 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
     that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
-    if tables not in ("whole", "rows"):
-        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
-    if _context is None:
-        raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
-    b = _context.bridge
-    if b.ps.mode == "async" and b.size > 1 and b.rank == 0:
-        b.ps.wait_others_closed(final_wait)
-    _context._load(b.ps.pull())
+    ctx = bridge.held("state_dict(model)")
+    values, final = ctx.bridge.final(tables, final_wait)
+    ctx._load(values)
     out = model.state_dict()
     for prefix, m in model.named_sublayers(include_self=True):
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
             if tables == "whole":
-                out[key] = paddle.to_tensor(b.table_dense(m.name))
+                out[key] = paddle.to_tensor(final[m.name])
             else:
                 del out[key]
-                ids, rows = b.table_rows(m.name)
+                ids, rows = final[m.name]
                 out[f"{key}.ids"], out[f"{key}.rows"] = paddle.to_tensor(ids), paddle.to_tensor(rows)
     return out
 
@@ -280,10 +239,4 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
 def save(model: paddle.nn.Layer, path: str, tables: str = "whole") -> Optional[str]:
     """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
     written (None on other trainers, which write nothing)."""
-    if rank() != 0:
-        return None
-    sd = state_dict(model, tables)
-    tmp = f"{path}.tmp{os.getpid()}"
-    paddle.save(sd, tmp)
-    os.replace(tmp, path)
-    return path
+    return bridge.save_atomically(path, lambda tmp: paddle.save(state_dict(model, tables), tmp))

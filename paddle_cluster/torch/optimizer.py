@@ -3,17 +3,14 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-import atexit
-import os
-import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..contract import JobEnv
 from ..ps.optim import OptimizerSpec
-from ..train.bridge import Bridge, Group
+from ..train import bridge
+from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
 from .embedding import Embedding
 
 # torch.optim class -> the server rule; the options each may set (any other non-default one is refused).
@@ -22,25 +19,6 @@ _ONE_LINE = ("supported: torch.optim.SGD (momentum, dampening, nesterov, weight_
              "initial_accumulator_value, eps, weight_decay), Adam and AdamW (betas, eps, weight_decay, amsgrad)")
 # Options that change how torch computes, never what: ignored.
 _HOW = {"foreach", "fused", "capturable", "differentiable", "params", "param_names", "initial_lr"}
-
-_context: Optional[DistributedOptimizer] = None
-
-
-def rank() -> int:
-    """This trainer's id (alone: 0)."""
-    if _context is not None:
-        return _context.bridge.rank
-    env = JobEnv.from_environ()
-    return 0 if env is None or env.trainer_id is None else int(env.trainer_id)
-
-
-def size() -> int:
-    """The job's trainer count (alone: 1)."""
-    if _context is not None:
-        return _context.bridge.size
-    env = JobEnv.from_environ()
-    return 1 if env is None else int(env.trainers)
-
 
 def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> OptimizerSpec:
     """The server rule doing what ``optimizer`` does to ``group``; ValueError (one line) for anything else."""
@@ -89,10 +67,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  mode: str = "sync", **connect_kw: Any) -> None:
-        global _context
-        if _context is not None:
-            raise RuntimeError("DistributedOptimizer: this process already has one; wrap one optimizer per "
-                               "trainer (give it several parameter groups for several rules' hyper-parameters)")
+        bridge.vacant()
         specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
         names = self._names(optimizer, named_parameters)
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -115,16 +90,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     group.names.append(names[p])
                     self.dense.append((names[p], p))
             groups.append(group)
-        self.bridge = Bridge(mode, **connect_kw)
+        self.bridge = bridge.Bridge(mode, **connect_kw)
         try:
             start = self.bridge.define({n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
         except BaseException:
             self.bridge.close()
             raise
-        _context = self
-        # Before the client's thread pools stop at interpreter exit (threading's exit hooks run before atexit's,
-        # the latest first), so a script that just ends still tells the pservers it is done.
-        getattr(threading, "_register_atexit", atexit.register)(shutdown)
+        bridge.hold(self)
         self._load(start)
         for emb in self.embeddings:
             emb._bridge = self.bridge
@@ -181,15 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
         the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
         trainers: nothing (None)."""
-        return self.bridge.save_checkpoint(name) if self.bridge.rank == 0 else None
-
-
-def shutdown() -> None:
-    """Tell the pservers this trainer is done (also run at exit): in a job, they exit once every trainer is."""
-    global _context
-    if _context is not None:
-        ctx, _context = _context, None
-        ctx.bridge.close()
+        return self.bridge.save_checkpoint(name)
 
 
 def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
@@ -197,26 +161,18 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
     that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
-    if tables not in ("whole", "rows"):
-        raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
-    if _context is None:
-        raise RuntimeError("state_dict(model): no DistributedOptimizer in this process")
-    b = _context.bridge
-    if b.ps.mode == "async" and b.size > 1 and b.rank == 0:
-        b.ps.wait_others_closed(final_wait)
-    _context._load(b.ps.pull())
+    ctx = bridge.held("state_dict(model)")
+    values, final = ctx.bridge.final(tables, final_wait)
+    ctx._load(values)
     out = model.state_dict()
     for prefix, m in model.named_modules():
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
             if tables == "whole":
-                try:
-                    out[key] = torch.from_numpy(b.table_dense(m.name))
-                except ValueError as e:
-                    raise ValueError(f"{e}: pass tables='rows' for the rows that exist") from None
+                out[key] = torch.from_numpy(final[m.name])
             else:
                 del out[key]
-                ids, rows = b.table_rows(m.name)
+                ids, rows = final[m.name]
                 out[f"{key}.ids"], out[f"{key}.rows"] = torch.from_numpy(ids), torch.from_numpy(rows)
     return out
 
@@ -224,10 +180,4 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
 def save(model: torch.nn.Module, path: str, tables: str = "whole") -> Optional[str]:
     """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
     written (None on other trainers, which write nothing)."""
-    if rank() != 0:
-        return None
-    sd = state_dict(model, tables)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(sd, tmp)
-    os.replace(tmp, path)
-    return path
+    return bridge.save_atomically(path, lambda tmp: torch.save(state_dict(model, tables), tmp))

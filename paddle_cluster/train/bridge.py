@@ -18,9 +18,12 @@ Contract (what a frontend does, in order):
    step (an LR scheduler) is sent with ``set_hyper`` and applies from this step's update on. Returns every dense
    value after the step (copy them back: the arrays are the client's buffers, valid until the next step).
    Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
-4. ``b.table_rows(name)`` (the rows that exist: ids, rows) and ``b.table_dense(name)`` (the whole table, rows
-   never touched at their initial value) build the final model; ``b.save_checkpoint()`` (trainer 0) has the
-   pservers save parameters and optimizer state; ``b.close()`` ends the trainer.
+4. ``b.final(tables)`` (the dense values and each table, whole or its existing rows) builds the final model;
+   ``b.save_checkpoint()`` (trainer 0) has the pservers save parameters and optimizer state; ``b.close()`` ends
+   the trainer.
+
+A frontend's ``DistributedOptimizer`` is the process's one (``hold``); ``rank``, ``size``, ``shutdown`` and
+``save_atomically`` here are its module functions' whole body.
 
 Errors are one line: an id outside a table's id space (``ValueError``), a structural option changed after
 ``define`` (``ValueError``), a parameter shape other trainers disagree on (``ps.ConfigMismatch`` naming it).
@@ -28,12 +31,16 @@ Errors are one line: an id outside a table's id space (``ValueError``), a struct
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..contract import JobEnv
 from ..ps import PSClient, connect, init_rows
 from ..ps.optim import STRUCTURAL, OptimizerSpec
 
@@ -198,7 +205,8 @@ class Bridge:
         nbytes = t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
         if nbytes > DENSE_TABLE_BYTES:
             raise ValueError(f"table {name!r} whole would be {nbytes >> 20} MiB ({t.num_embeddings} rows of "
-                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB")
+                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB: pass tables='rows' for the "
+                             "rows that exist")
         ids, rows = self.table_rows(name)
         out = np.empty((t.num_embeddings, t.width), dtype=t.dtype)
         chunk = max(1, (1 << 18) // t.width)
@@ -208,9 +216,89 @@ class Bridge:
         out[ids] = rows
         return out
 
+    def final(self, tables: str = "whole", final_wait: float = 600.0
+              ) -> Tuple[Dict[str, np.ndarray], Dict[str, Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]]]:
+        """The model the pservers hold now: every dense value, and each table whole (``tables="whole"``:
+        ``table_dense``) or as its existing rows (``"rows"``: ``table_rows``). Async mode: trainer 0 first waits
+        (``final_wait`` s at most) for the other trainers to finish."""
+        if tables not in ("whole", "rows"):
+            raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
+        if self.ps.mode == "async" and self.size > 1 and self.rank == 0:
+            self.ps.wait_others_closed(final_wait)
+        read = self.table_dense if tables == "whole" else self.table_rows
+        return self.ps.pull(), {name: read(name) for name in self.tables}
+
     def save_checkpoint(self, name: Optional[str] = None) -> Any:
-        """(Trainer 0.) The pservers save every parameter, table row and optimizer state of this step."""
-        return self.ps.save_checkpoint(name)
+        """Trainer 0: the pservers save every parameter, table row and optimizer state of this step. Other
+        trainers: nothing (None)."""
+        return self.ps.save_checkpoint(name) if self.rank == 0 else None
 
     def close(self) -> None:
         self.ps.close()
+
+
+# The process's one frontend ``DistributedOptimizer`` (it has a ``bridge``): a trainer trains one model.
+_held: Optional[Any] = None
+
+
+def vacant() -> None:
+    """RuntimeError when the process already has its DistributedOptimizer (checked before building another)."""
+    if _held is not None:
+        raise RuntimeError("DistributedOptimizer: this process already has one; wrap one optimizer per "
+                           "trainer (give it several parameter groups for several rules' hyper-parameters)")
+
+
+def hold(owner: Any) -> None:
+    """Make ``owner`` (a frontend's DistributedOptimizer, connected) the process's one; ``shutdown`` at exit."""
+    global _held
+    vacant()
+    _held = owner
+    # Before the client's thread pools stop at interpreter exit (threading's exit hooks run before atexit's,
+    # the latest first), so a script that just ends still tells the pservers it is done.
+    getattr(threading, "_register_atexit", atexit.register)(shutdown)
+
+
+def held(what: str) -> Any:
+    """The process's DistributedOptimizer, for ``what`` ("state_dict(model)"); RuntimeError without one."""
+    if _held is None:
+        raise RuntimeError(f"{what}: no DistributedOptimizer in this process")
+    return _held
+
+
+def rank() -> int:
+    """This trainer's id (alone: 0)."""
+    if _held is not None:
+        return _held.bridge.rank
+    env = JobEnv.from_environ()
+    return 0 if env is None or env.trainer_id is None else int(env.trainer_id)
+
+
+def size() -> int:
+    """The job's trainer count (alone: 1)."""
+    if _held is not None:
+        return _held.bridge.size
+    env = JobEnv.from_environ()
+    return 1 if env is None else int(env.trainers)
+
+
+def shutdown() -> None:
+    """Tell the pservers this trainer is done (also run at exit): in a job, they exit once every trainer is."""
+    global _held
+    if _held is not None:
+        owner, _held = _held, None
+        owner.bridge.close()
+
+
+def save_atomically(path: str, write: Callable[[str], None]) -> Optional[str]:
+    """Trainer 0 runs ``write(tmp)`` and moves ``tmp`` to ``path`` (a reader never sees half a file); the path
+    written, or None on other trainers, which write nothing."""
+    if rank() != 0:
+        return None
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
