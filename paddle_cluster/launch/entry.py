@@ -19,7 +19,6 @@ from .. import contract
 from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override, refuse_line_break
 from .errors import ConfigError
 
-ROLE_VAR = "PADDLE_TRAINING_ROLE"
 ARGS = "-- (the entry script's arguments)"
 PSERVER_CHOICES = {"builtin": BUILTIN_PSERVER, "entry": ENTRY_PSERVER}  # run --pserver
 _PORT_KEYS = {"port": "paddle_port", "ports_num": "paddle_ports_num",
@@ -125,7 +124,7 @@ def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str
     to_entry = f'run --pserver entry, or PSERVER_COMMAND = "{ENTRY_PSERVER}" in conf.py'
     if option is not None:
         cfg = dataclasses.replace(cfg, pserver_command=PSERVER_CHOICES[option])
-        what = f"{e} as {ROLE_VAR}=PSERVER" if option == "entry" else \
+        what = f"{e} as {contract.ROLE_VAR}=PSERVER" if option == "entry" else \
             "the built-in pserver (python -m paddle_cluster.ps)"
         return cfg, f"pservers run {what}: run --pserver {option}"
     if cfg.pserver_command is not None:
@@ -133,9 +132,9 @@ def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str
                      "run --pserver builtin|entry overrides it")
     if src is not None and handles_pserver(src):
         return (dataclasses.replace(cfg, pserver_command=ENTRY_PSERVER),
-                f"pservers run {e} as {ROLE_VAR}=PSERVER (it handles that role; trainers run it as TRAINER); "
+                f"pservers run {e} as {contract.ROLE_VAR}=PSERVER (it handles that role; trainers run it as TRAINER); "
                 f"for the built-in pserver instead: {to_builtin}")
-    why = (f"{e} does not handle {ROLE_VAR}=PSERVER" if src is not None
+    why = (f"{e} does not handle {contract.ROLE_VAR}=PSERVER" if src is not None
            else f"{e} is only on the nodes (--job_workspace), so it was not read")
     return (dataclasses.replace(cfg, pserver_command=BUILTIN_PSERVER),
             f"pservers run the built-in pserver (python -m paddle_cluster.ps): {why}; to run {e} as the pserver "
