@@ -336,12 +336,25 @@ class JobEnv:
         )
 
 
+def reserved_env() -> Dict[str, str]:
+    """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself), each
+    with the processes that get it: "every pserver and trainer", "each pserver" or "each trainer". Every name
+    ``to_environ`` sets, the secret, the trainer keys and ``PADDLE_INTEGRITY`` (``INTEGRITY = False``) included
+    (ENV reaches every process: a trainer must never get the job secret); ``ENV`` may set the
+    SOCKET_IFNAME_VARS, and ``PADDLE_RESUME`` and ``PADDLE_CHECKPOINT_DIR``, which the launcher sets only when
+    resuming."""
+    job = JobEnv("x", (Endpoint("h", 1),), 1, trainer_endpoints=(Endpoint("h", 2),), master_port=3, nic="lo",
+                 integrity=False, secret="s")
+    got = {role: set(job.for_process(role, 0, "h").to_environ()) for role in ROLES}
+    free = set(SOCKET_IFNAME_VARS) | {"PYTHONUNBUFFERED"}
+    return {name: "every pserver and trainer" if all(name in got[r] for r in ROLES) else
+            "each pserver" if name in got[PSERVER] else "each trainer"
+            for name in sorted(got[PSERVER] | got[TRAINER]) if name not in free}
+
+
 def reserved_names() -> frozenset:
-    """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself):
-    every ``PADDLE_*`` name and the collective ones; ``ENV`` may set the SOCKET_IFNAME_VARS."""
-    job = JobEnv("x", (Endpoint("h", 1),), 1, trainer_endpoints=(Endpoint("h", 2),), master_port=3, nic="lo")
-    names = {n for role in ROLES for n in job.for_process(role, 0, "h").to_environ()}
-    return frozenset(names - set(SOCKET_IFNAME_VARS) - {"PYTHONUNBUFFERED"})
+    """The names of ``reserved_env``."""
+    return frozenset(reserved_env())
 
 
 def job_id_of(environ: Mapping[str, str]) -> str:

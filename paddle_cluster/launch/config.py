@@ -27,7 +27,7 @@ LOCAL_HOSTS = ("localhost",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-_RESERVED_ENV = contract.reserved_names()
+_RESERVED_ENV = contract.reserved_env()
 _HOST_RE = re.compile(
     r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
 
@@ -340,8 +340,9 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
                 raise ConfigError(key, value, f"{name!r} is not a variable name: use letters, digits and _, "
                                   "not starting with a digit", source)
             if name in _RESERVED_ENV:
-                raise ConfigError(key, value, f"{name} is set by paddle-cluster for every process (see "
-                                  "docs/environment.md); remove it from ENV", source)
+                how = " (INTEGRITY = False sets it)" if name == "PADDLE_INTEGRITY" else ""
+                raise ConfigError(key, value, f"{name} is set by paddle-cluster for {_RESERVED_ENV[name]}{how}, "
+                                  "see docs/environment.md; remove it from ENV", source)
             if line_break(str(v)):
                 raise ConfigError(key, value, f"the value of {name} contains {line_break(str(v))}, which an "
                                   "environment variable cannot carry", source)
