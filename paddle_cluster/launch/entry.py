@@ -139,3 +139,15 @@ def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str
     return (dataclasses.replace(cfg, pserver_command=BUILTIN_PSERVER),
             f"pservers run the built-in pserver (python -m paddle_cluster.ps): {why}; to run {e} as the pserver "
             f"too: {to_entry}")
+
+
+def refused_arguments(cfg: ClusterConfig, args: Sequence[str]) -> str:
+    """What to say when a process running the entry script exited 2 (argparse's usage error) and the job gave it
+    arguments: they reach every process that runs it; a port option is better given to ``run --port``."""
+    if not args:
+        return ""
+    ports = [a for a in args if a.startswith("--") and a[2:].partition("=")[0] in _PORT_KEYS]
+    port = (f"; to move the job's ports, give run --port N (PADDLE_PORT) instead of {ports[0]}, which only a script "
+            "that accepts it may be given") if ports else ""
+    return (f"{cfg.entry} exited 2, a usage error: the arguments after -- ({' '.join(args)}) reach every process "
+            f"that runs {cfg.entry}, pservers too when they run it{port}")
