@@ -15,7 +15,7 @@ import stat
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import yaml
 
@@ -456,8 +456,3 @@ def origin_line(cfg: ClusterConfig) -> str:
     return (f"no conf.py or cluster.yaml in {os.getcwd()}: using the built-in local cluster ({cfg.pservers_per_node} "
             f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir}); for your "
             "cluster's jobs run where its conf.py is, or give --conf FILE")
-
-
-def describe(cfg: ClusterConfig) -> List[str]:
-    """One line per setting, for ``paddle-cluster config``-style output and the built-in default notice."""
-    return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name not in _ORIGIN]
