@@ -164,22 +164,22 @@ def _floor(cl, work: Path, counts: List[int], reps: int, prefix: str = "") -> Di
     sys.path.insert(0, REPO)
     from paddle_cluster.launch.access import make_nodes
     from paddle_cluster.launch.config import load_config
-    from paddle_cluster.launch.fanout import fanout
+    from paddle_cluster.launch.each_node import each_node
 
     out: Dict[str, Any] = {}
     for n in counts:
         nodes = make_nodes(load_config(str(write_conf(work / f"conf-floor{n}.py", cl, cl.hosts[:n]))))
         try:
-            fanout(nodes, lambda x: x.run(["true"])).ok("warming up")
+            each_node(nodes, lambda x: x.run(["true"])).ok("warming up")
             for key, argv in (("floor_ssh", ["true"]), ("floor_python", [cl.python, "-c", "pass"])):
                 samples = []
                 for _ in range(reps):
                     t0 = time.perf_counter()
-                    fanout(nodes, lambda x: x.run(argv)).ok(key)  # noqa: B023 - called before the loop moves on
+                    each_node(nodes, lambda x: x.run(argv)).ok(key)  # noqa: B023 - called before the loop moves on
                     samples.append(time.perf_counter() - t0)
                 out[f"{prefix}{key}_{n}"] = Stats(samples)
         finally:
-            fanout(nodes, lambda x: x.close())
+            each_node(nodes, lambda x: x.close())
     return out
 
 

@@ -202,6 +202,15 @@ def _with_collective(cfg: ClusterConfig, collective: bool) -> ClusterConfig:
     return override(cfg, {"pservers_per_node": ("--collective", 0)}) if collective else cfg
 
 
+_PORT = click.option("--port", type=int, metavar="N", help="The job's first port (PADDLE_PORT; the built-in local "
+                     "cluster has no conf.py to set it in): each node's pservers and trainers take the ports from N "
+                     "on (docs/environment.md#port-layout). Default: PADDLE_PORT of the config, 7164.")
+
+
+def _with_port(cfg: ClusterConfig, port: Optional[int]) -> ClusterConfig:
+    return cfg if port is None else override(cfg, {"paddle_port": ("--port", port)})
+
+
 def _earlier_job(what: str):
     """``--job_name`` of a command about a job started earlier: ``what`` it names, the latest by default."""
     return click.option("--job_name", metavar="NAME", callback=_checked_name,
@@ -253,14 +262,15 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "PSERVER_COMMAND of the config when set, else the entry script when it handles the PSERVER role "
               "(compares it with \"PSERVER\"), else builtin.")
 @_COLLECTIVE
+@_PORT
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @_SCRIPT_ARGS
 @_handled
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str], detach: bool,
-        dry_run: bool, entry_script: Optional[str], pserver: Optional[str], collective: bool, verbose: bool,
-        trainer_args: Tuple[str, ...],
+        dry_run: bool, entry_script: Optional[str], pserver: Optional[str], collective: bool, port: Optional[int],
+        verbose: bool, trainer_args: Tuple[str, ...],
         **backend_opts) -> Optional[JobResult]:
     """Start a job: pservers first, trainers once every pserver listens.
 
@@ -273,9 +283,10 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
       --trainer_count N, --num_passes N, --saving_period N, --log_period N, --dot_period N, --test_period N,
       --use_gpu BOOL, --local BOOL, --save_dir DIR   ->  PADDLE_INIT_TRAINER_COUNT, ... (every process)
       --port N, --ports_num N, --ports_num_for_sparse N  ->  the job's ports (as PADDLE_PORT, ... in conf.py)
+    (a script that does not accept --port: give run --port N before --).
     --num_gradient_servers and --trainer_id are the launcher's and refused (docs/migrating.md).
     """
-    cfg = _with_collective(_config(ctx), collective)
+    cfg = _with_port(_with_collective(_config(ctx), collective), port)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
     foreign = foreign_options(cfg.backend, backend_opts)
@@ -359,10 +370,11 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
               f"config, {DEFAULT}): each checks what its jobs run on (docs/backends.md).")
+@_PORT
 @_backend_options(check=True)
 @_handled
-def check(ctx: click.Context, as_json: bool, backend: Optional[str], **backend_opts) -> None:
-    cfg = _config(ctx)
+def check(ctx: click.Context, as_json: bool, backend: Optional[str], port: Optional[int], **backend_opts) -> None:
+    cfg = _with_port(_config(ctx), port)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
     for flag, owner in foreign_options(cfg.backend, backend_opts):
@@ -426,13 +438,15 @@ def _render_command(backend: str) -> None:
     @click.option("--pserver", type=click.Choice(sorted(PSERVER_CHOICES)), help="What pservers run: builtin or "
                   "entry (as run --pserver).")
     @_COLLECTIVE
+    @_PORT
     @_backend_options(backend)
     @_SCRIPT_ARGS
     @_handled
     def cmd(ctx: click.Context, job_name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
-            entry_script: Optional[str], pserver: Optional[str], collective: bool, trainer_args: Tuple[str, ...],
-            **opts) -> None:
-        cfg = override(_with_collective(_config(ctx), collective), {"backend": (f"render {backend}", backend)})
+            entry_script: Optional[str], pserver: Optional[str], collective: bool, port: Optional[int],
+            trainer_args: Tuple[str, ...], **opts) -> None:
+        cfg = _with_port(_with_collective(_config(ctx), collective), port)
+        cfg = override(cfg, {"backend": (f"render {backend}", backend)})
         spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, opts,
                         notes=False, dry=True)
         click.echo(be.render(spec, _say).text(), nl=False)

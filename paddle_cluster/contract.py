@@ -1,7 +1,8 @@
 """The environment-variable contract between the launcher and every process it starts.
 
-This module is the only place that knows the variable names, in both directions: the launcher builds a
-``JobEnv`` and calls ``to_environ()``; a pserver or trainer calls ``JobEnv.from_environ()``. It speaks
+This module is the only place that reads or sets the variables, in both directions: the launcher builds a
+``JobEnv`` and calls ``to_environ()``; a pserver or trainer calls ``JobEnv.from_environ()``. Other modules name a
+variable only in a message, or through the constants below. It speaks
 three dialects at once so seed scripts run unchanged: Fluid (``PADDLE_TRAINING_ROLE`` ...), v2
 (``PADDLE_INIT_*``) and the job's own (``PADDLE_JOB_*``). Standard library only: it runs on every node.
 """
@@ -11,15 +12,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-# The job secret's variable and the trainer keys are re-exported: ``contract`` is their public home.
-from .jobsecret import SECRET_VAR, derive_trainer_key, job_secret, secret_problem  # noqa: F401
+# The trainer keys are re-exported: ``contract`` is their public home.
+from .jobsecret import derive_trainer_key, secret_problem  # noqa: F401
 
 PSERVER = "PSERVER"
 TRAINER = "TRAINER"
 ROLES = (PSERVER, TRAINER)
+# The variables other modules need by name: the job secret (pservers only; a backend that keeps it apart, such as
+# a Kubernetes Secret, asks for it by this name), a trainer's own key, and the role.
+SECRET_VAR = "PADDLE_JOB_SECRET"
+TRAINER_KEY_VAR = "PADDLE_TRAINER_KEY"
+ROLE_VAR = "PADDLE_TRAINING_ROLE"
 
 PORT_MAX = 65535
 # What torchrun sets for each process (torch.distributed's env:// rendezvous): every trainer of every job gets them.
@@ -35,11 +42,20 @@ class ContractError(ValueError):
     """A variable of the contract is missing or malformed; the message names it."""
 
 
-def check_secret(value: str, var: str) -> None:
-    """Refuse an empty, short or obviously low-entropy secret (``var`` names its variable): ``ContractError``."""
-    problem = secret_problem(value, var)
+def check_secret(value: str, var: str = SECRET_VAR) -> None:
+    """Refuse an empty, short or obviously low-entropy secret (``var`` names its variable): ``ContractError``
+    saying how to make a good one."""
+    problem = secret_problem(value)
     if problem:
-        raise ContractError(problem)
+        raise ContractError(f"{var} {problem}: `paddle-cluster run` sets it for every process it starts; to start "
+                            f"pservers and trainers by hand, give them all the same {SECRET_VAR}, e.g. export "
+                            f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+
+
+def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
+    hand-started seed script names its pservers itself); "" when unset."""
+    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
 
 
 @dataclass(frozen=True)
@@ -172,9 +188,9 @@ class JobEnv:
         """The key trainer ``trainer`` authenticates with: derived from the secret where this process holds
         it, else its own ``trainer_key``. Refuses a missing or short one (``ContractError``)."""
         if self.secret:
-            check_secret(self.secret, "PADDLE_JOB_SECRET")
+            check_secret(self.secret)
             return derive_trainer_key(self.secret, self.job_id, trainer)
-        check_secret(self.trainer_key, "PADDLE_TRAINER_KEY (or PADDLE_JOB_SECRET)")
+        check_secret(self.trainer_key, f"{TRAINER_KEY_VAR} (or {SECRET_VAR})")
         return self.trainer_key
 
     # -- to and from the environment -----------------------------------------------------------
@@ -209,7 +225,7 @@ class JobEnv:
         if self.role == PSERVER and self.secret:
             env[SECRET_VAR] = self.secret
         if self.role == TRAINER and self.trainer_key:
-            env["PADDLE_TRAINER_KEY"] = self.trainer_key
+            env[TRAINER_KEY_VAR] = self.trainer_key
         if not self.integrity:
             env["PADDLE_INTEGRITY"] = "0"
         if self.resume:
@@ -217,7 +233,7 @@ class JobEnv:
         if self.checkpoint_dir:
             env["PADDLE_CHECKPOINT_DIR"] = self.checkpoint_dir
         if self.role is not None:
-            env["PADDLE_TRAINING_ROLE"] = env["TRAINING_ROLE"] = self.role  # TRAINING_ROLE: Paddle fleet's
+            env[ROLE_VAR] = env["TRAINING_ROLE"] = self.role  # TRAINING_ROLE: Paddle fleet's
         if self.current_ip is not None:
             env["PADDLE_CURRENT_IP"] = self.current_ip
         if self.trainer_id is not None:
@@ -281,7 +297,7 @@ class JobEnv:
             raise ContractError(f"{eps_var}: {e}") from None
         if not pservers and not trainer_eps:
             raise ContractError(f"PADDLE_PSERVER_ENDPOINTS={eps_text!r} names no pserver")
-        role = env.get("PADDLE_TRAINING_ROLE") or None
+        role = env.get(ROLE_VAR) or None
         pserver_id = _int(env, "PADDLE_PSERVER_ID")
         current_ip = env.get("PADDLE_CURRENT_IP") or None
         if role == PSERVER and pserver_id is None and current_ip:
@@ -302,7 +318,7 @@ class JobEnv:
             ports_num=_int(env, "PADDLE_INIT_PORTS_NUM") or 1,
             ports_num_for_sparse=_int(env, "PADDLE_INIT_PORTS_NUM_FOR_SPARSE") or 0,
             secret=env.get(SECRET_VAR, ""),
-            trainer_key=env.get("PADDLE_TRAINER_KEY", ""),
+            trainer_key=env.get(TRAINER_KEY_VAR, ""),
             integrity=_bool(env, "PADDLE_INTEGRITY", True),
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
@@ -320,17 +336,35 @@ class JobEnv:
         )
 
 
+def reserved_env() -> Dict[str, str]:
+    """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself), each
+    with the processes that get it: "every pserver and trainer", "each pserver" or "each trainer". Every name
+    ``to_environ`` sets, the secret, the trainer keys and ``PADDLE_INTEGRITY`` (``INTEGRITY = False``) included
+    (ENV reaches every process: a trainer must never get the job secret); ``ENV`` may set the
+    SOCKET_IFNAME_VARS, and ``PADDLE_RESUME`` and ``PADDLE_CHECKPOINT_DIR``, which the launcher sets only when
+    resuming."""
+    job = JobEnv("x", (Endpoint("h", 1),), 1, trainer_endpoints=(Endpoint("h", 2),), master_port=3, nic="lo",
+                 integrity=False, secret="s")
+    got = {role: set(job.for_process(role, 0, "h").to_environ()) for role in ROLES}
+    free = set(SOCKET_IFNAME_VARS) | {"PYTHONUNBUFFERED"}
+    return {name: "every pserver and trainer" if all(name in got[r] for r in ROLES) else
+            "each pserver" if name in got[PSERVER] else "each trainer"
+            for name in sorted(got[PSERVER] | got[TRAINER]) if name not in free}
+
+
 def reserved_names() -> frozenset:
-    """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself):
-    every ``PADDLE_*`` name and the collective ones; ``ENV`` may set the SOCKET_IFNAME_VARS."""
-    job = JobEnv("x", (Endpoint("h", 1),), 1, trainer_endpoints=(Endpoint("h", 2),), master_port=3, nic="lo")
-    names = {n for role in ROLES for n in job.for_process(role, 0, "h").to_environ()}
-    return frozenset(names - set(SOCKET_IFNAME_VARS) - {"PYTHONUNBUFFERED"})
+    """The names of ``reserved_env``."""
+    return frozenset(reserved_env())
 
 
 def job_id_of(environ: Mapping[str, str]) -> str:
     """The job id an environment carries ("" when none): how the node agent tells a job's processes apart."""
     return environ.get("PADDLE_JOB_ID", "")
+
+
+def current_ip_of(environ: Mapping[str, str]) -> str:
+    """The address a process's environment gives it ("" when none): where the node agent says it is reached."""
+    return environ.get("PADDLE_CURRENT_IP", "")
 
 
 JOB_NAME_MAX = 100
@@ -508,6 +542,10 @@ def with_init_flags(flags: Mapping[str, object], environ: Optional[Mapping[str, 
 
 def dataset_home(environ: Optional[Mapping[str, str]] = None) -> str:
     """Where ``paddle.dataset`` readers cache their files: ``$PADDLE_DATA_HOME`` when set, else PaddlePaddle's
-    ``~/.cache/paddle/dataset`` (PaddlePaddle itself had no variable for it)."""
+    ``~/.cache/paddle/dataset`` (PaddlePaddle itself had no variable for it), or the same under the temporary
+    directory where the home directory is not writable."""
     env = os.environ if environ is None else environ
-    return env.get("PADDLE_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "paddle", "dataset")
+    if env.get("PADDLE_DATA_HOME"):
+        return env["PADDLE_DATA_HOME"]
+    home = os.path.expanduser("~")
+    return os.path.join(home if os.access(home, os.W_OK) else tempfile.gettempdir(), ".cache", "paddle", "dataset")

@@ -1,5 +1,6 @@
 """The job secret: what a good one is (``contract.check_secret`` refuses a bad one where a process starts), and
-the trainer keys derived from it. Standard library only: it runs on every node; imports nothing of the package."""
+the trainer keys derived from it. Standard library only: it runs on every node; imports nothing of the package
+and names no variable (``contract`` says which variable carries a secret)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,8 @@ import functools
 import hashlib
 import hmac
 import math
-import os
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Optional, Tuple
 
-# The variable carrying the job secret: a backend that must keep it apart from the rest (a Kubernetes Secret)
-# asks for it by this name.
-SECRET_VAR = "PADDLE_JOB_SECRET"
 # The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
 MIN_SECRET_CHARS = 32
 # What ``estimate`` must give a secret at least: far below a generated one (32 random hex digits estimate 90 bits
@@ -27,22 +24,18 @@ def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
     return hmac.new(secret.encode("utf-8"), msg, hashlib.sha256).hexdigest()
 
 
-def secret_problem(value: str, var: str) -> Optional[str]:
-    """What is wrong with ``value`` as a secret (``var`` names its variable): empty, short or easy to guess (under
-    ``MIN_SECRET_BITS`` by ``estimate_bits``), with how to make a good one; None when it is fine. Never shows the
-    secret."""
+def secret_problem(value: str) -> Optional[str]:
+    """What is wrong with ``value`` as a secret, as the rest of a sentence about its variable ("is not set"):
+    empty, short or easy to guess (under ``MIN_SECRET_BITS`` by ``estimate``); None when it is fine. Never shows
+    the secret."""
     if not value or len(value) < MIN_SECRET_CHARS:
-        state = "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
-    else:
-        bits, kinds = estimate(value)
-        if bits >= MIN_SECRET_BITS:
-            return None
-        made = f" of {', '.join(kinds)}" if kinds else ""
-        state = (f"is too easy to guess (about {bits:.0f} bits, made{made}; at least {MIN_SECRET_BITS} are needed, "
-                 "a generated one carries 128 or more)")
-    return (f"{var} {state}: `paddle-cluster run` sets it for every process it starts; to start pservers and "
-            "trainers by hand, give them all the same PADDLE_JOB_SECRET, e.g. "
-            "export PADDLE_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+        return "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
+    bits, kinds = estimate(value)
+    if bits >= MIN_SECRET_BITS:
+        return None
+    made = f" of {', '.join(kinds)}" if kinds else ""
+    return (f"is too easy to guess (about {bits:.0f} bits, made{made}; at least {MIN_SECRET_BITS} are needed, "
+            "a generated one carries 128 or more)")
 
 
 # -- the estimate ------------------------------------------------------------------------------------------
@@ -134,10 +127,3 @@ def _estimate(s: str, repeats: bool) -> Tuple[float, Tuple[str, ...]]:
                 cost = cost or _estimate(base, False)
                 offer(i + k * p, cost[0] + math.log2(k) + 1, *cost[1], "a repeated piece")
     return best[n]
-
-
-def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``PADDLE_JOB_SECRET`` alone, for a job described by arguments rather than the launcher's contract (a
-    hand-started seed script names its pservers itself); "" when unset."""
-    return (os.environ if environ is None else environ).get(SECRET_VAR, "")
-

@@ -22,6 +22,7 @@ import paddle_cluster.compat.paddle as paddle
 from paddle_cluster.compat.missing import NotInCompat
 from paddle_cluster.compat.paddle import reader as R
 from paddle_cluster.compat.paddle.dataset import common, imikolov, movielens, uci_housing
+from paddle_cluster.contract import dataset_home
 
 REPO = Path(__file__).resolve().parent.parent
 HOUSING = REPO / "examples" / "fit_a_line" / "housing.data"  # byte-identical to Paddle's (its MD5)
@@ -125,9 +126,9 @@ def test_uci_housing_records_normalisation_and_split(cache):
 def test_cache_layout_follows_home_and_paddle_data_home(tmp_path, monkeypatch):
     monkeypatch.delenv("PADDLE_DATA_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert common._default_home() == str(tmp_path / ".cache" / "paddle" / "dataset")
+    assert dataset_home() == str(tmp_path / ".cache" / "paddle" / "dataset")
     monkeypatch.setenv("PADDLE_DATA_HOME", str(tmp_path / "elsewhere"))
-    assert common._default_home() == str(tmp_path / "elsewhere")
+    assert dataset_home() == str(tmp_path / "elsewhere")
 
 
 def test_download_checks_md5_and_leaves_nothing_partial(cache, tmp_path, capsys):

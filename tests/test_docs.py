@@ -20,7 +20,7 @@ HTML comment ``<!-- doctest: run -->`` (invisible when the Markdown is rendered)
 - ``ports=LO-HI``: the block needs those ports on 127.0.0.1; if one is busy (another job), the block and the
   rest of its file are skipped with a reason.
 - ``only="TEXT"`` (sh): run only the lines containing TEXT, and of a line ``a && b`` only the parts containing
-  TEXT. It lets the README's ``pip install . && paddle-cluster run ...`` block run its ``run`` part.
+  TEXT. It lets the README's ``scripts/venv && ... && paddle-cluster run ...`` block run its ``run`` part.
 
 Mark only safe, local commands. ``test_required_blocks_are_marked`` keeps the blocks that must run marked.
 

@@ -94,7 +94,7 @@ def test_status_logs_and_ctrl_c(cluster, tmp_path):
         for i in range(3):  # the same line as run's preflight: host, port, address and the fix
             assert re.search(rf"node{i} \({re.escape(cluster.hosts[i])}\): port\(s\) 7164(, \d+)* on "
                              rf"{re.escape(cluster.ips[i])} are already in use \(another job\?\); choose another "
-                             "PADDLE_PORT or stop that job", busy.stderr), busy.stderr
+                             r"PADDLE_PORT \(or run --port N\) or stop that job", busy.stderr), busy.stderr
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

@@ -14,8 +14,8 @@ from paddle_cluster.node.session import Request
 
 from . import dispatch, machines, preflight
 from .config import ClusterConfig
+from .each_node import NodeResults, each_node
 from .errors import HostError
-from .fanout import FanoutResult, fanout
 from .hosts import LocalNode, Node
 from .session import NodeSession
 
@@ -29,7 +29,7 @@ def make_nodes(cfg: ClusterConfig) -> List[Node]:
 
 
 def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,
-                ports: Sequence[int] = ()) -> Tuple[dispatch.Package, FanoutResult]:
+                ports: Sequence[int] = ()) -> Tuple[dispatch.Package, NodeResults]:
     """Every node's probe (``ports``: which of them are taken), the node library installed first where it is
     new; the library, and each node's answer or error."""
     with dispatch.library_archive() as lib, open(lib.path, "rb") as f:  # as run reads it (launch/backends/ssh)
@@ -43,7 +43,7 @@ def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,
         finally:
             s.close()
 
-    return lib, fanout(nodes, probe)
+    return lib, each_node(nodes, probe)
 
 
 def nodes_with_lib(cfg: ClusterConfig) -> Tuple[List[Node], dispatch.Package, List[Dict[str, Any]]]:
@@ -53,7 +53,7 @@ def nodes_with_lib(cfg: ClusterConfig) -> Tuple[List[Node], dispatch.Package, Li
     try:
         return nodes, lib, res.ok("installing paddle_cluster on the nodes")
     except BaseException:
-        fanout(nodes, lambda n: n.close())
+        each_node(nodes, lambda n: n.close())
         raise
 
 
@@ -144,7 +144,7 @@ def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[Chec
             doc.get("python_path") or cfg.python)
 
     _, res = probe_nodes(nodes, cfg, cfg.node_ports())
-    fanout(nodes, lambda n: n.close())
+    each_node(nodes, lambda n: n.close())
     probes: Dict[int, dict] = res.values
     seen = sorted(probes)
     twice = machines.same_machine_problems([nodes[i].label for i in seen], [probes[i] for i in seen])

@@ -15,7 +15,7 @@ import stat
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import yaml
 
@@ -27,7 +27,7 @@ LOCAL_HOSTS = ("localhost",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-_RESERVED_ENV = contract.reserved_names()
+_RESERVED_ENV = contract.reserved_env()
 _HOST_RE = re.compile(
     r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d+))?$")
 
@@ -340,8 +340,9 @@ def _coerce(key: str, value: Any, default: Any, source: str) -> Any:
                 raise ConfigError(key, value, f"{name!r} is not a variable name: use letters, digits and _, "
                                   "not starting with a digit", source)
             if name in _RESERVED_ENV:
-                raise ConfigError(key, value, f"{name} is set by paddle-cluster for every process (see "
-                                  "docs/environment.md); remove it from ENV", source)
+                how = " (INTEGRITY = False sets it)" if name == "PADDLE_INTEGRITY" else ""
+                raise ConfigError(key, value, f"{name} is set by paddle-cluster for {_RESERVED_ENV[name]}{how}, "
+                                  "see docs/environment.md; remove it from ENV", source)
             if line_break(str(v)):
                 raise ConfigError(key, value, f"the value of {name} contains {line_break(str(v))}, which an "
                                   "environment variable cannot carry", source)
@@ -455,8 +456,3 @@ def origin_line(cfg: ClusterConfig) -> str:
     return (f"no conf.py or cluster.yaml in {os.getcwd()}: using the built-in local cluster ({cfg.pservers_per_node} "
             f"pservers and {cfg.trainers_per_node} trainers on this machine, ROOT_DIR={cfg.root_dir}); for your "
             "cluster's jobs run where its conf.py is, or give --conf FILE")
-
-
-def describe(cfg: ClusterConfig) -> List[str]:
-    """One line per setting, for ``paddle-cluster config``-style output and the built-in default notice."""
-    return [f"{f.name.upper()} = {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if f.name not in _ORIGIN]

@@ -27,8 +27,8 @@ import paddle_cluster
 from paddle_cluster.node import MAIN
 
 from . import cache
+from .each_node import each_node
 from .errors import ClusterError, HostConfigError, HostError
-from .fanout import fanout
 from .hosts import Node
 from .plan import JobSpec
 
@@ -532,7 +532,7 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
             if n.run(["test", "-d", spec.workspace], timeout=60).exit_code != 0:
                 raise HostConfigError(n.label, f"--job_workspace {spec.workspace}: no such directory there; copy "
                                       "the workspace to every node first, or use --job_dispatch_package")
-        fanout(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
+        each_node(nodes, has).ok(f"checking --job_workspace {spec.workspace}")
         return
     assert spec.dispatch_dir is not None
     with contextlib.ExitStack() as hold:  # the cached archive, which no concurrent launch evicts meanwhile
@@ -549,7 +549,7 @@ def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: C
                 if not doc.get("ok"):
                     raise HostError(n.label, f"unpacking the workspace into {spec.job_dir} refused: {doc.get('error')}")
 
-            fanout(nodes, send).ok("dispatching the workspace")
+            each_node(nodes, send).ok("dispatching the workspace")
     skipped = [nodes[i].name for i, s in sorted(sent.items()) if not s]
     if skipped:
         say(f"{', '.join(skipped)} already held this package: not sent again")

@@ -19,7 +19,6 @@ from .. import contract
 from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override, refuse_line_break
 from .errors import ConfigError
 
-ROLE_VAR = "PADDLE_TRAINING_ROLE"
 ARGS = "-- (the entry script's arguments)"
 PSERVER_CHOICES = {"builtin": BUILTIN_PSERVER, "entry": ENTRY_PSERVER}  # run --pserver
 _PORT_KEYS = {"port": "paddle_port", "ports_num": "paddle_ports_num",
@@ -125,7 +124,7 @@ def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str
     to_entry = f'run --pserver entry, or PSERVER_COMMAND = "{ENTRY_PSERVER}" in conf.py'
     if option is not None:
         cfg = dataclasses.replace(cfg, pserver_command=PSERVER_CHOICES[option])
-        what = f"{e} as {ROLE_VAR}=PSERVER" if option == "entry" else \
+        what = f"{e} as {contract.ROLE_VAR}=PSERVER" if option == "entry" else \
             "the built-in pserver (python -m paddle_cluster.ps)"
         return cfg, f"pservers run {what}: run --pserver {option}"
     if cfg.pserver_command is not None:
@@ -133,10 +132,22 @@ def _choose_pserver(cfg: ClusterConfig, src: Optional[str], option: Optional[str
                      "run --pserver builtin|entry overrides it")
     if src is not None and handles_pserver(src):
         return (dataclasses.replace(cfg, pserver_command=ENTRY_PSERVER),
-                f"pservers run {e} as {ROLE_VAR}=PSERVER (it handles that role; trainers run it as TRAINER); "
+                f"pservers run {e} as {contract.ROLE_VAR}=PSERVER (it handles that role; trainers run it as TRAINER); "
                 f"for the built-in pserver instead: {to_builtin}")
-    why = (f"{e} does not handle {ROLE_VAR}=PSERVER" if src is not None
+    why = (f"{e} does not handle {contract.ROLE_VAR}=PSERVER" if src is not None
            else f"{e} is only on the nodes (--job_workspace), so it was not read")
     return (dataclasses.replace(cfg, pserver_command=BUILTIN_PSERVER),
             f"pservers run the built-in pserver (python -m paddle_cluster.ps): {why}; to run {e} as the pserver "
             f"too: {to_entry}")
+
+
+def refused_arguments(cfg: ClusterConfig, args: Sequence[str]) -> str:
+    """What to say when a process running the entry script exited 2 (argparse's usage error) and the job gave it
+    arguments: they reach every process that runs it; a port option is better given to ``run --port``."""
+    if not args:
+        return ""
+    ports = [a for a in args if a.startswith("--") and a[2:].partition("=")[0] in _PORT_KEYS]
+    port = (f"; to move the job's ports, give run --port N (PADDLE_PORT) instead of {ports[0]}, which only a script "
+            "that accepts it may be given") if ports else ""
+    return (f"{cfg.entry} exited 2, a usage error: the arguments after -- ({' '.join(args)}) reach every process "
+            f"that runs {cfg.entry}, pservers too when they run it{port}")

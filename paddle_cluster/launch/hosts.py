@@ -1,4 +1,4 @@
-"""Nodes of the cluster (the fan-out over them is ``fanout``).
+"""Nodes of the cluster (``each_node`` runs a function on every one at once).
 
 A ``Node`` runs commands, copies files and opens a long-lived command stream on one host. ``localhost``
 is a ``LocalNode`` (subprocess, no SSH); every other host is an ``SSHNode`` (Fabric ``Connection``, in

@@ -9,8 +9,8 @@ from typing import Dict, List, Sequence
 from . import dispatch
 from .access import nodes_with_lib
 from .config import ClusterConfig
+from .each_node import each_node
 from .errors import ClusterError
-from .fanout import fanout
 from .hosts import Node
 
 # Keys of a metrics record that are bookkeeping, not curves.
@@ -34,9 +34,9 @@ def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     def read(n: Node) -> Dict[str, List[dict]]:
         return dispatch.agent_json(n, lib, "metrics", "--job-dir", job_dir, what="reading metrics")
     try:
-        per_node = fanout(nodes, read).ok(f"reading the metrics of {job_name}")
+        per_node = each_node(nodes, read).ok(f"reading the metrics of {job_name}")
     finally:
-        fanout(nodes, lambda n: n.close())
+        each_node(nodes, lambda n: n.close())
     merged: Dict[str, List[dict]] = {}
     for doc in per_node:
         for trainer, recs in doc.items():

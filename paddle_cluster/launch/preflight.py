@@ -46,7 +46,7 @@ def probe_problems(cfg: ClusterConfig, doc: Dict[str, Any]) -> List[str]:
                         f"install it there: {cfg.python} -m pip install numpy")
     if doc["ports_taken"]:
         problems.append(f"port(s) {', '.join(map(str, doc['ports_taken']))} on {doc['address']} are already in use "
-                        "(another job?); choose another PADDLE_PORT or stop that job")
+                        "(another job?); choose another PADDLE_PORT (or run --port N) or stop that job")
     if not doc["root"].get("writable"):
         problems.append(f"ROOT_DIR {cfg.root_dir} is not writable: {doc['root'].get('error')}")
     return problems

@@ -10,12 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional
 
-from paddle_cluster.contract import PSERVER, TRAINER
+from paddle_cluster.contract import PSERVER, ROLE_VAR, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from .backends.base import Backend, Event, JobRefused, NodeLost
 from .config import BUILTIN_PSERVER
+from .entry import refused_arguments
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
 from .plan import JobPlan
 
@@ -169,6 +170,9 @@ class Attempt:
         if p.tail:
             lines.append(f"last lines of its log ({self.backend.log_of(self.plan, p.node, p.plan)}):")
             lines.extend("  | " + t for t in p.tail)
+        refused = refused_arguments(self.plan.spec.cfg, self.plan.spec.trainer_args)
+        if p.plan.role == TRAINER and p.exit_code == 2 and refused:
+            lines.append(refused)
         return "\n".join(lines)
 
     def headline(self, p: ProcState) -> str:
@@ -226,10 +230,14 @@ class Attempt:
                     lines.append(self.failure_report(p, "") if p.finished else f"{p.plan.name} output:\n" +
                                  "\n".join("  | " + t for t in p.tail))
             cfg = self.plan.spec.cfg
-            if cfg.pserver_runs_entry and any(p.finished for p in self.role(PSERVER) if p.node in bad):
-                lines.append(f"pservers ran {cfg.entry} as PADDLE_TRAINING_ROLE=PSERVER and it exited before "
-                             f"listening; if {cfg.entry} is a trainer-only script, run the built-in pserver: "
-                             f'run --pserver builtin, or PSERVER_COMMAND = "{BUILTIN_PSERVER}" in conf.py')
+            ended = [p for p in self.role(PSERVER) if p.node in bad and p.finished]
+            refused = refused_arguments(cfg, self.plan.spec.trainer_args)
+            if cfg.pserver_runs_entry and refused and any(p.exit_code == 2 for p in ended):
+                lines.append(refused)
+            elif cfg.pserver_runs_entry and ended:
+                lines.append(f"pservers ran {cfg.entry} as {ROLE_VAR}=PSERVER and it exited before listening; if "
+                             f"{cfg.entry} is a trainer-only script, run the built-in pserver: run --pserver builtin, "
+                             f'or PSERVER_COMMAND = "{BUILTIN_PSERVER}" in conf.py')
             raise JobFailed("\n".join(lines))
 
     def run(self, failed_at: Optional[float]) -> None:

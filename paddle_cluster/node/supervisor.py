@@ -279,7 +279,7 @@ class Supervisor:
                        "start_time": procs.start_time(proc.pid), "log": log_path, "cmd": p.cmd, "exit_code": None,
                        "signal": None, "started_at": time.time(),
                        # where it is reached: a pserver's own address (each local one has its own loopback)
-                       "address": env.get("PADDLE_CURRENT_IP") or self.plan.address}
+                       "address": contract.current_ip_of(env) or self.plan.address}
                 self.records.add(rec)
             t = threading.Thread(target=self._pump, args=(p.name, proc, log_path, rec), daemon=True)
             t.start()

@@ -47,7 +47,7 @@ class PServer:
                  allow_nonfinite: bool = False) -> None:
         self.env = env
         self.pserver_id = pserver_id
-        check_secret(env.secret, "PADDLE_JOB_SECRET")  # refuses an empty or short one (ContractError)
+        check_secret(env.secret)  # refuses an empty or short one (ContractError)
         if not env.integrity:
             log.info("pserver %d: frame integrity is off (PADDLE_INTEGRITY=0): frames carry no MAC", pserver_id)
         budget = make_budget(env, pserver_id, memory)

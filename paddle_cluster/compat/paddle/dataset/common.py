@@ -27,14 +27,7 @@ __all__ = ["DATA_HOME", "DatasetError", "download", "md5file"]
 __getattr__ = module_getattr(__name__, "paddle.dataset.common")
 
 
-def _default_home() -> str:
-    home = dataset_home()
-    if "PADDLE_DATA_HOME" not in os.environ and not os.access(os.path.expanduser("~"), os.W_OK):
-        home = os.path.join(tempfile.gettempdir(), ".cache", "paddle", "dataset")
-    return home
-
-
-DATA_HOME = _default_home()
+DATA_HOME = dataset_home()
 DOWNLOAD_TIMEOUT = 60.0
 _warned: Set[str] = set()
 

@@ -32,8 +32,8 @@ from paddle_cluster.node import messages as m
 from ... import dispatch
 from ...access import CheckLine, EngineRow
 from ...config import ClusterConfig
+from ...each_node import each_node
 from ...errors import ClusterError, HostError
-from ...fanout import fanout
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec
 from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered
@@ -282,7 +282,7 @@ class MPIBackend(Backend):
             if not doc.get("ok"):
                 raise HostError(n.label, f"cannot write the plan: {doc.get('error')}")
 
-        fanout(self.nodes, put).ok("sending the plan")
+        each_node(self.nodes, put).ok("sending the plan")
         self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
         events.starting(self.cfg.start_timeout)
         argv = self.argv(plan_path, self.cfg.kill_grace, self.write_files())
@@ -351,7 +351,7 @@ class MPIBackend(Backend):
         reading it): it holds the job secret. A host that cannot be reached keeps it (0600, in a 0700 directory)."""
         path, lib, self.plan_path = self.plan_path, self.lib, ""
         if path and lib is not None:
-            fanout(self.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
+            each_node(self.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
                                                              what="removing the plan", timeout=60))
 
     def sweep(self, grace: float) -> List[int]:
@@ -364,7 +364,7 @@ class MPIBackend(Backend):
             dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(grace),
                                 what="sweeping the job's processes", timeout=grace + 60)
 
-        return sorted(fanout(self.nodes, kill).errors)
+        return sorted(each_node(self.nodes, kill).errors)
 
     def close(self) -> None:
         self.remove_plan()  # a start that failed before mpirun ran

@@ -22,8 +22,8 @@ from paddle_cluster.node.session import Request
 from ... import dispatch, machines, preflight, relay, resume
 from ...access import make_nodes
 from ...config import ClusterConfig
+from ...each_node import each_node
 from ...errors import HostConfigError, HostError
-from ...fanout import fanout
 from ...hosts import Node, Stream
 from ...plan import JobPlan, JobSpec, mint_plan
 from ...session import NodeSession
@@ -173,7 +173,7 @@ class SSHBackend(Backend):
             # Each node says what it holds of the workspace as soon as it is up, and the nodes that lack it get it
             # down a chain that starts with the first; nothing is written before every node's probe is in and
             # agrees (no machine twice) and every node has the workspace (``place``).
-            res = fanout(self.nodes, open_one)
+            res = each_node(self.nodes, open_one)
             if isinstance(pkg, dispatch.Packing) and pkg.failed() is not None:
                 raise pkg.failed()  # the workspace changed while it was sent: that, not the nodes' aborts
             docs = res.ok("preparing the nodes")
@@ -182,7 +182,7 @@ class SSHBackend(Backend):
                 self.resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
                                                              zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
             if pkg is not None:
-                fanout(self.nodes, place).ok("preparing the nodes")
+                each_node(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()
             self.workspace_seconds = done - max(probed) if req.wants_workspace else 0.0
             self.sending_seconds = done - chain.started if chain is not None and chain.started else 0.0
@@ -263,7 +263,7 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"its agent ended before the job started ({e}); run again") from None
             return s
 
-        res = fanout(self.nodes, start)
+        res = each_node(self.nodes, start)
         self.streams = dict(res.values)
         for i, s in self.streams.items():
             threading.Thread(target=_read, args=(i, s, events), daemon=True, name=f"agent{i}").start()
@@ -317,13 +317,13 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
             return doc["steps"]
 
-        return fanout([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
+        return each_node([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
 
     def close(self) -> None:
         for s in self.sessions.values():  # prepared, never started: their agents end with their stdin
             s.close()
         self.sessions = {}
-        fanout(self.nodes, lambda n: n.close())
+        each_node(self.nodes, lambda n: n.close())
 
 
 def _keep_alive(waiting: Dict[int, Stream], done: threading.Event) -> None:

@@ -11,8 +11,8 @@ from paddle_cluster.node.jobdir import KillOutcome
 from ... import dispatch
 from ...access import nodes_with_lib
 from ...config import ClusterConfig
+from ...each_node import each_node
 from ...errors import ClusterError, HostError, UsageError
-from ...fanout import fanout
 from ...hosts import Node
 from ...interrupt import stoppable
 from ..base import ProcRow
@@ -52,12 +52,12 @@ def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
     try:
         # What runs everywhere, before any node is told: once one node's agent stops, the running launcher stops
         # the job on the others, which their own kill then finds ended (and must still report).
-        snapshot = fanout(nodes, running)
+        snapshot = each_node(nodes, running)
         snapshot.ok(f"reading job {job_name}")
         before = snapshot.values
-        return fanout(nodes, kill).ok(f"kill {job_name}")
+        return each_node(nodes, kill).ok(f"kill {job_name}")
     finally:
-        fanout(nodes, lambda n: n.close())
+        each_node(nodes, lambda n: n.close())
 
 
 def kill_summary(cfg: ClusterConfig, job_name: str, nodes: List[NodeKill]) -> str:
@@ -85,9 +85,9 @@ def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) 
         return [ProcRow(n.name, n.spec.text, p.get("address") or addr, p["name"], p["role"], p["pid"], p["state"],
                         p.get("progress", ""), p["last_line"]) for p in doc["procs"]]
     try:
-        rows = [r for per in fanout(nodes, status).ok(f"status of {job_name}") for r in per]
+        rows = [r for per in each_node(nodes, status).ok(f"status of {job_name}") for r in per]
     finally:
-        fanout(nodes, lambda n: n.close())
+        each_node(nodes, lambda n: n.close())
     if ended and ended.get("exit_code") == 0:
         rows = [dataclasses.replace(r, state="finished") if r.state in ("exited 0", "stopped (launcher)")
                 else r for r in rows]

@@ -1,4 +1,4 @@
-"""The one fan-out primitive over nodes: run a function on every node at once and keep every result *and*
+"""The one primitive over nodes: run a function on every node at once and keep every result *and*
 every exception, in node order."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class FanoutResult(Generic[T]):
+class NodeResults(Generic[T]):
     """Every node's value or exception, in node order. Nothing is dropped."""
 
     values: Dict[int, T]
@@ -30,17 +30,17 @@ class FanoutResult(Generic[T]):
         return [self.values[i] for i in sorted(self.values)]
 
 
-def fanout(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32) -> FanoutResult[T]:
+def each_node(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int = 32) -> NodeResults[T]:
     """Run ``fn(node)`` on every node concurrently; collect each value or exception."""
     values: Dict[int, T] = {}
     errors: Dict[int, BaseException] = {}
     if not nodes:
-        return FanoutResult(values, errors, {})
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="fanout") as pool:
+        return NodeResults(values, errors, {})
+    with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="each_node") as pool:
         futures = {n.index: pool.submit(fn, n) for n in nodes}
         for i, fut in futures.items():
             try:
                 values[i] = fut.result()
             except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
                 errors[i] = e
-    return FanoutResult(values, errors, {n.index: n.label for n in nodes})
+    return NodeResults(values, errors, {n.index: n.label for n in nodes})
