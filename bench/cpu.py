@@ -199,14 +199,14 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     process's CPU."""
     import numpy as np
 
-    from paddle_cluster.ps import fold
+    from paddle_cluster.ps import dense
     from paddle_cluster.ps.dense import DenseBlock, DenseShared
     from paddle_cluster.ps.optim import OptimizerSpec
     from paddle_cluster.ps.stream import SEGMENT
     from paddle_cluster.ps.sync import Sync
 
     if no_sgd:  # bench-only: the same loop with the update removed, to see what the rest of it costs
-        fold._sgd = lambda *a, **k: None
+        dense._sgd = lambda *a, **k: None
     block = min(max_block, size)
     rows = block // 4 // 1024
     nblk = size // block
