@@ -121,8 +121,8 @@ class DenseBlock(Shard):
 
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
                  step: int, shared: DenseShared) -> None:
-        super().__init__(key, meta["name"], spec, declared, step)
-        self.sync, self.pool, self.applier, self.finite = shared.sync, shared.pool, shared.applier, shared.finite
+        super().__init__(key, meta["name"], spec, declared, step, shared.sync)
+        self.pool, self.applier, self.finite = shared.pool, shared.applier, shared.finite
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.shape = tuple(meta["shape"])
@@ -135,14 +135,13 @@ class DenseBlock(Shard):
         # in trainer order. One buffer per block, allocated on first use.
         self._acc: Optional[np.ndarray] = None
         self.acc_busy = False  # a push is being received straight into acc
-        self.applying = False
         self._start_segments(self.lock)
 
     def describe(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
 
     def wake(self) -> None:
-        super().wake()
+        self.cv.notify_all()
         for c in self.seg_cv:
             c.notify_all()
 
@@ -165,7 +164,7 @@ class DenseBlock(Shard):
             if n > 1:
                 g /= self.dtype.type(n)
             self.opt.apply(self.param, g)
-        self.check_update(self.param, by, self.step)
+        self.check_update(self.param, by, self.step.n)
 
     def check_update(self, values: np.ndarray, by: str, step: int) -> None:
         """(Holding ``cv``.) After an update of step ``step`` from ``by``'s gradients wrote ``values`` (the block or
@@ -176,7 +175,7 @@ class DenseBlock(Shard):
                 finite.updated(values, self.describe(), by, step)
             except NonFinite as e:
                 self.error = str(e)
-                self.wake()  # its waiting pulls fail with the same message (``Sync.wait_step``)
+                self.wake()  # its waiting pulls fail with the same message (``Step.wait``)
                 raise
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -214,10 +213,10 @@ class DenseBlock(Shard):
         (the same frame: only when its bytes are written changes)."""
         sync = self.sync
         with self.cv:
-            streams = self.folds() and self.initialized and not self.error and self.step < h.step
+            streams = self.folds() and self.initialized and not self.error and self.step.n < h.step
             if not streams:
-                sync.wait_step(self, h.step, "pull", gone=lambda: conn.gone)
-            step = h.step if streams else self.step
+                self.step.wait(h.step, "pull", gone=lambda: conn.gone)
+            step = h.step if streams else self.step.n
         # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
         # pushes again (after it has read this reply), and a stalled reader must never block the other
         # trainers. Async pulls may see a concurrent update.
@@ -226,85 +225,44 @@ class DenseBlock(Shard):
                          self.param, volatile=sync.mode != "sync",
                          ready=(lambda end: self.wait_segment(step, end, lambda: conn.gone)) if streams else None)
 
-    def push(self, conn: Conn, h: P.Header, allow_nonfinite: bool, staleness: Optional[int]) -> bool:
+    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None) -> bool:
         """Receive trainer ``conn.trainer``'s gradient for step ``h.step`` and fold it in; False when async mode
-        dropped it as staler than ``staleness`` (``h.aux``: the block version it was computed on).
+        dropped it as staler than ``staleness`` (``h.aux``: the block version it was computed on). A repeat of
+        a push already counted is read and dropped.
 
-        A gradient is received whole into this connection's buffer (or, for the first of several sync
-        trainers, straight into the block's sum), so a frame cut short changes nothing. The last contribution
-        of a step is folded and, for plain SGD, applied in one cache-sized pass."""
-        t, sync = conn.trainer, self.sync
-        in_sync = sync.mode == "sync"
+        Sync SGD folds the push segment by segment as it arrives (``push_segments``); another sync optimizer
+        receives it whole and adds it to the block's sum (``_push_sum``); async mode applies it as it lands.
+        Received whole, a frame cut short changes nothing."""
+        t, at = conn.trainer, self.step
         with self.cv:
-            sync.wait_step(self, h.step, "push")
-            if in_sync:
-                dup = h.step < self.step or t in self.pending or t in self.receiving or self.applying
-            else:
-                dup = t in self.receiving
-            segments = not dup and self.folds()
-            if segments:
-                self.receiving.add(t)
-        check = None if allow_nonfinite else (lambda g: finite.check(g, self.describe(), t, h.step))
-        if segments:
-            try:
-                self.push_segments(t, h.step, conn.stream.chunks, check)
-            except BaseException:
-                with self.cv:
-                    self.receiving.discard(t)
-                    self.wake()
-                raise
-            with self.cv:
-                self.receiving.discard(t)
-                if self.step == h.step:
-                    self.pending[t] = True
-                # No segment's waiter waits on these: its folds and pulls were woken as they landed.
-                self.cv.notify_all()
+            new = at.begin(t, h.step)
+        if not new:
+            conn.stream.discard()
             return True
-        with self.cv:
-            direct = (in_sync and not dup and not self.pending and not self.acc_busy and t in sync.active
-                      and sync.first_two(t))
-            if not dup:
-                self.receiving.add(t)
-                self.acc_busy = self.acc_busy or direct
-        if dup:
-            conn.stream.discard()  # an idempotent repeat of a push already counted
-            return True
+        check = (lambda g: finite.check(g, self.describe(), t, h.step)) if self.finite else None
         try:
-            dest = self.acc if direct else conn.buffer(self.shape, self.dtype)
-            conn.stream.recv_into(dest)
-            if check is not None:
-                check(dest)  # before it is added to anything: refused, it changes nothing
-        except BaseException:
+            if self.folds():
+                self.push_segments(t, h.step, conn.stream.chunks, check)
+                with self.cv:
+                    if at.n == h.step:
+                        at.pending[t] = True
+            elif self.sync.mode == "sync":
+                self._push_sum(conn, t, h.step, check)
+            else:
+                g = conn.buffer(self.shape, self.dtype)
+                conn.stream.recv_into(g)
+                if check is not None:
+                    check(g)  # before it is applied: refused, it changes nothing
+                with self.cv:
+                    if staleness is not None and at.n - h.aux > staleness:
+                        return False  # computed on values older than allowed
+                    with at.advancing(None):
+                        self.apply_mean(g, 1, f"trainer {t}")
+            return True
+        finally:
             with self.cv:
-                self.receiving.discard(t)
-                self.acc_busy = self.acc_busy and not direct
+                at.end(t)
                 self.wake()
-            raise
-        kept = True
-        with self.cv:
-            try:
-                if not in_sync:
-                    if staleness is not None and self.step - h.aux > staleness:
-                        kept = False  # computed on values older than allowed
-                    else:
-                        sync.advance(self, None, lambda: self.apply_mean(dest, 1, f"trainer {t}"))
-                elif self.step == h.step:
-                    if direct:
-                        self.acc_busy = False
-                        self.pending[t] = True
-                        self._complete()
-                    else:
-                        sync.wait(self.cv, lambda: self.step != h.step or self._may_add(t), h.step,
-                                  f"push {self.describe()}: summing in trainer order",
-                                  lambda: {u for u in sync.active if u < t} - set(self.pending))
-                        if self.step == h.step:
-                            self._add(t, dest)
-            finally:
-                self.receiving.discard(t)
-                if direct:
-                    self.acc_busy = False
-                self.wake()
-        return kept
 
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
@@ -334,7 +292,7 @@ class DenseBlock(Shard):
 
     def ready(self, i: int, step: int) -> bool:
         """(Holding ``cv``.) Does segment ``i`` hold its value of ``step``?"""
-        return self.step >= step or (self.step == step - 1 and i in self.applied)
+        return self.step.n >= step or (self.step.n == step - 1 and i in self.applied)
 
     def _who(self, i: int) -> AbstractSet[int]:
         """The trainers already in segment ``i``'s sum."""
@@ -348,7 +306,7 @@ class DenseBlock(Shard):
 
         A segment that nobody started yet is received straight into a free pool slot when there is one (no
         copy: it becomes the sum); otherwise into the stream's scratch, then copied or added. The caller has
-        checked ``step == self.step`` and marked ``t`` as receiving. A segment ``t`` is already in (a resent
+        marked ``t`` as receiving (``Step.begin``). A segment ``t`` is already in (a resent
         push) is skipped, so it never counts twice. ``check`` sees each segment before it is folded (while it
         is in cache) and may refuse it by raising: the segments before it stay folded, the step never
         completes."""
@@ -360,7 +318,7 @@ class DenseBlock(Shard):
 
         def into(off: int) -> Optional[np.ndarray]:
             # Unlocked: a stale answer costs a copy (a slot taken for nothing goes back), never a wrong sum.
-            first = off // SEGMENT not in self.segs and self.step == step and sync.first_two(t)
+            first = off // SEGMENT not in self.segs and self.step.n == step and sync.first_two(t)
             slot = pool.try_take() if first else None
             if slot is not None:
                 held.append(slot)
@@ -386,16 +344,16 @@ class DenseBlock(Shard):
         try:
             with self.cv:
                 def turn() -> bool:
-                    return self.step != step or sync.in_order(t, self._who(i))
+                    return self.step.n != step or sync.in_order(t, self._who(i))
                 if not turn():  # checked first: the wait's message is built only when it waits
                     sync.wait(self.seg_cv[i], turn, step, f"{what}: summing in trainer order",
                               lambda: {u for u in sync.active if u < t} - self._who(i))
                 s = self.segs.get(i)
-                if s is None and self.step == step and not sync.active <= {t}:
+                if s is None and self.step.n == step and not sync.active <= {t}:
                     slot = mine if mine is not None else self._take(step, what,
-                                                                    lambda: i in self.segs or self.step != step)
+                                                                    lambda: i in self.segs or self.step.n != step)
                     s = self.segs.get(i)  # another trainer may have started the segment meanwhile
-                    if s is None and self.step == step and slot is not None:
+                    if s is None and self.step.n == step and slot is not None:
                         s = self.segs[i] = Segment(slot, slot[:len(view)].view(self.dtype))
                         if slot is mine:
                             kept = True
@@ -406,7 +364,7 @@ class DenseBlock(Shard):
                         return
                     if slot is not None and slot is not mine:
                         pool.give(slot)
-                if self.step != step or (s is not None and t in s.who):
+                if self.step.n != step or (s is not None and t in s.who):
                     return
                 p = pflat[off // item:off // item + len(g)]
                 with sync.rw.shared():
@@ -447,8 +405,7 @@ class DenseBlock(Shard):
         if self.segs_done == self.n_segs:
             self.segs_done = 0
             self.applied.clear()
-            self.step += 1
-            self.pending.clear()
+            self.step.next()
             self.pool.poke()
             self.wake()
         else:
@@ -483,29 +440,62 @@ class DenseBlock(Shard):
                 lo = i * SEGMENT // self.dtype.itemsize
                 p = self.param.reshape(-1)[lo:lo + len(s.acc)]
                 with sync.rw.shared():
-                    sync.apply_hyper(self, self.step)
+                    sync.apply_hyper(self, self.step.n)
                     _sgd(self, p, s.acc, None, len(s.who))
-                self.check_update(p, finite.trainers(s.who), self.step)
+                self.check_update(p, finite.trainers(s.who), self.step.n)
                 self._free(i)
                 self._segment_done(i)
 
     # -- a whole block's sum (an optimizer other than SGD) ---------------------------------------------------
 
+    def _push_sum(self, conn: Conn, t: int, step: int, check: Optional[Callable[[np.ndarray], None]]) -> None:
+        """Receive trainer ``t``'s whole gradient and add it to the block's sum in trainer order. One of the
+        first two trainers finding the sum empty receives straight into it (no copy); the others into their
+        connection's buffer. ``check`` sees it before it is added to anything."""
+        at, sync = self.step, self.sync
+        with self.cv:
+            direct = not at.pending and not self.acc_busy and t in sync.active and sync.first_two(t)
+            self.acc_busy = self.acc_busy or direct
+        try:
+            g = self.acc if direct else conn.buffer(self.shape, self.dtype)
+            conn.stream.recv_into(g)
+            if check is not None:
+                check(g)
+            with self.cv:
+                if direct:
+                    self.acc_busy = False
+                    if at.n == step:
+                        at.pending[t] = True
+                        self._complete()
+                    return
+                def turn() -> bool:
+                    return at.n != step or self._may_add(t)
+                if not turn():  # checked first: the wait's message is built only when it waits
+                    sync.wait(self.cv, turn, step, f"push {self.describe()}: summing in trainer order",
+                              lambda: {u for u in sync.active if u < t} - set(at.pending))
+                if at.n == step:
+                    self._add(t, g)
+        except BaseException:
+            if direct:
+                with self.cv:
+                    self.acc_busy = False
+            raise
+
     def _may_add(self, t: int) -> bool:
         """(Holding ``cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
-        if self.acc_busy or self.applying:
+        if self.acc_busy or self.step.busy:
             return False
-        return self.sync.in_order(t, self.pending.keys())
+        return self.sync.in_order(t, self.step.pending.keys())
 
     def _add(self, t: int, g: np.ndarray) -> None:
-        """(Holding ``cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to step ``self.step``."""
-        sync = self.sync
-        first = not self.pending
-        self.pending[t] = True
-        last = sync.ready_to_apply(self)
+        """(Holding ``cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to the current step."""
+        at = self.step
+        first = not at.pending
+        at.pending[t] = True
+        last = at.full()
         if first and last:  # the only contributor: apply straight from the receive buffer
-            sync.advance(self, self.step, lambda: self.apply_mean(g, 1, f"trainer {t}"))
-            self.pending.clear()
+            with at.advancing(at.n):
+                self.apply_mean(g, 1, f"trainer {t}")
             return
         if not last or not self.plain_sgd:
             if first:
@@ -515,40 +505,36 @@ class DenseBlock(Shard):
             self._complete()
             return
         # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
-        n = len(self.pending)
-        by = finite.trainers(self.pending)
-
-        def update() -> None:
+        n = len(at.pending)
+        by = finite.trainers(at.pending)
+        with at.advancing(at.n):
             optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
-            self.check_update(self.param, by, self.step)
-
-        sync.advance(self, self.step, update)
-        self.pending.clear()
+            self.check_update(self.param, by, at.n)
 
     def _complete(self) -> None:
         """(Holding ``cv``.) Once every active trainer pushed, apply the averaged gradient.
 
         The apply runs on the apply threads, not on the connection thread, so the connection can already
         receive the next block while this one is being updated (the pull for the next step waits for it)."""
-        if self.applying or not self.sync.ready_to_apply(self):
+        if self.step.busy or not self.step.full():
             return
-        self.applying = True
+        self.step.busy = True
         self.applier.submit(self._apply)
 
     def _apply(self) -> None:
+        at = self.step
         with self.cv:
             try:
                 # acc holds the contributors' gradients, summed in trainer order by _add.
-                self.sync.advance(self, self.step, lambda: self.apply_mean(self.acc, len(self.pending),
-                                                                           finite.trainers(self.pending)))
+                with at.advancing(at.n):
+                    self.apply_mean(self.acc, len(at.pending), finite.trainers(at.pending))
             except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
                 log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it
                 log.exception("pserver %d: optimizer failed on %s", self.sync.pserver_id, self.describe())
-                self.error = f"optimizer failed on {self.describe()} at step {self.step}: {e!r}"
+                self.error = f"optimizer failed on {self.describe()} at step {at.n}: {e!r}"
             finally:
-                self.pending.clear()
-                self.applying = False
+                at.busy = False
                 self.wake()
 
 

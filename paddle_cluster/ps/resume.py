@@ -296,7 +296,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = No
     for ts in shard.tables:
         meta = {"name": ts.name, "width": ts.width, "dtype": ts.dtype, "init_scale": ts.init_scale, "seed": ts.seed}
         t = TableShard(ts.key, meta, OptimizerSpec.from_dict(ts.spec["current"]), ts.spec["declared"], ts.step,
-                       shard.pserver_id, shard.n_pservers, budget)
+                       dense.sync, shard.pserver_id, shard.n_pservers, budget, dense.finite)
         t.confirmed = False
         n = len(ts.ids)
         t.grow(n)

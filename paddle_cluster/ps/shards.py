@@ -1,40 +1,48 @@
-"""What a pserver holds: its shard of each sparse table (``TableShard``) and how a row gradient changes it, and
-what dense blocks (``dense.DenseBlock``) and table shards share (``Shard``).
+"""What a pserver holds: its shard of each sparse table (``TableShard``) and everything a request does to it --
+pushing row gradients, pulling rows, reading pages of them -- and what dense blocks (``dense.DenseBlock``) and
+table shards share (``Shard``).
 
-Each shard has its own condition variable (``cv``), which doubles as its sync-mode barrier (see ``sync``),
-its step counter and how far into the server's hyper-parameter history it is.
+Each shard has its own condition variable (``cv``), its step (``step.Step``: its number, who has contributed
+to it, the sync-mode barrier on it) and how far into the server's hyper-parameter history it is.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from . import finite, optim
+from . import protocol as P
 from .budget import SHARD_OVERHEAD, Budget
 from .errors import ConfigMismatch, LimitExceeded, ProtocolError
+from .net import Conn
 from .optim import OptimizerSpec
 from .placement import init_rows
+from .step import Step
+from .sync import Sync
 
 INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
+ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
 
 
 class Shard:
-    """What dense blocks and table shards share: a step counter, a barrier and a hyper-parameter cursor."""
+    """What dense blocks and table shards share: a step (``Step``, with its barrier) and a hyper-parameter
+    cursor. Each answers push and pull through its step: ``Step.begin`` takes a push or tells a repeat,
+    ``Step.wait`` holds a pull until its step is there."""
 
-    def __init__(self, key: int, name: str, spec: OptimizerSpec, declared: Dict[str, Any], step: int) -> None:
+    def __init__(self, key: int, name: str, spec: OptimizerSpec, declared: Dict[str, Any], step: int,
+                 sync: Sync) -> None:
         self.key = key
         self.name = name
         self.spec = spec
         self.declared = declared  # spec as first defined; later definitions must match it
-        self.step = step
+        self.sync = sync
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
-        self.pending: Dict[int, Any] = {}  # trainer -> its contribution to ``step``
-        self.receiving: Set[int] = set()
+        self.step = Step(self, sync, step)
         self.hyper_seen = 0  # the last hyper-parameter change (``HyperChange.seq``) applied to ``spec``
         # Defined by trainer 0 (the one authority on the model); False for a shard restored from a checkpoint
         # until trainer 0 defines it again. Other trainers' definitions wait for it and must agree.
@@ -76,10 +84,12 @@ class TableShard(Shard):
     every allocation is charged to ``budget`` first."""
 
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
-                 step: int, pserver_id: int, n_pservers: int, budget: Optional[Budget] = None) -> None:
-        super().__init__(key, meta["name"], spec, declared, step)
+                 step: int, sync: Sync, pserver_id: int, n_pservers: int, budget: Optional[Budget] = None,
+                 finite: bool = True) -> None:
+        super().__init__(key, meta["name"], spec, declared, step, sync)
         self.meta = meta
         self.budget = budget
+        self.finite = finite  # refuse NaN or Inf gradients and updates (not PADDLE_ALLOW_NONFINITE)
         self.vocab_size: Optional[int] = meta.get("vocab_size")
         self.max_rows: Optional[int] = meta.get("max_rows")
         self.row_limit = shard_rows(self.vocab_size, self.max_rows, pserver_id, n_pservers)
@@ -193,19 +203,163 @@ class TableShard(Shard):
         if len(ids):
             if pos is None:
                 pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
-            check = None if by is None else (lambda rows: finite.updated(rows, self.describe(), by, self.step))
+            check = None if by is None else (lambda rows: finite.updated(rows, self.describe(), by, self.step.n))
             self.opt.apply(self.table, self.state, pos, grads, check)
 
     def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted
         unique ids, row grads, their rows if known)."""
-        contributors = sorted(self.pending)
+        pending = self.step.pending
+        contributors = sorted(pending)
         if len(contributors) == 1:
-            return self.pending[contributors[0]]
-        all_ids = np.concatenate([self.pending[c][0] for c in contributors])
-        all_g = np.concatenate([self.pending[c][1] for c in contributors])
+            return pending[contributors[0]]
+        all_ids = np.concatenate([pending[c][0] for c in contributors])
+        all_g = np.concatenate([pending[c][1] for c in contributors])
         ids, inv = np.unique(all_ids, return_inverse=True)
         g = np.zeros((len(ids), self.width), dtype=self.dtype)
         np.add.at(g, inv, all_g)
         g /= self.dtype.type(len(contributors))
         return ids, g, None
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        if self.budget is not None:
+            self.budget.charge(nbytes, what)
+
+    def _release(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.release(nbytes)
+
+    def _rows_fit(self, n: int, trainer: int, what: str) -> None:
+        """Refuse, from the header alone, a request for more rows than this pserver may ever hold."""
+        if self.row_limit is not None and n > self.row_limit:
+            raise LimitExceeded(f"{self.describe()}: trainer {trainer} sent a {what} of {n} ids, more than the "
+                                f"{self.row_limit} rows pserver {self.pserver_id} may hold of it ({self.id_space()})")
+
+    def pull(self, conn: Conn, h: P.Header) -> None:
+        """Reply with the rows of the ``h.aux`` ids the request carries, as of step ``h.step`` (waited for in sync
+        mode); rows not there yet are made (the deterministic init)."""
+        n = h.aux
+        if h.dtype != P.dtype_code(np.int64):
+            raise ProtocolError(f"{self.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
+        P.expect_length(h, 8 * n, f"{self.describe()}: pull of {n} ids")
+        self._rows_fit(n, conn.trainer, "pull")
+        held = n * (8 + self.width * self.dtype.itemsize)  # the ids, and the rows of the reply
+        self._charge(held, f"{self.describe()}: a pull of {n} rows")
+        try:
+            ids = np.empty(n, dtype=np.int64)
+            conn.stream.recv_into(ids)
+            self.check_ids(ids)
+            self.admit(ids, conn.trainer)
+            with self.cv:
+                self.step.wait(h.step, "pull")
+                with self.sync.rw.shared():
+                    pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
+                    rows = self.table[pos]
+                step = self.step.n
+            header = P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), key=h.key, step=step, length=rows.nbytes,
+                                   aux=n)
+            conn.stream.send(header, rows)
+        finally:
+            self._release(held)
+
+    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None) -> bool:
+        """Receive trainer ``conn.trainer``'s gradients of ``h.aux`` rows for step ``h.step``: async mode applies
+        them now; sync mode holds them (charged to the budget) until every active trainer's are in, then applies
+        their mean. A repeat of a push already counted is read and dropped. True: a table drops no push as stale
+        (``staleness`` is the dense blocks' rule)."""
+        n, t, at = h.aux, conn.trainer, self.step
+        if h.dtype != P.dtype_code(self.dtype):
+            raise ProtocolError(f"{self.describe()} is {self.dtype}, frame says dtype code {h.dtype}")
+        P.expect_length(h, n * (8 + self.width * self.dtype.itemsize), f"{self.describe()}: push of {n} rows")
+        self._rows_fit(n, t, "push")
+        with self.cv:
+            new = at.begin(t, h.step)
+        if not new:
+            conn.stream.discard()
+            return True
+        held = h.length  # the ids and rows received: held until the step is applied (``_complete``)
+        try:
+            self._charge(held, f"{self.describe()}: a push of {n} rows")
+            try:
+                ids = np.empty(n, dtype=np.int64)
+                grads = np.empty((n, self.width), dtype=self.dtype)
+                conn.stream.recv_into(ids, grads)
+                self.check_ids(ids)
+                self.admit(ids, t)
+                if self.finite:
+                    finite.check(grads, self.describe(), t, h.step)
+                with self.cv, self.sync.rw.shared():
+                    # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
+                    # push, never the apply that another trainer's push completes.
+                    pos = self.lookup(ids)
+            except BaseException:
+                self._release(held)
+                raise
+        finally:
+            with self.cv:
+                at.end(t)
+        with self.cv:
+            if self.sync.mode == "async":
+                try:
+                    with at.advancing(None):
+                        self.apply_rows(ids, grads, pos, f"trainer {t}" if self.finite else None)
+                finally:
+                    self._release(held)
+            elif at.n == h.step:
+                at.pending[t] = (ids, grads, pos)
+                self._complete()
+            else:
+                self._release(held)
+            self.wake()
+        return True
+
+    def rows(self, conn: Conn, h: P.Header) -> None:
+        """A page of the rows that exist: those with ids from the payload's first id on, in id order, at most
+        ``h.aux`` of them and at most ``ROWS_PAGE_BYTES`` of reply (the reply's ``aux``: how many). Reads only
+        (no row is created), for step ``h.step``: the final model's table, page by page."""
+        if h.dtype != P.dtype_code(np.int64):
+            raise ProtocolError(f"{self.describe()}: a rows request carries one int64 id, frame says dtype code "
+                                f"{h.dtype}")
+        P.expect_length(h, 8, f"{self.describe()}: rows request")
+        first = np.empty(1, dtype=np.int64)
+        conn.stream.recv_into(first)
+        limit = max(1, min(int(h.aux), ROWS_PAGE_BYTES // (8 + self.width * self.dtype.itemsize)))
+        with self.cv:
+            self.step.wait(h.step, "rows")
+            with self.sync.rw.shared():
+                lo = int(np.searchsorted(self.keys[:self.n], first[0]))
+                n = max(0, min(limit, self.n - lo))
+                held = n * (8 + self.width * self.dtype.itemsize)  # the page's copy, held until sent
+                self._charge(held, f"{self.describe()}: a page of {n} rows")
+                ids = self.keys[lo:lo + n].copy()
+                rows = self.table[self.pos[lo:lo + n]]
+            step = self.step.n
+        try:
+            header = P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), key=h.key, step=step,
+                                   length=ids.nbytes + rows.nbytes, aux=n)
+            conn.stream.send(header, ids, rows)
+        finally:
+            self._release(held)
+
+    def trainer_closed(self) -> None:
+        """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now."""
+        if self.sync.mode == "sync":
+            self._complete()
+        self.wake()
+
+    def _complete(self) -> None:
+        """(Holding ``cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
+        at = self.step
+        if not at.full():
+            return
+        ids, g, pos = self.pending_mean()
+        by = finite.trainers(at.pending) if self.finite else None
+        held = sum(i.nbytes + r.nbytes for i, r, _ in at.pending.values())  # what the pushes held (``push``)
+        try:
+            with at.advancing(at.n):
+                self.apply_rows(ids, g, pos, by)
+        finally:
+            self._release(held)
+        self.wake()

@@ -48,11 +48,11 @@ class State:
         spec_at = self.sync.spec_at
         with self.sync.rw.exclusive():
             blocks = [ckpt.BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
-                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step, b.param.copy(),
+                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step.n, b.param.copy(),
                                       {k: v.copy() for k, v in b.opt.state.items()})
                       for b in self.blocks.values()]
             tables = [ckpt.TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
-                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step, t.keys.copy(),
+                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step.n, t.keys.copy(),
                                       t.table[t.pos], {k: v[t.pos] for k, v in t.state.items()})
                       for t in self.tables.values()]
         return ckpt.ShardState(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer, blocks, tables)
