@@ -199,11 +199,11 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     process's CPU."""
     import numpy as np
 
-    from paddle_cluster.ps import dense
-    from paddle_cluster.ps.dense import DenseBlock, DenseShared
     from paddle_cluster.ps.optim import OptimizerSpec
-    from paddle_cluster.ps.stream import SEGMENT
-    from paddle_cluster.ps.sync import Sync
+    from paddle_cluster.ps.server import dense
+    from paddle_cluster.ps.server.dense import DenseBlock, DenseShared
+    from paddle_cluster.ps.server.sync import Sync
+    from paddle_cluster.ps.wire.stream import SEGMENT
 
     if no_sgd:  # bench-only: the same loop with the update removed, to see what the rest of it costs
         dense._sgd = lambda *a, **k: None

@@ -11,9 +11,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from paddle_cluster.ps import dense, optim
+from paddle_cluster.ps import optim
 from paddle_cluster.ps.placement import place_dense
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.server import dense
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_json
 from .cpu import Cpu, combine

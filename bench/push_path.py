@@ -33,13 +33,11 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from helpers import free_port_range  # noqa: E402
 
 from paddle_cluster.contract import Endpoint, JobEnv  # noqa: E402
-from paddle_cluster.ps import (
-    OptimizerSpec,  # noqa: E402
-    handlers,  # noqa: E402
-)
-from paddle_cluster.ps import protocol as P  # noqa: E402
+from paddle_cluster.ps import OptimizerSpec  # noqa: E402
 from paddle_cluster.ps.client import PSClient  # noqa: E402
-from paddle_cluster.ps.server import PServer  # noqa: E402
+from paddle_cluster.ps.server import handlers  # noqa: E402
+from paddle_cluster.ps.server.pserver import PServer  # noqa: E402
+from paddle_cluster.ps.wire import protocol as P  # noqa: E402
 
 PKG = os.path.join(REPO, "paddle_cluster") + os.sep
 SECRET = "449f9768f45a2be336f877d3b677c2c83b567a85f79f63669a9075100682e3de"

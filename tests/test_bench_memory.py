@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from bench import dense, targets
-from paddle_cluster.ps.dense import POOL_BYTES
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.server.dense import POOL_BYTES
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 MB = 1 << 20
 

@@ -27,8 +27,8 @@ from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
 from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PSError, PServer, connect
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
 
 MiB = 1 << 20
 

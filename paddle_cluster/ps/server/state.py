@@ -8,11 +8,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from .budget import Budget
 from .dense import DenseBlock, DenseShared
-from .shards import Shard, TableShard
+from .shard import Shard
 from .sync import Sync
+from .table import TableShard
 
 
 @dataclass

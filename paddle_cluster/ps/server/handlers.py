@@ -13,11 +13,8 @@ import logging
 import os
 from typing import Callable, Dict, Optional
 
-from . import checkpoint as ckpt
-from . import protocol as P
-from .declare import declare, def_dense, def_sparse, json_body, set_hyper
-from .dense import DenseBlock
-from .errors import (
+from .. import checkpoint as ckpt
+from ..errors import (
     AuthError,
     BarrierTimeout,
     CheckpointError,
@@ -30,9 +27,12 @@ from .errors import (
     RemoteError,
     UnknownKey,
 )
+from ..wire import protocol as P
+from .declare import declare, def_dense, def_sparse, json_body, set_hyper
+from .dense import DenseBlock
 from .net import Conn
-from .shards import TableShard
 from .state import State
+from .table import TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
 STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes

@@ -1,19 +1,54 @@
-"""A shard's step (``Step``): its number, the trainers whose contribution to it is in (``pending``) and those
-whose push is being received (``receiving``), the sync-mode barrier on it, telling a repeated push from a new
-one, and moving the shard on to its next step. Dense blocks and table shards each own one and answer push and
-pull through it; what a contribution is and how the step's sum is applied is theirs.
+"""What every shard of a pserver is (``Shard``: a dense block, ``dense.DenseBlock``, or a table's shard,
+``table.TableShard``) and its step (``Step``): the step's number, the trainers whose contribution to it is in
+(``pending``) and those whose push is being received (``receiving``), the sync-mode barrier on it, telling a
+repeated push from a new one, and moving the shard on to its next step. Each shard answers push and pull
+through its step; what a contribution is and how the step's sum is applied is the shard's.
+
+Each shard has its own condition variable (``cv``), its step and how far into the server's hyper-parameter
+history it is.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Set
 
-from .errors import RemoteError
+from ..errors import RemoteError
+from ..optim import OptimizerSpec
 
 if TYPE_CHECKING:
-    from .shards import Shard
     from .sync import Sync
+
+
+class Shard:
+    """What dense blocks and table shards share: a step (``Step``, with its barrier) and a hyper-parameter
+    cursor. Each answers push and pull through its step: ``Step.begin`` takes a push or tells a repeat,
+    ``Step.wait`` holds a pull until its step is there."""
+
+    def __init__(self, key: int, name: str, spec: OptimizerSpec, declared: Dict[str, Any], step: int,
+                 sync: Sync) -> None:
+        self.key = key
+        self.name = name
+        self.spec = spec
+        self.declared = declared  # spec as first defined; later definitions must match it
+        self.sync = sync
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)
+        self.step = Step(self, sync, step)
+        self.hyper_seen = 0  # the last hyper-parameter change (``HyperChange.seq``) applied to ``spec``
+        # Defined by trainer 0 (the one authority on the model); False for a shard restored from a checkpoint
+        # until trainer 0 defines it again. Other trainers' definitions wait for it and must agree.
+        self.confirmed = True
+        self.initialized = True  # a dense block is not until trainer 0 sends its value
+        self.error: Optional[str] = None  # a failed optimizer apply: its pulls report it
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """(Holding ``cv``.) Something any waiter may be waiting for changed: wake every one."""
+        self.cv.notify_all()
 
 
 class Step:

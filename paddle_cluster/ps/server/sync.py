@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from .errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
+from ..errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
 
 if TYPE_CHECKING:
-    from .shards import Shard
+    from .shard import Shard
 
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard

@@ -1,69 +1,27 @@
-"""What a pserver holds: its shard of each sparse table (``TableShard``) and everything a request does to it --
-pushing row gradients, pulling rows, reading pages of them -- and what dense blocks (``dense.DenseBlock``) and
-table shards share (``Shard``).
-
-Each shard has its own condition variable (``cv``), its step (``step.Step``: its number, who has contributed
-to it, the sync-mode barrier on it) and how far into the server's hyper-parameter history it is.
-"""
+"""A pserver's shard of a sparse table (``TableShard``): its id space, rows made on first use, how a row gradient
+changes them, and everything a request does to it -- pushing row gradients, pulling rows, reading pages of
+them -- through its step (``shard.Step``)."""
 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import finite, optim
-from . import protocol as P
-from .budget import SHARD_OVERHEAD, Budget
-from .errors import ConfigMismatch, LimitExceeded, ProtocolError
+from .. import optim
+from ..errors import ConfigMismatch, LimitExceeded, ProtocolError
+from ..optim import OptimizerSpec
+from ..placement import init_rows
+from ..wire import protocol as P
+from . import finite
+from .budget import Budget
 from .net import Conn
-from .optim import OptimizerSpec
-from .placement import init_rows
-from .step import Step
+from .shard import Shard
 from .sync import Sync
 
 INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
 ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
-
-
-class Shard:
-    """What dense blocks and table shards share: a step (``Step``, with its barrier) and a hyper-parameter
-    cursor. Each answers push and pull through its step: ``Step.begin`` takes a push or tells a repeat,
-    ``Step.wait`` holds a pull until its step is there."""
-
-    def __init__(self, key: int, name: str, spec: OptimizerSpec, declared: Dict[str, Any], step: int,
-                 sync: Sync) -> None:
-        self.key = key
-        self.name = name
-        self.spec = spec
-        self.declared = declared  # spec as first defined; later definitions must match it
-        self.sync = sync
-        self.lock = threading.RLock()
-        self.cv = threading.Condition(self.lock)
-        self.step = Step(self, sync, step)
-        self.hyper_seen = 0  # the last hyper-parameter change (``HyperChange.seq``) applied to ``spec``
-        # Defined by trainer 0 (the one authority on the model); False for a shard restored from a checkpoint
-        # until trainer 0 defines it again. Other trainers' definitions wait for it and must agree.
-        self.confirmed = True
-        self.initialized = True  # a dense block is not until trainer 0 sends its value
-        self.error: Optional[str] = None  # a failed optimizer apply: its pulls report it
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-    def wake(self) -> None:
-        """(Holding ``cv``.) Something any waiter may be waiting for changed: wake every one."""
-        self.cv.notify_all()
-
-
-def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int:
-    """What a block of ``meta`` holds, in Python integers (never wraps): its value, its optimizer's state and
-    scratch, and with several trainers the sum of their gradients."""
-    n = math.prod(int(s) for s in meta["shape"]) * np.dtype(meta["dtype"]).itemsize
-    copies = 2 + len(optim.slots(spec)[0]) + int(optim.coupled_decay(spec)) + int(trainers > 1)
-    return n * copies + SHARD_OVERHEAD
 
 
 def shard_rows(vocab_size: Optional[int], max_rows: Optional[int], pserver_id: int, n_pservers: int

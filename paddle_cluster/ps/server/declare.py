@@ -16,14 +16,14 @@ from typing import Any, Callable, Dict, Iterator, TypeVar, Union
 
 import numpy as np
 
-from . import protocol as P
+from ..errors import ConfigMismatch, LimitExceeded, NonFinite, ProtocolError
+from ..optim import STRUCTURAL, OptimizerSpec
+from ..wire import protocol as P
 from .budget import SHARD_OVERHEAD
-from .dense import DenseBlock
-from .errors import ConfigMismatch, LimitExceeded, NonFinite, ProtocolError
+from .dense import DenseBlock, dense_bytes
 from .net import Conn
-from .optim import STRUCTURAL, OptimizerSpec
-from .shards import TableShard, dense_bytes
 from .state import State
+from .table import TableShard
 
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 

@@ -19,6 +19,7 @@ nothing in sync mode, where every trainer waits for the slowest at the next pull
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +28,15 @@ from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, 
 
 import numpy as np
 
-from . import finite, optim
-from . import protocol as P
-from .errors import ConnectionLost, NonFinite, PSError, RemoteError
+from .. import optim
+from ..errors import ConnectionLost, NonFinite, PSError, RemoteError
+from ..optim import OptimizerSpec
+from ..wire import protocol as P
+from ..wire.stream import SEGMENT
+from . import finite
+from .budget import SHARD_OVERHEAD
 from .net import Conn
-from .optim import OptimizerSpec
-from .shards import Shard
-from .stream import SEGMENT
+from .shard import Shard
 from .sync import Sync
 
 log = logging.getLogger("paddle_cluster.ps")
@@ -114,6 +117,14 @@ class DenseShared:
         return cls(sync, AccPool(POOL_BYTES),
                    ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                       thread_name_prefix=f"pserver{sync.pserver_id}-apply"), finite)
+
+
+def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int:
+    """What a block of ``meta`` holds, in Python integers (never wraps): its value, its optimizer's state and
+    scratch, and with several trainers the sum of their gradients."""
+    n = math.prod(int(s) for s in meta["shape"]) * np.dtype(meta["dtype"]).itemsize
+    copies = 2 + len(optim.slots(spec)[0]) + int(optim.coupled_decay(spec)) + int(trainers > 1)
+    return n * copies + SHARD_OVERHEAD
 
 
 class DenseBlock(Shard):

@@ -16,8 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .budget import Budget, human
-from .checkpoint import (
+from ..checkpoint import (
     FORMAT,
     SHARD,
     BlockState,
@@ -31,10 +30,11 @@ from .checkpoint import (
     step_dir,
     unreadable,
 )
-from .dense import DenseBlock, DenseShared
-from .errors import CheckpointError, CheckpointUnreadable
-from .optim import OptimizerSpec
-from .shards import TableShard, dense_bytes
+from ..errors import CheckpointError, CheckpointUnreadable
+from ..optim import OptimizerSpec
+from .budget import Budget, human
+from .dense import DenseBlock, DenseShared, dense_bytes
+from .table import TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
 
