@@ -38,7 +38,7 @@ log = logging.getLogger("paddle_cluster.ps")
 STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
 
 
-# -- data: what a request does to a block or a table is the shard's (``dense.DenseBlock``, ``shards.TableShard``) --
+# -- data: what a request does to a block or a table is the shard's (``dense.DenseBlock``, ``table.TableShard``) ---
 
 
 def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:

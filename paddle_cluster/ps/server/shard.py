@@ -52,7 +52,8 @@ class Shard:
 
 
 class Step:
-    """(Every method but ``missing`` is called holding the shard's ``cv``.)"""
+    """A shard's step: who is in it, its barrier, and moving on. (Every method but ``missing`` is called holding
+    the shard's ``cv``.)"""
 
     def __init__(self, shard: Shard, sync: Sync, n: int) -> None:
         self.shard = shard

@@ -1,8 +1,8 @@
 """Who trains and in what order on one pserver (``Sync``): the active and closed trainers, the order a step's
 sum follows, bounded waits, and the hyper-parameter history.
 
-Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (its ``step.Step``;
-the shard decides what a contribution is: ``dense.DenseBlock``, ``shards.TableShard``), and wakes the pulls
+Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (its ``shard.Step``;
+the shard decides what a contribution is: ``dense.DenseBlock``, ``table.TableShard``), and wakes the pulls
 for ``t + 1``. Waits are bounded by ``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers
 that never arrived (and when the pserver last heard from each). A closed trainer stops counting, so a barrier
 waiting only for it completes.
