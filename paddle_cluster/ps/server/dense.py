@@ -273,7 +273,9 @@ class DenseBlock(Shard):
         finally:
             with self.cv:
                 at.end(t)
-                self.wake()
+                # Those waiting on the block (its step, its sum's order) look again; a segment's waiters were woken
+                # as their segment landed and wait for nothing this changes.
+                self.cv.notify_all()
 
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
