@@ -1,6 +1,6 @@
 """``python -m bench.macs``: the frame-MAC candidates on this machine (one core, 4 MiB buffers, best of N).
 
-What the frame MAC (ps/auth.py) was chosen from; the optional packages are measured when installed.
+What the frame MAC (ps/wire/auth.py) was chosen from; the optional packages are measured when installed.
 """
 
 from __future__ import annotations
