@@ -273,7 +273,7 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int, lim
     return shard
 
 
-def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = None, trainers: int = 1
+def restore(shard: ShardState, dense: DenseShared, budget: Budget, trainers: int = 1
             ) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
     """The live shards a loaded checkpoint describes (its dense blocks sharing ``dense``), charged to ``budget``;
     trainer 0 confirms each when it defines it again (``Shard.confirmed``)."""
@@ -282,8 +282,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = No
     for bs in shard.blocks:
         meta = {"name": bs.name, "lo": bs.lo, "hi": bs.hi, "shape": list(bs.param.shape), "dtype": bs.dtype}
         spec = OptimizerSpec.from_dict(bs.spec["current"])
-        if budget is not None:
-            budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
+        budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
         b = DenseBlock(bs.key, meta, spec, bs.spec["declared"], bs.step, dense)
         b.confirmed = False
         b.param[...] = bs.param

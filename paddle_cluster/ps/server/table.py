@@ -42,7 +42,7 @@ class TableShard(Shard):
     every allocation is charged to ``budget`` first."""
 
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
-                 step: int, sync: Sync, pserver_id: int, n_pservers: int, budget: Optional[Budget] = None,
+                 step: int, sync: Sync, pserver_id: int, n_pservers: int, budget: Budget,
                  finite: bool = True) -> None:
         super().__init__(key, meta["name"], spec, declared, step, sync)
         self.meta = meta
@@ -106,13 +106,12 @@ class TableShard(Shard):
         new_cap = max(self.n + need, 2 * cap, 1024)
         if self.row_limit is not None:
             new_cap = min(new_cap, self.row_limit)
-        if self.budget is not None:
-            # The new arrays whole: the old ones are held too until copied, and given back after.
-            try:
-                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
-            except LimitExceeded:
-                new_cap = self.n + need  # no room to spare: exactly what is needed, else refused
-                self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+        # The new arrays whole: the old ones are held too until copied, and given back after.
+        try:
+            self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+        except LimitExceeded:
+            new_cap = self.n + need  # no room to spare: exactly what is needed, else refused
+            self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
         table = np.empty((new_cap, self.width), dtype=self.dtype)
         table[: self.n] = self.table[: self.n]
         self.table = table
@@ -120,8 +119,7 @@ class TableShard(Shard):
         for k, a in self.state.items():
             state[k][: self.n] = a[: self.n]
         self.state = state
-        if self.budget is not None:
-            self.budget.release(cap * self.row_bytes)
+        self.budget.release(cap * self.row_bytes)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Row positions of sorted unique ``ids``, creating missing rows with the deterministic init."""
@@ -181,14 +179,6 @@ class TableShard(Shard):
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def _charge(self, nbytes: int, what: str) -> None:
-        if self.budget is not None:
-            self.budget.charge(nbytes, what)
-
-    def _release(self, nbytes: int) -> None:
-        if self.budget is not None:
-            self.budget.release(nbytes)
-
     def _rows_fit(self, n: int, trainer: int, what: str) -> None:
         """Refuse, from the header alone, a request for more rows than this pserver may ever hold."""
         if self.row_limit is not None and n > self.row_limit:
@@ -204,7 +194,7 @@ class TableShard(Shard):
         P.expect_length(h, 8 * n, f"{self.describe()}: pull of {n} ids")
         self._rows_fit(n, conn.trainer, "pull")
         held = n * (8 + self.width * self.dtype.itemsize)  # the ids, and the rows of the reply
-        self._charge(held, f"{self.describe()}: a pull of {n} rows")
+        self.budget.charge(held, f"{self.describe()}: a pull of {n} rows")
         try:
             ids = np.empty(n, dtype=np.int64)
             conn.stream.recv_into(ids)
@@ -220,7 +210,7 @@ class TableShard(Shard):
                                    aux=n)
             conn.stream.send(header, rows)
         finally:
-            self._release(held)
+            self.budget.release(held)
 
     def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None) -> bool:
         """Receive trainer ``conn.trainer``'s gradients of ``h.aux`` rows for step ``h.step``: async mode applies
@@ -239,7 +229,7 @@ class TableShard(Shard):
             return True
         held = h.length  # the ids and rows received: held until the step is applied (``_complete``)
         try:
-            self._charge(held, f"{self.describe()}: a push of {n} rows")
+            self.budget.charge(held, f"{self.describe()}: a push of {n} rows")
             try:
                 ids = np.empty(n, dtype=np.int64)
                 grads = np.empty((n, self.width), dtype=self.dtype)
@@ -253,7 +243,7 @@ class TableShard(Shard):
                     # push, never the apply that another trainer's push completes.
                     pos = self.lookup(ids)
             except BaseException:
-                self._release(held)
+                self.budget.release(held)
                 raise
         finally:
             with self.cv:
@@ -264,12 +254,12 @@ class TableShard(Shard):
                     with at.advancing(None):
                         self.apply_rows(ids, grads, pos, f"trainer {t}" if self.finite else None)
                 finally:
-                    self._release(held)
+                    self.budget.release(held)
             elif at.n == h.step:
                 at.pending[t] = (ids, grads, pos)
                 self._complete()
             else:
-                self._release(held)
+                self.budget.release(held)
             self.wake()
         return True
 
@@ -290,7 +280,7 @@ class TableShard(Shard):
                 lo = int(np.searchsorted(self.keys[:self.n], first[0]))
                 n = max(0, min(limit, self.n - lo))
                 held = n * (8 + self.width * self.dtype.itemsize)  # the page's copy, held until sent
-                self._charge(held, f"{self.describe()}: a page of {n} rows")
+                self.budget.charge(held, f"{self.describe()}: a page of {n} rows")
                 ids = self.keys[lo:lo + n].copy()
                 rows = self.table[self.pos[lo:lo + n]]
             step = self.step.n
@@ -299,7 +289,7 @@ class TableShard(Shard):
                                    length=ids.nbytes + rows.nbytes, aux=n)
             conn.stream.send(header, ids, rows)
         finally:
-            self._release(held)
+            self.budget.release(held)
 
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now."""
@@ -319,5 +309,5 @@ class TableShard(Shard):
             with at.advancing(at.n):
                 self.apply_rows(ids, g, pos, by)
         finally:
-            self._release(held)
+            self.budget.release(held)
         self.wake()
