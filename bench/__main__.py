@@ -87,7 +87,7 @@ class Suite:
     def dense(self) -> None:
         """Integrity on (the default) and off (``INTEGRITY = False``) in the same run: the peer and raw-TCP
         ratios use the integrity-off figures (the same work: no frame MACs), the integrity targets both."""
-        from paddle_cluster.ps.auth import SUITES
+        from paddle_cluster.ps.wire.auth import SUITES
 
         from . import dense
 

@@ -199,14 +199,14 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     process's CPU."""
     import numpy as np
 
-    from paddle_cluster.ps import fold
-    from paddle_cluster.ps.dense import DenseBlock, DenseShared
     from paddle_cluster.ps.optim import OptimizerSpec
-    from paddle_cluster.ps.stream import SEGMENT
-    from paddle_cluster.ps.sync import Sync
+    from paddle_cluster.ps.server import dense
+    from paddle_cluster.ps.server.dense import DenseBlock, DenseShared
+    from paddle_cluster.ps.server.sync import Sync
+    from paddle_cluster.ps.wire.stream import SEGMENT
 
     if no_sgd:  # bench-only: the same loop with the update removed, to see what the rest of it costs
-        fold._sgd = lambda *a, **k: None
+        dense._sgd = lambda *a, **k: None
     block = min(max_block, size)
     rows = block // 4 // 1024
     nblk = size // block
@@ -243,7 +243,7 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
         for step in range(first, last):
             for b in blocks:
                 with b.cv:
-                    sync.wait_step(b, step, "push")
+                    b.step.wait(step, "push")
                 b.push_segments(t, step, chunks_of(grads[t]))
 
     def run(first: int, last: int) -> None:
@@ -257,7 +257,7 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
     c0, t0, m0 = time.process_time(), time.perf_counter(), machine_cpu()
     run(warmup, warmup + steps)
     cpu, wall, machine = time.process_time() - c0, time.perf_counter() - t0, machine_cpu() - m0
-    done = all(b.step == warmup + steps for b in blocks)
+    done = all(b.step.n == warmup + steps for b in blocks)
     ok = done
     if trainers == 1 and not no_sgd:  # the values too: every element took every update
         want = -np.float32(warmup + steps)

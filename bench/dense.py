@@ -11,9 +11,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from paddle_cluster.ps import fold, optim
+from paddle_cluster.ps import optim
 from paddle_cluster.ps.placement import place_dense
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.server import dense
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 from .common import MB, Procs, Stats, make_env, proc_mem, read_json_line, wait_json
 from .cpu import Cpu, combine
@@ -23,7 +24,7 @@ from .worker import model_shape
 @dataclass(frozen=True)
 class Holds:
     """What the design says one pserver of a dense run holds beyond an idle pserver, in bytes: its blocks of
-    the model, their optimizer state, the sync pool's accumulator slots (``fold.AccPool``, with several sync
+    the model, their optimizer state, the sync pool's accumulator slots (``dense.AccPool``, with several sync
     trainers) and one receive scratch segment (``Stream.chunks``) per trainer connection carrying its blocks."""
 
     params: int
@@ -79,7 +80,7 @@ def holds(size: int, trainers: int, mode: str = "sync", max_block: int = 4 * MB,
     compute and the runtime's own constants (so a change to the pool or the segment size moves it too)."""
     placed = place_dense({"w": (model_shape(size), np.float32)}, n_pservers, ports_num, max_block_bytes=max_block)
     state_copies = len(optim.slots(optim.OptimizerSpec(optimizer))[0])  # SGD none; its scratch buffer is never touched
-    slots = fold.AccPool(fold.POOL_BYTES).left  # how many segments the pool may allocate
+    slots = dense.AccPool(dense.POOL_BYTES).left  # how many segments the pool may allocate
     out = []
     for k in range(n_pservers):
         mine = [b for b in placed.blocks if b.pserver == k]

@@ -27,8 +27,8 @@ from typing import List, Tuple
 import numpy as np
 
 from paddle_cluster.ps.optim import sgd
-from paddle_cluster.ps.protocol import HEADER_SIZE
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.wire.protocol import HEADER_SIZE
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 from .common import Stats
 from .cpu import Cpu, Meter

@@ -1,6 +1,6 @@
 """``python -m bench.macs``: the frame-MAC candidates on this machine (one core, 4 MiB buffers, best of N).
 
-What the frame MAC (ps/auth.py) was chosen from; the optional packages are measured when installed.
+What the frame MAC (ps/wire/auth.py) was chosen from; the optional packages are measured when installed.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
-from paddle_cluster.ps.auth import SUITES
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.wire.auth import SUITES
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 SIZE = 4 << 20
 
@@ -78,8 +78,8 @@ def two_threads(fn: Callable[[], object], reps: int) -> float:
 
 
 def poly1305_impls(buf: bytes, key: bytes) -> Dict[str, Optional[Callable[[], object]]]:
-    """Each Poly1305 ``ps.poly1305`` may use, on SEGMENT-sized pieces as a Stream feeds it."""
-    from paddle_cluster.ps import poly1305
+    """Each Poly1305 ``ps.wire.poly1305`` may use, on SEGMENT-sized pieces as a Stream feeds it."""
+    from paddle_cluster.ps.wire import poly1305
 
     out: Dict[str, Optional[Callable[[], object]]] = {}
     mv = memoryview(buf)

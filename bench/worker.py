@@ -40,7 +40,7 @@ def dense(a: dict) -> dict:
     mode, size, warmup, reps = a["mode"], int(a["size"]), int(a["warmup"]), int(a["reps"])
     phases = a.get("phases", ["pushpull"])
     if a.get("stdlib_mac"):  # as a node without the cryptography package: HMAC-SHA256 only
-        from paddle_cluster.ps import auth
+        from paddle_cluster.ps.wire import auth
 
         auth.OFFER = auth.HmacSha256.CODE
     shape = model_shape(size)

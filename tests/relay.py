@@ -27,9 +27,9 @@ import threading
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from paddle_cluster.ps import protocol as P  # noqa: E402
-from paddle_cluster.ps.auth import MAC_SIZE, NONCE_SIZE, TAG_SIZE  # noqa: E402
-from paddle_cluster.ps.stream import SEGMENT  # noqa: E402
+from paddle_cluster.ps.wire import protocol as P  # noqa: E402
+from paddle_cluster.ps.wire.auth import MAC_SIZE, NONCE_SIZE, TAG_SIZE  # noqa: E402
+from paddle_cluster.ps.wire.stream import SEGMENT  # noqa: E402
 
 HS_C2S = [P.HEADER_SIZE + MAC_SIZE + NONCE_SIZE]  # AUTH_RESPONSE
 HS_S2C = [P.HEADER_SIZE + NONCE_SIZE, P.HEADER_SIZE + MAC_SIZE]  # AUTH_CHALLENGE, AUTH_OK

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from bench import dense, targets
-from paddle_cluster.ps import fold
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.server.dense import POOL_BYTES
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 MB = 1 << 20
 
@@ -20,7 +20,7 @@ def _targets(mems):
 
 
 def test_holds_follow_the_placement_and_the_runtime_constants():
-    pool = max(1, fold.POOL_BYTES // SEGMENT) * SEGMENT
+    pool = max(1, POOL_BYTES // SEGMENT) * SEGMENT
     for size in (16 * MB, 64 * MB):  # 4 MB blocks, half of them on each pserver
         one, two = dense.holds(size, 1), dense.holds(size, 2)
         assert [h.params for h in one] == [size // 2] * 2 and [h.held for h in two] == [size // 2] * 2

@@ -12,7 +12,7 @@ import rt_helpers as H
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.ps import CheckpointError, OptimizerSpec, connect
 from paddle_cluster.ps import checkpoint as ckpt
-from paddle_cluster.ps.resume import load_shard
+from paddle_cluster.ps.server.resume import load_shard
 
 ADAM = OptimizerSpec("adam", lr=0.05)
 

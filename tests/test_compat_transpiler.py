@@ -14,7 +14,7 @@ import paddle_cluster.compat.paddle.fluid as fluid
 from paddle_cluster.compat.paddle.fluid.transpiler import parse_endpoints
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv, derive_trainer_key
 from paddle_cluster.ps import load_dense
-from paddle_cluster.ps.server import PServer
+from paddle_cluster.ps.server.pserver import PServer
 
 SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from paddle_cluster.contract import Endpoint, JobEnv, derive_trainer_key
-from paddle_cluster.ps import auth as A
 from paddle_cluster.ps import errors as E
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.placement import init_rows, place_dense, shard_of, split_rows
-from paddle_cluster.ps.stream import SEGMENT, Stream
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
+from paddle_cluster.ps.wire.stream import SEGMENT, Stream
 
 SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
 
@@ -277,7 +277,7 @@ def test_sparse_rows_are_deterministic_whatever_the_order_or_shard():
 def test_poly1305_implementations_agree_with_each_other_and_rfc8439():
     """Whichever Poly1305 is used (the system's libcrypto through ctypes, or ``cryptography``), the tags are
     the same: fed whole or in pieces, from read-only or writable buffers."""
-    from paddle_cluster.ps import poly1305
+    from paddle_cluster.ps.wire import poly1305
 
     impls = []
     for make in (poly1305._libcrypto, poly1305._cryptography):

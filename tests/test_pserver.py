@@ -229,8 +229,8 @@ def test_placement_spreads_blocks_over_pservers_and_ports(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_repeated_push_of_same_step_is_idempotent(tmp_path):
-    from paddle_cluster.ps import protocol as P
     from paddle_cluster.ps.channel import expect_ok, pipeline
+    from paddle_cluster.ps.wire import protocol as P
 
     env = H.make_env(1, 1, tmp_path)
     with H.procs(tmp_path) as pr:

@@ -15,7 +15,7 @@ import rt_helpers as H
 from paddle_cluster.contract import Endpoint, JobEnv
 from paddle_cluster.ps import OptimizerSpec
 from paddle_cluster.ps.client import PSClient
-from paddle_cluster.ps.server import PServer
+from paddle_cluster.ps.server.pserver import PServer
 
 
 def _train(env: JobEnv, spec: OptimizerSpec, w0: np.ndarray, grads: np.ndarray, max_block: int, delay: float,
@@ -97,10 +97,10 @@ def test_segment_folding_under_a_tiny_pool_is_exact_and_never_deadlocks(tmp_path
     order, every trainer waits its turn and the result is bit-identical to summing in trainer order. Every
     wait is woken by the change it waits for: with the waits' periodic look made longer than the barrier
     timeout, a missed wake-up would end in a BarrierTimeout."""
-    from paddle_cluster.ps import fold, sync
-    from paddle_cluster.ps.stream import SEGMENT
+    from paddle_cluster.ps.server import dense, sync
+    from paddle_cluster.ps.wire.stream import SEGMENT
 
-    monkeypatch.setattr(fold, "POOL_BYTES", 2 * SEGMENT)
+    monkeypatch.setattr(dense, "POOL_BYTES", 2 * SEGMENT)
     monkeypatch.setattr(sync, "POLL", 3600.0)
     env = JobEnv(job_id="fold", pservers=(Endpoint("127.0.0.1", H.free_port_range(2)),), trainers=trainers,
                  ports_num=2, ports_num_for_sparse=0, secret=H.SECRET, job_dir=str(tmp_path), barrier_timeout=30)

@@ -18,9 +18,9 @@ from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import BarrierTimeout, ConnectionLost, OptimizerSpec, connect
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.channel import INLINE_REPLY_BYTES
-from paddle_cluster.ps.stream import SEGMENT
+from paddle_cluster.ps.wire import protocol as P
+from paddle_cluster.ps.wire.stream import SEGMENT
 
 BIG = 40 << 20  # per block: more than a pserver's send buffer and a trainer's receive buffer hold together
 

@@ -29,9 +29,9 @@ from paddle_cluster import contract
 from paddle_cluster.launch.backends import backend_of
 from paddle_cluster.launch.config import KEYS, ClusterConfig, load_config
 from paddle_cluster.launch.errors import ConfigError
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
 
 SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
 

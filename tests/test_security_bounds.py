@@ -27,8 +27,8 @@ from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
 from paddle_cluster.ps import ConfigMismatch, LimitExceeded, NonFinite, OptimizerSpec, PSError, PServer, connect
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
 
 MiB = 1 << 20
 
@@ -187,7 +187,7 @@ def test_nan_and_inf_gradients_are_refused_naming_parameter_and_trainer(tmp_path
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]
 
-        # Sync SGD folds a push segment by segment (fold.py): a NaN in a later segment is refused too.
+        # Sync SGD folds a push segment by segment (dense.py): a NaN in a later segment is refused too.
         server = pr.pserver(env, 0)
         ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
         try:
@@ -270,7 +270,7 @@ def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(t
             ps.close()
         assert H.wait_all(pr, [server], 10) == [0]
 
-        # Sync SGD folds and applies a push segment by segment (fold.py): each segment is checked once applied.
+        # Sync SGD folds and applies a push segment by segment (dense.py): each segment is checked once applied.
         server = pr.pserver(env, 0)
         ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1), env=trainer_env(env, 0))
         try:

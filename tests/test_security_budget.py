@@ -12,10 +12,10 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import rt_helpers as H
 
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import BarrierTimeout, LimitExceeded, PSError, from_wire
-from paddle_cluster.ps.stream import Stream
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
+from paddle_cluster.ps.wire.stream import Stream
 
 MiB = 1 << 20
 BUDGET = 64 * MiB

@@ -16,8 +16,8 @@ from rt_helpers import trainer_env
 
 from paddle_cluster.contract import TRAINER, ContractError
 from paddle_cluster.ps import ConfigMismatch, OptimizerSpec, PServer, connect
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import Forbidden
+from paddle_cluster.ps.wire import protocol as P
 
 
 @pytest.mark.timeout(90)

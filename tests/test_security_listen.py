@@ -15,8 +15,8 @@ from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import OptimizerSpec, connect
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
 
 
 def _addr(env):

@@ -25,10 +25,10 @@ from rt_helpers import trainer_env
 
 from paddle_cluster.contract import Endpoint
 from paddle_cluster.ps import AuthError, OptimizerSpec, connect
-from paddle_cluster.ps import auth as A
-from paddle_cluster.ps import protocol as P
 from paddle_cluster.ps.errors import IntegrityError, PSError
-from paddle_cluster.ps.stream import Stream
+from paddle_cluster.ps.wire import auth as A
+from paddle_cluster.ps.wire import protocol as P
+from paddle_cluster.ps.wire.stream import Stream
 
 MAX_FRAME = 64 * 1024
 W = np.linspace(-1, 1, 1000, dtype=np.float32)

@@ -21,7 +21,7 @@ from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKil
 from .plan import JobPlan
 
 TAIL_LINES = 20
-# A pserver's own INFO/DEBUG log line (ps/server.py's format): kept in its log file, shown only with --verbose.
+# A pserver's own INFO/DEBUG log line (ps/server/pserver.py's format): kept in its log file, shown only with --verbose.
 RUNTIME_CHATTER = re.compile(r"^\S+ \S+ pserver\[\d+\] (DEBUG|INFO) ")
 
 

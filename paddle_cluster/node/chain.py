@@ -41,8 +41,8 @@ class LinkError(Exception):
 
 
 def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes before ``deadline`` (time.monotonic), else LinkError. (Not ps.auth's: importing paddle_cluster.ps
-    imports numpy, ~0.2 s of CPU a node's session does not need.)"""
+    """``n`` bytes before ``deadline`` (time.monotonic), else LinkError. (Not ps.wire.auth's: importing
+    paddle_cluster.ps imports numpy, ~0.2 s of CPU a node's session does not need.)"""
     buf = bytearray()
     while len(buf) < n:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .optim import OptimizerSpec
 from .placement import init_rows
-from .server import PServer, serve
+from .server.pserver import PServer, serve
 
 __all__ = [
     "AuthError", "BarrierTimeout", "CheckpointError", "CheckpointInfo", "ConfigMismatch", "ConnectionLost",

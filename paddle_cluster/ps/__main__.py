@@ -32,7 +32,7 @@ import sys
 from typing import List, Optional
 
 from ..contract import ContractError, JobEnv, ProcessEnv
-from .server import serve
+from .server.pserver import serve
 
 
 def main(argv: Optional[List[str]] = None) -> int:

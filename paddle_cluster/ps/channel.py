@@ -15,10 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..contract import JobEnv
-from . import auth
-from . import protocol as P
 from .errors import AuthError, ConnectionLost, PSError, from_wire
-from .stream import Stream
+from .wire import auth
+from .wire import protocol as P
+from .wire.stream import Stream
 
 
 class Channel:

@@ -23,12 +23,12 @@ import numpy as np
 from ..contract import PSERVER, Endpoint, JobEnv
 from . import atomic
 from . import checkpoint as ckpt
-from . import protocol as P
 from .channel import Channel, gather, reply_timeout
 from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
 from .placement import DEFAULT_MAX_BLOCK_BYTES
+from .wire import protocol as P
 
 log = logging.getLogger("paddle_cluster.ps")
 OptimizerLike = Union[OptimizerSpec, Mapping[str, Any], str, None]
@@ -394,7 +394,7 @@ def connect(mode: str = "sync", optimizer: OptimizerLike = None, *, env: Optiona
                              "`python -m paddle_cluster.ps` (or paddle_cluster.ps.server.serve(env)) instead")
     local = None
     if env is None:
-        from .server import PServer
+        from .server.pserver import PServer
 
         local_env = JobEnv(job_id="local", pservers=(Endpoint("127.0.0.1", 0),), trainers=1, ports_num=1,
                            ports_num_for_sparse=0, secret=secrets.token_hex(16), job_dir=os.getcwd())

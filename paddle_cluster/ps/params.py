@@ -11,10 +11,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import numpy as np
 
-from . import protocol as P
 from .channel import Channel, Frame, exchange, expect_ok, fan_out, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
+from .wire import protocol as P
 
 
 class DenseParams:

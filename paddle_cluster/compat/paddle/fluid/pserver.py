@@ -8,7 +8,7 @@ trainers. Its startup program has nothing to initialise.
 from __future__ import annotations
 
 from ....contract import PSERVER, JobEnv, ProcessEnv
-from ....ps.server import serve
+from ....ps.server.pserver import serve
 
 
 class PServerProgram:

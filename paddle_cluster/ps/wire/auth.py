@@ -24,7 +24,7 @@ inside the pserver's proof and the session keys, so a relay cannot change either
 - ``HmacSha256`` (always there: nodes need only Python and numpy): HMAC-SHA256 truncated to 16 bytes, built
   from two SHA-256 states hashed once per key and ``copy()``-ed per frame -- with the CPU's SHA extensions
   the fastest sound MAC of the standard library, and fed chunk by chunk as bytes arrive;
-- ``Poly1305Mac`` (when both ends have OpenSSL 3 or ``cryptography``, ``ps.poly1305``): Poly1305, ~3.5x faster, for
+- ``Poly1305Mac`` (when both ends have OpenSSL 3 or ``cryptography``, ``ps.wire.poly1305``): Poly1305, ~3.5x faster, for
   frames of 64 KiB and more (HMAC-SHA256 costs less per small frame). It is a one-time MAC, so every tag
   has its own key, keyed BLAKE2b(frame number | piece number): the header's tag and each segment's tag
   authenticate exactly that piece at exactly that place of that frame.
@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..errors import AuthError, ConnectionLost, ProtocolError
 from . import protocol as P
-from .errors import AuthError, ConnectionLost, ProtocolError
 from .poly1305 import Poly1305 as _Poly1305
 
 NONCE_SIZE = 32

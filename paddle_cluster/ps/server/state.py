@@ -8,11 +8,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 from .budget import Budget
 from .dense import DenseBlock, DenseShared
-from .shards import Shard, TableShard
+from .shard import Shard
 from .sync import Sync
+from .table import TableShard
 
 
 @dataclass
@@ -48,11 +49,11 @@ class State:
         spec_at = self.sync.spec_at
         with self.sync.rw.exclusive():
             blocks = [ckpt.BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
-                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step, b.param.copy(),
+                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step.n, b.param.copy(),
                                       {k: v.copy() for k, v in b.opt.state.items()})
                       for b in self.blocks.values()]
             tables = [ckpt.TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
-                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step, t.keys.copy(),
+                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step.n, t.keys.copy(),
                                       t.table[t.pos], {k: v[t.pos] for k, v in t.state.items()})
                       for t in self.tables.values()]
         return ckpt.ShardState(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer, blocks, tables)

@@ -11,13 +11,13 @@ import sys
 import threading
 from typing import Optional, Tuple
 
-from ..contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
-from . import checkpoint as ckpt
+from ...contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
+from .. import checkpoint as ckpt
+from ..errors import CheckpointError, LimitExceeded
+from ..wire import protocol as P
 from . import handlers
-from . import protocol as P
 from .budget import Budget, default_limit, human
 from .dense import DenseShared
-from .errors import CheckpointError, LimitExceeded
 from .net import Conn, Listener
 from .resume import resolve_resume, restore
 from .state import State

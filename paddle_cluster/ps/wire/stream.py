@@ -23,9 +23,9 @@ import struct
 import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from ..errors import ConnectionLost, IntegrityError, ProtocolError
 from . import protocol as P
 from .auth import TAG_SIZE, Keys
-from .errors import ConnectionLost, IntegrityError, ProtocolError
 
 SEGMENT = 1 << 20  # per tag and per fold: fewer calls per byte than 256 KiB, still cached (docs/benchmarks.md)
 DISCARD = 16 << 10  # what a payload read only to be dropped is read into, at a time

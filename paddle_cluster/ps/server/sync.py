@@ -1,9 +1,11 @@
-"""Barriers, trainer order and step bookkeeping of one pserver (``Sync``), and its hyper-parameter history.
+"""Who trains and in what order on one pserver (``Sync``): the active and closed trainers, the order a step's
+sum follows, bounded waits, and the hyper-parameter history.
 
-Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (the shard decides
-what that means: ``dense.DenseBlock``, ``sparse``), and wakes the pulls for ``t + 1``. Waits are bounded by
-``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers that never arrived (and when the
-pserver last heard from each). A closed trainer stops counting, so a barrier waiting only for it completes.
+Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (its ``shard.Step``;
+the shard decides what a contribution is: ``dense.DenseBlock``, ``table.TableShard``), and wakes the pulls
+for ``t + 1``. Waits are bounded by ``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers
+that never arrived (and when the pserver last heard from each). A closed trainer stops counting, so a barrier
+waiting only for it completes.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from .errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
-from .shards import Shard
+from ..errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
+
+if TYPE_CHECKING:
+    from .shard import Shard
 
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
@@ -142,7 +146,7 @@ class RWLock:
 
 class Sync:
     """Who is active, who closed and when each trainer was last heard from; the order a step's sum follows;
-    the hyper-parameter history; waiting for a step, and moving a shard to its next one."""
+    the hyper-parameter history; bounded waits (a shard's step waits through ``wait``)."""
 
     def __init__(self, pserver_id: int, trainers: int, barrier_timeout: float, done: threading.Event) -> None:
         self.pserver_id = pserver_id
@@ -233,24 +237,6 @@ class Sync:
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
             cv.wait(min(left, POLL))
 
-    def wait_step(self, shard: Shard, step: int, what: str, gone: Optional[Callable[[], bool]] = None) -> None:
-        """(Holding ``shard.cv``.) Wait until ``shard`` may serve ``step``: initialised, and in sync mode at it
-        (``gone``: see ``wait``)."""
-        if shard.error:
-            raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
-        if not shard.initialized:
-            self.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
-                      lambda: {0} - self.closed)
-        if self.mode == "sync":
-            self.wait(shard.cv, lambda: shard.step >= step or shard.error is not None, step,
-                      f"{what} {shard.describe()}", lambda: set(self.active) - set(shard.pending) - shard.receiving,
-                      gone)
-            if shard.step < step and shard.error:  # the update of the step waited for was refused
-                raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
-
-    def ready_to_apply(self, shard: Shard) -> bool:
-        return bool(shard.pending) and self.active.issubset(shard.pending.keys())
-
     # -- hyper-parameters ----------------------------------------------------------------------------------
 
     def apply_hyper(self, shard: Shard, step: Optional[int]) -> None:
@@ -275,13 +261,3 @@ class Sync:
             if c.names is None or shard.name in c.names:
                 spec.update(c.values)
         return spec
-
-    # -- completing a step ---------------------------------------------------------------------------------
-
-    def advance(self, shard: Shard, at: Optional[int], update: Callable[[], None]) -> None:
-        """(Holding ``shard.cv``.) Run one update with the hyper-parameters effective at step ``at`` (None:
-        every change so far), outside any snapshot, and move the shard to its next step."""
-        with self.rw.shared():
-            self.apply_hyper(shard, at)
-            update()
-            shard.step += 1

@@ -21,12 +21,12 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ..contract import DEFAULT_MAX_CONNECTIONS, JobEnv
-from . import auth
-from . import protocol as P
+from ...contract import DEFAULT_MAX_CONNECTIONS, JobEnv
+from ..errors import AuthError, ConnectionLost, LimitExceeded, ProtocolError, PSError
+from ..wire import auth
+from ..wire import protocol as P
+from ..wire.stream import Scratch, Stalled, Stream
 from .budget import CONN_OVERHEAD, Budget
-from .errors import AuthError, ConnectionLost, LimitExceeded, ProtocolError, PSError
-from .stream import Scratch, Stalled, Stream
 
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse

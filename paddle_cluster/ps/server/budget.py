@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from .errors import LimitExceeded
+from ..errors import LimitExceeded
 
 DEFAULT_FRACTION = 0.5
 SHARD_OVERHEAD = 8192  # what a block or table costs besides its arrays and name (locks, conditions, bookkeeping:

@@ -16,8 +16,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .budget import Budget, human
-from .checkpoint import (
+from ..checkpoint import (
     FORMAT,
     SHARD,
     BlockState,
@@ -31,10 +30,11 @@ from .checkpoint import (
     step_dir,
     unreadable,
 )
-from .dense import DenseBlock, DenseShared
-from .errors import CheckpointError, CheckpointUnreadable
-from .optim import OptimizerSpec
-from .shards import TableShard, dense_bytes
+from ..errors import CheckpointError, CheckpointUnreadable
+from ..optim import OptimizerSpec
+from .budget import Budget, human
+from .dense import DenseBlock, DenseShared, dense_bytes
+from .table import TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
 
@@ -273,7 +273,7 @@ def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int, lim
     return shard
 
 
-def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = None, trainers: int = 1
+def restore(shard: ShardState, dense: DenseShared, budget: Budget, trainers: int = 1
             ) -> Tuple[Dict[int, DenseBlock], Dict[int, TableShard]]:
     """The live shards a loaded checkpoint describes (its dense blocks sharing ``dense``), charged to ``budget``;
     trainer 0 confirms each when it defines it again (``Shard.confirmed``)."""
@@ -282,8 +282,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = No
     for bs in shard.blocks:
         meta = {"name": bs.name, "lo": bs.lo, "hi": bs.hi, "shape": list(bs.param.shape), "dtype": bs.dtype}
         spec = OptimizerSpec.from_dict(bs.spec["current"])
-        if budget is not None:
-            budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
+        budget.charge(dense_bytes(meta, spec, trainers), f"block {bs.name}[{bs.lo}:{bs.hi}] of the checkpoint")
         b = DenseBlock(bs.key, meta, spec, bs.spec["declared"], bs.step, dense)
         b.confirmed = False
         b.param[...] = bs.param
@@ -296,7 +295,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Optional[Budget] = No
     for ts in shard.tables:
         meta = {"name": ts.name, "width": ts.width, "dtype": ts.dtype, "init_scale": ts.init_scale, "seed": ts.seed}
         t = TableShard(ts.key, meta, OptimizerSpec.from_dict(ts.spec["current"]), ts.spec["declared"], ts.step,
-                       shard.pserver_id, shard.n_pservers, budget)
+                       dense.sync, shard.pserver_id, shard.n_pservers, budget, dense.finite)
         t.confirmed = False
         n = len(ts.ids)
         t.grow(n)

@@ -6,7 +6,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .errors import NonFinite
+from ..errors import NonFinite
 
 _BLAS = (np.dtype(np.float32), np.dtype(np.float64))
 

@@ -16,14 +16,14 @@ from typing import Any, Callable, Dict, Iterator, TypeVar, Union
 
 import numpy as np
 
-from . import protocol as P
+from ..errors import ConfigMismatch, LimitExceeded, NonFinite, ProtocolError
+from ..optim import STRUCTURAL, OptimizerSpec
+from ..wire import protocol as P
 from .budget import SHARD_OVERHEAD
-from .dense import DenseBlock
-from .errors import ConfigMismatch, LimitExceeded, NonFinite, ProtocolError
+from .dense import DenseBlock, dense_bytes
 from .net import Conn
-from .optim import STRUCTURAL, OptimizerSpec
-from .shards import TableShard, dense_bytes
 from .state import State
+from .table import TableShard
 
 S = TypeVar("S", bound=Union[DenseBlock, TableShard])
 
@@ -198,7 +198,7 @@ def _def_dense(st: State, conn: Conn, h: P.Header, body: Dict[str, Any]) -> None
             raise
 
     b = _define(st, conn, h, st.blocks, "dense block", meta, spec, make)
-    conn.reply_ok({"step": b.step, "initialized": b.initialized}, key=h.key)
+    conn.reply_ok({"step": b.step.n, "initialized": b.initialized}, key=h.key)
 
 
 def def_sparse(st: State, conn: Conn, h: P.Header) -> None:
@@ -229,11 +229,11 @@ def _def_sparse(st: State, conn: Conn, h: P.Header, body: Dict[str, Any]) -> Non
 
     def make() -> TableShard:
         st.budget.charge(SHARD_OVERHEAD + h.length, f"table {meta['name']!r}")  # its bookkeeping and definition
-        return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, st.base_step, st.pserver_id,
-                          st.n_pservers, st.budget)
+        return TableShard(h.key, meta, OptimizerSpec.from_dict(spec), spec, st.base_step, st.sync, st.pserver_id,
+                          st.n_pservers, st.budget, not st.allow_nonfinite)
 
     t = _define(st, conn, h, st.tables, "sparse table", meta, spec, make)
-    conn.reply_ok({"step": t.step, "rows": t.n}, key=h.key)
+    conn.reply_ok({"step": t.step.n, "rows": t.n}, key=h.key)
 
 
 def _count(v: Any) -> Any:

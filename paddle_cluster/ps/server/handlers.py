@@ -13,14 +13,8 @@ import logging
 import os
 from typing import Callable, Dict, Optional
 
-import numpy as np
-
-from . import checkpoint as ckpt
-from . import finite
-from . import protocol as P
-from .declare import declare, def_dense, def_sparse, json_body, set_hyper
-from .dense import DenseBlock
-from .errors import (
+from .. import checkpoint as ckpt
+from ..errors import (
     AuthError,
     BarrierTimeout,
     CheckpointError,
@@ -33,16 +27,18 @@ from .errors import (
     RemoteError,
     UnknownKey,
 )
+from ..wire import protocol as P
+from .declare import declare, def_dense, def_sparse, json_body, set_hyper
+from .dense import DenseBlock
 from .net import Conn
-from .shards import TableShard
 from .state import State
+from .table import TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
-ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
 STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
 
 
-# -- dense blocks (what a request does to one is the block's: ``dense.DenseBlock``) ------------------------------
+# -- data: what a request does to a block or a table is the shard's (``dense.DenseBlock``, ``table.TableShard``) ---
 
 
 def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
@@ -56,26 +52,6 @@ def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
     return b
 
 
-def init_dense(st: State, conn: Conn, h: P.Header) -> None:
-    b = _block(st, h, payload=True)
-    b.init(conn, st.allow_nonfinite)
-    conn.reply_ok(key=h.key, step=b.step)
-
-
-def pull_dense(st: State, conn: Conn, h: P.Header) -> None:
-    _block(st, h, payload=False).pull(conn, h)
-
-
-def push_dense(st: State, conn: Conn, h: P.Header) -> None:
-    b = _block(st, h, payload=True)
-    if not b.push(conn, h, st.allow_nonfinite, st.staleness):
-        st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
-    conn.reply_ok(key=h.key, step=b.step)
-
-
-# -- sparse tables ---------------------------------------------------------------------------------------------
-
-
 def _table(st: State, h: P.Header) -> TableShard:
     t = st.tables.get(h.key)
     if t is None:
@@ -83,135 +59,27 @@ def _table(st: State, h: P.Header) -> TableShard:
     return t
 
 
-def _rows_fit(t: TableShard, n: int, trainer: int, what: str) -> None:
-    """Refuse, from the header alone, a request for more rows than this pserver may ever hold of ``t``."""
-    if t.row_limit is not None and n > t.row_limit:
-        raise LimitExceeded(f"{t.describe()}: trainer {trainer} sent a {what} of {n} ids, more than the "
-                            f"{t.row_limit} rows pserver {t.pserver_id} may hold of it ({t.id_space()})")
+def init_dense(st: State, conn: Conn, h: P.Header) -> None:
+    b = _block(st, h, payload=True)
+    b.init(conn, st.allow_nonfinite)
+    conn.reply_ok(key=h.key, step=b.step.n)
 
 
-def _complete_table(st: State, t: TableShard) -> None:
-    """(Holding ``t.cv``.) Once every active trainer pushed, apply the mean of their row gradients."""
-    sync = st.sync
-    if not sync.ready_to_apply(t):
-        return
-    ids, g, pos = t.pending_mean()
-    by = None if st.allow_nonfinite else finite.trainers(t.pending)
-    try:
-        sync.advance(t, t.step, lambda: t.apply_rows(ids, g, pos, by))
-    finally:
-        if t.budget is not None:  # what the pushes held (``push_sparse`` charged it)
-            t.budget.release(sum(i.nbytes + r.nbytes for i, r, _ in t.pending.values()))
-        t.pending.clear()
-    t.wake()
+def push(st: State, conn: Conn, h: P.Header) -> None:
+    """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
+    s = _block(st, h, payload=True) if h.op == P.Op.PUSH_DENSE else _table(st, h)
+    if not s.push(conn, h, st.staleness):
+        st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
+    conn.reply_ok(key=h.key, step=s.step.n)
 
 
-def pull_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    t = _table(st, h)
-    n = h.aux
-    if h.dtype != P.dtype_code(np.int64):
-        raise ProtocolError(f"{t.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
-    P.expect_length(h, 8 * n, f"{t.describe()}: pull of {n} ids")
-    _rows_fit(t, n, conn.trainer, "pull")
-    held = n * (8 + t.width * t.dtype.itemsize)  # the ids, and the rows of the reply
-    st.budget.charge(held, f"{t.describe()}: a pull of {n} rows")
-    try:
-        ids = np.empty(n, dtype=np.int64)
-        conn.stream.recv_into(ids)
-        t.check_ids(ids)
-        t.admit(ids, conn.trainer)
-        with t.cv:
-            st.sync.wait_step(t, h.step, "pull")
-            with st.sync.rw.shared():
-                pos = t.lookup(ids)  # may grow (reallocate) the table: look up before reading t.table
-                rows = t.table[pos]
-            step = t.step
-        header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step, length=rows.nbytes, aux=n)
-        conn.stream.send(header, rows)
-    finally:
-        st.budget.release(held)
-
-
-def push_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    t = _table(st, h)
-    n, tr, sync = h.aux, conn.trainer, st.sync
-    if h.dtype != P.dtype_code(t.dtype):
-        raise ProtocolError(f"{t.describe()} is {t.dtype}, frame says dtype code {h.dtype}")
-    P.expect_length(h, n * (8 + t.width * t.dtype.itemsize), f"{t.describe()}: push of {n} rows")
-    _rows_fit(t, n, tr, "push")
-    with t.cv:
-        sync.wait_step(t, h.step, "push")
-        dup = sync.mode == "sync" and (h.step < t.step or tr in t.pending or tr in t.receiving)
-        if not dup:
-            t.receiving.add(tr)
-    if dup:
-        conn.stream.discard()
-        conn.reply_ok(key=h.key, step=t.step)
-        return
-    held = h.length  # the ids and rows received: held until the step is applied (``_complete_table``)
-    try:
-        st.budget.charge(held, f"{t.describe()}: a push of {n} rows")
-        try:
-            ids = np.empty(n, dtype=np.int64)
-            grads = np.empty((n, t.width), dtype=t.dtype)
-            conn.stream.recv_into(ids, grads)
-            t.check_ids(ids)
-            t.admit(ids, tr)
-            if not st.allow_nonfinite:
-                finite.check(grads, t.describe(), tr, h.step)
-            with t.cv, sync.rw.shared():
-                # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
-                # push, never the apply that another trainer's push completes.
-                pos = t.lookup(ids)
-        except BaseException:
-            st.budget.release(held)
-            raise
-    finally:
-        with t.cv:
-            t.receiving.discard(tr)
-    with t.cv:
-        if sync.mode == "async":
-            try:
-                sync.advance(t, None, lambda: t.apply_rows(ids, grads, pos, None if st.allow_nonfinite
-                                                           else f"trainer {tr}"))
-            finally:
-                st.budget.release(held)
-        elif t.step == h.step:
-            t.pending[tr] = (ids, grads, pos)
-            _complete_table(st, t)
-        else:
-            st.budget.release(held)
-        t.wake()
-    conn.reply_ok(key=h.key, step=t.step)
+def pull(st: State, conn: Conn, h: P.Header) -> None:
+    """PULL_DENSE and PULL_SPARSE: the shard replies once its step is there."""
+    (_block(st, h, payload=False) if h.op == P.Op.PULL_DENSE else _table(st, h)).pull(conn, h)
 
 
 def rows_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    """A page of the rows that exist: those with ids from the payload's first id on, in id order, at most
-    ``h.aux`` of them and at most ``ROWS_PAGE_BYTES`` of reply (the reply's ``aux``: how many). Reads only
-    (no row is created), for step ``h.step``: the final model's table, page by page."""
-    t = _table(st, h)
-    if h.dtype != P.dtype_code(np.int64):
-        raise ProtocolError(f"{t.describe()}: a rows request carries one int64 id, frame says dtype code {h.dtype}")
-    P.expect_length(h, 8, f"{t.describe()}: rows request")
-    first = np.empty(1, dtype=np.int64)
-    conn.stream.recv_into(first)
-    limit = max(1, min(int(h.aux), ROWS_PAGE_BYTES // (8 + t.width * t.dtype.itemsize)))
-    with t.cv:
-        st.sync.wait_step(t, h.step, "rows")
-        with st.sync.rw.shared():
-            lo = int(np.searchsorted(t.keys[:t.n], first[0]))
-            n = max(0, min(limit, t.n - lo))
-            held = n * (8 + t.width * t.dtype.itemsize)  # the page's copy, held until sent
-            st.budget.charge(held, f"{t.describe()}: a page of {n} rows")
-            ids = t.keys[lo:lo + n].copy()
-            rows = t.table[t.pos[lo:lo + n]]
-        step = t.step
-    try:
-        header = P.pack_header(P.Op.DATA, P.dtype_code(t.dtype), key=h.key, step=step,
-                               length=ids.nbytes + rows.nbytes, aux=n)
-        conn.stream.send(header, ids, rows)
-    finally:
-        st.budget.release(held)
+    _table(st, h).rows(conn, h)
 
 
 # -- control ---------------------------------------------------------------------------------------------------
@@ -225,10 +93,7 @@ def close(st: State, conn: Conn, h: P.Header) -> None:
     for shard in st.shards():  # a step that was waiting only for this trainer completes now
         with shard.cv:
             try:
-                if isinstance(shard, DenseBlock):
-                    shard.trainer_closed()
-                elif st.sync.mode == "sync":
-                    _complete_table(st, shard)
+                shard.trainer_closed()
             except NonFinite as e:  # that update was refused (the shard says why to whoever asks next)
                 log.warning("pserver %d: %s", st.pserver_id, e)
             shard.wake()
@@ -267,9 +132,9 @@ def status(st: State, conn: Conn, h: P.Header) -> None:
             for field, shards in (("blocks", st.blocks), ("tables", st.tables)):
                 put(b',"%s":{' % field.encode())
                 for i, (k, s) in enumerate(shards.items()):
-                    entry = {"name": s.name, "step": s.step, "lr": s.spec.lr}
+                    entry = {"name": s.name, "step": s.step.n, "lr": s.spec.lr}
                     if field == "tables":
-                        entry = {"name": s.name, "step": s.step, "rows": s.n, "lr": s.spec.lr}
+                        entry = {"name": s.name, "step": s.step.n, "rows": s.n, "lr": s.spec.lr}
                     put(b"%s\"%d\":%s" % (b"," if i else b"", k, P.encode_json(entry)))
                 put(b"}")
             put(b"}")
@@ -291,7 +156,7 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
     if st.sync.mode == "sync":
         for shard in st.shards():
             with shard.cv:
-                st.sync.wait_step(shard, step, "checkpoint")
+                shard.step.wait(step, "checkpoint")
     broken = [s.error for s in st.shards() if s.error]
     if broken:  # its values are not to be trusted (async mode saves without waiting for a step)
         raise CheckpointError(f"cannot write checkpoint {path}: {broken[0]}")
@@ -308,10 +173,10 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.DEF_DENSE: def_dense,
     P.Op.INIT_DENSE: init_dense,
     P.Op.DEF_SPARSE: def_sparse,
-    P.Op.PUSH_DENSE: push_dense,
-    P.Op.PULL_DENSE: pull_dense,
-    P.Op.PUSH_SPARSE: push_sparse,
-    P.Op.PULL_SPARSE: pull_sparse,
+    P.Op.PUSH_DENSE: push,
+    P.Op.PULL_DENSE: pull,
+    P.Op.PUSH_SPARSE: push,
+    P.Op.PULL_SPARSE: pull,
     P.Op.ROWS_SPARSE: rows_sparse,
     P.Op.SET_HYPER: set_hyper,
     P.Op.SAVE: save,

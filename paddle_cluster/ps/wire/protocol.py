@@ -25,7 +25,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from .errors import ConnectionLost, ProtocolError
+from ..errors import ConnectionLost, ProtocolError
 
 MAGIC = b"PDPS"
 VERSION = 2  # 2: per-connection frame MACs, pserver-bound handshake, trainer keys
