@@ -20,11 +20,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..contract import PSERVER, Endpoint, JobEnv
+from ..contract import PSERVER, Endpoint, JobEnv, figures_path
 from . import atomic
 from . import checkpoint as ckpt
 from . import protocol as P
 from .channel import Channel, gather, reply_timeout
+from .counters import FiguresWriter
 from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
@@ -116,6 +117,12 @@ class PSClient:
         self.resumed_from = [r.get("resumed_from") for r in replies]
         self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes)
         self._sparse = SparseTables(self._sparse_ch, self._ctl)
+        # A launched trainer (a job directory, not the in-process pserver of an unlaunched script) tells ``top``
+        # its step and traffic.
+        self._figures: Optional[FiguresWriter] = None
+        if env.job_dir and self._local is None:
+            path = figures_path(env.job_dir, f"trainer.{self.trainer_id}")
+            self._figures = FiguresWriter(path, lambda: {"step": self.step}).start()
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -360,6 +367,8 @@ class PSClient:
                 except Exception as e:
                     log.warning("trainer %d: pserver %d did not acknowledge close: %s", self.trainer_id, k, e)
             self._shutdown_channels()
+            if self._figures is not None:
+                self._figures.stop()
             if self._local is not None:
                 self._local.stop()
 

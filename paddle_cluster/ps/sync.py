@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
+from .counters import PROCESS
 from .errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
 from .shards import Shard
 
@@ -242,9 +243,11 @@ class Sync:
             self.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
                       lambda: {0} - self.closed)
         if self.mode == "sync":
+            t0 = time.monotonic()
             self.wait(shard.cv, lambda: shard.step >= step or shard.error is not None, step,
                       f"{what} {shard.describe()}", lambda: set(self.active) - set(shard.pending) - shard.receiving,
                       gone)
+            PROCESS.add_wait(time.monotonic() - t0)  # ``top``'s barrier wait p50/p99
             if shard.step < step and shard.error:  # the update of the step waited for was refused
                 raise RemoteError(f"pserver {self.pserver_id}: {shard.error}")
 
