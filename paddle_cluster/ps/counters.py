@@ -107,5 +107,8 @@ class FiguresWriter:
             doc["received_per_s"] = (c["received"] - last["received"]) / dt
             if isinstance(doc.get("step"), int) and isinstance(last["step"], int):
                 doc["steps_per_s"] = (doc["step"] - last["step"]) / dt
-        self._last = {"mono": mono, "sent": c["sent"], "received": c["received"], "step": doc.get("step")}
+            if "ps_seconds" in doc and last["ps_seconds"] is not None:  # a trainer's time in pserver calls
+                doc["ps_share"] = min(1.0, (doc["ps_seconds"] - last["ps_seconds"]) / dt)
+        self._last = {"mono": mono, "sent": c["sent"], "received": c["received"], "step": doc.get("step"),
+                      "ps_seconds": doc.get("ps_seconds")}
         return doc
