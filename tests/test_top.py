@@ -113,7 +113,7 @@ def test_top_view_on_three_hosts(cluster, tmp_path):
     # (train.py does not serve: the built-in pserver).
     cfg = conf(tmp_path, cluster, PSERVER_COMMAND=OMIT, BARRIER_TIMEOUT=60.0)
     env = checkout_env(TERM="xterm")
-    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "250", "1")
+    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "150", "1")
 
     def spawn() -> pexpect.spawn:
         return pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top"], env=env,
