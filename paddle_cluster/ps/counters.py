@@ -2,8 +2,9 @@
 its step, the barrier waits of a pserver, written once a second to ``<job dir>/log/figures.<name>.json``.
 
 One set per process (``PROCESS``): a process is one trainer or one pserver, and its streams and barriers add
-to it without each constructor on the way being handed a counter. A frame costs one locked addition; the file
-is written by one thread, whole (temporary file, rename), so a reader never sees half of one.
+to it without each constructor on the way being handed a counter. A frame costs one addition to its
+connection's tally; the file is written by one thread, whole (temporary file, rename), so a reader never sees
+half of one.
 """
 
 from __future__ import annotations
@@ -26,32 +27,33 @@ def percentile(xs: List[float], q: float) -> Optional[float]:
 
 
 class Counters:
-    """Totals since the process began, and the barrier waits since the last ``interval``."""
+    """Totals since the process began, and the barrier waits since the last ``interval``.
+
+    Bytes are counted per connection (``tally``: a stream has one reader and one writer, so its two counts need
+    no lock) and summed when read; a wait is one list append (atomic under the GIL)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.sent = 0
-        self.received = 0
+        self._tallies: List[List[int]] = []  # [sent, received] of every connection made (two ints each)
         self._waits: List[float] = []
 
-    def add_sent(self, n: int) -> None:
+    def tally(self) -> List[int]:
+        """A new connection's ``[sent, received]`` byte counts, for it alone to add to."""
+        t = [0, 0]
         with self._lock:
-            self.sent += n
-
-    def add_received(self, n: int) -> None:
-        with self._lock:
-            self.received += n
+            self._tallies.append(t)
+        return t
 
     def add_wait(self, seconds: float) -> None:
-        with self._lock:
-            if len(self._waits) < 100_000:  # bounded: a pserver with thousands of blocks waits often
-                self._waits.append(seconds)
+        if len(self._waits) < 100_000:  # bounded: a pserver with thousands of blocks waits often
+            self._waits.append(seconds)
 
     def interval(self) -> Dict[str, Any]:
         """The totals and the waits since the previous call (which it forgets)."""
         with self._lock:
-            waits, self._waits = self._waits, []
-            return {"sent": self.sent, "received": self.received, "waits": waits}
+            tallies = list(self._tallies)
+        waits, self._waits = self._waits, []
+        return {"sent": sum(t[0] for t in tallies), "received": sum(t[1] for t in tallies), "waits": waits}
 
 
 PROCESS = Counters()

@@ -58,6 +58,7 @@ class Stream:
         self.stall = stall
         self.scratch = scratch
         self.held = 0  # bytes of scratch buffers charged to ``scratch``
+        self.tally = PROCESS.tally()  # [bytes sent, bytes received], for ``top``
         self._clock = 0.0  # seconds the frame being read may still wait in recv
         self._timeo = stall  # the socket's SO_RCVTIMEO
         if stall is not None:
@@ -85,7 +86,7 @@ class Stream:
         returns once the payload up to ``end`` (a segment's end) is final; called before that segment is
         hashed or sent, the first time before the header is (a sync pull sent as its segments are applied)."""
         total = sum(len(P.byte_view(p)) for p in payload)
-        PROCESS.add_sent(len(header) + total)  # what ``top`` shows as bytes/s sent
+        self.tally[0] += len(header) + total  # what ``top`` shows as bytes/s sent
         if self.keys is None and ready is None:
             P.send_frame(self.sock, header, *payload)
             return
@@ -176,7 +177,7 @@ class Stream:
                                      "reordered, reflected or from another connection)")
         h = P.unpack_header(view[:P.HEADER_SIZE], self.max_frame)
         self.left, self._room = h.length, SEGMENT
-        PROCESS.add_received(P.HEADER_SIZE + h.length)  # what ``top`` shows as bytes/s received
+        self.tally[1] += P.HEADER_SIZE + h.length  # what ``top`` shows as bytes/s received
         return h
 
     def recv_into(self, *views: Any) -> None:
