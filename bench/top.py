@@ -79,7 +79,7 @@ def main(argv: List[str] = None) -> int:
         w = C.FiguresWriter(os.path.join(d, "log", "figures.trainer.0.json"), lambda: {"step": ps.step,
                                                                                        "ps_seconds": ps.ps_seconds})
         write_s = _per_call(w.write, 200)
-        s = node_top.Sampler(d)
+        s = node_top.Sampler(d, period=0.0)  # every call writes, as once a second
         me = os.getpid()
         recs = [{"name": f"trainer.{i}", "pid": me} for i in range(4)]  # an agent with 4 processes
         records = procs.Records(d, "bench")
@@ -88,8 +88,7 @@ def main(argv: List[str] = None) -> int:
 
         def sample() -> None:
             table = (procs.subtree(os.getppid()) or (procs.process_table(), None))[0]
-            table[me] = procs._stat_fields(me)
-            s._at = 0.0  # every call writes, as once a second
+            table[me] = procs.stat_fields(me)
             s.sample(recs, table)
         sample_s = _per_call(sample, 200)
         snap_s = _per_call(lambda: node_top.snapshot(d), 200)

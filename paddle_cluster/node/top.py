@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from paddle_cluster.contract import figures_path
 
@@ -23,7 +23,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _ticks_rss(pids: List[int], table: procs.Table) -> tuple:
+def usage(pids: Iterable[int], table: procs.Table) -> Tuple[int, int]:
     """CPU clock ticks used (utime + stime) and resident bytes of ``pids`` together."""
     ticks = rss = 0
     for pid in pids:
@@ -36,16 +36,17 @@ def _ticks_rss(pids: List[int], table: procs.Table) -> tuple:
 
 class Sampler:
     """The agent's side: fed the process table it already reads (``Supervisor._track``), writes each recorded
-    process's CPU % and RSS at most every ``PERIOD_S``."""
+    process's CPU % and RSS at most every ``period`` s."""
 
-    def __init__(self, job_dir: str) -> None:
+    def __init__(self, job_dir: str, period: float = PERIOD_S) -> None:
         self.path = os.path.join(job_dir, procs.STATE_DIR, FILE)
+        self.period = period
         self._last: Dict[str, tuple] = {}  # name -> (monotonic time, ticks)
         self._at = 0.0
 
     def sample(self, records: List[Mapping[str, Any]], table: procs.Table) -> None:
         mono = time.monotonic()
-        if mono - self._at < PERIOD_S:
+        if mono - self._at < self.period:
             return
         self._at = mono
         out: Dict[str, Dict[str, Any]] = {}
@@ -53,7 +54,7 @@ class Sampler:
             pid = rec["pid"]
             if pid not in table:
                 continue
-            ticks, rss = _ticks_rss([pid, *procs.descendants([pid], table)], table)
+            ticks, rss = usage([pid, *procs.descendants([pid], table)], table)
             fig: Dict[str, Any] = {"rss": rss}
             last = self._last.get(rec["name"])
             if last is not None and mono > last[0]:
