@@ -15,7 +15,7 @@ import sys
 import termios
 import time
 import tty
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 from . import dispatch, journal
@@ -65,15 +65,29 @@ class HostsSource:
 
 
 class DirsSource:
-    """Node job directories this machine reads itself (a shared filesystem: ``{node: directory}``)."""
+    """Node job directories this machine reads itself, whose processes run elsewhere (a Slurm job's on the
+    shared filesystem): ``dirs()`` gives ``{node: directory}`` each frame (a node's may appear later)."""
 
-    def __init__(self, dirs: Dict[str, str], host: str = "") -> None:
+    def __init__(self, dirs: Callable[[], Dict[str, str]], host: str = "") -> None:
         self.dirs, self.host = dirs, host
 
     def read(self) -> List[NodeDoc]:
         from paddle_cluster.node import top as node_top
 
-        return [NodeDoc(node, self.host, node_top.snapshot(d)) for node, d in self.dirs.items()]
+        return [NodeDoc(node, self.host, node_top.snapshot(d, here=False)) for node, d in self.dirs().items()]
+
+    def close(self) -> None:
+        pass
+
+
+class CallSource:
+    """Figures a backend reads its own way each frame (Kubernetes: from its pods' logs)."""
+
+    def __init__(self, nodes: Callable[[], List[NodeDoc]]) -> None:
+        self.nodes = nodes
+
+    def read(self) -> List[NodeDoc]:
+        return self.nodes()
 
     def close(self) -> None:
         pass
@@ -152,7 +166,7 @@ def make_row(nd: NodeDoc, p: Dict[str, Any], now: float) -> Row:
     r.cpu, r.rss = _num(p.get("cpu")), p.get("rss")
     if "advanced_at" in fig:
         r.still_s = max(0.0, now - fig["advanced_at"])
-    r.bad = state not in _FINE and not state.startswith("stopped")
+    r.bad = state not in _FINE and not state.startswith(("stopped", "unknown"))
     r.stalled = state == "running" and r.role == "trainer" and r.still_s is not None and r.still_s > STALL_S
     return r
 
@@ -168,7 +182,9 @@ def slowest(rows: Sequence[Row]) -> Optional[str]:
     if len(timed) == len(ts):
         return max(timed, key=lambda r: (1 - r.ps_share) / r.steps_per_s).name  # type: ignore[operator]
     stepped = [r for r in ts if r.step is not None]
-    return min(stepped, key=lambda r: r.step).name if stepped else None  # type: ignore[arg-type,return-value]
+    if len({r.step for r in stepped}) < 2:  # none behind (a job that holds, or has not stepped yet)
+        return None
+    return min(stepped, key=lambda r: r.step).name  # type: ignore[arg-type,return-value]
 
 
 def snapshot(cfg: ClusterConfig, job_name: str, source: Source) -> Snapshot:
@@ -312,7 +328,10 @@ def view(cfg: ClusterConfig, job_name: str, source: Source, interval: float = 1.
                     elif ch == "a":
                         only = ""
                 if time.monotonic() >= next_read:  # an ended job too: its outcome is recorded after its end
-                    s = snapshot(cfg, job_name, source)
+                    try:
+                        s = snapshot(cfg, job_name, source)
+                    except ClusterError as e:  # its processes gone (Kubernetes deletes the pods): the last frame
+                        s = replace(s, outcome=journal.outcome(cfg, job_name), notes=[str(e)])
                     next_read = time.monotonic() + interval
                 live.update(frame(s, sort, only), refresh=True)
     except KeyboardInterrupt:

@@ -34,21 +34,16 @@ def usage(pids: Iterable[int], table: procs.Table) -> Tuple[int, int]:
     return ticks, rss
 
 
-class Sampler:
-    """The agent's side: fed the process table it already reads (``Supervisor._track``), writes each recorded
-    process's CPU % and RSS at most every ``period`` s."""
+class Usage:
+    """CPU % (since the previous look) and resident bytes of named processes, each with its descendants."""
 
-    def __init__(self, job_dir: str, period: float = PERIOD_S) -> None:
-        self.path = os.path.join(job_dir, procs.STATE_DIR, FILE)
-        self.period = period
+    def __init__(self) -> None:
         self._last: Dict[str, tuple] = {}  # name -> (monotonic time, ticks)
-        self._at = 0.0
 
-    def sample(self, records: List[Mapping[str, Any]], table: procs.Table) -> None:
+    def of(self, records: Iterable[Mapping[str, Any]], table: procs.Table) -> Dict[str, Dict[str, Any]]:
+        """``{name: {"rss": bytes, "cpu": percent}}`` of the ``records`` (name, pid) alive in ``table``; "cpu"
+        from a process's second look on."""
         mono = time.monotonic()
-        if mono - self._at < self.period:
-            return
-        self._at = mono
         out: Dict[str, Dict[str, Any]] = {}
         for rec in records:
             pid = rec["pid"]
@@ -61,6 +56,25 @@ class Sampler:
                 fig["cpu"] = 100.0 * (ticks - last[1]) / _TICK / (mono - last[0])
             self._last[rec["name"]] = (mono, ticks)
             out[rec["name"]] = fig
+        return out
+
+
+class Sampler:
+    """The agent's side: fed the process table it already reads (``Supervisor._track``), writes each recorded
+    process's CPU % and RSS at most every ``period`` s."""
+
+    def __init__(self, job_dir: str, period: float = PERIOD_S) -> None:
+        self.path = os.path.join(job_dir, procs.STATE_DIR, FILE)
+        self.period = period
+        self.usage = Usage()
+        self._at = 0.0
+
+    def sample(self, records: List[Mapping[str, Any]], table: procs.Table) -> None:
+        mono = time.monotonic()
+        if mono - self._at < self.period:
+            return
+        self._at = mono
+        out = self.usage.of(records, table)
         tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
             with open(tmp, "w") as f:
@@ -79,6 +93,12 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
+def own(job_dir: str, name: str) -> Dict[str, Any]:
+    """Process ``name``'s own figures (``ps.counters``: {} when it writes none) and, a trainer's, its last
+    metrics record."""
+    return {"figures": _read_json(figures_path(job_dir, name)) or {}, "metrics": _last_metrics(job_dir, name)}
+
+
 def _last_metrics(job_dir: str, name: str) -> Optional[Dict[str, Any]]:
     role, _, idx = name.partition(".")
     if role != "trainer":
@@ -90,10 +110,19 @@ def _last_metrics(job_dir: str, name: str) -> Optional[Dict[str, Any]]:
     return rec if isinstance(rec, dict) else None
 
 
-def snapshot(job_dir: str) -> Dict[str, Any]:
+def age(figures: Mapping[str, Any], now: float) -> Optional[float]:
+    """Seconds since a process's own figures were written (None: it writes none)."""
+    t = figures.get("time")
+    return now - t if isinstance(t, (int, float)) else None
+
+
+def snapshot(job_dir: str, here: bool = True) -> Dict[str, Any]:
     """Every recorded process of the job on this node: its record's state, the agent's ``/proc`` figures, its
     own counters and (trainers) its last metrics record; ``time`` is this node's clock, against which the
-    ``*_at`` times and ``age`` (seconds since a process's counters were written) are read."""
+    ``*_at`` times and ``age`` (seconds since a process's counters were written) are read.
+
+    ``here``: the processes run on this machine. A job directory read from another one (a Slurm node's, on the
+    shared filesystem) has its pids elsewhere: a process runs while its agent's latest figures list it."""
     state = procs.load_records(job_dir)
     now = time.time()
     if state is None:
@@ -103,12 +132,13 @@ def snapshot(job_dir: str) -> Dict[str, Any]:
     out = []
     for p in state["procs"]:
         name = p["name"]
-        st = jobdir.state_of(p, state["job_id"])
-        own = _read_json(figures_path(job_dir, name)) or {}
+        listed = fresh and name in agent.get("procs", {})
+        st = jobdir.state_of(p, state["job_id"]) if here else jobdir.ended_state(p) or (
+            "running" if listed else "unknown (its agent's figures are old or missing)")
+        figs = own(job_dir, name)
         row = {"name": name, "role": p["role"], "pid": p["pid"], "state": st, "started_at": p.get("started_at"),
                "exit_code": p.get("exit_code"), "signal": p.get("signal"), "stopped": p.get("stopped"),
-               "address": p.get("address"), "figures": own, "age": now - own["time"] if "time" in own else None,
-               "metrics": _last_metrics(job_dir, name)}
+               "address": p.get("address"), **figs, "age": age(figs["figures"], now)}
         row.update(agent.get("procs", {}).get(name, {}) if fresh and st == "running" else {})
         out.append(row)
     return {"found": True, "time": now, "procs": out}
