@@ -1,9 +1,11 @@
 """``paddle-cluster top``: a live view of a running job, one row per process, from the figures its nodes keep.
 
 Each node's agent writes the CPU % and RSS of its processes, and each process its own counters (``node/top.py``,
-``ps/counters.py``); a backend's ``figures`` source reads them per node once a frame (``node top`` over the
-same connection ``status`` uses). ``snapshot`` makes one ``Snapshot`` of them; ``frame`` draws it as a rich
-table; ``View`` is the full-screen loop with its keys.
+``ps/counters.py``); a backend's ``figures`` source reads them per node once a frame: ``HostsSource`` (``node
+top`` on the hosts of HOSTS, as ``status`` reaches them), ``DirsSource`` (Slurm: the nodes' directories on the
+shared filesystem), ``CallSource`` (Kubernetes: the pods' logs, where each pod's entry point writes them).
+``snapshot`` makes one ``Snapshot`` of them; ``frame`` draws it as a rich table; ``view`` is the full-screen
+loop with its keys.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from .errors import ClusterError
 from .fanout import fanout
 
 STALL_S = 10.0  # a running process whose step has not moved for this long is shown yellow
-_FINE = ("running", "exited 0", "finished", "stopped (launcher)")
 _NOT_METRICS = {"pass", "step", "loss", "samples_per_s", "time", "trainer", "samples"}
 
 
@@ -166,7 +167,9 @@ def make_row(nd: NodeDoc, p: Dict[str, Any], now: float) -> Row:
     r.cpu, r.rss = _num(p.get("cpu")), p.get("rss")
     if "advanced_at" in fig:
         r.still_s = max(0.0, now - fig["advanced_at"])
-    r.bad = state not in _FINE and not state.startswith(("stopped", "unknown"))
+    # Ended badly: a non-zero exit, a signal, or gone unrecorded; not one stopped by the launcher or kill, not a
+    # pod still pending, not a Slurm process whose agent's figures are late.
+    r.bad = state.startswith(("exited", "killed", "gone")) and state != "exited 0"
     r.stalled = state == "running" and r.role == "trainer" and r.still_s is not None and r.still_s > STALL_S
     return r
 

@@ -409,13 +409,12 @@ def figures(k: Kubectl) -> List[NodeDoc]:
                 except ValueError:
                     pass
                 break
-        own = said.get("figures") or {}
+        own, at = said.get("figures") or {}, said.get("time")
         row = {"name": proc_name(p), "role": p.role, "state": describe(p), "started_at": said.get("started_at"),
-               "figures": own, "metrics": said.get("metrics"),
-               # how old the process's own figures were when the line was written; the line is at most FIGURES_S old
-               "age": node_top.age(own, said["time"]) if isinstance(said.get("time"), (int, float)) else None}
-        if p.state == "running" and now - said.get("time", 0) < 3 * FIGURES_S:
-            row.update(cpu=said.get("cpu"), rss=said.get("rss"))
+               "figures": own, "metrics": said.get("metrics"), "age": None}
+        if p.state == "running" and isinstance(at, (int, float)) and now - at < 3 * FIGURES_S:  # a line of late
+            # How old the process's own figures were when the line was written (the line: under FIGURES_S old).
+            row.update(cpu=said.get("cpu"), rss=said.get("rss"), age=node_top.age(own, at))
         return NodeDoc(p.hostname, p.node_name, {"time": now, "procs": [row]})
     with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, as ``status`` runs them (one after another)
         return list(ex.map(one, pods))
