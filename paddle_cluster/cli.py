@@ -365,6 +365,20 @@ def status(ctx: click.Context, job_name: Optional[str], as_json: bool) -> None:
            caption=ended["message"] if ended else None)
 
 
+@main.command()
+@_earlier_job("Job to watch")
+@click.option("--once", "once_only", is_flag=True, help="Print one frame and return.")
+@click.option("--json", "as_json", is_flag=True, help="Print one machine-readable snapshot and return.")
+@_handled
+def top(ctx: click.Context, job_name: Optional[str], once_only: bool, as_json: bool) -> None:
+    """A live view of a job, a row per process: step, steps/s, loss, CPU, memory, traffic, a pserver's rows,
+    budget and barrier waits. Keys: n c m s w sort, t p 0-9 a filter, q quits (the job goes on)."""
+    from .launch import top as view
+
+    cls, job = _earlier(ctx, job_name)
+    view.run_top(job.cfg, job.name, lambda: cls.figures(job), _out, once_only, as_json)
+
+
 @main.command(help="Preflight what a job would run on; each backend checks its own: " +
               _each_backend(lambda c: c.checks, "; ") + ".")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -367,6 +367,12 @@ def current_ip_of(environ: Mapping[str, str]) -> str:
     return environ.get("PADDLE_CURRENT_IP", "")
 
 
+def figures_path(job_dir: str, name: str) -> str:
+    """Where process ``name`` of a job (its record's name: ``trainer.0``, ``pserver.1``) writes its own figures
+    for ``paddle-cluster top`` (``ps.counters``) and the node's ``top`` reads them."""
+    return os.path.join(job_dir, "log", f"figures.{name}.json")
+
+
 JOB_NAME_MAX = 100
 _JOB_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 

@@ -31,7 +31,8 @@ SCENARIOS = {
     "concurrent": "three jobs launched at once from one machine with their own --job_name (and ports where they "
                   "share hosts): seed 003's dual-role dist_train.py (import lines changed) reading uci_housing from "
                   "each node's pre-seeded dataset cache, whose loss falls; two trainer-only jobs that hold: `kill` "
-                  "of one leaves the others, which finish; each job's status and logs are its own, during and after",
+                  "of one leaves the others, which finish; each job's status and logs are its own, during and after; "
+                  "`top --json` of a holding job checked field by field",
     "collective": "--collective (no pservers): a torch.distributed script as torchrun starts it (gloo, env://) "
                   "takes a DDP step and an all_reduce across every trainer, each with its RANK, LOCAL_RANK and "
                   "GROUP_RANK; then one whose rank 1 fails while the others wait in a collective: exit 1 naming it; "

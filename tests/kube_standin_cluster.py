@@ -336,8 +336,9 @@ class Cluster:
                 # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
                 # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
                 # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
+                # Its own /proc too, as in a container: the pod's pids are the ones /proc shows there.
                 ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
-                 "--fork", "--propagation", "private", "sh", "-c", script],
+                 "--fork", "--mount-proc", "--propagation", "private", "sh", "-c", script],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,

@@ -17,6 +17,8 @@ from conformance_cases import DUAL_HOLD_PY, cases, workspace
 from helpers import HOUSING, SEEDS, ported, wait_for
 from userengine import Engine, Running, job_processes, seed_cache
 
+from paddle_cluster.launch.top import STALL_S
+
 GRACE = 120  # KILL_GRACE of the signals scenario: a stop that waits it out fails the test's wait of 60 s
 # Where the launcher's death does not stop the job (docs/backends.md): the engine runs it on its own.
 RUNS_ON_WITHOUT_LAUNCHER = {"slurm": "a launcher that dies while following a job leaves it running, as --detach",
@@ -45,6 +47,42 @@ def assert_ended(engine: Engine, job: str, code: int, outcome: str) -> None:
     doc = status(engine, job)
     assert doc["exit_code"] == code and outcome in (doc["outcome"] or ""), doc
     assert "running" not in {p["state"] for p in doc["processes"]}, doc
+
+
+ROW_FIELDS = {"node", "host", "name", "role", "state", "step", "steps_per_s", "loss", "metrics", "samples_per_s", "cpu",
+              "rss", "sent_per_s", "received_per_s", "ps_share", "rows", "held", "budget", "wait_p50", "wait_p99",
+              "still_s", "bad", "stalled"}
+
+
+def assert_top(engine: Engine, job: str) -> None:
+    """``top --json`` of a running trainer-only job whose trainers registered one dense block and hold (the
+    built-in pservers serve), field by field: every process running, with the CPU % and RSS of its node's agent
+    (a pod's entry point on Kubernetes), its own counters (a trainer's traffic and time in pserver calls; a
+    pserver's rows and bytes against its budget), no trainer behind the others, no note, no outcome yet."""
+    res = engine.cli("top", "--json", "--job_name", job, timeout=120)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    snap = json.loads(res.stdout)
+    assert set(snap) == {"job", "age_s", "steps_per_s", "samples_per_s", "slowest", "outcome", "rows", "notes"}, snap
+    assert snap["job"] == job and snap["outcome"] is None and snap["notes"] == [], snap
+    assert snap["age_s"] > 0 and snap["steps_per_s"] == 0 and snap["samples_per_s"] is None, snap
+    assert snap["slowest"] is None, snap  # every trainer holds at step 0: none is behind
+    rows = {r["name"]: r for r in snap["rows"]}
+    assert sorted(rows) == processes(engine), snap
+    for name, r in rows.items():
+        assert set(r) == ROW_FIELDS, r
+        assert r["role"] == name.split(".")[0] and r["state"] == "running" and r["node"], r
+        assert not r["bad"], r
+        assert r["cpu"] is not None and r["cpu"] >= 0 and r["rss"] > 10 << 20, r  # a Python with numpy
+        assert r["loss"] is None and r["metrics"] == {} and r["samples_per_s"] is None, r  # no metrics records
+        assert r["sent_per_s"] is not None and r["received_per_s"] is not None, r  # it writes its counters
+    for t in (r for r in rows.values() if r["role"] == "trainer"):
+        assert t["step"] == 0 and t["steps_per_s"] == 0 and 0 <= t["ps_share"] <= 1, t
+        assert t["stalled"] == (t["still_s"] > STALL_S), t  # holding: yellow once it has not stepped for a while
+        assert t["rows"] is None and t["held"] is None and t["budget"] is None, t
+    pservers = [r for r in rows.values() if r["role"] == "pserver"]
+    for p in pservers:
+        assert p["rows"] == 0 and 0 <= p["held"] < p["budget"] and p["ps_share"] is None, p  # no sparse table
+    assert sum(p["held"] for p in pservers) > 0, pservers  # the block of 10 floats is held by one of them
 
 
 def stop_all(runs: Dict[str, Running]) -> None:
@@ -195,6 +233,7 @@ def test_jobs_launched_at_once(engine: Engine):
         assert rc == 3, runs[killed].text()
         assert runs[held].p.poll() is None, runs[held].text()  # the kill left the other jobs alone
         assert_running(engine, held)
+        assert_top(engine, held)
         assert runs[seed].wait(300) == 0, runs[seed].text()
         hold.unlink()
         assert runs[held].wait(120) == 0, runs[held].text()

@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import bootstrap, jobdir, private, supervisor, unpack
+from . import bootstrap, jobdir, private, supervisor, top, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                    "SIGTERM when this process dies: for engines that SIGKILL their ranks (MPICH's Hydra)")
     p.add_argument("--remove-plan", action="store_true", help="remove the plan file once read (it holds the job "
                    "secret; each node has its own: {node} in --plan, or a file per host)")
-    for name in ("kill", "status", "metrics"):
+    for name in ("kill", "status", "metrics", "top"):
         p = sub.add_parser(name)
         p.add_argument("--job-dir", required=True)
         if name == "kill":
@@ -107,6 +107,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = jobdir.kill(a.job_dir, a.grace)
     elif a.cmd == "status":
         doc = jobdir.status(a.job_dir)
+    elif a.cmd == "top":
+        doc = top.snapshot(a.job_dir)
     elif a.cmd == "private":
         try:
             if a.write:

@@ -106,7 +106,7 @@ def ended_state(p: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _state_of(p: Dict[str, Any], job_id: str) -> str:
+def state_of(p: Dict[str, Any], job_id: str) -> str:
     if procs.job_group_alive(p, job_id):
         return "running"
     return ended_state(p) or "gone"
@@ -117,7 +117,7 @@ def status(job_dir: str) -> Dict[str, Any]:
     if state is None:
         return {"found": False, "procs": []}
     return {"found": True, "procs": [
-        {"name": p["name"], "role": p["role"], "pid": p["pid"], "state": _state_of(p, state["job_id"]),
+        {"name": p["name"], "role": p["role"], "pid": p["pid"], "state": state_of(p, state["job_id"]),
          "address": p.get("address"),
          "last_line": last_line(p["log"]), "progress": progress(job_dir, p["name"])} for p in state["procs"]]}
 

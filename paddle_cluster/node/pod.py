@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import json
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -46,6 +48,9 @@ READY = PREFIX + "ready: "
 ERROR = PREFIX + "error: "
 IMAGE = PREFIX + "image: "
 METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
+FIGURES = PREFIX + "figures "  # + one JSON object: the process's figures for ``top``, every FIGURES_S
+QUIET = (METRICS, FIGURES)  # the entry point's lines that are not the process's output (``logs`` leaves them out)
+FIGURES_S = 2.0  # a line of ~400 bytes: ~17 MB of pod log a day
 POLL_S = 0.2
 TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
@@ -193,11 +198,36 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         raise PodError(f"cannot start {cmd[0]!r} in {os.getcwd()}: {e.strerror or e}") from None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: child.send_signal(signum))
+    figures = threading.Event()
+    threading.Thread(target=report_figures, args=(child.pid, f"{env.role.lower()}.{index}", env.job_dir, figures),
+                     daemon=True, name="figures").start()
     names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
     code = _wait(child, names, start_timeout if first_trainer_timeout is None else first_trainer_timeout)
+    figures.set()
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
+
+
+def report_figures(pid: int, name: str, job_dir: str, stop: threading.Event, period: float = FIGURES_S) -> None:
+    """``top``'s figures of the pod's process, a ``FIGURES`` line in the pod's log every ``period`` s until
+    ``stop`` (a pod has no agent, and its log is what the launcher reads of it, as ``status`` does): CPU % and
+    RSS of the process with its descendants, its own counters and (a trainer) its last metrics record."""
+    from . import procs, top
+
+    usage, started = top.Usage(), time.time()
+    while True:
+        found = procs.subtree(os.getpid())  # this entry point's processes: the pod's (it is their parent)
+        doc: Dict[str, object] = {"time": time.time(), "started_at": started,
+                                  **usage.of([{"name": name, "pid": pid}], found[0] if found else procs.process_table())
+                                  .get(name, {})}
+        if job_dir:
+            doc.update(top.own(job_dir, name))
+        if "cpu" in doc:  # from the second look on (the first one only starts the CPU count)
+            sys.stderr.write(f"{FIGURES}{json.dumps(doc, separators=(',', ':'))}\n")  # one write: one line
+            sys.stderr.flush()
+        if stop.wait(period):
+            return
 
 
 def _end_waiting(signum: int, _frame: object) -> None:

@@ -25,7 +25,7 @@ KILL_FILE = "kill-requested"  # written by the 'kill' sub-command before it sign
 NO_GRACE_FILE = "kill-now"  # and by 'kill --grace 0': an agent waiting out its grace period SIGKILLs at once
 
 
-def _stat_fields(pid: int) -> Optional[List[str]]:
+def stat_fields(pid: int) -> Optional[List[str]]:
     """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -36,7 +36,7 @@ def _stat_fields(pid: int) -> Optional[List[str]]:
 
 def start_time(pid: int) -> Optional[int]:
     """The kernel's start time of ``pid`` (clock ticks since boot), or None if it is gone."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return None if fields is None else int(fields[19])
 
 
@@ -44,7 +44,7 @@ def alive_as_recorded(pid: int, started: Optional[int]) -> bool:
     """``pid`` runs (not a zombie) and is still the process recorded with kernel start time ``started``.
 
     Without a recorded start time nothing matches: the pid alone may since belong to anyone."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return started is not None and fields is not None and fields[0] != "Z" and int(fields[19]) == started
 
 
@@ -52,11 +52,11 @@ Table = Dict[int, List[str]]
 
 
 def process_table() -> Table:
-    """Every live (non-zombie) process: pid -> its ``/proc/<pid>/stat`` fields (see ``_stat_fields``)."""
+    """Every live (non-zombie) process: pid -> its ``/proc/<pid>/stat`` fields (see ``stat_fields``)."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            fields = _stat_fields(int(entry))
+            fields = stat_fields(int(entry))
             if fields is not None and fields[0] != "Z":
                 table[int(entry)] = fields
     return table
@@ -86,7 +86,7 @@ def subtree(root: int) -> Optional[Tuple[Table, List[int]]]:
             except OSError:
                 continue
             for kid in kids:
-                fields = _stat_fields(kid)
+                fields = stat_fields(kid)
                 if fields is None or kid in table:
                     continue
                 if fields[0] == "Z":
@@ -208,7 +208,7 @@ def reap_orphans(table: Table, own: Set[int], zombies: Optional[List[int]] = Non
         zombies = []
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) not in table:
-                fields = _stat_fields(int(entry))
+                fields = stat_fields(int(entry))
                 if fields is not None and fields[0] == "Z" and fields[1] == me:
                     zombies.append(int(entry))
     for pid in zombies:

@@ -22,7 +22,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from paddle_cluster import contract
 
-from . import layout, lines, procs
+from . import layout, lines, procs, top
 from . import messages as m
 
 HEARTBEAT_S = 2.0
@@ -247,6 +247,7 @@ class Supervisor:
             layout.prepare(plan.job_dir, plan.node, plan.workspace)
         except layout.LayoutError as e:
             raise Stop(str(e)) from None
+        self.sampler = top.Sampler(plan.job_dir)  # before the records: ``_track`` samples once they are there
         self.records = procs.Records(plan.job_dir, contract.job_id_of(plan.environ))
 
     def _environ(self, p: m.ProcPlan) -> Dict[str, str]:
@@ -371,6 +372,7 @@ class Supervisor:
                         self.records.track(table)
                     except OSError:
                         pass  # a full disk: the record stays as it was; teardown scans /proc anyway
+                    self.sampler.sample(list(self.records.procs), table)  # ``top``'s CPU % and RSS
                 procs.reap_orphans(table, {p.pid for p in self.popens.values()}, zombies)
 
 

@@ -9,6 +9,7 @@ so the loop is ``params = ps.push_pull(grads_of(params, batch))``: one round tri
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -20,10 +21,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..contract import PSERVER, Endpoint, JobEnv
+from ..contract import PSERVER, Endpoint, JobEnv, figures_path
 from . import atomic
 from . import checkpoint as ckpt
 from .channel import Channel, gather, reply_timeout
+from .counters import FiguresWriter
 from .errors import CheckpointError, ConfigMismatch, PSError, UnknownKey
 from .optim import OptimizerSpec
 from .params import DenseParams, SparseTables
@@ -60,6 +62,22 @@ class CheckpointInfo:
     paths: Tuple[str, ...]
 
 
+def _timed(fn: Any) -> Any:
+    """Counts the seconds a trainer spends in the call (not in one it makes): ``top`` shows its share of each
+    second spent waiting on the pservers, and names the trainer that waits least per step the slowest."""
+    @functools.wraps(fn)
+    def wrapper(self: PSClient, *args: Any, **kwargs: Any) -> Any:
+        if self._in_call:
+            return fn(self, *args, **kwargs)
+        self._in_call, t0 = True, time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._in_call = False
+            self.ps_seconds += time.perf_counter() - t0
+    return wrapper
+
+
 class PSClient:
     """A trainer's connection to every pserver of a job. Use ``connect()`` to make one."""
 
@@ -80,6 +98,7 @@ class PSClient:
         self._lock = threading.Lock()
         self._outstanding: List[PushHandle] = []
         self._brought: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) finish_step brought
+        self._in_call, self.ps_seconds = False, 0.0  # ``_timed``
         # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
         # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
         io_timeout = reply_timeout(env.barrier_timeout)
@@ -116,6 +135,12 @@ class PSClient:
         self.resumed_from = [r.get("resumed_from") for r in replies]
         self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes)
         self._sparse = SparseTables(self._sparse_ch, self._ctl)
+        # A launched trainer (a job directory, not the in-process pserver of an unlaunched script) tells ``top``
+        # its step and traffic.
+        self._figures: Optional[FiguresWriter] = None
+        if env.job_dir and self._local is None:
+            path = figures_path(env.job_dir, f"trainer.{self.trainer_id}")
+            self._figures = FiguresWriter(path, lambda: {"step": self.step, "ps_seconds": self.ps_seconds}).start()
 
     # -- plumbing -------------------------------------------------------------------------------------------
 
@@ -150,6 +175,7 @@ class PSClient:
         spec = as_spec(optimizer, self.optimizer).to_dict()
         return self.pull(self._dense.register(params, spec, init=self.trainer_id == 0, step=self.step))
 
+    @_timed
     def wait(self, handle: Optional[PushHandle] = None) -> None:
         """Wait for one push (or, with no argument, every outstanding one); raises its error."""
         if handle is None:
@@ -162,6 +188,7 @@ class PSClient:
                 self._outstanding.remove(handle)
         gather(handle.futures)
 
+    @_timed
     def pull(self, names: Optional[Sequence[str]] = None) -> Dict[str, np.ndarray]:
         """Dense values for ``self.step`` (waits in sync mode until every trainer's previous step applied).
 
@@ -172,6 +199,7 @@ class PSClient:
         self.wait()
         return self._dense.pull(list(self._dense.values) if names is None else list(names), self.step)
 
+    @_timed
     def push(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> PushHandle:
         """Send dense gradients for ``self.step`` and advance to the next step.
 
@@ -186,6 +214,7 @@ class PSClient:
         self.step += 1
         return self._track(PushHandle(step, futures))
 
+    @_timed
     def push_pull(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
         """``push(grads)`` then ``pull()`` in one exchange: returns every dense value for the next step.
 
@@ -203,6 +232,7 @@ class PSClient:
         self.wait()
         return dict(self._dense.values)
 
+    @_timed
     def finish_step(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> None:
         """End a training step with its dense gradients. Sync mode: ``push_pull``, the next step's values
         being fixed once every trainer pushed (``step_values`` returns them); async: ``push``, so the next
@@ -242,6 +272,7 @@ class PSClient:
                               None if vocab_size is None else int(vocab_size),
                               None if max_rows is None else int(max_rows))
 
+    @_timed
     def pull_sparse(self, name: str, ids: Any) -> np.ndarray:
         """Rows of ``ids`` (any int shape) for ``self.step``: result shape ``ids.shape + (width,)``, one row
         per id (duplicates repeated). Only the distinct ids travel, each to the pserver that owns it."""
@@ -258,6 +289,7 @@ class PSClient:
         self.wait()
         return self._sparse.rows(name, self.step)
 
+    @_timed
     def push_sparse(self, name: str, ids: Any, grads: Any) -> PushHandle:
         """Row gradients for ``self.step`` (one row per id; duplicates are summed here). At most once per
         table per step; the step advances with the next ``push``."""
@@ -360,6 +392,8 @@ class PSClient:
                 except Exception as e:
                     log.warning("trainer %d: pserver %d did not acknowledge close: %s", self.trainer_id, k, e)
             self._shutdown_channels()
+            if self._figures is not None:
+                self._figures.stop()
             if self._local is not None:
                 self._local.stop()
 

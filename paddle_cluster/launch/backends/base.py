@@ -30,6 +30,7 @@ from ..plan import JobPlan, JobSpec, mint_plan
 
 if TYPE_CHECKING:
     from ..access import CheckLine
+    from ..top import Source
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,13 @@ class Backend(ABC):
         from .. import plot
 
         return plot.collect(job.cfg, job.name)
+
+    @classmethod
+    def figures(cls, job: JobRef) -> Source:
+        """Where ``top`` reads the job's figures each frame: by default ``node top`` on the hosts of HOSTS."""
+        from ..top import HostsSource
+
+        return HostsSource(job.cfg, job.name)
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:

@@ -9,10 +9,11 @@ import logging
 import signal
 import sys
 import threading
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from ...contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret
+from ...contract import DEFAULT_MAX_CONNECTIONS, ContractError, JobEnv, ProcessEnv, check_secret, figures_path
 from .. import checkpoint as ckpt
+from ..counters import FiguresWriter
 from ..errors import CheckpointError, LimitExceeded
 from ..wire import protocol as P
 from . import handlers
@@ -76,6 +77,15 @@ class PServer:
     def ports(self) -> Tuple[int, ...]:
         """The ports listened on (after ``start``)."""
         return self.net.ports
+
+    def figures(self) -> Dict[str, Any]:
+        """What ``top`` shows of this pserver besides its traffic: its step (its slowest shard's), the table
+        rows and the bytes it holds against its memory budget."""
+        st = self.state
+        blocks, tables = list(st.blocks.values()), list(st.tables.values())  # copies: handlers add to them
+        steps = [s.step.n for s in blocks + tables]
+        return {"step": min(steps) if steps else None, "blocks": len(blocks), "tables": len(tables),
+                "rows": sum(t.n for t in tables), "held": st.budget.used, "budget": st.budget.limit}
 
     def _handle(self, conn: Conn, h: P.Header) -> bool:
         return handlers.route(self.state, conn, h)
@@ -147,7 +157,11 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"PSERVER_READY {k} {server.host} {','.join(map(str, server.ports))}", flush=True)
+    figures = FiguresWriter(figures_path(env.job_dir, f"pserver.{k}"), server.figures).start() if env.job_dir \
+        else None
     while not server.wait(0.5):  # a short wait, so the signal handlers run promptly
         pass
     server.stop()
+    if figures is not None:
+        figures.stop()
     return 0

@@ -11,9 +11,11 @@ history it is.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional, Set
 
+from ..counters import PROCESS
 from ..errors import RemoteError
 from ..optim import OptimizerSpec
 
@@ -72,9 +74,12 @@ class Step:
         if not shard.initialized:
             sync.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
                       lambda: {0} - sync.closed)
-        if sync.mode == "sync" and self.n < step:  # checked first: the wait's message is built only when it waits
-            sync.wait(shard.cv, lambda: self.n >= step or shard.error is not None, step,
-                      f"{what} {shard.describe()}", self.missing, gone)
+        if sync.mode == "sync":
+            t0 = time.monotonic()
+            if self.n < step:  # checked first: the wait's message is built only when it waits
+                sync.wait(shard.cv, lambda: self.n >= step or shard.error is not None, step,
+                          f"{what} {shard.describe()}", self.missing, gone)
+            PROCESS.add_wait(time.monotonic() - t0)  # ``top``'s barrier wait p50/p99 (a step not waited for: 0)
             if self.n < step and shard.error:  # the update of the step waited for was refused
                 raise RemoteError(f"pserver {sync.pserver_id}: {shard.error}")
 

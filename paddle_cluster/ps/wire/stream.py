@@ -23,6 +23,7 @@ import struct
 import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from ..counters import PROCESS
 from ..errors import ConnectionLost, IntegrityError, ProtocolError
 from . import protocol as P
 from .auth import TAG_SIZE, Keys
@@ -57,6 +58,7 @@ class Stream:
         self.stall = stall
         self.scratch = scratch
         self.held = 0  # bytes of scratch buffers charged to ``scratch``
+        self.tally = PROCESS.tally()  # [bytes sent, bytes received], for ``top``
         self._clock = 0.0  # seconds the frame being read may still wait in recv
         self._timeo = stall  # the socket's SO_RCVTIMEO
         if stall is not None:
@@ -83,10 +85,11 @@ class Stream:
         segment is then copied before it is hashed, so the bytes sent are the bytes MACed. ``ready(end)``:
         returns once the payload up to ``end`` (a segment's end) is final; called before that segment is
         hashed or sent, the first time before the header is (a sync pull sent as its segments are applied)."""
+        total = sum(len(P.byte_view(p)) for p in payload)
+        self.tally[0] += len(header) + total  # what ``top`` shows as bytes/s sent
         if self.keys is None and ready is None:
             P.send_frame(self.sock, header, *payload)
             return
-        total = sum(len(P.byte_view(p)) for p in payload)
         if ready is not None and total:
             ready(min(SEGMENT, total))  # before anything is counted or sent: a failure here leaves no trace
         if self.keys is None:
@@ -174,6 +177,7 @@ class Stream:
                                      "reordered, reflected or from another connection)")
         h = P.unpack_header(view[:P.HEADER_SIZE], self.max_frame)
         self.left, self._room = h.length, SEGMENT
+        self.tally[1] += P.HEADER_SIZE + h.length  # what ``top`` shows as bytes/s received
         return h
 
     def recv_into(self, *views: Any) -> None:

@@ -28,6 +28,7 @@ from ... import dispatch
 from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec
+from ...top import CallSource
 from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Rendered
 from . import kubectl as kc
 from . import manifests as k8s
@@ -208,6 +209,12 @@ class K8sBackend(Backend):
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
         return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
                             if opts.get("namespace") else cfg)
+
+    @classmethod
+    def figures(cls, job: JobRef) -> CallSource:
+        """``top``: the pods, each with the figures its entry point last wrote into its log (no agent, no exec)."""
+        k = cls._kubectl(job)
+        return CallSource(lambda: kc.figures(k))
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:

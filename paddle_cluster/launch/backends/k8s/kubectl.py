@@ -13,16 +13,20 @@ import os
 import shlex
 import shutil
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import pod as pod_entry
-from paddle_cluster.node.pod import METRICS
+from paddle_cluster.node import top as node_top
+from paddle_cluster.node.pod import FIGURES, FIGURES_S, METRICS, QUIET
 
 from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
+from ...top import NodeDoc
 from ..base import Event, NodeLost, ProcRow
 from .manifests import JOBSET_RESOURCE, LABEL_ID, LABEL_JOB, LABEL_ROLE, K8sJob, object_name, selector
 
@@ -318,7 +322,7 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
         for line in text.splitlines():
             if line.startswith(METRICS):
                 metrics.append(line[len(METRICS):].partition(" ")[2])
-            else:
+            elif not line.startswith(FIGURES):
                 lines.append(line)
         _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
         if metrics:
@@ -357,16 +361,63 @@ def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:
     """One row per pod, with the last line of its log; once the pods are gone, one per log saved."""
     rows = []
     for p in sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index)):
-        try:
-            last = k.run(k.logs(p.name, follow=False, tail=1), timeout=30).strip() if p.state else ""
-        except ClusterError:
-            last = ""
+        last = last_output(k, p.name) if p.state else ""
         rows.append(pod_row(p, last))
     rows = rows or saved_rows(job_dir)
     if not rows:
         raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} and no saved logs in {job_dir}/log "
                            "(another namespace: --namespace / K8S_NAMESPACE?)")
     return rows
+
+
+def last_output(k: Kubectl, pod: str) -> str:
+    """The last line the pod's process printed: the log's last, or, when that is the entry point's figures line
+    (every FIGURES_S), the last other one of a longer tail; "" when there is none or kubectl cannot say."""
+    for tail in (1, 1000):
+        try:
+            lines = [ln for ln in k.run(k.logs(pod, follow=False, tail=tail), timeout=30).splitlines()
+                     if ln.strip() and not ln.startswith(QUIET)]
+        except ClusterError:
+            return ""
+        if lines:
+            return lines[-1].strip()
+    return ""
+
+
+FIGURES_TAIL = 200  # the log lines ``top`` looks at for a pod's latest figures: 400 s of a quiet process
+
+
+def figures(k: Kubectl) -> List[NodeDoc]:
+    """``top``: each pod of the job with its process's latest ``FIGURES`` line (node/pod.py) among the last lines
+    of its log (a process printing more than FIGURES_TAIL lines in FIGURES_S seconds shows none)."""
+    pods = sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index))
+    if not pods:
+        raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace}: the job ended (status says how) "
+                           "or runs in another namespace (--namespace / K8S_NAMESPACE?)")
+
+    def one(p: PodState) -> NodeDoc:
+        now, said = time.time(), {}
+        try:
+            ran = p.state in ("running", "terminated")  # a waiting container has no log yet
+            text = k.run(k.logs(p.name, follow=False, tail=FIGURES_TAIL), timeout=30) if ran else ""
+        except ClusterError as e:
+            return NodeDoc(p.hostname, p.node_name, {}, str(e))
+        for line in reversed(text.splitlines()):
+            if line.startswith(FIGURES):
+                try:
+                    said = json.loads(line[len(FIGURES):])
+                except ValueError:
+                    pass
+                break
+        own, at = said.get("figures") or {}, said.get("time")
+        row = {"name": proc_name(p), "role": p.role, "state": describe(p), "started_at": said.get("started_at"),
+               "figures": own, "metrics": said.get("metrics"), "age": None}
+        if p.state == "running" and isinstance(at, (int, float)) and now - at < 3 * FIGURES_S:  # a line of late
+            # How old the process's own figures were when the line was written (the line: under FIGURES_S old).
+            row.update(cpu=said.get("cpu"), rss=said.get("rss"), age=node_top.age(own, at))
+        return NodeDoc(p.hostname, p.node_name, {"time": now, "procs": [row]})
+    with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, as ``status`` runs them (one after another)
+        return list(ex.map(one, pods))
 
 
 def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None],
@@ -384,7 +435,7 @@ def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[
         return
     pod = find_pod(pods, text)
     if not follow:  # the last lines of output: a trainer's METRICS records at its end are not output
-        shown = [ln for ln in k.run(k.logs(pod.name, follow=False)).splitlines() if not ln.startswith(METRICS)]
+        shown = [ln for ln in k.run(k.logs(pod.name, follow=False)).splitlines() if not ln.startswith(QUIET)]
         for line in shown[-lines:] if lines > 0 else []:
             out(line)
         return
@@ -394,7 +445,7 @@ def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[
         assert p.stdout is not None and p.stderr is not None
         try:
             for line in p.stdout:
-                if not line.startswith(METRICS):
+                if not line.startswith(QUIET):
                     out(line.rstrip("\n"))
         except KeyboardInterrupt:
             p.terminate()
@@ -409,8 +460,9 @@ FATAL_WAITING = ("InvalidImageName", "CreateContainerConfigError", "CreateContai
 
 def log_events(node: int, proc: str, line: str) -> List[Event]:
     """A line of a pod's log: output, and the entry point's word that the process starts or cannot. A trainer's
-    metrics records (printed once it ended) are kept when the job's results are copied, not shown."""
-    if line.startswith(pod_entry.METRICS):
+    metrics records (printed once it ended) are kept when the job's results are copied, not shown; the figures
+    lines for ``top`` neither."""
+    if line.startswith(pod_entry.QUIET):
         return []
     out: List[Event] = [m.Log(node, proc, line)]
     if line.startswith(pod_entry.READY):

@@ -35,6 +35,7 @@ from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, mint_plan
+from ...top import DirsSource
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
 from . import ops
 from .ops import cancel_job, job_info, node_dir, slurm
@@ -184,6 +185,11 @@ class SlurmBackend(Backend):
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, List[dict]]:
         return ops.metrics(job.cfg, job.name)
+
+    @classmethod
+    def figures(cls, job: JobRef) -> DirsSource:
+        """``top``: every node's directory on the shared filesystem, read here (the agents write the figures)."""
+        return DirsSource(lambda: ops.node_dirs_by_name(job.cfg, job.name))
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"

@@ -177,6 +177,11 @@ def _node_dirs(cfg: ClusterConfig, name: str) -> List[str]:
     return [path for _, path in sorted(found)]
 
 
+def node_dirs_by_name(cfg: ClusterConfig, name: str) -> Dict[str, str]:
+    """Each node's directory by its node name (``node0``), for ``top``."""
+    return {os.path.basename(d): d for d in _node_dirs(cfg, name)}
+
+
 def remove_plans(adir: str) -> None:
     """The plan files of start ``adir`` that no node read (and so removed): they hold the job secret."""
     for path in glob.glob(f"{glob.escape(adir)}/plan.*.jsonl"):

@@ -1,0 +1,145 @@
+"""``paddle-cluster top`` against real jobs: ``--json`` field by field on a local job, and the full-screen view
+through a pseudo-terminal (pexpect) on the 3-host SSH cluster, as a person uses it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+from helpers import OMIT, Launch, checkout_env, cli, conf, local_conf, no_traceback, wait_for
+
+# Sync SGD on a dense vector and a sparse table, a metrics record per step; trainer SLOW (argv[2]) sleeps
+# 0.1 s per step, so it is the one the others wait for. Ends after argv[1] steps.
+TRAIN_PY = r'''
+import sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+from paddle_cluster.train.metrics import MetricsWriter
+steps, slow = int(sys.argv[1]), int(sys.argv[2])
+ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
+w = ps.register_dense({"w": np.zeros(20000, np.float32)})["w"]
+ps.register_sparse("emb", 8, vocab_size=1000)
+metrics = MetricsWriter()
+print("training", flush=True)
+while ps.step < steps:
+    ids = np.arange(ps.step % 50 * 20, ps.step % 50 * 20 + 20)
+    rows = ps.pull_sparse("emb", ids)
+    ps.push_sparse("emb", ids, np.ones_like(rows))
+    w = ps.push_pull({"w": w - 1.0})["w"]
+    if ps.trainer_id == slow:
+        time.sleep(0.1)
+    metrics.log(0, ps.step, loss=float(np.mean(w ** 2)), samples=32, accuracy=0.5)
+ps.close()
+print("done", flush=True)
+'''
+
+
+def _workspace(tmp: Path) -> Path:
+    ws = tmp / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(TRAIN_PY)
+    return ws
+
+
+def _snapshot(conf_path: Path, env=None) -> dict:
+    res = cli(conf_path, "top", "--json", timeout=60, env=env)
+    no_traceback(res)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _trainers_moving(snap: dict) -> bool:
+    rows = [r for r in snap["rows"] if r["role"] == "trainer"]
+    return bool(rows) and all(r["state"] == "running" and r["steps_per_s"] for r in rows) and bool(snap["slowest"])
+
+
+def test_top_json_on_a_local_job(tmp_path):
+    """Every process with the figures of its kind, from where they are true: a pserver's rows and bytes held
+    against its budget and its barrier waits, a trainer's step, loss, metrics and traffic, each one's CPU and
+    RSS; the slowed trainer named the slowest; ``--once`` the same as a frame; the job untouched by it."""
+    env = checkout_env()
+    # PSERVERS/TRAINERS_PER_NODE: the built-in local cluster's two and two, with a conf so the job is this test's.
+    cfg = local_conf(tmp_path, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
+    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "100000", "1")
+    try:
+        run.wait_line(r"\[trainer\.1@node0\] training", 60)
+        snap = wait_for(lambda: (lambda s: s if _trainers_moving(s) else None)(_snapshot(cfg, env)), 60,
+                        "both trainers moving in top --json")
+        assert snap["job"].startswith("JOB") and snap["outcome"] is None and snap["notes"] == []
+        assert snap["age_s"] > 0 and snap["steps_per_s"] > 0 and snap["samples_per_s"] > 0
+        assert snap["slowest"] == "trainer.1"
+        rows = {r["name"]: r for r in snap["rows"]}
+        assert sorted(rows) == ["pserver.0", "pserver.1", "trainer.0", "trainer.1"]
+        for r in rows.values():
+            assert r["node"] == "node0" and r["host"] == "localhost" and r["state"] == "running"
+            assert r["step"] > 0 and r["cpu"] is not None and r["rss"] > 10 << 20
+            assert r["sent_per_s"] > 0 and r["received_per_s"] > 0 and not r["bad"] and not r["stalled"]
+        for name in ("pserver.0", "pserver.1"):
+            p = rows[name]
+            assert p["rows"] > 0 and 0 < p["held"] < p["budget"]  # 1000 rows of 8 floats over 2 pservers
+            assert p["wait_p50"] is not None and p["wait_p99"] >= p["wait_p50"] >= 0
+        for name in ("trainer.0", "trainer.1"):
+            t = rows[name]
+            assert t["loss"] >= 0 and t["metrics"] == {"accuracy": 0.5} and t["samples_per_s"] > 0
+            assert 0 <= t["ps_share"] <= 1 and t["held"] is None
+        assert rows["trainer.1"]["ps_share"] < rows["trainer.0"]["ps_share"]  # the others wait for trainer 1
+
+        res = cli(cfg, "top", "--once", timeout=60, env=env)
+        no_traceback(res)
+        assert res.returncode == 0, res.stderr
+        assert "slowest trainer.1" in res.stdout and "held/budget" in res.stdout
+        assert all(name in res.stdout for name in rows)
+        assert run.proc.poll() is None  # reading the figures touches nothing of the job
+    finally:
+        cli(cfg, "kill", env=env)
+        run.finish(60)
+
+
+def test_top_of_a_job_that_never_ran(tmp_path):
+    cfg = local_conf(tmp_path)
+    res = cli(cfg, "top", "--json", "--job_name", "JOBNOSUCH")
+    no_traceback(res)
+    assert res.returncode != 0 and "JOBNOSUCH" in res.stderr and len(res.stderr.strip().splitlines()) <= 2
+
+
+@pytest.mark.cluster
+def test_top_view_on_three_hosts(cluster, tmp_path):
+    """The view as a person uses it, on a real 3-host job: every process shown, the trainer slowed on purpose
+    named the slowest, ``q`` leaves the view and the job runs on, and the job's end shows its outcome."""
+    # conf(): the test hosts' interpreter and SSH keys; PSERVER_COMMAND left out as a user's conf.py does
+    # (train.py does not serve: the built-in pserver).
+    cfg = conf(tmp_path, cluster, PSERVER_COMMAND=OMIT, BARRIER_TIMEOUT=60.0)
+    env = checkout_env(TERM="xterm")
+    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "150", "1")
+
+    def spawn() -> pexpect.spawn:
+        return pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top"], env=env,
+                             cwd=str(tmp_path), dimensions=(30, 200), encoding="utf-8", codec_errors="replace",
+                             timeout=60)
+    try:
+        run.wait_line(r"\[trainer\.2@node2\] training", 90)
+        view = spawn()
+        for name in ("pserver.0", "pserver.1", "pserver.2", "trainer.0", "trainer.1", "trainer.2"):
+            view.expect_exact(name)
+        view.expect(r"slowest trainer\.1")
+        view.send("q")
+        view.expect(pexpect.EOF, timeout=15)
+        view.close()
+        assert view.exitstatus == 0, view.before
+        assert run.proc.poll() is None and not run.find(r"\[trainer\.0@node0\] done")  # the job runs on
+
+        view = spawn()
+        view.expect(r"finished \(exit 0\)", timeout=120)  # the job ends while it is watched
+        view.send("q")
+        view.expect(pexpect.EOF, timeout=15)
+        view.close()
+        assert view.exitstatus == 0
+        assert run.finish(60) == 0
+        assert run.find(r"\[trainer\.1@node1\] done")
+    finally:
+        if run.proc.poll() is None:
+            cli(cfg, "kill")
+        run.finish(60)
