@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
-from k8s_check import env_of
+from kube.validate import env_of
 from kubernetes.client import models as M
 from rt_helpers import free_port_range
 

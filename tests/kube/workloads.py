@@ -1,4 +1,4 @@
-"""The stand-in's JobSet controller and Kueue (``kube_standin.py`` says what else is modelled).
+"""The stand-in's JobSet controller and Kueue (``__init__.py`` says what else is modelled).
 
 JobSet (jobset.x-k8s.io/v1alpha2): a JobSet makes its headless Service (``network.enableDNSHostnames``: named
 after it, selecting its pods) and one Job ``<JobSet>-<replicated Job>-<i>`` per replica, whose pods are in the
@@ -9,7 +9,7 @@ once any Job failed; ``ttlSecondsAfterFinished`` deletes it, and the garbage col
 Kueue: the cluster's queues (``cluster.json`` ``queues``: name -> CPUs) admit the workloads labelled
 ``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one workload) in the order they came
 (StrictFIFO), each once the CPUs its pods request fit beside those of the workloads admitted and not finished;
-its webhook created them suspended (kube_standin.py), admission resumes them.
+its webhook created them suspended (apiserver.py), admission resumes them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import secrets
 import time
 from typing import Any, Dict, List
 
-from kube_standin import QUEUE, _key, now, touch
-from kube_standin_admission import pod_usage, qty
+from .admission import pod_usage, qty
+from .store import QUEUE, _key, now, touch
 
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"

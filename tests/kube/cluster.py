@@ -1,4 +1,4 @@
-"""The controllers of the Kubernetes stand-in (``kube_standin.py`` says what is modelled): one loop, every
+"""The controllers of the Kubernetes stand-in (``__init__.py`` says what is modelled): one loop, every
 ``TICK`` s, over the objects of the store, starting and stopping the pods' real processes."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
-from kube_standin_admission import place, refusal
-from kube_standin_dns import ClusterDNS
-from kube_standin_workloads import jobset, kueue
 from sshstate import _netns_pids
+
+from .admission import place, refusal
+from .dns import ClusterDNS
+from .store import INDEX, TICK, Store, _key, matches, now, touch
+from .workloads import jobset, kueue
 
 TERMINAL = ("Succeeded", "Failed")
 

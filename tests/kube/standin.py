@@ -1,4 +1,4 @@
-"""The ``kube`` fixture's cluster: the stand-in's API server and controller (kube_standin.py) over a
+"""The ``kube`` fixtures' cluster: the stand-in's API server and controller (``__init__.py``) over a
 tests/sshcluster.py cluster (a node per host; each node's ``PODS_PER_NODE`` pod sandboxes are bare network
 namespaces on the same bridge, so every pod has its own address, as a CNI gives it), and ``KUBECONFIG`` naming
 it for the real ``kubectl`` (``env``; ``kubeconfig(deny)`` for a user denied some rights). The image ``IMAGE`` is
@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from kube_standin import Store
 from sshstate import _netns_pids
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from .store import Store
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
 IMAGE = "registry.example/paddle/fit:1"
 SLOW_IMAGE = "registry.example/paddle/fit:2"  # the same, but a node's first pull of it takes PULL_S
 PULL_S = 4
@@ -62,13 +63,13 @@ class StandIn:
             "queues": {QUEUE: "4"}}))
         self.store = Store(root)
         self.setup_keys: set = set()
-        self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
-                                           cwd=HERE, stdin=subprocess.DEVNULL,
+        self.controller = subprocess.Popen([sys.executable, "-m", "kube", "controller", str(root)],
+                                           cwd=TESTS, stdin=subprocess.DEVNULL,
                                            stdout=open(root / "controller.log", "wb"), stderr=subprocess.STDOUT)
         # The API server the real kubectl (on PATH: scripts/test installs it) talks to, through a kubeconfig.
         port = root / "apiserver.port"
-        self.apiserver = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "apiserver", str(root),
-                                           str(port)], cwd=HERE, stdin=subprocess.DEVNULL,
+        self.apiserver = subprocess.Popen([sys.executable, "-m", "kube", "apiserver", str(root),
+                                           str(port)], cwd=TESTS, stdin=subprocess.DEVNULL,
                                           stdout=open(root / "apiserver.log", "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (port.exists() and port.read_text()):
@@ -140,13 +141,13 @@ class StandIn:
 
     def dns_fault(self, mode: str, seconds: float) -> None:
         """The cluster DNS fails on purpose for ``seconds``: ``servfail`` (EAI_AGAIN in the pods) or ``drop``."""
-        from kube_standin_dns import fault
+        from .dns import fault
 
         fault(self.root, mode, seconds)
 
     def expire_watches(self) -> None:
         """The API server ends every watch open now with 410 Expired, as after compacting its history."""
-        from kube_apiserver import expire_watches
+        from .apiserver import expire_watches
 
         expire_watches(self.root)
 

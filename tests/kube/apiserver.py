@@ -1,4 +1,4 @@
-"""The stand-in's API server: the Kubernetes REST API over the stand-in's store (kube_standin.py), plain HTTP on
+"""The stand-in's API server: the Kubernetes REST API over the stand-in's store (store.py), plain HTTP on
 loopback, as much of it as the real ``kubectl`` uses for every command the k8s backend runs -- so those command
 lines are parsed and sent by the real client and its output is the real client's.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from kube_standin import QUEUE, TICK, Store, _key, matches, now, touch
+from .store import QUEUE, TICK, Store, _key, matches, now, touch
 
 # (group, version, plural) -> (kind, namespaced, singular, short names)
 RESOURCES: Dict[Tuple[str, str, str], Tuple[str, bool, str, List[str]]] = {
