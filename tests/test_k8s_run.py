@@ -183,6 +183,46 @@ def test_detach_then_status_logs_kill_and_the_results_survive(fresh_kube: StandI
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
 
 
+# Trainer 0 prints ~11 MiB, past the 10 MiB at which a kubelet rotates a container's log, then trains as usual.
+CHATTY = """import os, runpy, sys
+if os.environ.get("PADDLE_TRAINING_ROLE") == "TRAINER" and os.environ["PADDLE_TRAINER_ID"] == "0":
+    for i in range(11000):
+        print(f"chatty {i:05d} " + "x" * 1010)
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_log_past_the_kubelets_rotation_is_shown_and_saved_whole(fresh_kube: StandIn, job_dir: Path) -> None:
+    """``kubectl logs`` returns a rotated log's current file alone: the followed run keeps every line, shown and
+    saved; a detached job's saved log says that its beginning was rotated away."""
+    (job_dir / "ws" / "chatty.py").write_text(CHATTY)
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "chat", "--entry", "chatty.py", "--", "--passes",
+                                              "1"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    kubelet_log = fresh_kube.store.log("default", next(p.name for p in (fresh_kube.root / "logs" / "default").glob(
+        "chat-trainer-0-*.log")).removesuffix(".log"))
+    assert Path(f"{kubelet_log}.1").exists()  # the stand-in's kubelet rotated it
+    shown = re.findall(r"^\[trainer\.0@chat-trainer-0\] chatty (\d+) ", res.stdout, re.M)
+    assert [int(i) for i in shown] == list(range(11000))  # followed across the rotation: every line, once
+    saved = (job_dir / "root/chat/log/trainer.0.log").read_text().splitlines()
+    assert saved[0].startswith("paddle-cluster pod: image: ")
+    assert [ln.split()[1] for ln in saved if ln.startswith("chatty ")] == [f"{i:05d}" for i in range(11000)]
+    assert "final test_mse=" in saved[-1] and (job_dir / "root/chat/log/metrics.trainer0.jsonl").stat().st_size
+    assert not list((job_dir / "root/chat/log").glob(".*"))  # the followed copies are gone
+    # Detached, nobody followed: what is saved is the current file, and says so.
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "quiet", "--entry", "chatty.py", "--detach",
+                                              "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    fresh_kube.wait(lambda: any(c["type"] == "Complete" for c in fresh_kube.objects("Job/default/quiet-trainer")[
+        "Job/default/quiet-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
+    kill = cli(fresh_kube, job_dir, "kill")
+    assert kill.returncode == 0, kill.stderr
+    saved = (job_dir / "root/quiet/log/trainer.0.log").read_text().splitlines()
+    assert saved[0].startswith("[paddle-cluster: the beginning of this log was rotated away on its node"), saved[0]
+    assert "final test_mse=" in saved[-1] and (job_dir / "root/quiet/log/metrics.trainer0.jsonl").stat().st_size
+
+
 # What a cluster's admin provides: the ServiceAccount and PriorityClass the pod options name.
 ADMIN = """apiVersion: v1
 kind: ServiceAccount

@@ -7,7 +7,8 @@ leave field validation to the server; create (409 AlreadyExists), get, list (``l
 on ``metadata.name``/``metadata.namespace``), merge patch, delete (``propagationPolicy``, ``gracePeriodSeconds``:
 foreground deletion, force), watch (chunked events after ``resourceVersion``; one older than the events kept, or
 every watch open when ``expire_watches`` is called, ends with a 410 Expired ERROR event, as after a compaction),
-``pods/log`` (``tailLines``, ``follow``: 400 while the container waits), and SelfSubjectAccessReview (JSON, or
+``pods/log`` (``tailLines``, ``follow``: 400 while the container waits; the current file of a rotated log, a
+follower moved on to the next), and SelfSubjectAccessReview (JSON, or
 the protobuf kubectl's typed client posts). Users: kubectl sends no token over plain HTTP, so a kubeconfig's user
 is the one it impersonates (``as``: the ``Impersonate-User`` header); ``users.json`` lists what each is denied
 (``verb resource`` pairs, as RBAC would deny them), in ``auth can-i`` and with 403 on every request. Kueue's
@@ -462,7 +463,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.fail(400, "BadRequest", f'container "{obj["spec"]["containers"][0]["name"]}" in pod '
                              f'"{name}" is waiting to start: ContainerCreating')
         self.start_stream("text/plain")
-        with open(path, "rb") as f:
+        f = open(path, "rb")  # the current file only: what the kubelet rotated away is not served
+        try:
             lines = f.read().splitlines(keepends=True)
             if "tailLines" in q:
                 lines = lines[-int(q["tailLines"]):] if int(q["tailLines"]) else []
@@ -472,13 +474,27 @@ class Handler(BaseHTTPRequestHandler):
                 if data:
                     self.chunk(data)
                     continue
+                if _rotated(path, f):  # the kubelet's follower moves on to the new file, the old one read out
+                    self.chunk(f.read())
+                    f.close()
+                    f = open(path, "rb")
+                    continue
                 if store.changed():
                     cur = store.read()["objects"].get(key)
                     if cur is None or (cur.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                         self.chunk(f.read())
                         break
                 time.sleep(TICK)
+        finally:
+            f.close()
         self.end_stream()
+
+
+def _rotated(path: Path, f) -> bool:
+    try:
+        return os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:  # between the rename and the new file
+        return False
 
 
 def serve(root: Path, port_file: Path) -> None:

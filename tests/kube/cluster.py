@@ -10,6 +10,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -22,6 +23,31 @@ from .store import INDEX, TICK, Store, _key, matches, now, touch
 from .workloads import jobset, kueue
 
 TERMINAL = ("Succeeded", "Failed")
+LOG_MAX = 10 * 2 ** 20  # the kubelet's containerLogMaxSize (10Mi by default)
+LOG_FILES = 5  # containerLogMaxFiles: the current file and 4 rotated ones
+
+
+def copy_log(pipe, log: Path) -> None:
+    """The runtime writing a container's output to its log file, line by line, and the kubelet rotating the file
+    once it holds LOG_MAX bytes: renamed to ``<log>.1`` (older ones shifted, LOG_FILES kept in all) and a new one
+    begun. So ``kubectl logs`` returns the current file alone, as on a real node, and a follower moves on to the
+    new file (apiserver.py)."""
+    out = open(log, "ab")
+    try:
+        for line in pipe:
+            out.write(line)
+            out.flush()
+            if out.tell() >= LOG_MAX:
+                out.close()
+                log.with_name(f"{log.name}.{LOG_FILES - 1}").unlink(missing_ok=True)
+                for n in range(LOG_FILES - 2, 0, -1):
+                    if log.with_name(f"{log.name}.{n}").exists():
+                        os.replace(log.with_name(f"{log.name}.{n}"), log.with_name(f"{log.name}.{n + 1}"))
+                os.replace(log, log.with_name(f"{log.name}.1"))
+                out = open(log, "ab")
+    finally:
+        out.close()
+        pipe.close()
 
 
 class Cluster:
@@ -30,6 +56,7 @@ class Cluster:
         self.cfg = store.config()
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
+        self.copiers: Dict[str, threading.Thread] = {}  # each pod's copy_log
         self.term_at: Dict[str, float] = {}
         self.pulled: set = set()  # (node, image) pulled once: a node keeps its images
         self.pulling: Dict[Tuple[str, str], float] = {}  # (node, image) -> when its first pull started
@@ -209,10 +236,13 @@ class Cluster:
                     self._signal(proc, signal.SIGKILL)
                 return
             if proc is not None and st.get("phase") not in TERMINAL:  # the kubelet reports the end first
+                if self.copiers[key].is_alive():
+                    return  # its last output is still being written
                 self._ended(pod, proc)
                 touch(doc, pod)
                 return
             self.procs.pop(key, None)
+            self.copiers.pop(key, None)
             touch(doc, objs.pop(key), "DELETED")
             return
         if st.get("phase") in TERMINAL:
@@ -231,7 +261,7 @@ class Cluster:
                           podIP=sandbox["ip"], startTime=now())
         elif proc is None:
             self._start(doc, key, pod)
-        elif proc.poll() is not None:
+        elif proc.poll() is not None and not self.copiers[key].is_alive():  # its output written to the end
             self._ended(pod, proc)
         if st != before:
             touch(doc, pod)
@@ -332,14 +362,15 @@ class Cluster:
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
                               f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
-        with open(log, "ab") as out:
-            self.procs[key] = subprocess.Popen(
-                # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
-                # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
-                # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
-                ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
-                 "--fork", "--propagation", "private", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[key] = proc = subprocess.Popen(
+            # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
+            # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
+            # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
+            ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
+             "--fork", "--propagation", "private", "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.copiers[key] = threading.Thread(target=copy_log, args=(proc.stdout, log), daemon=True)
+        self.copiers[key].start()
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import queue
 import re
 import shlex
@@ -404,11 +405,15 @@ class K8sBackend(Backend):
 
     def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
         assert p.stdout is not None and p.stderr is not None
-        for raw in p.stdout:
-            for ev in log_events(node, proc, raw.rstrip("\n")):
-                if isinstance(ev, (m.Ready, m.NotReady)):
-                    self.readied.add(node)
-                self._put(ev)
+        os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
+        with open(kc.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
+            for raw in p.stdout:
+                copy.write(raw if raw.endswith("\n") else raw + "\n")
+                copy.flush()
+                for ev in log_events(node, proc, raw.rstrip("\n")):
+                    if isinstance(ev, (m.Ready, m.NotReady)):
+                        self.readied.add(node)
+                    self._put(ev)
         err = p.stderr.read().strip()
         if p.wait() != 0 and err:
             self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))

@@ -300,10 +300,36 @@ def kill_job(k: Kubectl, job_dir: str) -> List[str]:
     return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
 
 
+def followed_copy(job_dir: str, pod: str) -> str:
+    """Where ``run`` keeps what it read following a pod's log: the whole log, which the kubelet's current file
+    alone is not once it rotated."""
+    return os.path.join(job_dir, "log", f".{pod}.followed")
+
+
+def whole_log(current: List[str], copy: List[str]) -> List[str]:
+    """A pod's whole log from ``kubectl logs`` (``current``: the kubelet's current file, which past its size
+    limit, 10 MiB by default, it rotates away) and the ``copy`` a follower kept, joined where they overlap. A
+    log whose first line is not the entry point's (every log of a pod that ran it starts with one, else with
+    Python's word that it cannot) lost its beginning: without a copy it says so in its first line."""
+    if not current or current[0].startswith(pod_entry.PREFIX) or "No module named" in current[0]:
+        return current if len(current) >= len(copy) else copy
+    if not copy:
+        return [ROTATED] + current
+    for i in range(max(0, len(copy) - len(current)), len(copy) + 1):  # the longest overlap first
+        if copy[i:] == current[:len(copy) - i]:
+            return copy[:i] + current
+    return copy + current  # (not reached: i == len(copy) always matches)
+
+
+ROTATED = ("[paddle-cluster: the beginning of this log was rotated away on its node (the kubelet keeps the current "
+           "10 MiB by default: containerLogMaxSize); a run that follows the job keeps every line]")
+
+
 def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
-    """Each pod's whole log into ``job_dir/log/<process>.log`` and a trainer's metrics records (its log's
-    ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the other backends leave them, so ``logs``
-    and ``plot`` work once the pods are gone. Each file is written whole, then renamed. The processes saved."""
+    """Each pod's whole log into ``job_dir/log/<process>.log`` (with the copy a follower kept: ``whole_log``)
+    and a trainer's metrics records (its log's ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the
+    other backends leave them, so ``logs`` and ``plot`` work once the pods are gone. Each file is written whole,
+    then renamed. The processes saved."""
     log_dir = os.path.join(job_dir, "log")
     saved = []
     for p in pods:
@@ -315,7 +341,9 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
             continue
         os.makedirs(log_dir, exist_ok=True)
         lines, metrics = [], []
-        for line in text.splitlines():
+        copy = followed_copy(job_dir, p.name)
+        kept = _lines(copy)
+        for line in whole_log(text.splitlines(), kept):
             if line.startswith(METRICS):
                 metrics.append(line[len(METRICS):].partition(" ")[2])
             else:
@@ -323,8 +351,18 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
         _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
         if metrics:
             _write(os.path.join(log_dir, f"metrics.trainer{p.index}.jsonl"), metrics)
+        if os.path.exists(copy):
+            os.unlink(copy)
         saved.append(proc_name(p))
     return saved
+
+
+def _lines(path: str) -> List[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
 
 
 def _write(path: str, lines: List[str]) -> None:
