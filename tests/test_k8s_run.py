@@ -18,9 +18,10 @@ from typing import List
 
 import pytest
 from enginecluster import kubectl_unavailable_reason
-from kube.standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, QUEUE, REPO, SLOW_IMAGE, StandIn
+from kube.standin import BARE_IMAGE, IMAGE, IMAGE_USER, NFS_CLAIM, PODS_PER_NODE, PULL_S, QUEUE, SLOW_IMAGE, StandIn
 from rt_helpers import free_port_range
 
+REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
 # Trainer 1 fails after 3 s; the others train as usual.
 FLAKY = """import os, runpy, sys, time
@@ -50,10 +51,16 @@ def job_dir(tmp_path: Path, fresh_kube) -> Path:
     ws = tmp_path / "ws"
     shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns("log", "output", "__pycache__"))
     (ws / "flaky.py").write_text(FLAKY)
+    chown_tree(ws, IMAGE_USER)  # the pods' user writes output/ into it: docs/backends.md's COPY --chown=1000:1000
     port = free_port_range(2)
     (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\nPADDLE_PORT = {port}\n'
                                       'PADDLE_PORTS_NUM = 1\nPADDLE_PORTS_NUM_FOR_SPARSE = 1\n')
     return tmp_path
+
+
+def chown_tree(d: Path, uid: int) -> None:
+    for path in [d, *d.rglob("*")]:
+        os.chown(path, uid, uid)
 
 
 def cli(kube: StandIn, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -458,6 +465,28 @@ def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(fresh_kube: StandIn,
     # Without a claim there is nothing to resume from, and the error says what to give.
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
     assert res.returncode == 2 and "--checkpoint-pvc" in res.stderr, res.stderr
+
+
+def test_pods_run_as_their_user_and_a_volume_it_cannot_write_fails_at_once(fresh_kube: StandIn,
+                                                                          job_dir: Path) -> None:
+    """The pods run as runAsUser (1000) with their volumes given to fsGroup where the storage allows it: a claim
+    whose storage ignores fsGroup (NFS) keeps its root directory root's, and the pserver says so before it starts,
+    naming the directory and both owners, instead of failing at its first checkpoint."""
+    t0 = time.monotonic()
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--checkpoint-pvc", NFS_CLAIM, "--",
+                                              "--passes", "1"))
+    took = time.monotonic() - t0
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "the checkpoint directory (PADDLE_CHECKPOINT_DIR) /checkpoints/fit is not writable by this pod's user " \
+        "(uid 1000, gid 1000, groups 1000): /checkpoints has owner 0:0, mode 0755" in res.stderr, res.stderr
+    assert took < 60, took  # at once, not after START_TIMEOUT
+    # A claim whose storage applies fsGroup is the pods' group's; what the pods wrote is their user's.
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "ok", "--checkpoint-pvc", "ckpt", "--",
+                                              "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    claim = (fresh_kube.root / "pvcs" / "default" / "ckpt").stat()
+    assert (claim.st_uid, claim.st_gid, claim.st_mode & 0o2070) == (0, IMAGE_USER, 0o2070)
+    assert (job_dir / "ws" / "output").stat().st_uid == IMAGE_USER  # trainer 0's output/, in the image's workspace
 
 
 def test_ctrl_c_stops_every_pod_and_keeps_the_logs(fresh_kube: StandIn, job_dir: Path) -> None:

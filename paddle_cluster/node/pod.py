@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -163,9 +164,17 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     # while it waits would stay until its grace period ran out.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _end_waiting)
+    if env.job_dir:
+        writable_dir(env.job_dir, "the job directory (PADDLE_JOB_DIR)")
+    if env.role == PSERVER and env.checkpoint_dir:
+        writable_dir(env.checkpoint_dir, "the checkpoint directory (PADDLE_CHECKPOINT_DIR)")
     if pack:
         unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
+    if env.workspace and os.path.isdir(env.workspace) and not _can_write(env.workspace):
+        say(f"{PREFIX}note: the workspace {env.workspace} is not writable by this pod's user ({_user()}; "
+            f"{_owner(env.workspace)}): a script that writes into it (output/) fails; in the image, COPY "
+            f"--chown={os.getuid()}:{os.getgid()} it")
     deadline = time.monotonic() + start_timeout
     if env.role == PSERVER:
         host = env.pservers[index].host
@@ -250,6 +259,44 @@ def _stop_pserver(child: subprocess.Popen) -> int:
         child.kill()
         child.wait()
     return EXIT_TRAINERS_GONE
+
+
+def writable_dir(path: str, what: str) -> None:
+    """``path``, made if missing, must take this pod's files: a volume the pod's user (``runAsUser``) may not write
+    fails the pod now, naming the directory, the user and the owner, rather than the first checkpoint later."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if _can_write(path):
+            return
+        blocker = path
+    except OSError:
+        blocker = path
+        while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+    raise PodError(f"{what} {path} is not writable by this pod's user ({_user()}): {blocker} has "
+                   f"{_owner(blocker)}; give the pods a volume their user may write (storage that applies the pods' "
+                   f"fsGroup, {os.getgid()}, or one prepared for that user), or --run-as-user its owner")
+
+
+def _can_write(path: str) -> bool:
+    """Whether a file can be made in ``path``: tried, since ``os.access`` answers for the real uid without the
+    capabilities a container may have."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".paddle-cluster-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _user() -> str:
+    return f"uid {os.getuid()}, gid {os.getgid()}, groups {','.join(map(str, os.getgroups())) or '-'}"
+
+
+def _owner(path: str) -> str:
+    st = os.stat(path)
+    return f"owner {st.st_uid}:{st.st_gid}, mode {st.st_mode & 0o7777:04o}"
 
 
 def unpack_workspace(pack: str, workspace: str) -> None:

@@ -50,6 +50,28 @@ def copy_log(pipe, log: Path) -> None:
         pipe.close()
 
 
+def _give_to_group(d: Path, gid: int, write: bool = True) -> None:
+    """What the kubelet does to a volume for a pod's fsGroup: every file the group's (group-writable), and every
+    directory setgid, so the files the pod makes are the group's too."""
+    for path in [d, *d.rglob("*")]:
+        os.chown(path, -1, gid)
+        mode = os.stat(path).st_mode
+        if path.is_dir():
+            os.chmod(path, mode | 0o2070 if write else mode | 0o2050)
+        else:
+            os.chmod(path, mode | (0o060 if write else 0o040))
+
+
+def _as_user(uid: int, gid: int, groups: List[int]) -> str:
+    """The command prefix that runs the container's process as ``uid``. It keeps CAP_DAC_READ_SEARCH: the image
+    here is this machine's files (its interpreter under /root, the tests' directories 0700), which a user other
+    than root could not reach, while an image's are its user's to read; writing is checked as for any user."""
+    if uid == 0:
+        return ""
+    return (f"setpriv --reuid {uid} --regid {gid} --groups {','.join(map(str, groups))} "
+            "--inh-caps +dac_read_search --ambient-caps +dac_read_search ")
+
+
 class Cluster:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -313,9 +335,13 @@ class Cluster:
                 return self._waiting(pod, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
             env[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         env["HOSTNAME"] = spec["hostname"]
-        # The kubelet's check; the process itself runs as root here (this machine's interpreter is under /root).
-        sc = {**(spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
-        uid = sc.get("runAsUser", image.get("user", 0))
+        # The user the process runs as: the manifest's, else the image's; its groups: runAsGroup, fsGroup and the
+        # supplementalGroups, as a runtime gives them.
+        pod_sc = spec.get("securityContext") or {}
+        sc = {**pod_sc, **(c.get("securityContext") or {})}
+        uid, gid = sc.get("runAsUser", image.get("user", 0)), sc.get("runAsGroup", image.get("group", 0))
+        fs_group = pod_sc.get("fsGroup")
+        groups = sorted({gid, *([fs_group] if fs_group is not None else []), *pod_sc.get("supplementalGroups", [])})
         if sc.get("runAsNonRoot") and uid == 0:
             return self._waiting(pod, "CreateContainerConfigError", "container has runAsNonRoot and image will run "
                                  "as root")
@@ -326,9 +352,15 @@ class Cluster:
             d.mkdir(parents=True)
             if "persistentVolumeClaim" in v:  # (binding not modelled: a directory per claim that outlives pods)
                 d.rmdir()
-                d = self.store.root / "pvcs" / ns / v["persistentVolumeClaim"]["claimName"]
-                d.mkdir(parents=True, exist_ok=True)
-                os.chmod(d, 0o777)
+                claim = v["persistentVolumeClaim"]["claimName"]
+                d = self.store.root / "pvcs" / ns / claim
+                if not d.exists():  # a new volume's file system: its root directory is root's, 0755
+                    d.mkdir(parents=True)
+                    os.chmod(d, 0o755)
+                # The kubelet gives the volume to fsGroup (recursively, group-writable, setgid directories) where
+                # its storage lets it: not on one listed as ignoring it (cluster.json "claims", as NFS does).
+                if fs_group is not None and self.cfg.get("claims", {}).get(claim, {}).get("fsGroup", True):
+                    _give_to_group(d, fs_group)
             elif "configMap" in v:
                 cm = objs.get(_key("ConfigMap", ns, v["configMap"]["name"]))
                 if cm is None:
@@ -338,9 +370,15 @@ class Cluster:
                     (d / k).write_text(text)
                 for k, b64 in (cm.get("binaryData") or {}).items():
                     (d / k).write_bytes(base64.b64decode(b64))
+                for f in d.iterdir():
+                    os.chmod(f, v["configMap"].get("defaultMode", 0o644))
                 os.chmod(d, 0o755)
+                if fs_group is not None:
+                    _give_to_group(d, fs_group, write=False)
             else:
-                os.chmod(d, 0o777)  # an emptyDir is writable by any user
+                os.chmod(d, 0o777)  # an emptyDir is writable by any user, and fsGroup's
+                if fs_group is not None:
+                    _give_to_group(d, fs_group)
             for m in c.get("volumeMounts") or []:
                 if m["name"] == v["name"]:
                     binds.append((d, m["mountPath"]))
@@ -361,7 +399,8 @@ class Cluster:
                               f"mount --bind {self.resolv} /etc/resolv.conf",
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
-                              f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
+                              f"exec {_as_user(uid, gid, groups)}env -i {envs} "
+                              f"{shlex.join([*c['command'], *c.get('args', [])])}"])
         self.procs[key] = proc = subprocess.Popen(
             # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
             # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it

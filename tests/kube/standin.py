@@ -31,6 +31,8 @@ BARE_IMAGE = "registry.example/python:3.11"
 PODS_PER_NODE = 5
 GPU = "nvidia.com/gpu"
 QUEUE = "q"  # the Kueue LocalQueue of the stand-in
+IMAGE_USER = 1000  # the images' USER, and the pods' runAsUser by default (--run-as-user)
+NFS_CLAIM = "nfs"  # a claim whose storage ignores fsGroup (NFS): its root directory stays root's, 0755
 
 
 class StandIn:
@@ -55,12 +57,14 @@ class StandIn:
                        "pods": [{"netns": ns, "ip": ip}
                                 for ns, ip in self.sandboxes[i * PODS_PER_NODE:(i + 1) * PODS_PER_NODE]]}
                       for i in range(cluster.n)],
-            "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
-                       SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000, "pull_s": PULL_S},
-                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
+            "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER},
+                       SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER,
+                                    "pull_s": PULL_S},
+                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": IMAGE_USER}},
             "dns": cluster.gateway,
             # Kueue's queues (LocalQueue -> the CPUs its ClusterQueue lends): one job of 3 pods of 1 CPU at a time.
-            "queues": {QUEUE: "4"}}))
+            "queues": {QUEUE: "4"},
+            "claims": {NFS_CLAIM: {"fsGroup": False}}}))
         self.store = Store(root)
         self.setup_keys: set = set()
         self.controller = subprocess.Popen([sys.executable, "-m", "kube", "controller", str(root)],
