@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -581,6 +583,41 @@ def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(fresh_kube:
     assert "[trainer.1@second-trainer-0-1] final test_mse=" in second.stdout or "final test_mse" in second.stdout
     assert cli(fresh_kube, job_dir, "kill", "--job_name", "first").returncode == 0
     assert fresh_kube.objects() == {}, fresh_kube.objects()
+
+
+def test_a_queued_job_says_its_place_in_line_and_when_it_moves_up(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Kueue's visibility API lists a LocalQueue's pending workloads in line: the followed run says its place, and
+    again when a job before it leaves the queue."""
+    (job_dir / "ws" / "sleepy.py").write_text("import time\ntime.sleep(300)\n")  # holds the queue, idle
+    for name in ("first", "second", "third"):  # the first is admitted, the other two wait (4 CPUs, 3 a job)
+        res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", name, "--queue", QUEUE, "--detach",
+                                                  "--entry", "sleepy.py", "--pserver", "builtin"))
+        assert res.returncode == 0, res.stderr
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fourth", "--queue",
+                                                                            QUEUE, "--", "--passes", "1")],
+                         cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in p.stdout], daemon=True).start()
+
+    def said(text: str) -> None:
+        seen = []
+        deadline = time.monotonic() + 60
+        while text not in "".join(seen):
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            assert time.monotonic() < deadline, "".join(seen)
+
+    try:
+        said("[agent@fourth-pserver-0-0] waiting for Kueue queue q: 3rd in line\n")
+        assert cli(fresh_kube, job_dir, "kill", "--job_name", "second").returncode == 0
+        said("[agent@fourth-pserver-0-0] waiting for Kueue queue q: 2nd in line\n")
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=120)
+    assert p.returncode == 130 and "Kueue's visibility API does not" not in "".join(lines.queue)
+    # (first and third: their pods are ended with the stand-in)
 
 
 def test_a_watch_the_api_server_expires_is_listed_again(fresh_kube: StandIn, job_dir: Path) -> None:

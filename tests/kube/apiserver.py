@@ -12,7 +12,8 @@ follower moved on to the next), and SelfSubjectAccessReview (JSON, or
 the protobuf kubectl's typed client posts). Users: kubectl sends no token over plain HTTP, so a kubeconfig's user
 is the one it impersonates (``as``: the ``Impersonate-User`` header); ``users.json`` lists what each is denied
 (``verb resource`` pairs, as RBAC would deny them), in ``auth can-i`` and with 403 on every request. Kueue's
-webhook suspends a queued Job or JobSet on creation.
+webhook suspends a queued Job or JobSet on creation, and its visibility API lists a LocalQueue's pending workloads
+(``pendingworkloads``, their positions in line).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 from .store import QUEUE, TICK, Store, _key, matches, now, touch
+from .workloads import pending_workloads
+
+VISIBILITY = "visibility.kueue.x-k8s.io"  # Kueue's visibility API: its LocalQueues' pending workloads, in line
 
 # (group, version, plural) -> (kind, namespaced, singular, short names)
 RESOURCES: Dict[Tuple[str, str, str], Tuple[str, bool, str, List[str]]] = {
@@ -215,6 +219,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if method == "GET" and self.discovery(parts):
                 return
+            if method == "GET" and parts[:3] == ["apis", VISIBILITY, "v1beta1"] and len(parts) == 8 and \
+                    parts[3] == "namespaces" and parts[5:8:2] == ["localqueues", "pendingworkloads"]:
+                return self.pending_workloads(parts[4], parts[6])
             target = self.target(parts)
             if target is None:
                 return self.fail(404, "NotFound", "the server could not find the requested resource")
@@ -451,6 +458,11 @@ class Handler(BaseHTTPRequestHandler):
         self.chunk(json.dumps({"type": "ERROR", "object": status(
             410, "Expired", f"too old resource version: {since} ({oldest})")}).encode() + b"\n")
         self.end_stream()
+
+    def pending_workloads(self, ns: str, queue: str) -> None:
+        if queue not in (self.api.cfg.get("queues") or {}):
+            return self.fail(404, "NotFound", f'localqueues.kueue.x-k8s.io "{queue}" not found')
+        self.reply(200, pending_workloads(Store(self.api.root).read()["objects"], ns, queue))
 
     def log(self, ns: str, name: str, q: Dict[str, str]) -> None:
         store = Store(self.api.root)

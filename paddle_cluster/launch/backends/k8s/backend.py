@@ -38,6 +38,7 @@ from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_res
 from .pod_options import PodOptions
 
 RETRY_S = 2.0  # between a watch that ended and the next
+QUEUE_ASK_S = 2.0  # between two questions for the job's place in its Kueue queue
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,8 @@ class K8sBackend(Backend):
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
                              name=f"k8s-{kind}").start()
+        if job.pods.queue:
+            threading.Thread(target=self._watch_queue, args=(done,), daemon=True, name="k8s-queue").start()
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
@@ -373,6 +376,26 @@ class K8sBackend(Backend):
                     problem = str(e)
                     self._put(m.Note(0, f"cannot follow the job's {kind}: {e}"))
             done.wait(RETRY_S)
+
+    def _watch_queue(self, done: threading.Event) -> None:
+        """While Kueue holds the job, its place in line, from Kueue's visibility API every ``QUEUE_ASK_S``; a
+        cluster without that API (before Kueue 0.9, or not installed) is said once, then not asked again."""
+        assert self.job is not None
+        owners = [self.job.name, *self.jobwatch.job_nodes]  # the JobSet, or a Job
+        while not done.wait(QUEUE_ASK_S):
+            with self._state:
+                queue = self.jobwatch.queued_for()
+            if not queue:
+                continue
+            try:
+                summary = json.loads(self.kubectl.run(self.kubectl.pending_workloads(queue), timeout=30) or "{}")
+            except (ClusterError, ValueError) as e:
+                self._put(m.Note(0, f"Kueue's visibility API does not say the job's place in queue {queue} ({e}); "
+                                    "waiting without it"))
+                return
+            with self._state:
+                events = self.jobwatch.in_line(summary, owners)
+            self._handle(events)
 
     def _update(self, update: Callable[[List[Dict[str, Any]]], List[Event]], objs: Dict[str, Any]) -> None:
         with self._state:  # three watches feed the same state

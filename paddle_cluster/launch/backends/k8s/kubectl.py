@@ -39,6 +39,7 @@ def kinds(jobset: bool) -> str:
     """What a job's objects are: those of ``OBJECTS``, and its JobSet (whose Jobs and Service go with it)."""
     return f"{OBJECTS},{JOBSET_RESOURCE}" if jobset else OBJECTS
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
+VISIBILITY = "visibility.kueue.x-k8s.io/v1beta1"  # Kueue 0.9 and later (v1alpha1 before)
 
 
 class KubectlMissing(ClusterError):
@@ -105,6 +106,11 @@ class Kubectl:
     def api_resources(self, group: str) -> List[str]:
         """The resources the API server offers in ``group``, one name a line."""
         return [self.binary, "api-resources", f"--api-group={group}", "--output", "name"]
+
+    def pending_workloads(self, queue: str) -> List[str]:
+        """Kueue's visibility API: the LocalQueue's workloads not admitted yet, each with its place in line."""
+        return [self.binary, "get", "--raw", f"/apis/{VISIBILITY}/namespaces/{self.namespace}/localqueues/{queue}/"
+                "pendingworkloads"]
 
     def kill_pods(self) -> List[str]:
         """The second Ctrl+C: no grace period."""
