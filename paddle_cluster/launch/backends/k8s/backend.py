@@ -157,7 +157,7 @@ class K8sBackend(Backend):
         *pod_options.OPTIONS,
         BackendOption("--jobset", "jobset", "One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
                       "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
-                      "workload (--queue implies it).", bool),
+                      "workload (--queue implies it; check: its rights).", bool, check=True),
     )
 
     @classmethod
@@ -209,7 +209,7 @@ class K8sBackend(Backend):
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
         return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
-                            if opts.get("namespace") else cfg)
+                            if opts.get("namespace") else cfg, jobset=bool(opts.get("jobset") or opts.get("queue")))
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:
@@ -286,7 +286,7 @@ class K8sBackend(Backend):
                               "this cluster does not offer ('kubectl api-resources --api-group=jobset.x-k8s.io' lists "
                               "nothing): Kueue admits a job's pservers and trainers as one workload only as a "
                               "JobSet; install JobSet (github.com/kubernetes-sigs/jobset) or leave the option out")
-        need = rights.Need("create", k8s.JOBSET_RESOURCE, "run creates the JobSet (--queue, --jobset)", True)
+        need = rights.JOBSET_NEEDS[0]
         if not self.kubectl.may(need.verb, need.resource):
             raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
