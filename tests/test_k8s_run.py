@@ -192,11 +192,14 @@ def test_detach_then_status_logs_kill_and_the_results_survive(fresh_kube: StandI
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
 
 
-# Trainer 0 prints ~11 MiB, past the 10 MiB at which a kubelet rotates a container's log, then trains as usual.
-CHATTY = """import os, runpy, sys
+# Trainer 0 prints ~11 MiB, past the 10 MiB at which a kubelet rotates a container's log, then trains as usual. It
+# begins once the file GO exists (the pods see this machine's files): once the test saw the run follow its log.
+CHATTY = """import os, runpy, sys, time
 if os.environ.get("PADDLE_TRAINING_ROLE") == "TRAINER" and os.environ["PADDLE_TRAINER_ID"] == "0":
+    while not os.path.exists({go!r}):
+        time.sleep(0.05)
     for i in range(11000):
-        print(f"chatty {i:05d} " + "x" * 1010)
+        print(f"chatty {{i:05d}} " + "x" * 1010)
 sys.argv[0] = "train.py"
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -205,14 +208,25 @@ runpy.run_path("train.py", run_name="__main__")
 def test_a_log_past_the_kubelets_rotation_is_shown_and_saved_whole(fresh_kube: StandIn, job_dir: Path) -> None:
     """``kubectl logs`` returns a rotated log's current file alone: the followed run keeps every line, shown and
     saved; a detached job's saved log says that its beginning was rotated away."""
-    (job_dir / "ws" / "chatty.py").write_text(CHATTY)
-    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "chat", "--entry", "chatty.py", "--", "--passes",
-                                              "1"))
-    assert res.returncode == 0, res.stderr[-2000:]
+    go = job_dir / "go"
+    (job_dir / "ws" / "chatty.py").write_text(CHATTY.format(go=str(go)))
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "chat", "--entry", "chatty.py", "--", "--passes", "1")], cwd=job_dir, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stderr is not None
+    out = []
+    for line in p.stdout:  # (the test's timeout bounds this)
+        out.append(line)
+        if line.startswith("[trainer.0@chat-trainer-0] "):  # the run follows trainer 0's log: let it chatter
+            go.touch()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0, err[-2000:]
     kubelet_log = fresh_kube.store.log("default", next(p.name for p in (fresh_kube.root / "logs" / "default").glob(
         "chat-trainer-0-*.log")).removesuffix(".log"))
     assert Path(f"{kubelet_log}.1").exists()  # the stand-in's kubelet rotated it
-    shown = re.findall(r"^\[trainer\.0@chat-trainer-0\] chatty (\d+) ", res.stdout, re.M)
+    shown = re.findall(r"^\[trainer\.0@chat-trainer-0\] chatty (\d+) ", "".join(out), re.M)
     assert [int(i) for i in shown] == list(range(11000))  # followed across the rotation: every line, once
     saved = (job_dir / "root/chat/log/trainer.0.log").read_text().splitlines()
     assert saved[0].startswith("paddle-cluster pod: image: ")
@@ -230,6 +244,19 @@ def test_a_log_past_the_kubelets_rotation_is_shown_and_saved_whole(fresh_kube: S
     saved = (job_dir / "root/quiet/log/trainer.0.log").read_text().splitlines()
     assert saved[0].startswith("[paddle-cluster: the beginning of this log was rotated away on its node"), saved[0]
     assert "final test_mse=" in saved[-1] and (job_dir / "root/quiet/log/metrics.trainer0.jsonl").stat().st_size
+
+
+def test_a_pod_log_is_joined_with_what_its_follower_kept() -> None:
+    """``whole_log``: the kubelet's current file after a rotation, joined with the copy a follower kept where they
+    overlap; without a copy reaching the beginning, the first line says the beginning is gone."""
+    from paddle_cluster.launch.backends.k8s.kubectl import ROTATED, whole_log
+
+    full = ["paddle-cluster pod: image: Python 3", *[f"line {i}" for i in range(10)]]
+    assert whole_log(full, full[:4]) == full  # not rotated: the current file is the whole log
+    assert whole_log(full[6:], full[:8]) == full  # rotated, the copy overlapping it
+    assert whole_log(full[6:], full) == full  # the pod ended: the copy holds it all
+    assert whole_log(full[6:], []) == [ROTATED, *full[6:]]  # nobody followed
+    assert whole_log(full[6:], full[3:8]) == [ROTATED, *full[3:]]  # followed late
 
 
 # What a cluster's admin provides: the ServiceAccount and PriorityClass the pod options name.

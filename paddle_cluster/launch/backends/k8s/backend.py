@@ -430,9 +430,13 @@ class K8sBackend(Backend):
         assert p.stdout is not None and p.stderr is not None
         os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
         with open(kc.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
-            for raw in p.stdout:
+            for n, raw in enumerate(p.stdout):
                 copy.write(raw if raw.endswith("\n") else raw + "\n")
                 copy.flush()
+                if n == 0 and kc.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
+                    self.readied.add(node)
+                    self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before "
+                                           "it was followed"))
                 for ev in log_events(node, proc, raw.rstrip("\n")):
                     if isinstance(ev, (m.Ready, m.NotReady)):
                         self.readied.add(node)

@@ -314,17 +314,23 @@ def followed_copy(job_dir: str, pod: str) -> str:
 
 def whole_log(current: List[str], copy: List[str]) -> List[str]:
     """A pod's whole log from ``kubectl logs`` (``current``: the kubelet's current file, which past its size
-    limit, 10 MiB by default, it rotates away) and the ``copy`` a follower kept, joined where they overlap. A
-    log whose first line is not the entry point's (every log of a pod that ran it starts with one, else with
-    Python's word that it cannot) lost its beginning: without a copy it says so in its first line."""
-    if not current or current[0].startswith(pod_entry.PREFIX) or "No module named" in current[0]:
+    limit, 10 MiB by default, it rotates away) and the ``copy`` a follower kept, joined where they overlap; a log
+    that still lacks its beginning says so in its first line."""
+    if not began_rotated(current):
         return current if len(current) >= len(copy) else copy
-    if not copy:
-        return [ROTATED] + current
-    for i in range(max(0, len(copy) - len(current)), len(copy) + 1):  # the longest overlap first
-        if copy[i:] == current[:len(copy) - i]:
-            return copy[:i] + current
-    return copy + current  # (not reached: i == len(copy) always matches)
+    joined = current
+    if copy:
+        for i in range(max(0, len(copy) - len(current)), len(copy) + 1):  # the longest overlap first
+            if copy[i:] == current[:len(copy) - i]:
+                joined = copy[:i] + current
+                break
+    return [ROTATED] + joined if began_rotated(joined) else joined
+
+
+def began_rotated(lines: List[str]) -> bool:
+    """Whether a pod's log lost its beginning: every log of a pod starts with the entry point's first line (or
+    Python's word that it cannot run it)."""
+    return bool(lines) and not lines[0].startswith(pod_entry.PREFIX) and "No module named" not in lines[0]
 
 
 ROTATED = ("[paddle-cluster: the beginning of this log was rotated away on its node (the kubelet keeps the current "
