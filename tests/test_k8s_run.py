@@ -20,7 +20,19 @@ from typing import List
 
 import pytest
 from enginecluster import kubectl_unavailable_reason
-from kube.standin import BARE_IMAGE, IMAGE, IMAGE_USER, NFS_CLAIM, PODS_PER_NODE, PULL_S, QUEUE, SLOW_IMAGE, StandIn
+from kube.standin import (
+    BARE_IMAGE,
+    GPU_PULL_IMAGE,
+    GPU_PULL_S,
+    IMAGE,
+    IMAGE_USER,
+    NFS_CLAIM,
+    PODS_PER_NODE,
+    PULL_S,
+    QUEUE,
+    SLOW_IMAGE,
+    StandIn,
+)
 from rt_helpers import free_port_range
 
 REPO = Path(__file__).resolve().parent.parent
@@ -394,6 +406,25 @@ def test_a_slow_first_pull_is_reported_and_waited_for(fresh_kube: StandIn, job_d
                         res.stdout)
     assert pulls and pulled and max(float(s) for s in pulled) >= PULL_S, res.stdout
     assert fresh_kube.objects() == {}
+
+
+def test_trainers_wait_past_their_start_timeout_for_a_pserver_pulling_its_image(fresh_kube: StandIn,
+                                                                               job_dir: Path) -> None:
+    """The pserver's node pulls the image for GPU_PULL_S, the trainers' nodes have it: the trainer pods run and
+    wait for the pserver past START_TIMEOUT, since its pod has an address but its entry point never answered."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("START_TIMEOUT = 4\n")
+    t0 = time.monotonic()
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", GPU_PULL_IMAGE, "--pservers", "1",
+              "--trainers", "2", "--job_workspace", str(job_dir / "ws"), "--job_name", "fit",
+              "--pserver-requests", "cpu=1,memory=1Gi,nvidia.com/gpu=1", "--toleration", "nvidia.com/gpu:NoSchedule",
+              "--", "--passes", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert time.monotonic() - t0 > GPU_PULL_S
+    assert "[agent@fit-pserver-0] pod/fit-pserver-0-" in res.stdout and f"pulling image {GPU_PULL_IMAGE}" in \
+        res.stdout, res.stdout
+    waited = [ln for ln in res.stdout.splitlines() if "has an address but its container does not run yet" in ln]
+    assert waited and all(ln.startswith("[trainer.") for ln in waited), res.stdout
 
 
 def test_a_node_holds_several_pods_each_with_its_own_address(fresh_kube: StandIn, job_dir: Path) -> None:

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -48,6 +49,9 @@ ERROR = PREFIX + "error: "
 IMAGE = PREFIX + "image: "
 METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
 POLL_S = 0.2
+STARTING = b"paddle-cluster pod: starting\n"  # a pserver pod's port, before its pserver listens there
+STARTING_MIN_S = 1.0  # how long at least it says so: a trainer polling every POLL_S sees it
+PROBE_S = 0.3  # how long a trainer waits for STARTING from a port that accepted
 TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
 # NXDOMAIN for every trainer name this long (its negative answers cached ~5 s by CoreDNS): the trainers are gone.
@@ -110,25 +114,94 @@ def wait_own_name(host: str, deadline: float) -> str:
         time.sleep(POLL_S)
 
 
-def _accepts(host: str, port: int) -> bool:
+def _probe(host: str, port: int) -> str:
+    """``ready`` (a pserver listens), ``starting`` (the pod's entry point runs: ``Starting``), ``refused`` (the
+    pod has an address, nothing listens) or ``unresolved``."""
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
-        return True
+        s = socket.create_connection((host, port), timeout=1.0)
+    except socket.gaierror:
+        return "unresolved"
     except OSError:
-        return False
+        return "refused"
+    with s:
+        s.settimeout(PROBE_S)
+        try:
+            said = s.recv(len(STARTING))
+        except OSError:  # (a pserver says nothing first)
+            said = b""
+    return "starting" if said == STARTING else "ready"
 
 
-def wait_pservers(env: JobEnv, deadline: float) -> None:
-    """Until every port of every pserver accepts a connection (names resolved afresh each round)."""
-    pending: List[Tuple[str, int]] = [(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k)]
+def wait_pservers(env: JobEnv, start_timeout: float) -> None:
+    """Until every port of every pserver accepts a connection (names resolved afresh each round), within
+    ``start_timeout`` s, which do not run while a pserver pod has an address but its entry point never answered:
+    its container is not running yet (its image being pulled, which can take minutes on a node)."""
+    pending = [(k, e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k)]
+    alive: set = set()  # the pservers whose entry point was seen running
+    counted, last, held = 0.0, time.monotonic(), False
     while True:
-        pending = [hp for hp in pending if not _accepts(*hp)]
+        left, pulling = [], []
+        for k, host, port in pending:
+            state = _probe(host, port)
+            alive |= {k} if state in ("starting", "ready") else set()
+            if state != "ready":
+                left.append((k, host, port))
+            if state == "refused" and k not in alive:
+                pulling.append(host)
+        pending = left
         if not pending:
             return
-        if time.monotonic() > deadline:
-            raise PodError(f"no pserver listening on {', '.join(f'{h}:{p}' for h, p in pending)} within the "
+        now = time.monotonic()
+        if not pulling:
+            counted += now - last
+        elif not held:
+            say(f"{PREFIX}{pulling[0]} has an address but its container does not run yet (pulling its image?): "
+                "the start timeout waits")
+        held, last = bool(pulling), now
+        if counted > start_timeout:
+            raise PodError(f"no pserver listening on {', '.join(f'{h}:{p}' for _, h, p in pending)} within the "
                            "start timeout (START_TIMEOUT): see the pserver pods' logs and events")
         time.sleep(POLL_S)
+
+
+class Starting:
+    """A pserver pod's first port while its entry point prepares: it answers ``STARTING`` and waits for the prober
+    to close first (so the port is free at once for the pserver), for ``STARTING_MIN_S`` at least."""
+
+    def __init__(self, port: int) -> None:
+        self.since = time.monotonic()
+        self.stop = threading.Event()
+        try:
+            self.sock: Optional[socket.socket] = socket.create_server(("", port))
+        except OSError:  # taken: the trainers then count their start timeout as they did
+            self.sock = None
+            return
+        self.sock.settimeout(POLL_S)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        assert self.sock is not None
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    conn.sendall(STARTING)
+                    conn.recv(1)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        if self.sock is None:
+            return
+        time.sleep(max(0.0, STARTING_MIN_S - (time.monotonic() - self.since)))
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
 
 
 def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
@@ -176,7 +249,9 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
             f"{_owner(env.workspace)}): a script that writes into it (output/) fails; in the image, COPY "
             f"--chown={os.getuid()}:{os.getgid()} it")
     deadline = time.monotonic() + start_timeout
+    starting = None
     if env.role == PSERVER:
+        starting = Starting(env.pservers[index].port)
         host = env.pservers[index].host
         address = wait_own_name(host, deadline)
         say(f"{READY}pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
@@ -184,7 +259,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     else:
         if env.pservers:
             say(f"{PREFIX}trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
-            wait_pservers(env, deadline)
+            wait_pservers(env, start_timeout)
         env = resolve_trainers(env, deadline)
         say(f"{READY}trainer {index}: {'every pserver listens' if env.pservers else 'no pservers'}, MASTER_ADDR "
             f"{env.trainer_endpoints[0].host if env.trainer_endpoints else '-'}; starting {' '.join(cmd)}")
@@ -196,6 +271,8 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.job_dir:
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
     sys.stdout.flush()
+    if starting is not None:
+        starting.close()  # the pserver's port, for the pserver
     try:
         child = subprocess.Popen(cmd, env=proc_env)
     except OSError as e:

@@ -313,12 +313,14 @@ class Cluster:
         if image is None:
             return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
         pull = (spec["nodeName"], c["image"])
-        if image.get("pull_s") and pull not in self.pulled:  # a node's first pull of the image takes a while
+        pull_s = image.get("pull_s", 0)  # seconds, or {node: seconds}
+        pull_s = pull_s.get(spec["nodeName"], 0) if isinstance(pull_s, dict) else pull_s
+        if pull_s and pull not in self.pulled:  # a node's first pull of the image takes a while
             started = self.pulling.setdefault(pull, time.time())
             if not meta.get("_pulling"):
                 meta["_pulling"] = True
                 self.event(doc, pod, "Normal", "Pulling", f'Pulling image "{c["image"]}"')
-            if time.time() - started < image["pull_s"]:
+            if time.time() - started < pull_s:
                 return self._waiting(pod, "ContainerCreating", "")
             self.pulled.add(pull)
         if meta.pop("_pulling", None):

@@ -25,6 +25,8 @@ REPO = TESTS.parent
 IMAGE = "registry.example/paddle/fit:1"
 SLOW_IMAGE = "registry.example/paddle/fit:2"  # the same, but a node's first pull of it takes PULL_S
 PULL_S = 4
+GPU_PULL_IMAGE = "registry.example/paddle/fit:3"  # the same, but its first pull on the GPU node takes GPU_PULL_S
+GPU_PULL_S = 12
 BARE_IMAGE = "registry.example/python:3.11"
 # Pods a node holds (a kubelet's maxPods, 110 by default): enough for the conformance suite's three jobs of four
 # pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
@@ -60,6 +62,8 @@ class StandIn:
             "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER},
                        SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER,
                                     "pull_s": PULL_S},
+                       GPU_PULL_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER,
+                                        "pull_s": {"worker-0": GPU_PULL_S}},
                        BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": IMAGE_USER}},
             "dns": cluster.gateway,
             # Kueue's queues (LocalQueue -> the CPUs its ClusterQueue lends): one job of 3 pods of 1 CPU at a time.
