@@ -124,9 +124,9 @@ def slurm_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory):
-    """The Kubernetes stand-in (tests/k8s_standin.py) on 4 SSH hosts of its own, shared by the session."""
+    """The Kubernetes stand-in (tests/kube/) on 4 SSH hosts of its own, shared by the session."""
     from enginecluster import kubectl_unavailable_reason
-    from k8s_standin import StandIn
+    from kube.standin import StandIn
 
     reason = kubectl_unavailable_reason()
     if reason:

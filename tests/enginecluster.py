@@ -34,7 +34,7 @@ MPICH_BINARIES = {"mpiexec.hydra": "mpich"}
 SLURM_BINARIES = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client",
                   "srun": "slurm-client", "scontrol": "slurm-client", "sinfo": "slurm-client", "squeue": "slurm-client",
                   "scancel": "slurm-client"}
-KUBECTL_BINARIES = {"kubectl": "kubernetes-client"}  # the real client, talking to the stand-in (k8s_standin.py)
+KUBECTL_BINARIES = {"kubectl": "kubernetes-client"}  # the real client, talking to the stand-in (tests/kube/)
 SUN_PATH_MAX = 107  # a Unix socket path longer than this cannot be bound
 
 

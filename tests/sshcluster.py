@@ -258,7 +258,7 @@ class SSHCluster:
 
     def add_bare_hosts(self, k: int) -> list[tuple[str, str]]:
         """``k`` more namespaces on the bridge with an address, ``eth0`` and ``lo`` but no sshd (the pods of
-        tests/k8s_standin.py): ``[(netns, ip)]``, torn down with the hosts; not in :meth:`pids`."""
+        tests/kube/standin.py): ``[(netns, ip)]``, torn down with the hosts; not in :meth:`pids`."""
         first = 10 + self.n + len(self._bare)
         if first + k > 255:
             raise ValueError(f"no room in {self.subnet} for {k} more addresses")

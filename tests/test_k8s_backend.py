@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
-from k8s_check import env_of
+from kube.validate import env_of
 from kubernetes.client import models as M
 from rt_helpers import free_port_range
 
@@ -308,6 +308,19 @@ def test_check_k8s_names_each_missing_permission_and_fails(kube, tmp_path: Path)
                                                       "may not get pods/log in namespace ml"], res.stderr
     assert "'kubectl --namespace ml auth can-i get pods --subresource=log' says no" in missing[1], missing
     assert len([ln for ln in res.stdout.splitlines() if " NO " in ln]) == 2, res.stdout
+
+
+def test_check_k8s_with_a_queue_asks_for_the_jobset_rights_too(kube, tmp_path: Path) -> None:
+    """--queue (or --jobset) makes the job one JobSet: check then asks for what run and kill do to JobSets."""
+    res = _check(kube, tmp_path, "--queue", "q", deny="delete jobsets.jobset.x-k8s.io")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert "paddle-cluster: error: 1 of 32 permission(s) failed the check:" in res.stderr, res.stderr
+    assert "may not delete jobsets.jobset.x-k8s.io in namespace ml ('kubectl --namespace ml auth can-i delete " \
+           "jobsets.jobset.x-k8s.io' says no; run and kill delete the job's JobSet)" in res.stderr, res.stderr
+    rows = json.loads(_check(kube, tmp_path, "--jobset", "--json").stdout)
+    assert {(r["verb"], r["resource"]) for r in rows if "jobset" in r["resource"]} == {
+        (v, "jobsets.jobset.x-k8s.io") for v in ("create", "get", "list", "delete")}, rows
+    assert all(r["ok"] for r in rows), rows
 
 
 def test_run_refuses_before_creating_anything_when_a_permission_is_missing(kube, tmp_path: Path) -> None:

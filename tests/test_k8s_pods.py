@@ -25,7 +25,7 @@ from typing import Any, Dict, List
 
 import pytest
 import yaml
-from k8s_check import env_of, problems
+from kube.validate import env_of, problems
 from rt_helpers import free_port_range
 
 from paddle_cluster.launch.backends.k8s import manifests as k8s

@@ -1,5 +1,5 @@
 """``paddle-cluster render k8s``: every rendered document validated offline against the official Kubernetes
-models plus our own enum/name/cross-reference checks (tests/k8s_check.py), the env contract the pods get, and
+models plus our own enum/name/cross-reference checks (tests/kube/validate.py), the env contract the pods get, and
 negative tests showing the checks catch what they claim to."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
-from k8s_check import env_of, jobset_problems, problems, restricted_problems
+from kube.validate import env_of, jobset_problems, problems, restricted_problems
 from kubernetes.client import models as M
 
 from paddle_cluster.cli import main

@@ -1,4 +1,4 @@
-"""``run --backend k8s`` end to end against the Kubernetes stand-in (tests/kube_standin.py: the Job controller,
+"""``run --backend k8s`` end to end against the Kubernetes stand-in (tests/kube/: the Job controller,
 scheduler, kubelet and DNS it models, each pod a real process in a network namespace of its own): a job to
 its end, a name clash that changes nothing of the other job, and a failing trainer ending the whole job with its
 launcher killed (followed by a launcher, that is the conformance suite's fail_fast[k8s])."""
@@ -7,20 +7,35 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
 
 import pytest
 from enginecluster import kubectl_unavailable_reason
-from k8s_standin import BARE_IMAGE, IMAGE, PODS_PER_NODE, PULL_S, QUEUE, REPO, SLOW_IMAGE, StandIn
+from kube.standin import (
+    BARE_IMAGE,
+    GPU_PULL_IMAGE,
+    GPU_PULL_S,
+    IMAGE,
+    IMAGE_USER,
+    NFS_CLAIM,
+    PODS_PER_NODE,
+    PULL_S,
+    QUEUE,
+    SLOW_IMAGE,
+    StandIn,
+)
 from rt_helpers import free_port_range
 
+REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
 # Trainer 1 fails after 3 s; the others train as usual.
 FLAKY = """import os, runpy, sys, time
@@ -33,7 +48,7 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.fixture
-def kube(make_ssh_cluster, tmp_path):
+def fresh_kube(make_ssh_cluster, tmp_path):
     reason = kubectl_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -45,15 +60,21 @@ def kube(make_ssh_cluster, tmp_path):
 
 
 @pytest.fixture
-def job_dir(tmp_path: Path, kube) -> Path:
+def job_dir(tmp_path: Path, fresh_kube) -> Path:
     """A user's directory: conf.py as the README has it, and the workspace as the image would hold it."""
     ws = tmp_path / "ws"
     shutil.copytree(EXAMPLE, ws, ignore=shutil.ignore_patterns("log", "output", "__pycache__"))
     (ws / "flaky.py").write_text(FLAKY)
+    chown_tree(ws, IMAGE_USER)  # the pods' user writes output/ into it: docs/backends.md's COPY --chown=1000:1000
     port = free_port_range(2)
     (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\nPADDLE_PORT = {port}\n'
                                       'PADDLE_PORTS_NUM = 1\nPADDLE_PORTS_NUM_FOR_SPARSE = 1\n')
     return tmp_path
+
+
+def chown_tree(d: Path, uid: int) -> None:
+    for path in [d, *d.rglob("*")]:
+        os.chown(path, uid, uid)
 
 
 def cli(kube: StandIn, cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -68,30 +89,30 @@ def run_args(cwd: Path, *more: str) -> List[str]:
             str(cwd / "ws"), *more]
 
 
-def test_a_job_runs_to_its_end_and_leaves_nothing(kube: StandIn, job_dir: Path) -> None:
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
+def test_a_job_runs_to_its_end_and_leaves_nothing(fresh_kube: StandIn, job_dir: Path) -> None:
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^final test_mse=\S+$", res.stdout, re.M) or "final test_mse" in res.stdout + res.stderr
-    assert kube.objects() == {}, kube.objects()  # every object of the job deleted, pods included
+    assert fresh_kube.objects() == {}, fresh_kube.objects()  # every object of the job deleted, pods included
     assert f"logs and metrics of 3 pod(s) saved in {job_dir / 'root' / 'fit' / 'log'}" in res.stderr
     metrics = (job_dir / "root/fit/log/metrics.trainer1.jsonl").read_text().splitlines()
     assert len(metrics) > 10 and all(json.loads(r)["trainer"] == 1 for r in metrics[:3]), metrics[:3]
-    logs = cli(kube, job_dir, "logs", "pserver.0")
+    logs = cli(fresh_kube, job_dir, "logs", "pserver.0")
     assert logs.returncode == 0 and "PSERVER_READY 0 fit-pserver-0.fit.default.svc" in logs.stdout, logs
 
 
-def test_a_conf_py_without_hosts_runs_per_node_counts_of_pods(kube: StandIn, job_dir: Path) -> None:
+def test_a_conf_py_without_hosts_runs_per_node_counts_of_pods(fresh_kube: StandIn, job_dir: Path) -> None:
     """Kubernetes places the pods: a conf.py without HOSTS (nor BACKEND: --backend k8s) runs PSERVERS_PER_NODE
     pserver and TRAINERS_PER_NODE trainer pods, and trains."""
     conf = job_dir / "conf.py"
     conf.write_text("".join(ln + "\n" for ln in conf.read_text().splitlines() if not ln.startswith("HOSTS"))
                     + "TRAINERS_PER_NODE = 2\n")
-    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--job_workspace", str(job_dir / "ws"),
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--job_workspace", str(job_dir / "ws"),
               "--job_name", "nohosts", "--", "--passes", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 pserver pod(s), 2 trainer pod(s)" in res.stderr, res.stderr
     assert "final test_mse" in res.stdout + res.stderr
-    assert kube.objects() == {}, kube.objects()
+    assert fresh_kube.objects() == {}, fresh_kube.objects()
 
 
 def identity(kube: StandIn) -> dict:
@@ -100,21 +121,22 @@ def identity(kube: StandIn) -> dict:
                 o.get("spec"), o.get("data")) for k, o in kube.objects().items()}
 
 
-def test_a_name_clash_changes_nothing_of_the_other_job(kube: StandIn, job_dir: Path) -> None:
+def test_a_name_clash_changes_nothing_of_the_other_job(fresh_kube: StandIn, job_dir: Path) -> None:
     # Another team's job "fit", created from paddle-cluster's own manifests and left running.
-    render = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
+    render = cli(fresh_kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
                  "--trainers", "2", "--job_workspace", str(job_dir / "ws"), "--", "--passes", "100000")
     assert render.returncode == 0, render.stderr
-    assert kube.kubectl("create", "--filename", "-", stdin=render.stdout).returncode == 0
-    kube.wait(lambda: len([p for p in kube.pods() if p["status"].get("phase") == "Running"]) == 3, 60, "3 pods")
-    before = identity(kube)
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
+    assert fresh_kube.kubectl("create", "--filename", "-", stdin=render.stdout).returncode == 0
+    fresh_kube.wait(lambda: len([p for p in fresh_kube.pods() if p["status"].get("phase") == "Running"]) == 3, 60,
+                    "3 pods")
+    before = identity(fresh_kube)
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "2"))
     assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if "already has" in ln]
     assert "secret/fit-secret" in line and "job.batch/fit-trainer" in line and "nothing was changed" in line, line
-    assert identity(kube) == before  # the same objects and pods, none replaced, deleted or added
-    assert len([p for p in kube.pods() if p["status"].get("phase") == "Running"]) == 3
-    assert kube.kubectl("delete", "jobs.batch,services,secrets", "--selector", "paddle-cluster/job=fit",
+    assert identity(fresh_kube) == before  # the same objects and pods, none replaced, deleted or added
+    assert len([p for p in fresh_kube.pods() if p["status"].get("phase") == "Running"]) == 3
+    assert fresh_kube.kubectl("delete", "jobs.batch,services,secrets", "--selector", "paddle-cluster/job=fit",
                         "--cascade=foreground", "--wait=true").returncode == 0
 
 
@@ -127,17 +149,19 @@ def failed(kube: StandIn, job: str) -> dict:
         "terminated", {}).get("exitCode") for p in kube.pods() if p["metadata"]["labels"]["job-name"] == job}
 
 
-def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kube: StandIn, job_dir: Path) -> None:
+def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(fresh_kube: StandIn,
+                                                                              job_dir: Path) -> None:
     argv = [sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fit", "--entry", "flaky.py",
                                                                "--ttl", "15", "--", "--passes", "500")]
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen(argv, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     try:
-        kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in kube.pods()) == 3, 60, "3 running pods")
+        fresh_kube.wait(lambda: sum(p["status"].get("phase") == "Running" for p in fresh_kube.pods()) == 3, 60,
+                        "3 running pods")
         # The launcher made the Jobs own the Secret and the Service right after creating them all.
-        kube.wait(lambda: all(o["metadata"].get("ownerReferences") for k, o in kube.objects().items()
+        fresh_kube.wait(lambda: all(o["metadata"].get("ownerReferences") for k, o in fresh_kube.objects().items()
                               if k in ("Secret/default/fit-secret", "Service/default/fit")), 30,
                   "the Secret and the Service owned by the Jobs")
     finally:
@@ -145,39 +169,106 @@ def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(kub
         launcher.wait()
     # Nobody watches now: trainer 1 fails, so the trainer Job fails and its other pod is stopped; the pserver
     # pod sees every trainer gone and fails too; 15 s later both Jobs are deleted with their pods.
-    trainers = kube.wait(lambda: failed(kube, "fit-trainer"), 60, "the trainer Job failed")
+    trainers = fresh_kube.wait(lambda: failed(fresh_kube, "fit-trainer"), 60, "the trainer Job failed")
     assert trainers["fit-trainer-1"] == 1, trainers
     # (Within START_TIMEOUT, 60 s, even had the pserver pod never seen a trainer pod: node/pod.py.)
-    pservers = kube.wait(lambda: failed(kube, "fit-pserver"), 90, "the pserver Job failed")
+    pservers = fresh_kube.wait(lambda: failed(fresh_kube, "fit-pserver"), 90, "the pserver Job failed")
     assert pservers == {"fit-pserver-0": 5}, pservers
-    kube.wait(lambda: kube.objects() == {}, 60, "the Jobs deleted after ttlSecondsAfterFinished")
-    assert kube.processes() == []
+    fresh_kube.wait(lambda: fresh_kube.objects() == {}, 60, "the Jobs deleted after ttlSecondsAfterFinished")
+    assert fresh_kube.processes() == []
 
 
-def test_detach_then_status_logs_kill_and_the_results_survive(kube: StandIn, job_dir: Path) -> None:
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--", "--passes", "3"))
+def test_detach_then_status_logs_kill_and_the_results_survive(fresh_kube: StandIn, job_dir: Path) -> None:
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--", "--passes", "3"))
     assert res.returncode == 0, res.stderr
     assert "job fit created in namespace default" in res.stdout + res.stderr
-    status = cli(kube, job_dir, "status")
+    status = cli(fresh_kube, job_dir, "status")
     assert status.returncode == 0 and "trainer.1" in status.stdout and "pod/fit-trainer-1-" in status.stdout, status
-    kube.wait(lambda: any(c["type"] == "Complete" for c in kube.objects("Job/default/fit-trainer")[
+    fresh_kube.wait(lambda: any(c["type"] == "Complete" for c in fresh_kube.objects("Job/default/fit-trainer")[
         "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
-    logs = cli(kube, job_dir, "logs", "trainer.0")
+    logs = cli(fresh_kube, job_dir, "logs", "trainer.0")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
-    logs = cli(kube, job_dir, "logs", "trainer.0", "--role", "pserver")  # a pod runs one process: not ignored
+    logs = cli(fresh_kube, job_dir, "logs", "trainer.0", "--role", "pserver")  # a pod runs one process: not ignored
     assert logs.returncode == 1 and "trainer.0 is a trainer's pod" in logs.stderr and not logs.stdout, logs
-    kill = cli(kube, job_dir, "kill")
+    kill = cli(fresh_kube, job_dir, "kill")
     assert kill.returncode == 0 and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in kill.stdout, kill
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
     # The pods are gone; what they left is here: status, logs and plot read it.
-    status = cli(kube, job_dir, "status")
+    status = cli(fresh_kube, job_dir, "status")
     assert status.returncode == 0 and "ended (pod deleted)" in status.stdout and "trainer.1" in status.stdout, status
-    logs = cli(kube, job_dir, "logs", "fit-trainer-0", "-n", "3")
+    logs = cli(fresh_kube, job_dir, "logs", "fit-trainer-0", "-n", "3")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
     assert "paddle-cluster pod: metrics" not in (job_dir / "root/fit/log/trainer.0.log").read_text()
-    plot = cli(kube, job_dir, "plot", "-o", str(job_dir / "fit.png"))
+    plot = cli(fresh_kube, job_dir, "plot", "-o", str(job_dir / "fit.png"))
     assert plot.returncode == 0 and (job_dir / "fit.png").stat().st_size > 0, plot.stderr
     assert re.search(r"trainer0 +loss", plot.stdout), plot.stdout
+
+
+# Trainer 0 prints ~11 MiB, past the 10 MiB at which a kubelet rotates a container's log, then trains as usual. It
+# begins once the file GO exists (the pods see this machine's files): once the test saw the run follow its log.
+CHATTY = """import os, runpy, sys, time
+if os.environ.get("PADDLE_TRAINING_ROLE") == "TRAINER" and os.environ["PADDLE_TRAINER_ID"] == "0":
+    while not os.path.exists({go!r}):
+        time.sleep(0.05)
+    for i in range(11000):
+        print(f"chatty {{i:05d}} " + "x" * 1010)
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_log_past_the_kubelets_rotation_is_shown_and_saved_whole(fresh_kube: StandIn, job_dir: Path) -> None:
+    """``kubectl logs`` returns a rotated log's current file alone: the followed run keeps every line, shown and
+    saved; a detached job's saved log says that its beginning was rotated away."""
+    go = job_dir / "go"
+    (job_dir / "ws" / "chatty.py").write_text(CHATTY.format(go=str(go)))
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "chat", "--entry", "chatty.py", "--", "--passes", "1")], cwd=job_dir, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stderr is not None
+    out = []
+    for line in p.stdout:  # (the test's timeout bounds this)
+        out.append(line)
+        if line.startswith("[trainer.0@chat-trainer-0] "):  # the run follows trainer 0's log: let it chatter
+            go.touch()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0, err[-2000:]
+    kubelet_log = fresh_kube.store.log("default", next(p.name for p in (fresh_kube.root / "logs" / "default").glob(
+        "chat-trainer-0-*.log")).removesuffix(".log"))
+    assert Path(f"{kubelet_log}.1").exists()  # the stand-in's kubelet rotated it
+    shown = re.findall(r"^\[trainer\.0@chat-trainer-0\] chatty (\d+) ", "".join(out), re.M)
+    assert [int(i) for i in shown] == list(range(11000))  # followed across the rotation: every line, once
+    saved = (job_dir / "root/chat/log/trainer.0.log").read_text().splitlines()
+    assert saved[0].startswith("paddle-cluster pod: image: ")
+    assert [ln.split()[1] for ln in saved if ln.startswith("chatty ")] == [f"{i:05d}" for i in range(11000)]
+    assert "final test_mse=" in saved[-1] and (job_dir / "root/chat/log/metrics.trainer0.jsonl").stat().st_size
+    assert not list((job_dir / "root/chat/log").glob(".*"))  # the followed copies are gone
+    # Detached, nobody followed: what is saved is the current file, and says so.
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "quiet", "--entry", "chatty.py", "--detach",
+                                              "--", "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    fresh_kube.wait(lambda: any(c["type"] == "Complete" for c in fresh_kube.objects("Job/default/quiet-trainer")[
+        "Job/default/quiet-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
+    kill = cli(fresh_kube, job_dir, "kill")
+    assert kill.returncode == 0, kill.stderr
+    saved = (job_dir / "root/quiet/log/trainer.0.log").read_text().splitlines()
+    assert saved[0].startswith("[paddle-cluster: the beginning of this log was rotated away on its node"), saved[0]
+    assert "final test_mse=" in saved[-1] and (job_dir / "root/quiet/log/metrics.trainer0.jsonl").stat().st_size
+
+
+def test_a_pod_log_is_joined_with_what_its_follower_kept() -> None:
+    """``whole_log``: the kubelet's current file after a rotation, joined with the copy a follower kept where they
+    overlap; without a copy reaching the beginning, the first line says the beginning is gone."""
+    from paddle_cluster.launch.backends.k8s.kubectl import ROTATED, whole_log
+
+    full = ["paddle-cluster pod: image: Python 3", *[f"line {i}" for i in range(10)]]
+    assert whole_log(full, full[:4]) == full  # not rotated: the current file is the whole log
+    assert whole_log(full[6:], full[:8]) == full  # rotated, the copy overlapping it
+    assert whole_log(full[6:], full) == full  # the pod ended: the copy holds it all
+    assert whole_log(full[6:], []) == [ROTATED, *full[6:]]  # nobody followed
+    assert whole_log(full[6:], full[3:8]) == [ROTATED, *full[3:]]  # followed late
 
 
 # What a cluster's admin provides: the ServiceAccount and PriorityClass the pod options name.
@@ -192,20 +283,20 @@ value: 1000
 """
 
 
-def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) -> None:
-    kube.setup(ADMIN)
+def test_run_takes_the_pod_options_render_takes(fresh_kube: StandIn, job_dir: Path) -> None:
+    fresh_kube.setup(ADMIN)
     opts = ["--trainer-requests", "cpu=2", "--gpus", "1", "--pserver-limits", "memory=2Gi", "--node-selector",
             "pool=gpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--priority-class", "ml-high",
             "--service-account", "trainer-sa", "--image-pull-secret", "regcred", "--deadline", "3600"]
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", *opts, "--", "--passes", "1"))
     assert res.returncode == 0, res.stderr
-    rendered = cli(kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
+    rendered = cli(fresh_kube, job_dir, "render", "k8s", "--image", IMAGE, "--job_name", "fit", "--pservers", "1",
                    "--trainers", "2", "--job_workspace", str(job_dir / "ws"), *opts, "--", "--passes", "1")
     assert rendered.returncode == 0, rendered.stderr
     import yaml
 
     for doc in list(yaml.safe_load_all(rendered.stdout))[2:]:
-        made = kube.objects("Job")[f"Job/default/{doc['metadata']['name']}"]
+        made = fresh_kube.objects("Job")[f"Job/default/{doc['metadata']['name']}"]
         for spec in (made["spec"], doc["spec"]):
             # The job id differs per run; run reads the workspace (train.py serves pservers too), render cannot.
             spec["template"]["spec"]["containers"][0].update(env=[], args=[])
@@ -213,10 +304,11 @@ def test_run_takes_the_pod_options_render_takes(kube: StandIn, job_dir: Path) ->
         assert made["spec"]["template"] == doc["spec"]["template"]
         assert made["spec"]["activeDeadlineSeconds"] == 3600
     # Only the GPU node (labelled pool=gpu, its taint tolerated) runs them: its 2 GPUs, one per trainer.
-    kube.wait(lambda: len([p for p in kube.pods() if p["spec"].get("nodeName")]) == 3, 30, "3 pods scheduled")
-    assert {p["spec"]["nodeName"] for p in kube.pods()} == {"worker-0"}
-    assert cli(kube, job_dir, "kill").returncode == 0
-    assert kube.objects() == {}
+    fresh_kube.wait(lambda: len([p for p in fresh_kube.pods() if p["spec"].get("nodeName")]) == 3, 30,
+                    "3 pods scheduled")
+    assert {p["spec"]["nodeName"] for p in fresh_kube.pods()} == {"worker-0"}
+    assert cli(fresh_kube, job_dir, "kill").returncode == 0
+    assert fresh_kube.objects() == {}
 
 
 def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: float) -> tuple:
@@ -254,14 +346,14 @@ def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: 
     (["--priority-class", "ml-low"], 'job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is '
      'forbidden: no PriorityClass with name ml-low was found'),
 ])
-def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(kube: StandIn, job_dir: Path, opts: List[str],
-                                                                     said: str) -> None:
+def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(fresh_kube: StandIn, job_dir: Path,
+                                                                     opts: List[str], said: str) -> None:
     t0 = time.monotonic()
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert said in res.stderr, res.stdout + res.stderr
     assert time.monotonic() - t0 < 30  # not START_TIMEOUT (60 s) + 30 s
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
 QUOTA = """apiVersion: v1
@@ -272,99 +364,119 @@ spec:
 """
 
 
-def test_a_quota_is_named_when_it_refuses_the_pods_and_met_with_limits(kube: StandIn, job_dir: Path) -> None:
-    kube.setup(QUOTA)
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+def test_a_quota_is_named_when_it_refuses_the_pods_and_met_with_limits(fresh_kube: StandIn, job_dir: Path) -> None:
+    fresh_kube.setup(QUOTA)
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
     assert res.returncode == 1, res.stdout + res.stderr
     assert ('job.batch/fit-pserver cannot create its pods: pods "fit-pserver-0-" is forbidden: failed quota: '
             'compute: must specify limits.memory for: pserver') in res.stderr, res.stderr
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
     # With limits the quota admits one job of 3 pods (3 of its 4 CPUs); of a second one the pserver fits, the
     # trainers wait for room, and the launcher says so (the start timeout waits meanwhile).
     limits = ["--pserver-limits", "memory=1Gi", "--trainer-limits", "memory=1Gi"]
-    first = cli(kube, job_dir, *run_args(job_dir, "--job_name", "first", "--detach", *limits, "--", "--passes", "50"))
+    first = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "first", "--detach", *limits, "--", "--passes",
+                                               "50"))
     assert first.returncode == 0, first.stderr
-    kube.wait(lambda: len(kube.pods()) == 3, 30, "the first job's pods")
-    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "second", *limits, "--",
+    fresh_kube.wait(lambda: len(fresh_kube.pods()) == 3, 30, "the first job's pods")
+    line, took, out, _ = until_said(fresh_kube, job_dir, run_args(job_dir, "--job_name", "second", *limits, "--",
                                                              "--passes", "1"), "waits for room|cannot create", 60)
     assert line and line.endswith("job.batch/second-trainer waits for room in the namespace's quota: pods "
                                   '"second-trainer-0-" is forbidden: exceeded quota: compute, requested: '
                                   "requests.cpu=1, used: requests.cpu=4, limited: requests.cpu=4"), out
     assert took < 20, took
-    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
-    kube.wait(lambda: kube.objects() == {}, 60, "both jobs gone")
+    assert cli(fresh_kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    fresh_kube.wait(lambda: fresh_kube.objects() == {}, 60, "both jobs gone")
 
 
-def test_an_unschedulable_pod_says_what_the_scheduler_said(kube: StandIn, job_dir: Path) -> None:
-    line, took, out, _ = until_said(kube, job_dir, run_args(job_dir, "--job_name", "fit", "--gpus", "4", "--",
+def test_an_unschedulable_pod_says_what_the_scheduler_said(fresh_kube: StandIn, job_dir: Path) -> None:
+    line, took, out, _ = until_said(fresh_kube, job_dir, run_args(job_dir, "--job_name", "fit", "--gpus", "4", "--",
                                                              "--passes", "1"), "Unschedulable", 60)
     assert line and "0/4 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: present}, 3 " \
         "Insufficient nvidia.com/gpu." in line, out
     assert took < 20, took
-    kube.wait(lambda: kube.objects() == {}, 60, "the job deleted after Ctrl+C")
+    fresh_kube.wait(lambda: fresh_kube.objects() == {}, 60, "the job deleted after Ctrl+C")
 
 
-def test_a_slow_first_pull_is_reported_and_waited_for(kube: StandIn, job_dir: Path) -> None:
-    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", SLOW_IMAGE, "--pservers", "1", "--trainers", "2",
-              "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--", "--passes", "1")
+def test_a_slow_first_pull_is_reported_and_waited_for(fresh_kube: StandIn, job_dir: Path) -> None:
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", SLOW_IMAGE, "--pservers", "1", "--trainers",
+              "2", "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--", "--passes", "1")
     assert res.returncode == 0, res.stdout + res.stderr
     pulls = re.findall(r"pod/fit-\S+: pulling image registry.example/paddle/fit:2; the start timeout waits", res.stdout)
     pulled = re.findall(r'pod/fit-\S+: Successfully pulled image "registry.example/paddle/fit:2" in ([\d.]+)s',
                         res.stdout)
     assert pulls and pulled and max(float(s) for s in pulled) >= PULL_S, res.stdout
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
-def test_a_node_holds_several_pods_each_with_its_own_address(kube: StandIn, job_dir: Path) -> None:
+def test_trainers_wait_past_their_start_timeout_for_a_pserver_pulling_its_image(fresh_kube: StandIn,
+                                                                               job_dir: Path) -> None:
+    """The pserver's node pulls the image for GPU_PULL_S, the trainers' nodes have it: the trainer pods run and
+    wait for the pserver past START_TIMEOUT, since its pod has an address but its entry point never answered."""
+    with open(job_dir / "conf.py", "a") as f:
+        f.write("START_TIMEOUT = 4\n")
+    t0 = time.monotonic()
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", GPU_PULL_IMAGE, "--pservers", "1",
+              "--trainers", "2", "--job_workspace", str(job_dir / "ws"), "--job_name", "fit",
+              "--pserver-requests", "cpu=1,memory=1Gi,nvidia.com/gpu=1", "--toleration", "nvidia.com/gpu:NoSchedule",
+              "--", "--passes", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert time.monotonic() - t0 > GPU_PULL_S
+    assert "[agent@fit-pserver-0] pod/fit-pserver-0-" in res.stdout and f"pulling image {GPU_PULL_IMAGE}" in \
+        res.stdout, res.stdout
+    waited = [ln for ln in res.stdout.splitlines() if "has an address but its container does not run yet" in ln]
+    assert waited and all(ln.startswith("[trainer.") for ln in waited), res.stdout
+
+
+def test_a_node_holds_several_pods_each_with_its_own_address(fresh_kube: StandIn, job_dir: Path) -> None:
     """Pods share a node as on a cluster (the conformance suite runs three jobs at once on the stand-in), each
     with an address of its own; one more than the node selector's nodes hold stays Pending, and status says
     why."""
     slots = PODS_PER_NODE  # only worker-0 is pool=gpu
-    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", str(slots),
-              "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--detach", "--node-selector", "pool=gpu",
-              "--toleration", "nvidia.com/gpu:NoSchedule", "--", "--passes", "50")
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers",
+              str(slots), "--job_workspace", str(job_dir / "ws"), "--job_name", "fit", "--detach", "--node-selector",
+              "pool=gpu", "--toleration", "nvidia.com/gpu:NoSchedule", "--", "--passes", "50")
     assert res.returncode == 0, res.stderr
     def placed():
-        pods = kube.pods()
+        pods = fresh_kube.pods()
         with_ip = [p for p in pods if p["status"].get("podIP")]
         return with_ip if len(pods) == slots + 1 and len(with_ip) == slots else None
 
-    pods = kube.wait(placed, 60, f"{slots} pods placed")
+    pods = fresh_kube.wait(placed, 60, f"{slots} pods placed")
     assert {p["spec"]["nodeName"] for p in pods} == {"worker-0"}
     addresses = {p["status"]["podIP"] for p in pods}
     assert len(addresses) == slots and pods[0]["status"]["hostIP"] not in addresses, addresses
-    status = kube.wait(lambda: "Unschedulable" in (st := cli(kube, job_dir, "status")).stdout and st, 60,
+    status = fresh_kube.wait(lambda: "Unschedulable" in (st := cli(fresh_kube, job_dir, "status")).stdout and st, 60,
                        "status to show the pending pod")
     assert status.returncode == 0 and "pending: Unschedulable" in status.stdout, status.stdout
-    assert cli(kube, job_dir, "kill").returncode == 0
-    assert kube.objects() == {}
+    assert cli(fresh_kube, job_dir, "kill").returncode == 0
+    assert fresh_kube.objects() == {}
 
 
-def test_a_small_workspace_is_dispatched_in_a_configmap(kube: StandIn, job_dir: Path) -> None:
+def test_a_small_workspace_is_dispatched_in_a_configmap(fresh_kube: StandIn, job_dir: Path) -> None:
     args = ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2", "--job_name", "fit",
             "--job_dispatch_package", "ws", "--", "--passes", "2"]
-    res = cli(kube, job_dir, *args)
+    res = cli(fresh_kube, job_dir, *args)
     assert res.returncode == 0, res.stdout + res.stderr
     unpacked = f"entries unpacked into {job_dir / 'root' / 'fit' / 'workspace'}"
     assert res.stdout.count(unpacked) == 3 and "final test_mse=" in res.stdout, res.stdout
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
     # Too big for a ConfigMap: refused before anything is created, saying what to do instead.
     (job_dir / "ws" / "big.bin").write_bytes(os.urandom(1536 * 1024))
-    res = cli(kube, job_dir, *args)
+    res = cli(fresh_kube, job_dir, *args)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "--job_dispatch_package" in res.stderr and "KiB a ConfigMap holds" in res.stderr, res.stderr
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
-def test_an_image_without_paddle_cluster_fails_in_one_line(kube: StandIn, job_dir: Path) -> None:
-    res = cli(kube, job_dir, "run", "--backend", "k8s", "--image", BARE_IMAGE, "--pservers", "1", "--trainers", "1",
-              "--job_name", "fit", "--job_dispatch_package", "ws")
+def test_an_image_without_paddle_cluster_fails_in_one_line(fresh_kube: StandIn, job_dir: Path) -> None:
+    res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", BARE_IMAGE, "--pservers", "1", "--trainers",
+              "1", "--job_name", "fit", "--job_dispatch_package", "ws")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert "the image cannot run the pod entry point" in line and "No module named 'paddle_cluster'" in line, line
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
     # A good image says what it offers, in one line per pod.
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--", "--passes", "1"))
     assert res.returncode == 0, res.stderr
     assert re.search(r"\[trainer\.0@fit-trainer-0\] paddle-cluster pod: image: Python 3\.\d+\.\d+, numpy \S+, "
                      r"paddle-cluster \S+", res.stdout), res.stdout
@@ -389,21 +501,21 @@ ps.close()
 '''
 
 
-def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(kube: StandIn, job_dir: Path) -> None:
+def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(fresh_kube: StandIn, job_dir: Path) -> None:
     ws = job_dir / "resumable"
     ws.mkdir()
     (ws / "train.py").write_text(RESUMABLE)
 
     def run(name: str, *more: str) -> subprocess.CompletedProcess:
-        return cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers", "2",
-                   "--job_name", name, "--job_dispatch_package", "resumable", "--checkpoint-pvc", "ckpt", *more)
+        return cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers",
+                   "2", "--job_name", name, "--job_dispatch_package", "resumable", "--checkpoint-pvc", "ckpt", *more)
 
     first = run("first", "--", "3")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "[trainer.0@first-trainer-0] end step=3 w0=-1.5" in first.stdout, first.stdout
-    pvc = kube.root / "pvcs" / "default" / "ckpt"
+    pvc = fresh_kube.root / "pvcs" / "default" / "ckpt"
     assert (pvc / "first" / "step-00000003" / "pserver-1" / "manifest.json").exists()
-    assert kube.objects() == {}  # the pods and their volumes are gone, the claim's data is not
+    assert fresh_kube.objects() == {}  # the pods and their volumes are gone, the claim's data is not
     second = run("second", "--resume_from", "first", "--", "2")
     assert second.returncode == 0, second.stdout + second.stderr
     for t in (0, 1):
@@ -411,18 +523,40 @@ def test_checkpoints_on_a_pvc_let_a_job_resume_from_another(kube: StandIn, job_d
         assert f"[trainer.{t}@second-trainer-{t}] end step=5 w0=-2.5" in second.stdout
     assert (pvc / "first" / "step-00000005").is_dir()  # as on every backend: it goes on writing there
     # Without a claim there is nothing to resume from, and the error says what to give.
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "third", "--resume_from", "first"))
     assert res.returncode == 2 and "--checkpoint-pvc" in res.stderr, res.stderr
 
 
-def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path) -> None:
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+def test_pods_run_as_their_user_and_a_volume_it_cannot_write_fails_at_once(fresh_kube: StandIn,
+                                                                          job_dir: Path) -> None:
+    """The pods run as runAsUser (1000) with their volumes given to fsGroup where the storage allows it: a claim
+    whose storage ignores fsGroup (NFS) keeps its root directory root's, and the pserver says so before it starts,
+    naming the directory and both owners, instead of failing at its first checkpoint."""
+    t0 = time.monotonic()
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--checkpoint-pvc", NFS_CLAIM, "--",
+                                              "--passes", "1"))
+    took = time.monotonic() - t0
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "the checkpoint directory (PADDLE_CHECKPOINT_DIR) /checkpoints/fit is not writable by this pod's user " \
+        "(uid 1000, gid 1000, groups 1000): /checkpoints has owner 0:0, mode 0755" in res.stderr, res.stderr
+    assert took < 60, took  # at once, not after START_TIMEOUT
+    # A claim whose storage applies fsGroup is the pods' group's; what the pods wrote is their user's.
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "ok", "--checkpoint-pvc", "ckpt", "--",
+                                              "--passes", "1"))
+    assert res.returncode == 0, res.stderr
+    claim = (fresh_kube.root / "pvcs" / "default" / "ckpt").stat()
+    assert (claim.st_uid, claim.st_gid, claim.st_mode & 0o2070) == (0, IMAGE_USER, 0o2070)
+    assert (job_dir / "ws" / "output").stat().st_uid == IMAGE_USER  # trainer 0's output/, in the image's workspace
+
+
+def test_ctrl_c_stops_every_pod_and_keeps_the_logs(fresh_kube: StandIn, job_dir: Path) -> None:
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
         job_dir, "--job_name", "fit", "--", "--passes", "100000")], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        kube.wait(lambda: any("Pass 1:" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        fresh_kube.wait(lambda: any("Pass 1:" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
             "fit-trainer-0-*.log")), 120, "trainer 0 in its second pass")
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=120)
@@ -432,7 +566,7 @@ def test_ctrl_c_stops_every_pod_and_keeps_the_logs(kube: StandIn, job_dir: Path)
             launcher.wait()
     assert launcher.returncode == 130, err
     assert "interrupted" in err and f"saved in {job_dir / 'root' / 'fit' / 'log'}" in err, err
-    assert kube.objects() == {} and kube.processes() == []
+    assert fresh_kube.objects() == {} and fresh_kube.processes() == []
     assert "Pass 1:" in (job_dir / "root/fit/log/trainer.0.log").read_text()
 
 
@@ -451,24 +585,24 @@ ps.close()
 '''
 
 
-def test_a_dns_outage_is_not_the_trainers_ending(kube: StandIn, job_dir: Path) -> None:
+def test_a_dns_outage_is_not_the_trainers_ending(fresh_kube: StandIn, job_dir: Path) -> None:
     """The cluster DNS failing (SERVFAIL, then no answer at all, as while CoreDNS restarts) for longer than a
     pserver's grace for NXDOMAIN: the pserver retries and says so, never counts it, and the job finishes."""
     ws = job_dir / "patient"
     ws.mkdir()
     (ws / "train.py").write_text(PATIENT)
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
                                  "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
                                  "patient", "--", "22"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
             "fit-trainer-*.log")) == 2, 90, "both trainers connected")
-        kube.dns_fault("servfail", 9)
+        fresh_kube.dns_fault("servfail", 9)
         time.sleep(9)
-        kube.dns_fault("drop", 9)
+        fresh_kube.dns_fault("drop", 9)
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -479,10 +613,10 @@ def test_a_dns_outage_is_not_the_trainers_ending(kube: StandIn, job_dir: Path) -
     pserver = (job_dir / "root/fit/log/pserver.0.log").read_text()
     assert "cannot resolve the trainers' names (Temporary failure in name resolution)" in pserver, pserver
     assert "the resolver answers again after" in pserver, pserver
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
-def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: StandIn, job_dir: Path) -> None:
+def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(fresh_kube: StandIn, job_dir: Path) -> None:
     """--queue makes the job one JobSet, one Kueue workload: while another job holds the queue neither its
     pservers nor its trainers start (as two Jobs, two workloads, its pservers were admitted, waited START_TIMEOUT
     for trainers Kueue held back, and failed the job); once admitted it runs to its end."""
@@ -491,39 +625,75 @@ def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: Stand
     ws = job_dir / "patient"
     ws.mkdir()
     (ws / "train.py").write_text(PATIENT)
-    first = cli(kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
+    first = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
                 "--job_name", "first", "--job_dispatch_package", "patient", "--queue", QUEUE, "--detach", "--", "16")
     assert first.returncode == 0, first.stderr
-    kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+    fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
         "first-trainer-0-*.log")) == 2, 60, "the first job's trainers connected")
     t0 = time.monotonic()
-    second = cli(kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes", "1"))
+    second = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes",
+                                                "1"))
     assert second.returncode == 0, second.stdout + second.stderr
     assert time.monotonic() - t0 > 8  # it waited longer than its START_TIMEOUT, and ran
     assert "[agent@second-pserver-0-0] job.batch/second-pserver-0 is suspended (waiting for Kueue queue q to " \
            "admit it); the start timeout waits meanwhile" in second.stdout, second.stdout
     assert "job.batch/second-pserver-0 was admitted (resumed)" in second.stdout, second.stdout
     assert "[trainer.1@second-trainer-0-1] final test_mse=" in second.stdout or "final test_mse" in second.stdout
-    assert cli(kube, job_dir, "kill", "--job_name", "first").returncode == 0
-    assert kube.objects() == {}, kube.objects()
+    assert cli(fresh_kube, job_dir, "kill", "--job_name", "first").returncode == 0
+    assert fresh_kube.objects() == {}, fresh_kube.objects()
 
 
-def test_a_watch_the_api_server_expires_is_listed_again(kube: StandIn, job_dir: Path) -> None:
+def test_a_queued_job_says_its_place_in_line_and_when_it_moves_up(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Kueue's visibility API lists a LocalQueue's pending workloads in line: the followed run says its place, and
+    again when a job before it leaves the queue."""
+    (job_dir / "ws" / "sleepy.py").write_text("import time\ntime.sleep(300)\n")  # holds the queue, idle
+    for name in ("first", "second", "third"):  # the first is admitted, the other two wait (4 CPUs, 3 a job)
+        res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", name, "--queue", QUEUE, "--detach",
+                                                  "--entry", "sleepy.py", "--pserver", "builtin"))
+        assert res.returncode == 0, res.stderr
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    p = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fourth", "--queue",
+                                                                            QUEUE, "--", "--passes", "1")],
+                         cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in p.stdout], daemon=True).start()
+
+    def said(text: str) -> None:
+        seen = []
+        deadline = time.monotonic() + 60
+        while text not in "".join(seen):
+            seen.append(lines.get(timeout=max(0.1, deadline - time.monotonic())))
+            assert time.monotonic() < deadline, "".join(seen)
+
+    try:
+        said("[agent@fourth-pserver-0-0] waiting for Kueue queue q: 3rd in line\n")
+        assert cli(fresh_kube, job_dir, "kill", "--job_name", "second").returncode == 0
+        said("[agent@fourth-pserver-0-0] waiting for Kueue queue q: 2nd in line\n")
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=120)
+    assert p.returncode == 130 and "Kueue's visibility API does not" not in "".join(lines.queue)
+    # (first and third: their pods are ended with the stand-in)
+
+
+def test_a_watch_the_api_server_expires_is_listed_again(fresh_kube: StandIn, job_dir: Path) -> None:
     """The API server ends every watch with 410 Expired (its history compacted) while the job runs: run lists
     again and watches on, says nothing of it, and follows the job to its end."""
     ws = job_dir / "patient"
     ws.mkdir()
     (ws / "train.py").write_text(PATIENT)
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
                                  "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
                                  "patient", "--", "4"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
+        fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
             "fit-trainer-*.log")) == 2, 90, "both trainers connected")
-        kube.expire_watches()
+        fresh_kube.expire_watches()
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
@@ -531,37 +701,38 @@ def test_a_watch_the_api_server_expires_is_listed_again(kube: StandIn, job_dir: 
             launcher.wait()
     assert launcher.returncode == 0 and "cannot follow" not in out + err, out + err
     assert "[trainer.1@fit-trainer-1] done w0=" in out, out
-    expired = (kube.root / "apiserver.log").read_text()
+    expired = (fresh_kube.root / "apiserver.log").read_text()
     assert all(f"watch of {kind} in default expired (410)" in expired for kind in ("Pod", "Job", "Event")), expired
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
-def test_a_waiting_pod_ends_at_once_when_deleted(kube: StandIn, job_dir: Path) -> None:
+def test_a_waiting_pod_ends_at_once_when_deleted(fresh_kube: StandIn, job_dir: Path) -> None:
     """The runtime sends SIGTERM to the container's PID 1 only, which the kernel drops unless PID 1 handles it:
     trainer pods waiting for a pserver that cannot be scheduled end at once when the job is killed, not after
     their grace period (KILL_GRACE, 30 s here)."""
     with open(job_dir / "conf.py", "a") as f:
         f.write("KILL_GRACE = 30\n")
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--pserver-requests", "cpu=100",
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--detach", "--pserver-requests", "cpu=100",
                                        "--", "--passes", "1"))
     assert res.returncode == 0, res.stderr
-    kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text() for p in (kube.root / "logs" / "default").glob(
-        "fit-trainer-*.log")) == 2, 60, "both trainers waiting for the pserver")
+    fresh_kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text()
+                                for p in (fresh_kube.root / "logs" / "default").glob("fit-trainer-*.log")) == 2,
+                    60, "both trainers waiting for the pserver")
     t0 = time.monotonic()
-    kill = cli(kube, job_dir, "kill")
+    kill = cli(fresh_kube, job_dir, "kill")
     assert kill.returncode == 0, kill.stdout + kill.stderr
     assert time.monotonic() - t0 < 15, "the pods waited out their grace period"
-    (log,) = (kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
+    (log,) = (fresh_kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
     assert "stopped by signal 15 before starting the process" in log.read_text()
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}
 
 
-def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(kube: StandIn, tmp_path: Path) -> None:
+def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(fresh_kube: StandIn, tmp_path: Path) -> None:
     """scripts/k8s-scenarios, which docs/backends.md gives users to check the backend on their own cluster (a
     kubeconfig and an image), passes here: its scenarios are the user's commands, its checks kubectl's."""
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path))
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s-scenarios"), "--image", IMAGE], env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "5 passed, 0 failed" in res.stdout, res.stdout + res.stderr
-    assert kube.objects() == {}
+    assert fresh_kube.objects() == {}

@@ -166,7 +166,7 @@ def test_k8s_only_the_secret_object_holds_it(kube, tmp_path):
     """The Secret object holds the job secret and nothing else does: the pods get it by reference, no other
     object of the cluster's store, no file of the pods (their logs, volumes, job directories) nor of the launcher
     holds it, while the job runs for nobody, and once it was killed for anyone."""
-    from k8s_standin import IMAGE
+    from kube.standin import IMAGE
 
     # PSERVER_COMMAND: ps.py listens and holds, so the job runs until kill.
     (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\n'

@@ -257,7 +257,7 @@ def make_engine(request, tmp_path: Path, name: str) -> Engine:
                       3, 3, slurm.wait_quiet, caches=home_cache,
                       own_ports=lambda k: ["--port", str(7164 + 100 * k)] if k else [])
     if name == "k8s":
-        from k8s_standin import IMAGE
+        from kube.standin import IMAGE
         kube = request.getfixturevalue("kube")
         # conf.py in the directory the user runs from (no --conf): HOSTS x 1 pserver and trainer pods.
         readme_conf(tmp_path / "conf.py", HOSTS=["a", "b"], ROOT_DIR=str(tmp_path / "root"),

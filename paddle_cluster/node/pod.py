@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
@@ -52,6 +53,9 @@ FIGURES = PREFIX + "figures "  # + one JSON object: the process's figures for ``
 QUIET = (METRICS, FIGURES)  # the entry point's lines that are not the process's output (``logs`` leaves them out)
 FIGURES_S = 2.0  # a line of ~400 bytes: ~17 MB of pod log a day
 POLL_S = 0.2
+STARTING = b"paddle-cluster pod: starting\n"  # a pserver pod's port, before its pserver listens there
+STARTING_MIN_S = 1.0  # how long at least it says so: a trainer polling every POLL_S sees it
+PROBE_S = 0.3  # how long a trainer waits for STARTING from a port that accepted
 TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
 # NXDOMAIN for every trainer name this long (its negative answers cached ~5 s by CoreDNS): the trainers are gone.
@@ -114,25 +118,94 @@ def wait_own_name(host: str, deadline: float) -> str:
         time.sleep(POLL_S)
 
 
-def _accepts(host: str, port: int) -> bool:
+def _probe(host: str, port: int) -> str:
+    """``ready`` (a pserver listens), ``starting`` (the pod's entry point runs: ``Starting``), ``refused`` (the
+    pod has an address, nothing listens) or ``unresolved``."""
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
-        return True
+        s = socket.create_connection((host, port), timeout=1.0)
+    except socket.gaierror:
+        return "unresolved"
     except OSError:
-        return False
+        return "refused"
+    with s:
+        s.settimeout(PROBE_S)
+        try:
+            said = s.recv(len(STARTING))
+        except OSError:  # (a pserver says nothing first)
+            said = b""
+    return "starting" if said == STARTING else "ready"
 
 
-def wait_pservers(env: JobEnv, deadline: float) -> None:
-    """Until every port of every pserver accepts a connection (names resolved afresh each round)."""
-    pending: List[Tuple[str, int]] = [(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k)]
+def wait_pservers(env: JobEnv, start_timeout: float) -> None:
+    """Until every port of every pserver accepts a connection (names resolved afresh each round), within
+    ``start_timeout`` s, which do not run while a pserver pod has an address but its entry point never answered:
+    its container is not running yet (its image being pulled, which can take minutes on a node)."""
+    pending = [(k, e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k)]
+    alive: set = set()  # the pservers whose entry point was seen running
+    counted, last, held = 0.0, time.monotonic(), False
     while True:
-        pending = [hp for hp in pending if not _accepts(*hp)]
+        left, pulling = [], []
+        for k, host, port in pending:
+            state = _probe(host, port)
+            alive |= {k} if state in ("starting", "ready") else set()
+            if state != "ready":
+                left.append((k, host, port))
+            if state == "refused" and k not in alive:
+                pulling.append(host)
+        pending = left
         if not pending:
             return
-        if time.monotonic() > deadline:
-            raise PodError(f"no pserver listening on {', '.join(f'{h}:{p}' for h, p in pending)} within the "
+        now = time.monotonic()
+        if not pulling:
+            counted += now - last
+        elif not held:
+            say(f"{PREFIX}{pulling[0]} has an address but its container does not run yet (pulling its image?): "
+                "the start timeout waits")
+        held, last = bool(pulling), now
+        if counted > start_timeout:
+            raise PodError(f"no pserver listening on {', '.join(f'{h}:{p}' for _, h, p in pending)} within the "
                            "start timeout (START_TIMEOUT): see the pserver pods' logs and events")
         time.sleep(POLL_S)
+
+
+class Starting:
+    """A pserver pod's first port while its entry point prepares: it answers ``STARTING`` and waits for the prober
+    to close first (so the port is free at once for the pserver), for ``STARTING_MIN_S`` at least."""
+
+    def __init__(self, port: int) -> None:
+        self.since = time.monotonic()
+        self.stop = threading.Event()
+        try:
+            self.sock: Optional[socket.socket] = socket.create_server(("", port))
+        except OSError:  # taken: the trainers then count their start timeout as they did
+            self.sock = None
+            return
+        self.sock.settimeout(POLL_S)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        assert self.sock is not None
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    conn.sendall(STARTING)
+                    conn.recv(1)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        if self.sock is None:
+            return
+        time.sleep(max(0.0, STARTING_MIN_S - (time.monotonic() - self.since)))
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
 
 
 def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
@@ -168,11 +241,21 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     # while it waits would stay until its grace period ran out.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _end_waiting)
+    if env.job_dir:
+        writable_dir(env.job_dir, "the job directory (PADDLE_JOB_DIR)")
+    if env.role == PSERVER and env.checkpoint_dir:
+        writable_dir(env.checkpoint_dir, "the checkpoint directory (PADDLE_CHECKPOINT_DIR)")
     if pack:
         unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
+    if env.workspace and os.path.isdir(env.workspace) and not _can_write(env.workspace):
+        say(f"{PREFIX}note: the workspace {env.workspace} is not writable by this pod's user ({_user()}; "
+            f"{_owner(env.workspace)}): a script that writes into it (output/) fails; in the image, COPY "
+            f"--chown={os.getuid()}:{os.getgid()} it")
     deadline = time.monotonic() + start_timeout
+    starting = None
     if env.role == PSERVER:
+        starting = Starting(env.pservers[index].port)
         host = env.pservers[index].host
         address = wait_own_name(host, deadline)
         say(f"{READY}pserver {index}: {host} is this pod ({address}); starting {' '.join(cmd)}")
@@ -180,7 +263,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     else:
         if env.pservers:
             say(f"{PREFIX}trainer {index}: waiting for {len(env.pservers)} pserver(s) to listen")
-            wait_pservers(env, deadline)
+            wait_pservers(env, start_timeout)
         env = resolve_trainers(env, deadline)
         say(f"{READY}trainer {index}: {'every pserver listens' if env.pservers else 'no pservers'}, MASTER_ADDR "
             f"{env.trainer_endpoints[0].host if env.trainer_endpoints else '-'}; starting {' '.join(cmd)}")
@@ -192,6 +275,8 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.job_dir:
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
     sys.stdout.flush()
+    if starting is not None:
+        starting.close()  # the pserver's port, for the pserver
     try:
         child = subprocess.Popen(cmd, env=proc_env)
     except OSError as e:
@@ -280,6 +365,44 @@ def _stop_pserver(child: subprocess.Popen) -> int:
         child.kill()
         child.wait()
     return EXIT_TRAINERS_GONE
+
+
+def writable_dir(path: str, what: str) -> None:
+    """``path``, made if missing, must take this pod's files: a volume the pod's user (``runAsUser``) may not write
+    fails the pod now, naming the directory, the user and the owner, rather than the first checkpoint later."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if _can_write(path):
+            return
+        blocker = path
+    except OSError:
+        blocker = path
+        while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+    raise PodError(f"{what} {path} is not writable by this pod's user ({_user()}): {blocker} has "
+                   f"{_owner(blocker)}; give the pods a volume their user may write (storage that applies the pods' "
+                   f"fsGroup, {os.getgid()}, or one prepared for that user), or --run-as-user its owner")
+
+
+def _can_write(path: str) -> bool:
+    """Whether a file can be made in ``path``: tried, since ``os.access`` answers for the real uid without the
+    capabilities a container may have."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".paddle-cluster-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
+def _user() -> str:
+    return f"uid {os.getuid()}, gid {os.getgid()}, groups {','.join(map(str, os.getgroups())) or '-'}"
+
+
+def _owner(path: str) -> str:
+    st = os.stat(path)
+    return f"owner {st.st_uid}:{st.st_gid}, mode {st.st_mode & 0o7777:04o}"
 
 
 def unpack_workspace(pack: str, workspace: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import queue
 import re
 import shlex
@@ -38,6 +39,7 @@ from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_res
 from .pod_options import PodOptions
 
 RETRY_S = 2.0  # between a watch that ended and the next
+QUEUE_ASK_S = 2.0  # between two questions for the job's place in its Kueue queue
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class K8sBackend(Backend):
         *pod_options.OPTIONS,
         BackendOption("--jobset", "jobset", "One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
                       "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
-                      "workload (--queue implies it).", bool),
+                      "workload (--queue implies it; check: its rights).", bool, check=True),
     )
 
     @classmethod
@@ -208,7 +210,7 @@ class K8sBackend(Backend):
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
         return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
-                            if opts.get("namespace") else cfg)
+                            if opts.get("namespace") else cfg, jobset=bool(opts.get("jobset") or opts.get("queue")))
 
     @classmethod
     def figures(cls, job: JobRef) -> CallSource:
@@ -291,7 +293,7 @@ class K8sBackend(Backend):
                               "this cluster does not offer ('kubectl api-resources --api-group=jobset.x-k8s.io' lists "
                               "nothing): Kueue admits a job's pservers and trainers as one workload only as a "
                               "JobSet; install JobSet (github.com/kubernetes-sigs/jobset) or leave the option out")
-        need = rights.Need("create", k8s.JOBSET_RESOURCE, "run creates the JobSet (--queue, --jobset)", True)
+        need = rights.JOBSET_NEEDS[0]
         if not self.kubectl.may(need.verb, need.resource):
             raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
@@ -333,6 +335,8 @@ class K8sBackend(Backend):
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
                              name=f"k8s-{kind}").start()
+        if job.pods.queue:
+            threading.Thread(target=self._watch_queue, args=(done,), daemon=True, name="k8s-queue").start()
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
@@ -380,6 +384,26 @@ class K8sBackend(Backend):
                     self._put(m.Note(0, f"cannot follow the job's {kind}: {e}"))
             done.wait(RETRY_S)
 
+    def _watch_queue(self, done: threading.Event) -> None:
+        """While Kueue holds the job, its place in line, from Kueue's visibility API every ``QUEUE_ASK_S``; a
+        cluster without that API (before Kueue 0.9, or not installed) is said once, then not asked again."""
+        assert self.job is not None
+        owners = [self.job.name, *self.jobwatch.job_nodes]  # the JobSet, or a Job
+        while not done.wait(QUEUE_ASK_S):
+            with self._state:
+                queue = self.jobwatch.queued_for()
+            if not queue:
+                continue
+            try:
+                summary = json.loads(self.kubectl.run(self.kubectl.pending_workloads(queue), timeout=30) or "{}")
+            except (ClusterError, ValueError) as e:
+                self._put(m.Note(0, f"Kueue's visibility API does not say the job's place in queue {queue} ({e}); "
+                                    "waiting without it"))
+                return
+            with self._state:
+                events = self.jobwatch.in_line(summary, owners)
+            self._handle(events)
+
     def _update(self, update: Callable[[List[Dict[str, Any]]], List[Event]], objs: Dict[str, Any]) -> None:
         with self._state:  # three watches feed the same state
             events = update(list(objs.values()))
@@ -411,11 +435,19 @@ class K8sBackend(Backend):
 
     def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
         assert p.stdout is not None and p.stderr is not None
-        for raw in p.stdout:
-            for ev in log_events(node, proc, raw.rstrip("\n")):
-                if isinstance(ev, (m.Ready, m.NotReady)):
+        os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
+        with open(kc.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
+            for n, raw in enumerate(p.stdout):
+                copy.write(raw if raw.endswith("\n") else raw + "\n")
+                copy.flush()
+                if n == 0 and kc.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
                     self.readied.add(node)
-                self._put(ev)
+                    self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before "
+                                           "it was followed"))
+                for ev in log_events(node, proc, raw.rstrip("\n")):
+                    if isinstance(ev, (m.Ready, m.NotReady)):
+                        self.readied.add(node)
+                    self._put(ev)
         err = p.stderr.read().strip()
         if p.wait() != 0 and err:
             self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))

@@ -23,6 +23,11 @@ def _took(seconds: float) -> str:
     return f"{seconds / 60:.0f}m" if seconds >= 90 else f"{seconds:.0f}s"
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 class JobWatch:
     def __init__(self, job_nodes: Dict[str, List[int]], pod_node: Callable[[PodState], Optional[int]],
                  queue: str = "") -> None:
@@ -36,6 +41,7 @@ class JobWatch:
         self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
         self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
         self.failed: set = set()
+        self.place = 0  # the job's place in its Kueue queue, as last said (1: next)
 
     def holding(self) -> bool:
         return bool(self.suspended or self.queued or self.pulling)
@@ -77,6 +83,24 @@ class JobWatch:
                 # A pod that failed fails its Job (BackoffLimitExceeded): that pod's exit tells more.
                 out.append(m.Note(nodes[0], why) if c.get("reason") == "BackoffLimitExceeded" else JobRefused(why))
         return out + self._catch_up()
+
+    def queued_for(self) -> str:
+        """The Kueue queue a suspended Job of the job waits in, if any: where to ask for its place in line."""
+        return self.queue if any(w.startswith("waiting for Kueue") for w in self.suspended.values()) else ""
+
+    def in_line(self, summary: Dict[str, Any], owners: Iterable[str]) -> List[Event]:
+        """Kueue's ``PendingWorkloadsSummary`` of the queue -> ``waiting for Kueue queue q: 3rd in line`` once per
+        place the job's workload (the one ``owners`` own) takes, as those before it are admitted."""
+        names = set(owners)
+        for w in summary.get("items") or []:
+            if any(r.get("name") in names for r in (w.get("metadata") or {}).get("ownerReferences") or []):
+                place = int(w.get("positionInLocalQueue", 0)) + 1
+                if place == self.place:
+                    return []
+                self.place = place
+                node = next(iter(self.job_nodes.values()))[0]
+                return [m.Note(node, f"waiting for Kueue queue {self.queue}: {_ordinal(place)} in line")]
+        return []
 
     def events(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
         out: List[Event] = []

@@ -43,6 +43,7 @@ def kinds(jobset: bool) -> str:
     """What a job's objects are: those of ``OBJECTS``, and its JobSet (whose Jobs and Service go with it)."""
     return f"{OBJECTS},{JOBSET_RESOURCE}" if jobset else OBJECTS
 _ROLES = {"pserver": PSERVER, "trainer": TRAINER}
+VISIBILITY = "visibility.kueue.x-k8s.io/v1beta1"  # Kueue 0.9 and later (v1alpha1 before)
 
 
 class KubectlMissing(ClusterError):
@@ -109,6 +110,11 @@ class Kubectl:
     def api_resources(self, group: str) -> List[str]:
         """The resources the API server offers in ``group``, one name a line."""
         return [self.binary, "api-resources", f"--api-group={group}", "--output", "name"]
+
+    def pending_workloads(self, queue: str) -> List[str]:
+        """Kueue's visibility API: the LocalQueue's workloads not admitted yet, each with its place in line."""
+        return [self.binary, "get", "--raw", f"/apis/{VISIBILITY}/namespaces/{self.namespace}/localqueues/{queue}/"
+                "pendingworkloads"]
 
     def kill_pods(self) -> List[str]:
         """The second Ctrl+C: no grace period."""
@@ -304,10 +310,42 @@ def kill_job(k: Kubectl, job_dir: str) -> List[str]:
     return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
 
 
+def followed_copy(job_dir: str, pod: str) -> str:
+    """Where ``run`` keeps what it read following a pod's log: the whole log, which the kubelet's current file
+    alone is not once it rotated."""
+    return os.path.join(job_dir, "log", f".{pod}.followed")
+
+
+def whole_log(current: List[str], copy: List[str]) -> List[str]:
+    """A pod's whole log from ``kubectl logs`` (``current``: the kubelet's current file, which past its size
+    limit, 10 MiB by default, it rotates away) and the ``copy`` a follower kept, joined where they overlap; a log
+    that still lacks its beginning says so in its first line."""
+    if not began_rotated(current):
+        return current if len(current) >= len(copy) else copy
+    joined = current
+    if copy:
+        for i in range(max(0, len(copy) - len(current)), len(copy) + 1):  # the longest overlap first
+            if copy[i:] == current[:len(copy) - i]:
+                joined = copy[:i] + current
+                break
+    return [ROTATED] + joined if began_rotated(joined) else joined
+
+
+def began_rotated(lines: List[str]) -> bool:
+    """Whether a pod's log lost its beginning: every log of a pod starts with the entry point's first line (or
+    Python's word that it cannot run it)."""
+    return bool(lines) and not lines[0].startswith(pod_entry.PREFIX) and "No module named" not in lines[0]
+
+
+ROTATED = ("[paddle-cluster: the beginning of this log was rotated away on its node (the kubelet keeps the current "
+           "10 MiB by default: containerLogMaxSize); a run that follows the job keeps every line]")
+
+
 def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
-    """Each pod's whole log into ``job_dir/log/<process>.log`` and a trainer's metrics records (its log's
-    ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the other backends leave them, so ``logs``
-    and ``plot`` work once the pods are gone. Each file is written whole, then renamed. The processes saved."""
+    """Each pod's whole log into ``job_dir/log/<process>.log`` (with the copy a follower kept: ``whole_log``)
+    and a trainer's metrics records (its log's ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the
+    other backends leave them, so ``logs`` and ``plot`` work once the pods are gone. Each file is written whole,
+    then renamed. The processes saved."""
     log_dir = os.path.join(job_dir, "log")
     saved = []
     for p in pods:
@@ -319,7 +357,9 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
             continue
         os.makedirs(log_dir, exist_ok=True)
         lines, metrics = [], []
-        for line in text.splitlines():
+        copy = followed_copy(job_dir, p.name)
+        kept = _lines(copy)
+        for line in whole_log(text.splitlines(), kept):
             if line.startswith(METRICS):
                 metrics.append(line[len(METRICS):].partition(" ")[2])
             elif not line.startswith(FIGURES):
@@ -327,8 +367,18 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
         _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
         if metrics:
             _write(os.path.join(log_dir, f"metrics.trainer{p.index}.jsonl"), metrics)
+        if os.path.exists(copy):
+            os.unlink(copy)
         saved.append(proc_name(p))
     return saved
+
+
+def _lines(path: str) -> List[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
 
 
 def _write(path: str, lines: List[str]) -> None:

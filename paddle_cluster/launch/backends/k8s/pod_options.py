@@ -190,8 +190,8 @@ OPTIONS = (
     BackendOption("--ttl", "ttl", f"Seconds the finished Jobs and their pods' logs stay (ttlSecondsAfterFinished; "
                   f"default {DEFAULT_TTL}, -1 forever).", int, "S"),
     BackendOption("--deadline", "deadline", "Fail the job after S seconds (activeDeadlineSeconds).", int, "S", 1),
-    BackendOption("--queue", "queue", "The Kueue LocalQueue admitting the job (label kueue.x-k8s.io/queue-name).",
-                  metavar="NAME"),
+    BackendOption("--queue", "queue", "The Kueue LocalQueue admitting the job (label kueue.x-k8s.io/queue-name; "
+                  "check: also the JobSet rights).", metavar="NAME", check=True),
     BackendOption("--checkpoint-pvc", "checkpoint_pvc", "A PersistentVolumeClaim (shared by the pserver pods) "
                   "holding the checkpoints, so --resume_from works.", metavar="CLAIM"),
 )

@@ -50,6 +50,14 @@ NEEDS: Tuple[Need, ...] = (
     Need("watch", "events", "run says why the cluster holds or refuses the job (quota, admission, image pulls)"),
 )
 
+# A job as one JobSet (--jobset, --queue): those too.
+JOBSET_NEEDS: Tuple[Need, ...] = (
+    Need("create", manifests.JOBSET_RESOURCE, "run creates the JobSet (--queue, --jobset)", True),
+    Need("get", manifests.JOBSET_RESOURCE, "run looks for objects of the job's names before it creates them"),
+    Need("list", manifests.JOBSET_RESOURCE, LISTED),
+    Need("delete", manifests.JOBSET_RESOURCE, "run and kill delete the job's JobSet"),
+)
+
 
 @dataclass(frozen=True)
 class PermissionRow:
@@ -81,9 +89,10 @@ def refusal(k: Kubectl, need: Need) -> str:
             "namespace (--namespace, K8S_NAMESPACE)")
 
 
-def check(cfg: ClusterConfig) -> List[PermissionRow]:
-    """Every need of ``NEEDS`` asked of the API server in K8S_NAMESPACE (the first alone: a context that does not
-    answer is one error, not one per permission)."""
+def check(cfg: ClusterConfig, jobset: bool = False) -> List[PermissionRow]:
+    """Every need of ``NEEDS`` (and ``JOBSET_NEEDS`` for a job as a JobSet) asked of the API server in
+    K8S_NAMESPACE (the first alone: a context that does not answer is one error, not one per permission)."""
+    needs = NEEDS + (JOBSET_NEEDS if jobset else ())
     if not manifests.namespace_ok(cfg.k8s_namespace):
         raise cfg.error("k8s_namespace", manifests.NAMESPACE_FIX)
     k = Kubectl(cfg.k8s_namespace, "")
@@ -96,6 +105,6 @@ def check(cfg: ClusterConfig) -> List[PermissionRow]:
                            "at your cluster (KUBECONFIG or ~/.kube/config; 'kubectl config current-context' "
                            "shows which it uses)") from None
     with ThreadPoolExecutor(8) as pool:  # each answer is a round trip to the API server
-        answers += pool.map(lambda n: k.may(n.verb, n.resource), NEEDS[1:])
+        answers += pool.map(lambda n: k.may(n.verb, n.resource), needs[1:])
     return [PermissionRow(k.namespace, n.verb, n.resource, ok, n.why, "" if ok else refusal(k, n))
-            for n, ok in zip(NEEDS, answers)]
+            for n, ok in zip(needs, answers)]

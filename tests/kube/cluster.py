@@ -1,4 +1,4 @@
-"""The controllers of the Kubernetes stand-in (``kube_standin.py`` says what is modelled): one loop, every
+"""The controllers of the Kubernetes stand-in (``__init__.py`` says what is modelled): one loop, every
 ``TICK`` s, over the objects of the store, starting and stopping the pods' real processes."""
 
 from __future__ import annotations
@@ -10,17 +10,66 @@ import secrets
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from kube_standin import INDEX, TICK, Store, _key, matches, now, touch
-from kube_standin_admission import place, refusal
-from kube_standin_dns import ClusterDNS
-from kube_standin_workloads import jobset, kueue
 from sshstate import _netns_pids
 
+from .admission import place, refusal
+from .dns import ClusterDNS
+from .store import INDEX, TICK, Store, _key, matches, now, touch
+from .workloads import jobset, kueue
+
 TERMINAL = ("Succeeded", "Failed")
+LOG_MAX = 10 * 2 ** 20  # the kubelet's containerLogMaxSize (10Mi by default)
+LOG_FILES = 5  # containerLogMaxFiles: the current file and 4 rotated ones
+
+
+def copy_log(pipe, log: Path) -> None:
+    """The runtime writing a container's output to its log file, line by line, and the kubelet rotating the file
+    once it holds LOG_MAX bytes: renamed to ``<log>.1`` (older ones shifted, LOG_FILES kept in all) and a new one
+    begun. So ``kubectl logs`` returns the current file alone, as on a real node, and a follower moves on to the
+    new file (apiserver.py)."""
+    out = open(log, "ab")
+    try:
+        for line in pipe:
+            out.write(line)
+            out.flush()
+            if out.tell() >= LOG_MAX:
+                out.close()
+                log.with_name(f"{log.name}.{LOG_FILES - 1}").unlink(missing_ok=True)
+                for n in range(LOG_FILES - 2, 0, -1):
+                    if log.with_name(f"{log.name}.{n}").exists():
+                        os.replace(log.with_name(f"{log.name}.{n}"), log.with_name(f"{log.name}.{n + 1}"))
+                os.replace(log, log.with_name(f"{log.name}.1"))
+                out = open(log, "ab")
+    finally:
+        out.close()
+        pipe.close()
+
+
+def _give_to_group(d: Path, gid: int, write: bool = True) -> None:
+    """What the kubelet does to a volume for a pod's fsGroup: every file the group's (group-writable), and every
+    directory setgid, so the files the pod makes are the group's too."""
+    for path in [d, *d.rglob("*")]:
+        os.chown(path, -1, gid)
+        mode = os.stat(path).st_mode
+        if path.is_dir():
+            os.chmod(path, mode | 0o2070 if write else mode | 0o2050)
+        else:
+            os.chmod(path, mode | (0o060 if write else 0o040))
+
+
+def _as_user(uid: int, gid: int, groups: List[int]) -> str:
+    """The command prefix that runs the container's process as ``uid``. It keeps CAP_DAC_READ_SEARCH: the image
+    here is this machine's files (its interpreter under /root, the tests' directories 0700), which a user other
+    than root could not reach, while an image's are its user's to read; writing is checked as for any user."""
+    if uid == 0:
+        return ""
+    return (f"setpriv --reuid {uid} --regid {gid} --groups {','.join(map(str, groups))} "
+            "--inh-caps +dac_read_search --ambient-caps +dac_read_search ")
 
 
 class Cluster:
@@ -29,6 +78,7 @@ class Cluster:
         self.cfg = store.config()
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
+        self.copiers: Dict[str, threading.Thread] = {}  # each pod's copy_log
         self.term_at: Dict[str, float] = {}
         self.pulled: set = set()  # (node, image) pulled once: a node keeps its images
         self.pulling: Dict[Tuple[str, str], float] = {}  # (node, image) -> when its first pull started
@@ -208,10 +258,13 @@ class Cluster:
                     self._signal(proc, signal.SIGKILL)
                 return
             if proc is not None and st.get("phase") not in TERMINAL:  # the kubelet reports the end first
+                if self.copiers[key].is_alive():
+                    return  # its last output is still being written
                 self._ended(pod, proc)
                 touch(doc, pod)
                 return
             self.procs.pop(key, None)
+            self.copiers.pop(key, None)
             touch(doc, objs.pop(key), "DELETED")
             return
         if st.get("phase") in TERMINAL:
@@ -230,7 +283,7 @@ class Cluster:
                           podIP=sandbox["ip"], startTime=now())
         elif proc is None:
             self._start(doc, key, pod)
-        elif proc.poll() is not None:
+        elif proc.poll() is not None and not self.copiers[key].is_alive():  # its output written to the end
             self._ended(pod, proc)
         if st != before:
             touch(doc, pod)
@@ -260,12 +313,14 @@ class Cluster:
         if image is None:
             return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
         pull = (spec["nodeName"], c["image"])
-        if image.get("pull_s") and pull not in self.pulled:  # a node's first pull of the image takes a while
+        pull_s = image.get("pull_s", 0)  # seconds, or {node: seconds}
+        pull_s = pull_s.get(spec["nodeName"], 0) if isinstance(pull_s, dict) else pull_s
+        if pull_s and pull not in self.pulled:  # a node's first pull of the image takes a while
             started = self.pulling.setdefault(pull, time.time())
             if not meta.get("_pulling"):
                 meta["_pulling"] = True
                 self.event(doc, pod, "Normal", "Pulling", f'Pulling image "{c["image"]}"')
-            if time.time() - started < image["pull_s"]:
+            if time.time() - started < pull_s:
                 return self._waiting(pod, "ContainerCreating", "")
             self.pulled.add(pull)
         if meta.pop("_pulling", None):
@@ -282,9 +337,13 @@ class Cluster:
                 return self._waiting(pod, "CreateContainerConfigError", f'secret "{ref["name"]}" not found')
             env[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
         env["HOSTNAME"] = spec["hostname"]
-        # The kubelet's check; the process itself runs as root here (this machine's interpreter is under /root).
-        sc = {**(spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
-        uid = sc.get("runAsUser", image.get("user", 0))
+        # The user the process runs as: the manifest's, else the image's; its groups: runAsGroup, fsGroup and the
+        # supplementalGroups, as a runtime gives them.
+        pod_sc = spec.get("securityContext") or {}
+        sc = {**pod_sc, **(c.get("securityContext") or {})}
+        uid, gid = sc.get("runAsUser", image.get("user", 0)), sc.get("runAsGroup", image.get("group", 0))
+        fs_group = pod_sc.get("fsGroup")
+        groups = sorted({gid, *([fs_group] if fs_group is not None else []), *pod_sc.get("supplementalGroups", [])})
         if sc.get("runAsNonRoot") and uid == 0:
             return self._waiting(pod, "CreateContainerConfigError", "container has runAsNonRoot and image will run "
                                  "as root")
@@ -295,9 +354,15 @@ class Cluster:
             d.mkdir(parents=True)
             if "persistentVolumeClaim" in v:  # (binding not modelled: a directory per claim that outlives pods)
                 d.rmdir()
-                d = self.store.root / "pvcs" / ns / v["persistentVolumeClaim"]["claimName"]
-                d.mkdir(parents=True, exist_ok=True)
-                os.chmod(d, 0o777)
+                claim = v["persistentVolumeClaim"]["claimName"]
+                d = self.store.root / "pvcs" / ns / claim
+                if not d.exists():  # a new volume's file system: its root directory is root's, 0755
+                    d.mkdir(parents=True)
+                    os.chmod(d, 0o755)
+                # The kubelet gives the volume to fsGroup (recursively, group-writable, setgid directories) where
+                # its storage lets it: not on one listed as ignoring it (cluster.json "claims", as NFS does).
+                if fs_group is not None and self.cfg.get("claims", {}).get(claim, {}).get("fsGroup", True):
+                    _give_to_group(d, fs_group)
             elif "configMap" in v:
                 cm = objs.get(_key("ConfigMap", ns, v["configMap"]["name"]))
                 if cm is None:
@@ -307,9 +372,15 @@ class Cluster:
                     (d / k).write_text(text)
                 for k, b64 in (cm.get("binaryData") or {}).items():
                     (d / k).write_bytes(base64.b64decode(b64))
+                for f in d.iterdir():
+                    os.chmod(f, v["configMap"].get("defaultMode", 0o644))
                 os.chmod(d, 0o755)
+                if fs_group is not None:
+                    _give_to_group(d, fs_group, write=False)
             else:
-                os.chmod(d, 0o777)  # an emptyDir is writable by any user
+                os.chmod(d, 0o777)  # an emptyDir is writable by any user, and fsGroup's
+                if fs_group is not None:
+                    _give_to_group(d, fs_group)
             for m in c.get("volumeMounts") or []:
                 if m["name"] == v["name"]:
                     binds.append((d, m["mountPath"]))
@@ -330,16 +401,18 @@ class Cluster:
                               f"mount --bind {self.resolv} /etc/resolv.conf",
                               *(f"mkdir -p {shlex.quote(t)} && mount --bind {s} {shlex.quote(t)}" for s, t in binds),
                               f"mkdir -p {shlex.quote(wd)}", f"cd {shlex.quote(wd)}",
-                              f"exec env -i {envs} {shlex.join([*c['command'], *c.get('args', [])])}"])
-        with open(log, "ab") as out:
-            self.procs[key] = subprocess.Popen(
-                # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
-                # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
-                # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
-                # Its own /proc too, as in a container: the pod's pids are the ones /proc shows there.
-                ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
-                 "--fork", "--mount-proc", "--propagation", "private", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                              f"exec {_as_user(uid, gid, groups)}env -i {envs} "
+                              f"{shlex.join([*c['command'], *c.get('args', [])])}"])
+        self.procs[key] = proc = subprocess.Popen(
+            # A PID namespace of its own, as a container runtime gives: its first process is PID 1, so the
+            # kernel ends every process of the pod with it (a setsid grandchild too), and a SIGTERM reaches it
+            # only if it handles SIGTERM; unshare waits for it (ignoring SIGTERM) and exits with its status.
+            # Its own /proc too, as in a container: the pod's pids are the ones /proc shows there.
+            ["nsenter", f"--net=/run/netns/{sandbox['netns']}", "--", "unshare", "--mount", "--uts", "--pid",
+             "--fork", "--mount-proc", "--propagation", "private", "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.copiers[key] = threading.Thread(target=copy_log, args=(proc.stdout, log), daemon=True)
+        self.copiers[key].start()
         pod["status"]["phase"] = "Running"
         pod["status"]["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True,
                                                "restartCount": 0, "state": {"running": {"startedAt": now()}}}]

@@ -1,21 +1,4 @@
-"""A stand-in for a Kubernetes cluster, for tests (no real cluster runs here: docs/backends.md says what a real
-one adds): the real ``kubectl`` talks to it through a kubeconfig.
-
-``python kube_standin.py apiserver DIR PORTFILE`` is its API server (kube_apiserver.py: the REST API the
-backend's kubectl commands use, over the objects in ``DIR/objects.json``); ``python kube_standin.py controller
-DIR`` is the rest of the control plane and the nodes, in one loop (kube_standin_cluster.py): the Job controller
-for Indexed Jobs (one pod per index named ``<job>-<index>-<suffix>``, hostname ``<job>-<index>``, the completion
-index as annotation, label and ``JOB_COMPLETION_INDEX``; ``completions``, ``parallelism``, ``backoffLimit``,
-``activeDeadlineSeconds``, ``ttlSecondsAfterFinished``, ``suspend``; conditions ``Complete``/``Failed``/``Suspended``,
-the remaining pods terminated when the Job fails; Events), admission of its pods (ServiceAccount, PriorityClass,
-ResourceQuota: kube_standin_admission.py), the scheduler (requests, GPUs, taints, node selectors, pod slots),
-JobSet and Kueue (kube_standin_workloads.py), the garbage collector, the kubelet (each pod a real process,
-PID 1 of a PID namespace of its own, in a network namespace of its own with its own IP: the container's
-command, args, workingDir and env -- Secret references resolved -- its hostname, emptyDir/configMap volumes
-bind-mounted, its output the pod's log, terminationGracePeriodSeconds between SIGTERM and SIGKILL, a slow first
-pull of an image on a node, the image a name for this checkout) and the cluster DNS (kube_standin_dns.py).
-Deletion is foreground: a Job goes once its pods are gone.
-"""
+"""The stand-in's objects (one JSON file every process of the stand-in shares) and the helpers over them."""
 
 from __future__ import annotations
 
@@ -23,7 +6,6 @@ import copy
 import fcntl
 import json
 import os
-import sys
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -118,12 +100,3 @@ def matches(labels: Dict[str, str], selector: str) -> bool:
             return False
     return True
 
-
-if __name__ == "__main__":
-    if sys.argv[1] == "apiserver":
-        from kube_apiserver import serve
-
-        serve(Path(sys.argv[2]), Path(sys.argv[3]))
-    from kube_standin_cluster import controller_main
-
-    sys.exit(controller_main(Path(sys.argv[2])))

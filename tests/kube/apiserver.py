@@ -1,4 +1,4 @@
-"""The stand-in's API server: the Kubernetes REST API over the stand-in's store (kube_standin.py), plain HTTP on
+"""The stand-in's API server: the Kubernetes REST API over the stand-in's store (store.py), plain HTTP on
 loopback, as much of it as the real ``kubectl`` uses for every command the k8s backend runs -- so those command
 lines are parsed and sent by the real client and its output is the real client's.
 
@@ -7,11 +7,13 @@ leave field validation to the server; create (409 AlreadyExists), get, list (``l
 on ``metadata.name``/``metadata.namespace``), merge patch, delete (``propagationPolicy``, ``gracePeriodSeconds``:
 foreground deletion, force), watch (chunked events after ``resourceVersion``; one older than the events kept, or
 every watch open when ``expire_watches`` is called, ends with a 410 Expired ERROR event, as after a compaction),
-``pods/log`` (``tailLines``, ``follow``: 400 while the container waits), and SelfSubjectAccessReview (JSON, or
+``pods/log`` (``tailLines``, ``follow``: 400 while the container waits; the current file of a rotated log, a
+follower moved on to the next), and SelfSubjectAccessReview (JSON, or
 the protobuf kubectl's typed client posts). Users: kubectl sends no token over plain HTTP, so a kubeconfig's user
 is the one it impersonates (``as``: the ``Impersonate-User`` header); ``users.json`` lists what each is denied
 (``verb resource`` pairs, as RBAC would deny them), in ``auth can-i`` and with 403 on every request. Kueue's
-webhook suspends a queued Job or JobSet on creation.
+webhook suspends a queued Job or JobSet on creation, and its visibility API lists a LocalQueue's pending workloads
+(``pendingworkloads``, their positions in line).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from kube_standin import QUEUE, TICK, Store, _key, matches, now, touch
+from .store import QUEUE, TICK, Store, _key, matches, now, touch
+from .workloads import pending_workloads
+
+VISIBILITY = "visibility.kueue.x-k8s.io"  # Kueue's visibility API: its LocalQueues' pending workloads, in line
 
 # (group, version, plural) -> (kind, namespaced, singular, short names)
 RESOURCES: Dict[Tuple[str, str, str], Tuple[str, bool, str, List[str]]] = {
@@ -214,6 +219,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if method == "GET" and self.discovery(parts):
                 return
+            if method == "GET" and parts[:3] == ["apis", VISIBILITY, "v1beta1"] and len(parts) == 8 and \
+                    parts[3] == "namespaces" and parts[5:8:2] == ["localqueues", "pendingworkloads"]:
+                return self.pending_workloads(parts[4], parts[6])
             target = self.target(parts)
             if target is None:
                 return self.fail(404, "NotFound", "the server could not find the requested resource")
@@ -451,6 +459,11 @@ class Handler(BaseHTTPRequestHandler):
             410, "Expired", f"too old resource version: {since} ({oldest})")}).encode() + b"\n")
         self.end_stream()
 
+    def pending_workloads(self, ns: str, queue: str) -> None:
+        if queue not in (self.api.cfg.get("queues") or {}):
+            return self.fail(404, "NotFound", f'localqueues.kueue.x-k8s.io "{queue}" not found')
+        self.reply(200, pending_workloads(Store(self.api.root).read()["objects"], ns, queue))
+
     def log(self, ns: str, name: str, q: Dict[str, str]) -> None:
         store = Store(self.api.root)
         key = _key("Pod", ns, name)
@@ -462,7 +475,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.fail(400, "BadRequest", f'container "{obj["spec"]["containers"][0]["name"]}" in pod '
                              f'"{name}" is waiting to start: ContainerCreating')
         self.start_stream("text/plain")
-        with open(path, "rb") as f:
+        f = open(path, "rb")  # the current file only: what the kubelet rotated away is not served
+        try:
             lines = f.read().splitlines(keepends=True)
             if "tailLines" in q:
                 lines = lines[-int(q["tailLines"]):] if int(q["tailLines"]) else []
@@ -472,13 +486,27 @@ class Handler(BaseHTTPRequestHandler):
                 if data:
                     self.chunk(data)
                     continue
+                if _rotated(path, f):  # the kubelet's follower moves on to the new file, the old one read out
+                    self.chunk(f.read())
+                    f.close()
+                    f = open(path, "rb")
+                    continue
                 if store.changed():
                     cur = store.read()["objects"].get(key)
                     if cur is None or (cur.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                         self.chunk(f.read())
                         break
                 time.sleep(TICK)
+        finally:
+            f.close()
         self.end_stream()
+
+
+def _rotated(path: Path, f) -> bool:
+    try:
+        return os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:  # between the rename and the new file
+        return False
 
 
 def serve(root: Path, port_file: Path) -> None:

@@ -1,4 +1,4 @@
-"""The ``kube`` fixture's cluster: the stand-in's API server and controller (kube_standin.py) over a
+"""The ``kube`` fixtures' cluster: the stand-in's API server and controller (``__init__.py``) over a
 tests/sshcluster.py cluster (a node per host; each node's ``PODS_PER_NODE`` pod sandboxes are bare network
 namespaces on the same bridge, so every pod has its own address, as a CNI gives it), and ``KUBECONFIG`` naming
 it for the real ``kubectl`` (``env``; ``kubeconfig(deny)`` for a user denied some rights). The image ``IMAGE`` is
@@ -16,20 +16,25 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from kube_standin import Store
 from sshstate import _netns_pids
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from .store import Store
+
+TESTS = Path(__file__).resolve().parent.parent
+REPO = TESTS.parent
 IMAGE = "registry.example/paddle/fit:1"
 SLOW_IMAGE = "registry.example/paddle/fit:2"  # the same, but a node's first pull of it takes PULL_S
 PULL_S = 4
+GPU_PULL_IMAGE = "registry.example/paddle/fit:3"  # the same, but its first pull on the GPU node takes GPU_PULL_S
+GPU_PULL_S = 12
 BARE_IMAGE = "registry.example/python:3.11"
 # Pods a node holds (a kubelet's maxPods, 110 by default): enough for the conformance suite's three jobs of four
 # pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
 PODS_PER_NODE = 5
 GPU = "nvidia.com/gpu"
 QUEUE = "q"  # the Kueue LocalQueue of the stand-in
+IMAGE_USER = 1000  # the images' USER, and the pods' runAsUser by default (--run-as-user)
+NFS_CLAIM = "nfs"  # a claim whose storage ignores fsGroup (NFS): its root directory stays root's, 0755
 
 
 class StandIn:
@@ -54,21 +59,25 @@ class StandIn:
                        "pods": [{"netns": ns, "ip": ip}
                                 for ns, ip in self.sandboxes[i * PODS_PER_NODE:(i + 1) * PODS_PER_NODE]]}
                       for i in range(cluster.n)],
-            "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000},
-                       SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": 1000, "pull_s": PULL_S},
-                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": 1000}},
+            "images": {IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER},
+                       SLOW_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER,
+                                    "pull_s": PULL_S},
+                       GPU_PULL_IMAGE: {"env": {**image_env, "PYTHONPATH": str(REPO)}, "user": IMAGE_USER,
+                                        "pull_s": {"worker-0": GPU_PULL_S}},
+                       BARE_IMAGE: {"env": {**image_env, "PATH": f"{barebin}:/usr/bin:/bin"}, "user": IMAGE_USER}},
             "dns": cluster.gateway,
             # Kueue's queues (LocalQueue -> the CPUs its ClusterQueue lends): one job of 3 pods of 1 CPU at a time.
-            "queues": {QUEUE: "4"}}))
+            "queues": {QUEUE: "4"},
+            "claims": {NFS_CLAIM: {"fsGroup": False}}}))
         self.store = Store(root)
         self.setup_keys: set = set()
-        self.controller = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "controller", str(root)],
-                                           cwd=HERE, stdin=subprocess.DEVNULL,
+        self.controller = subprocess.Popen([sys.executable, "-m", "kube", "controller", str(root)],
+                                           cwd=TESTS, stdin=subprocess.DEVNULL,
                                            stdout=open(root / "controller.log", "wb"), stderr=subprocess.STDOUT)
         # The API server the real kubectl (on PATH: scripts/test installs it) talks to, through a kubeconfig.
         port = root / "apiserver.port"
-        self.apiserver = subprocess.Popen([sys.executable, str(HERE / "kube_standin.py"), "apiserver", str(root),
-                                           str(port)], cwd=HERE, stdin=subprocess.DEVNULL,
+        self.apiserver = subprocess.Popen([sys.executable, "-m", "kube", "apiserver", str(root),
+                                           str(port)], cwd=TESTS, stdin=subprocess.DEVNULL,
                                           stdout=open(root / "apiserver.log", "wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (port.exists() and port.read_text()):
@@ -140,13 +149,13 @@ class StandIn:
 
     def dns_fault(self, mode: str, seconds: float) -> None:
         """The cluster DNS fails on purpose for ``seconds``: ``servfail`` (EAI_AGAIN in the pods) or ``drop``."""
-        from kube_standin_dns import fault
+        from .dns import fault
 
         fault(self.root, mode, seconds)
 
     def expire_watches(self) -> None:
         """The API server ends every watch open now with 410 Expired, as after compacting its history."""
-        from kube_apiserver import expire_watches
+        from .apiserver import expire_watches
 
         expire_watches(self.root)
 

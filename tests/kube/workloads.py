@@ -1,4 +1,4 @@
-"""The stand-in's JobSet controller and Kueue (``kube_standin.py`` says what else is modelled).
+"""The stand-in's JobSet controller and Kueue (``__init__.py`` says what else is modelled).
 
 JobSet (jobset.x-k8s.io/v1alpha2): a JobSet makes its headless Service (``network.enableDNSHostnames``: named
 after it, selecting its pods) and one Job ``<JobSet>-<replicated Job>-<i>`` per replica, whose pods are in the
@@ -9,7 +9,7 @@ once any Job failed; ``ttlSecondsAfterFinished`` deletes it, and the garbage col
 Kueue: the cluster's queues (``cluster.json`` ``queues``: name -> CPUs) admit the workloads labelled
 ``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one workload) in the order they came
 (StrictFIFO), each once the CPUs its pods request fit beside those of the workloads admitted and not finished;
-its webhook created them suspended (kube_standin.py), admission resumes them.
+its webhook created them suspended (apiserver.py), admission resumes them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import secrets
 import time
 from typing import Any, Dict, List
 
-from kube_standin import QUEUE, _key, now, touch
-from kube_standin_admission import pod_usage, qty
+from .admission import pod_usage, qty
+from .store import QUEUE, _key, now, touch
 
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -126,17 +126,41 @@ def _cpus(workload: Dict[str, Any]) -> float:
                for s, n in templates)
 
 
+def workloads(objs: Dict[str, Any], queue: str) -> List[Dict[str, Any]]:
+    """The workloads of ``queue`` not finished, in the order they came."""
+    return sorted((o for k, o in objs.items() if k.startswith(("JobSet/", "Job/"))
+                   and (o["metadata"].get("labels") or {}).get(QUEUE) == queue
+                   and not o["metadata"].get("ownerReferences") and not o["metadata"].get("deletionTimestamp")
+                   and not _done(o)), key=lambda o: (o["metadata"]["creationTimestamp"],
+                                                                int(o["metadata"]["resourceVersion"])))
+
+
+def pending_workloads(objs: Dict[str, Any], ns: str, queue: str) -> Dict[str, Any]:
+    """Kueue's visibility API for a LocalQueue (``/apis/visibility.kueue.x-k8s.io/v1beta1/namespaces/NS/localqueues/
+    Q/pendingworkloads``): its workloads not admitted yet, in line, each named after and owned by its object."""
+    waiting = [w for w in workloads(objs, queue) if w["spec"].get("suspend")]
+    items = []
+    for i, w in enumerate(waiting):
+        meta = w["metadata"]
+        if meta["namespace"] != ns:
+            continue
+        items.append({"metadata": {"name": f"{w['kind'].lower()}-{meta['name']}-{meta['uid'][:5]}",
+                                   "namespace": ns, "creationTimestamp": meta["creationTimestamp"],
+                                   "ownerReferences": [{"apiVersion": w["apiVersion"], "kind": w["kind"],
+                                                        "name": meta["name"], "uid": meta["uid"]}]},
+                      "priority": 0, "localQueueName": queue, "positionInClusterQueue": i,
+                      "positionInLocalQueue": len(items)})
+    return {"kind": "PendingWorkloadsSummary", "apiVersion": "visibility.kueue.x-k8s.io/v1beta1",
+            "metadata": {"creationTimestamp": None}, "items": items}
+
+
 def kueue(cluster, doc: Dict[str, Any]) -> None:
     objs = doc["objects"]
     queues = cluster.cfg.get("queues") or {}
     for queue, cpus in queues.items():
-        workloads = sorted((o for k, o in objs.items() if k.startswith(("JobSet/", "Job/"))
-                            and (o["metadata"].get("labels") or {}).get(QUEUE) == queue
-                            and not o["metadata"].get("ownerReferences") and not o["metadata"].get("deletionTimestamp")
-                            and not _done(o)), key=lambda o: (o["metadata"]["creationTimestamp"],
-                                                               int(o["metadata"]["resourceVersion"])))
-        used = sum(_cpus(w) for w in workloads if not w["spec"].get("suspend"))
-        for w in workloads:
+        workloads_ = workloads(objs, queue)
+        used = sum(_cpus(w) for w in workloads_ if not w["spec"].get("suspend"))
+        for w in workloads_:
             if not w["spec"].get("suspend"):
                 continue
             if used + _cpus(w) > qty(cpus):

@@ -221,7 +221,7 @@ def restricted_problems(docs: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
-# -- JobSet (jobset.x-k8s.io), against an excerpt of its CRD's schema (tests/jobset_v1alpha2_spec.json says which) --
+# -- JobSet (jobset.x-k8s.io), against an excerpt of its CRD's schema (jobset_v1alpha2_spec.json says which) --
 
 JOBSET = json.loads((Path(__file__).parent / "jobset_v1alpha2_spec.json").read_text())
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int}
