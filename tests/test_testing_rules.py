@@ -3,6 +3,7 @@ the run; test data is found relative to the checkout or by an environment variab
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -94,3 +95,44 @@ def test_no_test_or_example_names_one_machines_path():
              and "seeds" not in p.parts and p.name != Path(__file__).name
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_not_cluster_selects_no_test_that_builds_hosts(tmp_path):
+    """``-m "not cluster"`` runs without root: no test it selects uses a fixture that builds network-namespace
+    hosts, its conformance engine's included (conftest.py marks them; a test reaching one some other way fails:
+    next test)."""
+    (tmp_path / "selected.py").write_text(
+        "import json, os\n\n"
+        "def pytest_collection_finish(session):\n"
+        "    import conftest\n"
+        "    found = {i.nodeid: sorted(conftest.HOST_FIXTURES & conftest.fixtures_needed(i)) for i in session.items}\n"
+        "    with open(os.environ['SELECTED'], 'w') as f:\n"
+        "        json.dump(found, f)\n")
+    out = tmp_path / "selected.json"
+    environ = {k: v for k, v in os.environ.items() if k != "CI"}
+    environ.update(SELECTED=str(out), PYTHONPATH=os.pathsep.join([str(tmp_path), str(TESTS), str(REPO)]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                          "selected", "-m", "not cluster", str(TESTS)], cwd=REPO, env=environ, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert any("[local]" in t for t in found), "the local engine's conformance cases need no root"
+    assert not {t: f for t, f in found.items() if f}, {t: f for t, f in found.items() if f}
+
+
+HOSTS_BY_NAME = '''
+def test_gets_hosts_by_name(request):
+    request.getfixturevalue("ssh_cluster")
+'''
+
+
+def test_a_test_reaching_hosts_unmarked_fails_saying_so(tmp_path):
+    (tmp_path / "test_demo.py").write_text(HOSTS_BY_NAME)
+    environ = {k: v for k, v in os.environ.items() if k != "CI"}
+    environ.update(PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                          str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "conftest",
+                          str(tmp_path / "test_demo.py")], env=environ, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "test_gets_hosts_by_name builds hosts (ssh_cluster, which needs root) but is not marked cluster" in \
+        res.stdout, res.stdout
