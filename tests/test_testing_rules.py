@@ -3,12 +3,14 @@ the run; test data is found relative to the checkout or by an environment variab
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 from helpers import REPO, dataset_dir
 
@@ -136,3 +138,50 @@ def test_a_test_reaching_hosts_unmarked_fails_saying_so(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     assert "test_gets_hosts_by_name builds hosts (ssh_cluster, which needs root) but is not marked cluster" in \
         res.stdout, res.stdout
+
+
+def _clock(node: ast.AST) -> bool:
+    """``time.monotonic()``, ``time.time()`` or ``time.perf_counter()``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+        node.func.value, ast.Name) and node.func.value.id == "time" and node.func.attr in ("monotonic", "time",
+                                                                                            "perf_counter")
+
+
+def timing_looks(source: str) -> List[str]:
+    """Where ``source`` sleeps and then asserts (the next statement), or asserts on an elapsed time (a clock
+    minus something, directly or through a name the same function gave it)."""
+    found = []
+    tree = ast.parse(source)
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        elapsed = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.BinOp)
+                   and isinstance(n.value.op, ast.Sub) and _clock(n.value.left)
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assert) and any(
+                    isinstance(x, ast.Name) and x.id in elapsed or isinstance(x, ast.BinOp) and _clock(x.left)
+                    for x in ast.walk(n.test)):
+                found.append(f"{n.lineno}: asserts on an elapsed time")
+            for body in (getattr(n, f, None) for f in ("body", "orelse", "finalbody")):
+                if isinstance(body, list):
+                    found += [f"{a.lineno}: sleeps, then asserts" for a, b in zip(body, body[1:])
+                              if isinstance(b, ast.Assert) and isinstance(a, ast.Expr) and isinstance(a.value, ast.Call)
+                              and isinstance(a.value.func, ast.Attribute) and a.value.func.attr == "sleep"]
+    return sorted(set(found), key=lambda f: int(f.split(":")[0]))
+
+
+def test_timing_looks_are_found():
+    assert timing_looks("def t():\n    time.sleep(1)\n    assert alive()\n") == ["2: sleeps, then asserts"]
+    assert timing_looks("def t():\n    t0 = time.monotonic()\n    run()\n    took = time.monotonic() - t0\n"
+                        "    assert took < 5\n") == ["5: asserts on an elapsed time"]
+    assert timing_looks("def t():\n    assert time.time() - t0 < 5\n") == ["2: asserts on an elapsed time"]
+    # a poll, and a time only printed, are not looks
+    assert timing_looks("def t():\n    while not ready():\n        time.sleep(0.1)\n    assert ready()\n"
+                        "    took = time.monotonic() - t0\n    print(took)\n") == []
+
+
+def test_no_test_sleeps_and_looks_or_asserts_on_elapsed_time():
+    """A negative check waits for a condition that proves it; a time limit is a deadline on a wait (docs/testing.md,
+    Writing a test)."""
+    found = [f"{p.relative_to(REPO)}:{f}" for p in sorted(TESTS.rglob("*.py")) if "seeds" not in p.parts
+             for f in timing_looks(p.read_text())]
+    assert not found, "\n".join(found)
