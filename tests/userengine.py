@@ -22,9 +22,8 @@ SUITE = secrets.token_hex(2)  # this test session's mark in its job names (Engin
 
 
 # Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable (and torchrun's, Paddle fleet's) it got
-# as one JSON line; the pserver
-# listens on its ports, the trainer starts a setsid grandchild (which escapes every process group); both hold.
-# With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
+# as one JSON line; the pserver listens on its ports, the trainer starts a setsid grandchild (which escapes every
+# process group); both hold. With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
 DUAL_HOLD_PY = r"""
 import json, os, signal, socket, subprocess, sys, time
 from paddle_cluster.contract import SOCKET_IFNAME_VARS, TORCH_VARS, JobEnv
@@ -71,6 +70,7 @@ class EngineSpec:
     # why a job whose launcher was SIGKILLed runs on (launcher_gone); empty: every node's agent stops it
     runs_on_without_launcher: str = ""
     backend: str = ""  # the --backend it drives: its module's BACKEND (set by the registry, engines/__init__.py)
+
 
 @dataclass
 class Engine:
