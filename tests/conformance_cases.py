@@ -1,16 +1,15 @@
-"""What the conformance suite (tests/test_conformance.py, tests/test_conformance_jobs.py) runs on which backend:
-its scenarios, what a backend does not offer (with the reason) or fails (a product bug not fixed yet), and
-the scenario x backend matrix of docs/backends.md generated from them."""
+"""What the conformance suite (tests/test_conformance.py, tests/test_conformance_jobs.py) runs: its scenarios, on
+every engine of tests/engines/ (each declares what it does not offer, with the reason, or fails: a product bug
+not fixed yet), and the scenario x engine matrix of docs/backends.md generated from them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict
 
 import pytest
+from engines import ENGINES
 from helpers import REPO
 
-BACKENDS = ("local", "ssh", "mpi-openmpi", "mpi-mpich", "slurm", "k8s")
 SCENARIOS = {
     "fit_a_line": "README conf.py; the dual-role fit_a_line reaches test MSE < 30; status and logs after",
     "env_ctrl_c": "a dual-role script dumps each trainer's and pserver's PADDLE_* environment (the same "
@@ -38,18 +37,10 @@ SCENARIOS = {
                   "GROUP_RANK; then one whose rank 1 fails while the others wait in a collective: exit 1 naming it; "
                   "nothing left",
 }
-NOT_OFFERED: Dict[tuple, str] = {
-    ("max_restarts", "k8s"): "a failed pod fails its Job; restarts from checkpoints need a launcher-run backend "
-                             "(run refuses --max_restarts with BACKEND k8s)",
-}
-# Scenarios a backend offers but fails, because of a product bug not fixed yet: xfail(strict=True), so the
-# fix turns them into failures until the entry goes.
-KNOWN_FAILURES: Dict[tuple, str] = {}
-# Variables one backend adds to the contract, and why (everything else is the same on every backend).
-EXTRA_VARS: Dict[tuple, str] = {
-    ("slurm", "PADDLE_CHECKPOINT_DIR"): "each node's PADDLE_JOB_DIR is its own directory on the shared filesystem "
-                                        "(<job>/node<i>); the checkpoints stay in the job's one directory",
-}
+BACKENDS = tuple(ENGINES)  # the matrix's columns, in the registry's order
+NOT_OFFERED: Dict[tuple, str] = {(s, e.name): why for e in ENGINES.values() for s, why in e.not_offered.items()}
+KNOWN_FAILURES: Dict[tuple, str] = {(s, e.name): why for e in ENGINES.values() for s, why in e.known_failures.items()}
+EXTRA_VARS: Dict[tuple, str] = {(e.name, v): why for e in ENGINES.values() for v, why in e.extra_vars.items()}
 
 
 def matrix() -> str:
@@ -76,42 +67,10 @@ def docs_with_matrix(text: str) -> str:
     return text[:start] + "\n" + matrix() + text[stop:]
 
 
-# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable (and torchrun's, Paddle fleet's) it got
-# as one JSON line; the pserver
-# listens on its ports, the trainer starts a setsid grandchild (which escapes every process group); both hold.
-# With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
-DUAL_HOLD_PY = r"""
-import json, os, signal, socket, subprocess, sys, time
-from paddle_cluster.contract import SOCKET_IFNAME_VARS, TORCH_VARS, JobEnv
-dump = {k: v for k, v in os.environ.items()
-        if k.startswith("PADDLE_") or k in TORCH_VARS + SOCKET_IFNAME_VARS + ("TRAINING_ROLE", "POD_IP")}
-if "PADDLE_JOB_SECRET" in dump:
-    dump["PADDLE_JOB_SECRET"] = "(set)"  # not into the logs
-if os.environ["PADDLE_TRAINING_ROLE"] == "PSERVER":
-    env = JobEnv.from_environ()
-    socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
-    print("env " + json.dumps(dump), flush=True)
-else:
-    print("env " + json.dumps(dump), flush=True)
-    subprocess.Popen(["sleep", "300"], start_new_session=True)
-    if "ignore-term" in sys.argv[1:]:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("holding", os.environ["PADDLE_TRAINER_ID"], flush=True)
-time.sleep(300)
-"""
-
-
 def cases(scenario: str):
-    """The backends of ``scenario``; a backend that does not offer it runs the refusal check instead."""
+    """The engines of ``scenario`` (the ``engine`` fixture's parameters: conftest.py marks those whose fixtures
+    build hosts ``cluster``); an engine that does not offer it runs the refusal check instead."""
     def marks(b: str) -> list:
         known = KNOWN_FAILURES.get((scenario, b))
         return [pytest.mark.xfail(strict=True, reason=known)] if known else []
     return [pytest.param(b, id=b, marks=marks(b)) for b in BACKENDS if (scenario, b) not in NOT_OFFERED]
-
-
-def workspace(tmp: Path, files: Dict[str, str]) -> Path:
-    ws = tmp / "ws"
-    ws.mkdir()
-    for name, text in files.items():
-        (ws / name).write_text(text)
-    return ws

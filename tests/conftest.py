@@ -1,4 +1,6 @@
-"""Shared fixtures: a real multi-host SSH cluster (tests/sshcluster.py), Open MPI and Slurm on it (enginecluster.py).
+"""Shared fixtures: a real multi-host SSH cluster (tests/sshcluster.py) and the conformance suite's ``engine``;
+each engine's own fixtures (Open MPI, Slurm, the Kubernetes stand-in) are its module's under tests/engines/,
+loaded here as plugins.
 
 Only the cluster fixtures live here; put other fixtures in the test files that use them, and shared helpers
 in helpers.py.
@@ -8,18 +10,46 @@ from __future__ import annotations
 
 import os
 
+import engines
 import pytest
-from enginecluster import MPIEnv, SlurmCluster, mpi_unavailable_reason, slurm_unavailable_reason
 from sshcluster import SSHCluster, unavailable_reason
 
-_CLUSTER_FIXTURES = {"ssh_cluster", "make_ssh_cluster", "mpi_env", "slurm_cluster"}
+pytest_plugins = engines.PLUGINS
+# The fixtures that build network-namespace hosts, which needs root.
+HOST_FIXTURES = frozenset({"ssh_cluster", "make_ssh_cluster"}) | engines.HOST_FIXTURES
+
+
+def fixtures_needed(item) -> set:
+    """The fixtures ``item`` uses, with those of its conformance engine (which it gets by name at setup)."""
+    names = set(getattr(item, "fixturenames", ()))
+    spec = engines.ENGINES.get(getattr(getattr(item, "callspec", None), "params", {}).get("engine"))
+    return names | set(spec.fixtures if spec else ())
 
 
 def pytest_collection_modifyitems(items):
-    # Tests that use a cluster get the 'cluster' marker, so `-m "not cluster"` runs without root.
+    # Tests that build hosts get the 'cluster' marker, so `-m "not cluster"` runs without root.
     for item in items:
-        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if HOST_FIXTURES & fixtures_needed(item):
             item.add_marker(pytest.mark.cluster)
+
+
+_running = []  # the test being set up or run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    _running.append(item)
+    yield
+    _running.pop()
+
+
+def pytest_fixture_setup(fixturedef, request):
+    """A test that reaches a host-building fixture some way the marking above does not see (a fixture got by
+    name) fails, rather than making `-m "not cluster"` need root."""
+    if fixturedef.argname in HOST_FIXTURES and _running and not _running[-1].get_closest_marker("cluster"):
+        pytest.fail(f"{_running[-1].nodeid} builds hosts ({fixturedef.argname}, which needs root) but is not "
+                    "marked cluster: declare what it needs (conftest.py, HOST_FIXTURES; tests/engines/)",
+                    pytrace=False)
 
 
 def skips_fail() -> bool:
@@ -98,48 +128,11 @@ def make_ssh_cluster(tmp_path_factory):
         cluster.close()
 
 
-@pytest.fixture(scope="session")
-def mpi_env(request, tmp_path_factory) -> MPIEnv:
-    """Open MPI over the session's ``ssh_cluster`` (``mpi_env.cluster``): ``mpi_env.argv(cmd)``, ``env=mpi_env.env``.
-
-    Leave the hosts as you found them: no rank or child left (``mpi_env.cluster.pids(i) == []``).
-    """
-    reason = mpi_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return MPIEnv.for_cluster(request.getfixturevalue("ssh_cluster"), tmp_path_factory.mktemp("mpi"))
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """A real Slurm cluster on 3 hosts of its own, up once per session (~0.4 s; over 20 s seen on a machine
-    loaded 10 times over its cores, hence the 90 s limit on the bring-up); leave it quiet
-    (``slurm_cluster.wait_quiet()``: no job active, every node idle, no job process on any host)."""
-    reason = slurm_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with SSHCluster(3, tmp_path_factory.mktemp("slurm_hosts")) as hosts, SlurmCluster(hosts, timeout=90.0) as slurm:
-        yield slurm
-
-
-@pytest.fixture(scope="session")
-def kube(tmp_path_factory):
-    """The Kubernetes stand-in (tests/kube/) on 4 SSH hosts of its own, shared by the session."""
-    from enginecluster import kubectl_unavailable_reason
-    from kube.standin import StandIn
-
-    reason = kubectl_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with SSHCluster(4, tmp_path_factory.mktemp("kube_hosts")) as hosts:
-        k = StandIn(hosts, tmp_path_factory.mktemp("kube") / "kube")
-        yield k
-        k.close()
-
-
 @pytest.fixture
 def engine(request, tmp_path):
-    """The conformance suite's backend ``request.param`` as a user drives it (tests/userengine.py)."""
-    from userengine import make_engine
-
-    return make_engine(request, tmp_path, request.param)
+    """The conformance suite's engine ``request.param`` (tests/engines/) as a user drives it (tests/userengine.py)."""
+    spec = engines.ENGINES[request.param]
+    reason = spec.unavailable()
+    if reason:
+        pytest.skip(reason)
+    return spec.make(request, tmp_path, *[request.getfixturevalue(f) for f in spec.fixtures])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from engines import DRY_RUN_OPTIONS, NATIVE, NO_HOSTS_OPTIONS
 from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_settings
 
 from paddle_cluster.cli import main
@@ -20,14 +21,6 @@ from paddle_cluster.launch import journal
 from paddle_cluster.launch.backends import REGISTRY, backend_class, declared_options, foreign_options, run_options
 from paddle_cluster.launch.backends.base import BackendOption
 from paddle_cluster.launch.config import load_config
-
-# What only each engine's own request holds
-NATIVE = {"ssh": ["ssh plan of job dry", "pserver.0: ", "trainer.1: python3 train.py --num_passes 2"],
-          "mpi": ["mpirun --hostfile", "10.9.0.3 slots=1", "Host 10.9.0.2", "bootstrap"],
-          "slurm": ["#!/bin/sh", "#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1",
-                    "exec srun --nodes=2", "sbatch --parsable"],
-          "k8s": ["kind: Secret", "kind: Job", "image: registry.example/fit:1"]}
-OPTIONS = {"slurm": ["--partition", "gpu", "--gres", "gpu:1"], "k8s": ["--image", "registry.example/fit:1"]}
 
 
 def _user_conf(tmp: Path) -> Path:
@@ -41,6 +34,12 @@ def _isolated(tmp: Path) -> dict:
                 XDG_CACHE_HOME=str(tmp / "cache"), TMPDIR=str(tmp / "scratch"))
 
 
+def test_every_backend_has_its_engine_in_the_suite():
+    """Each backend of the launcher's registry has its module under tests/engines/ (its line in MODULES there):
+    its dry run's markers, and its engines of the conformance suite."""
+    assert sorted(NATIVE) == sorted(REGISTRY), "tests/engines/ and the launcher's REGISTRY list other backends"
+
+
 @pytest.mark.parametrize("backend", list(REGISTRY))
 @pytest.mark.parametrize("how", ["run --dry-run", "render"])
 @pytest.mark.parametrize("name", [["--job_name", "dry"], []], ids=["named", "default-name"])
@@ -52,7 +51,7 @@ def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend,
     (ws / "train.py").write_text("print('hi')\n")
     args = ["run", "--backend", backend, "--dry-run"] if how == "run --dry-run" else ["render", backend]
     args += ["--job_dispatch_package", str(ws)]  # (k8s: packed into a ConfigMap)
-    res = cli(conf, *args, *OPTIONS.get(backend, []), *name, "--", "--num_passes", "2", env=env)
+    res = cli(conf, *args, *DRY_RUN_OPTIONS[backend], *name, "--", "--num_passes", "2", env=env)
     assert res.returncode == 0, res.stderr
     for marker in NATIVE[backend]:
         assert marker.replace("job dry", "job dry" if name else "job JOB") in res.stdout, (marker, res.stdout)
@@ -77,8 +76,8 @@ def test_hosts_is_required_by_the_backends_whose_nodes_it_lists_only(tmp_path, b
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "train.py").write_text("print('hi')\n")
-    opts = {"slurm": ["--nodes", "2"], "k8s": ["--image", "registry.example/fit:1"]}.get(backend, [])
-    res = cli(conf, "run", "--backend", backend, "--dry-run", "--job_dispatch_package", str(ws), *opts,
+    res = cli(conf, "run", "--backend", backend, "--dry-run", "--job_dispatch_package", str(ws),
+              *NO_HOSTS_OPTIONS[backend],
               "--job_name", "dry", env=env)
     assert "Traceback" not in res.stderr
     if backend_class(backend).needs_hosts:

@@ -5,7 +5,7 @@ place themselves and how the MPI is chosen; ``--resume_from`` checked before ``m
 
 The user's paths on both MPIs -- fit_a_line to its target with the README's conf.py, the env contract, Ctrl+C,
 ``kill``, a failing trainer, a killed launcher, ``--max_restarts`` -- are the conformance suite's
-(tests/test_conformance.py, tests/conformance_cases.py: backends mpi-openmpi and mpi-mpich)."""
+(tests/test_conformance.py; tests/engines/mpi.py: engines mpi-openmpi and mpi-mpich)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ fail-fast inside the allocation.
 
 The user's paths every backend shares -- fit_a_line with the README's conf.py, the env contract, Ctrl+C of a
 running job, ``kill`` from another terminal, a failing trainer, ``--max_restarts`` from a checkpoint, several jobs
-at once -- are the conformance suite's (tests/test_conformance.py, tests/conformance_cases.py: backend slurm)."""
+at once -- are the conformance suite's (tests/test_conformance.py; tests/engines/slurm.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ import os
 import pickle
 import re
 import shutil
-import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from helpers import (
     cli,
     dataset_dir,
     local_conf,
-    losses,
     no_traceback,
     ported,
     write_conf,
@@ -34,10 +32,14 @@ ROLE_NOTE = "pservers run dist_train.py as PADDLE_TRAINING_ROLE=PSERVER"
 
 
 def data_home(tmp: Path) -> Path:
-    """Paddle's dataset cache with uci_housing in it (the processes find it through PADDLE_DATA_HOME)."""
+    """Paddle's dataset cache with uci_housing in it (the processes find it through PADDLE_DATA_HOME): every 10th
+    row (51, 5 batches an epoch; each column still varies, as its normalisation needs). That the seed's loss falls
+    over the whole data is the conformance suite's concurrent scenario (test_conformance_jobs.py, every engine);
+    here, what the run leaves on each node."""
     d = tmp / "data_home"
     (d / "uci_housing").mkdir(parents=True, exist_ok=True)
-    shutil.copy(HOUSING, d / "uci_housing" / "housing.data")
+    rows = HOUSING.read_text().splitlines(keepends=True)[::10]
+    (d / "uci_housing" / "housing.data").write_text("".join(rows))
     return d
 
 
@@ -54,23 +56,6 @@ def local_default(tmp: Path, **extra) -> Path:
                       TRAINERS_PER_NODE=2, **extra)
 
 
-def trainer_losses(stdout: str, trainer: int):
-    prefix = re.compile(rf"^\[trainer\.{trainer}@node\d+\] ", re.M)
-    return losses("\n".join(prefix.sub("", line) for line in stdout.splitlines() if prefix.match(line)))
-
-
-def assert_loss_falls(stdout: str, trainers: int) -> None:
-    """As in the quick start: ~600 in the first epoch down to tens by the thirtieth, every trainer."""
-    for t in range(trainers):
-        got = trainer_losses(stdout, t)
-        assert [e for e, _, _ in got][:: 5] == list(range(30)), got[:12]
-        first = sum(v for e, _, v in got if e == 0) / max(1, sum(1 for e, _, _ in got if e == 0))
-        # The median of the last 5 epochs' batches: one shuffled batch may be far off (epoch 29's mean of 6 came
-        # to 154 against epoch 0's 588 once).
-        last = statistics.median(v for e, _, v in got if e >= 25)
-        assert first > 300 and last < first / 4, (t, first, last)
-
-
 def pserver_cmds(job_dir: Path):
     recs = json.loads((job_dir / ".paddle_cluster" / "procs.json").read_text())["procs"]
     return [r["cmd"] for r in recs if r["role"] == "PSERVER"]
@@ -84,7 +69,6 @@ def test_seed_dist_train_local_default_layout(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     first_lines = res.stderr.splitlines()[:3]
     assert any(ROLE_NOTE in line for line in first_lines), first_lines
-    assert_loss_falls(res.stdout, 2)
     job = tmp_path / "root" / "seed"
     assert [c.split()[-1] for c in pserver_cmds(job)] == ["dist_train.py", "dist_train.py"]
     # each pserver on its own loopback address, as PADDLE_PSERVER_IPS x PADDLE_PSERVER_PORT says
@@ -106,7 +90,6 @@ def test_seed_dist_train_on_three_ssh_hosts(ssh_cluster, tmp_path):
                   timeout=300)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert ROLE_NOTE in res.stderr
-        assert_loss_falls(res.stdout, 3)
         for i in range(3):
             job = ssh_cluster.root_dir(i) / "seed3"
             assert pserver_cmds(job) == [f"{ssh_cluster.python} dist_train.py"]

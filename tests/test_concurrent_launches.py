@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 from helpers import assert_nothing_left, checkout_env, make_workspace, no_traceback, start_cli, write_conf
@@ -49,7 +48,7 @@ def _pack_worker(k: int, workspaces: list, cache: str, rounds: int, start, error
             ws = workspaces[(k + r) % len(workspaces)]
             with contextlib.ExitStack() as hold:
                 pkg = pack_workspace(ws, cache, keep=2, hold=hold)
-                time.sleep(0.05)  # the others publish and evict meanwhile
+                start.wait()  # every worker holds its archive at once; the slower ones published and evicted meanwhile
                 assert _sha(pkg.path) == pkg.sha256, f"{pkg.path} changed while held"
     except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
         errors.put(f"worker {k}: {type(e).__name__}: {e}")

@@ -2,9 +2,10 @@
 the README's conf.py, on every backend: the built-in local cluster, ssh (3 namespace hosts), mpi with Open MPI
 and with MPICH (over those hosts), slurm (a real Slurm cluster) and k8s (the Kubernetes stand-in).
 
-A scenario an engine does not offer is declared in ``NOT_OFFERED`` with the reason, and its test checks that
-the CLI refuses it saying so (not a skip). docs/backends.md's matrix is generated from these declarations
-(``python tests/test_conformance.py`` rewrites it; ``test_docs_matrix_is_the_suites`` fails when it drifts).
+The engines are tests/engines/'s. A scenario an engine does not offer is declared in its ``not_offered`` with
+the reason, and its test checks that the CLI refuses it saying so (not a skip). docs/backends.md's matrix is
+generated from these declarations (``python tests/test_conformance.py`` rewrites it;
+``test_docs_matrix_is_the_suites`` fails when it drifts).
 """
 
 from __future__ import annotations
@@ -19,18 +20,10 @@ import sys
 from typing import Dict, List, Tuple
 
 import pytest
-from conformance_cases import (
-    BEGIN,
-    DOC,
-    END,
-    EXTRA_VARS,
-    NOT_OFFERED,
-    cases,
-    docs_with_matrix,
-    workspace,
-)
+from conformance_cases import BEGIN, DOC, END, EXTRA_VARS, NOT_OFFERED, cases, docs_with_matrix
+from engines import DRY_RUN_OPTIONS, ENGINES
 from helpers import FIT_A_LINE, wait_for
-from userengine import Engine, pserver_pids, user_env
+from userengine import Engine, pserver_pids, user_env, workspace
 
 from paddle_cluster.contract import SOCKET_IFNAME_VARS
 
@@ -254,12 +247,14 @@ def test_max_restarts_recovers_from_a_killed_pserver(engine: Engine):
     engine.assert_nothing_left()
 
 
-@pytest.mark.parametrize("backend", [b for (s, b) in NOT_OFFERED if s == "max_restarts"])
-def test_max_restarts_not_offered_is_refused_saying_why(backend, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--backend", backend, "--image", "img",
-                          "--max_restarts", "1", "--job_dispatch_package", str(workspace(tmp_path, {"train.py": ""}))],
+@pytest.mark.parametrize("name", [e for (s, e) in NOT_OFFERED if s == "max_restarts"])
+def test_max_restarts_not_offered_is_refused_saying_why(name, tmp_path):
+    backend = ENGINES[name].backend
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--backend", backend,
+                          *DRY_RUN_OPTIONS[backend], "--max_restarts", "1", "--job_dispatch_package",
+                          str(workspace(tmp_path, {"train.py": ""}))],
                          cwd=tmp_path, env=user_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "--max_restarts" in res.stderr and "not available with BACKEND k8s" in \
+    assert res.returncode == 2 and "--max_restarts" in res.stderr and f"not available with BACKEND {backend}" in \
         res.stderr and "Traceback" not in res.stderr, res.stderr
 
 

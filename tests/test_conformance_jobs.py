@@ -1,7 +1,8 @@
 """The conformance suite, part two (tests/test_conformance.py is part one; tests/conformance_cases.py declares
 both): what happens around a job's whole life on every backend, through the real CLI and the README's conf.py
 -- the launcher's stop signals (a second Ctrl+C, SIGTERM, SIGHUP), the launcher killed, and several jobs
-launched at once from one machine, one of them seed 003's dual-role ``dist_train.py``."""
+launched at once from one machine, one of them seed 003's dual-role ``dist_train.py``. The engines are
+tests/engines/'s."""
 
 from __future__ import annotations
 
@@ -13,16 +14,14 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conformance_cases import DUAL_HOLD_PY, cases, workspace
+from conformance_cases import cases
+from engines import ENGINES
 from helpers import HOUSING, SEEDS, ported, wait_for
-from userengine import Engine, Running, job_processes, seed_cache
+from userengine import DUAL_HOLD_PY, Engine, Running, job_processes, seed_cache, workspace
 
 from paddle_cluster.launch.top import STALL_S
 
 GRACE = 120  # KILL_GRACE of the signals scenario: a stop that waits it out fails the test's wait of 60 s
-# Where the launcher's death does not stop the job (docs/backends.md): the engine runs it on its own.
-RUNS_ON_WITHOUT_LAUNCHER = {"slurm": "a launcher that dies while following a job leaves it running, as --detach",
-                            "k8s": "the job lives on the cluster; kill deletes it"}
 
 
 def status(engine: Engine, job: str) -> dict:
@@ -159,7 +158,7 @@ def test_sighup_and_sigkill_to_the_launcher(engine: Engine):
     assert "interrupted" in "".join(runs[hup].err), runs[hup].text()
     wait_for(lambda: not job_processes([hup]), 60, f"no process of {hup} left")
     assert_ended(engine, hup, 130, "interrupted")
-    if engine.name in RUNS_ON_WITHOUT_LAUNCHER:
+    if ENGINES[engine.name].runs_on_without_launcher:  # the engine runs it on its own (docs/backends.md)
         assert_running(engine, dead)
     else:  # every node's agent notices its launcher gone and stops the job on its own, before any kill
         wait_for(lambda: not job_processes([dead]), 90, f"the agents to stop {dead} on their own")

@@ -283,8 +283,8 @@ def _check(kube, tmp: Path, *args: str, deny: str = "") -> subprocess.CompletedP
                           env=_user(kube, tmp, deny), capture_output=True, text=True, timeout=120)
 
 
-def test_check_k8s_asks_for_every_permission_the_backend_uses(kube, tmp_path: Path) -> None:
-    res = _check(kube, tmp_path, "--json")
+def test_check_k8s_asks_for_every_permission_the_backend_uses(kube_cluster, tmp_path: Path) -> None:
+    res = _check(kube_cluster, tmp_path, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     rows = json.loads(res.stdout)
     asked = {(r["verb"], r["resource"]) for r in rows}
@@ -294,12 +294,12 @@ def test_check_k8s_asks_for_every_permission_the_backend_uses(kube, tmp_path: Pa
         ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("patch", "pods"), ("delete", "pods"),
         ("get", "pods/log"), ("list", "events"), ("watch", "events")} and len(rows) == len(asked), rows
     assert all(r["ok"] and r["kind"] == "permission" and r["namespace"] == "ml" and r["needed_by"] for r in rows), rows
-    table = _check(kube, tmp_path, "--namespace", "team-a")  # the option over the config's K8S_NAMESPACE
+    table = _check(kube_cluster, tmp_path, "--namespace", "team-a")  # the option over the config's K8S_NAMESPACE
     assert table.returncode == 0 and "team-a" in table.stdout and " NO " not in table.stdout, table.stdout
 
 
-def test_check_k8s_names_each_missing_permission_and_fails(kube, tmp_path: Path) -> None:
-    res = _check(kube, tmp_path, deny="create jobs.batch,get pods/log")
+def test_check_k8s_names_each_missing_permission_and_fails(kube_cluster, tmp_path: Path) -> None:
+    res = _check(kube_cluster, tmp_path, deny="create jobs.batch,get pods/log")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     lines = [ln.strip() for ln in res.stderr.splitlines()]
     assert "paddle-cluster: error: 2 of 28 permission(s) failed the check:" in lines, res.stderr
@@ -310,26 +310,27 @@ def test_check_k8s_names_each_missing_permission_and_fails(kube, tmp_path: Path)
     assert len([ln for ln in res.stdout.splitlines() if " NO " in ln]) == 2, res.stdout
 
 
-def test_check_k8s_with_a_queue_asks_for_the_jobset_rights_too(kube, tmp_path: Path) -> None:
+def test_check_k8s_with_a_queue_asks_for_the_jobset_rights_too(kube_cluster, tmp_path: Path) -> None:
     """--queue (or --jobset) makes the job one JobSet: check then asks for what run and kill do to JobSets."""
-    res = _check(kube, tmp_path, "--queue", "q", deny="delete jobsets.jobset.x-k8s.io")
+    res = _check(kube_cluster, tmp_path, "--queue", "q", deny="delete jobsets.jobset.x-k8s.io")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert "paddle-cluster: error: 1 of 32 permission(s) failed the check:" in res.stderr, res.stderr
     assert "may not delete jobsets.jobset.x-k8s.io in namespace ml ('kubectl --namespace ml auth can-i delete " \
            "jobsets.jobset.x-k8s.io' says no; run and kill delete the job's JobSet)" in res.stderr, res.stderr
-    rows = json.loads(_check(kube, tmp_path, "--jobset", "--json").stdout)
+    rows = json.loads(_check(kube_cluster, tmp_path, "--jobset", "--json").stdout)
     assert {(r["verb"], r["resource"]) for r in rows if "jobset" in r["resource"]} == {
         (v, "jobsets.jobset.x-k8s.io") for v in ("create", "get", "list", "delete")}, rows
     assert all(r["ok"] for r in rows), rows
 
 
-def test_run_refuses_before_creating_anything_when_a_permission_is_missing(kube, tmp_path: Path) -> None:
+def test_run_refuses_before_creating_anything_when_a_permission_is_missing(kube_cluster, tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", "img:1",
-                          "--job_name", "denied"], cwd=tmp_path, env=_user(kube, tmp_path, deny="create secrets"),
-                         capture_output=True, text=True, timeout=120)
+                          "--job_name", "denied"], cwd=tmp_path,
+                         env=_user(kube_cluster, tmp_path, deny="create secrets"), capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "kubectl says you may not create secrets in namespace ml" in res.stderr, res.stderr
-    assert not [k for k in kube.objects() if "/ml/" in k], kube.objects()
+    assert not [k for k in kube_cluster.objects() if "/ml/" in k], kube_cluster.objects()
 
 
 @pytest.mark.parametrize("args,named", [

@@ -348,11 +348,10 @@ def until_said(kube: StandIn, cwd: Path, args: List[str], pattern: str, within: 
 ])
 def test_pods_the_api_server_refuses_fail_the_job_at_once_saying_why(fresh_kube: StandIn, job_dir: Path,
                                                                      opts: List[str], said: str) -> None:
-    t0 = time.monotonic()
-    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", *opts, "--", "--passes", "1"),
+              timeout=30)  # not START_TIMEOUT (60 s) + 30 s
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert said in res.stderr, res.stdout + res.stderr
-    assert time.monotonic() - t0 < 30  # not START_TIMEOUT (60 s) + 30 s
     assert fresh_kube.objects() == {}
 
 
@@ -414,13 +413,13 @@ def test_trainers_wait_past_their_start_timeout_for_a_pserver_pulling_its_image(
     wait for the pserver past START_TIMEOUT, since its pod has an address but its entry point never answered."""
     with open(job_dir / "conf.py", "a") as f:
         f.write("START_TIMEOUT = 4\n")
-    t0 = time.monotonic()
     res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", GPU_PULL_IMAGE, "--pservers", "1",
               "--trainers", "2", "--job_workspace", str(job_dir / "ws"), "--job_name", "fit",
               "--pserver-requests", "cpu=1,memory=1Gi,nvidia.com/gpu=1", "--toleration", "nvidia.com/gpu:NoSchedule",
               "--", "--passes", "1")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert time.monotonic() - t0 > GPU_PULL_S
+    pulled = re.findall(r'pod/fit-pserver-\S+: Successfully pulled image "\S+" in ([\d.]+)s', res.stdout)
+    assert pulled and float(pulled[0]) >= GPU_PULL_S, res.stdout  # the trainers waited out a pull past 4 s
     assert "[agent@fit-pserver-0] pod/fit-pserver-0-" in res.stdout and f"pulling image {GPU_PULL_IMAGE}" in \
         res.stdout, res.stdout
     waited = [ln for ln in res.stdout.splitlines() if "has an address but its container does not run yet" in ln]
@@ -532,14 +531,11 @@ def test_pods_run_as_their_user_and_a_volume_it_cannot_write_fails_at_once(fresh
     """The pods run as runAsUser (1000) with their volumes given to fsGroup where the storage allows it: a claim
     whose storage ignores fsGroup (NFS) keeps its root directory root's, and the pserver says so before it starts,
     naming the directory and both owners, instead of failing at its first checkpoint."""
-    t0 = time.monotonic()
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--checkpoint-pvc", NFS_CLAIM, "--",
-                                              "--passes", "1"))
-    took = time.monotonic() - t0
+                                              "--passes", "1"), timeout=60)  # at once, not after START_TIMEOUT
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "the checkpoint directory (PADDLE_CHECKPOINT_DIR) /checkpoints/fit is not writable by this pod's user " \
         "(uid 1000, gid 1000, groups 1000): /checkpoints has owner 0:0, mode 0755" in res.stderr, res.stderr
-    assert took < 60, took  # at once, not after START_TIMEOUT
     # A claim whose storage applies fsGroup is the pods' group's; what the pods wrote is their user's.
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "ok", "--checkpoint-pvc", "ckpt", "--",
                                               "--passes", "1"))
@@ -630,11 +626,9 @@ def test_a_queued_job_is_admitted_whole_and_its_pservers_wait_for_it(fresh_kube:
     assert first.returncode == 0, first.stderr
     fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
         "first-trainer-0-*.log")) == 2, 60, "the first job's trainers connected")
-    t0 = time.monotonic()
     second = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "second", "--queue", QUEUE, "--", "--passes",
                                                 "1"))
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert time.monotonic() - t0 > 8  # it waited longer than its START_TIMEOUT, and ran
+    assert second.returncode == 0, second.stdout + second.stderr  # it waited, suspended, past its START_TIMEOUT
     assert "[agent@second-pserver-0-0] job.batch/second-pserver-0 is suspended (waiting for Kueue queue q to " \
            "admit it); the start timeout waits meanwhile" in second.stdout, second.stdout
     assert "job.batch/second-pserver-0 was admitted (resumed)" in second.stdout, second.stdout
@@ -718,10 +712,8 @@ def test_a_waiting_pod_ends_at_once_when_deleted(fresh_kube: StandIn, job_dir: P
     fresh_kube.wait(lambda: sum("waiting for 1 pserver(s)" in p.read_text()
                                 for p in (fresh_kube.root / "logs" / "default").glob("fit-trainer-*.log")) == 2,
                     60, "both trainers waiting for the pserver")
-    t0 = time.monotonic()
-    kill = cli(fresh_kube, job_dir, "kill")
+    kill = cli(fresh_kube, job_dir, "kill", timeout=15)  # not the pods' grace period waited out
     assert kill.returncode == 0, kill.stdout + kill.stderr
-    assert time.monotonic() - t0 < 15, "the pods waited out their grace period"
     (log,) = (fresh_kube.root / "logs" / "default").glob("fit-trainer-0-*.log")  # (kill saved it before deleting)
     assert "stopped by signal 15 before starting the process" in log.read_text()
     assert fresh_kube.objects() == {}

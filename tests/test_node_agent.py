@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
@@ -34,6 +35,25 @@ LISTEN = ("import socket, time; from paddle_cluster.contract import JobEnv; e = 
           "ss = [socket.create_server((e.current_ip, p)) for p in e.all_ports(e.pserver_id)]; "
           "print('listening', flush=True); time.sleep(600)")
 
+
+@contextlib.contextmanager
+def file_reads(path: Path):
+    """Yields a function counting the times any process closed ``path`` after reading it (inotify's
+    IN_CLOSE_NOWRITE), from now on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(path), 0x10) >= 0, os.strerror(ctypes.get_errno())
+    seen = [0]
+
+    def count() -> int:
+        with contextlib.suppress(BlockingIOError):
+            while True:  # events of a watch on a file: 16 bytes each (wd, mask, cookie, len 0)
+                seen[0] += len(os.read(fd, 4096)) // 16
+        return seen[0]
+    try:
+        yield count
+    finally:
+        os.close(fd)
 
 class Agent:
     """An agent as a subprocess, its events decoded on a queue: ``supervise`` (the plan comes on stdin), or with
@@ -210,15 +230,18 @@ def test_kill_without_grace_cuts_short_an_agent_waiting_out_its_grace_period(tmp
     def kill(grace: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", "kill", "--job-dir", plan.job_dir,
                                  "--grace", grace], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    first = kill("120")
-    a.wait_for(lambda e: isinstance(e, m.Stopping))
-    time.sleep(1.5)  # the earlier marker does not count: the trainer is still being waited for
+    with file_reads(state / procs.NO_GRACE_FILE) as reads:
+        first = kill("120")
+        a.wait_for(lambda e: isinstance(e, m.Stopping))
+        # The earlier marker does not count: the agent, waiting out the grace period, reads it a second time
+        # only if the first read did not cut the wait short.
+        wait_for(lambda: reads() >= 2, 20, "the agent to read the earlier marker twice")
     assert procs.alive_as_recorded(*trainer) and first.poll() is None
-    started = time.monotonic()
     second = kill("0")
+    # Its 20 s limit is far below the grace period of 120 s that the trainer, which ignores SIGTERM, would wait out.
     assert a.wait_for(lambda e: isinstance(e, m.Stopped), timeout=20).killed == ("pserver.0", "trainer.0")
     assert second.wait(timeout=20) == 0 and first.wait(timeout=20) == 0
-    assert time.monotonic() - started < 15 and not procs.alive_as_recorded(*trainer)
+    assert not procs.alive_as_recorded(*trainer)
 
 
 def test_an_own_session_agent_runs_the_dispatched_library_and_stops_the_job_when_its_rank_is_killed(tmp_path):

@@ -162,7 +162,7 @@ def test_slurm_plans_are_private_while_the_job_runs_and_gone_after(slurm_cluster
 
 
 @pytest.mark.timeout(240)
-def test_k8s_only_the_secret_object_holds_it(kube, tmp_path):
+def test_k8s_only_the_secret_object_holds_it(kube_cluster, tmp_path):
     """The Secret object holds the job secret and nothing else does: the pods get it by reference, no other
     object of the cluster's store, no file of the pods (their logs, volumes, job directories) nor of the launcher
     holds it, while the job runs for nobody, and once it was killed for anyone."""
@@ -172,29 +172,31 @@ def test_k8s_only_the_secret_object_holds_it(kube, tmp_path):
     (tmp_path / "conf.py").write_text(f'HOSTS = ["a", "b"]\nROOT_DIR = "{tmp_path}/root"\n'
                                       'PSERVER_COMMAND = "{python} ps.py"\n')
     ws = small_workspace(tmp_path)
-    env = {k: v for k, v in kube.env.items() if not k.startswith("PADDLE_")}
+    env = {k: v for k, v in kube_cluster.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path), XDG_STATE_HOME=str(tmp_path / "state"))
 
     def cli_k8s(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "paddle_cluster", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=180)
 
-    store = kube.root / "objects.json"  # the API server's store, where the Secret object is
+    store = kube_cluster.root / "objects.json"  # the API server's store, where the Secret object is
     res = cli_k8s("run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "2",
                   "--job_workspace", str(ws), "--job_name", "k8sec", "--detach")
     assert res.returncode == 0, res.stderr
     try:
-        (secret_obj,) = kube.objects("Secret/default/k8sec").values()
+        (secret_obj,) = kube_cluster.objects("Secret/default/k8sec").values()
         secret = secret_obj["data"]["job-secret"]
-        kube.wait(lambda: sum("holding" in kube.store.log("default", p["metadata"]["name"]).read_text()
-                              for p in kube.pods() if kube.store.log("default", p["metadata"]["name"]).exists()
-                              and p["metadata"]["name"].startswith("k8sec-trainer")) == 2, 120, "2 trainers holding")
-        others = {k: v for k, v in kube.objects(ns="default").items() if k != "Secret/default/k8sec"}
+        def holding() -> int:
+            logs = [kube_cluster.store.log("default", p["metadata"]["name"]) for p in kube_cluster.pods()
+                    if p["metadata"]["name"].startswith("k8sec-trainer")]
+            return sum(f.exists() and "holding" in f.read_text() for f in logs)
+        kube_cluster.wait(lambda: holding() == 2, 120, "2 trainers holding")
+        others = {k: v for k, v in kube_cluster.objects(ns="default").items() if k != "Secret/default/k8sec"}
         assert secret not in json.dumps(others), [k for k, v in others.items() if secret in json.dumps(v)]
-        held, readable = secret_holders([kube.root, tmp_path], [secret], skip=[store])
+        held, readable = secret_holders([kube_cluster.root, tmp_path], [secret], skip=[store])
         assert readable == [] and held == [], (held, readable)
     finally:
         k = cli_k8s("kill", "--job_name", "k8sec")
     assert k.returncode == 0, k.stderr
-    held, _ = secret_holders([kube.root, tmp_path], [secret], skip=[store])
-    assert held == [] and secret not in json.dumps(kube.objects()), held
+    held, _ = secret_holders([kube_cluster.root, tmp_path], [secret], skip=[store])
+    assert held == [] and secret not in json.dumps(kube_cluster.objects()), held

@@ -3,11 +3,14 @@ the run; test data is found relative to the checkout or by an environment variab
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 from helpers import REPO, dataset_dir
 
@@ -93,4 +96,93 @@ def test_no_test_or_example_names_one_machines_path():
              for p in sorted((REPO / top).rglob("*")) if p.is_file() and p.suffix in (".py", ".md", ".sh", ".txt")
              and "seeds" not in p.parts and p.name != Path(__file__).name
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_not_cluster_selects_no_test_that_builds_hosts(tmp_path):
+    """``-m "not cluster"`` runs without root: no test it selects uses a fixture that builds network-namespace
+    hosts, its conformance engine's included (conftest.py marks them; a test reaching one some other way fails:
+    next test)."""
+    (tmp_path / "selected.py").write_text(
+        "import json, os\n\n"
+        "def pytest_collection_finish(session):\n"
+        "    import conftest\n"
+        "    found = {i.nodeid: sorted(conftest.HOST_FIXTURES & conftest.fixtures_needed(i)) for i in session.items}\n"
+        "    with open(os.environ['SELECTED'], 'w') as f:\n"
+        "        json.dump(found, f)\n")
+    out = tmp_path / "selected.json"
+    environ = {k: v for k, v in os.environ.items() if k != "CI"}
+    environ.update(SELECTED=str(out), PYTHONPATH=os.pathsep.join([str(tmp_path), str(TESTS), str(REPO)]))
+    # --assert=plain: collecting needs no assertion rewriting, half of its time where no bytecode is cached
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "--assert=plain", "-p", "selected", "-m", "not cluster", str(TESTS)], cwd=REPO, env=environ,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert any("[local]" in t for t in found), "the local engine's conformance cases need no root"
+    assert not {t: f for t, f in found.items() if f}, {t: f for t, f in found.items() if f}
+
+
+HOSTS_BY_NAME = '''
+def test_gets_hosts_by_name(request):
+    request.getfixturevalue("ssh_cluster")
+'''
+
+
+def test_a_test_reaching_hosts_unmarked_fails_saying_so(tmp_path):
+    (tmp_path / "test_demo.py").write_text(HOSTS_BY_NAME)
+    environ = {k: v for k, v in os.environ.items() if k != "CI"}
+    environ.update(PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO)]))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c",
+                          str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "conftest",
+                          str(tmp_path / "test_demo.py")], env=environ, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "test_gets_hosts_by_name builds hosts (ssh_cluster, which needs root) but is not marked cluster" in \
+        res.stdout, res.stdout
+
+
+def _clock(node: ast.AST) -> bool:
+    """``time.monotonic()``, ``time.time()`` or ``time.perf_counter()``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+        node.func.value, ast.Name) and node.func.value.id == "time" and node.func.attr in ("monotonic", "time",
+                                                                                            "perf_counter")
+
+
+def timing_looks(source: str) -> List[str]:
+    """Where ``source`` sleeps and then asserts (the next statement), or asserts on an elapsed time (a clock
+    minus something, directly or through a name the same function gave it)."""
+    found = []
+    tree = ast.parse(source)
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        elapsed = {t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.BinOp)
+                   and isinstance(n.value.op, ast.Sub) and _clock(n.value.left)
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assert) and any(
+                    isinstance(x, ast.Name) and x.id in elapsed or isinstance(x, ast.BinOp) and _clock(x.left)
+                    for x in ast.walk(n.test)):
+                found.append(f"{n.lineno}: asserts on an elapsed time")
+            for body in (getattr(n, f, None) for f in ("body", "orelse", "finalbody")):
+                if isinstance(body, list):
+                    found += [f"{a.lineno}: sleeps, then asserts" for a, b in zip(body, body[1:])
+                              if isinstance(b, ast.Assert) and isinstance(a, ast.Expr) and isinstance(a.value, ast.Call)
+                              and isinstance(a.value.func, ast.Attribute) and a.value.func.attr == "sleep"]
+    return sorted(set(found), key=lambda f: int(f.split(":")[0]))
+
+
+def test_timing_looks_are_found():
+    assert timing_looks("def t():\n    time.sleep(1)\n    assert alive()\n") == ["2: sleeps, then asserts"]
+    assert timing_looks("def t():\n    t0 = time.monotonic()\n    run()\n    took = time.monotonic() - t0\n"
+                        "    assert took < 5\n") == ["5: asserts on an elapsed time"]
+    assert timing_looks("def t():\n    assert time.time() - t0 < 5\n") == ["2: asserts on an elapsed time"]
+    # a poll, and a time only printed, are not looks
+    assert timing_looks("def t():\n    while not ready():\n        time.sleep(0.1)\n    assert ready()\n"
+                        "    took = time.monotonic() - t0\n    print(took)\n") == []
+
+
+def test_no_test_sleeps_and_looks_or_asserts_on_elapsed_time():
+    """A negative check waits for a condition that proves it; a time limit is a deadline on a wait (docs/testing.md,
+    Writing a test)."""
+    found = [f"{p.relative_to(REPO)}:{f}" for p in sorted(TESTS.rglob("*.py")) if "seeds" not in p.parts
+             for f in timing_looks(p.read_text())]
     assert not found, "\n".join(found)

@@ -1,6 +1,7 @@
 """The conformance suite's engines as a user drives them (tests/test_conformance.py): the CLI as subprocesses
 with the user's conf.py, shell environment and working directory; a run in the background; the sweep of a
-job's processes over every host of this machine (one PID space)."""
+job's processes over every host of this machine (one PID space). Each engine is declared by an ``EngineSpec``
+in its module under tests/engines/."""
 
 from __future__ import annotations
 
@@ -13,13 +14,63 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-import pytest
-from conformance_cases import DUAL_HOLD_PY, workspace
-from helpers import REPO, free_port_range, rc_python, wait_for
+from helpers import REPO, wait_for
 
 SUITE = secrets.token_hex(2)  # this test session's mark in its job names (Engine.job)
+
+
+# Both roles (PADDLE_TRAINING_ROLE): each prints every PADDLE_* variable (and torchrun's, Paddle fleet's) it got
+# as one JSON line; the pserver listens on its ports, the trainer starts a setsid grandchild (which escapes every
+# process group); both hold. With the argument ``ignore-term`` the trainers ignore SIGTERM: only SIGKILL ends them.
+DUAL_HOLD_PY = r"""
+import json, os, signal, socket, subprocess, sys, time
+from paddle_cluster.contract import SOCKET_IFNAME_VARS, TORCH_VARS, JobEnv
+dump = {k: v for k, v in os.environ.items()
+        if k.startswith("PADDLE_") or k in TORCH_VARS + SOCKET_IFNAME_VARS + ("TRAINING_ROLE", "POD_IP")}
+if "PADDLE_JOB_SECRET" in dump:
+    dump["PADDLE_JOB_SECRET"] = "(set)"  # not into the logs
+if os.environ["PADDLE_TRAINING_ROLE"] == "PSERVER":
+    env = JobEnv.from_environ()
+    socks = [socket.create_server((env.current_ip, port)) for port in env.all_ports(env.pserver_id)]
+    print("env " + json.dumps(dump), flush=True)
+else:
+    print("env " + json.dumps(dump), flush=True)
+    subprocess.Popen(["sleep", "300"], start_new_session=True)
+    if "ignore-term" in sys.argv[1:]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("holding", os.environ["PADDLE_TRAINER_ID"], flush=True)
+time.sleep(300)
+"""
+
+
+def workspace(tmp: Path, files: Dict[str, str]) -> Path:
+    ws = tmp / "ws"
+    ws.mkdir()
+    for name, text in files.items():
+        (ws / name).write_text(text)
+    return ws
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine of the conformance suite, as its module under tests/engines/ declares it."""
+
+    name: str  # its column in the matrix of docs/backends.md
+    make: Callable[..., Engine]  # make(request, tmp_path, *the values of ``fixtures``) -> the Engine
+    fixtures: Tuple[str, ...] = ()  # what it runs on: the fixtures its module (or conftest.py) gives
+    unavailable: Callable[[], Optional[str]] = lambda: None  # why it cannot run here (a skip reason), or None
+    # scenario -> why the engine does not offer it: its test checks that the CLI refuses it saying so
+    not_offered: Mapping[str, str] = field(default_factory=dict)
+    # scenario -> the product bug not fixed yet: xfail(strict=True), so the fix fails the suite until it goes
+    known_failures: Mapping[str, str] = field(default_factory=dict)
+    # variable -> why this engine adds it to the environment contract (env_ctrl_c compares the rest)
+    extra_vars: Mapping[str, str] = field(default_factory=dict)
+    # why a job whose launcher was SIGKILLed runs on (launcher_gone); empty: every node's agent stops it
+    runs_on_without_launcher: str = ""
+    backend: str = ""  # the --backend it drives: its module's BACKEND (set by the registry, engines/__init__.py)
+
 
 @dataclass
 class Engine:
@@ -188,96 +239,3 @@ def seed_cache(engine: Engine, dataset: str, *files: Path) -> None:
         for f in files:
             (cache / dataset).mkdir(parents=True, exist_ok=True)
             shutil.copy(f, cache / dataset / f.name)
-
-
-def _ssh_engine(request, tmp: Path, name: str) -> Engine:
-    if name == "ssh":
-        cluster = request.getfixturevalue("ssh_cluster")
-        base, opts = os.environ, ["--backend", "ssh"]
-    else:
-        from enginecluster import mpich_unavailable_reason
-        impl = name.split("-")[1]
-        if impl == "mpich" and mpich_unavailable_reason():
-            pytest.skip(mpich_unavailable_reason())
-        mpi = request.getfixturevalue("mpi_env")
-        cluster, base, opts = mpi.cluster, mpi.env, ["--backend", "mpi"]
-    ctx = rc_python(cluster, tmp)  # the hosts' python with numpy is on the PATH their login shell's rc sets
-    ctx.__enter__()
-    request.addfinalizer(lambda: ctx.__exit__(None, None, None))
-
-    def quiet() -> None:
-        wait_for(lambda: not any(cluster.pids(i) for i in range(cluster.n)), 30, "the hosts to be empty")
-
-    request.addfinalizer(lambda: [cluster.kill_all(i) for i in range(cluster.n)])
-    keys = dict(HOSTS=cluster.hosts, ROOT_DIR="/home/paddle", PADDLE_NIC="eth0", PADDLE_PORT=7164,
-                PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1,
-                # The test hosts' key and host keys: what a user's ~/.ssh holds (paramiko and mpirun's ssh
-                # would not both read a ~/.ssh/config under the test's HOME).
-                SSH_IDENTITY_FILE=cluster.key_path, SSH_KNOWN_HOSTS=cluster.known_hosts)
-    if name == "mpi-mpich":
-        keys["MPI_IMPL"] = "mpich"  # beside Open MPI, `mpirun` is Open MPI's: a MPICH user names it
-    # The hosts' home (/root) is this machine's: each host's cache is under its own /home/paddle instead,
-    # named by PADDLE_DATA_HOME in ENV (docs/migrating.md#datasets).
-    caches = [cluster.root_dir(i) / ".cache" / "paddle" / "dataset" for i in range(cluster.n)]
-    for c in caches:
-        request.addfinalizer(lambda c=c: shutil.rmtree(c.parent.parent, ignore_errors=True))
-    return Engine(name, tmp, readme_conf(tmp / "conf.py", **keys), user_env(tmp, base), opts, 3, 3, quiet,
-                  caches=caches, cache_keys={"ENV": {"PADDLE_DATA_HOME": "/home/paddle/.cache/paddle/dataset"}},
-                  own_ports=lambda k: ["--port", str(7164 + 100 * k)] if k else [])
-
-
-def make_engine(request, tmp_path: Path, name: str) -> Engine:
-    """The backend ``name`` as a user drives it, with the README's conf.py; its finalizers leave it quiet."""
-    home_cache = [tmp_path / ".cache" / "paddle" / "dataset"]  # the user's ~ (HOME is tmp_path: user_env)
-    if name == "local":
-        # Two pservers and two trainers on the one host (as the built-in local cluster has), so that ids,
-        # counts and lists are checked with more than one of each.
-        conf = readme_conf(tmp_path / "conf.py", HOSTS=["localhost"], ROOT_DIR=str(tmp_path / "jobs"),
-                           PADDLE_NIC="lo", PADDLE_PORT=free_port_range(6), PADDLE_PORTS_NUM=2,
-                           PADDLE_PORTS_NUM_FOR_SPARSE=1, PSERVERS_PER_NODE=2, TRAINERS_PER_NODE=2)
-        return Engine(name, tmp_path, conf, user_env(tmp_path), [], 2, 2, lambda: None,
-                      log_node=lambda t: "localhost", caches=home_cache,
-                      own_ports=lambda k: ["--port", str(free_port_range(6))] if k else [], trainers_per_node=2)
-    if name in ("ssh", "mpi-openmpi", "mpi-mpich"):
-        return _ssh_engine(request, tmp_path, name)
-    if name == "slurm":
-        slurm = request.getfixturevalue("slurm_cluster")
-        # ROOT_DIR on the cluster's shared filesystem (as /home is at a Slurm site); no HOSTS and no BACKEND:
-        # Slurm places, and `--backend slurm` on every command chooses the engine.
-        conf = readme_conf(tmp_path / "conf.py", ROOT_DIR=str(slurm.shared_dir / tmp_path.name),
-                           PADDLE_NIC="eth0", PADDLE_PORT=7164, PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1)
-
-        def cancel() -> None:
-            slurm.run(["scancel", "--user=root"], check=False)
-            slurm.wait_quiet()
-        request.addfinalizer(cancel)
-        # The nodes share this machine's filesystem and get the user's environment (srun --export=ALL), so
-        # their ~/.cache is the user's; jobs launched at once may share nodes, so each has its own ports.
-        return Engine(name, tmp_path, conf, user_env(tmp_path, slurm.env), ["--backend", "slurm", "--nodes", "3"],
-                      3, 3, slurm.wait_quiet, caches=home_cache,
-                      own_ports=lambda k: ["--port", str(7164 + 100 * k)] if k else [])
-    if name == "k8s":
-        from kube.standin import IMAGE
-        kube = request.getfixturevalue("kube")
-        # conf.py in the directory the user runs from (no --conf): HOSTS x 1 pserver and trainer pods.
-        readme_conf(tmp_path / "conf.py", HOSTS=["a", "b"], ROOT_DIR=str(tmp_path / "root"),
-                    PADDLE_PORT=free_port_range(3), PADDLE_PORTS_NUM=2, PADDLE_PORTS_NUM_FOR_SPARSE=1)
-        eng = Engine(name, tmp_path, None, user_env(tmp_path, kube.env), ["--backend", "k8s", "--image", IMAGE],
-                     2, 2, lambda: quiet(), log_node=lambda t: f"trainer.{t}",
-                     # A volume every pod mounts (the stand-in's pods see this machine's files), named by
-                     # PADDLE_DATA_HOME in ENV: an image has no ~/.cache of the user's.
-                     caches=[tmp_path / "datasets"],
-                     cache_keys={"ENV": {"PADDLE_DATA_HOME": str(tmp_path / "datasets")}})
-
-        def quiet() -> None:
-            left = {}
-
-            def gone() -> bool:
-                left.update(objects=sorted(kube.objects()), processes=job_processes(eng.jobs) or kube.processes())
-                return not left["objects"] and not left["processes"]
-            try:
-                wait_for(gone, 60, "no object or pod left")
-            except AssertionError:
-                raise AssertionError(f"left: {left}") from None
-        return eng
-    raise AssertionError(name)
