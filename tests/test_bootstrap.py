@@ -12,7 +12,7 @@ from pathlib import Path
 from helpers import small_workspace, wait_for
 
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.plan import JobSpec, mint_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
@@ -53,7 +53,7 @@ def _plan_file(tmp: Path, ws: Path, root: str, addresses, name: str) -> Path:
     cfg = parse_config({"HOSTS": [f"h{i}" for i in range(len(addresses))], "ROOT_DIR": root, "PADDLE_NIC": "eth0",
                         "PSERVER_COMMAND": "{python} ps.py", "PYTHON": os.sys.executable, "PADDLE_PORT": 7164,
                         "START_TIMEOUT": 30.0}, "test")
-    plan = mint_plan(JobSpec(cfg, name, workspace=str(ws)), addresses)
+    plan = build_plan(JobSpec(cfg, name, workspace=str(ws)), Topology.hosts(cfg, addresses))
     path = tmp / "plan.jsonl"
     path.write_text("".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes))
     return path

@@ -12,7 +12,7 @@ from helpers import cli, local_conf
 from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.launch.backends.base import Backend
 from paddle_cluster.launch.config import builtin_default
-from paddle_cluster.launch.plan import JobSpec, mint_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.launch.supervise import Attempt
 from paddle_cluster.node import messages as m
 
@@ -109,7 +109,7 @@ class _Replay(Backend):
 
 def test_no_trainer_line_is_shown_before_every_pserver_listens():
     spec = JobSpec(builtin_default(), "order")
-    plan = mint_plan(spec, ["10.0.0.1", "10.0.0.2"])
+    plan = build_plan(spec, Topology.hosts(spec.cfg, ["10.0.0.1", "10.0.0.2"]))
     t0 = next(p.name for p in plan.nodes[0].procs if p.role == TRAINER)
     assert any(p.role == PSERVER for p in plan.nodes[1].procs)
     shown: List[str] = []

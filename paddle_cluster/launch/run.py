@@ -10,7 +10,7 @@ from . import journal
 from .backends import Backend, backend_for
 from .errors import ClusterError, Interrupted
 from .interrupt import stoppable
-from .plan import JobSpec
+from .plan import JobSpec, build_plan
 from .supervise import JobResult, supervise
 
 
@@ -52,13 +52,12 @@ def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None]
 
     with stoppable(skip_grace) as interrupts:
         try:
-            addresses = be.prepare(spec, say)
-            journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
+            plan = build_plan(spec, be.prepare(spec, say))
+            journal.remember(spec.cfg, spec.name, spec.workspace, be.remember(plan))
             on_start()
             if spec.elastic:
                 say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
                     "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")
-            plan = be.plan(spec, addresses)
             if not plan.env.integrity:
                 say("INTEGRITY = False: frames between trainers and pservers carry no MAC (an isolated fabric only)")
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "

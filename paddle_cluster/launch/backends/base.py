@@ -26,7 +26,7 @@ from paddle_cluster.node import messages as m
 
 from ..config import ClusterConfig
 from ..errors import ClusterError
-from ..plan import JobPlan, JobSpec, mint_plan
+from ..plan import JobPlan, JobSpec, Topology
 
 if TYPE_CHECKING:
     from ..access import CheckLine
@@ -145,10 +145,6 @@ class Backend(ABC):
 
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
-    pythons: List[str] = []  # node i's interpreter as ``prepare`` resolved it (absolute), for every process there
-    # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
-    # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
-    resume_step: Optional[int] = None
 
     @classmethod
     def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> Backend:
@@ -204,16 +200,11 @@ class Backend(ABC):
         """Stop everything of the job; what was done, a line each (``say``: the launcher's own summary)."""
 
     @abstractmethod
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        """Make every node ready to run ``spec`` (node library, preflight, workspace); each node's address."""
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
+        (``plan.build_plan`` makes the job of it, as for every backend)."""
 
-    def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
-        """The job's plan on the prepared nodes, with a fresh id and secret. A backend whose nodes are not
-        the hosts of HOSTS (Kubernetes: one per pod) makes its own."""
-        plan = mint_plan(spec, addresses, self.pythons)
-        return plan.resumed(self.resume_step) if self.resume_step is not None else plan
-
-    def remember(self) -> Dict[str, str]:
+    def remember(self, plan: JobPlan) -> Dict[str, str]:
         """The job's handle: what ``describe``, ``logs`` and ``cancel`` need besides the config to find it."""
         return {"backend": self.name}
 

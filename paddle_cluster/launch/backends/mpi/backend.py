@@ -35,7 +35,7 @@ from ...config import ClusterConfig
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
 from ...hosts import Node
-from ...plan import JobPlan, JobSpec
+from ...plan import JobPlan, JobSpec, Topology
 from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered
 from ..ssh.backend import SSHBackend
 
@@ -134,16 +134,17 @@ class MPIBackend(Backend):
         return self.ssh.lib
 
     @property
-    def pythons(self) -> List[str]:  # type: ignore[override]
+    def pythons(self) -> List[str]:
         return self.ssh.pythons
 
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
         self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
         self.spec = spec
         self.tmp = self.tmp or tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
-        self.addresses = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        topology = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        self.addresses = [n.address for n in topology.nodes]
         say(f"starting one rank per host with {'MPICH' if self.impl == 'mpich' else 'Open MPI'} ({self.launcher})")
-        return self.addresses
+        return topology
 
     def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
         self.spec = spec

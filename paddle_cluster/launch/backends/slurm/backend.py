@@ -34,7 +34,7 @@ from ...access import CheckLine, probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
-from ...plan import JobPlan, JobSpec, mint_plan
+from ...plan import JobPlan, JobSpec, Topology, build_plan
 from ...top import DirsSource
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
 from . import ops
@@ -105,6 +105,7 @@ class SlurmBackend(Backend):
         self.labels = [f"node{i} (Slurm)" for i in range(opts.nodes)]
         self.local = LocalNode(0, HostSpec.parse("localhost"), cfg)
         self.lib: Optional[dispatch.Package] = None
+        self.pythons: List[str] = []  # every node's interpreter: this machine's PYTHON, resolved (``interpreter``)
         self.spec: Optional[JobSpec] = None
         self.say: Callable[[str], None] = lambda _s: None
         self.job_id: Optional[str] = None
@@ -115,7 +116,7 @@ class SlurmBackend(Backend):
         self._done = threading.Event()
 
     # -- preparing ------------------------------------------------------------------------------------
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
         self.spec, self.say = spec, say
         for tool in ("sbatch", "srun", "scontrol", "scancel"):
             if shutil.which(tool) is None:
@@ -123,8 +124,9 @@ class SlurmBackend(Backend):
         if spec.workspace and not os.path.isdir(spec.workspace):  # before the job directory is made
             raise ConfigError("--job_workspace", spec.workspace, "no such directory on this machine; with --backend "
                               "slurm it must be on the filesystem the nodes share")
+        step = None
         if spec.resume_from:  # the checkpoints are on the shared filesystem: looked at here, before anything
-            self.resume_step = resume.common_step(spec, [("the shared filesystem", _survey(
+            step = resume.common_step(spec, [("the shared filesystem", _survey(
                 spec.resume_root, [k for i in range(self.opts.nodes) for k in spec.node_pservers(i)]))], say)
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
@@ -135,7 +137,7 @@ class SlurmBackend(Backend):
         self.pythons = [self.interpreter(doc)] * self.opts.nodes
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
-        return [placeholder(i) for i in range(self.opts.nodes)]
+        return Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)], self.pythons, step)
 
     def interpreter(self, doc: Dict[str, Any]) -> str:
         """PYTHON resolved to an absolute path on this machine (``doc``: its probe), numpy checked: srun runs the
@@ -145,14 +147,14 @@ class SlurmBackend(Backend):
                                f"there ({self.cfg.python} -m pip install numpy) or set PYTHON to one that has it")
         return doc.get("python_path") or self.cfg.python
 
-    def remember(self) -> Dict[str, str]:
+    def remember(self, plan: JobPlan) -> Dict[str, str]:
         # The Slurm job id once submitted (the job directory keeps it too)
         return {"backend": self.name, **({"slurm_job": self.job_id} if self.job_id else {})}
 
     def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
         self.spec, self.lib = spec, dispatch.Package("", "<node library sha256>", 0, 0)
         adir = f"{spec.job_dir}/.paddle_cluster/attempt-1"
-        plan = mint_plan(spec, [placeholder(i) for i in range(self.opts.nodes)])
+        plan = build_plan(spec, Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)]))
         return Rendered((
             (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.",
              self.script(adir)),
@@ -162,9 +164,10 @@ class SlurmBackend(Backend):
 
     def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
         """The nodes fail fast on their own (no launcher follows)."""
-        self.start(self.plan(spec, self.prepare(spec, say)))
+        plan = build_plan(spec, self.prepare(spec, say))
+        self.start(plan)
         say(f"job {spec.name} is Slurm job {self.job_id}")
-        return self.remember()
+        return self.remember(plan)
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:

@@ -25,7 +25,7 @@ from ...config import ClusterConfig
 from ...each_node import each_node
 from ...errors import HostConfigError, HostError
 from ...hosts import Node, Stream
-from ...plan import JobPlan, JobSpec, mint_plan
+from ...plan import JobPlan, JobSpec, Topology, build_plan
 from ...session import NodeSession
 from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered, plan_text
 from . import ops
@@ -52,6 +52,8 @@ class SSHBackend(Backend):
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
+        self.pythons: List[str] = []  # each node's interpreter as its probe resolved it (absolute), for every process
+        self.resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
         # The last workspace step: what it took after the last node was up, and from the first byte sent
         self.workspace_seconds = self.sending_seconds = 0.0
 
@@ -61,12 +63,12 @@ class SSHBackend(Backend):
         each node's address on PADDLE_NIC."""
         return self._prepare(None, say, check_ports)
 
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        return self._prepare(spec, say, True, agent=True)
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        return Topology.hosts(self.cfg, self._prepare(spec, say, True, agent=True), self.pythons, self.resume_step)
 
-    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
         """``prepare`` for an engine that starts the agents itself (mpirun): each session ends once prepared."""
-        return self._prepare(spec, say, True)
+        return Topology.hosts(self.cfg, self._prepare(spec, say, True), self.pythons, self.resume_step)
 
     def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
         return Rendered(((f"ssh plan of job {spec.name}: one agent per host ({self.cfg.python} -m paddle_cluster.node "
@@ -76,7 +78,11 @@ class SSHBackend(Backend):
 
     def plan_text(self, spec: JobSpec) -> str:
         """``plan_text`` of ``spec`` on these hosts, their addresses still unknown."""
-        return plan_text(mint_plan(spec, [f"<{n.spec.host}:{self.cfg.paddle_nic}>" for n in self.nodes]), self.labels)
+        return plan_text(build_plan(spec, self.preview()), self.labels)
+
+    def preview(self) -> Topology:
+        """The topology ``prepare`` finds, each address a placeholder until the hosts are probed."""
+        return Topology.hosts(self.cfg, [f"<{n.spec.host}:{self.cfg.paddle_nic}>" for n in self.nodes])
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
