@@ -9,12 +9,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from engines import DRY_RUN_OPTIONS, NATIVE, NO_HOSTS_OPTIONS
-from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_settings
+from helpers import HOLD_PY, checkout_env, cli, local_conf, start_cli, wait_for, write_settings
 
 from paddle_cluster.cli import main
 from paddle_cluster.launch import journal
@@ -226,3 +228,31 @@ def test_an_option_two_backends_declare_is_one_option_of_each(monkeypatch):
     monkeypatch.setattr(_QueueBackend, "options", (BackendOption("--queue", "queue", "A count.", int),))
     with pytest.raises(TypeError, match="backends k8s and pbs declare --queue \\(queue\\) differently"):
         declared_options()
+
+
+def test_the_dry_run_on_the_built_in_local_cluster_shows_the_endpoints_the_run_binds(tmp_path, monkeypatch):
+    """No conf.py: the dry run's pserver and trainer endpoints are those of the plan made from the probed host
+    (each pserver its own loopback address, as the real run binds them), not consecutive ports of a placeholder."""
+    from paddle_cluster.launch.backends.ssh import SSHBackend
+    from paddle_cluster.launch.config import builtin_default
+    from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
+
+    env = _isolated(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--job_dispatch_package", str(ws),
+                          "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ws, env=checkout_env(env),
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0 and "built-in local cluster" in res.stderr, res.stderr
+    shown = dict(kv.split("=", 1) for kv in res.stdout.split("job-wide environment: ", 1)[1].split("\n", 1)[0].split())
+    monkeypatch.setenv("HOME", env["HOME"])  # the built-in cluster's ROOT_DIR is under it
+    cfg = builtin_default()
+    be = SSHBackend(cfg)
+    try:
+        addresses = be.probe_cluster(lambda _s: None, check_ports=False)  # what prepare finds (ports aside)
+    finally:
+        be.close()
+    real = build_plan(JobSpec(cfg, "x"), Topology.hosts(cfg, addresses)).env.to_environ()
+    for key in ("PADDLE_PSERVER_ENDPOINTS", "PADDLE_TRAINER_ENDPOINTS", "MASTER_ADDR", "MASTER_PORT"):
+        assert shown[key] == real[key], (key, shown[key], real[key])

@@ -33,6 +33,7 @@ from . import ops
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
 PING_S = 2.0
+LOOPBACK_NIC, LOOPBACK = "lo", "127.0.0.1"  # Linux's loopback interface and the address its probe finds
 
 
 class SSHBackend(Backend):
@@ -81,8 +82,11 @@ class SSHBackend(Backend):
         return plan_text(build_plan(spec, self.preview()), self.labels)
 
     def preview(self) -> Topology:
-        """The topology ``prepare`` finds, each address a placeholder until the hosts are probed."""
-        return Topology.hosts(self.cfg, [f"<{n.spec.host}:{self.cfg.paddle_nic}>" for n in self.nodes])
+        """The topology ``prepare`` finds, before the hosts are probed: each address a placeholder, except on the
+        loopback interface, whose address is known (and decides the pservers' endpoints: ``plan.build_plan``)."""
+        nic = self.cfg.paddle_nic
+        return Topology.hosts(self.cfg, [LOOPBACK if nic == LOOPBACK_NIC else f"<{n.spec.host}:{nic}>"
+                                         for n in self.nodes])
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
