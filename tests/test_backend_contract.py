@@ -256,3 +256,52 @@ def test_the_dry_run_on_the_built_in_local_cluster_shows_the_endpoints_the_run_b
     real = build_plan(JobSpec(cfg, "x"), Topology.hosts(cfg, addresses)).env.to_environ()
     for key in ("PADDLE_PSERVER_ENDPOINTS", "PADDLE_TRAINER_ENDPOINTS", "MASTER_ADDR", "MASTER_PORT"):
         assert shown[key] == real[key], (key, shown[key], real[key])
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_render_leaves_its_backend_as_it_was(tmp_path, backend):
+    """A dry run renders on a backend no job ran on: rendering changes nothing of it (a later submit would
+    otherwise start from what the dry run left)."""
+    from paddle_cluster.launch.backends import backend_for
+    from paddle_cluster.launch.plan import JobSpec, build_plan
+
+    cfg = load_config(str(_user_conf(tmp_path)))
+    cfg = cfg.__class__(**{**cfg.__dict__, "backend": backend})
+    be = backend_for(cfg, {"image": "registry.example/fit:1"} if backend == "k8s" else {})
+    spec = JobSpec(cfg, "dry", workspace="/ws")
+    before = {k: repr(v) for k, v in vars(be).items()}
+    request = be.render(build_plan(spec, be.preview(spec, lambda _s: None)))
+    assert {k: repr(v) for k, v in vars(be).items()} == before
+    assert request.plan.spec is spec and request.handle["backend"] == backend
+
+
+def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path, monkeypatch):
+    """``run`` submits the very ``Request`` it rendered (a restart renders the resumed plan), and ``run
+    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter."""
+    from paddle_cluster.launch.backends import backend_for
+    from paddle_cluster.launch.plan import JobSpec
+    from paddle_cluster.launch.run import run_job
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    conf = local_conf(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('trained')\n")
+    dry = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "sub", "--pserver", "builtin",
+              "--dry-run", env=_isolated(tmp_path))
+    assert dry.returncode == 0, dry.stderr
+    be = backend_for(load_config(str(conf)))
+    rendered, submitted = [], []
+    render, submit = be.render, be.submit
+    be.render = lambda plan: rendered.append(render(plan)) or rendered[-1]
+    be.submit = lambda request: submitted.append(request) or submit(request)
+    said: list = []
+    result = run_job(JobSpec(be.cfg, "sub", dispatch_dir=str(ws)), said.append, said.append, backend=be)
+    assert result.exit_code == 0, (result.message, said)
+    assert len(submitted) == 1 and submitted[0] is rendered[0]
+    (python,) = {n.python for n in submitted[0].plan.topology.nodes}
+
+    def same(text: str) -> str:
+        return re.sub(r"PADDLE_JOB_ID=\S+", "PADDLE_JOB_ID=<id>", text).replace(python, "<python>")
+
+    assert same(submitted[0].text()) == same(dry.stdout.replace(be.cfg.python, python))

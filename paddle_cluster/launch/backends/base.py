@@ -1,15 +1,16 @@
-"""The launch backend contract: a job's whole life on one engine.
+"""The launch backend contract: a job's whole life on one engine, as a scheduler in TorchX's sense.
 
-A backend declares its ``options`` (``run --help`` groups them by backend), ``render``s the native request of a
-job without side effects (``run --dry-run``, ``render``), runs it followed (below) or ``submit_detached``, and
-finds it again from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
+One lifecycle: ``prepare(spec)`` makes the nodes ready and says where the processes run (a ``Topology``;
+``preview(spec)`` says the same with nothing touched, for a dry run), ``plan.build_plan`` makes the job of it
+(the same for every backend), ``render(plan)`` makes the native ``Request`` with no side effect, and
+``submit(request)`` submits exactly that request and returns the job's handle. ``run --dry-run`` and ``render``
+print the ``Request`` that ``submit`` would be given.
 
-A followed run: the backend (a) prepares the nodes and delivers the workspace, (b) starts each node's share of a
-``JobPlan``, (c) yields what happens as typed events (``node.messages`` events, plus ``NodeLost``) and (d) stops it all.
-The node side is the same everywhere: ``python -m paddle_cluster.node supervise`` receives its ``NodePlan`` and
-runs it alone (pservers, readiness, trainers), so a backend only carries plans in and events out. Planning
-(``plan``) and supervision (``supervise``: fail-fast, elastic, restarts, the result) do not know which
-backend runs the job.
+A followed run then reads what happens as typed events (``node.messages`` events, plus ``NodeLost``) with
+``next_event`` and ends with ``stop``; on most backends a node agent (``python -m paddle_cluster.node supervise``
+or ``bootstrap``) runs each node's share of the plan, so a backend only carries plans in and events out. A job
+started earlier is found from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
+Supervision (``supervise``: fail-fast, elastic, restarts, the result) does not know which backend runs the job.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class Description:
 
 @dataclass(frozen=True)
 class JobRef:
-    """A job started earlier, as the journal knows it: the config, its name, and its backend's handle
-    (``Backend.remember``: a Slurm job id, a Kubernetes namespace); ``ended``, the outcome ``run`` recorded."""
+    """A job started earlier, as the journal knows it: the config, its name, and its backend's handle (``submit``'s:
+    a Slurm job id, a Kubernetes namespace); ``ended``, the outcome ``run`` recorded."""
 
     cfg: ClusterConfig
     name: str
@@ -95,10 +96,15 @@ class JobRef:
 
 
 @dataclass(frozen=True)
-class Rendered:
-    """The native request a backend makes for a job, as text: each part with a comment saying what it is."""
+class Request:
+    """The native request a backend makes of its engine for one start of a plan: ``submit`` submits it as it is,
+    and ``text`` -- each part with a comment saying what it is, no credential but a manifest's Secret -- is what
+    ``run --dry-run`` and ``render`` print. A backend's own request adds its native fields (the sbatch script,
+    the mpirun command line and files, the manifests)."""
 
+    plan: JobPlan
     parts: Tuple[Tuple[str, str], ...]  # (comment, text)
+    handle: Mapping[str, str]  # what ``describe``, ``logs`` and ``cancel`` need besides the config to find it
 
     def text(self) -> str:
         out = []
@@ -141,7 +147,8 @@ class Backend(ABC):
     options: ClassVar[Tuple[BackendOption, ...]] = ()
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
     needs_hosts: ClassVar[bool] = True  # its nodes are the machines of HOSTS (False: the engine gives the nodes)
-    detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": offered
+    detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": submit
+    # may return at once (a backend created with ``detach``): the job then runs with no launcher following it
 
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
@@ -152,12 +159,22 @@ class Backend(ABC):
         return cls(cfg)  # type: ignore[call-arg]
 
     @abstractmethod
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        """The native request ``spec`` makes of this engine, with no side effect: nothing started or written."""
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Where ``spec``'s processes would run, with no side effect (addresses not known yet: placeholders)."""
 
-    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
-        """Submit and return: the job runs with no launcher following it. Its handle (``remember``)."""
-        raise ClusterError(f"--detach is not offered by backend {self.name}: {self.detach}")
+    @abstractmethod
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
+        (``plan.build_plan`` makes the job of it, as for every backend)."""
+
+    @abstractmethod
+    def render(self, plan: JobPlan) -> Request:
+        """The native request of ``plan``, with no side effect: nothing started or written, the backend as it was."""
+
+    @abstractmethod
+    def submit(self, request: Request) -> Dict[str, str]:
+        """Submit ``request`` as it is; the job's handle. Followed (not ``--detach``): its events flow from now until
+        ``stop``. Restarts submit the request of the resumed plan."""
 
     @classmethod
     @abstractmethod
@@ -199,15 +216,6 @@ class Backend(ABC):
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         """Stop everything of the job; what was done, a line each (``say``: the launcher's own summary)."""
 
-    @abstractmethod
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
-        """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
-        (``plan.build_plan`` makes the job of it, as for every backend)."""
-
-    def remember(self, plan: JobPlan) -> Dict[str, str]:
-        """The job's handle: what ``describe``, ``logs`` and ``cancel`` need besides the config to find it."""
-        return {"backend": self.name}
-
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
         return f"{plan.spec.job_dir}/log/{proc.log}"
@@ -216,10 +224,6 @@ class Backend(ABC):
         """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
         return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
                 f"own within ORPHAN_TIMEOUT")
-
-    @abstractmethod
-    def start(self, plan: JobPlan) -> None:
-        """Hand every node its share of ``plan``; events flow from now until ``stop``."""
 
     @abstractmethod
     def next_event(self, timeout: float) -> Optional[Event]:

@@ -28,9 +28,9 @@ from paddle_cluster.node import messages as m
 from ... import dispatch
 from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
-from ...plan import JobPlan, JobSpec, Topology, build_plan
+from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Rendered
+from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Request
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, rights
@@ -124,6 +124,14 @@ def pod_of_role(node: str, role: str) -> None:
                            f"leave --role out, or name a {role} (logs {role}.0)")
 
 
+@dataclass(frozen=True)
+class K8sRequest(Request):
+    """The job's objects: ``manifests``, the YAML stream of ``job`` that ``kubectl create -f -`` is given."""
+
+    job: Optional[k8s.K8sJob] = None
+    manifests: str = ""
+
+
 class K8sBackend(Backend):
     name = "k8s"
     summary = "Kubernetes Jobs"
@@ -156,25 +164,23 @@ class K8sBackend(Backend):
         be.detached, be.jobset = detach, bool(opts.get("jobset"))
         return be
 
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        name, topology = self.opts.topology(spec, bool(pack), self.jobset)
-        job = self.opts.job(build_plan(spec, topology), name, pack, self.jobset)
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        _, topology = self.opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         if self.cfg.is_builtin_default and None in (self.opts.pservers, self.opts.trainers):
-            say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
-                "built-in default's counts (--pservers/--trainers set them)")
-        return Rendered((("", k8s.render(job)),))  # its own comments say what it is
+            say(f"no conf.py or cluster.yaml found: {topology.pservers} pserver(s) and {topology.trainers} trainer(s), "
+                "the built-in default's counts (--pservers/--trainers set them)")
+        return topology
 
-    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
-        """Create the job's objects and return: the pods end the job on their own (fail-fast, the pservers once
-        the trainers are gone); ``status``/``logs``/``kill`` find it by its id."""
-        self.detached = True
-        plan = build_plan(spec, self.prepare(spec, say))
-        self.start(plan)
-        ttl = self.opts.pods.ttl
-        say(f"job {spec.name} created in namespace {self.opts.namespace} (id {plan.env.job_id})"
-            + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
-        return self.remember(plan)
+    def render(self, plan: JobPlan) -> K8sRequest:
+        spec = plan.spec
+        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
+        jobset = self.jobset or bool(self.opts.pods.queue)
+        name = k8s.k8s_name(spec.name, plan.env.trainers, len(plan.env.pservers), jobset)
+        job = self.opts.job(plan, name, pack, self.jobset)
+        text = k8s.render(job)
+        return K8sRequest(plan, (("", text),),  # its own comments say what it is
+                          {"backend": self.name, "namespace": job.namespace, "job_id": job.env.job_id,
+                           **({"jobset": "1"} if job.jobset else {})}, job, text)
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
@@ -221,9 +227,8 @@ class K8sBackend(Backend):
         self.cfg, self.opts = cfg, opts
         self.binary = binary
         self.kubectl = Kubectl(opts.namespace, "", binary)
-        self.job: Optional[k8s.K8sJob] = None  # what ``start`` created
-        self.k8s_name = ""  # the job's Kubernetes name, and its workspace packed for a ConfigMap (``prepare``)
-        self.pack = b""
+        self.job: Optional[k8s.K8sJob] = None  # what ``submit`` created
+        self.k8s_name = ""  # the job's Kubernetes name (``prepare``)
         self.names: List[str] = []
         self.labels: List[str] = []
         # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
@@ -253,8 +258,7 @@ class K8sBackend(Backend):
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
-        self.pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        self.k8s_name, topology = opts.topology(spec, bool(self.pack), self.jobset)
+        self.k8s_name, topology = opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         jobset = self.jobset or bool(opts.pods.queue)
         self.job_dir, self.say = spec.job_dir, say
         self.kubectl = Kubectl(opts.namespace, "", self.binary, kc.kinds(jobset))
@@ -288,10 +292,6 @@ class K8sBackend(Backend):
         if not self.kubectl.may(need.verb, need.resource):
             raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
-    def remember(self, plan: JobPlan) -> Dict[str, str]:
-        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": plan.env.job_id,
-                **({"jobset": "1"} if self.jobset or self.opts.pods.queue else {})}
-
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
 
@@ -300,8 +300,12 @@ class K8sBackend(Backend):
                 f"'{shlex.join(self.kubectl.get())}'")
 
     # -- running --------------------------------------------------------------------------------------
-    def start(self, plan: JobPlan) -> None:
-        self.job = job = self.opts.job(plan, self.k8s_name, self.pack, self.jobset)
+    def submit(self, request: Request) -> Dict[str, str]:
+        """Create the request's objects (``kubectl create`` of its manifests) and follow them; detached, return
+        once created: the pods end the job on their own (fail-fast, the pservers once the trainers are gone), and
+        ``status``/``logs``/``kill`` find it by its id."""
+        assert isinstance(request, K8sRequest)
+        self.job = job = request.job
         self.kubectl = Kubectl(job.namespace, job.selector, self.binary, kc.kinds(job.jobset))
         taken = owners(self.kubectl.run(self.kubectl.get_named(job.object_names())))
         if taken:
@@ -312,17 +316,21 @@ class K8sBackend(Backend):
         # Marked started before creating: a half-created job is deleted too -- by its unique id, so only what
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
-        self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
+        self.kubectl.run(self.kubectl.create(), stdin=request.manifests)
         kc.own_by_owners(self.kubectl, job)
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
-            return
+            ttl = job.pods.ttl
+            self.say(f"job {request.plan.name} created in namespace {job.namespace} (id {job.env.job_id})"
+                     + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
+            return dict(request.handle)
         for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
                              name=f"k8s-{kind}").start()
         if job.pods.queue:
             threading.Thread(target=self._watch_queue, args=(done,), daemon=True, name="k8s-queue").start()
+        return dict(request.handle)
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
