@@ -142,9 +142,8 @@ def test_status_names_each_pod_where_a_pid_would_be() -> None:
     row = pod_row(p, "Pass 0: loss 3.2")
     assert (row.node, row.host, row.address, row.name, row.state) == (
         "fit-trainer-1", "worker-3", "10.1.0.11", "trainer.1", "running")
-    assert row.pid is None and row.pod == "fit-trainer-1-x7k2p"  # no pid of ours: the process is in the pod
-    assert row.pid_text == "pod/fit-trainer-1-x7k2p"
-    assert json.loads(access.as_json([row]))[0]["pod"] == "fit-trainer-1-x7k2p"
+    assert row.pid is None and row.pid_text == "pod/fit-trainer-1-x7k2p"  # no pid of ours: the process is the pod
+    assert json.loads(access.as_json([row]))[0]["process"] == "pod/fit-trainer-1-x7k2p"
 
 def _watch() -> PodWatch:
     return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})

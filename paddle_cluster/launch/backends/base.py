@@ -57,16 +57,16 @@ class ProcRow:
     address: str
     name: str
     role: str
-    pid: Optional[int]  # None where there is no pid to show: a Kubernetes pod's process (see ``pod``)
+    pid: Optional[int]  # None where there is no pid of ours to show (see ``process``)
     state: str
     progress: str
     last_line: str
-    pod: str = ""  # Kubernetes: the pod the process is
+    process: str = ""  # without a pid, the engine's name for the process: "pod/fit-trainer-0-x7k2p"
 
     @property
     def pid_text(self) -> str:
-        """What the ``pid`` column shows: the pid, or the pod."""
-        return str(self.pid) if self.pid is not None else f"pod/{self.pod}" if self.pod else "-"
+        """What the ``pid`` column shows: the pid, or the engine's name for the process."""
+        return str(self.pid) if self.pid is not None else self.process or "-"
 
 
 def status_json(job_name: str, ended: Optional[Mapping[str, Any]], rows: List[ProcRow]) -> str:
