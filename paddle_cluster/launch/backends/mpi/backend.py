@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from paddle_cluster.node import messages as m
+from paddle_cluster.node.bootstrap import RankVars
 
 from ... import dispatch
 from ...access import CheckLine, EngineRow
@@ -40,6 +41,9 @@ from ...plan import JobPlan, JobSpec, Topology
 from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
 from ..ssh.backend import SSHBackend
 
+# Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
+RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZE|PMI_SIZE",
+                 "OMPI_COMM_WORLD_LOCAL_RANK|MPI_LOCALRANKID")
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
 HINTS = {"openmpi": INSTALL_HINT, "mpich": MPICH_HINT}  # by implementation
@@ -263,7 +267,7 @@ class MPIBackend(Backend):
         # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
         shield = ("--own-session",) if impl == "mpich" else ()
-        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
+        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--ranks", RANKS.text(), "--plan", plan_path,
                                     "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going", *shield)
         pythons = {n.python for n in plan.topology.nodes}
         if len(pythons) == 1 and "" not in pythons:  # one command for every rank: the agent too runs what

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
-from paddle_cluster.node.bootstrap import placeholder
+from paddle_cluster.node.bootstrap import RankVars, placeholder
 
 from ... import dispatch, resume
 from ...access import CheckLine, probe_nodes
@@ -43,6 +43,8 @@ from .ops import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
 
 POLL_S = 0.5
+# SLURM_NNODES: what Slurm before SLURM_JOB_NUM_NODES set
+RANKS = RankVars("srun", "SLURM_NODEID", "SLURM_JOB_NUM_NODES|SLURM_NNODES", "SLURM_LOCALID", "SLURMD_NODENAME")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
 PLAN = "plan.{node}.jsonl"  # in a start's directory: node {node}'s share, which holds the job secret
@@ -220,7 +222,7 @@ class SlurmBackend(Backend):
             keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
         else:
             keep = ()
-        argv = dispatch.agent_argv(self.local, lib, "bootstrap", "--engine", "slurm", "--plan",
+        argv = dispatch.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
                                    f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
