@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, 
 
 from paddle_cluster.node import messages as m
 
-from ..config import ClusterConfig
+from ..config import ClusterConfig, ConfKey
 from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, Topology
 
@@ -145,6 +145,7 @@ class Backend(ABC):
                              "(PYTHON as the login shell finds it, as an absolute path) and its numpy, PADDLE_NIC, "
                              "ports, ROOT_DIR, disk")  # what ``check`` looks at, for --help
     options: ClassVar[Tuple[BackendOption, ...]] = ()
+    conf_keys: ClassVar[Tuple[ConfKey, ...]] = ()  # its keys of conf.py, beside ClusterConfig's (``cfg.<key>``)
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
     needs_hosts: ClassVar[bool] = True  # its nodes are the machines of HOSTS (False: the engine gives the nodes)
     detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": submit

@@ -26,7 +26,7 @@ from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
-from ...config import ClusterConfig, override
+from ...config import ClusterConfig, ConfKey, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
@@ -142,6 +142,9 @@ class K8sBackend(Backend):
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""
+    conf_keys = (ConfKey("K8S_IMAGE", None), ConfKey("K8S_NAMESPACE", k8s.DEFAULT_NAMESPACE),
+                 ConfKey("K8S_PSERVER_REQUESTS", ""),  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
+                 ConfKey("K8S_TRAINER_REQUESTS", ""))
     options = (
         BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
                       "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),

@@ -33,7 +33,7 @@ from paddle_cluster.node.bootstrap import RankVars
 
 from ... import dispatch
 from ...access import CheckLine, EngineRow
-from ...config import ClusterConfig
+from ...config import ClusterConfig, ConfKey
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
 from ...hosts import Node
@@ -131,6 +131,9 @@ class MPIBackend(Backend):
     renders = "the mpirun or mpiexec command"
     checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
               "mpiexec.hydra, by MPI_IMPL) and its version")
+    # Which MPI it runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or "auto":
+    # what `mpirun --version` says, else whichever is installed.
+    conf_keys = (ConfKey("MPI_IMPL", "auto", ("auto", "openmpi", "mpich")),)
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         self.cfg = cfg
