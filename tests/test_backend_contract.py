@@ -305,3 +305,112 @@ def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path,
         return re.sub(r"PADDLE_JOB_ID=\S+", "PADDLE_JOB_ID=<id>", text).replace(python, "<python>")
 
     assert same(submitted[0].text()) == same(dry.stdout.replace(be.cfg.python, python))
+
+
+QSUB = '''"""A throwaway PBS backend, written as docs/backends.md "Adding a backend" says, to show what a new engine
+touches: this package and one registry line."""
+
+from paddle_cluster.launch.backends.base import Backend, BackendOption, Description, Request
+from paddle_cluster.launch.config import ConfKey
+from paddle_cluster.launch.errors import ClusterError
+from paddle_cluster.launch.plan import Topology
+from paddle_cluster.node.bootstrap import RankVars
+
+RANKS = RankVars("pbsdsh", "PBS_NODENUM", "PBS_NUM_NODES", "PBS_VNODENUM")
+
+
+class QsubBackend(Backend):
+    name = "qsub"
+    summary = "PBS jobs"
+    renders = "the qsub script"
+    needs_hosts = False
+    options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
+    conf_keys = (ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name"),)
+
+    @classmethod
+    def create(cls, cfg, opts, detach=False):
+        be = cls()
+        be.cfg, be.queue = cfg, opts.get("queue") or cfg.qsub_queue
+        be.names = be.labels = ["node0", "node1"]
+        return be
+
+    def preview(self, spec, say):
+        return Topology.hosts(spec.cfg, ["<node0>", "<node1>"])
+
+    def prepare(self, spec, say):
+        raise ClusterError("qsub: no PBS server here")
+
+    def render(self, plan):
+        argv = ["pbsdsh", "python3", "-m", "paddle_cluster.node", "bootstrap", "--ranks", RANKS.text()]
+        script = f"#PBS -q {self.queue}\\n#PBS -l nodes={len(plan.nodes)}\\n" + " ".join(argv)
+        return Request(plan, ((f"qsub script of job {plan.name}, job id {plan.env.job_id}", script),),
+                       {"backend": self.name})
+
+    def submit(self, request):
+        raise ClusterError("qsub: no PBS server here")
+
+    @classmethod
+    def describe(cls, job):
+        return Description("", [])
+
+    @classmethod
+    def logs(cls, job, node, role, lines, follow, out):
+        raise ClusterError("qsub: no PBS server here")
+
+    @classmethod
+    def cancel(cls, job, say):
+        return []
+
+    def next_event(self, timeout):
+        return None
+
+    def request_stop(self, grace):
+        pass
+
+    def stop(self, grace):
+        return []
+
+    def complete_steps(self, root, pservers):
+        return []
+
+    def close(self):
+        pass
+'''
+
+
+def test_a_new_backend_is_its_package_and_one_registry_line(tmp_path):
+    """docs/backends.md's "Adding a backend", done: a throwaway PBS backend's package and its line in REGISTRY (made
+    before the CLI loads, as an edit of launch/registry.py would) give ``run --help`` its options, a conf.py its
+    key (a misspelt one refused with the fix), ``run --dry-run`` and ``render qsub`` its request of the plan every
+    backend gets, and ``run`` its error; nothing else was edited."""
+    (tmp_path / "pkgs" / "qsubbackend").mkdir(parents=True)
+    (tmp_path / "pkgs" / "qsubbackend" / "__init__.py").write_text(QSUB)
+    conf = write_settings(tmp_path / "conf.py", {"ROOT_DIR": str(tmp_path / "root"), "QSUB_QUEUE": "long",
+                                                 "PADDLE_PORT": 7164})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    env = checkout_env(_isolated(tmp_path))
+    env["PYTHONPATH"] = f"{tmp_path / 'pkgs'}:{env.get('PYTHONPATH', '')}"
+    line = 'REGISTRY["qsub"] = "qsubbackend:QsubBackend"'
+
+    def cli_with_qsub(*args: str) -> subprocess.CompletedProcess:
+        code = (f"import sys; from paddle_cluster.launch.registry import REGISTRY; {line}; "
+                "from paddle_cluster.cli import main; sys.argv[0] = 'paddle-cluster'; main()")
+        return subprocess.run([sys.executable, "-c", code, "--conf", str(conf), *args], capture_output=True,
+                              text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+    helped = cli_with_qsub("run", "--help")
+    assert helped.returncode == 0 and "Options of --backend qsub" in helped.stdout and "qsub -q" in helped.stdout
+    for args in (["run", "--backend", "qsub", "--dry-run"], ["render", "qsub"]):
+        res = cli_with_qsub(*args, "--job_dispatch_package", str(ws), "--job_name", "pbs1")
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+        assert "#PBS -q long\n#PBS -l nodes=2\n" in res.stdout and "--ranks pbsdsh:PBS_NODENUM" in res.stdout
+        assert re.search(r"qsub script of job pbs1, job id pbs1-[0-9a-f]{8}", res.stdout), res.stdout
+    queued = cli_with_qsub("run", "--backend", "qsub", "--dry-run", "--queue", "short", "--job_workspace", "/w")
+    assert "#PBS -q short" in queued.stdout, queued.stderr
+    ran = cli_with_qsub("run", "--backend", "qsub", "--job_workspace", "/w")
+    assert ran.returncode != 0 and "qsub: no PBS server here" in ran.stderr and "Traceback" not in ran.stderr
+    conf.write_text(conf.read_text().replace("QSUB_QUEUE", "QSUB_QUEU"))
+    bad = cli_with_qsub("run", "--backend", "qsub", "--dry-run", "--job_workspace", "/w")
+    assert bad.returncode == 2 and "did you mean QSUB_QUEUE?" in bad.stderr, bad.stderr
