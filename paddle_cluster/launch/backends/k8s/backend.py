@@ -83,14 +83,6 @@ class K8sOptions:
             raise
         return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, pods)
 
-    def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False,
-              resume_from: str = "") -> k8s.K8sJob:
-        return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
-                         trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset,
-                         resume_from=resume_from)
-
     def topology(self, spec: JobSpec, packed: bool, jobset: bool) -> Tuple[str, Topology]:
         """``spec``'s Kubernetes name and topology with these options (``k8s.topology``)."""
         return k8s.topology(spec.cfg, job_name=spec.name, namespace=self.namespace, pservers=self.pservers,
@@ -128,8 +120,8 @@ def pod_of_role(node: str, role: str) -> None:
 class K8sRequest(Request):
     """The job's objects: ``manifests``, the YAML stream of ``job`` that ``kubectl create -f -`` is given."""
 
-    job: Optional[k8s.K8sJob] = None
-    manifests: str = ""
+    job: k8s.K8sJob
+    manifests: str
 
 
 class K8sBackend(Backend):

@@ -99,10 +99,6 @@ class K8sJob:
     def job_name(self, role: str) -> str:
         return job_name(self.name, role, self.jobset)
 
-    def pod_hostname(self, role: str, index: int) -> str:
-        """Pod ``index`` of a role's hostname, ``<Job name>-<index>``: its node name for paddle-cluster."""
-        return f"{self.job_name(role)}-{index}"
-
     def labels(self, role: Optional[str] = None) -> Dict[str, str]:
         out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
                LABEL_JOB: self.name, LABEL_ID: self.env.job_id}

@@ -118,11 +118,11 @@ class MPIRequest(Request):
     """``mpirun`` (or Hydra's ``mpiexec``) as it is run: its command line, and the files it reads, by name, in
     ``where`` (the job's temporary directory); each host gets the plan at ``plan_path``."""
 
-    argv: Tuple[str, ...] = ()
-    impl: str = "openmpi"
-    where: str = ""
-    files: Tuple[Tuple[str, str], ...] = ()
-    plan_path: str = ""
+    argv: Tuple[str, ...]
+    impl: str  # "openmpi" or "mpich"
+    where: str
+    files: Tuple[Tuple[str, str], ...]
+    plan_path: str
 
 
 class MPIBackend(Backend):

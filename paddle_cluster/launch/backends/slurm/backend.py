@@ -70,11 +70,11 @@ class SlurmRequest(Request):
     ``sbatch`` command line submitting it (inside an allocation: its ``srun`` step alone), and each node's share
     of the plan, which the node reads from ``adir``."""
 
-    adir: str = ""
-    script: str = ""
-    sbatch: Tuple[str, ...] = ()
-    srun: Tuple[str, ...] = ()
-    shares: Tuple[m.NodePlan, ...] = ()
+    adir: str
+    script: str
+    sbatch: Tuple[str, ...]
+    srun: Tuple[str, ...]
+    shares: Tuple[m.NodePlan, ...]
 
 
 class SlurmBackend(Backend):
