@@ -30,7 +30,7 @@ from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError, ConfigError
 from .launch.plan import JobSpec, default_job_name
 from .launch.registry import DEFAULT
-from .launch.run import run_job, submit
+from .launch.run import render_text, run_job, submit
 from .launch.supervise import JobResult
 
 
@@ -308,7 +308,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
                     origin=origin, resume_from=resume_from, elastic=elastic, verbose=verbose, dry=dry_run,
                     max_restarts=cfg.max_restarts if max_restarts is None else max_restarts)
     if dry_run:
-        click.echo(be.render(spec, _say).text(), nl=False)
+        click.echo(render_text(spec, be, _say), nl=False)
         return None
     return submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
 
@@ -463,7 +463,7 @@ def _render_command(backend: str) -> None:
         cfg = override(cfg, {"backend": (f"render {backend}", backend)})
         spec, be = _job(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver, opts,
                         notes=False, dry=True)
-        click.echo(be.render(spec, _say).text(), nl=False)
+        click.echo(render_text(spec, be, _say), nl=False)
 
 
 for _name in REGISTRY:

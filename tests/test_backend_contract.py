@@ -9,12 +9,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 from engines import DRY_RUN_OPTIONS, NATIVE, NO_HOSTS_OPTIONS
-from helpers import HOLD_PY, cli, local_conf, start_cli, wait_for, write_settings
+from helpers import HOLD_PY, checkout_env, cli, local_conf, start_cli, wait_for, write_settings
 
 from paddle_cluster.cli import main
 from paddle_cluster.launch import journal
@@ -226,3 +228,189 @@ def test_an_option_two_backends_declare_is_one_option_of_each(monkeypatch):
     monkeypatch.setattr(_QueueBackend, "options", (BackendOption("--queue", "queue", "A count.", int),))
     with pytest.raises(TypeError, match="backends k8s and pbs declare --queue \\(queue\\) differently"):
         declared_options()
+
+
+def test_the_dry_run_on_the_built_in_local_cluster_shows_the_endpoints_the_run_binds(tmp_path, monkeypatch):
+    """No conf.py: the dry run's pserver and trainer endpoints are those of the plan made from the probed host
+    (each pserver its own loopback address, as the real run binds them), not consecutive ports of a placeholder."""
+    from paddle_cluster.launch.backends.ssh import SSHBackend
+    from paddle_cluster.launch.config import builtin_default
+    from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
+
+    env = _isolated(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "run", "--job_dispatch_package", str(ws),
+                          "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ws, env=checkout_env(env),
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0 and "built-in local cluster" in res.stderr, res.stderr
+    shown = dict(kv.split("=", 1) for kv in res.stdout.split("job-wide environment: ", 1)[1].split("\n", 1)[0].split())
+    monkeypatch.setenv("HOME", env["HOME"])  # the built-in cluster's ROOT_DIR is under it
+    cfg = builtin_default()
+    be = SSHBackend(cfg)
+    try:
+        addresses = be.probe_cluster(lambda _s: None, check_ports=False)  # what prepare finds (ports aside)
+    finally:
+        be.close()
+    real = build_plan(JobSpec(cfg, "x"), Topology.hosts(cfg, addresses)).env.to_environ()
+    for key in ("PADDLE_PSERVER_ENDPOINTS", "PADDLE_TRAINER_ENDPOINTS", "MASTER_ADDR", "MASTER_PORT"):
+        assert shown[key] == real[key], (key, shown[key], real[key])
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_render_leaves_its_backend_as_it_was(tmp_path, backend):
+    """A dry run renders on a backend no job ran on: rendering changes nothing of it (a later submit would
+    otherwise start from what the dry run left)."""
+    from paddle_cluster.launch.backends import backend_for
+    from paddle_cluster.launch.plan import JobSpec, build_plan
+
+    cfg = load_config(str(_user_conf(tmp_path)))
+    cfg = cfg.__class__(**{**cfg.__dict__, "backend": backend})
+    be = backend_for(cfg, {"image": "registry.example/fit:1"} if backend == "k8s" else {})
+    spec = JobSpec(cfg, "dry", workspace="/ws")
+    before = {k: repr(v) for k, v in vars(be).items()}
+    request = be.render(build_plan(spec, be.preview(spec, lambda _s: None)))
+    assert {k: repr(v) for k, v in vars(be).items()} == before
+    assert request.plan.spec is spec and request.handle["backend"] == backend
+
+
+def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path, monkeypatch):
+    """``run`` submits the very ``Request`` it rendered (a restart renders the resumed plan), and ``run
+    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter."""
+    from paddle_cluster.launch.backends import backend_for
+    from paddle_cluster.launch.plan import JobSpec
+    from paddle_cluster.launch.run import run_job
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    conf = local_conf(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('trained')\n")
+    dry = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "sub", "--pserver", "builtin",
+              "--dry-run", env=_isolated(tmp_path))
+    assert dry.returncode == 0, dry.stderr
+    be = backend_for(load_config(str(conf)))
+    rendered, submitted = [], []
+    render, submit = be.render, be.submit
+    be.render = lambda plan: rendered.append(render(plan)) or rendered[-1]
+    be.submit = lambda request: submitted.append(request) or submit(request)
+    said: list = []
+    result = run_job(JobSpec(be.cfg, "sub", dispatch_dir=str(ws)), said.append, said.append, backend=be)
+    assert result.exit_code == 0, (result.message, said)
+    assert len(submitted) == 1 and submitted[0] is rendered[0]
+    (python,) = {n.python for n in submitted[0].plan.topology.nodes}
+
+    def same(text: str) -> str:
+        return re.sub(r"PADDLE_JOB_ID=\S+", "PADDLE_JOB_ID=<id>", text).replace(python, "<python>")
+
+    assert same(submitted[0].text()) == same(dry.stdout.replace(be.cfg.python, python))
+
+
+QSUB = '''"""A throwaway PBS backend, written as docs/backends.md "Adding a backend" says, to show what a new engine
+touches: this package and one registry line."""
+
+from paddle_cluster.launch.backends.base import Backend, BackendOption, Description, Request
+from paddle_cluster.launch.config import ConfKey
+from paddle_cluster.launch.errors import ClusterError
+from paddle_cluster.launch.plan import Topology
+from paddle_cluster.node.bootstrap import RankVars
+
+RANKS = RankVars("pbsdsh", "PBS_NODENUM", "PBS_NUM_NODES", "PBS_VNODENUM")
+
+
+class QsubBackend(Backend):
+    name = "qsub"
+    summary = "PBS jobs"
+    renders = "the qsub script"
+    needs_hosts = False
+    options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
+    conf_keys = (ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name"),)
+
+    @classmethod
+    def create(cls, cfg, opts, detach=False):
+        be = cls()
+        be.cfg, be.queue = cfg, opts.get("queue") or cfg.qsub_queue
+        be.names = be.labels = ["node0", "node1"]
+        return be
+
+    def preview(self, spec, say):
+        return Topology.hosts(spec.cfg, ["<node0>", "<node1>"])
+
+    def prepare(self, spec, say):
+        raise ClusterError("qsub: no PBS server here")
+
+    def render(self, plan):
+        argv = ["pbsdsh", "python3", "-m", "paddle_cluster.node", "bootstrap", "--ranks", RANKS.text()]
+        script = f"#PBS -q {self.queue}\\n#PBS -l nodes={len(plan.nodes)}\\n" + " ".join(argv)
+        return Request(plan, ((f"qsub script of job {plan.name}, job id {plan.env.job_id}", script),),
+                       {"backend": self.name})
+
+    def submit(self, request):
+        raise ClusterError("qsub: no PBS server here")
+
+    @classmethod
+    def describe(cls, job):
+        return Description("", [])
+
+    @classmethod
+    def logs(cls, job, node, role, lines, follow, out):
+        raise ClusterError("qsub: no PBS server here")
+
+    @classmethod
+    def cancel(cls, job, say):
+        return []
+
+    def next_event(self, timeout):
+        return None
+
+    def request_stop(self, grace):
+        pass
+
+    def stop(self, grace):
+        return []
+
+    def complete_steps(self, root, pservers):
+        return []
+
+    def close(self):
+        pass
+'''
+
+
+def test_a_new_backend_is_its_package_and_one_registry_line(tmp_path):
+    """docs/backends.md's "Adding a backend", done: a throwaway PBS backend's package and its line in REGISTRY (made
+    before the CLI loads, as an edit of launch/registry.py would) give ``run --help`` its options, a conf.py its
+    key (a misspelt one refused with the fix), ``run --dry-run`` and ``render qsub`` its request of the plan every
+    backend gets, and ``run`` its error; nothing else was edited."""
+    (tmp_path / "pkgs" / "qsubbackend").mkdir(parents=True)
+    (tmp_path / "pkgs" / "qsubbackend" / "__init__.py").write_text(QSUB)
+    conf = write_settings(tmp_path / "conf.py", {"ROOT_DIR": str(tmp_path / "root"), "QSUB_QUEUE": "long",
+                                                 "PADDLE_PORT": 7164})
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("print('hi')\n")
+    env = checkout_env(_isolated(tmp_path))
+    env["PYTHONPATH"] = f"{tmp_path / 'pkgs'}:{env.get('PYTHONPATH', '')}"
+    line = 'REGISTRY["qsub"] = "qsubbackend:QsubBackend"'
+
+    def cli_with_qsub(*args: str) -> subprocess.CompletedProcess:
+        code = (f"import sys; from paddle_cluster.launch.registry import REGISTRY; {line}; "
+                "from paddle_cluster.cli import main; sys.argv[0] = 'paddle-cluster'; main()")
+        return subprocess.run([sys.executable, "-c", code, "--conf", str(conf), *args], capture_output=True,
+                              text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+    helped = cli_with_qsub("run", "--help")
+    assert helped.returncode == 0 and "Options of --backend qsub" in helped.stdout and "qsub -q" in helped.stdout
+    for args in (["run", "--backend", "qsub", "--dry-run"], ["render", "qsub"]):
+        res = cli_with_qsub(*args, "--job_dispatch_package", str(ws), "--job_name", "pbs1")
+        assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+        assert "#PBS -q long\n#PBS -l nodes=2\n" in res.stdout and "--ranks pbsdsh:PBS_NODENUM" in res.stdout
+        assert re.search(r"qsub script of job pbs1, job id pbs1-[0-9a-f]{8}", res.stdout), res.stdout
+    queued = cli_with_qsub("run", "--backend", "qsub", "--dry-run", "--queue", "short", "--job_workspace", "/w")
+    assert "#PBS -q short" in queued.stdout, queued.stderr
+    ran = cli_with_qsub("run", "--backend", "qsub", "--job_workspace", "/w")
+    assert ran.returncode != 0 and "qsub: no PBS server here" in ran.stderr and "Traceback" not in ran.stderr
+    conf.write_text(conf.read_text().replace("QSUB_QUEUE", "QSUB_QUEU"))
+    bad = cli_with_qsub("run", "--backend", "qsub", "--dry-run", "--job_workspace", "/w")
+    assert bad.returncode == 2 and "did you mean QSUB_QUEUE?" in bad.stderr, bad.stderr

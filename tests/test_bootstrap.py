@@ -11,8 +11,10 @@ from pathlib import Path
 
 from helpers import small_workspace, wait_for
 
+from paddle_cluster.launch.backends.mpi.backend import RANKS as MPI_RANKS
+from paddle_cluster.launch.backends.slurm.backend import RANKS as SLURM_RANKS
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.plan import JobSpec, mint_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import placeholder
 
@@ -53,7 +55,7 @@ def _plan_file(tmp: Path, ws: Path, root: str, addresses, name: str) -> Path:
     cfg = parse_config({"HOSTS": [f"h{i}" for i in range(len(addresses))], "ROOT_DIR": root, "PADDLE_NIC": "eth0",
                         "PSERVER_COMMAND": "{python} ps.py", "PYTHON": os.sys.executable, "PADDLE_PORT": 7164,
                         "START_TIMEOUT": 30.0}, "test")
-    plan = mint_plan(JobSpec(cfg, name, workspace=str(ws)), addresses)
+    plan = build_plan(JobSpec(cfg, name, workspace=str(ws)), Topology.hosts(cfg, addresses))
     path = tmp / "plan.jsonl"
     path.write_text("".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes))
     return path
@@ -72,8 +74,8 @@ def test_bootstrap_under_mpirun(mpi_env, tmp_path):
     ws = small_workspace(tmp_path, TRAIN_PY, PS_PY)
     plan = _plan_file(tmp_path, ws, "/home/paddle", cluster.ips, "boot")
     env = {**mpi_env.env, "PYTHONPATH": str(REPO)}
-    res = subprocess.run(mpi_env.argv(_bootstrap("--engine", "mpi", "--plan", str(plan)), None, "-x", "PYTHONPATH"),
-                         env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL, cwd=ws)
+    argv = mpi_env.argv(_bootstrap("--ranks", MPI_RANKS.text(), "--plan", str(plan)), None, "-x", "PYTHONPATH")
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL, cwd=ws)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     evs = _events(res.stdout)
     exited = {(e.node, e.proc): e.code for e in evs if isinstance(e, m.Exited)}
@@ -93,8 +95,8 @@ def test_bootstrap_fails_fast_under_mpirun(mpi_env, tmp_path):
     (ws / "crash.1").touch()
     plan = _plan_file(tmp_path, ws, "/home/paddle", cluster.ips, "bootfail")
     env = {**mpi_env.env, "PYTHONPATH": str(REPO)}
-    res = subprocess.run(mpi_env.argv(_bootstrap("--engine", "mpi", "--plan", str(plan)), None, "-x", "PYTHONPATH"),
-                         env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL, cwd=ws)
+    argv = mpi_env.argv(_bootstrap("--ranks", MPI_RANKS.text(), "--plan", str(plan)), None, "-x", "PYTHONPATH")
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL, cwd=ws)
     assert res.returncode != 0
     evs = _events(res.stdout)
     assert any(isinstance(e, m.Exited) and e.proc == "trainer.1" and e.code == 3 for e in evs), res.stdout
@@ -110,7 +112,7 @@ def test_bootstrap_under_srun_completes_the_plan_with_published_addresses(slurm_
     plan = _plan_file(shared, ws, "/home/paddle", [placeholder(i) for i in range(3)], "srunboot")
     events = shared / "events.{node}.jsonl"
     res = slurm.run(["srun", "-N3", "--ntasks-per-node=1", "--export=ALL,PYTHONPATH=" + str(REPO),
-                     *_bootstrap("--engine", "slurm", "--plan", str(plan), "--events", str(events),
+                     *_bootstrap("--ranks", SLURM_RANKS.text(), "--plan", str(plan), "--events", str(events),
                                  "--rendezvous", str(shared / "rv"), "--nic", "eth0")],
                     cwd=ws, timeout=90, check=False)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -16,7 +16,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, ContractError, Endpoint, J
 from paddle_cluster.launch import entry, machines
 from paddle_cluster.launch.config import builtin_default, parse_config
 from paddle_cluster.launch.errors import ConfigError
-from paddle_cluster.launch.plan import JobSpec, build_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.node.probe import machine_id
 
 
@@ -110,7 +110,8 @@ def test_run_pserver_option_chooses_either_way_over_the_config(tmp_path):
     cfg = parse_config({"HOSTS": ["localhost"], "PSERVER_COMMAND": "{python} ps.py"}, "conf.py")
     got = entry.settle(cfg, ws, None, ["--x"], pserver="entry")
     assert got.cfg.commands("py")[0] == "py train.py" and "--pserver entry" in got.notes[0]
-    plan = build_plan(JobSpec(got.cfg, "j", dispatch_dir=ws, trainer_args=("--x",)), ["127.0.0.1"], "j", "s" * 64)
+    plan = build_plan(JobSpec(got.cfg, "j", dispatch_dir=ws, trainer_args=("--x",)),
+                      Topology.hosts(got.cfg, ["127.0.0.1"]))
     assert plan.nodes[0].pservers[0].cmd.endswith("train.py --x")  # the script's arguments reach it as pserver
     got = entry.settle(builtin_default(), _ws(tmp_path, "train.py", 'r = "PSERVER"\n'), None, [], pserver="builtin")
     assert got.cfg.commands("py")[0] == "py -m paddle_cluster.ps" and "--pserver builtin" in got.notes[0]
@@ -176,7 +177,7 @@ def test_local_pservers_each_get_a_loopback_address_that_ips_times_port_reproduc
                               pserver_command="{python} {entry}")
     spec = JobSpec(cfg, "job1", dispatch_dir="/ws", trainer_args=("--num_passes", "2", "a b"),
                    init=(("num_passes", "2"),))
-    plan = build_plan(spec, ["127.0.0.1"], "j", "s" * 64)
+    plan = build_plan(spec, Topology.hosts(cfg, ["127.0.0.1"]))
     assert plan.env.pservers == (Endpoint("127.0.0.1", 9100), Endpoint("127.0.0.2", 9100))
     for p in plan.nodes[0].procs:
         env = {**plan.nodes[0].environ, **p.env}
@@ -186,8 +187,8 @@ def test_local_pservers_each_get_a_loopback_address_that_ips_times_port_reproduc
         if p.role == PSERVER:
             assert f"{env['PADDLE_CURRENT_IP']}:{env['PADDLE_PSERVER_PORT']}" == env["PADDLE_CURRENT_ENDPOINT"]
     # a real NIC keeps one address and consecutive port ranges
-    plan = build_plan(dataclasses.replace(spec, cfg=dataclasses.replace(cfg, paddle_nic="eth0")), ["10.0.0.1"], "j",
-                      "s" * 64)
+    eth0 = dataclasses.replace(cfg, paddle_nic="eth0")
+    plan = build_plan(dataclasses.replace(spec, cfg=eth0), Topology.hosts(eth0, ["10.0.0.1"]))
     assert plan.env.pservers == (Endpoint("10.0.0.1", 9100), Endpoint("10.0.0.1", 9102))
 
 

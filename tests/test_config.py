@@ -20,6 +20,7 @@ from paddle_cluster.launch.config import (
     KEYS,
     ClusterConfig,
     HostSpec,
+    all_keys,
     load_config,
     parse_config,
 )
@@ -293,9 +294,9 @@ def same(a: ClusterConfig, b: ClusterConfig) -> bool:
 def test_full_conf_sets_every_key(tmp_path, home):
     cfg = load_config(str(write(tmp_path, FULL_PY)), environ={})
     default = ClusterConfig(hosts=())
-    for key in KEYS:
+    for key in all_keys():  # ClusterConfig's and the backends' (MPI_IMPL, K8S_NAMESPACE...)
         assert getattr(cfg, key.lower()) != getattr(default, key.lower()), key  # the file set every key
-    assert cfg.file_keys == set(KEYS) and cfg.options == ()
+    assert cfg.file_keys == set(all_keys()) and cfg.options == ()
     assert cfg.hosts == (HostSpec("root@192.168.100.17", "192.168.100.17", "root", None),
                          HostSpec("paddle@node2:2222", "node2", "paddle", 2222),
                          HostSpec("gpu-box", "gpu-box", None, None))
@@ -510,12 +511,12 @@ def test_conf_py_example_loads_and_sets_every_key(tmp_path):
     path = shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")
     cfg = load_config(str(path), environ={})  # an unknown or misspelt key in the example would raise
     text = (REPO / "conf.py.example").read_text()
-    for key in KEYS:
+    for key in all_keys():
         assert f"\n{key} = " in text, key
     # the seed's keys come first, in the seed's order
     seed = ["HOSTS", "ROOT_DIR", "PADDLE_NIC", "PADDLE_PORT", "PADDLE_PORTS_NUM", "PADDLE_PORTS_NUM_FOR_SPARSE",
             "LD_LIBRARY_PATH"]
-    positions = [text.index(f"\n{k} = ") for k in KEYS]
+    positions = [text.index(f"\n{k} = ") for k in all_keys()]
     assert positions[:len(seed)] == sorted(positions[:len(seed)])
     assert max(positions[:len(seed)]) < min(positions[len(seed):])
     assert [h.text for h in cfg.hosts] == ["root@192.168.100.17", "root@192.168.100.18"]

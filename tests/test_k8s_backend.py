@@ -24,7 +24,7 @@ from paddle_cluster.launch import access
 from paddle_cluster.launch.backends.base import JobRefused, NodeLost
 from paddle_cluster.launch.backends.k8s import jobwatch
 from paddle_cluster.launch.backends.k8s import manifests as k8s
-from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, k8s_plan, log_events
+from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, log_events
 from paddle_cluster.launch.backends.k8s.jobwatch import JobWatch
 from paddle_cluster.launch.backends.k8s.kubectl import (
     INDEX_ANNOTATION,
@@ -38,7 +38,7 @@ from paddle_cluster.launch.backends.k8s.kubectl import (
     watch_events,
 )
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.plan import JobSpec
+from paddle_cluster.launch.plan import JobSpec, build_plan
 from paddle_cluster.node import messages as m
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,9 +67,11 @@ def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
 
 
 def test_the_plan_has_one_node_per_pod_and_the_manifests_contract() -> None:
-    job = K8sOptions("img:1", "ml", 2, 3).build(CFG, "fit", None, ("--passes", "3"))
+    opts = K8sOptions("img:1", "ml", 2, 3)
     spec = JobSpec(CFG, "fit", trainer_args=("--passes", "3"))
-    plan = k8s_plan(spec, job)
+    name, topology = opts.topology(spec, False, False)
+    plan = build_plan(spec, topology)
+    job = opts.job(plan, name, b"", False)
     assert [(n.node, [p.name for p in n.procs]) for n in plan.nodes] == [
         (0, ["pserver.0"]), (1, ["pserver.1"]), (2, ["trainer.0"]), (3, ["trainer.1"]), (4, ["trainer.2"])]
     assert plan.env == job.env and len(plan.env.pservers) == 2 and plan.env.trainers == 3
@@ -140,9 +142,8 @@ def test_status_names_each_pod_where_a_pid_would_be() -> None:
     row = pod_row(p, "Pass 0: loss 3.2")
     assert (row.node, row.host, row.address, row.name, row.state) == (
         "fit-trainer-1", "worker-3", "10.1.0.11", "trainer.1", "running")
-    assert row.pid is None and row.pod == "fit-trainer-1-x7k2p"  # no pid of ours: the process is in the pod
-    assert row.pid_text == "pod/fit-trainer-1-x7k2p"
-    assert json.loads(access.as_json([row]))[0]["pod"] == "fit-trainer-1-x7k2p"
+    assert row.pid is None and row.pid_text == "pod/fit-trainer-1-x7k2p"  # no pid of ours: the process is the pod
+    assert json.loads(access.as_json([row]))[0]["process"] == "pod/fit-trainer-1-x7k2p"
 
 def _watch() -> PodWatch:
     return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})

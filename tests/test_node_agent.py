@@ -23,6 +23,7 @@ import pytest
 from helpers import free_port_range, wait_for
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
+from paddle_cluster.launch.backends.mpi.backend import RANKS as MPI_RANKS
 from paddle_cluster.node import MAIN, procs
 from paddle_cluster.node import messages as m
 
@@ -63,7 +64,7 @@ class Agent:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         args = ["supervise", "--orphan-timeout", str(orphan_timeout)]
         if plan_file:
-            args = ["bootstrap", "--engine", "mpi", "--plan", plan_file]
+            args = ["bootstrap", "--ranks", MPI_RANKS.text(), "--plan", plan_file]
             # What mpirun sets for rank 0 of 2; test_bootstrap.py runs the agents under the real engines.
             env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="0")
         self.proc = subprocess.Popen([sys.executable, "-m", "paddle_cluster.node", *args, "--grace", str(grace)],
@@ -254,8 +255,9 @@ def test_an_own_session_agent_runs_the_dispatched_library_and_stops_the_job_when
     (tmp_path / "plans.jsonl").write_text(m.encode(m.Start(plan)) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PMI_RANK="0", PMI_SIZE="1", MPI_LOCALRANKID="0")  # what Hydra sets for rank 0 of 1
-    rank = subprocess.Popen([str(bare / "bin" / "python"), "-c", MAIN, str(REPO), "bootstrap", "--engine", "mpi",
-                             "--plan", str(tmp_path / "plans.jsonl"), "--grace", "1", "--own-session"],
+    rank = subprocess.Popen([str(bare / "bin" / "python"), "-c", MAIN, str(REPO), "bootstrap", "--ranks",
+                             MPI_RANKS.text(), "--plan", str(tmp_path / "plans.jsonl"), "--grace", "1",
+                             "--own-session"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=tmp_path)
     out: List[str] = []  # the agent's events (its child's too: it inherits the pipe), or why it could not start

@@ -30,6 +30,7 @@ from helpers import (
     write_conf,
 )
 
+from paddle_cluster.launch.backends.mpi.backend import RANKS as MPI_RANKS
 from paddle_cluster.node import messages as m
 
 
@@ -65,7 +66,7 @@ def test_job_names_are_plain_names(cluster, tmp_path):
                           procs=(), endpoints=(), start_timeout=5.0)
         (tmp_path / "plan").write_text(m.encode(m.Start(plan)) + "\n")
         # the agent as mpirun starts it (rank 0 of 1 in mpirun's variables): the plan from a file
-        out = node_cmd(cluster, 0, "bootstrap", "--engine", "mpi", "--plan", str(tmp_path / "plan"),
+        out = node_cmd(cluster, 0, "bootstrap", "--ranks", MPI_RANKS.text(), "--plan", str(tmp_path / "plan"),
                        OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1", OMPI_COMM_WORLD_LOCAL_RANK="0")
         stopped = m.decode(out.stdout.strip().splitlines()[-1])
         assert out.returncode == 1 and isinstance(stopped, m.Stopped), out

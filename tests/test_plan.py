@@ -9,7 +9,7 @@ import pytest
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.launch.config import ClusterConfig, HostSpec
-from paddle_cluster.launch.plan import JobSpec, build_plan, mint_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.node import messages as m
 
 ADDRS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
@@ -24,8 +24,13 @@ def spec(**over) -> JobSpec:
     return JobSpec(dataclasses.replace(cfg, **fields), "job1", **{"dispatch_dir": "/ws", **over})
 
 
+def plan_on(sp: JobSpec, addresses, job_id=None, secret=None):
+    """``build_plan`` of ``sp`` on the hosts of its config, at these addresses."""
+    return build_plan(sp, Topology.hosts(sp.cfg, addresses), job_id, secret)
+
+
 def test_processes_are_placed_node_major_pservers_first_on_each_node():
-    plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
+    plan = plan_on(spec(), ADDRS, "job1-abcd", "s" * 64)
     assert [[p.name for p in n.procs] for n in plan.nodes] == [
         ["pserver.0", "pserver.1", "trainer.0"], ["pserver.2", "pserver.3", "trainer.1"],
         ["pserver.4", "pserver.5", "trainer.2"]]
@@ -38,7 +43,7 @@ def test_processes_are_placed_node_major_pservers_first_on_each_node():
 
 
 def test_every_node_waits_for_every_pserver_port_of_the_job():
-    plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
+    plan = plan_on(spec(), ADDRS, "job1-abcd", "s" * 64)
     # 2 pservers per node, 3 ports each (2 dense + 1 sparse), the second pserver after the first's ports
     want = tuple(Endpoint(a, p) for a in ADDRS for p in range(9000, 9006))
     assert all(n.endpoints == want for n in plan.nodes)
@@ -46,7 +51,7 @@ def test_every_node_waits_for_every_pserver_port_of_the_job():
 
 
 def test_the_environment_is_the_contract_split_into_job_wide_and_per_process():
-    plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
+    plan = plan_on(spec(), ADDRS, "job1-abcd", "s" * 64)
     n2 = plan.nodes[2]
     assert n2.environ["MY"] == "1" and "PADDLE_JOB_SECRET" not in n2.environ  # the job-wide part holds no key
     assert all(n.environ == n2.environ for n in plan.nodes)  # job-wide: the same everywhere
@@ -61,7 +66,7 @@ def test_the_environment_is_the_contract_split_into_job_wide_and_per_process():
 
 
 def test_trainer_arguments_are_quoted_and_workspace_is_the_cwd():
-    plan = build_plan(spec(trainer_args=("--name", "a b"), workspace="/shared/ws", dispatch_dir=None), ADDRS,
+    plan = plan_on(spec(trainer_args=("--name", "a b"), workspace="/shared/ws", dispatch_dir=None), ADDRS,
                       "j", "s")
     tr = plan.nodes[0].trainers[0]
     assert tr.cmd == "py train.py --name 'a b'"
@@ -70,7 +75,7 @@ def test_trainer_arguments_are_quoted_and_workspace_is_the_cwd():
 
 
 def test_a_restart_is_the_same_job_resuming_from_a_step():
-    plan = mint_plan(spec(), ADDRS)
+    plan = plan_on(spec(), ADDRS)
     again = plan.resumed(30)
     assert (again.env.job_id, again.env.secret) == (plan.env.job_id, plan.env.secret)
     assert again.env.resume == "30" and again.env.checkpoint_dir == "/r/job1/checkpoints"
@@ -81,26 +86,26 @@ def test_a_restart_is_the_same_job_resuming_from_a_step():
         {k: v for k, v in plan.nodes[0].environ.items() if k not in resume_vars}
     scratch = plan.resumed(None)
     assert scratch.env.resume == "" and "PADDLE_RESUME" not in scratch.nodes[0].environ
-    assert mint_plan(spec(), ADDRS).env.secret != plan.env.secret  # a new job gets a new secret
+    assert plan_on(spec(), ADDRS).env.secret != plan.env.secret  # a new job gets a new secret
 
 
 def test_resume_from_an_earlier_job_or_a_directory():
-    by_name = build_plan(spec(resume_from="old"), ADDRS, "j", "s")
+    by_name = plan_on(spec(resume_from="old"), ADDRS, "j", "s")
     assert by_name.env.resume == "latest" and by_name.env.checkpoint_dir == "/r/old/checkpoints"
     assert by_name.spec.checkpoint_root == "/r/old/checkpoints"
-    by_dir = build_plan(spec(resume_from="/data/ck"), ADDRS, "j", "s")
+    by_dir = plan_on(spec(resume_from="/data/ck"), ADDRS, "j", "s")
     assert by_dir.env.checkpoint_dir == "/data/ck"
-    assert build_plan(spec(), ADDRS, "j", "s").spec.checkpoint_root == "/r/job1/checkpoints"
+    assert plan_on(spec(), ADDRS, "j", "s").spec.checkpoint_root == "/r/job1/checkpoints"
 
 
 def test_nodes_without_pservers_or_trainers():
-    plan = build_plan(spec(pservers_per_node=0, trainers_per_node=2), ("a", "b"), "j", "s")
+    plan = plan_on(spec(pservers_per_node=0, trainers_per_node=2), ("a", "b"), "j", "s")
     assert plan.env.pservers == () and plan.nodes[0].endpoints == () and plan.pserver_ids() == {}
     assert [p.log for p in plan.nodes[1].trainers] == ["train.2.log", "train.3.log"]
 
 
 def test_every_trainer_gets_its_collective_place():
-    plan = build_plan(spec(trainers_per_node=2), ADDRS, "j", "s" * 64)
+    plan = plan_on(spec(trainers_per_node=2), ADDRS, "j", "s" * 64)
     # The trainer ports follow the pservers' 9000..9005 on every node: MASTER_PORT, then one per local trainer.
     assert plan.env.master_port == 9006
     assert plan.env.trainer_endpoints == tuple(Endpoint(a, p) for a in ADDRS for p in (9007, 9008))
@@ -115,7 +120,7 @@ def test_every_trainer_gets_its_collective_place():
 
 
 def test_a_collective_plan_is_trainers_only_from_paddle_port():
-    plan = build_plan(spec(pservers_per_node=0), ADDRS, "j", "s" * 64)
+    plan = plan_on(spec(pservers_per_node=0), ADDRS, "j", "s" * 64)
     assert all(n.procs == n.trainers and n.endpoints == () for n in plan.nodes)
     assert (plan.env.master_port, plan.env.trainer_endpoints[2]) == (9000, Endpoint("10.0.0.3", 9001))
     assert plan.spec.cfg.node_ports() == (9000, 9001)  # what preflight checks is free: the trainers' ports
@@ -131,7 +136,7 @@ def test_a_collective_job_refuses_what_needs_pservers():
 
 # -- messages -----------------------------------------------------------------------------------------
 def test_every_message_survives_encode_and_decode():
-    plan = build_plan(spec(), ADDRS, "job1-abcd", "s" * 64)
+    plan = plan_on(spec(), ADDRS, "job1-abcd", "s" * 64)
     msgs = [m.Start(plan.nodes[1]), m.Ping(), m.Stop(), m.Stop(0.0), m.Log(1, "trainer.1", "x \u00e9 \"q\""),
             m.Started(1, "pserver.2", 123), m.Exited(1, "trainer.1", 3, None), m.Exited(0, "pserver.0", None, 9),
             m.Exited(0, "pserver.0", 127, None, "cannot start"), m.Ready(2), m.NotReady(2, "why"),
@@ -161,7 +166,7 @@ def test_malformed_lines_are_refused_with_the_reason(line, what):
 
 
 def test_plan_with_wrong_types_is_refused():
-    plan = build_plan(spec(), ADDRS, "j", "s")
+    plan = plan_on(spec(), ADDRS, "j", "s")
     doc = json.loads(m.encode(m.Start(plan.nodes[0])))
     doc["plan"]["environ"]["PADDLE_X"] = 1
     with pytest.raises(m.MessageError, match="object of strings"):

@@ -10,9 +10,9 @@ from typing import List, Optional
 from helpers import cli, local_conf
 
 from paddle_cluster.contract import PSERVER, TRAINER
-from paddle_cluster.launch.backends.base import Backend
+from paddle_cluster.launch.backends.base import Backend, Request
 from paddle_cluster.launch.config import builtin_default
-from paddle_cluster.launch.plan import JobSpec, mint_plan
+from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.launch.supervise import Attempt
 from paddle_cluster.node import messages as m
 
@@ -70,10 +70,13 @@ class _Replay(Backend):
         self.names, self.labels, self.events = ["node0", "node1"], ["node0 (a)", "node1 (b)"], list(events)
 
     def prepare(self, spec, say):  # noqa: ANN001
-        return ["10.0.0.1", "10.0.0.2"]
+        return Topology.hosts(spec.cfg, ["10.0.0.1", "10.0.0.2"])
 
-    def start(self, plan) -> None:  # noqa: ANN001
-        pass
+    def render(self, plan):  # noqa: ANN001
+        return Request(plan, (), {})
+
+    def submit(self, request):  # noqa: ANN001
+        return {}
 
     def next_event(self, timeout: float) -> Optional[object]:
         return self.events.pop(0) if self.events else None
@@ -90,8 +93,8 @@ class _Replay(Backend):
     def close(self) -> None:
         pass
 
-    # The rest of the backend contract: a replay of a followed run has no request, and no job to find again
-    def render(self, spec, say):  # noqa: ANN001
+    # The rest of the backend contract: a replay of a followed run has no dry run, and no job to find again
+    def preview(self, spec, say):  # noqa: ANN001
         raise NotImplementedError
 
     @classmethod
@@ -109,13 +112,14 @@ class _Replay(Backend):
 
 def test_no_trainer_line_is_shown_before_every_pserver_listens():
     spec = JobSpec(builtin_default(), "order")
-    plan = mint_plan(spec, ["10.0.0.1", "10.0.0.2"])
+    plan = build_plan(spec, Topology.hosts(spec.cfg, ["10.0.0.1", "10.0.0.2"]))
     t0 = next(p.name for p in plan.nodes[0].procs if p.role == TRAINER)
     assert any(p.role == PSERVER for p in plan.nodes[1].procs)
     shown: List[str] = []
     events = [m.Ready(0), m.Log(0, t0, "epoch 0 loss 1.0"), m.Ready(1)]
     events += [m.Exited(n.node, p.name, 0, None) for n in plan.nodes for p in n.procs if p.role == TRAINER]
-    Attempt(plan, _Replay(events), shown.append, lambda _s: None).run(None)
+    be = _Replay(events)
+    Attempt(be.render(plan), be, shown.append, lambda _s: None).run(None)
     listening = next(i for i, x in enumerate(shown) if x.startswith("all 4 pserver(s) listening"))
     trainer = shown.index(f"[{t0}@node0] epoch 0 loss 1.0")
     assert listening < trainer, shown

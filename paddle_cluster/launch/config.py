@@ -15,7 +15,7 @@ import stat
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple
 
 import yaml
 
@@ -96,13 +96,9 @@ class ClusterConfig:
     # Where jobs run: "ssh" (HOSTS), "mpi" (mpirun over HOSTS), "slurm" (an allocation) or "k8s" (a
     # Kubernetes namespace); docs/backends.md.
     backend: str = DEFAULT
-    # Which MPI "mpi" runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or
-    # "auto": what `mpirun --version` says, else whichever is installed.
-    mpi_impl: str = "auto"
-    k8s_image: Optional[str] = None
-    k8s_namespace: str = "default"
-    k8s_pserver_requests: str = ""  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
-    k8s_trainer_requests: str = ""
+    # The keys the backends declare (``ConfKey``: MPI_IMPL, K8S_NAMESPACE...) that the file or an option set, as
+    # (field name, value) in name order; read as attributes (``cfg.mpi_impl``), their default where not set.
+    backend_keys: Tuple[Tuple[str, Any], ...] = ()
     # Frames between trainers and pservers carry MACs; False only on an isolated fabric (docs/reliability.md).
     integrity: bool = True
     # Where the values came from, so that an error names it (``error``): the file, the keys it set, and the
@@ -110,6 +106,15 @@ class ClusterConfig:
     source: str = "<built-in local default>"
     file_keys: FrozenSet[str] = frozenset()
     options: Tuple[Tuple[str, str], ...] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        """A key a backend declares (``declared_keys``): its value, or its default."""
+        if name.startswith("_") or name == "backend_keys":
+            raise AttributeError(name)
+        key = declared_keys().get(name.upper())
+        if key is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return dict(self.backend_keys).get(name, key.default)
 
     @property
     def is_builtin_default(self) -> bool:
@@ -174,9 +179,32 @@ class ClusterConfig:
 BUILTIN_SOURCE = "<built-in local default>"
 BUILTIN_PSERVER = "{python} -m paddle_cluster.ps"  # the runtime's pserver (paddle_cluster/ps)
 ENTRY_PSERVER = "{python} {entry}"  # the entry script, as PADDLE_TRAINING_ROLE=PSERVER
-MPI_IMPLS = ("auto", "openmpi", "mpich")
-_ORIGIN = ("source", "file_keys", "options")  # not settings: where the settings came from
+_ORIGIN = ("source", "file_keys", "options", "backend_keys")  # not settings of their own
 KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name not in _ORIGIN)
+
+
+@dataclass(frozen=True)
+class ConfKey:
+    """A key of conf.py (or cluster.yaml) that a backend declares (``Backend.conf_keys``) rather than
+    ``ClusterConfig``: its name, its default (whose type the value must have, None: a string or nothing), the values
+    it may take (none: any) and its own check (the fix for a wrong value, "" for a right one)."""
+
+    name: str  # "MPI_IMPL"
+    default: Any
+    choices: Tuple[str, ...] = ()
+    check: Optional[Callable[[Any], str]] = None
+
+
+def declared_keys() -> Dict[str, ConfKey]:
+    """Every key the backends declare, by name (loaded with the backends: the registry names them)."""
+    from .backends import declared_conf_keys  # the backends import this module: loaded when first asked
+
+    return declared_conf_keys()
+
+
+def all_keys() -> Tuple[str, ...]:
+    """Every key a config may set: ``ClusterConfig``'s and the backends'."""
+    return KEYS + tuple(declared_keys())
 
 
 def builtin_default() -> ClusterConfig:
@@ -294,21 +322,24 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
 
 def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
     """Validate ``raw`` (upper-case keys) into a ``ClusterConfig``; wrong values raise ``ConfigError``."""
+    known, declared = all_keys(), declared_keys()
     for key in raw:
-        if key not in KEYS:
+        if key not in known:
             # A misspelt key must not leave its setting at the default unnoticed (PADDLE_PROT = 7850 ran on 7164).
-            close = difflib.get_close_matches(key.upper(), KEYS, n=1)
-            hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(KEYS)}"
+            close = difflib.get_close_matches(key.upper(), known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
             raise ConfigError(key, raw[key], f"not a paddle-cluster key; {hint} (a helper variable of your own in "
                               "conf.py: start its name with _)", source)
     # HOSTS may be left out: the backends whose nodes are its machines require it once the backend is known
     # (``--backend`` included), and those whose engine gives the nodes (Slurm, Kubernetes) do not.
     base = ClusterConfig(hosts=())
-    values: Dict[str, Any] = {"source": source, "file_keys": frozenset(k for k in raw if k in KEYS)}
+    values: Dict[str, Any] = {"source": source, "file_keys": frozenset(k for k in raw if k in known)}
     for f in dataclasses.fields(ClusterConfig):
         key = f.name.upper()
         if key in raw and f.name not in _ORIGIN:
             values[f.name] = _coerce(key, raw[key], getattr(base, f.name), source)
+    values["backend_keys"] = tuple(sorted((k.lower(), _coerce(k, raw[k], declared[k].default, source))
+                                          for k in raw if k in declared))
     values["hosts"] = _hosts(raw["HOSTS"], source) if "HOSTS" in raw else ()
     for name in ("ssh_identity_file", "ssh_config_file", "ssh_known_hosts"):
         if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
@@ -323,7 +354,11 @@ def override(cfg: ClusterConfig, given: Mapping[str, Tuple[str, Any]]) -> Cluste
     together: an error names the option, not the file."""
     options = dict(cfg.options)
     options.update({name.upper(): option for name, (option, _) in given.items()})
-    new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items()}, options=tuple(options.items()))
+    declared = declared_keys()
+    keys = dict(cfg.backend_keys)
+    keys.update({name: v for name, (_, v) in given.items() if name.upper() in declared})
+    new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items() if name.upper() not in declared},
+                              options=tuple(options.items()), backend_keys=tuple(sorted(keys.items())))
     validate(new)
     return new
 
@@ -403,10 +438,10 @@ def refuse_line_break(option: str, value: Optional[str]) -> None:
 
 def validate(cfg: ClusterConfig) -> None:
     """Each setting alone and together; an error names where the wrong value came from (``ClusterConfig.error``)."""
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name not in _ORIGIN and isinstance(value, str) and line_break(value):
-            raise cfg.error(f.name, f"contains {line_break(value)}: {NO_BREAKS}")
+    for name in [f.name for f in dataclasses.fields(cfg) if f.name not in _ORIGIN] + [n for n, _ in cfg.backend_keys]:
+        value = getattr(cfg, name)
+        if isinstance(value, str) and line_break(value):
+            raise cfg.error(name, f"contains {line_break(value)}: {NO_BREAKS}")
     if not os.path.isabs(cfg.root_dir):
         raise cfg.error("root_dir", "must be an absolute path on every host, e.g. /home/paddle")
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):
@@ -422,8 +457,12 @@ def validate(cfg: ClusterConfig) -> None:
         raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
     if cfg.backend not in REGISTRY:
         raise cfg.error("backend", f"must be one of {', '.join(REGISTRY)}")
-    if cfg.mpi_impl not in MPI_IMPLS:
-        raise cfg.error("mpi_impl", f"must be one of {', '.join(MPI_IMPLS)}")
+    for key in declared_keys().values():  # each backend's keys, by its own rules
+        value = getattr(cfg, key.name.lower())
+        fix = f"must be one of {', '.join(key.choices)}" if key.choices and value not in key.choices else \
+            key.check(value) if key.check else ""
+        if fix:
+            raise cfg.error(key.name.lower(), fix)
     nodes = max(1, len(cfg.hosts))  # without HOSTS the engine gives the nodes (Slurm's --nodes, k8s: the pods)
     if cfg.trainers_per_node * nodes < 1:
         raise cfg.error("trainers_per_node", "the job needs at least one trainer")

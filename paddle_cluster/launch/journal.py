@@ -55,7 +55,7 @@ KEPT = 20  # jobs whose outcome and handle are remembered per config
 
 def remember(cfg: ClusterConfig, job_name: str, workspace: Optional[str],
              where: Optional[Dict[str, str]] = None) -> None:
-    """``where``: the job's backend and what it needs to find the job again (``Backend.remember``: Kubernetes its
+    """``where``: the job's backend and what it needs to find the job again (``Request.handle``: Kubernetes its
     namespace, Slurm its job id)."""
     def change(doc: Dict[str, Any]) -> None:
         outcomes = {k: v for k, v in doc.get("outcomes", {}).items() if k != job_name}

@@ -84,18 +84,61 @@ def default_job_name(cfg: ClusterConfig, reserve: bool = True) -> str:
 
 
 @dataclass(frozen=True)
+class Place:
+    """One node of a topology: its address and how many pservers and trainers run there."""
+
+    address: str  # as the processes reach it (a probed address, a pod's DNS name, or a placeholder)
+    pservers: int
+    trainers: int
+    python: str = ""  # its interpreter, an absolute path (preflight's); "": PYTHON
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a job's processes run, as its backend supplies it: the nodes, and where the job's files are on
+    them ("": the spec's ``job_dir``, its workspace, its resume root). Ids are node-major, pservers first."""
+
+    nodes: Tuple[Place, ...]
+    job_dir: str = ""
+    workspace: str = ""
+    checkpoint_dir: str = ""
+    # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
+    # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
+    resume_step: Optional[int] = None
+
+    @classmethod
+    def hosts(cls, cfg: ClusterConfig, addresses: Sequence[str], pythons: Sequence[str] = (),
+              resume_step: Optional[int] = None) -> Topology:
+        """PSERVERS_PER_NODE pservers and TRAINERS_PER_NODE trainers on each of these nodes (node ``i`` is
+        ``HOSTS[i]``, or allocation node ``i``); ``pythons``: each node's interpreter as its preflight resolved it."""
+        return cls(tuple(Place(a, cfg.pservers_per_node, cfg.trainers_per_node, pythons[i] if i < len(pythons)
+                               else "") for i, a in enumerate(addresses)), resume_step=resume_step)
+
+    @property
+    def pservers(self) -> int:
+        return sum(n.pservers for n in self.nodes)
+
+    @property
+    def trainers(self) -> int:
+        return sum(n.trainers for n in self.nodes)
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """The whole job: the contract every process shares (id, secret, pservers) and each node's share."""
 
     spec: JobSpec
     env: JobEnv
-    addresses: Tuple[str, ...]
+    topology: Topology
     nodes: Tuple[NodePlan, ...]
-    pythons: Tuple[str, ...] = ()  # node i's interpreter, an absolute path (preflight's); "" or none: PYTHON
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def addresses(self) -> Tuple[str, ...]:
+        return tuple(n.address for n in self.topology.nodes)
 
     def pserver_ids(self) -> Dict[int, List[int]]:
         """The pserver ids on each node that runs any."""
@@ -111,41 +154,41 @@ class JobPlan:
         env = dataclasses.replace(self.env, resume="" if step is None else str(step),
                                   checkpoint_dir=self.spec.checkpoint_root if step is not None
                                   else self.env.checkpoint_dir)
-        return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.addresses, self.pythons))
+        return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.topology))
 
 
-def build_plan(spec: JobSpec, addresses: Sequence[str], job_id: str, secret: str,
-               pythons: Sequence[str] = ()) -> JobPlan:
-    """The plan for ``spec`` on nodes with these addresses (node ``i`` is ``HOSTS[i]``); ``pythons``: each node's
-    interpreter as its preflight resolved it (an absolute path), which ``{python}`` of its commands becomes."""
+def build_plan(spec: JobSpec, topology: Topology, job_id: Optional[str] = None,
+               secret: Optional[str] = None) -> JobPlan:
+    """The plan for ``spec`` on ``topology``, for every backend: the job id and secret (fresh ones unless given:
+    once per job, restarts keep them), each process's ports and endpoints, and every process's environment."""
     cfg = spec.cfg
-    env = JobEnv(job_id=job_id, pservers=pserver_endpoints(cfg, addresses),
-                 trainers=len(addresses) * cfg.trainers_per_node,
-                 ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret,
-                 job_dir=spec.job_dir, workspace=spec.workspace or spec.job_dir, barrier_timeout=cfg.barrier_timeout,
-                 resume="latest" if spec.resume_from else "", checkpoint_dir=spec.resume_root, init=dict(spec.init),
-                 extra=dict(cfg.env), integrity=cfg.integrity, trainer_endpoints=trainer_endpoints(cfg, addresses),
-                 master_port=cfg.trainer_ports()[0], local_world_size=cfg.trainers_per_node, nic=cfg.paddle_nic)
-    return JobPlan(spec, env, tuple(addresses), _node_plans(spec, env, addresses, pythons), tuple(pythons))
-
-
-def pserver_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[Endpoint, ...]:
-    """Each pserver's address and first port, node-major. The pservers of a node take consecutive port ranges;
-    on a loopback address each takes its own address instead (127.0.0.1, 127.0.0.2, ...) and the same ports,
-    so that ``PADDLE_PSERVER_IPS`` x ``PADDLE_PSERVER_PORT``, the way seed scripts name pservers, names each."""
-    out = []
-    for addr in addresses:
-        ip = _loopback(addr)
-        out += [Endpoint(str(ip + k), cfg.paddle_port) if ip else Endpoint(addr, cfg.pserver_ports(k)[0])
-                for k in range(cfg.pservers_per_node)]
-    return tuple(out)
-
-
-def trainer_endpoints(cfg: ClusterConfig, addresses: Sequence[str]) -> Tuple[Endpoint, ...]:
-    """Each trainer's address and port, node-major (PADDLE_TRAINER_ENDPOINTS; trainer 0's address is
-    MASTER_ADDR): the trainers of a node take the ports after MASTER_PORT (``ClusterConfig.trainer_ports``)."""
-    ports = cfg.trainer_ports()[1:]
-    return tuple(Endpoint(addr, ports[j]) for addr in addresses for j in range(cfg.trainers_per_node))
+    if not topology.trainers:
+        raise ConfigError("TRAINERS_PER_NODE", cfg.trainers_per_node, "a job needs at least one trainer")
+    if cfg.collective != (topology.pservers == 0):  # a backend gave pservers to a collective job, or none to one
+        raise ConfigError("PSERVERS_PER_NODE", cfg.pservers_per_node, f"{topology.pservers} pserver(s) placed for a "
+                          f"{'collective ' if cfg.collective else ''}job: a job without pservers is a collective one")
+    trainer_ports = cfg.trainer_ports()
+    pservers: List[Endpoint] = []
+    trainers: List[Endpoint] = []
+    for n in topology.nodes:
+        ip = _loopback(n.address)
+        # The pservers of a node take consecutive port ranges; on a loopback address each takes its own address
+        # instead (127.0.0.1, 127.0.0.2, ...) and the same ports, so that ``PADDLE_PSERVER_IPS`` x
+        # ``PADDLE_PSERVER_PORT``, the way seed scripts name pservers, names each.
+        pservers += [Endpoint(str(ip + k), cfg.paddle_port) if ip else Endpoint(n.address, cfg.pserver_ports(k)[0])
+                     for k in range(n.pservers)]
+        # The trainers of a node take the ports after MASTER_PORT (``ClusterConfig.trainer_ports``).
+        trainers += [Endpoint(n.address, trainer_ports[1 + j]) for j in range(n.trainers)]
+    env = JobEnv(job_id=job_id or f"{spec.name}-{secrets.token_hex(4)}", pservers=tuple(pservers),
+                 trainers=len(trainers), ports_num=cfg.paddle_ports_num,
+                 ports_num_for_sparse=cfg.paddle_ports_num_for_sparse, secret=secret or secrets.token_hex(32),
+                 job_dir=topology.job_dir or spec.job_dir, workspace=topology.workspace or spec.workspace or
+                 spec.job_dir, barrier_timeout=cfg.barrier_timeout, resume="latest" if spec.resume_from else "",
+                 checkpoint_dir=topology.checkpoint_dir or spec.resume_root, init=dict(spec.init), extra=dict(cfg.env),
+                 integrity=cfg.integrity, trainer_endpoints=tuple(trainers), master_port=trainer_ports[0],
+                 local_world_size=max(n.trainers for n in topology.nodes), nic=cfg.paddle_nic)
+    plan = JobPlan(spec, env, topology, _node_plans(spec, env, topology))
+    return plan.resumed(topology.resume_step) if topology.resume_step is not None else plan
 
 
 def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
@@ -156,39 +199,34 @@ def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
     return ip if isinstance(ip, ipaddress.IPv4Address) and ip.is_loopback else None
 
 
-def mint_plan(spec: JobSpec, addresses: Sequence[str], pythons: Sequence[str] = ()) -> JobPlan:
-    """``build_plan`` with a fresh job id and secret: once per job (restarts keep them)."""
-    return build_plan(spec, addresses, f"{spec.name}-{secrets.token_hex(4)}", secrets.token_hex(32), pythons)
-
-
-def _node_plans(spec: JobSpec, env: JobEnv, addresses: Sequence[str],
-                pythons: Sequence[str] = ()) -> Tuple[NodePlan, ...]:
+def _node_plans(spec: JobSpec, env: JobEnv, topology: Topology) -> Tuple[NodePlan, ...]:
     cfg = spec.cfg
     common = env.to_environ()
     # The arguments after the workspace reach every process running the entry script, pservers too when they
     # run it (as paddle.py passed them to every process); the built-in pserver takes none.
     args = " " + shlex.join(spec.trainer_args) if spec.trainer_args else ""
     endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
-
-    def commands(node: int) -> Tuple[str, str]:
+    nodes = []
+    ps = tr = 0  # the first pserver and trainer id of the node
+    for i, n in enumerate(topology.nodes):
         # The absolute interpreter preflight checked there: a PATH lookup of "python3" differs under mpirun,
         # which puts its own prefix's bin first (docs/backends.md).
-        pserver_cmd, trainer_cmd = cfg.commands(pythons[node] if node < len(pythons) else None)
-        return pserver_cmd + (args if cfg.pserver_runs_entry else ""), trainer_cmd + args
+        pserver_cmd, trainer_cmd = cfg.commands(n.python or None)
+        pserver_cmd += args if cfg.pserver_runs_entry else ""
 
-    def proc(role: str, index: int, per_node: int, addr: str, node: int) -> ProcPlan:
-        kind, log = ("pserver", "server") if role == PSERVER else ("trainer", "train")
-        cmd = commands(node)[0 if role == PSERVER else 1]
-        full = env.for_process(role, index, env.pservers[index].host if role == PSERVER else addr).to_environ()
-        return ProcPlan(f"{kind}.{index}", role, index, cmd, f"{log}.log" if per_node == 1 else f"{log}.{index}.log",
-                        {k: v for k, v in full.items() if common.get(k) != v})
-
-    nodes = []
-    for i, addr in enumerate(addresses):
-        procs = [proc(PSERVER, i * cfg.pservers_per_node + k, cfg.pservers_per_node, addr, i)
-                 for k in range(cfg.pservers_per_node)]
-        procs += [proc(TRAINER, i * cfg.trainers_per_node + j, cfg.trainers_per_node, addr, i)
-                  for j in range(cfg.trainers_per_node)]
-        nodes.append(NodePlan(i, addr, spec.job_dir, spec.cwd, common, tuple(procs), endpoints, cfg.start_timeout,
-                              cfg.ld_library_path, spec.workspace or ""))
+        procs = [_proc(env, common, PSERVER, ps + k, n.pservers, pserver_cmd, env.pservers[ps + k].host)
+                 for k in range(n.pservers)]
+        procs += [_proc(env, common, TRAINER, tr + j, n.trainers, trainer_cmd + args, n.address)
+                  for j in range(n.trainers)]
+        ps, tr = ps + n.pservers, tr + n.trainers
+        nodes.append(NodePlan(i, n.address, env.job_dir, env.job_dir, common, tuple(procs), endpoints,
+                              cfg.start_timeout, cfg.ld_library_path, spec.workspace or ""))
     return tuple(nodes)
+
+
+def _proc(env: JobEnv, common: Dict[str, str], role: str, index: int, per_node: int, cmd: str, ip: str) -> ProcPlan:
+    """Process ``index`` of ``role``: its command, its log, and its variables that are not the node's ``common``."""
+    kind, log = ("pserver", "server") if role == PSERVER else ("trainer", "train")
+    full = env.for_process(role, index, ip).to_environ()
+    return ProcPlan(f"{kind}.{index}", role, index, cmd, f"{log}.log" if per_node == 1 else f"{log}.{index}.log",
+                    {k: v for k, v in full.items() if common.get(k) != v})

@@ -10,15 +10,20 @@ from . import journal
 from .backends import Backend, backend_for
 from .errors import ClusterError, Interrupted
 from .interrupt import stoppable
-from .plan import JobSpec
+from .plan import JobSpec, build_plan
 from .supervise import JobResult, supervise
+
+
+def render_text(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> str:
+    """``run --dry-run``, ``render``: the request ``submit`` would be given, as text; nothing started or written."""
+    return be.render(build_plan(spec, be.preview(spec, say))).text()
 
 
 def submit(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> JobResult:
     """``run --detach``: submit the job and return; the journal keeps its handle for ``status``, ``logs``, ``kill``."""
     try:
         with stoppable():
-            handle = be.submit_detached(spec, say)
+            handle = be.submit(be.render(build_plan(spec, be.prepare(spec, say))))
     except BaseException:
         be.stop(spec.cfg.kill_grace)  # never leave a job queued for nobody
         raise
@@ -52,18 +57,18 @@ def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None]
 
     with stoppable(skip_grace) as interrupts:
         try:
-            addresses = be.prepare(spec, say)
-            journal.remember(spec.cfg, spec.name, spec.workspace, be.remember())
+            request = be.render(build_plan(spec, be.prepare(spec, say)))
+            journal.remember(spec.cfg, spec.name, spec.workspace, request.handle)
+            plan = request.plan
             on_start()
             if spec.elastic:
                 say("--elastic: a trainer that dies is reported and the others go on (async mode; in sync mode "
                     "the next barrier still waits for it and fails after BARRIER_TIMEOUT)")
-            plan = be.plan(spec, addresses)
             if not plan.env.integrity:
                 say("INTEGRITY = False: frames between trainers and pservers carry no MAC (an isolated fabric only)")
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
                 f"{spec.job_dir}")
-            return supervise(plan, be, out, say)
+            return supervise(request, be, out, say)
         except KeyboardInterrupt:
             say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
             return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; every process was "

@@ -14,7 +14,7 @@ from paddle_cluster.contract import PSERVER, ROLE_VAR, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
-from .backends.base import Backend, Event, JobRefused, NodeLost
+from .backends.base import Backend, Event, JobRefused, NodeLost, Request
 from .config import BUILTIN_PSERVER
 from .entry import refused_arguments
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
@@ -88,9 +88,10 @@ class JobResult:
 class Attempt:
     """One start of a plan on a backend, from the first event to the last trainer's exit."""
 
-    def __init__(self, plan: JobPlan, backend: Backend, out: Callable[[str], None],
+    def __init__(self, request: Request, backend: Backend, out: Callable[[str], None],
                  say: Callable[[str], None]) -> None:
-        self.plan, self.backend, self.out, self.say = plan, backend, out, say
+        self.request, self.plan, self.backend, self.out, self.say = request, request.plan, backend, out, say
+        plan = request.plan
         every = [ProcState(n.node, p) for n in plan.nodes for p in n.procs]
         # All pservers first, then all trainers, each node-major: the order of the report's lines.
         every.sort(key=lambda s: (s.plan.role != PSERVER, s.plan.index))
@@ -242,7 +243,7 @@ class Attempt:
 
     def run(self, failed_at: Optional[float]) -> None:
         """Start the plan and watch it until every trainer has finished; raises ``JobFailed`` on failure."""
-        self.backend.start(self.plan)
+        self.backend.submit(self.request)
         try:
             self.wait_ready()
             n = len(self.plan.env.pservers)
@@ -272,13 +273,16 @@ def latest_common_step(backend: Backend, plan: JobPlan) -> Optional[int]:
     return max(common) if common else None
 
 
-def supervise(plan: JobPlan, backend: Backend, out: Callable[[str], None], say: Callable[[str], None]) -> JobResult:
-    """Run ``plan`` on ``backend`` to its end, restarting it from the newest common checkpoint after a process
-    failure up to ``--max_restarts`` times. A failure is a ``JobResult``, not an exception."""
+def supervise(request: Request, backend: Backend, out: Callable[[str], None],
+              say: Callable[[str], None]) -> JobResult:
+    """Submit ``request`` to ``backend`` and follow its plan to the end, restarting it from the newest common
+    checkpoint after a process failure up to ``--max_restarts`` times. A failure is a ``JobResult``, not an
+    exception."""
+    plan = request.plan
     spec, restarts, failed_at = plan.spec, 0, None
     try:
         while True:
-            attempt = Attempt(plan, backend, out, say)
+            attempt = Attempt(request, backend, out, say)
             try:
                 attempt.run(failed_at)
                 break
@@ -300,6 +304,7 @@ def supervise(plan: JobPlan, backend: Backend, out: Callable[[str], None], say: 
                 where = f"checkpoint step {step}" if step is not None else "scratch (no complete checkpoint yet)"
                 say(f"{e.headline}; restarting the job from {where} (restart {restarts} of {spec.max_restarts})")
                 plan = plan.resumed(step)
+                request = backend.render(plan)
     except JobFailed as e:
         return JobResult(spec.name, e.exit_code, str(e), restarts)
     left = len(attempt.role(TRAINER)) - len(attempt.abandoned)

@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bootstrap", help="run this node's share of a job started by an engine (mpirun, srun): "
                        "the node index from its variables, the plan from a file")
     p.add_argument("--plan", metavar="FILE", required=True, help="the Start message of every node, one per line")
-    p.add_argument("--engine", choices=bootstrap.ENGINES, required=True, help="the engine that started this process")
+    p.add_argument("--ranks", metavar="ENGINE:NODE,NODES,LOCAL,HOST", required=True, help="the engine that "
+                   "started this process and the variables it sets (A|B: the first set), e.g. "
+                   "srun:SLURM_NODEID,SLURM_JOB_NUM_NODES|SLURM_NNODES,SLURM_LOCALID,SLURMD_NODENAME")
     p.add_argument("--grace", type=float, default=5.0)
     p.add_argument("--events", metavar="FILE", default="", help="append events to FILE ({node}: the node index) "
                    "instead of stdout")
@@ -97,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.cmd == "bootstrap" and a.own_session:
         return bootstrap.shielded([x for x in args if x != "--own-session"])
     if a.cmd == "bootstrap":
-        return bootstrap.main(a.engine, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going,
+        return bootstrap.main(a.ranks, a.plan, a.grace, a.events, a.rendezvous, a.nic, a.timeout, not a.keep_going,
                               lease=a.keep_going_while, lease_timeout=a.lease_timeout, remove_plan=a.remove_plan)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)

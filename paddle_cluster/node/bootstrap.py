@@ -1,7 +1,8 @@
 """``python -m paddle_cluster.node bootstrap``: a node's agent started by an engine (``mpirun``, ``mpiexec``,
 ``srun``), not over the launcher's SSH channel. Standard library only.
 
-It learns which node it is from the engine's variables (``placement``), reads its share of the job from the
+It learns which node it is from the engine's variables (``placement``; which variables those are, ``RankVars``, the
+launcher's backend declares beside itself and passes as ``--ranks``), reads its share of the job from the
 plan file the launcher wrote (every node's ``Start`` line), and runs it with the same ``Supervisor`` as the
 SSH backend: same processes, same environment contract, same events (JSON lines on stdout, or appended to
 ``--events``). Without a launcher to answer to, the agent ends by itself: when every process of its node has
@@ -16,21 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from . import MAIN, private, probe, supervisor
 from . import messages as m
 
-ENGINES = ("mpi", "slurm")
-# A rank's index, the number of ranks and its index on its host, as each MPI family names them.
-MPI_VARS = {"openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-            "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")}
 POLL_S = 0.05
 
 
@@ -38,23 +34,29 @@ class BootstrapError(Exception):
     """This process cannot become a node of the job; the message says why and what to fix."""
 
 
-def _int(environ: Mapping[str, str], name: str, engine: str) -> int:
-    text = environ.get(name, "")
-    if not (text.isascii() and text.isdigit()):
-        raise BootstrapError(f"{name}={text!r}: expected a number set by {engine}; was this started by it?")
-    return int(text)
+@dataclass(frozen=True)
+class RankVars:
+    """How an engine tells each process it started where it is: the variables holding its node index, the number
+    of nodes, its index on its host and (optionally) the host's name. Each may be alternatives, ``A|B``: the first
+    one set counts (Open MPI's names, else the PMI ones of MPICH's Hydra). ``--ranks`` carries it as ``text``."""
 
+    engine: str  # who sets them, for messages: "mpirun", "srun"
+    node: str
+    nodes: str
+    local: str
+    host: str = ""  # "": HOSTNAME, else the kernel's node name
 
-def slurm_hostnames(nodelist: str) -> List[str]:
-    """``SLURM_JOB_NODELIST`` expanded (``node[0-2]`` -> node0 node1 node2) by ``scontrol show hostnames``."""
-    scontrol = shutil.which("scontrol")
-    if not nodelist or scontrol is None:
-        return []
-    try:
-        res = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return res.stdout.split() if res.returncode == 0 else []
+    def text(self) -> str:
+        return f"{self.engine}:{self.node},{self.nodes},{self.local},{self.host}"
+
+    @classmethod
+    def parse(cls, text: str) -> RankVars:
+        engine, _, names = text.partition(":")
+        parts = names.split(",")
+        if not engine or len(parts) != 4 or not all(parts[:3]):
+            raise BootstrapError(f"--ranks {text!r}: expected ENGINE:NODE,NODES,LOCAL,HOST (variable names, "
+                                 "A|B for alternatives; HOST may be empty)")
+        return cls(engine, *parts)
 
 
 @dataclass(frozen=True)
@@ -67,27 +69,21 @@ class Placement:
     host: str
 
 
-def placement(engine: str, environ: Mapping[str, str]) -> Placement:
+def placement(ranks: RankVars, environ: Mapping[str, str]) -> Placement:
     """This process's node index from the engine's variables; one process per host is required."""
-    if engine == "mpi":
-        # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH).
-        names = MPI_VARS["openmpi"] if "OMPI_COMM_WORLD_RANK" in environ else MPI_VARS["mpich"]
-        rank, size, local = (_int(environ, name, "mpirun/mpiexec") for name in names)
-        if local != 0:
-            raise BootstrapError(f"rank {rank} is not the only rank on its host ({names[2]}={local}): give every "
-                                 "host one slot (Open MPI: hostfile 'slots=1', --map-by node; MPICH: 'host:1', "
-                                 "-ppn 1)")
-        return Placement(engine, rank, size, environ.get("HOSTNAME", "") or os.uname().nodename)
-    if engine == "slurm":
-        node = _int(environ, "SLURM_NODEID", "srun")
-        nodes = _int(environ, "SLURM_JOB_NUM_NODES" if "SLURM_JOB_NUM_NODES" in environ else "SLURM_NNODES", "srun")
-        if _int(environ, "SLURM_LOCALID", "srun") != 0:
-            raise BootstrapError(f"task {environ.get('SLURM_PROCID')} is not the only task on its node: run "
-                                 "srun with --ntasks-per-node=1")
-        names = slurm_hostnames(environ.get("SLURM_JOB_NODELIST", ""))
-        host = names[node] if node < len(names) else environ.get("SLURMD_NODENAME", "") or os.uname().nodename
-        return Placement(engine, node, nodes, host)
-    raise BootstrapError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+    def number(names: str) -> Tuple[str, int]:
+        name = next((n for n in names.split("|") if n in environ), names.split("|")[-1])
+        text = environ.get(name, "")
+        if not (text.isascii() and text.isdigit()):
+            raise BootstrapError(f"{name}={text!r}: expected a number set by {ranks.engine}; was this started by it?")
+        return name, int(text)
+
+    (_, node), (_, nodes), (local_name, local) = number(ranks.node), number(ranks.nodes), number(ranks.local)
+    if local != 0:
+        raise BootstrapError(f"{local_name}={local}: node {node} is not the only process {ranks.engine} started on "
+                             "its host: start one per host (the command paddle-cluster renders does)")
+    host = next((environ[n] for n in (*ranks.host.split("|"), "HOSTNAME") if n and environ.get(n)), "")
+    return Placement(ranks.engine, node, nodes, host or os.uname().nodename)
 
 
 def placeholder(node: int) -> str:
@@ -179,14 +175,15 @@ def _events_to(path: str) -> None:
     os.close(fd)
 
 
-def main(engine: str, plan_path: str, grace: float, events: str = "", rendezvous_dir: str = "", nic: str = "",
+def main(ranks: str, plan_path: str, grace: float, events: str = "", rendezvous_dir: str = "", nic: str = "",
          timeout: float = 60.0, fail_fast: bool = True, environ: Optional[Mapping[str, str]] = None,
          lease: str = "", lease_timeout: float = 20.0, remove_plan: bool = False) -> int:
-    """``remove_plan``: the plan file (``{node}`` in ``plan_path``: this node's index) is this node's alone and
-    is removed once read, so the secret it holds stays on disk only until the agent has it."""
+    """``ranks``: ``RankVars.text`` of the engine that started this process. ``remove_plan``: the plan file
+    (``{node}`` in ``plan_path``: this node's index) is this node's alone and is removed once read, so the secret
+    it holds stays on disk only until the agent has it."""
     env = os.environ if environ is None else environ
     try:
-        where = placement(engine, env)
+        where = placement(RankVars.parse(ranks), env)
     except BootstrapError as e:
         print(f"paddle-cluster bootstrap: error: {e}", flush=True)
         return 2

@@ -10,7 +10,7 @@ import importlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 from .. import journal
-from ..config import ClusterConfig, refuse_line_break
+from ..config import KEYS, ClusterConfig, ConfKey, refuse_line_break
 from ..errors import ClusterError, ConfigError
 from ..registry import REGISTRY
 from .base import Backend, BackendOption, JobRef
@@ -32,6 +32,18 @@ def declared_options() -> List[Tuple[str, BackendOption]]:
                 any(o.dest == opt.dest and o.flag != opt.flag for _, o in out):
             raise TypeError(f"backends {other} and {name} declare {opt.flag} ({opt.dest}) differently: one flag is "
                             "one keyword and kind")
+    return out
+
+
+def declared_conf_keys() -> Dict[str, ConfKey]:
+    """Every backend's conf keys (``Backend.conf_keys``), by name; a name two backends declare differently, or
+    ``ClusterConfig`` has, is refused."""
+    out: Dict[str, ConfKey] = {}
+    for name in REGISTRY:
+        for key in backend_class(name).conf_keys:
+            if key.name in KEYS or out.setdefault(key.name, key) != key:
+                raise TypeError(f"backend {name} declares conf key {key.name}, which another backend or ClusterConfig "
+                                "has: one key, one meaning")
     return out
 
 

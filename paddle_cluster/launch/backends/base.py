@@ -1,15 +1,16 @@
-"""The launch backend contract: a job's whole life on one engine.
+"""The launch backend contract: a job's whole life on one engine, as a scheduler in TorchX's sense.
 
-A backend declares its ``options`` (``run --help`` groups them by backend), ``render``s the native request of a
-job without side effects (``run --dry-run``, ``render``), runs it followed (below) or ``submit_detached``, and
-finds it again from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
+One lifecycle: ``prepare(spec)`` makes the nodes ready and says where the processes run (a ``Topology``;
+``preview(spec)`` says the same with nothing touched, for a dry run), ``plan.build_plan`` makes the job of it
+(the same for every backend), ``render(plan)`` makes the native ``Request`` with no side effect, and
+``submit(request)`` submits exactly that request and returns the job's handle. ``run --dry-run`` and ``render``
+print the ``Request`` that ``submit`` would be given.
 
-A followed run: the backend (a) prepares the nodes and delivers the workspace, (b) starts each node's share of a
-``JobPlan``, (c) yields what happens as typed events (``node.messages`` events, plus ``NodeLost``) and (d) stops it all.
-The node side is the same everywhere: ``python -m paddle_cluster.node supervise`` receives its ``NodePlan`` and
-runs it alone (pservers, readiness, trainers), so a backend only carries plans in and events out. Planning
-(``plan``) and supervision (``supervise``: fail-fast, elastic, restarts, the result) do not know which
-backend runs the job.
+A followed run then reads what happens as typed events (``node.messages`` events, plus ``NodeLost``) with
+``next_event`` and ends with ``stop``; on most backends a node agent (``python -m paddle_cluster.node supervise``
+or ``bootstrap``) runs each node's share of the plan, so a backend only carries plans in and events out. A job
+started earlier is found from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
+Supervision (``supervise``: fail-fast, elastic, restarts, the result) does not know which backend runs the job.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, 
 
 from paddle_cluster.node import messages as m
 
-from ..config import ClusterConfig
+from ..config import ClusterConfig, ConfKey
 from ..errors import ClusterError
-from ..plan import JobPlan, JobSpec, mint_plan
+from ..plan import JobPlan, JobSpec, Topology
 
 if TYPE_CHECKING:
     from ..access import CheckLine
@@ -56,16 +57,16 @@ class ProcRow:
     address: str
     name: str
     role: str
-    pid: Optional[int]  # None where there is no pid to show: a Kubernetes pod's process (see ``pod``)
+    pid: Optional[int]  # None where there is no pid of ours to show (see ``process``)
     state: str
     progress: str
     last_line: str
-    pod: str = ""  # Kubernetes: the pod the process is
+    process: str = ""  # without a pid, the engine's name for the process: "pod/fit-trainer-0-x7k2p"
 
     @property
     def pid_text(self) -> str:
-        """What the ``pid`` column shows: the pid, or the pod."""
-        return str(self.pid) if self.pid is not None else f"pod/{self.pod}" if self.pod else "-"
+        """What the ``pid`` column shows: the pid, or the engine's name for the process."""
+        return str(self.pid) if self.pid is not None else self.process or "-"
 
 
 def status_json(job_name: str, ended: Optional[Mapping[str, Any]], rows: List[ProcRow]) -> str:
@@ -85,8 +86,8 @@ class Description:
 
 @dataclass(frozen=True)
 class JobRef:
-    """A job started earlier, as the journal knows it: the config, its name, and its backend's handle
-    (``Backend.remember``: a Slurm job id, a Kubernetes namespace); ``ended``, the outcome ``run`` recorded."""
+    """A job started earlier, as the journal knows it: the config, its name, and its backend's handle (``submit``'s:
+    a Slurm job id, a Kubernetes namespace); ``ended``, the outcome ``run`` recorded."""
 
     cfg: ClusterConfig
     name: str
@@ -95,10 +96,15 @@ class JobRef:
 
 
 @dataclass(frozen=True)
-class Rendered:
-    """The native request a backend makes for a job, as text: each part with a comment saying what it is."""
+class Request:
+    """The native request a backend makes of its engine for one start of a plan: ``submit`` submits it as it is,
+    and ``text`` -- each part with a comment saying what it is, no credential but a manifest's Secret -- is what
+    ``run --dry-run`` and ``render`` print. A backend's own request adds its native fields (the sbatch script,
+    the mpirun command line and files, the manifests)."""
 
+    plan: JobPlan
     parts: Tuple[Tuple[str, str], ...]  # (comment, text)
+    handle: Mapping[str, str]  # what ``describe``, ``logs`` and ``cancel`` need besides the config to find it
 
     def text(self) -> str:
         out = []
@@ -139,16 +145,14 @@ class Backend(ABC):
                              "(PYTHON as the login shell finds it, as an absolute path) and its numpy, PADDLE_NIC, "
                              "ports, ROOT_DIR, disk")  # what ``check`` looks at, for --help
     options: ClassVar[Tuple[BackendOption, ...]] = ()
+    conf_keys: ClassVar[Tuple[ConfKey, ...]] = ()  # its keys of conf.py, beside ClusterConfig's (``cfg.<key>``)
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
     needs_hosts: ClassVar[bool] = True  # its nodes are the machines of HOSTS (False: the engine gives the nodes)
-    detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": offered
+    detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": submit
+    # may return at once (a backend created with ``detach``): the job then runs with no launcher following it
 
     names: List[str]  # node i's short name in output prefixes: "node1"
     labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
-    pythons: List[str] = []  # node i's interpreter as ``prepare`` resolved it (absolute), for every process there
-    # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
-    # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
-    resume_step: Optional[int] = None
 
     @classmethod
     def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> Backend:
@@ -156,12 +160,22 @@ class Backend(ABC):
         return cls(cfg)  # type: ignore[call-arg]
 
     @abstractmethod
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        """The native request ``spec`` makes of this engine, with no side effect: nothing started or written."""
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Where ``spec``'s processes would run, with no side effect (addresses not known yet: placeholders)."""
 
-    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
-        """Submit and return: the job runs with no launcher following it. Its handle (``remember``)."""
-        raise ClusterError(f"--detach is not offered by backend {self.name}: {self.detach}")
+    @abstractmethod
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
+        (``plan.build_plan`` makes the job of it, as for every backend)."""
+
+    @abstractmethod
+    def render(self, plan: JobPlan) -> Request:
+        """The native request of ``plan``, with no side effect: nothing started or written, the backend as it was."""
+
+    @abstractmethod
+    def submit(self, request: Request) -> Dict[str, str]:
+        """Submit ``request`` as it is; the job's handle. Followed (not ``--detach``): its events flow from now until
+        ``stop``. Restarts submit the request of the resumed plan."""
 
     @classmethod
     @abstractmethod
@@ -203,20 +217,6 @@ class Backend(ABC):
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         """Stop everything of the job; what was done, a line each (``say``: the launcher's own summary)."""
 
-    @abstractmethod
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        """Make every node ready to run ``spec`` (node library, preflight, workspace); each node's address."""
-
-    def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
-        """The job's plan on the prepared nodes, with a fresh id and secret. A backend whose nodes are not
-        the hosts of HOSTS (Kubernetes: one per pod) makes its own."""
-        plan = mint_plan(spec, addresses, self.pythons)
-        return plan.resumed(self.resume_step) if self.resume_step is not None else plan
-
-    def remember(self) -> Dict[str, str]:
-        """The job's handle: what ``describe``, ``logs`` and ``cancel`` need besides the config to find it."""
-        return {"backend": self.name}
-
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
         return f"{plan.spec.job_dir}/log/{proc.log}"
@@ -225,10 +225,6 @@ class Backend(ABC):
         """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
         return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
                 f"own within ORPHAN_TIMEOUT")
-
-    @abstractmethod
-    def start(self, plan: JobPlan) -> None:
-        """Hand every node its share of ``plan``; events flow from now until ``stop``."""
 
     @abstractmethod
     def next_event(self, timeout: float) -> Optional[Event]:

@@ -22,15 +22,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
+from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
-from ...config import ClusterConfig, override
+from ...config import ClusterConfig, ConfKey, override
 from ...errors import ClusterError, ConfigError
-from ...plan import JobPlan, JobSpec
+from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Rendered
+from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Request
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, rights
@@ -83,13 +83,15 @@ class K8sOptions:
             raise
         return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, pods)
 
-    def build(self, cfg: ClusterConfig, job_name: str, workspace: Optional[str],
-              trainer_args: Tuple[str, ...], workspace_pack: bytes = b"", jobset: bool = False,
-              resume_from: str = "") -> k8s.K8sJob:
-        return k8s.build(cfg, job_name=job_name, image=self.image, namespace=self.namespace, pservers=self.pservers,
-                         trainers=self.trainers, workspace=workspace or k8s.DEFAULT_WORKSPACE,
-                         trainer_args=trainer_args, pods=self.pods, workspace_pack=workspace_pack, jobset=jobset,
-                         resume_from=resume_from)
+    def topology(self, spec: JobSpec, packed: bool, jobset: bool) -> Tuple[str, Topology]:
+        """``spec``'s Kubernetes name and topology with these options (``k8s.topology``)."""
+        return k8s.topology(spec.cfg, job_name=spec.name, namespace=self.namespace, pservers=self.pservers,
+                            trainers=self.trainers, workspace=spec.workspace or k8s.DEFAULT_WORKSPACE, pods=self.pods,
+                            packed=packed, jobset=jobset, resume_from=spec.resume_from or "")
+
+    def job(self, plan: JobPlan, name: str, workspace_pack: bytes, jobset: bool) -> k8s.K8sJob:
+        return k8s.job_of(plan, name=name, namespace=self.namespace, image=self.image, pods=self.pods,
+                          workspace_pack=workspace_pack, jobset=jobset)
 
 
 def packed_workspace(directory: str) -> bytes:
@@ -114,26 +116,12 @@ def pod_of_role(node: str, role: str) -> None:
                            f"leave --role out, or name a {role} (logs {role}.0)")
 
 
-def k8s_plan(spec: JobSpec, job: k8s.K8sJob) -> JobPlan:
-    """The plan of a job on Kubernetes: one node per pod, one process per node, the job's contract."""
-    env = job.env
-    common = env.to_environ()
-    endpoints = tuple(Endpoint(e.host, p) for k, e in enumerate(env.pservers) for p in env.all_ports(k))
-    nodes = []
-    for i, (role, index) in enumerate(pod_roles(job)):
-        host = k8s.pod_host(job.name, job.namespace, role, index, job.jobset)
-        cmd = job.pserver_cmd if role == PSERVER else job.trainer_cmd
-        full = env.for_process(role, index, host).to_environ()
-        # No log file: Kubernetes keeps the pod's log (K8sBackend.log_of says how to read it).
-        proc = m.ProcPlan(f"{'pserver' if role == PSERVER else 'trainer'}.{index}", role, index, shlex.join(cmd), "",
-                          {k: v for k, v in full.items() if common.get(k) != v})
-        nodes.append(m.NodePlan(i, host, env.job_dir, env.workspace, common, (proc,), endpoints, job.start_timeout))
-    return JobPlan(spec, env, tuple(n.address for n in nodes), tuple(nodes))
+@dataclass(frozen=True)
+class K8sRequest(Request):
+    """The job's objects: ``manifests``, the YAML stream of ``job`` that ``kubectl create -f -`` is given."""
 
-
-def pod_roles(job: k8s.K8sJob) -> List[Tuple[str, int]]:
-    """(role, index) of node 0, 1, ...: the pservers, then the trainers."""
-    return [(PSERVER, i) for i in range(job.pservers)] + [(TRAINER, j) for j in range(job.trainers)]
+    job: k8s.K8sJob
+    manifests: str
 
 
 class K8sBackend(Backend):
@@ -146,6 +134,9 @@ class K8sBackend(Backend):
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""
+    conf_keys = (ConfKey("K8S_IMAGE", None), ConfKey("K8S_NAMESPACE", k8s.DEFAULT_NAMESPACE),
+                 ConfKey("K8S_PSERVER_REQUESTS", ""),  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
+                 ConfKey("K8S_TRAINER_REQUESTS", ""))
     options = (
         BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
                       "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),
@@ -168,25 +159,23 @@ class K8sBackend(Backend):
         be.detached, be.jobset = detach, bool(opts.get("jobset"))
         return be
 
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        job = self.opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack, jobset=self.jobset,
-                              resume_from=spec.resume_from or "")
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        _, topology = self.opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         if self.cfg.is_builtin_default and None in (self.opts.pservers, self.opts.trainers):
-            say(f"no conf.py or cluster.yaml found: {job.pservers} pserver(s) and {job.trainers} trainer(s), the "
-                "built-in default's counts (--pservers/--trainers set them)")
-        return Rendered((("", k8s.render(job)),))  # its own comments say what it is
+            say(f"no conf.py or cluster.yaml found: {topology.pservers} pserver(s) and {topology.trainers} trainer(s), "
+                "the built-in default's counts (--pservers/--trainers set them)")
+        return topology
 
-    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
-        """Create the job's objects and return: the pods end the job on their own (fail-fast, the pservers once
-        the trainers are gone); ``status``/``logs``/``kill`` find it by its id."""
-        self.detached = True
-        self.start(self.plan(spec, self.prepare(spec, say)))
-        assert self.job is not None
-        ttl = self.job.pods.ttl
-        say(f"job {spec.name} created in namespace {self.job.namespace} (id {self.job.env.job_id})"
-            + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
-        return self.remember()
+    def render(self, plan: JobPlan) -> K8sRequest:
+        spec = plan.spec
+        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
+        jobset = self.jobset or bool(self.opts.pods.queue)
+        name = k8s.k8s_name(spec.name, plan.env.trainers, len(plan.env.pservers), jobset)
+        job = self.opts.job(plan, name, pack, self.jobset)
+        text = k8s.render(job)
+        return K8sRequest(plan, (("", text),),  # its own comments say what it is
+                          {"backend": self.name, "namespace": job.namespace, "job_id": job.env.job_id,
+                           **({"jobset": "1"} if job.jobset else {})}, job, text)
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
@@ -233,7 +222,8 @@ class K8sBackend(Backend):
         self.cfg, self.opts = cfg, opts
         self.binary = binary
         self.kubectl = Kubectl(opts.namespace, "", binary)
-        self.job: Optional[k8s.K8sJob] = None
+        self.job: Optional[k8s.K8sJob] = None  # what ``submit`` created
+        self.k8s_name = ""  # the job's Kubernetes name (``prepare``)
         self.names: List[str] = []
         self.labels: List[str] = []
         # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
@@ -263,26 +253,26 @@ class K8sBackend(Backend):
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
-        pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        self.job = job = opts.build(spec.cfg, spec.name, spec.workspace, spec.trainer_args, pack, jobset=self.jobset,
-                                    resume_from=spec.resume_from or "")
+        self.k8s_name, topology = opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
+        jobset = self.jobset or bool(opts.pods.queue)
         self.job_dir, self.say = spec.job_dir, say
-        self.kubectl = Kubectl(opts.namespace, job.selector, self.binary, kc.kinds(job.jobset))
-        if job.jobset:
+        self.kubectl = Kubectl(opts.namespace, "", self.binary, kc.kinds(jobset))
+        if jobset:
             self._need_jobsets()
         for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
             if need.at_run and not self.kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
-        roles = pod_roles(job)
-        self.names = [job.pod_hostname(r, i) for r, i in roles]
+        roles = [(PSERVER, i) for i in range(topology.pservers)] + [(TRAINER, j) for j in range(topology.trainers)]
+        job_name = {r: k8s.job_name(self.k8s_name, r, jobset) for r in (PSERVER, TRAINER)}
+        self.names = [f"{job_name[r]}-{i}" for r, i in roles]
         self.labels = [f"pod {n}" for n in self.names]
         nodes = {ri: node for node, ri in enumerate(roles)}
         self.watch = PodWatch(nodes)
-        self.jobwatch = JobWatch({job.job_name(r): [n for (r_, _), n in nodes.items() if r_ == r]
-                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)), job.pods.queue)
-        say(f"job {job.name}: {job.pservers} pserver pod(s), {job.trainers} trainer pod(s) of {opts.image} in "
-            f"namespace {opts.namespace}")
-        return [k8s.pod_host(job.name, job.namespace, r, i, job.jobset) for r, i in roles]
+        self.jobwatch = JobWatch({job_name[r]: [n for (r_, _), n in nodes.items() if r_ == r]
+                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)), opts.pods.queue)
+        say(f"job {self.k8s_name}: {topology.pservers} pserver pod(s), {topology.trainers} trainer pod(s) of "
+            f"{opts.image} in namespace {opts.namespace}")
+        return topology
 
     def _need_jobsets(self) -> None:
         """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""
@@ -297,15 +287,6 @@ class K8sBackend(Backend):
         if not self.kubectl.may(need.verb, need.resource):
             raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
 
-    def plan(self, spec: JobSpec, addresses: List[str]) -> JobPlan:
-        assert self.job is not None, "prepare first"
-        return k8s_plan(spec, self.job)
-
-    def remember(self) -> Dict[str, str]:
-        assert self.job is not None, "prepare first"
-        return {"backend": self.name, "namespace": self.opts.namespace, "job_id": self.job.env.job_id,
-                **({"jobset": "1"} if self.job.jobset else {})}
-
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
 
@@ -314,9 +295,13 @@ class K8sBackend(Backend):
                 f"'{shlex.join(self.kubectl.get())}'")
 
     # -- running --------------------------------------------------------------------------------------
-    def start(self, plan: JobPlan) -> None:
-        assert self.job is not None, "prepare first"
-        job = self.job
+    def submit(self, request: Request) -> Dict[str, str]:
+        """Create the request's objects (``kubectl create`` of its manifests) and follow them; detached, return
+        once created: the pods end the job on their own (fail-fast, the pservers once the trainers are gone), and
+        ``status``/``logs``/``kill`` find it by its id."""
+        assert isinstance(request, K8sRequest)
+        self.job = job = request.job
+        self.kubectl = Kubectl(job.namespace, job.selector, self.binary, kc.kinds(job.jobset))
         taken = owners(self.kubectl.run(self.kubectl.get_named(job.object_names())))
         if taken:
             whose = {f"job {o.job} (id {o.job_id})" if o.job else "not created by paddle-cluster" for o in taken}
@@ -326,17 +311,21 @@ class K8sBackend(Backend):
         # Marked started before creating: a half-created job is deleted too -- by its unique id, so only what
         # this run created. `create`, not `apply`: an object of that name made meanwhile is an error, not replaced.
         self._polling = done = threading.Event()
-        self.kubectl.run(self.kubectl.create(), stdin=k8s.render(job))
+        self.kubectl.run(self.kubectl.create(), stdin=request.manifests)
         kc.own_by_owners(self.kubectl, job)
         if self.detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
-            return
+            ttl = job.pods.ttl
+            self.say(f"job {request.plan.name} created in namespace {job.namespace} (id {job.env.job_id})"
+                     + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
+            return dict(request.handle)
         for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
                              name=f"k8s-{kind}").start()
         if job.pods.queue:
             threading.Thread(target=self._watch_queue, args=(done,), daemon=True, name="k8s-queue").start()
+        return dict(request.handle)
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)

@@ -404,7 +404,8 @@ def saved_rows(job_dir: str) -> List[ProcRow]:
 
 def pod_row(p: PodState, last_line: str) -> ProcRow:
     """A pod as a row of ``status``: its process runs in a container on another machine, so no pid; the pod."""
-    return ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, None, describe(p), "", last_line, p.name)
+    return ProcRow(p.hostname, p.node_name, p.pod_ip, proc_name(p), p.role, None, describe(p), "", last_line,
+                   f"pod/{p.name}")
 
 
 def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:

@@ -17,17 +17,17 @@ import base64
 import dataclasses
 import math
 import re
-import secrets
 import shlex
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, Endpoint, JobEnv
+from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, JobEnv
 
 from ...config import ClusterConfig
 from ...errors import ConfigError
+from ...plan import JobPlan, JobSpec, Place, Topology, build_plan
 from .pod_options import PodOptions
 
 LABEL_JOB = "paddle-cluster/job"
@@ -97,12 +97,7 @@ class K8sJob:
         return [f"job.batch/{self.job_name(role)}" for role in self.roles]
 
     def job_name(self, role: str) -> str:
-        """The name of the Job running the pods of ``role`` (a JobSet names its Jobs ``<JobSet>-<role>-0``)."""
-        return f"{self.name}-{_ROLE_WORD[role]}" + ("-0" if self.jobset else "")
-
-    def pod_hostname(self, role: str, index: int) -> str:
-        """Pod ``index`` of a role's hostname, ``<Job name>-<index>``: its node name for paddle-cluster."""
-        return f"{self.job_name(role)}-{index}"
+        return job_name(self.name, role, self.jobset)
 
     def labels(self, role: Optional[str] = None) -> Dict[str, str]:
         out = {"app.kubernetes.io/name": "paddle-cluster", "app.kubernetes.io/managed-by": "paddle-cluster",
@@ -110,6 +105,11 @@ class K8sJob:
         if role is not None:
             out[LABEL_ROLE] = _ROLE_WORD[role]
         return out
+
+
+def job_name(name: str, role: str, jobset: bool = False) -> str:
+    """The name of the Job running the pods of ``role`` (a JobSet names its Jobs ``<JobSet>-<role>-0``)."""
+    return f"{name}-{_ROLE_WORD[role]}" + ("-0" if jobset else "")
 
 
 def selector(name: str) -> str:
@@ -148,13 +148,13 @@ def namespace_ok(namespace: str) -> bool:
     return bool(_NAMESPACE.fullmatch(namespace)) and len(namespace) <= 63
 
 
-def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
-          pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
-          trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
-          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
-          resume_from: str = "") -> K8sJob:
-    """The job ``cfg`` and the flags describe; counts default to the config's (hosts, or one without HOSTS, x
-    per-node)."""
+def topology(cfg: ClusterConfig, *, job_name: str, namespace: str = DEFAULT_NAMESPACE,
+             pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
+             pods: PodOptions = PodOptions(), packed: bool = False, jobset: bool = False,
+             resume_from: str = "") -> Tuple[str, Topology]:
+    """The job's Kubernetes name and its topology: one process per pod (pserver *i* is node *i*, trainer *j* node
+    *pservers + j*), each pod at its stable DNS name; counts default to the config's (hosts, or one without
+    HOSTS, x per-node)."""
     if cfg.collective and pservers:
         raise ConfigError("--pservers", pservers, "this job has no pservers (PSERVERS_PER_NODE = 0, run --collective): "
                           "drop --pservers, or give the job pservers")
@@ -162,8 +162,6 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     n_tr = max(1, len(cfg.hosts)) * cfg.trainers_per_node if trainers is None else trainers
     if (n_ps < 1 and not cfg.collective) or n_tr < 1:
         raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
-    if not image or any(c.isspace() for c in image):
-        raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
     if not namespace_ok(namespace):
         raise ConfigError("--namespace", namespace, NAMESPACE_FIX)
     if not workspace.startswith("/"):
@@ -172,13 +170,8 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
     name = k8s_name(job_name, n_tr, n_ps, jobset)
     # A config's ROOT_DIR names a directory of its hosts; the built-in local default's is this machine's.
     root = ClusterConfig(hosts=()).root_dir if cfg.is_builtin_default else cfg.root_dir
-    if workspace_pack:  # unpacked by each pod into its job-dir volume
+    if packed:  # unpacked by each pod into its job-dir volume
         workspace = f"{root}/{name}/workspace"
-    eps = tuple(Endpoint(pod_host(name, namespace, PSERVER, i, jobset), cfg.paddle_port) for i in range(n_ps))
-    # Every trainer pod has its own address: each takes the first trainer port of a node (the pod resolves the
-    # names to the pods' addresses before its process starts: node/pod.py).
-    master_port, trainer_port = cfg.trainer_ports()[:2]
-    trainer_eps = tuple(Endpoint(pod_host(name, namespace, TRAINER, j, jobset), trainer_port) for j in range(n_tr))
     if resume_from and not pods.checkpoint_pvc:
         raise ConfigError("--resume_from", resume_from, "a pod's checkpoints go with it: give --checkpoint-pvc CLAIM "
                           "(a PersistentVolumeClaim the pserver pods share) to the job you resume from and to this one")
@@ -187,18 +180,37 @@ def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEF
                           f"checkpoints are on --checkpoint-pvc (under {CHECKPOINTS}/<job>)")
     # As on every backend, a resumed job goes on writing where it resumed from.
     ckpt = f"{CHECKPOINTS}/{object_name(resume_from) if resume_from else name}" if pods.checkpoint_pvc else ""
-    env = JobEnv(job_id=f"{name}-{secrets.token_hex(4)}", pservers=eps, trainers=n_tr,
-                 ports_num=cfg.paddle_ports_num, ports_num_for_sparse=cfg.paddle_ports_num_for_sparse,
-                 secret=secrets.token_hex(32) if secret is None else secret, job_dir=f"{root}/{name}",
-                 workspace=workspace, barrier_timeout=cfg.barrier_timeout, extra=dict(cfg.env),
-                 resume="latest" if resume_from else "", checkpoint_dir=ckpt, trainer_endpoints=trainer_eps,
-                 master_port=master_port, nic=cfg.paddle_nic)
-    pserver_cmd, trainer_cmd = (tuple(shlex.split(c)) for c in cfg.commands(POD_PYTHON))
-    trainer_cmd += tuple(trainer_args)
-    if cfg.pserver_runs_entry:  # the arguments reach every process running the entry script, as over SSH
-        pserver_cmd += tuple(trainer_args)
-    return K8sJob(name, namespace, image, env, pserver_cmd,
-                  trainer_cmd, pods, cfg.start_timeout, cfg.kill_grace, workspace_pack, jobset)
+    # Every pod has its own address (the pod resolves the names to the pods' addresses before its process starts:
+    # node/pod.py), so each process is the first of its node and takes that one's ports.
+    places = [Place(pod_host(name, namespace, PSERVER, i, jobset), 1, 0, POD_PYTHON) for i in range(n_ps)]
+    places += [Place(pod_host(name, namespace, TRAINER, j, jobset), 0, 1, POD_PYTHON) for j in range(n_tr)]
+    return name, Topology(tuple(places), f"{root}/{name}", workspace, ckpt)
+
+
+def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOptions = PodOptions(),
+           workspace_pack: bytes = b"", jobset: bool = False) -> K8sJob:
+    """What the manifests say of ``plan`` (``topology``'s, named ``name``)."""
+    if not image or any(c.isspace() for c in image):
+        raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
+    cmds = {p.role: tuple(shlex.split(p.cmd)) for n in plan.nodes for p in n.procs}
+    cfg = plan.spec.cfg
+    return K8sJob(name, namespace, image, plan.env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
+                  cfg.kill_grace, workspace_pack, jobset or bool(pods.queue))
+
+
+def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
+          pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
+          trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
+          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
+          resume_from: str = "") -> K8sJob:
+    """The job ``cfg`` and the flags describe: ``topology``, the plan every backend makes of one, ``job_of``."""
+    name, topo = topology(cfg, job_name=job_name, namespace=namespace, pservers=pservers, trainers=trainers,
+                          workspace=workspace, pods=pods, packed=bool(workspace_pack), jobset=jobset,
+                          resume_from=resume_from)
+    plan = build_plan(JobSpec(cfg, job_name, trainer_args=trainer_args, resume_from=resume_from or None), topo,
+                      secret=secret)
+    return job_of(plan, name=name, namespace=namespace, image=image, pods=pods, workspace_pack=workspace_pack,
+                  jobset=jobset)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:

@@ -25,20 +25,25 @@ import socket
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from paddle_cluster.node import messages as m
+from paddle_cluster.node.bootstrap import RankVars
 
 from ... import dispatch
 from ...access import CheckLine, EngineRow
-from ...config import ClusterConfig
+from ...config import ClusterConfig, ConfKey
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
 from ...hosts import Node
-from ...plan import JobPlan, JobSpec
-from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered
+from ...plan import JobPlan, JobSpec, Topology
+from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
 from ..ssh.backend import SSHBackend
 
+# Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
+RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZE|PMI_SIZE",
+                 "OMPI_COMM_WORLD_LOCAL_RANK|MPI_LOCALRANKID")
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
 HINTS = {"openmpi": INSTALL_HINT, "mpich": MPICH_HINT}  # by implementation
@@ -108,12 +113,27 @@ def local_address(peer: str) -> Optional[str]:
         return None
 
 
+@dataclass(frozen=True)
+class MPIRequest(Request):
+    """``mpirun`` (or Hydra's ``mpiexec``) as it is run: its command line, and the files it reads, by name, in
+    ``where`` (the job's temporary directory); each host gets the plan at ``plan_path``."""
+
+    argv: Tuple[str, ...]
+    impl: str  # "openmpi" or "mpich"
+    where: str
+    files: Tuple[Tuple[str, str], ...]
+    plan_path: str
+
+
 class MPIBackend(Backend):
     name = "mpi"
     summary = "mpirun or mpiexec over HOSTS"
     renders = "the mpirun or mpiexec command"
     checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
               "mpiexec.hydra, by MPI_IMPL) and its version")
+    # Which MPI it runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or "auto":
+    # what `mpirun --version` says, else whichever is installed.
+    conf_keys = (ConfKey("MPI_IMPL", "auto", ("auto", "openmpi", "mpich")),)
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         self.cfg = cfg
@@ -125,42 +145,43 @@ class MPIBackend(Backend):
         self.plan_path = ""  # the running start's plan on every host, until removed
         self.events = EventQueue([], cfg.orphan_timeout)
         self.spec: Optional[JobSpec] = None
-        self.impl, self.launcher = "openmpi", "mpirun"
-        self.addresses: List[str] = []
         self.no_grace = False  # a second interrupt: stop without the grace period
 
     @property
     def lib(self) -> Optional[dispatch.Package]:
         return self.ssh.lib
 
-    @property
-    def pythons(self) -> List[str]:  # type: ignore[override]
-        return self.ssh.pythons
-
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        impl, launcher = mpi_launcher(self.cfg.mpi_impl)  # refused here, before anything, when it is missing
         self.spec = spec
         self.tmp = self.tmp or tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
-        self.addresses = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
-        say(f"starting one rank per host with {'MPICH' if self.impl == 'mpich' else 'Open MPI'} ({self.launcher})")
-        return self.addresses
+        topology = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        say(f"starting one rank per host with {'MPICH' if impl == 'mpich' else 'Open MPI'} ({launcher})")
+        return topology
 
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        self.spec = spec
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
         try:
-            self.impl, self.launcher = mpi_launcher(self.cfg.mpi_impl)
+            mpi_launcher(self.cfg.mpi_impl)
         except ClusterError as e:  # what this machine lacks: said, and the command shown for Open MPI
             say(f"{e}; shown for Open MPI's mpirun")
-        where = "<job-tmp>"
-        files = self.files(where)
-        plan = self.plan_file(spec.name, 1)
-        argv = self.argv(plan, self.cfg.kill_grace, {k: f"{where}/{k}" for k in files},
-                         lib=dispatch.Package("", "<node library sha256>", 0, 0))
-        return Rendered((
-            (f"{self.launcher} command of job {spec.name} ({'MPICH' if self.impl == 'mpich' else 'Open MPI'}; run "
-             "from /, one rank per host). Nothing was started.", shlex.join(argv)),
+        return self.ssh.preview(spec, say)
+
+    def render(self, plan: JobPlan) -> MPIRequest:
+        try:
+            impl, launcher = mpi_launcher(self.cfg.mpi_impl)
+        except ClusterError:  # a dry run on a machine without it (``preview`` said so); ``prepare`` refuses it
+            impl, launcher = "openmpi", "mpirun"
+        where = self.tmp or "<job-tmp>"
+        files = self.files(where, impl)
+        plan_path = self.plan_file(plan.name, self.attempt + 1)
+        argv = self.argv(plan, impl, launcher, plan_path, {k: f"{where}/{k}" for k in files},
+                         self.lib or dispatch.Package("", "<node library sha256>", 0, 0))
+        return MPIRequest(plan, (
+            (f"{launcher} command of job {plan.name} ({'MPICH' if impl == 'mpich' else 'Open MPI'}; run from /, one "
+             "rank per host). Nothing was started.", shlex.join(argv)),
             *((f"{where}/{k}", text) for k, text in files.items()),
-            ("each rank runs its node's share of the plan (node bootstrap):", self.ssh.plan_text(spec))))
+            ("each rank runs its node's share of the plan (node bootstrap):", plan_text(plan, self.labels))),
+            {"backend": self.name}, tuple(argv), impl, where, tuple(files.items()), plan_path)
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
@@ -182,29 +203,28 @@ class MPIBackend(Backend):
         return self.ssh.complete_steps(root, pservers)
 
     # -- what mpirun is given -------------------------------------------------------------------------
-    def files(self, where: str) -> Dict[str, str]:
+    def files(self, where: str, impl: str) -> Dict[str, str]:
         """The files the launcher gives mpirun (and Hydra's ssh wrapper), by name, to be written to ``where``."""
         hosts = [n.spec.host for n in self.nodes]
         if len(set(hosts)) != len(hosts):
             raise ClusterError("--backend mpi: HOSTS lists the same host twice (different users or ports); "
                                "mpirun's hostfile names hosts only. List each host once")
-        out = {"hostfile": "".join(f"{h} slots=1\n" if self.impl == "openmpi" else f"{h}:1\n" for h in hosts),
+        out = {"hostfile": "".join(f"{h} slots=1\n" if impl == "openmpi" else f"{h}:1\n" for h in hosts),
                "ssh_config": self.ssh_config()}
-        if self.impl == "mpich":  # -launcher-exec takes one path: a wrapper holding the job's ssh config
+        if impl == "mpich":  # -launcher-exec takes one path: a wrapper holding the job's ssh config
             out["ssh"] = (f"#!/bin/sh\nexec {shlex.quote(shutil.which('ssh') or 'ssh')} -F "
                           f"{shlex.quote(where + '/ssh_config')} \"$@\"\n")
         return out
 
-    def write_files(self) -> Dict[str, str]:
-        """``files`` written to this job's temporary directory; their paths."""
-        paths = {}
-        for name, text in self.files(self.tmp).items():
-            paths[name] = os.path.join(self.tmp, name)
-            with open(paths[name], "w") as f:
+    def write_files(self, request: MPIRequest) -> None:
+        """The request's files, written where it says (this job's temporary directory)."""
+        assert request.where == self.tmp, "rendered before prepare"
+        for name, text in request.files:
+            path = os.path.join(self.tmp, name)
+            with open(path, "w") as f:
                 f.write(text)
             if name == "ssh":
-                os.chmod(paths[name], 0o700)
-        return paths
+                os.chmod(path, 0o700)
 
     def ssh_config(self) -> str:
         """An OpenSSH config for mpirun's rsh agent: HOSTS' users and ports, our key and host-key policy."""
@@ -226,51 +246,53 @@ class MPIBackend(Backend):
             lines.append(f"  Include {user_config}")  # fills in what HOSTS does not say (aliases, proxies)
         return "\n".join(lines) + "\n"
 
-    def argv(self, plan_path: str, grace: float, paths: Dict[str, str],
-             lib: Optional[dispatch.Package] = None) -> List[str]:
+    def argv(self, plan: JobPlan, impl: str, launcher: str, plan_path: str, paths: Dict[str, str],
+             lib: dispatch.Package) -> List[str]:
         """The launcher's command line, given the paths of ``files``."""
-        hostfile, config = paths["hostfile"], paths["ssh_config"]
-        if self.impl == "mpich":
-            return self._hydra_argv(hostfile, paths["ssh"], self._agent(plan_path, grace, lib))
+        hostfile, config, grace = paths["hostfile"], paths["ssh_config"], self.cfg.kill_grace
+        agent = self._agent(plan, impl, plan_path, lib)
+        if impl == "mpich":
+            return self._hydra_argv(plan, launcher, hostfile, paths["ssh"], agent)
         if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
             raise ClusterError(f"--backend mpi: Open MPI splits its ssh command on spaces, and {config} or "
                                "SSH_KNOWN_HOSTS / SSH_IDENTITY_FILE contains one; use paths without spaces")
         networks = {net for net in self.ssh.networks if net}
         wire = ",".join(sorted(networks)) if networks else self.cfg.paddle_nic
-        return [self.launcher, "--hostfile", hostfile, "-np", str(len(self.nodes)),
+        return [launcher, "--hostfile", hostfile, "-np", str(len(self.nodes)),
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
                 "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
                 "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
-                *self._agent(plan_path, grace, lib)]
+                *agent]
 
-    def _agent(self, plan_path: str, grace: float, lib: Optional[dispatch.Package] = None) -> List[str]:
-        lib = lib or self.lib
-        assert lib is not None and self.spec is not None
+    def _agent(self, plan: JobPlan, impl: str, plan_path: str, lib: dispatch.Package) -> List[str]:
         # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
         # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
-        shield = ("--own-session",) if self.impl == "mpich" else ()
-        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--engine", "mpi", "--plan", plan_path,
-                                    "--remove-plan", "--grace", str(grace), "--keep-going", *shield)
-        if len(set(self.pythons)) == 1:  # one command for every rank: the agent too runs what preflight checked
-            agent[0] = self.pythons[0]
+        shield = ("--own-session",) if impl == "mpich" else ()
+        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--ranks", RANKS.text(), "--plan", plan_path,
+                                    "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going", *shield)
+        pythons = {n.python for n in plan.topology.nodes}
+        if len(pythons) == 1 and "" not in pythons:  # one command for every rank: the agent too runs what
+            agent[0] = pythons.pop()  # preflight checked
         return agent
 
-    def _hydra_argv(self, hostfile: str, wrapper: str, agent: List[str]) -> List[str]:
+    def _hydra_argv(self, plan: JobPlan, launcher: str, hostfile: str, wrapper: str, agent: List[str]) -> List[str]:
         """Hydra's ``mpiexec``: ssh through a wrapper holding the job's ssh config (``-launcher-exec`` takes one
         path); ``-localhost``: the address on the hosts' network the proxies call back to (this machine's own
         name may resolve to one they cannot reach); ``-genvnone``: ranks get their host's environment, as under
         Open MPI, not this machine's (Hydra's default passes it all)."""
-        here = local_address(self.addresses[0]) if self.addresses else None
-        return [self.launcher, "-f", hostfile, "-n", str(len(self.nodes)), "-ppn", "1", "-launcher", "ssh",
+        here = local_address(plan.addresses[0]) if plan.addresses else None
+        return [launcher, "-f", hostfile, "-n", str(len(self.nodes)), "-ppn", "1", "-launcher", "ssh",
                 "-launcher-exec", wrapper, *(("-localhost", here) if here else ()), "-genvnone", *agent]
 
     # -- running --------------------------------------------------------------------------------------
-    def start(self, plan: JobPlan) -> None:
-        assert self.lib is not None and self.mpirun is None, "prepare first, and stop before starting again"
+    def submit(self, request: Request) -> Dict[str, str]:
+        assert isinstance(request, MPIRequest) and self.lib is not None and self.mpirun is None, \
+            "prepare first, and stop before submitting again"
+        plan = request.plan
         self.attempt += 1
-        self.plan_path = plan_path = self.plan_file(plan.name, self.attempt)
+        self.plan_path = plan_path = request.plan_path
         text = "".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes)
         lib = self.lib
 
@@ -285,17 +307,19 @@ class MPIBackend(Backend):
         each_node(self.nodes, put).ok("sending the plan")
         self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
         events.starting(self.cfg.start_timeout)
-        argv = self.argv(plan_path, self.cfg.kill_grace, self.write_files())
+        self.write_files(request)
+        argv = list(request.argv)
         env = dict(os.environ)
-        if os.geteuid() == 0 and self.impl == "openmpi":  # it refuses root unless told; HOSTS say who logs in
+        if os.geteuid() == 0 and request.impl == "openmpi":  # it refuses root unless told; HOSTS say who logs in
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         try:
             self.mpirun = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, env=env, cwd="/", preexec_fn=_own_session)
         except OSError as e:
-            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {HINTS[self.impl]}") from None
+            raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {HINTS[request.impl]}") from None
         threading.Thread(target=_read, args=(self.mpirun, events, len(plan.nodes)), daemon=True,
                          name="mpirun").start()
+        return dict(request.handle)
 
     def next_event(self, timeout: float) -> Optional[Event]:
         return self.events.get(timeout)

@@ -23,25 +23,28 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
-from paddle_cluster.node.bootstrap import placeholder
+from paddle_cluster.node.bootstrap import RankVars, placeholder
 
 from ... import dispatch, resume
 from ...access import CheckLine, probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
-from ...plan import JobPlan, JobSpec, mint_plan
+from ...plan import JobPlan, JobSpec, Topology
 from ...top import DirsSource
-from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Rendered, plan_text
+from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Request, plan_text
 from . import ops
 from .ops import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
 
 POLL_S = 0.5
+# SLURM_NNODES: what Slurm before SLURM_JOB_NUM_NODES set
+RANKS = RankVars("srun", "SLURM_NODEID", "SLURM_JOB_NUM_NODES|SLURM_NNODES", "SLURM_LOCALID", "SLURMD_NODENAME")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
 PLAN = "plan.{node}.jsonl"  # in a start's directory: node {node}'s share, which holds the job secret
@@ -59,6 +62,19 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
         # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
         out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
+
+
+@dataclass(frozen=True)
+class SlurmRequest(Request):
+    """A start of the job as Slurm gets it, in its directory ``adir`` (``attempt-<k>``): the batch script and the
+    ``sbatch`` command line submitting it (inside an allocation: its ``srun`` step alone), and each node's share
+    of the plan, which the node reads from ``adir``."""
+
+    adir: str
+    script: str
+    sbatch: Tuple[str, ...]
+    srun: Tuple[str, ...]
+    shares: Tuple[m.NodePlan, ...]
 
 
 class SlurmBackend(Backend):
@@ -105,7 +121,7 @@ class SlurmBackend(Backend):
         self.labels = [f"node{i} (Slurm)" for i in range(opts.nodes)]
         self.local = LocalNode(0, HostSpec.parse("localhost"), cfg)
         self.lib: Optional[dispatch.Package] = None
-        self.spec: Optional[JobSpec] = None
+        self.pythons: List[str] = []  # every node's interpreter: this machine's PYTHON, resolved (``interpreter``)
         self.say: Callable[[str], None] = lambda _s: None
         self.job_id: Optional[str] = None
         self.srun: Optional[subprocess.Popen] = None  # inside an existing allocation
@@ -115,16 +131,17 @@ class SlurmBackend(Backend):
         self._done = threading.Event()
 
     # -- preparing ------------------------------------------------------------------------------------
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        self.spec, self.say = spec, say
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        self.say = say
         for tool in ("sbatch", "srun", "scontrol", "scancel"):
             if shutil.which(tool) is None:
                 slurm([tool], "")  # raises the install hint
         if spec.workspace and not os.path.isdir(spec.workspace):  # before the job directory is made
             raise ConfigError("--job_workspace", spec.workspace, "no such directory on this machine; with --backend "
                               "slurm it must be on the filesystem the nodes share")
+        step = None
         if spec.resume_from:  # the checkpoints are on the shared filesystem: looked at here, before anything
-            self.resume_step = resume.common_step(spec, [("the shared filesystem", _survey(
+            step = resume.common_step(spec, [("the shared filesystem", _survey(
                 spec.resume_root, [k for i in range(self.opts.nodes) for k in spec.node_pservers(i)]))], say)
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
@@ -135,7 +152,7 @@ class SlurmBackend(Backend):
         self.pythons = [self.interpreter(doc)] * self.opts.nodes
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
-        return [placeholder(i) for i in range(self.opts.nodes)]
+        return Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)], self.pythons, step)
 
     def interpreter(self, doc: Dict[str, Any]) -> str:
         """PYTHON resolved to an absolute path on this machine (``doc``: its probe), numpy checked: srun runs the
@@ -145,26 +162,24 @@ class SlurmBackend(Backend):
                                f"there ({self.cfg.python} -m pip install numpy) or set PYTHON to one that has it")
         return doc.get("python_path") or self.cfg.python
 
-    def remember(self) -> Dict[str, str]:
-        # The Slurm job id once submitted (the job directory keeps it too)
-        return {"backend": self.name, **({"slurm_job": self.job_id} if self.job_id else {})}
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        return Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)])
 
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        self.spec, self.lib = spec, dispatch.Package("", "<node library sha256>", 0, 0)
-        adir = f"{spec.job_dir}/.paddle_cluster/attempt-1"
-        plan = mint_plan(spec, [placeholder(i) for i in range(self.opts.nodes)])
-        return Rendered((
-            (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.",
-             self.script(adir)),
-            ("submitted with:", shlex.join(self.sbatch_argv(adir))),
+    def render(self, plan: JobPlan) -> SlurmRequest:
+        spec, lib = plan.spec, self.lib or dispatch.Package("", "<node library sha256>", 0, 0)
+        adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt + 1}"
+        shares = tuple(per_node(plan))
+        srun = self.srun_argv(spec, lib, adir)
+        script = batch_script(spec.name, self.attempt + 1, [
+            f"--nodes={self.opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
+            f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *self.opts.sbatch_options()], srun)
+        sbatch = ("sbatch", "--parsable", f"{adir}/job.sh")
+        return SlurmRequest(plan, (
+            (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.", script),
+            ("submitted with:", shlex.join(sbatch)),
             ("each node's share of the plan (its address: the node's on PADDLE_NIC, published when it starts):",
-             plan_text(dataclasses.replace(plan, nodes=tuple(per_node(plan))), self.labels))))
-
-    def submit_detached(self, spec: JobSpec, say: Callable[[str], None]) -> Dict[str, str]:
-        """The nodes fail fast on their own (no launcher follows)."""
-        self.start(self.plan(spec, self.prepare(spec, say)))
-        say(f"job {spec.name} is Slurm job {self.job_id}")
-        return self.remember()
+             plan_text(dataclasses.replace(plan, nodes=shares), self.labels))),
+            {"backend": self.name}, adir, script, sbatch, tuple(srun), shares)
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -195,52 +210,40 @@ class SlurmBackend(Backend):
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
 
     # -- running --------------------------------------------------------------------------------------
-    def bootstrap_argv(self, adir: str, attached: bool) -> List[str]:
-        assert self.lib is not None and self.spec is not None
+    def bootstrap_argv(self, spec: JobSpec, lib: dispatch.Package, adir: str, attached: bool) -> List[str]:
         cfg = self.cfg
         # After a failure a following launcher decides (fail-fast, restarts), for as long as its lease shows it
         # follows; a job no launcher follows (--detach, or its launcher died) fails fast inside the allocation:
         # the failed node's agent exits 1 and srun --kill-on-bad-exit ends the step and so the job. --elastic
         # keeps going either way.
-        if self.spec.elastic:
+        if spec.elastic:
             keep: tuple = ("--keep-going",)
         elif attached:
             keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
         else:
             keep = ()
-        argv = dispatch.agent_argv(self.local, self.lib, "bootstrap", "--engine", "slurm", "--plan",
+        argv = dispatch.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
                                    f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
         return [self.pythons[0], *argv[1:]] if self.pythons else argv
 
-    def srun_argv(self, adir: str) -> List[str]:
-        assert self.spec is not None
+    def srun_argv(self, spec: JobSpec, lib: dispatch.Package, adir: str) -> List[str]:
         opts = self.opts
         # srun takes --cpus-per-task from no variable since Slurm 22.05: the step asks for it again.
         cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
-        return ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={self.spec.name}",
-                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(adir, not opts.detach)]
+        return ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={spec.name}",
+                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(spec, lib, adir, not opts.detach)]
 
-    def script(self, adir: str) -> str:
-        """The batch script of start ``adir`` (``attempt-<k>``): every sbatch option, then the ``srun`` step."""
-        assert self.spec is not None
-        opts, spec = self.opts, self.spec
-        return batch_script(spec.name, int(adir.rsplit("-", 1)[-1]), [
-            f"--nodes={opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
-            f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *opts.sbatch_options()], self.srun_argv(adir))
-
-    def sbatch_argv(self, adir: str) -> List[str]:
-        return ["sbatch", "--parsable", f"{adir}/job.sh"]
-
-    def start(self, plan: JobPlan) -> None:
-        assert self.spec is not None and self.job_id is None and self.srun is None, "prepare first"
-        spec, opts = self.spec, self.opts
+    def submit(self, request: Request) -> Dict[str, str]:
+        assert isinstance(request, SlurmRequest) and self.lib is not None and self.job_id is None and \
+            self.srun is None, "prepare first, and stop before submitting again"
+        spec, opts = request.plan.spec, self.opts
         self.attempt += 1
-        self.adir = adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt}"
-        for n in per_node(plan):  # each node's share holds the secret: 0600, and its node removes it once read
+        self.adir = adir = request.adir
+        for n in request.shares:  # each node's share holds the secret: 0600, and its node removes it once read
             private.write_private(f"{adir}/{PLAN}".replace("{node}", str(n.node)), m.encode(m.Start(n)).encode())
-        srun = self.srun_argv(adir)
+        srun = list(request.srun)
         self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
         self._done = threading.Event()
         if os.environ.get("SLURM_JOB_ID") and not opts.detach:
@@ -252,16 +255,20 @@ class SlurmBackend(Backend):
                                                self.cfg.start_timeout)
         else:
             with open(f"{adir}/job.sh", "w") as f:
-                f.write(self.script(adir))
-            out = slurm(self.sbatch_argv(adir), "submitting the job")
+                f.write(request.script)
+            out = slurm(list(request.sbatch), "submitting the job")
             self.job_id = out.strip().split(";")[0]
             ops.write_id(spec.job_dir, self.job_id)
             self.say(f"submitted Slurm job {self.job_id} ({opts.nodes} node(s))")
-        if opts.detach:
-            return
+        # The Slurm job id once submitted (the job directory keeps it too)
+        handle = {**request.handle, **({"slurm_job": self.job_id} if self.job_id else {})}
+        if opts.detach:  # the nodes fail fast on their own (no launcher follows)
+            self.say(f"job {spec.name} is Slurm job {self.job_id}")
+            return handle
         threading.Thread(target=self._follow, args=(adir, self.events, self._done), daemon=True,
                          name="slurm").start()
         self._wait_running()
+        return handle
 
     def _wait_running(self) -> None:
         """Until the job runs (Slurm's reason printed while it is pending); Ctrl+C here cancels it."""

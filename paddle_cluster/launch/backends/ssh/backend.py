@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Union
 
 from paddle_cluster.node import messages as m
-from paddle_cluster.node.session import Request
+from paddle_cluster.node.session import Request as SessionRequest
 
 from ... import dispatch, machines, preflight, relay, resume
 from ...access import make_nodes
@@ -25,14 +25,15 @@ from ...config import ClusterConfig
 from ...each_node import each_node
 from ...errors import HostConfigError, HostError
 from ...hosts import Node, Stream
-from ...plan import JobPlan, JobSpec, mint_plan
+from ...plan import JobPlan, JobSpec, Topology
 from ...session import NodeSession
-from ..base import Backend, Description, Event, EventQueue, JobRef, Rendered, plan_text
+from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
 from . import ops
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
 PING_S = 2.0
+LOOPBACK_NIC, LOOPBACK = "lo", "127.0.0.1"  # Linux's loopback interface and the address its probe finds
 
 
 class SSHBackend(Backend):
@@ -52,6 +53,8 @@ class SSHBackend(Backend):
         self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
         self._pinging: Optional[threading.Event] = None
         self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
+        self.pythons: List[str] = []  # each node's interpreter as its probe resolved it (absolute), for every process
+        self.resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
         # The last workspace step: what it took after the last node was up, and from the first byte sent
         self.workspace_seconds = self.sending_seconds = 0.0
 
@@ -61,22 +64,27 @@ class SSHBackend(Backend):
         each node's address on PADDLE_NIC."""
         return self._prepare(None, say, check_ports)
 
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
-        return self._prepare(spec, say, True, agent=True)
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        return Topology.hosts(self.cfg, self._prepare(spec, say, True, agent=True), self.pythons, self.resume_step)
 
-    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
         """``prepare`` for an engine that starts the agents itself (mpirun): each session ends once prepared."""
-        return self._prepare(spec, say, True)
+        return Topology.hosts(self.cfg, self._prepare(spec, say, True), self.pythons, self.resume_step)
 
-    def render(self, spec: JobSpec, say: Callable[[str], None]) -> Rendered:
-        return Rendered(((f"ssh plan of job {spec.name}: one agent per host ({self.cfg.python} -m paddle_cluster.node "
-                          f"supervise, over SSH; localhost as a subprocess) runs its processes. Nothing was started.\n"
-                          f"Addresses are each host's on PADDLE_NIC ({self.cfg.paddle_nic}), found when the job "
-                          "starts.", self.plan_text(spec)),))
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+        """Each address a placeholder until the hosts are probed, except on the loopback interface, whose address
+        is known (and decides the pservers' endpoints: ``plan.build_plan``)."""
+        nic = self.cfg.paddle_nic
+        return Topology.hosts(self.cfg, [LOOPBACK if nic == LOOPBACK_NIC else f"<{n.spec.host}:{nic}>"
+                                         for n in self.nodes])
 
-    def plan_text(self, spec: JobSpec) -> str:
-        """``plan_text`` of ``spec`` on these hosts, their addresses still unknown."""
-        return plan_text(mint_plan(spec, [f"<{n.spec.host}:{self.cfg.paddle_nic}>" for n in self.nodes]), self.labels)
+    def render(self, plan: JobPlan) -> Request:
+        # The native request is each node's share of the plan, its ``Start``.
+        return Request(plan, ((f"ssh plan of job {plan.name}: one agent per host ({self.cfg.python} -m "
+                               "paddle_cluster.node supervise, over SSH; localhost as a subprocess) runs its "
+                               f"processes. Nothing was started.\nAddresses are each host's on PADDLE_NIC "
+                               f"({self.cfg.paddle_nic}), found when the job starts.", plan_text(plan, self.labels)),),
+                       {"backend": self.name})
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -116,7 +124,7 @@ class SSHBackend(Backend):
                     stack.callback(pkg.close)
                 say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, "
                     + (f"sha256 {pkg.sha256[:12]}" if isinstance(pkg, dispatch.Package) else "new: packed as sent"))
-            req = Request(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
+            req = SessionRequest(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
                           workspace_new=isinstance(pkg, dispatch.Packing),
                           workspace_sha=pkg.sha256 if isinstance(pkg, dispatch.Package) else "",
                           job_dir=spec.job_dir if spec else "",
@@ -244,9 +252,11 @@ class SSHBackend(Backend):
             raise HostError(n.label, "; ".join(problems))
 
     # -- running --------------------------------------------------------------------------------------
-    def start(self, plan: JobPlan) -> None:
-        assert self.lib is not None and not self.streams, "prepare first, and stop before starting again"
-        lib, cfg = self.lib, self.cfg
+    def submit(self, request: Request) -> Dict[str, str]:
+        """Each node's ``Start``: its share of the plan (the request's), to its prepared session's agent, or a new
+        agent's on a restart."""
+        assert self.lib is not None and not self.streams, "prepare first, and stop before submitting again"
+        lib, cfg, plan = self.lib, self.cfg, request.plan
         self.events = events = EventQueue([n.node for n in plan.nodes], cfg.orphan_timeout)
         held, self.sessions = self.sessions, {}  # the prepared sessions' agents; a restart starts new ones
         early, self.early = self.early, {}
@@ -270,6 +280,7 @@ class SSHBackend(Backend):
         self._pinging = threading.Event()
         threading.Thread(target=self._ping, args=(self._pinging,), daemon=True, name="pinger").start()
         res.ok("starting the node agents")
+        return dict(request.handle)
 
     def _ping(self, done: threading.Event) -> None:
         while not done.wait(PING_S):
