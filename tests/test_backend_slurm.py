@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import FIT_A_LINE, free_port_range, no_traceback, small_workspace, wait_for
 
-from paddle_cluster.launch.backends.slurm.ops import active, job_info
+from paddle_cluster.launch.backends.slurm.jobs import active, job_info
 from paddle_cluster.launch.backends.slurm.options import SlurmOptions, batch_script
 from paddle_cluster.launch.errors import ClusterError
 
@@ -276,7 +276,7 @@ def test_no_answer_from_slurm_is_not_a_finished_job(slurm, tmp_path, monkeypatch
 
 def test_node_directories_are_only_node_n_directories(tmp_path):
     """A dispatched workspace is the shared job directory: its own files named node* are not nodes."""
-    from paddle_cluster.launch.backends.slurm.ops import _node_dirs
+    from paddle_cluster.launch.backends.slurm.jobs import _node_dirs
     from paddle_cluster.launch.config import load_config
 
     conf = tmp_path / "conf.py"

@@ -32,11 +32,11 @@ from paddle_cluster.launch.backends.k8s.kubectl import (
     KILLED_ANNOTATION,
     Kubectl,
     PodState,
-    describe,
-    pod_row,
     pod_states,
+    pod_summary,
     watch_events,
 )
+from paddle_cluster.launch.backends.k8s.pods import pod_row
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec, build_plan
 from paddle_cluster.node import messages as m
@@ -130,7 +130,7 @@ def test_pod_states_from_kubectl_json() -> None:
         ("fit-pserver-0", PSERVER, 0, "", None), ("fit-pserver-1", PSERVER, 1, "waiting", None),
         ("fit-trainer-0", TRAINER, 0, "running", None), ("fit-trainer-1", TRAINER, 1, "terminated", 137),
         ("fit-trainer-2", TRAINER, 2, "terminated", 0), ("fit-trainer-3", TRAINER, 3, "terminated", None)]
-    assert [describe(p) for p in got] == [
+    assert [pod_summary(p) for p in got] == [
         "pending: Unschedulable: 0/3 nodes are available: 3 Insufficient cpu.",
         "pending: ImagePullBackOff: Back-off pulling image", "running", "exited 137 (OOMKilled)", "exited 0",
         "exited ? (Evicted: The node was low on resource: memory.)"]

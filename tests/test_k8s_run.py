@@ -261,7 +261,7 @@ def test_a_log_past_the_kubelets_rotation_is_shown_and_saved_whole(fresh_kube: S
 def test_a_pod_log_is_joined_with_what_its_follower_kept() -> None:
     """``whole_log``: the kubelet's current file after a rotation, joined with the copy a follower kept where they
     overlap; without a copy reaching the beginning, the first line says the beginning is gone."""
-    from paddle_cluster.launch.backends.k8s.kubectl import ROTATED, whole_log
+    from paddle_cluster.launch.backends.k8s.pods import ROTATED, whole_log
 
     full = ["paddle-cluster pod: image: Python 3", *[f"line {i}" for i in range(10)]]
     assert whole_log(full, full[:4]) == full  # not rotated: the current file is the whole log

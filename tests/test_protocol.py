@@ -229,7 +229,7 @@ def test_error_round_trip_keeps_type_and_missing_trainers():
     e = E.BarrierTimeout("barrier timeout at step 3", 3, 1, [E.MissingTrainer(2, 31.2), E.MissingTrainer(4, None)])
     back = E.from_wire(e.code, e.to_wire())
     assert isinstance(back, E.BarrierTimeout) and back.missing_trainers == [2, 4] and back.step == 3
-    assert E.MissingTrainer(2, 31.2).describe() == "trainer 2 (last seen 31.2 s ago)"
+    assert E.MissingTrainer(2, 31.2).label() == "trainer 2 (last seen 31.2 s ago)"
     assert isinstance(E.from_wire(E.UnknownKey.code, {"message": "x"}), E.UnknownKey)
 
 

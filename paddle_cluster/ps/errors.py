@@ -92,7 +92,7 @@ class MissingTrainer:
     trainer_id: int
     last_seen: Optional[float]  # seconds since the pserver last heard from it; None = never
 
-    def describe(self) -> str:
+    def label(self) -> str:
         seen = "never seen" if self.last_seen is None else f"last seen {self.last_seen:.1f} s ago"
         return f"trainer {self.trainer_id} ({seen})"
 

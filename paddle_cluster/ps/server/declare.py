@@ -109,7 +109,7 @@ def _define(st: State, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str,
             raise ConfigMismatch(f"{kind} {h.key}: trainer {t} defines {meta} but {was} {shard.meta} (do all "
                                  "trainers register the same parameters?)")
         if shard.declared != spec:
-            raise ConfigMismatch(f"{shard.describe()}: trainer {t} uses optimizer {spec}, the job uses "
+            raise ConfigMismatch(f"{shard.label()}: trainer {t} uses optimizer {spec}, the job uses "
                                  f"{shard.declared}")
         if not shard.confirmed:  # restored, and trainer 0 says what it is: it may now bound it
             if isinstance(shard, TableShard):

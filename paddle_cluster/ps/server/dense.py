@@ -148,7 +148,7 @@ class DenseBlock(Shard):
         self.acc_busy = False  # a push is being received straight into acc
         self._start_segments(self.lock)
 
-    def describe(self) -> str:
+    def label(self) -> str:
         return f"block {self.name}[{self.meta['lo']}:{self.meta['hi']}]"
 
     def wake(self) -> None:
@@ -183,7 +183,7 @@ class DenseBlock(Shard):
         block serves nothing more (``error``): its pulls and the job's checkpoints fail naming it."""
         if self.finite:
             try:
-                finite.updated(values, self.describe(), by, step)
+                finite.updated(values, self.label(), by, step)
             except NonFinite as e:
                 self.error = str(e)
                 self.wake()  # its waiting pulls fail with the same message (``Step.wait``)
@@ -204,7 +204,7 @@ class DenseBlock(Shard):
             conn.stream.recv_into(self.param)
             if not allow_nonfinite and not finite.all_finite(self.param):
                 self.param[...] = 0
-                raise NonFinite(f"trainer {conn.trainer}'s initial value of {self.describe()} holds NaN or Inf; "
+                raise NonFinite(f"trainer {conn.trainer}'s initial value of {self.label()} holds NaN or Inf; "
                                 "refused (PADDLE_ALLOW_NONFINITE=1 accepts it)")
         except BaseException:
             with self.cv:
@@ -250,7 +250,7 @@ class DenseBlock(Shard):
         if not new:
             conn.stream.discard()
             return True
-        check = (lambda g: finite.check(g, self.describe(), t, h.step)) if self.finite else None
+        check = (lambda g: finite.check(g, self.label(), t, h.step)) if self.finite else None
         try:
             if self.folds():
                 self.push_segments(t, h.step, conn.stream.chunks, check)
@@ -326,7 +326,7 @@ class DenseBlock(Shard):
         sync, pool = self.sync, self.pool
         item = self.dtype.itemsize
         pflat = self.param.reshape(-1)
-        what = f"push {self.describe()}"
+        what = f"push {self.label()}"
         held: List[np.ndarray] = []  # the slot the current segment is being received into
 
         def into(off: int) -> Optional[np.ndarray]:
@@ -434,7 +434,7 @@ class DenseBlock(Shard):
                 return
             try:
                 self.sync.wait(self.seg_cv[i], lambda: self.ready(i, step) or self.error is not None, step,
-                               f"pull {self.describe()} segment {i}",
+                               f"pull {self.label()} segment {i}",
                                lambda: set(self.sync.active) - self._who(i), gone)
                 if not self.ready(i, step):  # an update of the step was refused (``check_update``)
                     raise RemoteError(f"pserver {self.sync.pserver_id}: {self.error}")
@@ -484,7 +484,7 @@ class DenseBlock(Shard):
                 def turn() -> bool:
                     return at.n != step or self._may_add(t)
                 if not turn():  # checked first: the wait's message is built only when it waits
-                    sync.wait(self.cv, turn, step, f"push {self.describe()}: summing in trainer order",
+                    sync.wait(self.cv, turn, step, f"push {self.label()}: summing in trainer order",
                               lambda: {u for u in sync.active if u < t} - set(at.pending))
                 if at.n == step:
                     self._add(t, g)
@@ -544,8 +544,8 @@ class DenseBlock(Shard):
             except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
                 log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it
-                log.exception("pserver %d: optimizer failed on %s", self.sync.pserver_id, self.describe())
-                self.error = f"optimizer failed on {self.describe()} at step {at.n}: {e!r}"
+                log.exception("pserver %d: optimizer failed on %s", self.sync.pserver_id, self.label())
+                self.error = f"optimizer failed on {self.label()} at step {at.n}: {e!r}"
             finally:
                 at.busy = False
                 self.wake()

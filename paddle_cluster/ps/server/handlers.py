@@ -47,8 +47,8 @@ def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
     if b is None:
         raise UnknownKey(f"no dense block with key {h.key}")
     if h.dtype != P.dtype_code(b.dtype):
-        raise ProtocolError(f"{b.describe()} is {b.dtype}, frame says dtype code {h.dtype}")
-    P.expect_length(h, b.nbytes if payload else 0, b.describe())
+        raise ProtocolError(f"{b.label()} is {b.dtype}, frame says dtype code {h.dtype}")
+    P.expect_length(h, b.nbytes if payload else 0, b.label())
     return b
 
 

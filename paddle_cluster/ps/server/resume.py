@@ -289,7 +289,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Budget, trainers: int
         try:
             b.opt.load_state(bs.opt_state)
         except ValueError as e:
-            raise CheckpointError(f"checkpoint {shard.path}: {b.describe()}: {e}") from None
+            raise CheckpointError(f"checkpoint {shard.path}: {b.label()}: {e}") from None
         b.initialized = True
         blocks[bs.key] = b
     for ts in shard.tables:
@@ -301,7 +301,7 @@ def restore(shard: ShardState, dense: DenseShared, budget: Budget, trainers: int
         t.grow(n)
         t.table[:n] = ts.rows
         if set(ts.slots) != set(t.state):
-            raise CheckpointError(f"checkpoint {shard.path}: {t.describe()} has optimizer slots "
+            raise CheckpointError(f"checkpoint {shard.path}: {t.label()} has optimizer slots "
                                   f"{sorted(ts.slots)}, expected {sorted(t.state)}")
         for k, v in ts.slots.items():
             t.state[k][:n] = v

@@ -45,7 +45,7 @@ class Shard:
         self.initialized = True  # a dense block is not until trainer 0 sends its value
         self.error: Optional[str] = None  # a failed optimizer apply: its pulls report it
 
-    def describe(self) -> str:
+    def label(self) -> str:
         raise NotImplementedError
 
     def wake(self) -> None:
@@ -72,13 +72,13 @@ class Step:
         if shard.error:
             raise RemoteError(f"pserver {sync.pserver_id}: {shard.error}")
         if not shard.initialized:
-            sync.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.describe()}: initial value",
+            sync.wait(shard.cv, lambda: shard.initialized, step, f"{what} {shard.label()}: initial value",
                       lambda: {0} - sync.closed)
         if sync.mode == "sync":
             t0 = time.monotonic()
             if self.n < step:  # checked first: the wait's message is built only when it waits
                 sync.wait(shard.cv, lambda: self.n >= step or shard.error is not None, step,
-                          f"{what} {shard.describe()}", self.missing, gone)
+                          f"{what} {shard.label()}", self.missing, gone)
             PROCESS.add_wait(time.monotonic() - t0)  # ``top``'s barrier wait p50/p99 (a step not waited for: 0)
             if self.n < step and shard.error:  # the update of the step waited for was refused
                 raise RemoteError(f"pserver {sync.pserver_id}: {shard.error}")

@@ -231,7 +231,7 @@ class Sync:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing_now = self._missing(missing())
-                waiting = ", ".join(m.describe() for m in missing_now) or "no trainer (it should have completed)"
+                waiting = ", ".join(m.label() for m in missing_now) or "no trainer (it should have completed)"
                 raise BarrierTimeout(
                     f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for {waiting} "
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)

@@ -67,7 +67,7 @@ class TableShard(Shard):
         self.row_bytes = self.width * self.dtype.itemsize + 16 + sum(
             math.prod(suffix) * np.dtype(dt).itemsize for suffix, dt in self.opt.row_slots.values())
 
-    def describe(self) -> str:
+    def label(self) -> str:
         return f"table {self.name!r}"
 
     def id_space(self) -> str:
@@ -82,7 +82,7 @@ class TableShard(Shard):
         limit = shard_rows(vocab, max_rows, self.pserver_id, self.n_pservers)
         outside = self.n and vocab is not None and (self.keys[0] < 0 or self.keys[-1] >= vocab)
         if outside or (limit is not None and self.n > limit):
-            raise ConfigMismatch(f"{self.describe()}: the checkpoint holds {self.n} rows with ids "
+            raise ConfigMismatch(f"{self.label()}: the checkpoint holds {self.n} rows with ids "
                                  f"{int(self.keys[0])}..{int(self.keys[-1])} on pserver {self.pserver_id}, more "
                                  f"than vocab_size={vocab}, max_rows={max_rows} allow")
         self.meta, self.vocab_size, self.max_rows, self.row_limit = meta, vocab, max_rows, limit
@@ -91,7 +91,7 @@ class TableShard(Shard):
         """Refuse (``LimitExceeded``) sorted unique ``ids`` outside the declared id space: one compare per end."""
         if self.vocab_size is not None and len(ids) and (ids[0] < 0 or ids[-1] >= self.vocab_size):
             bad = int(ids[0] if ids[0] < 0 else ids[-1])
-            raise LimitExceeded(f"{self.describe()}: trainer {trainer} sent id {bad}, outside the table's id space "
+            raise LimitExceeded(f"{self.label()}: trainer {trainer} sent id {bad}, outside the table's id space "
                                 f"[0, {self.vocab_size}) (vocab_size={self.vocab_size}, as trainer 0 declared it): "
                                 "ids must be below the vocabulary size; hash larger id spaces into it")
 
@@ -100,7 +100,7 @@ class TableShard(Shard):
         if self.n + need <= cap:
             return
         if self.row_limit is not None and self.n + need > self.row_limit:
-            raise LimitExceeded(f"{self.describe()}: {need} new rows would make {self.n + need} on pserver "
+            raise LimitExceeded(f"{self.label()}: {need} new rows would make {self.n + need} on pserver "
                                 f"{self.pserver_id}, past its row budget of {self.row_limit} ({self.id_space()} "
                                 f"over {self.n_pservers} pservers)")
         new_cap = max(self.n + need, 2 * cap, 1024)
@@ -108,10 +108,10 @@ class TableShard(Shard):
             new_cap = min(new_cap, self.row_limit)
         # The new arrays whole: the old ones are held too until copied, and given back after.
         try:
-            self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+            self.budget.charge(new_cap * self.row_bytes, f"{self.label()} growing to {new_cap} rows")
         except LimitExceeded:
             new_cap = self.n + need  # no room to spare: exactly what is needed, else refused
-            self.budget.charge(new_cap * self.row_bytes, f"{self.describe()} growing to {new_cap} rows")
+            self.budget.charge(new_cap * self.row_bytes, f"{self.label()} growing to {new_cap} rows")
         table = np.empty((new_cap, self.width), dtype=self.dtype)
         table[: self.n] = self.table[: self.n]
         self.table = table
@@ -147,9 +147,9 @@ class TableShard(Shard):
 
     def check_ids(self, ids: np.ndarray) -> None:
         if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
-            raise ProtocolError(f"{self.describe()}: ids are not sorted and unique")
+            raise ProtocolError(f"{self.label()}: ids are not sorted and unique")
         if len(ids) and bool(np.any(np.mod(ids, self.n_pservers) != self.pserver_id)):
-            raise ProtocolError(f"{self.describe()}: ids that belong to another pserver")
+            raise ProtocolError(f"{self.label()}: ids that belong to another pserver")
 
     def apply_rows(self, ids: np.ndarray, grads: np.ndarray, pos: Optional[np.ndarray] = None,
                    by: Optional[str] = None) -> None:
@@ -159,7 +159,7 @@ class TableShard(Shard):
         if len(ids):
             if pos is None:
                 pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
-            check = None if by is None else (lambda rows: finite.updated(rows, self.describe(), by, self.step.n))
+            check = None if by is None else (lambda rows: finite.updated(rows, self.label(), by, self.step.n))
             self.opt.apply(self.table, self.state, pos, grads, check)
 
     def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
@@ -182,7 +182,7 @@ class TableShard(Shard):
     def _rows_fit(self, n: int, trainer: int, what: str) -> None:
         """Refuse, from the header alone, a request for more rows than this pserver may ever hold."""
         if self.row_limit is not None and n > self.row_limit:
-            raise LimitExceeded(f"{self.describe()}: trainer {trainer} sent a {what} of {n} ids, more than the "
+            raise LimitExceeded(f"{self.label()}: trainer {trainer} sent a {what} of {n} ids, more than the "
                                 f"{self.row_limit} rows pserver {self.pserver_id} may hold of it ({self.id_space()})")
 
     def pull(self, conn: Conn, h: P.Header) -> None:
@@ -190,11 +190,11 @@ class TableShard(Shard):
         mode); rows not there yet are made (the deterministic init)."""
         n = h.aux
         if h.dtype != P.dtype_code(np.int64):
-            raise ProtocolError(f"{self.describe()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
-        P.expect_length(h, 8 * n, f"{self.describe()}: pull of {n} ids")
+            raise ProtocolError(f"{self.label()}: a pull carries int64 ids, frame says dtype code {h.dtype}")
+        P.expect_length(h, 8 * n, f"{self.label()}: pull of {n} ids")
         self._rows_fit(n, conn.trainer, "pull")
         held = n * (8 + self.width * self.dtype.itemsize)  # the ids, and the rows of the reply
-        self.budget.charge(held, f"{self.describe()}: a pull of {n} rows")
+        self.budget.charge(held, f"{self.label()}: a pull of {n} rows")
         try:
             ids = np.empty(n, dtype=np.int64)
             conn.stream.recv_into(ids)
@@ -219,8 +219,8 @@ class TableShard(Shard):
         (``staleness`` is the dense blocks' rule)."""
         n, t, at = h.aux, conn.trainer, self.step
         if h.dtype != P.dtype_code(self.dtype):
-            raise ProtocolError(f"{self.describe()} is {self.dtype}, frame says dtype code {h.dtype}")
-        P.expect_length(h, n * (8 + self.width * self.dtype.itemsize), f"{self.describe()}: push of {n} rows")
+            raise ProtocolError(f"{self.label()} is {self.dtype}, frame says dtype code {h.dtype}")
+        P.expect_length(h, n * (8 + self.width * self.dtype.itemsize), f"{self.label()}: push of {n} rows")
         self._rows_fit(n, t, "push")
         with self.cv:
             new = at.begin(t, h.step)
@@ -229,7 +229,7 @@ class TableShard(Shard):
             return True
         held = h.length  # the ids and rows received: held until the step is applied (``_complete``)
         try:
-            self.budget.charge(held, f"{self.describe()}: a push of {n} rows")
+            self.budget.charge(held, f"{self.label()}: a push of {n} rows")
             try:
                 ids = np.empty(n, dtype=np.int64)
                 grads = np.empty((n, self.width), dtype=self.dtype)
@@ -237,7 +237,7 @@ class TableShard(Shard):
                 self.check_ids(ids)
                 self.admit(ids, t)
                 if self.finite:
-                    finite.check(grads, self.describe(), t, h.step)
+                    finite.check(grads, self.label(), t, h.step)
                 with self.cv, self.sync.rw.shared():
                     # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
                     # push, never the apply that another trainer's push completes.
@@ -268,9 +268,9 @@ class TableShard(Shard):
         ``h.aux`` of them and at most ``ROWS_PAGE_BYTES`` of reply (the reply's ``aux``: how many). Reads only
         (no row is created), for step ``h.step``: the final model's table, page by page."""
         if h.dtype != P.dtype_code(np.int64):
-            raise ProtocolError(f"{self.describe()}: a rows request carries one int64 id, frame says dtype code "
+            raise ProtocolError(f"{self.label()}: a rows request carries one int64 id, frame says dtype code "
                                 f"{h.dtype}")
-        P.expect_length(h, 8, f"{self.describe()}: rows request")
+        P.expect_length(h, 8, f"{self.label()}: rows request")
         first = np.empty(1, dtype=np.int64)
         conn.stream.recv_into(first)
         limit = max(1, min(int(h.aux), ROWS_PAGE_BYTES // (8 + self.width * self.dtype.itemsize)))
@@ -280,7 +280,7 @@ class TableShard(Shard):
                 lo = int(np.searchsorted(self.keys[:self.n], first[0]))
                 n = max(0, min(limit, self.n - lo))
                 held = n * (8 + self.width * self.dtype.itemsize)  # the page's copy, held until sent
-                self.budget.charge(held, f"{self.describe()}: a page of {n} rows")
+                self.budget.charge(held, f"{self.label()}: a page of {n} rows")
                 ids = self.keys[lo:lo + n].copy()
                 rows = self.table[self.pos[lo:lo + n]]
             step = self.step.n

@@ -33,10 +33,11 @@ from ...top import CallSource
 from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Request
 from . import kubectl as kc
 from . import manifests as k8s
-from . import pod_options, rights
+from . import pod_options, pods, rights
 from .jobwatch import JobWatch
-from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, save_results, states_of, watch_events
+from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, states_of, watch_events
 from .pod_options import PodOptions
+from .pods import save_results
 
 RETRY_S = 2.0  # between a watch that ended and the next
 QUEUE_ASK_S = 2.0  # between two questions for the job's place in its Kueue queue
@@ -184,17 +185,17 @@ class K8sBackend(Backend):
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
-        return Description("", kc.job_status(cls._kubectl(job), job.cfg.job_dir(job.name)))
+        return Description("", pods.job_status(cls._kubectl(job), job.cfg.job_dir(job.name)))
 
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
         pod_of_role(node, role)
-        kc.stream_logs(cls._kubectl(job), node, lines, follow, out, job.cfg.job_dir(job.name))
+        pods.stream_logs(cls._kubectl(job), node, lines, follow, out, job.cfg.job_dir(job.name))
 
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         k = cls._kubectl(job)
-        return kc.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
+        return pods.kill_job(k, job.cfg.job_dir(job.name)) or [f"nothing of job {job.name} in namespace {k.namespace}"]
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
@@ -205,7 +206,7 @@ class K8sBackend(Backend):
     def figures(cls, job: JobRef) -> CallSource:
         """``top``: the pods, each with the figures its entry point last wrote into its log (no agent, no exec)."""
         k = cls._kubectl(job)
-        return CallSource(lambda: kc.figures(k))
+        return CallSource(lambda: pods.figures(k))
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:
@@ -425,11 +426,11 @@ class K8sBackend(Backend):
     def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
         assert p.stdout is not None and p.stderr is not None
         os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
-        with open(kc.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
+        with open(pods.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
             for n, raw in enumerate(p.stdout):
                 copy.write(raw if raw.endswith("\n") else raw + "\n")
                 copy.flush()
-                if n == 0 and kc.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
+                if n == 0 and pods.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
                     self.readied.add(node)
                     self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before "
                                            "it was followed"))

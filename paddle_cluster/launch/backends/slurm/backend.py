@@ -38,8 +38,8 @@ from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import DirsSource
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Request, plan_text
-from . import ops
-from .ops import cancel_job, job_info, node_dir, slurm
+from . import jobs
+from .jobs import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
 
 POLL_S = 0.5
@@ -183,28 +183,28 @@ class SlurmBackend(Backend):
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
-        return Description(*ops.status(job.cfg, job.name, job.handle))
+        return Description(*jobs.status(job.cfg, job.name, job.handle))
 
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
-        ops.logs(job.cfg, job.name, job.handle, node, role, lines, follow)
+        jobs.logs(job.cfg, job.name, job.handle, node, role, lines, follow)
 
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
-        return [ops.kill(job.cfg, job.name, job.handle)]
+        return [jobs.kill(job.cfg, job.name, job.handle)]
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[CheckLine]:
-        return ops.check_here(cfg)
+        return jobs.check_here(cfg)
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, List[dict]]:
-        return ops.metrics(job.cfg, job.name)
+        return jobs.metrics(job.cfg, job.name)
 
     @classmethod
     def figures(cls, job: JobRef) -> DirsSource:
         """``top``: every node's directory on the shared filesystem, read here (the agents write the figures)."""
-        return DirsSource(lambda: ops.node_dirs_by_name(job.cfg, job.name))
+        return DirsSource(lambda: jobs.node_dirs_by_name(job.cfg, job.name))
 
     def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
         return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
@@ -251,14 +251,14 @@ class SlurmBackend(Backend):
             if [o for o in opts.sbatch_options() if not o.startswith("--cpus-per-task=")]:
                 self.say("the allocation's resources apply: sbatch options are for a new allocation (--detach, "
                          "or run outside it)")
-            self.srun = ops.srun_in_allocation(srun, adir, spec.job_dir, spec.name, spec.cwd, self.say,
+            self.srun = jobs.srun_in_allocation(srun, adir, spec.job_dir, spec.name, spec.cwd, self.say,
                                                self.cfg.start_timeout)
         else:
             with open(f"{adir}/job.sh", "w") as f:
                 f.write(request.script)
             out = slurm(list(request.sbatch), "submitting the job")
             self.job_id = out.strip().split(";")[0]
-            ops.write_id(spec.job_dir, self.job_id)
+            jobs.write_id(spec.job_dir, self.job_id)
             self.say(f"submitted Slurm job {self.job_id} ({opts.nodes} node(s))")
         # The Slurm job id once submitted (the job directory keeps it too)
         handle = {**request.handle, **({"slurm_job": self.job_id} if self.job_id else {})}
@@ -350,7 +350,7 @@ class SlurmBackend(Backend):
     def stop(self, grace: float) -> List[int]:
         if self.job_id is None and self.srun is None:
             if self.adir:  # a start that failed before submitting
-                ops.remove_plans(self.adir)
+                jobs.remove_plans(self.adir)
             return []
         self._done.set()
         if self.srun is not None:
@@ -361,11 +361,11 @@ class SlurmBackend(Backend):
                 self.srun.kill()
                 self.srun.wait()
             self.srun = None
-            ops.remove_plans(self.adir)
+            jobs.remove_plans(self.adir)
             return []
         job_id, self.job_id = self.job_id, None
         cancel_job(job_id, grace + 60)
-        ops.remove_plans(self.adir)  # the nodes that never read theirs
+        jobs.remove_plans(self.adir)  # the nodes that never read theirs
         return []
 
     def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:

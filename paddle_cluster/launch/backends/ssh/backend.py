@@ -28,7 +28,7 @@ from ...hosts import Node, Stream
 from ...plan import JobPlan, JobSpec, Topology
 from ...session import NodeSession
 from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
-from . import ops
+from . import jobs
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
@@ -88,16 +88,16 @@ class SSHBackend(Backend):
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
-        return Description("", ops.job_status(job.cfg, job.name, dict(job.ended) if job.ended else None))
+        return Description("", jobs.job_status(job.cfg, job.name, dict(job.ended) if job.ended else None))
 
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
-        ops.stream_logs(job.cfg, job.name, node, role, lines, follow, out)
+        jobs.stream_logs(job.cfg, job.name, node, role, lines, follow, out)
 
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
-        nodes = ops.kill_job(job.cfg, job.name)
-        say(ops.kill_summary(job.cfg, job.name, nodes))
+        nodes = jobs.kill_job(job.cfg, job.name)
+        say(jobs.kill_summary(job.cfg, job.name, nodes))
         return [r.line(job.name) for r in nodes]
 
     def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
