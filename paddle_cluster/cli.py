@@ -28,7 +28,8 @@ from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override, refuse_line_break
 from .launch.entry import PSERVER_CHOICES, settle
 from .launch.errors import OUTCOMES, ClusterError, ConfigError
-from .launch.plan import JobSpec, default_job_name
+from .launch.journal import default_job_name
+from .launch.plan import JobSpec
 from .launch.registry import DEFAULT
 from .launch.run import render_text, run_job, submit
 from .launch.supervise import JobResult

@@ -18,7 +18,7 @@ from helpers import assert_nothing_left, checkout_env, make_workspace, no_traceb
 from paddle_cluster.launch import journal
 from paddle_cluster.launch.config import load_config
 from paddle_cluster.launch.dispatch import pack_workspace
-from paddle_cluster.launch.plan import default_job_name
+from paddle_cluster.launch.journal import default_job_name
 from paddle_cluster.node import trees
 
 WORKERS = 6

@@ -176,7 +176,7 @@ def test_plan_with_wrong_types_is_refused():
 def test_default_job_names_of_one_config_never_repeat(tmp_path, monkeypatch):
     """Two runs started within one second get two job directories, not one refused as "already exists"."""
     from paddle_cluster.launch import journal
-    from paddle_cluster.launch.plan import default_job_name
+    from paddle_cluster.launch.journal import default_job_name
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     cfg = spec().cfg
@@ -193,7 +193,7 @@ def test_default_job_names_of_one_config_never_repeat(tmp_path, monkeypatch):
 def test_default_job_names_of_two_configs_on_the_same_hosts_never_repeat(tmp_path, monkeypatch):
     """Two configs (two conf files) naming the same hosts and ROOT_DIR, run within one second: two job names."""
     from paddle_cluster.launch import journal
-    from paddle_cluster.launch.plan import default_job_name
+    from paddle_cluster.launch.journal import default_job_name
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     a = spec().cfg

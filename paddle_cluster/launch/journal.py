@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Set
 
@@ -70,6 +71,14 @@ def record_outcome(cfg: ClusterConfig, job_name: str, exit_code: int, outcome: s
     """How ``run`` ended the job, as it printed it; ``status`` shows the same."""
     _update(cfg, lambda doc: doc.setdefault("outcomes", {}).__setitem__(job_name, {
         "exit_code": exit_code, "outcome": outcome, "message": message.splitlines()[0] if message else ""}))
+
+
+def default_job_name(cfg: ClusterConfig, reserve: bool = True) -> str:
+    """``JOB<date><time>``, with ``-2``, ``-3``... when a job started from this machine (of any config: two may
+    share hosts and ROOT_DIR) already has that name: two runs started within one second would otherwise meet in
+    one job directory. ``reserve=False`` (a dry run, which writes nothing): the stamp, not kept as taken."""
+    stamp = datetime.now().strftime("JOB%Y%m%d%H%M%S")
+    return reserve_name(cfg, stamp) if reserve else stamp
 
 
 def reserve_name(cfg: ClusterConfig, stamp: str) -> str:

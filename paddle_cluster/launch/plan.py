@@ -13,13 +13,11 @@ import ipaddress
 import secrets
 import shlex
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv
 from paddle_cluster.node.messages import NodePlan, ProcPlan
 
-from . import journal
 from .config import ClusterConfig
 from .errors import ConfigError
 
@@ -73,14 +71,6 @@ class JobSpec:
     def checkpoint_root(self) -> str:
         """Where this job's pservers read and write checkpoints."""
         return self.resume_root or f"{self.job_dir}/checkpoints"
-
-
-def default_job_name(cfg: ClusterConfig, reserve: bool = True) -> str:
-    """``JOB<date><time>``, with ``-2``, ``-3``... when a job started from this machine (of any config: two may
-    share hosts and ROOT_DIR) already has that name: two runs started within one second would otherwise meet in
-    one job directory. ``reserve=False`` (a dry run, which writes nothing): the stamp, not kept as taken."""
-    stamp = datetime.now().strftime("JOB%Y%m%d%H%M%S")
-    return journal.reserve_name(cfg, stamp) if reserve else stamp
 
 
 @dataclass(frozen=True)
