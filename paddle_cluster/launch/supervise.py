@@ -225,6 +225,12 @@ class Attempt:
             raise JobFailed(f"pservers not ready within START_TIMEOUT={start_timeout:.0f} s")
         bad = {i: why for i, why in self.ready.items() if why}
         if bad:
+            # A trainer that failed already is the cause, not a node it took down: on Kubernetes a failed trainer
+            # fails its Job, which stops the trainer pods still waiting for the pservers ("exited before its
+            # process started").
+            failed = next((p for p in self.role(TRAINER) if p.failed and p.node not in bad), None)
+            if failed is not None and not self.plan.spec.elastic:
+                raise ProcessFailed(self.failure_report(failed, ""), failed, self.headline(failed))
             lines = [f"pservers did not start listening on {self.backend.labels[i]}: {why}" for i, why in bad.items()]
             for p in self.role(PSERVER):
                 if p.node in bad and p.tail:
