@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -185,8 +186,11 @@ def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
     prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
     settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=not dry), dispatch_dir, workspace,
+    # The spec is checked before a default name is kept as taken: a refused job reserves none.
+    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=False), dispatch_dir, workspace,
                  tuple(trainer_args), init=tuple(settled.init.items()), **spec)
+    if not job_name and not dry:
+        js = dataclasses.replace(js, name=default_job_name(settled.cfg))
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)

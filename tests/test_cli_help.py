@@ -76,6 +76,8 @@ def test_a_collective_job_refuses_a_pserver_option_in_one_line(tmp_path, typed, 
     assert res.returncode == 2 and res.stderr.startswith(f"paddle-cluster: error: {named}"), res.stderr
     assert "this job has no pservers (--collective)" in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
     assert not (tmp_path / "root").exists(), "nothing may start: not even ROOT_DIR is made"
+    journals = list((tmp_path / "state").rglob("*.json"))
+    assert not [j for j in journals if "JOB" in j.read_text()], "a refused job keeps no job name as taken"
 
 
 def test_render_k8s_refuses_unknown_options_too(tmp_path):
