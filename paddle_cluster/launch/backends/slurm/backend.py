@@ -172,7 +172,10 @@ class SlurmBackend(Backend):
         srun = self.srun_argv(spec, lib, adir)
         script = batch_script(spec.name, self.attempt + 1, [
             f"--nodes={self.opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
-            f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}", *self.opts.sbatch_options()], srun)
+            f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}",
+            # A requeued job would find its nodes' plans gone (each is removed once read: it holds the job's
+            # secret) and fail at bootstrap; the launcher restarts a job itself (--max_restarts).
+            "--no-requeue", *self.opts.sbatch_options()], srun)
         sbatch = ("sbatch", "--parsable", f"{adir}/job.sh")
         return SlurmRequest(plan, (
             (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.", script),
