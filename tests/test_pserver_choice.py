@@ -14,7 +14,7 @@ from helpers import checkout_env, cli, local_conf, no_traceback
 from paddle_cluster.launch import entry
 from paddle_cluster.launch.backends.k8s import backend as k8s_backend
 from paddle_cluster.launch.config import parse_config
-from paddle_cluster.launch.plan import JobSpec
+from paddle_cluster.launch.plan import JobSpec, build_plan
 
 # A trainer-only script, as a user writes it: it checks that it runs as a trainer and trains with the runtime.
 TRAINER_ONLY = '''
@@ -113,8 +113,9 @@ def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
     for option, want in ((None, ["python3", "-m", "paddle_cluster.ps"]), ("entry", ["python3", "train.py", "--x"])):
         settled = entry.settle(cfg, None, str(ws), ["--x"], pserver=option)
         be = k8s_backend.K8sBackend(cfg, k8s_backend.K8sOptions.from_config(cfg))  # made before settling, as run
-        be.prepare(JobSpec(settled.cfg, "kjob", workspace="/workspace", trainer_args=("--x",)), lambda _s: None)
-        assert list(be.job.pserver_cmd) == want
+        spec = JobSpec(settled.cfg, "kjob", workspace="/workspace", trainer_args=("--x",))
+        request = be.render(build_plan(spec, be.prepare(spec, lambda _s: None)))
+        assert list(request.job.pserver_cmd) == want
 
 
 def test_the_first_line_names_the_pserver_on_the_builtin_local_cluster_too(tmp_path):
