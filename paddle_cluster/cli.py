@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,9 +26,8 @@ from .launch.backends import (
 )
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override, refuse_line_break
-from .launch.entry import PSERVER_CHOICES, settle
+from .launch.entry import PSERVER_CHOICES, job_spec
 from .launch.errors import OUTCOMES, ClusterError, ConfigError
-from .launch.journal import default_job_name
 from .launch.plan import JobSpec
 from .launch.registry import DEFAULT
 from .launch.run import render_text, run_job, submit
@@ -185,12 +183,8 @@ def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str
     """The job's spec, and its backend (``cfg.backend``) with the options given; ``notes``: say which pserver runs
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
     prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
-    # The spec is checked before a default name is kept as taken: a refused job reserves none.
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=False), dispatch_dir, workspace,
-                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
-    if not job_name and not dry:
-        js = dataclasses.replace(js, name=default_job_name(settled.cfg))
+    js, settled = job_spec(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver,
+                           reserve=not dry, **spec)
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)
