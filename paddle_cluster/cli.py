@@ -290,13 +290,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         cfg = override(cfg, {"backend": ("--backend", backend)})
     foreign = foreign_options(cfg.backend, backend_opts)
     if foreign:
-        owners = {owner: [f for f, o in foreign if o == owner] for _, owner in foreign}
-        chosen = "--backend" if backend else "the built-in local cluster" if cfg.is_builtin_default else \
-            f"BACKEND in {cfg.source}, else {DEFAULT}"
-        raise click.UsageError("; ".join(f"{', '.join(flags)}: for --backend {owner} only" for owner, flags in
-                                         owners.items())
-                               + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
-                               f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
+        raise click.UsageError(cmdline.not_for_this_job(cfg, foreign, bool(backend)))
     cls = backend_of(cfg)
     if detach and cls.detach:
         raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")
@@ -390,9 +384,9 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str], port: Optio
     cfg = _with_port(_config(ctx), port)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    for flag, owner in foreign_options(cfg.backend, backend_opts):
-        raise click.UsageError(f"{flag}: for --backend {owner} only (backend {cfg.backend} is checked here): add "
-                               f"--backend {owner}, or leave {flag} out")
+    foreign = foreign_options(cfg.backend, backend_opts)
+    if foreign:
+        raise click.UsageError(cmdline.not_for_this_check(cfg, foreign))
     rows = backend_of(cfg).check(cfg, backend_opts)
     kinds: Dict[type, list] = {}  # a table per kind of row (hosts, then the engine), in order
     for r in rows:
