@@ -388,21 +388,14 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str], port: Optio
     if foreign:
         raise click.UsageError(cmdline.not_for_this_check(cfg, foreign))
     rows = backend_of(cfg).check(cfg, backend_opts)
-    kinds: Dict[type, list] = {}  # a table per kind of row (hosts, then the engine), in order
-    for r in rows:
-        kinds.setdefault(type(r), []).append(r)
     if as_json:
         _out(access.as_json(rows))
     else:
-        for k, same in enumerate(kinds.values()):
+        for k, same in enumerate(access.by_kind(rows)):
             if k:
                 _out("")
             _table(list(same[0].HEADERS), [r.cells() for r in same], wrap=same[0].WRAP)
-    counts = [f"{sum(not r.ok for r in same)} of {len(same)} {same[0].NOUN}" for same in kinds.values()
-              if not all(r.ok for r in same)]
-    if counts:
-        raise ClusterError(f"{' and '.join(counts)} failed the check:"
-                           + "".join(f"\n  {r.failure()}" for r in rows if not r.ok))
+    access.verdict(rows)
 
 
 @main.command()

@@ -15,7 +15,7 @@ from paddle_cluster.node.session import Request
 from . import dispatch, machines, preflight
 from .config import ClusterConfig
 from .each_node import NodeResults, each_node
-from .errors import HostError
+from .errors import ClusterError, HostError
 from .hosts import LocalNode, Node
 from .session import NodeSession
 
@@ -168,3 +168,21 @@ def as_json(rows: list) -> str:
     """The rows as JSON; a row of ``check`` with its ``kind``: what it is ("host", "engine", "permission")."""
     return json.dumps([{**({"kind": r.NOUN.split("(")[0]} if hasattr(r, "NOUN") else {}), **r.__dict__}
                        for r in rows], indent=1)
+
+
+def by_kind(rows: Sequence[CheckLine]) -> List[List[CheckLine]]:
+    """The rows of ``check``, a table per kind of row (hosts, then the engine...), in order."""
+    kinds: Dict[type, List[CheckLine]] = {}
+    for r in rows:
+        kinds.setdefault(type(r), []).append(r)
+    return list(kinds.values())
+
+
+def verdict(rows: Sequence[CheckLine]) -> None:
+    """``check``'s verdict: a ``ClusterError`` counting the failed rows of each kind and saying each one's
+    problem, when any failed."""
+    counts = [f"{sum(not r.ok for r in same)} of {len(same)} {same[0].NOUN}" for same in by_kind(rows)
+              if not all(r.ok for r in same)]
+    if counts:
+        raise ClusterError(f"{' and '.join(counts)} failed the check:"
+                           + "".join(f"\n  {r.failure()}" for r in rows if not r.ok))
