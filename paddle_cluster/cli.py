@@ -407,13 +407,9 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     from .launch import plot as plots
 
     cls, job = _earlier(ctx, job_name)
-    name = job.name
-    cs = plots.curves(cls.metrics(job))
-    path = out_path or f"{name}.png"
-    plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
-    for c in cs:
-        _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
-             f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
+    path = out_path or f"{job.name}.png"
+    for line in plots.plot(cls.metrics(job), job.name, path):
+        _out(line)
     _say(f"wrote {os.path.abspath(path)}")
 
 
