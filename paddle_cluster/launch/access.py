@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Protocol, Sequence, Tuple
 
-from paddle_cluster.node.session import Request
+from paddle_cluster.node.session import SessionRequest
 
 from . import dispatch, machines, preflight
 from .config import ClusterConfig
@@ -34,7 +34,7 @@ def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,
     new; the library, and each node's answer or error."""
     with dispatch.library_archive() as lib, open(lib.path, "rb") as f:  # as run reads it (launch/backends/ssh)
         data = f.read()
-    req = Request(cfg.paddle_nic, cfg.root_dir, tuple(ports))
+    req = SessionRequest(cfg.paddle_nic, cfg.root_dir, tuple(ports))
 
     def probe(n: Node) -> Dict[str, Any]:
         s = NodeSession(n, lib, data, req)
