@@ -84,7 +84,7 @@ class NodeSession:
 
     def place(self) -> Dict[str, Any]:
         """Let the node put the workspace in place (every probe agreed, every node has it); its state there."""
-        self.stream.write_line(m.encode(m.Place()))
+        self.stream.write_line(m.encode(m.PlaceWorkspace()))
         return self.reply("putting the workspace in place")["workspace"]
 
     def send(self, msg: m.SessionCommand) -> None:

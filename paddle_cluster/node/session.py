@@ -5,7 +5,7 @@ channel, when its hash is new). It answers with one JSON line: the probe. On ``G
 of the workspace: that archive's tree in its cache (nothing is sent), or where the archive can come in
 (``node/chain.py``: a FIFO the launcher writes into, a port the node before connects to). The launcher's
 ``Fetch`` says which, and ``Forward`` where it goes on to; the session unpacks it as it arrives and checks the
-hash. Only on ``Place`` (every node's probe agreed and every node has the workspace) does it write: the tree
+hash. Only on ``PlaceWorkspace`` (every node's probe agreed and every node has the workspace) does it write: the tree
 into its cache and the job directory, hard links into that tree. With ``agent``
 the process then becomes the job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one
 interpreter and one channel.
@@ -107,7 +107,7 @@ class _Orders(chain.Orders):
             msg = None
         if isinstance(msg, m.Forward):
             self.forward = msg.to
-        elif isinstance(msg, m.Place):
+        elif isinstance(msg, m.PlaceWorkspace):
             self.place = True
         elif isinstance(msg, m.Abort):
             self.stop = msg.why
@@ -126,7 +126,7 @@ class _Orders(chain.Orders):
         return cmd
 
     def placed(self) -> bool:
-        """Wait for ``Place``; False when the launcher stopped the dispatch or is gone."""
+        """Wait for ``PlaceWorkspace``; False when the launcher stopped the dispatch or is gone."""
         while not self.place and not self.stop:
             self.take()
         return self.place and not self.stop
@@ -134,7 +134,7 @@ class _Orders(chain.Orders):
 
 def _workspace(req: SessionRequest, address: str) -> Tuple[Dict[str, Any], Optional[chain.Receiver]]:
     """The workspace's state on this node, and the receiver to fill when the archive must be sent. Nothing is
-    written into the job directory yet (``Place``, once every node has the workspace)."""
+    written into the job directory yet (``PlaceWorkspace``, once every node has the workspace)."""
     if req.workspace_dir:
         return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
                 or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}, None
@@ -195,7 +195,7 @@ def _job_name(name: str) -> bool:
 
 
 def _place(req: SessionRequest, orders: _Orders, unpacking: Optional[_Unpacking] = None) -> Optional[Dict[str, Any]]:
-    """On ``Place``: the received tree into the cache (``unpacking``), then the job directory made of it; None
+    """On ``PlaceWorkspace``: the received tree into the cache (``unpacking``), then the job directory made of it; None
     when the launcher stopped the dispatch instead (nothing is kept)."""
     if not orders.placed():
         if unpacking is not None:
@@ -212,7 +212,7 @@ def _place(req: SessionRequest, orders: _Orders, unpacking: Optional[_Unpacking]
 
 def _fetch(req: SessionRequest, rx: chain.Receiver, token: bytes, orders: _Orders) -> Optional[Dict[str, Any]]:
     """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
-    launcher), unpacking it into a temporary tree as it arrives; say so, and on ``Place`` put it in place;
+    launcher), unpacking it into a temporary tree as it arrives; say so, and on ``PlaceWorkspace`` put it in place;
     None when the launcher gave up."""
     while True:
         cmd = orders.command()
