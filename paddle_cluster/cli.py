@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Type
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import access, cmdline, journal
+from .launch import cmdline, journal, preflight
 from .launch.backends import (
     REGISTRY,
     backend_class,
@@ -389,13 +389,13 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str], port: Optio
         raise click.UsageError(cmdline.not_for_this_check(cfg, foreign))
     rows = backend_of(cfg).check(cfg, backend_opts)
     if as_json:
-        _out(access.as_json(rows))
+        _out(preflight.as_json(rows))
     else:
-        for k, same in enumerate(access.by_kind(rows)):
+        for k, same in enumerate(preflight.by_kind(rows)):
             if k:
                 _out("")
             _table(list(same[0].HEADERS), [r.cells() for r in same], wrap=same[0].WRAP)
-    access.verdict(rows)
+    preflight.verdict(rows)
 
 
 @main.command()
