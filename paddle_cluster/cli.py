@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -14,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Type
 import click
 
 from .contract import ContractError, check_job_name
-from .launch import access, cmdline, journal
+from .launch import cmdline, journal, preflight
 from .launch.backends import (
     REGISTRY,
     backend_class,
@@ -27,9 +26,8 @@ from .launch.backends import (
 )
 from .launch.backends.base import Backend, BackendOption, status_json
 from .launch.config import ClusterConfig, load_config, origin_line, override, refuse_line_break
-from .launch.entry import PSERVER_CHOICES, settle
+from .launch.entry import PSERVER_CHOICES, job_spec
 from .launch.errors import OUTCOMES, ClusterError, ConfigError
-from .launch.journal import default_job_name
 from .launch.plan import JobSpec
 from .launch.registry import DEFAULT
 from .launch.run import render_text, run_job, submit
@@ -185,12 +183,8 @@ def _job(cfg: ClusterConfig, job_name: Optional[str], dispatch_dir: Optional[str
     """The job's spec, and its backend (``cfg.backend``) with the options given; ``notes``: say which pserver runs
     (first), ``origin`` (the config's line), then how the entry script and the v2 options were taken (``render``
     prints only the request); ``dry``: for a dry run, which writes nothing (no job name reserved)."""
-    settled = settle(cfg, dispatch_dir, workspace, trainer_args, entry_script, pserver)
-    # The spec is checked before a default name is kept as taken: a refused job reserves none.
-    js = JobSpec(settled.cfg, job_name or default_job_name(settled.cfg, reserve=False), dispatch_dir, workspace,
-                 tuple(trainer_args), init=tuple(settled.init.items()), **spec)
-    if not job_name and not dry:
-        js = dataclasses.replace(js, name=default_job_name(settled.cfg))
+    js, settled = job_spec(cfg, job_name, dispatch_dir, workspace, trainer_args, entry_script, pserver,
+                           reserve=not dry, **spec)
     lines = [*settled.notes[:1], *([origin] if origin else []), *settled.notes[1:]]
     for line in lines if notes else ():
         _say(line)
@@ -296,13 +290,7 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
         cfg = override(cfg, {"backend": ("--backend", backend)})
     foreign = foreign_options(cfg.backend, backend_opts)
     if foreign:
-        owners = {owner: [f for f, o in foreign if o == owner] for _, owner in foreign}
-        chosen = "--backend" if backend else "the built-in local cluster" if cfg.is_builtin_default else \
-            f"BACKEND in {cfg.source}, else {DEFAULT}"
-        raise click.UsageError("; ".join(f"{', '.join(flags)}: for --backend {owner} only" for owner, flags in
-                                         owners.items())
-                               + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
-                               f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
+        raise click.UsageError(cmdline.not_for_this_job(cfg, foreign, bool(backend)))
     cls = backend_of(cfg)
     if detach and cls.detach:
         raise click.UsageError(f"--detach is not offered by backend {cfg.backend}: {cls.detach}")
@@ -396,25 +384,18 @@ def check(ctx: click.Context, as_json: bool, backend: Optional[str], port: Optio
     cfg = _with_port(_config(ctx), port)
     if backend:
         cfg = override(cfg, {"backend": ("--backend", backend)})
-    for flag, owner in foreign_options(cfg.backend, backend_opts):
-        raise click.UsageError(f"{flag}: for --backend {owner} only (backend {cfg.backend} is checked here): add "
-                               f"--backend {owner}, or leave {flag} out")
+    foreign = foreign_options(cfg.backend, backend_opts)
+    if foreign:
+        raise click.UsageError(cmdline.not_for_this_check(cfg, foreign))
     rows = backend_of(cfg).check(cfg, backend_opts)
-    kinds: Dict[type, list] = {}  # a table per kind of row (hosts, then the engine), in order
-    for r in rows:
-        kinds.setdefault(type(r), []).append(r)
     if as_json:
-        _out(access.as_json(rows))
+        _out(preflight.as_json(rows))
     else:
-        for k, same in enumerate(kinds.values()):
+        for k, same in enumerate(preflight.by_kind(rows)):
             if k:
                 _out("")
             _table(list(same[0].HEADERS), [r.cells() for r in same], wrap=same[0].WRAP)
-    counts = [f"{sum(not r.ok for r in same)} of {len(same)} {same[0].NOUN}" for same in kinds.values()
-              if not all(r.ok for r in same)]
-    if counts:
-        raise ClusterError(f"{' and '.join(counts)} failed the check:"
-                           + "".join(f"\n  {r.failure()}" for r in rows if not r.ok))
+    preflight.verdict(rows)
 
 
 @main.command()
@@ -426,13 +407,9 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     from .launch import plot as plots
 
     cls, job = _earlier(ctx, job_name)
-    name = job.name
-    cs = plots.curves(cls.metrics(job))
-    path = out_path or f"{name}.png"
-    plots.draw_png(cs, path, f"{name}: {len({c.trainer for c in cs})} trainer(s)")
-    for c in cs:
-        _out(f"{c.trainer:>9} {c.metric:<14} {plots.sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
-             f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})")
+    path = out_path or f"{job.name}.png"
+    for line in plots.plot(cls.metrics(job), job.name, path):
+        _out(line)
     _say(f"wrote {os.path.abspath(path)}")
 
 

@@ -96,17 +96,17 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
 
 def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():
     from paddle_cluster.launch.backends.mpi.backend import RANKS
-    from paddle_cluster.node.bootstrap import BootstrapError, placement
+    from paddle_cluster.node.bootstrap import BootstrapError, rank_of
 
     mpich = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "HOSTNAME": "node2"}
     ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
-    where = placement(RANKS, mpich)
+    where = rank_of(RANKS, mpich)
     assert (where.node, where.nodes, where.host) == (2, 3, "node2")
-    assert (placement(RANKS, ompi).node, placement(RANKS, ompi).nodes) == (1, 3)
+    assert (rank_of(RANKS, ompi).node, rank_of(RANKS, ompi).nodes) == (1, 3)
     with pytest.raises(BootstrapError, match="MPI_LOCALRANKID=1: node 2 is not the only process mpirun started"):
-        placement(RANKS, {**mpich, "MPI_LOCALRANKID": "1"})
+        rank_of(RANKS, {**mpich, "MPI_LOCALRANKID": "1"})
     with pytest.raises(BootstrapError, match="PMI_RANK='': expected a number set by mpirun"):
-        placement(RANKS, {})
+        rank_of(RANKS, {})
 
 
 def test_mpi_impl_is_chosen_or_detected(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from kubernetes.client import models as M
 from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
-from paddle_cluster.launch import access
+from paddle_cluster.launch import preflight
 from paddle_cluster.launch.backends.base import JobRefused, NodeLost
 from paddle_cluster.launch.backends.k8s import jobwatch
 from paddle_cluster.launch.backends.k8s import manifests as k8s
@@ -143,7 +143,7 @@ def test_status_names_each_pod_where_a_pid_would_be() -> None:
     assert (row.node, row.host, row.address, row.name, row.state) == (
         "fit-trainer-1", "worker-3", "10.1.0.11", "trainer.1", "running")
     assert row.pid is None and row.pid_text == "pod/fit-trainer-1-x7k2p"  # no pid of ours: the process is the pod
-    assert json.loads(access.as_json([row]))[0]["process"] == "pod/fit-trainer-1-x7k2p"
+    assert json.loads(preflight.as_json([row]))[0]["process"] == "pod/fit-trainer-1-x7k2p"
 
 def _watch() -> PodWatch:
     return PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})

@@ -5,17 +5,13 @@ probe, then ends. The library install and the probe exist only there."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
-from paddle_cluster.node.session import Request
+from paddle_cluster.node.session import SessionRequest
 
-from . import dispatch, machines, preflight
+from . import dispatch
 from .config import ClusterConfig
 from .each_node import NodeResults, each_node
-from .errors import HostError
 from .hosts import LocalNode, Node
 from .session import NodeSession
 
@@ -34,7 +30,7 @@ def probe_nodes(nodes: Sequence[Node], cfg: ClusterConfig,
     new; the library, and each node's answer or error."""
     with dispatch.library_archive() as lib, open(lib.path, "rb") as f:  # as run reads it (launch/backends/ssh)
         data = f.read()
-    req = Request(cfg.paddle_nic, cfg.root_dir, tuple(ports))
+    req = SessionRequest(cfg.paddle_nic, cfg.root_dir, tuple(ports))
 
     def probe(n: Node) -> Dict[str, Any]:
         s = NodeSession(n, lib, data, req)
@@ -55,116 +51,3 @@ def nodes_with_lib(cfg: ClusterConfig) -> Tuple[List[Node], dispatch.Package, Li
     except BaseException:
         each_node(nodes, lambda n: n.close())
         raise
-
-
-class CheckLine(Protocol):
-    """A row of ``paddle-cluster check``, what one backend checks (a host, a permission): its table cells under
-    ``HEADERS`` and, when not ``ok``, the line saying what is wrong."""
-
-    ok: bool
-    HEADERS: ClassVar[Tuple[str, ...]]
-    WRAP: ClassVar[Tuple[str, ...]]  # the columns that wrap to fit the terminal
-    NOUN: ClassVar[str]  # what a row is, for "2 of 3 host(s) failed the check"
-
-    def cells(self) -> List[str]: ...
-
-    def failure(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class CheckRow:
-    """A host of HOSTS as ``check`` finds it."""
-
-    node: str
-    host: str
-    ok: bool
-    ssh: str
-    python: str
-    numpy: str
-    nic: str
-    ports: str
-    root_dir: str
-    disk_free: str
-    problem: str = ""
-    interpreter: str = "-"  # the absolute path every process there runs (PYTHON as the login shell resolves it)
-
-    HEADERS: ClassVar[Tuple[str, ...]] = ("node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR")
-    WRAP: ClassVar[Tuple[str, ...]] = ("host", "python, numpy", "nic", "ports")
-    NOUN: ClassVar[str] = "host(s)"
-
-    def cells(self) -> List[str]:
-        return [self.node, self.host, self.ssh,
-                f"{self.interpreter} ({self.python}), numpy {self.numpy}" if self.python != "-" else "-", self.nic,
-                self.ports, f"{self.root_dir}, {self.disk_free} free" if self.disk_free != "-" else self.root_dir]
-
-    def failure(self) -> str:
-        return f"{self.node} ({self.host}): {self.problem}"
-
-
-@dataclass(frozen=True)
-class EngineRow:
-    """What a backend's engine needs on this machine as ``check`` finds it: the MPI launcher ``run`` would use,
-    or the Slurm client commands and the controller."""
-
-    engine: str
-    ok: bool
-    found: str
-    problem: str = ""
-
-    HEADERS: ClassVar[Tuple[str, ...]] = ("engine", "on this machine")
-    WRAP: ClassVar[Tuple[str, ...]] = ("on this machine",)
-    NOUN: ClassVar[str] = "engine(s)"
-
-    def cells(self) -> List[str]:
-        return [self.engine, self.found]
-
-    def failure(self) -> str:
-        return f"{self.engine}: {self.problem}"
-
-
-def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[CheckRow]:
-    """Preflight every host of HOSTS in parallel (a backend's ``check``); never prompts, never hangs past the
-    connect timeout. ``ignore``: the beginnings of problems that do not matter to the backend checking."""
-    nodes = make_nodes(cfg)
-
-    def check(n: Node, doc: Dict[str, Any]) -> CheckRow:
-        problems = [p for p in preflight.probe_problems(cfg, doc) if not ignore or not p.startswith(ignore)]
-        root = doc["root"]
-        free = root.get("free_bytes")
-        if free is not None and free < 1 << 30:
-            problems.append(f"only {free / 2**30:.2f} GiB free under ROOT_DIR; free space there or set ROOT_DIR "
-                            "to a larger disk")
-        return CheckRow(
-            n.name, n.spec.text, not problems, "local" if n.spec.is_local else "ok", doc["python"],
-            doc["numpy"] or "MISSING",
-            f"{cfg.paddle_nic}={doc['address'] or 'MISSING'}",
-            "taken: " + ",".join(map(str, doc["ports_taken"])) if doc["ports_taken"] else "free",
-            "writable" if root.get("writable") else "NOT WRITABLE",
-            f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems),
-            doc.get("python_path") or cfg.python)
-
-    _, res = probe_nodes(nodes, cfg, cfg.node_ports())
-    each_node(nodes, lambda n: n.close())
-    probes: Dict[int, dict] = res.values
-    seen = sorted(probes)
-    twice = machines.same_machine_problems([nodes[i].label for i in seen], [probes[i] for i in seen])
-    same = {seen[k]: why for k, why in twice.items()}
-    rows = []
-    for n in nodes:
-        if n.index in probes:
-            row = check(n, probes[n.index])
-            if n.index in same:
-                row = dataclasses.replace(row, ok=False, problem="; ".join(p for p in (row.problem, same[n.index])
-                                                                           if p))
-            rows.append(row)
-        else:
-            err = res.errors[n.index]
-            msg = err.message if isinstance(err, HostError) else f"{type(err).__name__}: {err}"
-            rows.append(CheckRow(n.name, n.spec.text, False, "FAIL", "-", "-", "-", "-", "-", "-", msg))
-    return rows
-
-
-def as_json(rows: list) -> str:
-    """The rows as JSON; a row of ``check`` with its ``kind``: what it is ("host", "engine", "permission")."""
-    return json.dumps([{**({"kind": r.NOUN.split("(")[0]} if hasattr(r, "NOUN") else {}), **r.__dict__}
-                       for r in rows], indent=1)

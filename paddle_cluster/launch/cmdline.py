@@ -1,12 +1,16 @@
 """The command line of a command that passes arguments on to the entry script (``run``, ``render k8s``): its own
 options first, the script's arguments after ``--``. An option it does not have is refused, with the closest
 one it has, before anything starts: a typo handed to the script would start the job on every host and fail
-there (``train.py: error: unrecognized arguments: --max_restart 1``), or silently run without the setting."""
+there (``train.py: error: unrecognized arguments: --max_restart 1``), or silently run without the setting. So is
+an option of another backend than the job's (``run --namespace`` on the ssh backend; ``check`` alike)."""
 
 from __future__ import annotations
 
 import difflib
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
+
+from .config import ClusterConfig
+from .registry import DEFAULT
 
 
 def _norm(option: str) -> str:
@@ -53,3 +57,22 @@ def _script_part(option: str, argv: Sequence[str]) -> str:
         if tok.startswith(option + "="):
             return tok
     return f"{option} ..."
+
+
+def not_for_this_job(cfg: ClusterConfig, foreign: Sequence[Tuple[str, str]], backend_given: bool) -> str:
+    """The usage error of ``run`` given options of other backends (``foreign``: (flag, the backends declaring it),
+    ``backends.foreign_options``): whose each is, where the job's backend came from (``backend_given``:
+    ``--backend``), and the fix."""
+    owners = {owner: [f for f, o in foreign if o == owner] for _, owner in foreign}
+    chosen = "--backend" if backend_given else "the built-in local cluster" if cfg.is_builtin_default else \
+        f"BACKEND in {cfg.source}, else {DEFAULT}"
+    return ("; ".join(f"{', '.join(flags)}: for --backend {owner} only" for owner, flags in owners.items())
+            + f" (this job runs on backend {cfg.backend}, from {chosen}): drop "
+            f"{'it' if len(foreign) == 1 else 'them'}, or run with --backend {foreign[0][1]}")
+
+
+def not_for_this_check(cfg: ClusterConfig, foreign: Sequence[Tuple[str, str]]) -> str:
+    """The usage error of ``check`` given an option of another backend (the first of ``foreign``)."""
+    flag, owner = foreign[0]
+    return (f"{flag}: for --backend {owner} only (backend {cfg.backend} is checked here): add --backend {owner}, or "
+            f"leave {flag} out")

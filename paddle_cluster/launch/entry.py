@@ -1,6 +1,6 @@
-"""A job's entry script and options, settled before anything is dispatched: which script trainers run, which
-program pservers run, and the v2 options among the arguments (``--trainer_count=4`` ->
-``PADDLE_INIT_TRAINER_COUNT``; ``--ports_num`` changes the ports).
+"""A job as its command line asks for it, settled before anything is dispatched: its spec and name (``job_spec``),
+which script trainers run, which program pservers run, and the v2 options among the arguments
+(``--trainer_count=4`` -> ``PADDLE_INIT_TRAINER_COUNT``; ``--ports_num`` changes the ports).
 
 Which pserver: ``run --pserver builtin|entry`` when given, else ``PSERVER_COMMAND`` when the config sets it (to any
 value, the built-in pserver's own command included), else the entry script when it handles the PSERVER role
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 from .. import contract
+from . import journal
 from .config import BUILTIN_PSERVER, ENTRY_PSERVER, ClusterConfig, override, refuse_line_break
 from .errors import ConfigError
+from .plan import JobSpec
 
 ARGS = "-- (the entry script's arguments)"
 PSERVER_CHOICES = {"builtin": BUILTIN_PSERVER, "entry": ENTRY_PSERVER}  # run --pserver
@@ -105,6 +107,20 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
                      f"process; the arguments reach every process that runs {cfg.entry})")
     init = {k: v for k, v in opts.items() if k not in _PORT_KEYS}
     return EntryPlan(cfg, init, tuple(notes))
+
+
+def job_spec(cfg: ClusterConfig, name: Optional[str], dispatch_dir: Optional[str], workspace: Optional[str],
+             args: Sequence[str], entry: Optional[str] = None, pserver: Optional[str] = None, reserve: bool = True,
+             **fields) -> Tuple[JobSpec, EntryPlan]:
+    """The job's spec (``fields``: its other ``JobSpec`` fields) with its config settled (``settle``), and what the
+    job's first lines say. Its name: ``name``, else the next free ``JOB<stamp>``, kept as taken (``reserve``; a dry
+    run writes nothing) only once the spec is checked: a refused job reserves none."""
+    settled = settle(cfg, dispatch_dir, workspace, args, entry, pserver)
+    spec = JobSpec(settled.cfg, name or journal.default_job_name(settled.cfg, reserve=False), dispatch_dir, workspace,
+                   tuple(args), init=tuple(settled.init.items()), **fields)
+    if not name and reserve:
+        spec = dataclasses.replace(spec, name=journal.default_job_name(settled.cfg))
+    return spec, settled
 
 
 def _collective(cfg: ClusterConfig, pserver: Optional[str]) -> str:

@@ -47,6 +47,15 @@ def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     return merged
 
 
+def plot(records: Dict[str, List[dict]], job_name: str, path: str) -> List[str]:
+    """Job ``job_name``'s curves (``records``: ``collect``'s) drawn into the PNG ``path``; a line per curve for the
+    terminal: its trainer, metric, sparkline, first and last value and steps."""
+    cs = curves(records)
+    draw_png(cs, path, f"{job_name}: {len({c.trainer for c in cs})} trainer(s)")
+    return [f"{c.trainer:>9} {c.metric:<14} {sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
+            f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})" for c in cs]
+
+
 def curves(records: Dict[str, List[dict]]) -> List[Curve]:
     """One curve per (trainer, numeric metric), ordered by step."""
     out = []

@@ -10,7 +10,7 @@ from collections import deque
 from typing import Any, Deque, Dict
 
 from paddle_cluster.node import messages as m
-from paddle_cluster.node.session import REPLY, Request
+from paddle_cluster.node.session import REPLY, SessionRequest
 
 from .dispatch import Package
 from .errors import HostError
@@ -62,7 +62,7 @@ KEPT_LINES, KEPT_CHARS = 50, 4096
 class NodeSession:
     """One node's session; after ``open`` (and ``receive``) its ``stream`` carries the agent's messages."""
 
-    def __init__(self, node: Node, lib: Package, lib_data: bytes, req: Request) -> None:
+    def __init__(self, node: Node, lib: Package, lib_data: bytes, req: SessionRequest) -> None:
         self.node, self.lib, self.lib_data, self.req = node, lib, lib_data, req
         self.stream: Stream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
                                            req.to_json()])
@@ -84,7 +84,7 @@ class NodeSession:
 
     def place(self) -> Dict[str, Any]:
         """Let the node put the workspace in place (every probe agreed, every node has it); its state there."""
-        self.stream.write_line(m.encode(m.Place()))
+        self.stream.write_line(m.encode(m.PlaceWorkspace()))
         return self.reply("putting the workspace in place")["workspace"]
 
     def send(self, msg: m.SessionCommand) -> None:

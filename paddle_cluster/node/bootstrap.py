@@ -1,7 +1,7 @@
 """``python -m paddle_cluster.node bootstrap``: a node's agent started by an engine (``mpirun``, ``mpiexec``,
 ``srun``), not over the launcher's SSH channel. Standard library only.
 
-It learns which node it is from the engine's variables (``placement``; which variables those are, ``RankVars``, the
+It learns which node it is from the engine's variables (``rank_of``; which variables those are, ``RankVars``, the
 launcher's backend declares beside itself and passes as ``--ranks``), reads its share of the job from the
 plan file the launcher wrote (every node's ``Start`` line), and runs it with the same ``Supervisor`` as the
 SSH backend: same processes, same environment contract, same events (JSON lines on stdout, or appended to
@@ -60,8 +60,9 @@ class RankVars:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where the engine put this process: node ``node`` of ``nodes``, on the host the engine calls ``host``."""
+class Rank:
+    """This process's rank as the engine started it (``RankVars``' values): node ``node`` of ``nodes``, on the host
+    the engine calls ``host``. Not ``ps.placement``'s placing of parameter blocks."""
 
     engine: str
     node: int
@@ -69,7 +70,7 @@ class Placement:
     host: str
 
 
-def placement(ranks: RankVars, environ: Mapping[str, str]) -> Placement:
+def rank_of(ranks: RankVars, environ: Mapping[str, str]) -> Rank:
     """This process's node index from the engine's variables; one process per host is required."""
     def number(names: str) -> Tuple[str, int]:
         name = next((n for n in names.split("|") if n in environ), names.split("|")[-1])
@@ -83,7 +84,7 @@ def placement(ranks: RankVars, environ: Mapping[str, str]) -> Placement:
         raise BootstrapError(f"{local_name}={local}: node {node} is not the only process {ranks.engine} started on "
                              "its host: start one per host (the command paddle-cluster renders does)")
     host = next((environ[n] for n in (*ranks.host.split("|"), "HOSTNAME") if n and environ.get(n)), "")
-    return Placement(ranks.engine, node, nodes, host or os.uname().nodename)
+    return Rank(ranks.engine, node, nodes, host or os.uname().nodename)
 
 
 def placeholder(node: int) -> str:
@@ -91,7 +92,7 @@ def placeholder(node: int) -> str:
     return f"node{node}.address.pending"
 
 
-def rendezvous(directory: str, where: Placement, nic: str, timeout: float) -> Dict[int, str]:
+def rendezvous(directory: str, where: Rank, nic: str, timeout: float) -> Dict[int, str]:
     """Publish this node's address on ``nic`` and wait for every node's; {node: address}. A node that
     cannot find its address publishes why, so every node fails with that reason instead of a timeout."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -183,7 +184,7 @@ def main(ranks: str, plan_path: str, grace: float, events: str = "", rendezvous_
     it holds stays on disk only until the agent has it."""
     env = os.environ if environ is None else environ
     try:
-        where = placement(RankVars.parse(ranks), env)
+        where = rank_of(RankVars.parse(ranks), env)
     except BootstrapError as e:
         print(f"paddle-cluster bootstrap: error: {e}", flush=True)
         return 2

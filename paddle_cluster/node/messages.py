@@ -115,7 +115,7 @@ class Seal:
 
 
 @dataclass(frozen=True)
-class Place:
+class PlaceWorkspace:
     """Every node has the workspace: put the tree in the cache and the job directory in place."""
 
 
@@ -200,10 +200,10 @@ class Stopped:
 
 
 COMMANDS = (Start, Ping, Stop)
-SESSION = (Go, Fetch, Forward, Seal, Place, Abort)
+SESSION = (Go, Fetch, Forward, Seal, PlaceWorkspace, Abort)
 EVENTS = (Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped)
 Command = Union[Start, Ping, Stop]
-SessionCommand = Union[Go, Fetch, Forward, Seal, Place, Abort]
+SessionCommand = Union[Go, Fetch, Forward, Seal, PlaceWorkspace, Abort]
 Event = Union[Log, Started, Exited, Ready, NotReady, Note, Heartbeat, Stopping, Stopped]
 _TYPES: Dict[str, Type[Any]] = {c.__name__: c for c in COMMANDS + SESSION + EVENTS}
 

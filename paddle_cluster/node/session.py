@@ -1,11 +1,11 @@
 """``node session``: everything the launcher needs from a node before a job, in one process on one channel.
 
-The launcher starts it with a ``Request`` (``launch/session.py`` installs the library first, on the same
+The launcher starts it with a ``SessionRequest`` (``launch/session.py`` installs the library first, on the same
 channel, when its hash is new). It answers with one JSON line: the probe. On ``Go`` it answers what it holds
 of the workspace: that archive's tree in its cache (nothing is sent), or where the archive can come in
 (``node/chain.py``: a FIFO the launcher writes into, a port the node before connects to). The launcher's
 ``Fetch`` says which, and ``Forward`` where it goes on to; the session unpacks it as it arrives and checks the
-hash. Only on ``Place`` (every node's probe agreed and every node has the workspace) does it write: the tree
+hash. Only on ``PlaceWorkspace`` (every node's probe agreed and every node has the workspace) does it write: the tree
 into its cache and the job directory, hard links into that tree. With ``agent``
 the process then becomes the job's ``supervise`` agent on the same stdin/stdout, so a job costs each node one
 interpreter and one channel.
@@ -35,7 +35,7 @@ SHA = re.compile("[0-9a-f]{64}")  # a sealed hash names a directory: nothing els
 
 
 @dataclass(frozen=True)
-class Request:
+class SessionRequest:
     """What the launcher asks of a node: probe (``nic``, ``ports``, ``root``), then the workspace -- the
     archive ``workspace_sha`` copied into ``job_dir``, or (``workspace_dir``) a directory that must exist, with
     ``workspace_script`` in it -- and, with ``agent``, run the job's agent afterwards."""
@@ -64,7 +64,7 @@ class Request:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> Request:
+    def from_json(cls, text: str) -> SessionRequest:
         doc = json.loads(text)
         doc["ports"] = tuple(doc.get("ports", ()))
         doc["pservers"] = tuple(doc.get("pservers", ()))
@@ -107,7 +107,7 @@ class _Orders(chain.Orders):
             msg = None
         if isinstance(msg, m.Forward):
             self.forward = msg.to
-        elif isinstance(msg, m.Place):
+        elif isinstance(msg, m.PlaceWorkspace):
             self.place = True
         elif isinstance(msg, m.Abort):
             self.stop = msg.why
@@ -126,15 +126,15 @@ class _Orders(chain.Orders):
         return cmd
 
     def placed(self) -> bool:
-        """Wait for ``Place``; False when the launcher stopped the dispatch or is gone."""
+        """Wait for ``PlaceWorkspace``; False when the launcher stopped the dispatch or is gone."""
         while not self.place and not self.stop:
             self.take()
         return self.place and not self.stop
 
 
-def _workspace(req: Request, address: str) -> Tuple[Dict[str, Any], Optional[chain.Receiver]]:
+def _workspace(req: SessionRequest, address: str) -> Tuple[Dict[str, Any], Optional[chain.Receiver]]:
     """The workspace's state on this node, and the receiver to fill when the archive must be sent. Nothing is
-    written into the job directory yet (``Place``, once every node has the workspace)."""
+    written into the job directory yet (``PlaceWorkspace``, once every node has the workspace)."""
     if req.workspace_dir:
         return {"exists": os.path.isdir(req.workspace_dir), "script": not req.workspace_script
                 or os.path.isfile(os.path.join(req.workspace_dir, req.workspace_script))}, None
@@ -172,7 +172,7 @@ def _sweep(root: str, jobs: str) -> None:
     sweep_stale(jobs, ("linking", "unpacking"), _job_name)
 
 
-def _checkpoints(req: Request) -> Dict[str, Any]:
+def _checkpoints(req: SessionRequest) -> Dict[str, Any]:
     """What the checkpoint root holds of this node's pservers' shards (``ps.checkpoint.survey``), or why that
     cannot be told."""
     try:
@@ -194,8 +194,8 @@ def _job_name(name: str) -> bool:
     return True
 
 
-def _place(req: Request, orders: _Orders, unpacking: Optional[_Unpacking] = None) -> Optional[Dict[str, Any]]:
-    """On ``Place``: the received tree into the cache (``unpacking``), then the job directory made of it; None
+def _place(req: SessionRequest, orders: _Orders, unpacking: Optional[_Unpacking] = None) -> Optional[Dict[str, Any]]:
+    """On ``PlaceWorkspace``: the received tree into the cache (``unpacking``), then the job directory made of it; None
     when the launcher stopped the dispatch instead (nothing is kept)."""
     if not orders.placed():
         if unpacking is not None:
@@ -210,9 +210,9 @@ def _place(req: Request, orders: _Orders, unpacking: Optional[_Unpacking] = None
     return {"ok": False, "error": str(error)} if error is not None else {"ok": True, "sent": unpacking is not None}
 
 
-def _fetch(req: Request, rx: chain.Receiver, token: bytes, orders: _Orders) -> Optional[Dict[str, Any]]:
+def _fetch(req: SessionRequest, rx: chain.Receiver, token: bytes, orders: _Orders) -> Optional[Dict[str, Any]]:
     """Receive the archive as the launcher says (``Fetch``; after a failed chain link, again from the
-    launcher), unpacking it into a temporary tree as it arrives; say so, and on ``Place`` put it in place;
+    launcher), unpacking it into a temporary tree as it arrives; say so, and on ``PlaceWorkspace`` put it in place;
     None when the launcher gave up."""
     while True:
         cmd = orders.command()
@@ -248,7 +248,7 @@ class _Unpacking:
     """An archive streamed through a pipe (``out``) into the cache's unpacker while it arrives; the tree is put
     in the cache only by ``finish(sha)`` (its hash was right, and every node has it), named ``sha``."""
 
-    def __init__(self, req: Request, size: int, base: str) -> None:
+    def __init__(self, req: SessionRequest, size: int, base: str) -> None:
         r, w = os.pipe()
         try:
             fcntl.fcntl(w, F_SETPIPE_SZ, chain.CHUNK)
@@ -260,7 +260,7 @@ class _Unpacking:
         self.thread = threading.Thread(target=self._run, args=(r, req, size, base), name="unpack")
         self.thread.start()
 
-    def _run(self, r: int, req: Request, size: int, base: str) -> None:
+    def _run(self, r: int, req: SessionRequest, size: int, base: str) -> None:
         with os.fdopen(r, "rb") as f:
             def verified() -> bool:
                 while f.read(chain.CHUNK):  # the tar's padding: let the transfer finish before asking
@@ -293,7 +293,7 @@ class _Unpacking:
 
 
 def main(text: str) -> int:
-    req = Request.from_json(text)
+    req = SessionRequest.from_json(text)
     found = probe.probe(req.nic, req.ports, req.root)
     if req.checkpoints:
         found["checkpoints"] = _checkpoints(req)

@@ -30,7 +30,7 @@ from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, Topology
 
 if TYPE_CHECKING:
-    from ..access import CheckLine
+    from ..preflight import CheckLine
     from ..top import Source
 
 
@@ -205,7 +205,7 @@ class Backend(ABC):
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
         """``paddle-cluster check``: whether what its jobs run on is ready (``checks``), a row per thing checked,
         with the declared options marked ``check`` given (absent ones None)."""
-        from ..access import check_cluster
+        from ..preflight import check_cluster
 
         if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way
             raise ClusterError(f"check --backend {cls.name}: nothing to check here (no HOSTS, and backend "

@@ -32,12 +32,12 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import RankVars
 
 from ... import dispatch
-from ...access import CheckLine, EngineRow
 from ...config import ClusterConfig, ConfKey
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec, Topology
+from ...preflight import CheckLine, EngineRow
 from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
 from ..ssh.backend import SSHBackend
 

@@ -31,11 +31,12 @@ from paddle_cluster.node import private
 from paddle_cluster.node.bootstrap import RankVars, placeholder
 
 from ... import dispatch, resume
-from ...access import CheckLine, probe_nodes
+from ...access import probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
 from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, Topology
+from ...preflight import CheckLine
 from ...top import DirsSource
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Request, plan_text
 from . import jobs

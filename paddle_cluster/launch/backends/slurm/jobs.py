@@ -17,10 +17,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, private, procs
 
-from ...access import CheckLine, EngineRow, check_cluster
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
+from ...preflight import CheckLine, EngineRow, check_cluster
 from ..base import ProcRow
 
 _FIELD = re.compile(r"(\S+?)=(\S*)")

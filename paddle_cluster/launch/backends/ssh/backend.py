@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Union
 
 from paddle_cluster.node import messages as m
-from paddle_cluster.node.session import Request as SessionRequest
+from paddle_cluster.node.session import SessionRequest
 
 from ... import dispatch, machines, preflight, relay, resume
 from ...access import make_nodes
