@@ -131,6 +131,7 @@ class Suite:
         for n in (1, 2):
             self._sgd(n)
             self._frames(n, 2)
+            self._frames(n, 2, shm=True)
         for mb in c["blocks"]:
             res = dense.run(size, 1, max_block=mb, warmup=w, reps=max(3, r - 2))
             st = dense.step_stats(res, "pushpull")
@@ -165,17 +166,19 @@ class Suite:
                          None, check=chk, extra={"cpu": cpu.to_dict()}))
             self.m["cpu"][key] = cpu
 
-    def _frames(self, trainers: int, servers: int) -> None:
+    def _frames(self, trainers: int, servers: int, shm: bool = False) -> None:
         """Plain sockets sending our frames with our SGD (bench.frames), once per run: what the PS's traffic
-        pattern costs with nothing of ours, for the CPU bounds."""
+        pattern costs with nothing of ours, for the CPU bounds; ``shm``: the arrays through shared memory, what a
+        same-host lane would cost (not built in the runtime; its own row, never read as TCP)."""
         from . import frames
 
         c = self.cfg
-        key = f"frames{trainers}_{servers}"
+        key = f"{'shm' if shm else 'frames'}{trainers}_{servers}"
         if key in self.m["cpu"]:
             return
-        st, ok, cpu = frames.measure(trainers, c["size"], c["reps"], servers=servers, warmup=c["warmup"])
-        self.add(Row("cpu", f"plain sockets in our frames, {trainers} trainer(s), {servers} servers, "
+        st, ok, cpu = frames.measure(trainers, c["size"], c["reps"], servers=servers, warmup=c["warmup"], shm=shm)
+        what = "the same pattern through shared memory (a same-host lane)" if shm else "plain sockets in our frames"
+        self.add(Row("cpu", f"{what}, {trainers} trainer(s), {servers} servers, "
                             f"{c['size'] // MB} MB", 1e3 * cpu.per_step, "ms CPU", None,
                      check="ok" if ok else "FAILED: values", note=f"step {1e3 * st.median:.1f} ms",
                      extra={"cpu": cpu.to_dict(), **st.to_dict()}))

@@ -13,16 +13,24 @@ SGD kernel, so the dense rows can be read as "the pattern" plus "ours above it".
 is applied, sending header and block in ``SEGMENT`` pieces. Sockets are blocking with ``TCP_NODELAY``; a
 client reads its replies on a thread per server while it sends. No authentication, MACs, step checks or
 error paths. The check: every value pulled after the last step is ``-lr * steps``.
+
+``shm=True`` measures a same-host lane instead (what a trainer and a pserver on one node could share; not
+built in the runtime): each client has two shared-memory areas of the model's size mapped by every server,
+one it copies its gradients into, one the servers copy the values into; the socket carries only the
+headers. A push is the client's copy plus the server's SGD straight from the shared gradient; a pull is the
+server's copy into the shared values (the client's receive buffers): one copy per byte each way where TCP
+makes two kernel copies.
 """
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import socket
 import struct
 import threading
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -52,13 +60,25 @@ def _recv(s: socket.socket, view: memoryview) -> None:
         got += r
 
 
-def _server(ports, trainers: int, n_blocks: int, block: int, done) -> None:
+def _lane(buf: mmap.mmap, server: int, shard: int) -> np.ndarray:
+    """The part of a client's shared area (``shm``) that holds server ``server``'s shard, as float32."""
+    return np.frombuffer(buf, np.float32, shard // 4, server * shard)
+
+
+def _server(ports, trainers: int, n_blocks: int, block: int, done, index: int = 0,
+            lanes: Optional[List[Tuple[mmap.mmap, mmap.mmap]]] = None) -> None:
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
     ls.listen(trainers)
-    ports.put(ls.getsockname()[1])
-    conns = [ls.accept()[0] for _ in range(trainers)]
+    ports.put((index, ls.getsockname()[1]))
+    conns = []
+    for _ in range(trainers):  # each client says which it is (its shared areas)
+        c = ls.accept()[0]
+        who = bytearray(1)
+        _recv(c, memoryview(who))
+        conns.append((c, who[0]))
     elems, seg = block // 4, SEGMENT // 4
+    shared = [(_lane(gb, index, n_blocks * block), _lane(vb, index, n_blocks * block)) for gb, vb in lanes or []]
     param = [np.zeros(elems, np.float32) for _ in range(n_blocks)]
     acc = [np.zeros(elems, np.float32) for _ in range(n_blocks)]
     seen = [[0] * -(-elems // seg) for _ in range(n_blocks)]  # contributions to each segment this step
@@ -66,10 +86,11 @@ def _server(ports, trainers: int, n_blocks: int, block: int, done) -> None:
     left = [len(s) for s in seen]  # segments of the block's current step still to apply
     cv = threading.Condition()
 
-    def serve(c: socket.socket) -> None:
+    def serve(c: socket.socket, j: int) -> None:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hdr = memoryview(bytearray(HEADER_SIZE))
         g = np.empty(seg, np.float32)
+        sg, sv = shared[j] if shared else (None, None)
         ok = _frame(0, 0, 0)
         while True:
             try:
@@ -80,7 +101,10 @@ def _server(ports, trainers: int, n_blocks: int, block: int, done) -> None:
             if op == PUSH:
                 for i, lo in enumerate(range(0, elems, seg)):
                     n = min(seg, elems - lo)
-                    _recv(c, memoryview(g[:n]).cast("B"))
+                    if sg is None:
+                        _recv(c, memoryview(g[:n]).cast("B"))
+                    else:  # the gradient is already in the shared area (the client's copy; SGD may overwrite it)
+                        g = sg[k * elems + lo:k * elems + lo + n]
                     with cv:
                         a, p = acc[k][lo:lo + n], param[k][lo:lo + n]
                         if seen[k][i] + 1 == trainers:  # the last one: sum, average, apply
@@ -100,38 +124,56 @@ def _server(ports, trainers: int, n_blocks: int, block: int, done) -> None:
                 with cv:
                     while applied[k] < step:
                         cv.wait()
+                if sv is not None:
+                    np.copyto(sv[k * elems:(k + 1) * elems], param[k])
+                    c.sendall(_frame(0, k, step))
+                    continue
                 v = memoryview(param[k]).cast("B")
                 c.sendall(_frame(0, k, step))
                 for lo in range(0, len(v), SEGMENT):
                     c.sendall(v[lo:lo + SEGMENT])
 
-    th = [threading.Thread(target=serve, args=(c,), daemon=True) for c in conns]
+    th = [threading.Thread(target=serve, args=c, daemon=True) for c in conns]
     for t in th:
         t.start()
     done.wait()
 
 
-def _client(ports: List[int], n_blocks: int, block: int, steps: int, barrier, done, bad) -> None:
+def _client(ports: List[int], n_blocks: int, block: int, steps: int, barrier, done, bad, index: int = 0,
+            lane: Optional[Tuple[mmap.mmap, mmap.mmap]] = None) -> None:
     socks = [socket.create_connection(("127.0.0.1", p)) for p in ports]
     for s in socks:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    grad = memoryview(np.ones(n_blocks * block // 4, np.float32)).cast("B")
-    values = [np.zeros(n_blocks * block // 4, np.float32) for _ in socks]
+        s.sendall(bytes([index]))
+    shard = n_blocks * block
+    grad = np.ones(shard // 4, np.float32)
+    if lane is None:
+        values = [np.zeros(shard // 4, np.float32) for _ in socks]
+    else:  # the servers copy the values straight into the shared area: the client's receive buffers
+        values = [_lane(lane[1], j, shard) for j in range(len(socks))]
+    gview = memoryview(grad).cast("B")
 
     def one(j: int, step: int) -> None:
         s, out = socks[j], memoryview(values[j]).cast("B")
+        stage = None if lane is None else _lane(lane[0], j, shard)
 
         def replies() -> None:
             h = memoryview(bytearray(HEADER_SIZE))
             for k in range(n_blocks):
                 _recv(s, h)  # OK to the push
                 _recv(s, h)  # the pull's header
-                _recv(s, out[k * block:(k + 1) * block])
+                if lane is None:
+                    _recv(s, out[k * block:(k + 1) * block])
 
         r = threading.Thread(target=replies)
         r.start()
         for k in range(n_blocks):
-            s.sendmsg([_frame(PUSH, k, step), grad[k * block:(k + 1) * block]])
+            if stage is None:
+                s.sendmsg([_frame(PUSH, k, step), gview[k * block:(k + 1) * block]])
+            else:
+                lo, hi = k * block // 4, (k + 1) * block // 4
+                np.copyto(stage[lo:hi], grad[lo:hi])
+                s.sendall(_frame(PUSH, k, step))
             s.sendall(_frame(PULL, k, step + 1))
         r.join()
 
@@ -151,25 +193,29 @@ def _client(ports: List[int], n_blocks: int, block: int, steps: int, barrier, do
         s.close()
 
 
-def measure(trainers: int, size: int, reps: int, block: int = 4 << 20, servers: int = 2, warmup: int = 2
-            ) -> Tuple[Stats, bool, Cpu]:
-    """Step times of ``trainers`` plain-socket clients on ``servers`` plain-socket servers (module doc); the
-    check passed; the CPU of every client and server over the timed steps."""
+def measure(trainers: int, size: int, reps: int, block: int = 4 << 20, servers: int = 2, warmup: int = 2,
+            shm: bool = False) -> Tuple[Stats, bool, Cpu]:
+    """Step times of ``trainers`` plain-socket clients on ``servers`` plain-socket servers (module doc; ``shm``:
+    the arrays through shared memory); the check passed; the CPU of every client and server over the timed
+    steps."""
     block = min(block, size // servers)
     n_blocks = size // servers // block
+    # Anonymous shared mappings, inherited by the forked processes: nothing is left behind however they end.
+    lanes = [(mmap.mmap(-1, size), mmap.mmap(-1, size)) for _ in range(trainers)] if shm else None
     steps = warmup + reps
     done, bad = _CTX.Event(), _CTX.Value("i", 0)
     port_q = _CTX.Queue()
     procs: List[mp.Process] = []
     try:
-        for _ in range(servers):
-            procs.append(_CTX.Process(target=_server, args=(port_q, trainers, n_blocks, block, done), daemon=True))
-            procs[-1].start()
-        ports = [port_q.get(timeout=20) for _ in range(servers)]
-        barrier = _CTX.Barrier(trainers + 1)
-        for _ in range(trainers):
-            procs.append(_CTX.Process(target=_client, args=(ports, n_blocks, block, steps, barrier, done, bad),
+        for k in range(servers):
+            procs.append(_CTX.Process(target=_server, args=(port_q, trainers, n_blocks, block, done, k, lanes),
                                       daemon=True))
+            procs[-1].start()
+        ports = [p for _, p in sorted(port_q.get(timeout=20) for _ in range(servers))]  # server k's port k
+        barrier = _CTX.Barrier(trainers + 1)
+        for i in range(trainers):
+            procs.append(_CTX.Process(target=_client, args=(ports, n_blocks, block, steps, barrier, done, bad, i,
+                                                            lanes[i] if lanes else None), daemon=True))
             procs[-1].start()
         names = {p.pid: f"{'server' if i < servers else 'client'} {i % servers if i < servers else i - servers}"
                  for i, p in enumerate(procs)}

@@ -105,7 +105,11 @@ def sgd(param: np.ndarray, grad: np.ndarray, lr: float, *, out: Optional[np.ndar
     several contributions is summed, averaged and applied while each chunk is in cache. Rounding is that
     of ``param -= lr * g`` with ``g = (grad + plus) / n``, whatever the chunking."""
     out = grad if out is None else out
-    if not all(a.flags.c_contiguous for a in (param, grad, out) + (() if plus is None else (plus,))):
+    if param.size <= CHUNK_ELEMS:  # one chunk (a fold segment): one pass, whatever the layout
+        _sgd_pass(param, grad, out, plus, lr, n)
+        return
+    if not (param.flags.c_contiguous and grad.flags.c_contiguous and out.flags.c_contiguous
+            and (plus is None or plus.flags.c_contiguous)):
         _sgd_pass(param, grad, out, plus, lr, n)  # a strided view: flattening would copy and lose the update
         return
     pf, gf, of = param.reshape(-1), grad.reshape(-1), out.reshape(-1)

@@ -24,7 +24,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
@@ -177,17 +177,16 @@ class DenseBlock(Shard):
             self.opt.apply(self.param, g)
         self.check_update(self.param, by, self.step.n)
 
-    def check_update(self, values: np.ndarray, by: str, step: int) -> None:
-        """(Holding ``cv``.) After an update of step ``step`` from ``by``'s gradients wrote ``values`` (the block or
-        a segment): refuse one that made them NaN or Inf (``NonFinite``). The values it wrote are lost, so the
-        block serves nothing more (``error``): its pulls and the job's checkpoints fail naming it."""
-        if self.finite:
-            try:
-                finite.updated(values, self.label(), by, step)
-            except NonFinite as e:
-                self.error = str(e)
-                self.wake()  # its waiting pulls fail with the same message (``Step.wait``)
-                raise
+    def check_update(self, values: np.ndarray, by: Union[str, AbstractSet[int]], step: int) -> None:
+        """(Holding ``cv``.) After an update of step ``step`` from ``by``'s gradients ("trainer 1", or the set of
+        trainers) wrote ``values`` (the block or a segment): refuse one that made them NaN or Inf (``NonFinite``).
+        The values it wrote are lost, so the block serves nothing more (``error``): its pulls and the job's
+        checkpoints fail naming it. The message is built only then (this runs for every segment)."""
+        if self.finite and not finite.all_finite(values):
+            e = finite.update_refused(self.label(), by if isinstance(by, str) else finite.trainers(by), step)
+            self.error = str(e)
+            self.wake()  # its waiting pulls fail with the same message (``Step.wait``)
+            raise e
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -250,7 +249,7 @@ class DenseBlock(Shard):
         if not new:
             conn.stream.discard()
             return True
-        check = (lambda g: finite.check(g, self.label(), t, h.step)) if self.finite else None
+        check = self._checker(t, h.step)
         try:
             if self.folds():
                 self.push_segments(t, h.step, conn.stream.chunks, check)
@@ -276,6 +275,17 @@ class DenseBlock(Shard):
                 # Those waiting on the block (its step, its sum's order) look again; a segment's waiters were woken
                 # as their segment landed and wait for nothing this changes.
                 self.cv.notify_all()
+
+    def _checker(self, t: int, step: int) -> Optional[Callable[[np.ndarray], None]]:
+        """What refuses trainer ``t``'s gradient for ``step`` if it holds NaN or Inf (None: the pserver accepts
+        them); called for every segment, so the message is built only on a refusal."""
+        if not self.finite:
+            return None
+
+        def check(g: np.ndarray) -> None:
+            if not finite.all_finite(g):
+                raise finite.push_refused(self.label(), t, step)
+        return check
 
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
@@ -328,10 +338,11 @@ class DenseBlock(Shard):
         pflat = self.param.reshape(-1)
         what = f"push {self.label()}"
         held: List[np.ndarray] = []  # the slot the current segment is being received into
+        may_start = sync.first_two(t)  # asked once per push: the active set changes only when a trainer closes
 
         def into(off: int) -> Optional[np.ndarray]:
             # Unlocked: a stale answer costs a copy (a slot taken for nothing goes back), never a wrong sum.
-            first = off // SEGMENT not in self.segs and self.step.n == step and sync.first_two(t)
+            first = may_start and off // SEGMENT not in self.segs and self.step.n == step
             slot = pool.try_take() if first else None
             if slot is not None:
                 held.append(slot)
@@ -355,10 +366,11 @@ class DenseBlock(Shard):
         i = off // SEGMENT
         kept = False
         try:
-            with self.cv:
-                def turn() -> bool:
-                    return self.step.n != step or sync.in_order(t, self._who(i))
-                if not turn():  # checked first: the wait's message is built only when it waits
+            with self.lock:  # ``cv``'s lock: a Condition's ``with`` is one more Python call per segment
+                s = self.segs.get(i)
+                if self.step.n == step and not sync.in_order(t, _NOBODY if s is None else s.who):
+                    def turn() -> bool:  # made only when it waits
+                        return self.step.n != step or sync.in_order(t, self._who(i))
                     sync.wait(self.seg_cv[i], turn, step, f"{what}: summing in trainer order",
                               lambda: {u for u in sync.active if u < t} - self._who(i))
                 s = self.segs.get(i)
@@ -393,7 +405,7 @@ class DenseBlock(Shard):
                         self.seg_cv[i].notify_all()
                         return
                 # One pass over the segment while it is in cache; refused, the step never completes.
-                self.check_update(p, f"trainer {t}" if s is None else finite.trainers(s.who | {t}), step)
+                self.check_update(p, f"trainer {t}" if s is None else s.who | {t}, step)
                 if s is not None:
                     self._free(i)
                 self._segment_done(i)
@@ -455,7 +467,7 @@ class DenseBlock(Shard):
                 with sync.rw.shared():
                     sync.apply_hyper(self, self.step.n)
                     _sgd(self, p, s.acc, None, len(s.who))
-                self.check_update(p, finite.trainers(s.who), self.step.n)
+                self.check_update(p, s.who, self.step.n)
                 self._free(i)
                 self._segment_done(i)
 

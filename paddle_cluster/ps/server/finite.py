@@ -33,14 +33,24 @@ def updated(a: np.ndarray, what: str, by: str, step: int) -> None:
     """Raise ``NonFinite`` unless ``a``, the values an update of ``what`` (the parameter) at ``step`` made from
     ``by``'s gradients ("trainer 1", "trainers 0, 1"), is finite: finite gradients can still overflow it."""
     if not all_finite(a):
-        raise NonFinite(f"the update of {what} at step {step} from {by}'s gradient would make it hold NaN or Inf "
-                        "(finite values overflowed: lower the learning rate, clip the gradients); refused "
-                        "(PADDLE_ALLOW_NONFINITE=1 accepts it)")
+        raise update_refused(what, by, step)
+
+
+def update_refused(what: str, by: str, step: int) -> NonFinite:
+    """What ``updated`` raises (a caller checking ``all_finite`` itself builds the message only on failure)."""
+    return NonFinite(f"the update of {what} at step {step} from {by}'s gradient would make it hold NaN or Inf "
+                     "(finite values overflowed: lower the learning rate, clip the gradients); refused "
+                     "(PADDLE_ALLOW_NONFINITE=1 accepts it)")
 
 
 def check(a: np.ndarray, what: str, trainer: int, step: int) -> None:
     """Raise ``NonFinite`` naming ``what`` (the parameter) and the trainer unless ``a`` is finite."""
     if not all_finite(a):
-        raise NonFinite(f"trainer {trainer} pushed a gradient of {what} holding NaN or Inf at step {step}; refused "
-                        "so it cannot reach the other trainers' parameters (look for a diverging loss or bad input "
-                        "in that trainer; PADDLE_ALLOW_NONFINITE=1 accepts such gradients)")
+        raise push_refused(what, trainer, step)
+
+
+def push_refused(what: str, trainer: int, step: int) -> NonFinite:
+    """What ``check`` raises."""
+    return NonFinite(f"trainer {trainer} pushed a gradient of {what} holding NaN or Inf at step {step}; refused "
+                     "so it cannot reach the other trainers' parameters (look for a diverging loss or bad input "
+                     "in that trainer; PADDLE_ALLOW_NONFINITE=1 accepts such gradients)")

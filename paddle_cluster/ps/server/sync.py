@@ -106,10 +106,12 @@ class RWLock:
     """Optimizer applies share it; a checkpoint snapshot takes it exclusively (a consistent cut).
 
     ``shared()`` is taken for every segment applied, so it is the lock itself (entered as a reader), not a
-    generator, and a reader leaving wakes no one unless a writer waits for the last one."""
+    generator, entered through the plain lock (a ``Condition``'s ``with`` is a Python call), and a reader
+    leaving wakes no one unless a writer waits for the last one."""
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
+        self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)
         self._readers = 0
         self._writer = False
 
@@ -117,13 +119,13 @@ class RWLock:
         return self
 
     def __enter__(self) -> None:
-        with self._cv:
+        with self._mu:
             while self._writer:
                 self._cv.wait()
             self._readers += 1
 
     def __exit__(self, *exc: Any) -> None:
-        with self._cv:
+        with self._mu:
             self._readers -= 1
             if self._writer and not self._readers:
                 self._cv.notify_all()

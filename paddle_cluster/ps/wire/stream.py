@@ -248,8 +248,10 @@ class Stream:
         if self.stall is None:
             P.recv_views(self.sock, views)
             return
-        views = [v for v in views if len(v)]
-        n = sum(len(v) for v in views)
+        if len(views) > 1:
+            views = [v for v in views if len(v)]
+        elif not len(views[0]):
+            return
         got = 0
         while views:
             t0 = time.monotonic()
@@ -262,7 +264,7 @@ class Stream:
                 raise ConnectionLost(f"connection reset: {e}") from None
             self._clock -= time.monotonic() - t0
             if r == 0:
-                raise ConnectionLost(f"connection closed after {got} of {n} bytes")
+                raise ConnectionLost(f"connection closed after {got} of {got + sum(map(len, views))} bytes")
             if r > 0:
                 got += r
                 P.consume(views, r)
