@@ -1,10 +1,11 @@
 """A changed workspace sent as only its changed files, against a tree a node already holds.
 
 The launcher knows, for each workspace archive it caches, what every file was (its SHA-256 and whether it is
-executable, or a link's target: kept when it was packed, or read from the archive of one packed as it was sent). A node that lacks the new archive names its most recent cached tree (its
-``base``); when the launcher made that one too, it sends a delta archive: the new and changed files, and
-``.paddle-delta.json`` listing the files to take unchanged from the base tree. The node hard-links those, adds
-the delta and keeps the result under the new archive's hash (``node/trees.py``).
+executable, or a link's target: kept when it was packed, or read from the archive of one packed as it was
+sent). A node that lacks the new archive names its most recent cached tree (its ``base``); when the launcher
+made that one too, it sends a delta archive: the new and changed files, and ``.paddle-delta.json`` listing the
+files to take unchanged from the base tree. The node hard-links those, adds the delta and keeps the result
+under the new archive's hash (``node/trees.py``).
 """
 
 from __future__ import annotations
