@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import make_workspace, wait_for, write_conf
 
-from paddle_cluster.launch import dispatch
+from paddle_cluster.launch import delta, dispatch
 from paddle_cluster.launch.access import make_nodes
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
@@ -244,8 +244,9 @@ def test_a_node_that_cannot_use_the_delta_is_sent_the_whole_workspace(make_ssh_c
     _deliver(c, tmp_path, ws, "w1")
     extra = b"claimed by the record only\n"
     for meta in (tmp_path / "cache" / "paddle-cluster" / "workspaces").glob("*.json"):
-        doc = json.loads(meta.read_text())
-        doc["manifest"]["data/extra.txt"] = hashlib.sha256(extra).hexdigest()
+        doc = json.loads(meta.read_text())  # (a workspace packed as it was sent: its entries read from its archive)
+        doc["manifest"] = {**delta.manifest(str(meta.parent), doc["sha256"]),
+                           "data/extra.txt": hashlib.sha256(extra).hexdigest()}
         meta.write_text(json.dumps(doc))
     (ws / "data" / "extra.txt").write_bytes(extra)
     (ws / "data" / "part-0").write_text("7 8 9\n")
