@@ -282,14 +282,22 @@ class Packing:
     def reader(self) -> _Follower:
         return _Follower(self)
 
-    def _read(self, pos: int, n: int) -> bytes:
+    def _ready(self, pos: int, n: int) -> int:
+        """How many of the ``n`` bytes from ``pos`` are written, once some are (0: the archive ends before)."""
         with self._cond:
             while self._written <= pos and not self._done:
                 self._cond.wait()
             if self.error is not None:
                 raise self.error
-            n = min(n, self._written - pos)
-        return os.pread(self._fd, n, pos) if n > 0 else b""
+            return max(min(n, self._written - pos), 0)
+
+    def _read(self, pos: int, n: int) -> bytes:
+        n = self._ready(pos, n)
+        return os.pread(self._fd, n, pos) if n else b""
+
+    def _send(self, fd: int, pos: int, n: int) -> int:
+        n = self._ready(pos, n)
+        return os.sendfile(fd, self._fd, pos, n) if n else 0
 
     def close(self) -> None:
         """Stop using the archive (after ``wait``, or to give up: the thread ends at its next piece)."""
@@ -319,6 +327,13 @@ class _Follower(io.RawIOBase):
         b = self.read(len(buf))
         buf[:len(b)] = b
         return len(b)
+
+    def sendinto(self, fd: int, n: int) -> int:
+        """Up to ``n`` more bytes into ``fd`` straight from the archive's file (``os.sendfile``, never through
+        Python); 0 at its end."""
+        k = self._p._send(fd, self._pos, n)
+        self._pos += k
+        return k
 
 
 def pack_workspace(directory: str, cache_dir: str, keep: int = 4,

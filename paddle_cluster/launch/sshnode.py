@@ -20,7 +20,7 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened
+from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened, send_into
 
 
 class _ChannelStream(Stream):
@@ -188,9 +188,8 @@ class SSHNode(Node):
         with _cancel_when(until, p.kill):
             try:
                 with f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        p.stdin.write(chunk)
-                        done += len(chunk)
+                    for k in iter(lambda: send_into(f, p.stdin.fileno(), 1 << 20), 0):
+                        done += k
                         if progress:
                             progress(done, total)
                 p.stdin.close()
