@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import make_workspace, wait_for, write_conf
 
-from paddle_cluster.launch import dispatch
+from paddle_cluster.launch import delta, dispatch
 from paddle_cluster.launch.access import make_nodes
 from paddle_cluster.launch.backends.ssh import SSHBackend
 from paddle_cluster.launch.config import load_config
@@ -131,6 +131,31 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
     assert not os.path.exists(rx.fifo) and not os.path.exists(rx.where)
 
 
+def test_bytes_altered_on_a_link_are_refused(tmp_path):
+    """A link's bytes travel in the clear: a node reached over one (unlike the node the launcher feeds over SSH)
+    checks them against the archive's hash, so one byte changed on the way after a proven handshake is refused."""
+    token, data = os.urandom(32), bytearray(os.urandom(1 << 20))
+    sha = hashlib.sha256(data).hexdigest()
+    data[12345] ^= 1
+    rx = chain.Receiver("127.0.0.1", str(tmp_path / "fifo"))
+    r_stop, w_stop = os.pipe()
+    got = {}
+    out = open(tmp_path / "part", "wb")
+    t = threading.Thread(target=lambda: got.update(
+        why=rx.receive("chain", token, sha, len(data), out, _Orders(r_stop), lambda *a, **k: None)))
+    t.start()
+    try:
+        with chain.connect(f"127.0.0.1:{rx.port}", token, sha) as link:
+            link.sendall(data)
+        t.join(30)
+        assert got == {"why": "checksum mismatch after the transfer"}
+    finally:
+        os.write(w_stop, b"\n")
+        t.join(30)
+        rx.close()
+        out.close()
+
+
 def test_idle_strangers_neither_stall_a_link_nor_stay(tmp_path, monkeypatch):
     """Three connections that say nothing (they once held the receiver for 10 s each, and the node before gave up
     its link) and one that sends a wrong proof a byte at a time: the right peer links at once (its link's deadline
@@ -219,8 +244,9 @@ def test_a_node_that_cannot_use_the_delta_is_sent_the_whole_workspace(make_ssh_c
     _deliver(c, tmp_path, ws, "w1")
     extra = b"claimed by the record only\n"
     for meta in (tmp_path / "cache" / "paddle-cluster" / "workspaces").glob("*.json"):
-        doc = json.loads(meta.read_text())
-        doc["manifest"]["data/extra.txt"] = hashlib.sha256(extra).hexdigest()
+        doc = json.loads(meta.read_text())  # (a workspace packed as it was sent: its entries read from its archive)
+        doc["manifest"] = {**delta.manifest(str(meta.parent), doc["sha256"]),
+                           "data/extra.txt": hashlib.sha256(extra).hexdigest()}
         meta.write_text(json.dumps(doc))
     (ws / "data" / "extra.txt").write_bytes(extra)
     (ws / "data" / "part-0").write_text("7 8 9\n")

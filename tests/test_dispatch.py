@@ -4,11 +4,15 @@ unpacked workspaces (node/trees.py), and a job on 16 hosts."""
 from __future__ import annotations
 
 import os
+import subprocess
 import tarfile
 
 import pytest
 from helpers import assert_nothing_left, cli, make_workspace, no_traceback, write_conf
 
+from paddle_cluster.launch import sshnode
+from paddle_cluster.launch.access import make_nodes
+from paddle_cluster.launch.config import load_config
 from paddle_cluster.node import trees
 from paddle_cluster.node.unpack import UnsafeArchive
 
@@ -175,3 +179,22 @@ def test_prepared_agents_wait_for_a_slow_upload_to_another_node(make_ssh_cluster
     assert "[trainer.0@node0] ENV OK trainer 0 of 2" in res.stdout and "[trainer.1@node1] ENV OK" in res.stdout
     assert (c.root_dir(1) / "slow2" / "data" / "big.bin").read_bytes() == (ws / "data" / "big.bin").read_bytes()
     assert_nothing_left(c)
+
+
+def test_an_upload_uses_aes_gcm_unless_an_ssh_config_chose_the_ciphers(cluster, tmp_path):
+    """The workspace's upload (OpenSSH's ``ssh``) negotiates AES-GCM, about half the CPU of the default
+    chacha20-poly1305 at each end, when no ssh config chose the ciphers; a config that did is kept (here
+    SSH_CONFIG_FILE's ``Ciphers aes256-ctr``). The upload's own command line, run with ``-v`` on a real host."""
+    if not sshnode._has_aes():
+        pytest.skip("this CPU has no AES instructions: OpenSSH's default stays")
+    chosen = tmp_path / "ssh_config"
+    chosen.write_text("Host *\n    Ciphers aes256-ctr\n")
+    for name, over, want in (("conf.py", {}, "aes128-gcm@openssh.com"),
+                             ("chosen.py", {"SSH_CONFIG_FILE": str(chosen)}, "aes256-ctr")):
+        node = make_nodes(load_config(str(write_conf(tmp_path, cluster, name, hosts=cluster.hosts[:1], **over))))[0]
+        argv = node._openssh_argv("true")
+        assert argv is not None
+        res = subprocess.run([argv[0], "-v", *argv[1:]], capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+        assert res.returncode == 0, res.stderr
+        assert f"kex: client->server cipher: {want} " in res.stderr, res.stderr

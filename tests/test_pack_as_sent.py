@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import tarfile
 import threading
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from paddle_cluster.launch import dispatch
+from paddle_cluster.launch import delta, dispatch
 from paddle_cluster.launch.dispatch import Package, Packing, WorkspaceChanged
 
 
@@ -52,7 +53,13 @@ def test_a_new_workspace_is_read_as_sent_and_then_cached_under_the_same_hash(tmp
     assert isinstance(again, Package) and again.sha256 == pkg.sha256
     assert Path(again.path).read_bytes() == data
     # packed first, the same workspace is the same archive (a node holding one holds the other)
-    assert dispatch._tar(dispatch._workspace_entries(str(ws)), str(tmp_path), "t").sha256 == pkg.sha256
+    entries: dict = {}
+    assert dispatch._tar(dispatch._workspace_entries(str(ws)), str(tmp_path), "t", entries).sha256 == pkg.sha256
+    # packed as sent, it was hashed once, as a whole: what each file is (for a later delta) is read from the cache
+    assert "manifest" not in json.loads(Path(cache, Path(pkg.path).stem + ".json").read_text())
+    assert delta.manifest(cache, pkg.sha256) == entries and entries["run.sh"].endswith("x")
+    assert entries["main.py"] == "link:train.py"
+    assert entries["train.py"] == hashlib.sha256(b"print('hi')\n").hexdigest()
 
 
 def test_a_small_change_is_packed_first_a_large_one_as_sent(tmp_path):

@@ -1,37 +1,65 @@
 """A changed workspace sent as only its changed files, against a tree a node already holds.
 
-The launcher keeps, beside each workspace archive it made, what every file was (its SHA-256 and whether it is
-executable, or a link's target). A node that lacks the new archive names its most recent cached tree (its
-``base``); when the launcher made that one too, it sends a delta archive: the new and changed files, and
-``.paddle-delta.json`` listing the files to take unchanged from the base tree. The node hard-links those, adds
-the delta and keeps the result under the new archive's hash (``node/trees.py``).
+The launcher knows, for each workspace archive it caches, what every file was (its SHA-256 and whether it is
+executable, or a link's target: kept when it was packed, or read from the archive of one packed as it was
+sent). A node that lacks the new archive names its most recent cached tree (its ``base``); when the launcher
+made that one too, it sends a delta archive: the new and changed files, and ``.paddle-delta.json`` listing the
+files to take unchanged from the base tree. The node hard-links those, adds the delta and keeps the result
+under the new archive's hash (``node/trees.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tarfile
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from paddle_cluster.node.trees import DELTA_NAME
 
-from .dispatch import Package, _tar
+from .dispatch import CHUNK, Package, _tar, entry_id
 
 WORTH = 0.5  # a delta is sent only when it is at most this fraction of the whole archive
 
 
 def manifest(cache_dir: str, sha: str) -> Optional[Dict[str, str]]:
-    """What each file of the archive ``sha`` made in ``cache_dir`` was; None when this launcher did not make it."""
+    """What each file of the archive ``sha`` made in ``cache_dir`` was; None when this launcher did not make it
+    (or it was evicted meanwhile). A new workspace's archive, packed while it was sent, was hashed once, as a
+    whole: its entries are read from the cached archive now."""
     for meta in Path(cache_dir).glob("*.json"):
         try:
             doc = json.loads(meta.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(doc, dict) and doc.get("sha256") == sha and isinstance(doc.get("manifest"), dict):
+        if not isinstance(doc, dict) or doc.get("sha256") != sha:
+            continue
+        if isinstance(doc.get("manifest"), dict):
             return doc["manifest"]
+        return _entries(str(meta.with_suffix(".tar")))
     return None
+
+
+def _entries(archive: str) -> Optional[Dict[str, str]]:
+    """``dispatch.entry_id`` of every file and link of one of our archives; None when it cannot be read."""
+    out: Dict[str, str] = {}
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            for info in tar:
+                content = None
+                if info.isfile():
+                    content = hashlib.sha256()
+                    f = tar.extractfile(info)
+                    assert f is not None
+                    for b in iter(partial(f.read, CHUNK), b""):
+                        content.update(b)
+                out[info.name] = entry_id(info, content)
+    except (OSError, tarfile.TarError):
+        return None
+    return out
 
 
 def make(pkg: Package, directory: str, cache_dir: str, base: str, out_dir: str) -> Optional[Tuple[Package, int]]:

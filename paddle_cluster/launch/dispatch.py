@@ -107,11 +107,11 @@ def _layout(entries: List[Tuple[Path, str]]) -> Tuple[List[_Member], int]:
 
 
 def _write_tar(members: List[_Member], size: int, emit: Callable[[bytes], None],
-               manifest: Dict[str, str]) -> str:
+               manifest: Optional[Dict[str, str]]) -> str:
     """The tar of ``members`` (``_layout``) passed to ``emit`` piece by piece as each file is read, once: its
-    SHA-256, and into ``manifest`` what each entry is (``delta.py``: the content's SHA-256 and whether it is
-    executable, or a link). A file that is not as it was listed, before or after it is read, raises
-    ``WorkspaceChanged``; the caller checks the whole listing once more at the end (``_unchanged``)."""
+    SHA-256, and into ``manifest`` (unless None: a second SHA-256 pass) what each entry is (``entry_id``). A file
+    that is not as it was listed, before or after it is read, raises ``WorkspaceChanged``; the caller checks the
+    whole listing once more at the end (``_unchanged``)."""
     h = hashlib.sha256()
     done = 0
 
@@ -126,9 +126,10 @@ def _write_tar(members: List[_Member], size: int, emit: Callable[[bytes], None],
         info = mb.info
         out(info.tobuf(tarfile.PAX_FORMAT, enc, errors))
         if info.issym():
-            manifest[info.name] = "link:" + info.linkname
+            if manifest is not None:
+                manifest[info.name] = entry_id(info, None)
             continue
-        content = hashlib.sha256()
+        content = hashlib.sha256() if manifest is not None else None
         with open(mb.full, "rb") as f:
             before = os.fstat(f.fileno())
             if [before.st_size, before.st_mtime_ns, before.st_ctime_ns] != mb.stat[1:4]:
@@ -138,7 +139,8 @@ def _write_tar(members: List[_Member], size: int, emit: Callable[[bytes], None],
                 b = f.read(min(CHUNK, left))
                 if not b:
                     raise WorkspaceChanged(f"{mb.full} shrank while the workspace was read")
-                content.update(b)
+                if content is not None:
+                    content.update(b)
                 out(b)
                 left -= len(b)
             after = os.fstat(f.fileno())
@@ -147,10 +149,20 @@ def _write_tar(members: List[_Member], size: int, emit: Callable[[bytes], None],
         pad = -info.size % tarfile.BLOCKSIZE
         if pad:
             out(tarfile.NUL * pad)
-        manifest[info.name] = content.hexdigest() + ("x" if info.mode & 0o111 else "")
+        if manifest is not None:
+            manifest[info.name] = entry_id(info, content)
     out(tarfile.NUL * (size - done))  # the end blocks and the record's padding
     assert done == size, f"the tar came to {done} bytes, laid out as {size}"
     return h.hexdigest()
+
+
+def entry_id(info: tarfile.TarInfo, content: Optional[Any]) -> str:
+    """What an archive's entry is, for ``delta.py``: its contents' SHA-256 (``content``, a hash of them) and
+    whether it is executable, or a link's target."""
+    if info.issym():
+        return "link:" + info.linkname
+    assert content is not None
+    return content.hexdigest() + ("x" if info.mode & 0o111 else "")
 
 
 def _unchanged(members: List[_Member], entries: List[Tuple[Path, str]]) -> None:
@@ -179,7 +191,7 @@ def _tar(entries: List[Tuple[Path, str]], out_dir: str, prefix: str,
         os.close(fd)
     members, size = _layout(entries)
     with open(tmp, "wb") as f:
-        sha = _write_tar(members, size, f.write, {} if manifest is None else manifest)
+        sha = _write_tar(members, size, f.write, manifest)
     _unchanged(members, entries)
     return Package(tmp, sha, size, len(members))
 
@@ -225,12 +237,13 @@ class Packing:
             self._cond.notify_all()
 
     def _run(self) -> None:
-        manifest: Dict[str, str] = {}
         try:
-            sha = _write_tar(self._members, self.size, self._emit, manifest)
+            # One SHA-256 pass (the archive's): what each file is, which only a later delta against this archive
+            # needs, is read from the cached archive then (delta.manifest).
+            sha = _write_tar(self._members, self.size, self._emit, None)
             self._out.close()
             _unchanged(self._members, _workspace_entries(self.directory))  # listed again: a file that came too
-            self._publish(sha, manifest)
+            self._publish(sha)
             with self._cond:
                 self.sha256 = sha
         except BaseException as e:  # noqa: BLE001 - said by every reader and by wait()
@@ -245,8 +258,8 @@ class Packing:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._tmp)  # published, or failed: readers keep their descriptor
 
-    def _publish(self, sha: str, manifest: Dict[str, str]) -> None:
-        meta = {**self._meta, "sha256": sha, "size": self.size, "files": self.files, "manifest": manifest}
+    def _publish(self, sha: str) -> None:
+        meta = {**self._meta, "sha256": sha, "size": self.size, "files": self.files}
         with cache.locked(self._cache_dir):
             if cache.lookup(self._cache_dir, self._key, self._hold) is None:
                 cache.publish(self._cache_dir, self._key, self._tmp, meta)
@@ -269,14 +282,22 @@ class Packing:
     def reader(self) -> _Follower:
         return _Follower(self)
 
-    def _read(self, pos: int, n: int) -> bytes:
+    def _ready(self, pos: int, n: int) -> int:
+        """How many of the ``n`` bytes from ``pos`` are written, once some are (0: the archive ends before)."""
         with self._cond:
             while self._written <= pos and not self._done:
                 self._cond.wait()
             if self.error is not None:
                 raise self.error
-            n = min(n, self._written - pos)
-        return os.pread(self._fd, n, pos) if n > 0 else b""
+            return max(min(n, self._written - pos), 0)
+
+    def _read(self, pos: int, n: int) -> bytes:
+        n = self._ready(pos, n)
+        return os.pread(self._fd, n, pos) if n else b""
+
+    def _send(self, fd: int, pos: int, n: int) -> int:
+        n = self._ready(pos, n)
+        return os.sendfile(fd, self._fd, pos, n) if n else 0
 
     def close(self) -> None:
         """Stop using the archive (after ``wait``, or to give up: the thread ends at its next piece)."""
@@ -306,6 +327,13 @@ class _Follower(io.RawIOBase):
         b = self.read(len(buf))
         buf[:len(b)] = b
         return len(b)
+
+    def sendinto(self, fd: int, n: int) -> int:
+        """Up to ``n`` more bytes into ``fd`` straight from the archive's file (``os.sendfile``, never through
+        Python); 0 at its end."""
+        k = self._p._send(fd, self._pos, n)
+        self._pos += k
+        return k
 
 
 def pack_workspace(directory: str, cache_dir: str, keep: int = 4,

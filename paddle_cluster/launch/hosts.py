@@ -122,6 +122,13 @@ class Growing(Protocol):
 Local = Union[str, Growing]
 
 
+def send_into(f: BinaryIO, fd: int, n: int) -> int:
+    """Up to ``n`` more bytes of ``f`` (``opened``) into ``fd`` by ``os.sendfile``: the kernel moves them from the
+    file (or the archive being made, whose reader waits for more) without a copy through Python; 0 at its end."""
+    sendinto = getattr(f, "sendinto", None)
+    return sendinto(fd, n) if sendinto is not None else os.sendfile(fd, f.fileno(), None, n)
+
+
 def opened(local: Local) -> Tuple[BinaryIO, int, str]:
     """What ``put`` sends, read from its start: (a file object, its size, its name for messages)."""
     if isinstance(local, str):

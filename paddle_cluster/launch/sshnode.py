@@ -11,7 +11,8 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Iterator, List, Optional, Sequence
+from functools import cache
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import paramiko
 
@@ -19,7 +20,7 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened
+from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened, send_into
 
 
 class _ChannelStream(Stream):
@@ -168,7 +169,8 @@ class SSHNode(Node):
             argv += ["-p", str(self.spec.port)]
         if self.spec.user:
             argv += ["-l", self.spec.user]
-        return argv + ["--", self.spec.host, command]
+        argv += ["--", self.spec.host]
+        return [*argv[:-2], *_gcm_first(tuple(argv)), *argv[-2:], command]
 
     def _put_openssh(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]],
                      until: Optional[Callable[[], bool]] = None) -> bool:
@@ -186,9 +188,8 @@ class SSHNode(Node):
         with _cancel_when(until, p.kill):
             try:
                 with f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        p.stdin.write(chunk)
-                        done += len(chunk)
+                    for k in iter(lambda: send_into(f, p.stdin.fileno(), 1 << 20), 0):
+                        done += k
                         if progress:
                             progress(done, total)
                 p.stdin.close()
@@ -226,6 +227,43 @@ class SSHNode(Node):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+GCM = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
+
+
+@cache
+def _gcm_first(argv: Tuple[str, ...]) -> Tuple[str, ...]:
+    """``-o Ciphers=`` with AES-GCM first when nothing chose the ciphers (neither the user's nor the system's
+    ssh config: ``ssh -G`` resolves them to OpenSSH's default) and this CPU has AES instructions: an upload
+    then costs ``ssh`` and the node's ``sshd`` about half the CPU of the default chacha20-poly1305. Empty
+    otherwise: an explicit choice is never overridden. ``argv`` is ``ssh [options] -- host``."""
+    if not _has_aes():
+        return ()
+    *opts, dashes, host = argv
+    plain = [a for i, a in enumerate(opts) if a != "-F" and (i == 0 or opts[i - 1] != "-F")]
+    try:
+        chosen, default = (_ciphers([*o, "-G", dashes, host]) for o in (opts, [*plain, "-F", "/dev/null"]))
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if not default or chosen != default or not set(GCM) <= set(default):
+        return ()
+    return ("-o", "Ciphers=" + ",".join([*GCM, *(c for c in default if c not in GCM)]))
+
+
+def _ciphers(argv: List[str]) -> List[str]:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL).stdout
+    return next((line.split()[1].split(",") for line in out.splitlines() if line.startswith("ciphers ")), [])
+
+
+def _has_aes() -> bool:
+    """Whether this CPU has AES instructions (x86's ``aes`` flag, arm64's ``aes`` feature)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            rows = (line.partition(":") for line in f)
+            return any(key.strip() in ("flags", "Features") and "aes" in value.split() for key, _, value in rows)
+    except OSError:
+        return False
 
 
 def _ssh_command(user: str, address: str, port: int, cfg: ClusterConfig, *extra: str) -> str:

@@ -5,10 +5,11 @@ and a TCP listener on its PADDLE_NIC address. The chain starts as soon as the fi
 feeds it, and each later node joins at the end as its session comes up. A node keeps what it receives in a
 spool file (no name: it is gone when the node closes it, however the node ends) until the launcher says
 which node comes next (``Forward``); it then sends the spool and, caught up, every piece as it arrives, and
-drops the spool. Each piece is also hashed and handed to the node's unpacker (a pipe into ``trees.store``).
+drops the spool. Each piece is also handed to the node's unpacker (a pipe into ``trees.store``).
 A link is authenticated both ways by the dispatch's one-time token (HMAC-SHA256 over fresh nonces and the
-archive's hash); the bytes themselves travel in the clear on the cluster network, and every node checks the
-archive's SHA-256 before using it.
+archive's hash); the bytes themselves travel in the clear on the cluster network, so every node that received
+them over a link checks the archive's SHA-256 before using it. The node the launcher feeds does not: SSH
+already protects what it reads from its FIFO, and the launcher names the hash of exactly those bytes.
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ class Receiver:
                 report: Report) -> str:
         """Read the archive from ``source`` ("launcher": the FIFO; "chain": the node before) into ``out``,
         passing it on as ``orders`` say; ``sha`` "": an archive sent while it is made, whose hash ``orders.sealed``
-        gives at the end; "" when it arrived whole with the right hash (and went on whole, or
-        the link on failed), else why not. ``report("forward", error=..., linked=...)`` says the link to the
+        gives at the end; "" when it arrived whole (from the node before: with the right hash) and went on whole,
+        or the link on failed; else why not. ``report("forward", error=..., linked=...)`` says the link to the
         next node failed: never made (that node still waits), or broken (it sees its sender stop);
         ``report("progress", got=...)`` every PROGRESS_S, so the launcher hears the node is alive however long
         the archive takes. ``orders.forward`` is used up once acted on: after a failed try, no node follows."""
@@ -250,12 +251,12 @@ class Receiver:
                 if sock is None:
                     return why
                 with sock:
-                    why = self._pump(sock.fileno(), size, sha, out, orders, onward, report)
+                    why = self._pump(sock.fileno(), size, sha, out, orders, onward, report, check=True)
                     return why
             if self._fifo_fd is None:
                 # Opened for reading and writing, so it never reads as ended: the archive's size says when it is whole.
                 self._fifo_fd = os.open(self.fifo, os.O_RDWR)
-            why = self._pump(self._fifo_fd, size, sha, out, orders, onward, report)
+            why = self._pump(self._fifo_fd, size, sha, out, orders, onward, report, check=False)
             return why
         finally:
             onward.close()
@@ -318,8 +319,11 @@ class Receiver:
         pending[sock] = _Pending(mine, time.monotonic() + HANDSHAKE_TIMEOUT)
 
     @staticmethod
-    def _pump(fd: int, size: int, sha: str, out: BinaryIO, orders: Orders, onward: _Onward, report: Report) -> str:
-        h = hashlib.sha256()
+    def _pump(fd: int, size: int, sha: str, out: BinaryIO, orders: Orders, onward: _Onward, report: Report,
+              check: bool) -> str:
+        """``check``: hash what arrives and compare it with ``sha`` (or the sealed one) at the end (a chain link);
+        else (the launcher's SSH upload) the launcher's hash names the bytes as they came."""
+        h = hashlib.sha256() if check else None
         buf = memoryview(bytearray(CHUNK))
         got, n, said = 0, 0, time.monotonic()  # n: bytes in buf not yet hashed and unpacked
         while got < size or not onward.done() or not (sha or orders.sealed):
@@ -355,10 +359,11 @@ class Receiver:
                 onward.feed(buf[n:n + k])
                 got, n = got + k, n + k
                 if n == CHUNK or got == size:
-                    h.update(buf[:n])
+                    if h is not None:
+                        h.update(buf[:n])
                     out.write(buf[:n])
                     n = 0
-        return "" if h.hexdigest() == (sha or orders.sealed) else "checksum mismatch after the transfer"
+        return "" if h is None or h.hexdigest() == (sha or orders.sealed) else "checksum mismatch after the transfer"
 
     def close(self) -> None:
         self.listener.close()
