@@ -79,8 +79,8 @@ class Cluster:
         self.nodes: List[Dict[str, Any]] = self.cfg["nodes"]
         self.procs: Dict[str, subprocess.Popen] = {}
         # No Job, JobSet, Pod or container: nothing changes with time, so an unchanged store needs no tick (a
-        # tick parses and serialises the whole store, its watch history included: ~60% of a core at ~8 MB, the
-        # size the session's stand-in reaches, for the rest of the test session).
+        # tick parses and serialises the whole store, its watch history included: 40% of a core at the 2.5 MB
+        # the session's stand-in holds after the k8s conformance cases, for the rest of the test session).
         self.idle = False
         self.copiers: Dict[str, threading.Thread] = {}  # each pod's copy_log
         self.term_at: Dict[str, float] = {}
