@@ -152,7 +152,7 @@ def failed(kube: StandIn, job: str) -> dict:
 def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(fresh_kube: StandIn,
                                                                               job_dir: Path) -> None:
     argv = [sys.executable, "-m", "paddle_cluster", *run_args(job_dir, "--job_name", "fit", "--entry", "flaky.py",
-                                                               "--ttl", "15", "--", "--passes", "500")]
+                                                               "--ttl", "5", "--", "--passes", "500")]
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen(argv, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -168,7 +168,8 @@ def test_with_the_launcher_killed_a_failing_trainer_still_ends_the_whole_job(fre
         launcher.kill()
         launcher.wait()
     # Nobody watches now: trainer 1 fails, so the trainer Job fails and its other pod is stopped; the pserver
-    # pod sees every trainer gone and fails too; 15 s later both Jobs are deleted with their pods.
+    # pod sees every trainer gone and fails too; 5 s later both Jobs are deleted with their pods (a short ttl:
+    # each wait below sees its Job's end within a poll of 0.05 s, well before the Job goes).
     trainers = fresh_kube.wait(lambda: failed(fresh_kube, "fit-trainer"), 60, "the trainer Job failed")
     assert trainers["fit-trainer-1"] == 1, trainers
     # (Within START_TIMEOUT, 60 s, even had the pserver pod never seen a trainer pod: node/pod.py.)

@@ -26,7 +26,7 @@ IMAGE = "registry.example/paddle/fit:1"
 SLOW_IMAGE = "registry.example/paddle/fit:2"  # the same, but a node's first pull of it takes PULL_S
 PULL_S = 4
 GPU_PULL_IMAGE = "registry.example/paddle/fit:3"  # the same, but its first pull on the GPU node takes GPU_PULL_S
-GPU_PULL_S = 12
+GPU_PULL_S = 8  # twice the START_TIMEOUT (4 s) its test sets: the trainers wait past it
 BARE_IMAGE = "registry.example/python:3.11"
 # Pods a node holds (a kubelet's maxPods, 110 by default): enough for the conformance suite's three jobs of four
 # pods at once on the fixture's 4 nodes with room to spare; each sandbox costs ~25 ms to set up.
