@@ -126,13 +126,13 @@ class SSHBackend(Backend):
         """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
         waits for its ``Start``): see ``launch/session.py``. Failing, it closes the nodes' connections."""
         try:
-            return self._prepare_nodes(spec, say, check_ports, agent)
+            return self._sessions(spec, say, check_ports, agent)
         except BaseException:
             self.close()
             raise
 
-    def _prepare_nodes(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
-                       agent: bool) -> SSHPrepared:
+    def _sessions(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
+                  agent: bool) -> SSHPrepared:
         cfg = self.cfg
         with dispatch.library_archive() as lib, open(lib.path, "rb") as f:
             lib_data = f.read()
@@ -215,7 +215,7 @@ class SSHBackend(Backend):
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
                 resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
-                                                             zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
+                                                        zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
             if pkg is not None:
                 each_node(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()
