@@ -278,7 +278,8 @@ def test_render_leaves_its_backend_as_it_was(tmp_path, backend):
 
 def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path, monkeypatch):
     """``run`` submits the very ``Request`` it rendered (a restart renders the resumed plan), and ``run
-    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter."""
+    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter. The
+    backend holds nothing of the job afterwards."""
     from paddle_cluster.launch.backends import backend_for
     from paddle_cluster.launch.plan import JobSpec
     from paddle_cluster.launch.run import run_job
@@ -297,9 +298,12 @@ def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path,
     be.render = lambda plan, prepared: rendered.append(render(plan, prepared)) or rendered[-1]
     be.submit = lambda request, say: submitted.append(request) or submit(request, say)
     said: list = []
+    before = {k: repr(v) for k, v in vars(be).items()}
     result = run_job(JobSpec(be.cfg, "sub", dispatch_dir=str(ws)), said.append, said.append, backend=be)
     assert result.exit_code == 0, (result.message, said)
     assert len(submitted) == 1 and submitted[0] is rendered[0]
+    # The job's state was its Prepared's and its LiveJob's: the backend, a scheduler, is as it was.
+    assert {k: repr(v) for k, v in vars(be).items()} == before
     (python,) = {n.python for n in submitted[0].plan.topology.nodes}
 
     def same(text: str) -> str:
