@@ -156,10 +156,14 @@ class MPIBackend(Backend):
 
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
         impl, launcher = mpi_launcher(self.cfg.mpi_impl)  # refused here, before anything, when it is missing
-        hosts = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")  # this job's hostfile and ssh config
+        try:
+            hosts = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         say(f"starting one rank per host with {'MPICH' if impl == 'mpich' else 'Open MPI'} ({launcher})")
-        return MPIPrepared(hosts.topology, hosts.names, hosts.labels, hosts,
-                           tempfile.mkdtemp(prefix="paddle-cluster-mpi-"))  # this job's hostfile and ssh config
+        return MPIPrepared(hosts.topology, hosts.names, hosts.labels, hosts, tmp)
 
     def preview(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
         try:
@@ -170,15 +174,15 @@ class MPIBackend(Backend):
         return MPIPrepared(hosts.topology, hosts.names, hosts.labels, hosts)
 
     def render(self, plan: JobPlan, prepared: Prepared) -> MPIRequest:
-        hosts = cast(MPIPrepared, prepared).hosts  # rendered by this backend
+        mine = cast(MPIPrepared, prepared)  # prepared by this backend
         try:
             impl, launcher = mpi_launcher(self.cfg.mpi_impl)
         except ClusterError:  # a dry run on a machine without it (``preview`` said so); ``prepare`` refuses it
             impl, launcher = "openmpi", "mpirun"
-        where = cast(MPIPrepared, prepared).tmp or "<job-tmp>"
+        where = mine.tmp or "<job-tmp>"
         files = self.files(where, impl)
         plan_path = self.plan_file(plan.name, plan.start)
-        argv = self.argv(plan, impl, launcher, plan_path, {k: f"{where}/{k}" for k in files}, hosts)
+        argv = self.argv(plan, impl, launcher, plan_path, {k: f"{where}/{k}" for k in files}, mine.hosts)
         return MPIRequest(plan, (
             (f"{launcher} command of job {plan.name} ({'MPICH' if impl == 'mpich' else 'Open MPI'}; run from /, one "
              "rank per host). Nothing was started.", shlex.join(argv)),
