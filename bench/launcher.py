@@ -260,7 +260,7 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
                     spec = JobSpec(cfg, f"BENCHJOB{r}", dispatch_dir=str(big))
                     c0, n0 = _cpu_self(), _cpu_nodes(cl, n)
                     t0 = time.perf_counter()
-                    backend.deliver(spec, quiet)
+                    delivered = backend.deliver(spec, quiet)
                     t1 = time.perf_counter()
                     c1 = _cpu_self()
                     _settle(cl, n, sessions=False)  # the connections stay open: their sshd is idle
@@ -268,18 +268,18 @@ def _dispatch(cl, work: Path, big: Path, blob: Path, counts, reps: int, key: str
                     if r:  # the first round is the warm-up
                         full.append(t1 - t0)
                         small.append(small_s)
-                        moved.append(backend.sending_seconds)
+                        moved.append(delivered.sending_seconds)
                         mine.append(c1 - c0)
                         nodes.append(sum(_cpu_nodes(cl, n)) - sum(n0))
                     if n == 3 and not loaded:
                         spec2 = JobSpec(cfg, f"BENCHJOB{r}b", dispatch_dir=str(big))
                         t2 = time.perf_counter()
-                        backend.deliver(spec2, quiet)
+                        delivered = backend.deliver(spec2, quiet)
                         t3 = time.perf_counter()
                         out[f"{key}dispatch_ok"] = out[f"{key}dispatch_ok"] and verify(spec2.name, n, want)
                         if r:
                             again.append(t3 - t2)
-                            step.append(backend.workspace_seconds)
+                            step.append(delivered.workspace_seconds)
             finally:
                 backend.close()
             out[f"{key}dispatch_full_{n}"], out[f"{key}dispatch_moved_{n}"] = Stats(full), Stats(moved)

@@ -270,14 +270,16 @@ def test_render_leaves_its_backend_as_it_was(tmp_path, backend):
     be = backend_for(cfg, {"image": "registry.example/fit:1"} if backend == "k8s" else {})
     spec = JobSpec(cfg, "dry", workspace="/ws")
     before = {k: repr(v) for k, v in vars(be).items()}
-    request = be.render(build_plan(spec, be.preview(spec, lambda _s: None)))
+    preview = be.preview(spec, lambda _s: None)
+    request = be.render(build_plan(spec, preview.topology), preview)
     assert {k: repr(v) for k, v in vars(be).items()} == before
     assert request.plan.spec is spec and request.handle["backend"] == backend
 
 
 def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path, monkeypatch):
     """``run`` submits the very ``Request`` it rendered (a restart renders the resumed plan), and ``run
-    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter."""
+    --dry-run`` prints that request's text: the same lines but for the job's id and the probed interpreter. The
+    backend holds nothing of the job afterwards."""
     from paddle_cluster.launch.backends import backend_for
     from paddle_cluster.launch.plan import JobSpec
     from paddle_cluster.launch.run import run_job
@@ -293,12 +295,15 @@ def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path,
     be = backend_for(load_config(str(conf)))
     rendered, submitted = [], []
     render, submit = be.render, be.submit
-    be.render = lambda plan: rendered.append(render(plan)) or rendered[-1]
-    be.submit = lambda request: submitted.append(request) or submit(request)
+    be.render = lambda plan, prepared: rendered.append(render(plan, prepared)) or rendered[-1]
+    be.submit = lambda request, say: submitted.append(request) or submit(request, say)
     said: list = []
+    before = {k: repr(v) for k, v in vars(be).items()}
     result = run_job(JobSpec(be.cfg, "sub", dispatch_dir=str(ws)), said.append, said.append, backend=be)
     assert result.exit_code == 0, (result.message, said)
     assert len(submitted) == 1 and submitted[0] is rendered[0]
+    # The job's state was its Prepared's and its LiveJob's: the backend, a scheduler, is as it was.
+    assert {k: repr(v) for k, v in vars(be).items()} == before
     (python,) = {n.python for n in submitted[0].plan.topology.nodes}
 
     def same(text: str) -> str:
@@ -310,7 +315,7 @@ def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path,
 QSUB = '''"""A throwaway PBS backend, written as docs/backends.md "Adding a backend" says, to show what a new engine
 touches: this package and one registry line."""
 
-from paddle_cluster.launch.backends.base import Backend, BackendOption, Description, Request
+from paddle_cluster.launch.backends.base import Backend, BackendOption, Description, Prepared, Request
 from paddle_cluster.launch.config import ConfKey
 from paddle_cluster.launch.errors import ClusterError
 from paddle_cluster.launch.plan import Topology
@@ -331,22 +336,21 @@ class QsubBackend(Backend):
     def create(cls, cfg, opts, detach=False):
         be = cls()
         be.cfg, be.queue = cfg, opts.get("queue") or cfg.qsub_queue
-        be.names = be.labels = ["node0", "node1"]
         return be
 
     def preview(self, spec, say):
-        return Topology.hosts(spec.cfg, ["<node0>", "<node1>"])
+        return Prepared(Topology.hosts(spec.cfg, ["<node0>", "<node1>"]), ("node0", "node1"), ("node0", "node1"))
 
     def prepare(self, spec, say):
         raise ClusterError("qsub: no PBS server here")
 
-    def render(self, plan):
+    def render(self, plan, prepared):
         argv = ["pbsdsh", "python3", "-m", "paddle_cluster.node", "bootstrap", "--ranks", RANKS.text()]
         script = f"#PBS -q {self.queue}\\n#PBS -l nodes={len(plan.nodes)}\\n" + " ".join(argv)
         return Request(plan, ((f"qsub script of job {plan.name}, job id {plan.env.job_id}", script),),
-                       {"backend": self.name})
+                       {"backend": self.name}, prepared)
 
-    def submit(self, request):
+    def submit(self, request, say):
         raise ClusterError("qsub: no PBS server here")
 
     @classmethod
@@ -360,21 +364,6 @@ class QsubBackend(Backend):
     @classmethod
     def cancel(cls, job, say):
         return []
-
-    def next_event(self, timeout):
-        return None
-
-    def request_stop(self, grace):
-        pass
-
-    def stop(self, grace):
-        return []
-
-    def complete_steps(self, root, pservers):
-        return []
-
-    def close(self):
-        pass
 '''
 
 

@@ -355,3 +355,26 @@ def test_agent_refuses_an_endless_line_from_the_launcher(cluster, tmp_path):
         agent.kill()
         agent.wait()
     assert_nothing_left(cluster)
+
+
+def test_kill_when_the_agent_ends_between_the_look_and_the_signal(tmp_path, monkeypatch):
+    """``node kill`` finds the job's agent alive, and the agent ends (its job done) before the SIGTERM reaches it:
+    a stopped agent, not an error (``kill`` of the conformance suite once failed with ProcessLookupError there on
+    a loaded machine). The agent is a real process; the patch only places its end inside that window."""
+    from paddle_cluster.node import jobdir, procs
+
+    agent = subprocess.Popen(["sleep", "60"])
+    started = int(procs.stat_fields(agent.pid)[19])
+    (tmp_path / procs.STATE_DIR).mkdir()
+    (tmp_path / procs.STATE_DIR / procs.PROCS_FILE).write_text(json.dumps(
+        {"job_id": "j", "procs": [], "agent": {"pid": agent.pid, "start_time": started}}))
+    request_kill = procs.request_kill
+
+    def agent_ends_meanwhile(job_dir, grace=None):  # noqa: ANN001
+        request_kill(job_dir, grace)
+        agent.kill()
+        agent.wait()  # reaped: its pid is no one's now
+
+    monkeypatch.setattr(procs, "request_kill", agent_ends_meanwhile)
+    doc = jobdir.kill(str(tmp_path), 1.0)
+    assert doc["found"] and doc["procs"] == [] and doc["left"] == [], doc

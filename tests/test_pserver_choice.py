@@ -114,7 +114,8 @@ def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
         settled = entry.settle(cfg, None, str(ws), ["--x"], pserver=option)
         be = k8s_backend.K8sBackend(cfg, k8s_backend.K8sOptions.from_config(cfg))  # made before settling, as run
         spec = JobSpec(settled.cfg, "kjob", workspace="/workspace", trainer_args=("--x",))
-        request = be.render(build_plan(spec, be.prepare(spec, lambda _s: None)))
+        prepared = be.prepare(spec, lambda _s: None)
+        request = be.render(build_plan(spec, prepared.topology), prepared)
         assert list(request.job.pserver_cmd) == want
 
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 from helpers import cli, local_conf
 
 from paddle_cluster.contract import PSERVER, TRAINER
-from paddle_cluster.launch.backends.base import Backend, Request
+from paddle_cluster.launch.backends.base import LiveJob, Prepared, Request
 from paddle_cluster.launch.config import builtin_default
 from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.launch.supervise import Attempt
@@ -62,21 +62,13 @@ def test_local_pserver_ready_line_and_status_name_the_same_address(tmp_path):
     assert shown["trainer.0"] == "127.0.0.1"
 
 
-class _Replay(Backend):
+class _Replay(LiveJob):
     """The events of two nodes in the order seen on the 3-host cluster: node 0's pservers' readiness and its
     trainer's first line arrive before node 1's readiness (its agent's word travels on another connection)."""
 
-    def __init__(self, events: List[object]) -> None:
-        self.names, self.labels, self.events = ["node0", "node1"], ["node0 (a)", "node1 (b)"], list(events)
-
-    def prepare(self, spec, say):  # noqa: ANN001
-        return Topology.hosts(spec.cfg, ["10.0.0.1", "10.0.0.2"])
-
-    def render(self, plan):  # noqa: ANN001
-        return Request(plan, (), {})
-
-    def submit(self, request):  # noqa: ANN001
-        return {}
+    def __init__(self, request: Request, events: List[object]) -> None:
+        super().__init__(request)
+        self.events = list(events)
 
     def next_event(self, timeout: float) -> Optional[object]:
         return self.events.pop(0) if self.events else None
@@ -90,25 +82,6 @@ class _Replay(Backend):
     def complete_steps(self, root, pservers):  # noqa: ANN001
         return []
 
-    def close(self) -> None:
-        pass
-
-    # The rest of the backend contract: a replay of a followed run has no dry run, and no job to find again
-    def preview(self, spec, say):  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def describe(cls, job):  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def logs(cls, job, node, role, lines, follow, out):  # noqa: ANN001
-        raise NotImplementedError
-
-    @classmethod
-    def cancel(cls, job, say):  # noqa: ANN001
-        raise NotImplementedError
-
 
 def test_no_trainer_line_is_shown_before_every_pserver_listens():
     spec = JobSpec(builtin_default(), "order")
@@ -118,8 +91,8 @@ def test_no_trainer_line_is_shown_before_every_pserver_listens():
     shown: List[str] = []
     events = [m.Ready(0), m.Log(0, t0, "epoch 0 loss 1.0"), m.Ready(1)]
     events += [m.Exited(n.node, p.name, 0, None) for n in plan.nodes for p in n.procs if p.role == TRAINER]
-    be = _Replay(events)
-    Attempt(be.render(plan), be, shown.append, lambda _s: None).run(None)
+    request = Request(plan, (), {}, Prepared(plan.topology, ("node0", "node1"), ("node0 (a)", "node1 (b)")))
+    Attempt(request, _Replay(request, events), shown.append, lambda _s: None).run(None)
     listening = next(i for i, x in enumerate(shown) if x.startswith("all 4 pserver(s) listening"))
     trainer = shown.index(f"[{t0}@node0] epoch 0 loss 1.0")
     assert listening < trainer, shown

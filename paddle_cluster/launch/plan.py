@@ -121,6 +121,7 @@ class JobPlan:
     env: JobEnv
     topology: Topology
     nodes: Tuple[NodePlan, ...]
+    start: int = 1  # which start of the job this is: 1, one more for each restart (a backend's files per start)
 
     @property
     def name(self) -> str:
@@ -145,6 +146,10 @@ class JobPlan:
                                   checkpoint_dir=self.spec.checkpoint_root if step is not None
                                   else self.env.checkpoint_dir)
         return dataclasses.replace(self, env=env, nodes=_node_plans(self.spec, env, self.topology))
+
+    def restarted(self, step: Optional[int]) -> JobPlan:
+        """What a restart runs: the job ``resumed`` from ``step``, as its next start."""
+        return dataclasses.replace(self.resumed(step), start=self.start + 1)
 
 
 def build_plan(spec: JobSpec, topology: Topology, job_id: Optional[str] = None,

@@ -14,7 +14,7 @@ from paddle_cluster.contract import PSERVER, ROLE_VAR, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
-from .backends.base import Backend, Event, JobRefused, NodeLost, Request
+from .backends.base import Backend, Event, JobRefused, LiveJob, NodeLost, Request
 from .config import BUILTIN_PSERVER
 from .entry import refused_arguments
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
@@ -86,11 +86,11 @@ class JobResult:
 
 
 class Attempt:
-    """One start of a plan on a backend, from the first event to the last trainer's exit."""
+    """One start of a plan, submitted (``job``), from the first event to the last trainer's exit."""
 
-    def __init__(self, request: Request, backend: Backend, out: Callable[[str], None],
+    def __init__(self, request: Request, job: LiveJob, out: Callable[[str], None],
                  say: Callable[[str], None]) -> None:
-        self.request, self.plan, self.backend, self.out, self.say = request, request.plan, backend, out, say
+        self.request, self.plan, self.job, self.out, self.say = request, request.plan, job, out, say
         plan = request.plan
         every = [ProcState(n.node, p) for n in plan.nodes for p in n.procs]
         # All pservers first, then all trainers, each node-major: the order of the report's lines.
@@ -113,7 +113,7 @@ class Attempt:
                 p.tail.append(ev.line)
                 if p.plan.role == PSERVER and not self.plan.spec.verbose and RUNTIME_CHATTER.match(ev.line):
                     return
-            line = f"[{ev.proc}@{self.backend.names[ev.node]}] {ev.line}"
+            line = f"[{ev.proc}@{self.job.names[ev.node]}] {ev.line}"
             if self.held is not None and p is not None and p.plan.role == TRAINER:
                 self.held.append(line)
                 return
@@ -130,16 +130,16 @@ class Attempt:
         elif isinstance(ev, m.NotReady):
             self.ready[ev.node] = ev.why
         elif isinstance(ev, m.Note):
-            self.out(f"[agent@{self.backend.names[ev.node]}] {ev.line}")
+            self.out(f"[agent@{self.job.names[ev.node]}] {ev.line}")
         elif isinstance(ev, JobRefused) and not self.stopping:
             raise JobFailed(ev.why)
         elif isinstance(ev, NodeLost):
-            raise LostContact(f"lost contact with {self.backend.labels[ev.node]}: {ev.why}; the job was stopped")
+            raise LostContact(f"lost contact with {self.job.labels[ev.node]}: {ev.why}; the job was stopped")
         elif isinstance(ev, (m.Stopping, m.Stopped)) and not self.stopping:
             if getattr(ev, "by_kill", False) or ev.reason == "stopped by paddle-cluster kill":
                 raise StoppedByKill(f"job {self.plan.spec.name} stopped by paddle-cluster kill")
             if isinstance(ev, m.Stopped) and not self.node_done(ev.node):
-                raise JobFailed(f"the agent on {self.backend.labels[ev.node]} stopped the job: {ev.reason}")
+                raise JobFailed(f"the agent on {self.job.labels[ev.node]} stopped the job: {ev.reason}")
 
     def node_done(self, node: int) -> bool:
         """Every process of ``node`` exited 0: an agent an engine started (no launcher to wait for) then ends,
@@ -154,12 +154,12 @@ class Attempt:
         last = time.monotonic()
         while not until():
             now = time.monotonic()
-            if deadline is not None and self.backend.holding():
+            if deadline is not None and self.job.holding():
                 deadline += now - last  # the cluster holds the job (queued, pulling): not the job's slowness
             last = now
             if deadline is not None and now > deadline:
                 return False
-            ev = self.backend.next_event(0.2)
+            ev = self.job.next_event(0.2)
             if ev is not None:
                 self.handle(ev)
                 if check is not None:
@@ -167,9 +167,9 @@ class Attempt:
         return True
 
     def failure_report(self, p: ProcState, what: str) -> str:
-        lines = [f"{p.plan.name} on {self.backend.labels[p.node]} {p.how()}{what}"]
+        lines = [f"{p.plan.name} on {self.job.labels[p.node]} {p.how()}{what}"]
         if p.tail:
-            lines.append(f"last lines of its log ({self.backend.log_of(self.plan, p.node, p.plan)}):")
+            lines.append(f"last lines of its log ({self.job.log_of(p.node, p.plan)}):")
             lines.extend("  | " + t for t in p.tail)
         refused = refused_arguments(self.plan.spec.cfg, self.plan.spec.trainer_args)
         if p.plan.role == TRAINER and p.exit_code == 2 and refused:
@@ -177,7 +177,7 @@ class Attempt:
         return "\n".join(lines)
 
     def headline(self, p: ProcState) -> str:
-        line = f"{p.plan.name} on {self.backend.labels[p.node]} {p.how()}"
+        line = f"{p.plan.name} on {self.job.labels[p.node]} {p.how()}"
         if p.plan.role == TRAINER and p.exit_code is not None and p.tail:
             line += f" ({p.tail[-1].strip()[:200]})"  # a trainer's last words usually name the pserver it lost
         return line
@@ -231,7 +231,7 @@ class Attempt:
             failed = next((p for p in self.role(TRAINER) if p.failed and p.node not in bad), None)
             if failed is not None and not self.plan.spec.elastic:
                 raise ProcessFailed(self.failure_report(failed, ""), failed, self.headline(failed))
-            lines = [f"pservers did not start listening on {self.backend.labels[i]}: {why}" for i, why in bad.items()]
+            lines = [f"pservers did not start listening on {self.job.labels[i]}: {why}" for i, why in bad.items()]
             for p in self.role(PSERVER):
                 if p.node in bad and p.tail:
                     lines.append(self.failure_report(p, "") if p.finished else f"{p.plan.name} output:\n" +
@@ -248,8 +248,7 @@ class Attempt:
             raise JobFailed("\n".join(lines))
 
     def run(self, failed_at: Optional[float]) -> None:
-        """Start the plan and watch it until every trainer has finished; raises ``JobFailed`` on failure."""
-        self.backend.submit(self.request)
+        """Watch the submitted plan until every trainer has finished; raises ``JobFailed`` on failure."""
         try:
             self.wait_ready()
             n = len(self.plan.env.pservers)
@@ -268,27 +267,29 @@ class Attempt:
             raise self._cause(e) from None
 
 
-def latest_common_step(backend: Backend, plan: JobPlan) -> Optional[int]:
+def latest_common_step(job: LiveJob, plan: JobPlan) -> Optional[int]:
     """The newest step whose checkpoint is complete for every pserver (on its own node); None if none is.
 
     Pservers on different hosts see only their own shards, so each would pick its own "latest": the
     launcher picks the one step all of them hold, which rolls every shard back to the same step.
     """
-    found = backend.complete_steps(plan.spec.checkpoint_root, plan.pserver_ids())
+    found = job.complete_steps(plan.spec.checkpoint_root, plan.pserver_ids())
     common = set.intersection(*(set(s) for s in found)) if found else set()
     return max(common) if common else None
 
 
-def supervise(request: Request, backend: Backend, out: Callable[[str], None],
-              say: Callable[[str], None]) -> JobResult:
+def supervise(request: Request, backend: Backend, out: Callable[[str], None], say: Callable[[str], None],
+              started: Callable[[LiveJob], None]) -> JobResult:
     """Submit ``request`` to ``backend`` and follow its plan to the end, restarting it from the newest common
-    checkpoint after a process failure up to ``--max_restarts`` times. A failure is a ``JobResult``, not an
-    exception."""
+    checkpoint after a process failure up to ``--max_restarts`` times; ``started`` gets each submission (the
+    caller stops the last one). A failure is a ``JobResult``, not an exception."""
     plan = request.plan
     spec, restarts, failed_at = plan.spec, 0, None
     try:
         while True:
-            attempt = Attempt(request, backend, out, say)
+            job = backend.submit(request, say)
+            started(job)
+            attempt = Attempt(request, job, out, say)
             try:
                 attempt.run(failed_at)
                 break
@@ -298,19 +299,19 @@ def supervise(request: Request, backend: Backend, out: Callable[[str], None],
                     return JobResult(spec.name, e.exit_code, f"{e}{left}", restarts)
                 failed_at = time.monotonic()
                 attempt.stopping = True
-                lost = backend.stop(spec.cfg.kill_grace)
+                lost = job.stop(spec.cfg.kill_grace)
                 if lost:
                     raise JobFailed(f"{e}\ncannot restart: no stop confirmation from "
-                                    f"{', '.join(backend.labels[i] for i in lost)}") from None
+                                    f"{', '.join(job.labels[i] for i in lost)}") from None
                 try:
-                    step = latest_common_step(backend, plan)
+                    step = latest_common_step(job, plan)
                 except ClusterError as err:  # e.g. a checkpoint there but unreadable: never restart from scratch
                     raise JobFailed(f"{e}\ncannot restart: {err}") from None
                 restarts += 1
                 where = f"checkpoint step {step}" if step is not None else "scratch (no complete checkpoint yet)"
                 say(f"{e.headline}; restarting the job from {where} (restart {restarts} of {spec.max_restarts})")
-                plan = plan.resumed(step)
-                request = backend.render(plan)
+                plan = plan.restarted(step)
+                request = backend.render(plan, request.prepared)
     except JobFailed as e:
         return JobResult(spec.name, e.exit_code, str(e), restarts)
     left = len(attempt.role(TRAINER)) - len(attempt.abandoned)

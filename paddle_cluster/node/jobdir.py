@@ -43,7 +43,7 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
         # The agent then reports "stopped by paddle-cluster kill", not a failure; with grace 0 it also stops
         # waiting out the grace period of a stop already under way (a second Ctrl+C of an MPI run).
         procs.request_kill(job_dir, grace)
-        os.kill(pid, signal.SIGTERM)
+        _signal_agent(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace + 6
         while time.monotonic() < deadline and procs.alive_as_recorded(pid, started):
             time.sleep(0.05)
@@ -51,7 +51,7 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
     # descendants it recorded (also those init adopted after it died), and everything below them.
     procs.stop_job(state, grace)
     if procs.alive_as_recorded(pid, started):
-        os.kill(pid, signal.SIGKILL)
+        _signal_agent(pid, signal.SIGKILL)
     left = [p["name"] for p in state["procs"] if procs.job_group_alive(p, job_id)]
     after = procs.load_records(job_dir) or state  # with the exits the agent saw
 
@@ -66,6 +66,14 @@ def kill(job_dir: str, grace: float) -> Dict[str, Any]:
 
     return {"found": True, "stopped": running, "left": left, "procs": [
         dataclasses.asdict(KillOutcome(p["name"], p["pid"], p["name"] in running, how(p))) for p in after["procs"]]}
+
+
+def _signal_agent(pid: int, sig: int) -> None:
+    """The agent found alive may end (its job done) before the signal reaches it: then it is stopped already."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def last_line(path: str) -> str:

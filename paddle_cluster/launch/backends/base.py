@@ -1,16 +1,18 @@
 """The launch backend contract: a job's whole life on one engine, as a scheduler in TorchX's sense.
 
-One lifecycle: ``prepare(spec)`` makes the nodes ready and says where the processes run (a ``Topology``;
-``preview(spec)`` says the same with nothing touched, for a dry run), ``plan.build_plan`` makes the job of it
-(the same for every backend), ``render(plan)`` makes the native ``Request`` with no side effect, and
-``submit(request)`` submits exactly that request and returns the job's handle. ``run --dry-run`` and ``render``
-print the ``Request`` that ``submit`` would be given.
+A ``Backend`` is the scheduler: ``prepare(spec)`` makes the nodes ready and returns what it made (a ``Prepared``:
+where the processes run, its ``Topology``, and what submitting needs; ``preview(spec)`` says the same with
+nothing touched, for a dry run), ``plan.build_plan`` makes the job of the topology (the same for every backend),
+``render(plan, prepared)`` makes the native ``Request`` with no side effect, and ``submit(request)`` submits
+exactly that request and returns the live job (a ``LiveJob``). ``run --dry-run`` and ``render`` print the
+``Request`` that ``submit`` would be given.
 
-A followed run then reads what happens as typed events (``node.messages`` events, plus ``NodeLost``) with
-``next_event`` and ends with ``stop``; on most backends a node agent (``python -m paddle_cluster.node supervise``
-or ``bootstrap``) runs each node's share of the plan, so a backend only carries plans in and events out. A job
-started earlier is found from the journal's handle (``JobRef``) to ``describe``, ``logs`` and ``cancel`` it.
-Supervision (``supervise``: fail-fast, elastic, restarts, the result) does not know which backend runs the job.
+A ``LiveJob`` owns that one submission: its events (``node.messages`` events, plus ``NodeLost``) read with
+``next_event``, its stop and what it holds open; a restart is another submission. On most backends a node agent
+(``python -m paddle_cluster.node supervise`` or ``bootstrap``) runs each node's share of the plan, so a backend
+only carries plans in and events out. A job is found again by its handle (``JobRef``: the journal's for a job
+started earlier, a live job's ``ref``) to ``describe``, ``logs`` and ``cancel`` it. Supervision (``supervise``:
+fail-fast, elastic, restarts, the result) does not know which backend runs the job.
 """
 
 from __future__ import annotations
@@ -96,15 +98,31 @@ class JobRef:
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` made ready for a job, or (``preview``) what it would, nothing made: where the processes run
+    and each node's names. A backend's own adds what its ``render`` and ``submit`` need (the node library, the
+    sessions waiting to become agents, ...); it travels in every ``Request`` rendered from it, and ``close``
+    releases what is left of it once the job is over."""
+
+    topology: Topology
+    names: Tuple[str, ...]  # node i's short name in output prefixes: "node1"
+    labels: Tuple[str, ...]  # and in messages: "node1 (root@10.0.0.2)"
+
+    def close(self) -> None:
+        """Release what it holds (connections, files) that no submission took; nothing by default."""
+
+
+@dataclass(frozen=True)
 class Request:
     """The native request a backend makes of its engine for one start of a plan: ``submit`` submits it as it is,
-    and ``text`` -- each part with a comment saying what it is, no credential but a manifest's Secret -- is what
-    ``run --dry-run`` and ``render`` print. A backend's own request adds its native fields (the sbatch script,
-    the mpirun command line and files, the manifests)."""
+    with what ``prepare`` made (``prepared``), and ``text`` -- each part with a comment saying what it is, no
+    credential but a manifest's Secret -- is what ``run --dry-run`` and ``render`` print. A backend's own request
+    adds its native fields (the sbatch script, the mpirun command line and files, the manifests)."""
 
     plan: JobPlan
     parts: Tuple[Tuple[str, str], ...]  # (comment, text)
     handle: Mapping[str, str]  # what ``describe``, ``logs`` and ``cancel`` need besides the config to find it
+    prepared: Prepared
 
     def text(self) -> str:
         out = []
@@ -134,7 +152,7 @@ Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stoppin
 
 
 class Backend(ABC):
-    """Runs the nodes' shares of a plan and reports their events; renders, submits and finds its jobs."""
+    """The scheduler of one engine: prepares the nodes, renders and submits a plan's request, finds its jobs."""
 
     name: ClassVar[str]  # as BACKEND and --backend say it
     summary: ClassVar[str]  # where its jobs run, for --help: "HOSTS over SSH"
@@ -151,31 +169,30 @@ class Backend(ABC):
     detach: ClassVar[str] = "its node agents stop when no launcher follows them (ORPHAN_TIMEOUT)"  # "": submit
     # may return at once (a backend created with ``detach``): the job then runs with no launcher following it
 
-    names: List[str]  # node i's short name in output prefixes: "node1"
-    labels: List[str]  # and in messages: "node1 (root@10.0.0.2)"
-
     @classmethod
     def create(cls, cfg: ClusterConfig, opts: Mapping[str, Any], detach: bool = False) -> Backend:
         """The backend for a job with the declared ``options`` given (absent ones None)."""
         return cls(cfg)  # type: ignore[call-arg]
 
     @abstractmethod
-    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
-        """Where ``spec``'s processes would run, with no side effect (addresses not known yet: placeholders)."""
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Prepared:
+        """What ``prepare`` would make, with no side effect (addresses not known yet: placeholders)."""
 
     @abstractmethod
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Prepared:
         """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
-        (``plan.build_plan`` makes the job of it, as for every backend)."""
+        (``plan.build_plan`` makes the job of its topology, as for every backend) and what submitting needs. On
+        failure it releases what it made."""
 
     @abstractmethod
-    def render(self, plan: JobPlan) -> Request:
-        """The native request of ``plan``, with no side effect: nothing started or written, the backend as it was."""
+    def render(self, plan: JobPlan, prepared: Prepared) -> Request:
+        """The native request of ``plan`` on ``prepared``, with no side effect: nothing started or written, the
+        backend as it was."""
 
     @abstractmethod
-    def submit(self, request: Request) -> Dict[str, str]:
-        """Submit ``request`` as it is; the job's handle. Followed (not ``--detach``): its events flow from now until
-        ``stop``. Restarts submit the request of the resumed plan."""
+    def submit(self, request: Request, say: Callable[[str], None]) -> LiveJob:
+        """Submit ``request`` as it is; the live job. Followed (not ``--detach``): its events flow from now until
+        its ``stop``. Restarts submit the request of the resumed plan. On failure nothing of it is left running."""
 
     @classmethod
     @abstractmethod
@@ -217,18 +234,19 @@ class Backend(ABC):
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         """Stop everything of the job; what was done, a line each (``say``: the launcher's own summary)."""
 
-    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
-        """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
-        return f"{plan.spec.job_dir}/log/{proc.log}"
 
-    def unstopped(self, nodes: List[int]) -> str:
-        """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
-        return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
-                f"own within ORPHAN_TIMEOUT")
+class LiveJob(ABC):
+    """One submitted request, as ``submit`` returns it: the handle of that one start of the job (``ref``, for
+    ``describe``, ``logs`` and ``cancel``) and all its state: its events, its stop, what it holds open."""
+
+    def __init__(self, request: Request) -> None:
+        self.request, self.plan = request, request.plan
+        self.names, self.labels = request.prepared.names, request.prepared.labels
+        self.ref = JobRef(request.plan.spec.cfg, request.plan.name, dict(request.handle))
 
     @abstractmethod
     def next_event(self, timeout: float) -> Optional[Event]:
-        """The next event of the started job within ``timeout`` s, or None."""
+        """The next event of the job within ``timeout`` s, or None."""
 
     def holding(self) -> bool:
         """The cluster holds the job back (queued for admission, pulling its image): the start timeout waits."""
@@ -241,16 +259,24 @@ class Backend(ABC):
     @abstractmethod
     def stop(self, grace: float) -> List[int]:
         """Stop every process started (SIGTERM, ``grace`` s, SIGKILL) and wait for each node to confirm;
-        returns the nodes that did not. Nothing started: nothing to do."""
+        returns the nodes that did not. Stopped already: nothing to do."""
 
     @abstractmethod
     def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
         """For each node holding pservers (``{node: [pserver ids]}``), the checkpoint steps under ``root``
         whose shards of those pservers are complete."""
 
-    @abstractmethod
-    def close(self) -> None:
-        """Release connections; the backend is not used afterwards."""
+    def close(self) -> None:  # noqa: B027 - a job whose stop released everything holds nothing more
+        """Release what following it holds (readers, watches); the job itself runs on unless stopped."""
+
+    def log_of(self, node: int, proc: m.ProcPlan) -> str:
+        """Where the whole log of ``proc`` on ``node`` is, for a failure report."""
+        return f"{self.plan.spec.job_dir}/log/{proc.log}"
+
+    def unstopped(self, nodes: List[int]) -> str:
+        """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
+        return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
+                f"own within ORPHAN_TIMEOUT")
 
 
 EVENTS_MAX = 10_000  # events waiting for the launcher's main loop (a few MB at most)

@@ -19,8 +19,8 @@ import shlex
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
 from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
@@ -30,7 +30,7 @@ from ...config import ClusterConfig, ConfKey, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, Request
+from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, LiveJob, Prepared, Request
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, pods, rights
@@ -118,6 +118,14 @@ def pod_of_role(node: str, role: str) -> None:
 
 
 @dataclass(frozen=True)
+class K8sPrepared(Prepared):
+    """What ``prepare`` named: each pod's node (``(role, index) -> node``) and each role's Kubernetes Job."""
+
+    nodes: Dict[Tuple[str, int], int] = field(default_factory=dict)
+    job_names: Dict[str, str] = field(default_factory=dict)  # role -> its Job's name
+
+
+@dataclass(frozen=True)
 class K8sRequest(Request):
     """The job's objects: ``manifests``, the YAML stream of ``job`` that ``kubectl create -f -`` is given."""
 
@@ -160,14 +168,14 @@ class K8sBackend(Backend):
         be.detached, be.jobset = detach, bool(opts.get("jobset"))
         return be
 
-    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> K8sPrepared:
         _, topology = self.opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         if self.cfg.is_builtin_default and None in (self.opts.pservers, self.opts.trainers):
             say(f"no conf.py or cluster.yaml found: {topology.pservers} pserver(s) and {topology.trainers} trainer(s), "
                 "the built-in default's counts (--pservers/--trainers set them)")
-        return topology
+        return K8sPrepared(topology, (), ())
 
-    def render(self, plan: JobPlan) -> K8sRequest:
+    def render(self, plan: JobPlan, prepared: Prepared) -> K8sRequest:
         spec = plan.spec
         pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
         jobset = self.jobset or bool(self.opts.pods.queue)
@@ -176,7 +184,7 @@ class K8sBackend(Backend):
         text = k8s.render(job)
         return K8sRequest(plan, (("", text),),  # its own comments say what it is
                           {"backend": self.name, "namespace": job.namespace, "job_id": job.env.job_id,
-                           **({"jobset": "1"} if job.jobset else {})}, job, text)
+                           **({"jobset": "1"} if job.jobset else {})}, prepared, job, text)
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
@@ -222,29 +230,11 @@ class K8sBackend(Backend):
     def __init__(self, cfg: ClusterConfig, opts: K8sOptions, binary: str = "kubectl") -> None:
         self.cfg, self.opts = cfg, opts
         self.binary = binary
-        self.kubectl = Kubectl(opts.namespace, "", binary)
-        self.job: Optional[k8s.K8sJob] = None  # what ``submit`` created
-        self.k8s_name = ""  # the job's Kubernetes name (``prepare``)
-        self.names: List[str] = []
-        self.labels: List[str] = []
-        # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
-        self.events: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
-        self._closing = False  # stopping: an event that does not fit is dropped, never waited for
-        self.watch = PodWatch({})
-        self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
-        self._lock = threading.Lock()
-        self._state = threading.Lock()
-        self._polling: Optional[threading.Event] = None
-        self._watchers: List[subprocess.Popen] = []
-        self.jobwatch = JobWatch({}, lambda p: None)
-        self.readied: set = set()  # nodes whose entry point said ready or not
         self.detached = False  # run --detach: create the objects, follow nothing
         self.jobset = False  # render k8s --jobset
-        self.job_dir = ""
-        self.say: Callable[[str], None] = lambda line: None
 
     # -- preparing ------------------------------------------------------------------------------------
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> List[str]:
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> K8sPrepared:
         for flag, given, why in (
                 ("--max_restarts", spec.max_restarts, "a failed pod fails its Job; restarts from checkpoints need "
                  "the ssh backend"),
@@ -254,30 +244,25 @@ class K8sBackend(Backend):
         opts = self.opts  # spec.cfg below: the settled config (launch/entry.py chose the pserver, --entry, ports)
         if spec.dispatch_dir and spec.workspace:
             raise ConfigError("--job_dispatch_package", spec.dispatch_dir, "give it or --job_workspace, not both")
-        self.k8s_name, topology = opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
+        k8s_name, topology = opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         jobset = self.jobset or bool(opts.pods.queue)
-        self.job_dir, self.say = spec.job_dir, say
-        self.kubectl = Kubectl(opts.namespace, "", self.binary, kc.kinds(jobset))
+        kubectl = Kubectl(opts.namespace, "", self.binary, kc.kinds(jobset))
         if jobset:
-            self._need_jobsets()
+            self._need_jobsets(kubectl)
         for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
-            if need.at_run and not self.kubectl.may(need.verb, need.resource):
-                raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
+            if need.at_run and not kubectl.may(need.verb, need.resource):
+                raise ClusterError(f"kubectl says you {rights.refusal(kubectl, need)}")
         roles = [(PSERVER, i) for i in range(topology.pservers)] + [(TRAINER, j) for j in range(topology.trainers)]
-        job_name = {r: k8s.job_name(self.k8s_name, r, jobset) for r in (PSERVER, TRAINER)}
-        self.names = [f"{job_name[r]}-{i}" for r, i in roles]
-        self.labels = [f"pod {n}" for n in self.names]
-        nodes = {ri: node for node, ri in enumerate(roles)}
-        self.watch = PodWatch(nodes)
-        self.jobwatch = JobWatch({job_name[r]: [n for (r_, _), n in nodes.items() if r_ == r]
-                                  for r in (PSERVER, TRAINER)}, lambda p: nodes.get((p.role, p.index)), opts.pods.queue)
-        say(f"job {self.k8s_name}: {topology.pservers} pserver pod(s), {topology.trainers} trainer pod(s) of "
+        job_names = {r: k8s.job_name(k8s_name, r, jobset) for r in (PSERVER, TRAINER)}
+        names = tuple(f"{job_names[r]}-{i}" for r, i in roles)
+        say(f"job {k8s_name}: {topology.pservers} pserver pod(s), {topology.trainers} trainer pod(s) of "
             f"{opts.image} in namespace {opts.namespace}")
-        return topology
+        return K8sPrepared(topology, names, tuple(f"pod {n}" for n in names),
+                           {ri: node for node, ri in enumerate(roles)}, job_names)
 
-    def _need_jobsets(self) -> None:
+    def _need_jobsets(self, kubectl: Kubectl) -> None:
         """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""
-        listed = self.kubectl.run(self.kubectl.api_resources(k8s.JOBSET_API.split("/")[0])).split()
+        listed = kubectl.run(kubectl.api_resources(k8s.JOBSET_API.split("/")[0])).split()
         if k8s.JOBSET_RESOURCE not in listed:
             why = "--queue NAME" if self.opts.pods.queue else "--jobset"
             raise ConfigError(why.split()[0], self.opts.pods.queue or True, "needs JobSet (jobset.x-k8s.io), which "
@@ -285,24 +270,52 @@ class K8sBackend(Backend):
                               "nothing): Kueue admits a job's pservers and trainers as one workload only as a "
                               "JobSet; install JobSet (github.com/kubernetes-sigs/jobset) or leave the option out")
         need = rights.JOBSET_NEEDS[0]
-        if not self.kubectl.may(need.verb, need.resource):
-            raise ClusterError(f"kubectl says you {rights.refusal(self.kubectl, need)}")
-
-    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
-        return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
-
-    def unstopped(self, nodes: List[int]) -> str:
-        return (f"pods left after deleting the job's objects: {', '.join(self.names[i] for i in nodes)}; see "
-                f"'{shlex.join(self.kubectl.get())}'")
+        if not kubectl.may(need.verb, need.resource):
+            raise ClusterError(f"kubectl says you {rights.refusal(kubectl, need)}")
 
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Dict[str, str]:
+    def submit(self, request: Request, say: Callable[[str], None]) -> K8sLiveJob:
         """Create the request's objects (``kubectl create`` of its manifests) and follow them; detached, return
         once created: the pods end the job on their own (fail-fast, the pservers once the trainers are gone), and
         ``status``/``logs``/``kill`` find it by its id."""
-        assert isinstance(request, K8sRequest)
+        job = K8sLiveJob(cast(K8sRequest, request), self.cfg, self.binary, say)  # rendered by this backend
+        try:
+            job.start(self.detached)
+        except BaseException:
+            job.stop(self.cfg.kill_grace)  # what it created, by the run's unique id
+            job.close()
+            raise
+        return job
+
+
+class K8sLiveJob(LiveJob):
+    """One job's objects, created and followed: a watch of its pods, Jobs and events, and a ``kubectl logs`` of each
+    pod that ran, turned into the events every backend yields."""
+
+    def __init__(self, request: K8sRequest, cfg: ClusterConfig, binary: str, say: Callable[[str], None]) -> None:
+        super().__init__(request)
+        prepared = cast(K8sPrepared, request.prepared)
+        self.k8s_request, self.cfg, self.say = request, cfg, say
         self.job = job = request.job
-        self.kubectl = Kubectl(job.namespace, job.selector, self.binary, kc.kinds(job.jobset))
+        self.job_dir = request.plan.spec.job_dir
+        self.kubectl = Kubectl(job.namespace, job.selector, binary, kc.kinds(job.jobset))
+        # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
+        self.events: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
+        self._closing = False  # stopping: an event that does not fit is dropped, never waited for
+        nodes = prepared.nodes
+        self.watch = PodWatch(nodes)
+        self.jobwatch = JobWatch({name: [n for (r, _), n in nodes.items() if r == role]
+                                  for role, name in prepared.job_names.items()},
+                                 lambda p: nodes.get((p.role, p.index)), job.pods.queue)
+        self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
+        self._lock = threading.Lock()
+        self._state = threading.Lock()
+        self._polling: Optional[threading.Event] = None
+        self._watchers: List[subprocess.Popen] = []
+        self.readied: set = set()  # nodes whose entry point said ready or not
+
+    def start(self, detached: bool) -> None:
+        request, job = self.k8s_request, self.job
         taken = owners(self.kubectl.run(self.kubectl.get_named(job.object_names())))
         if taken:
             whose = {f"job {o.job} (id {o.job_id})" if o.job else "not created by paddle-cluster" for o in taken}
@@ -314,19 +327,25 @@ class K8sBackend(Backend):
         self._polling = done = threading.Event()
         self.kubectl.run(self.kubectl.create(), stdin=request.manifests)
         kc.own_by_owners(self.kubectl, job)
-        if self.detached:
+        if detached:
             self._polling = None  # created: from now on the cluster runs and ends the job on its own
             ttl = job.pods.ttl
             self.say(f"job {request.plan.name} created in namespace {job.namespace} (id {job.env.job_id})"
                      + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
-            return dict(request.handle)
+            return
         for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
                              name=f"k8s-{kind}").start()
         if job.pods.queue:
             threading.Thread(target=self._watch_queue, args=(done,), daemon=True, name="k8s-queue").start()
-        return dict(request.handle)
+
+    def log_of(self, node: int, proc: m.ProcPlan) -> str:
+        return f"{self.job_dir}/log/{proc.name}.log"  # saved there before the pods are deleted
+
+    def unstopped(self, nodes: List[int]) -> str:
+        return (f"pods left after deleting the job's objects: {', '.join(self.names[i] for i in nodes)}; see "
+                f"'{shlex.join(self.kubectl.get())}'")
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
@@ -377,7 +396,6 @@ class K8sBackend(Backend):
     def _watch_queue(self, done: threading.Event) -> None:
         """While Kueue holds the job, its place in line, from Kueue's visibility API every ``QUEUE_ASK_S``; a
         cluster without that API (before Kueue 0.9, or not installed) is said once, then not asked again."""
-        assert self.job is not None
         owners = [self.job.name, *self.jobwatch.job_nodes]  # the JobSet, or a Job
         while not done.wait(QUEUE_ASK_S):
             with self._state:

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import RankVars
@@ -36,10 +36,10 @@ from ...config import ClusterConfig, ConfKey
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
 from ...hosts import Node
-from ...plan import JobPlan, JobSpec, Topology
+from ...plan import JobPlan, JobSpec
 from ...preflight import CheckLine, EngineRow
-from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
-from ..ssh.backend import SSHBackend
+from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..ssh.backend import SSHBackend, SSHPrepared, hosts_complete_steps
 
 # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
 RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZE|PMI_SIZE",
@@ -114,6 +114,20 @@ def local_address(peer: str) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class MPIPrepared(Prepared):
+    """The hosts as the SSH backend prepared them (``hosts``), and this job's directory on this machine for the
+    files mpirun reads (``tmp``, removed by ``close``)."""
+
+    hosts: SSHPrepared
+    tmp: str = ""
+
+    def close(self) -> None:
+        self.hosts.close()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
 class MPIRequest(Request):
     """``mpirun`` (or Hydra's ``mpiexec``) as it is run: its command line, and the files it reads, by name, in
     ``where`` (the job's temporary directory); each host gets the plan at ``plan_path``."""
@@ -137,51 +151,44 @@ class MPIBackend(Backend):
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
         self.cfg = cfg
-        self.ssh = SSHBackend(cfg)  # the hosts, their preparation (library, probe, workspace) and checkpoints
-        self.nodes, self.names, self.labels = self.ssh.nodes, self.ssh.names, self.ssh.labels
-        self.mpirun: Optional[subprocess.Popen] = None
-        self.attempt = 0
-        self.tmp = ""  # this job's hostfile and ssh config, made in ``prepare``
-        self.plan_path = ""  # the running start's plan on every host, until removed
-        self.events = EventQueue([], cfg.orphan_timeout)
-        self.spec: Optional[JobSpec] = None
-        self.no_grace = False  # a second interrupt: stop without the grace period
+        self.ssh = SSHBackend(cfg)  # the hosts and their preparation (library, probe, workspace)
+        self.nodes = self.ssh.nodes
 
-    @property
-    def lib(self) -> Optional[dispatch.Package]:
-        return self.ssh.lib
-
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
         impl, launcher = mpi_launcher(self.cfg.mpi_impl)  # refused here, before anything, when it is missing
-        self.spec = spec
-        self.tmp = self.tmp or tempfile.mkdtemp(prefix="paddle-cluster-mpi-")
-        topology = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")  # this job's hostfile and ssh config
+        try:
+            hosts = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         say(f"starting one rank per host with {'MPICH' if impl == 'mpich' else 'Open MPI'} ({launcher})")
-        return topology
+        return MPIPrepared(hosts.topology, hosts.names, hosts.labels, hosts, tmp)
 
-    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
         try:
             mpi_launcher(self.cfg.mpi_impl)
         except ClusterError as e:  # what this machine lacks: said, and the command shown for Open MPI
             say(f"{e}; shown for Open MPI's mpirun")
-        return self.ssh.preview(spec, say)
+        hosts = self.ssh.preview(spec, say)
+        return MPIPrepared(hosts.topology, hosts.names, hosts.labels, hosts)
 
-    def render(self, plan: JobPlan) -> MPIRequest:
+    def render(self, plan: JobPlan, prepared: Prepared) -> MPIRequest:
+        mine = cast(MPIPrepared, prepared)  # prepared by this backend
         try:
             impl, launcher = mpi_launcher(self.cfg.mpi_impl)
         except ClusterError:  # a dry run on a machine without it (``preview`` said so); ``prepare`` refuses it
             impl, launcher = "openmpi", "mpirun"
-        where = self.tmp or "<job-tmp>"
+        where = mine.tmp or "<job-tmp>"
         files = self.files(where, impl)
-        plan_path = self.plan_file(plan.name, self.attempt + 1)
-        argv = self.argv(plan, impl, launcher, plan_path, {k: f"{where}/{k}" for k in files},
-                         self.lib or dispatch.Package("", "<node library sha256>", 0, 0))
+        plan_path = self.plan_file(plan.name, plan.start)
+        argv = self.argv(plan, impl, launcher, plan_path, {k: f"{where}/{k}" for k in files}, mine.hosts)
         return MPIRequest(plan, (
             (f"{launcher} command of job {plan.name} ({'MPICH' if impl == 'mpich' else 'Open MPI'}; run from /, one "
              "rank per host). Nothing was started.", shlex.join(argv)),
             *((f"{where}/{k}", text) for k, text in files.items()),
-            ("each rank runs its node's share of the plan (node bootstrap):", plan_text(plan, self.labels))),
-            {"backend": self.name}, tuple(argv), impl, where, tuple(files.items()), plan_path)
+            ("each rank runs its node's share of the plan (node bootstrap):", plan_text(plan, prepared.labels))),
+            {"backend": self.name}, prepared, tuple(argv), impl, where, tuple(files.items()), plan_path)
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
@@ -199,9 +206,6 @@ class MPIBackend(Backend):
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
         return SSHBackend.cancel(job, say)
 
-    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
-        return self.ssh.complete_steps(root, pservers)
-
     # -- what mpirun is given -------------------------------------------------------------------------
     def files(self, where: str, impl: str) -> Dict[str, str]:
         """The files the launcher gives mpirun (and Hydra's ssh wrapper), by name, to be written to ``where``."""
@@ -215,16 +219,6 @@ class MPIBackend(Backend):
             out["ssh"] = (f"#!/bin/sh\nexec {shlex.quote(shutil.which('ssh') or 'ssh')} -F "
                           f"{shlex.quote(where + '/ssh_config')} \"$@\"\n")
         return out
-
-    def write_files(self, request: MPIRequest) -> None:
-        """The request's files, written where it says (this job's temporary directory)."""
-        assert request.where == self.tmp, "rendered before prepare"
-        for name, text in request.files:
-            path = os.path.join(self.tmp, name)
-            with open(path, "w") as f:
-                f.write(text)
-            if name == "ssh":
-                os.chmod(path, 0o700)
 
     def ssh_config(self) -> str:
         """An OpenSSH config for mpirun's rsh agent: HOSTS' users and ports, our key and host-key policy."""
@@ -247,16 +241,16 @@ class MPIBackend(Backend):
         return "\n".join(lines) + "\n"
 
     def argv(self, plan: JobPlan, impl: str, launcher: str, plan_path: str, paths: Dict[str, str],
-             lib: dispatch.Package) -> List[str]:
+             hosts: SSHPrepared) -> List[str]:
         """The launcher's command line, given the paths of ``files``."""
         hostfile, config, grace = paths["hostfile"], paths["ssh_config"], self.cfg.kill_grace
-        agent = self._agent(plan, impl, plan_path, lib)
+        agent = self._agent(plan, impl, plan_path, hosts.lib)
         if impl == "mpich":
             return self._hydra_argv(plan, launcher, hostfile, paths["ssh"], agent)
         if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
             raise ClusterError(f"--backend mpi: Open MPI splits its ssh command on spaces, and {config} or "
                                "SSH_KNOWN_HOSTS / SSH_IDENTITY_FILE contains one; use paths without spaces")
-        networks = {net for net in self.ssh.networks if net}
+        networks = {net for net in hosts.networks if net}
         wire = ",".join(sorted(networks)) if networks else self.cfg.paddle_nic
         return [launcher, "--hostfile", hostfile, "-np", str(len(self.nodes)),
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
@@ -286,15 +280,37 @@ class MPIBackend(Backend):
         return [launcher, "-f", hostfile, "-n", str(len(self.nodes)), "-ppn", "1", "-launcher", "ssh",
                 "-launcher-exec", wrapper, *(("-localhost", here) if here else ()), "-genvnone", *agent]
 
+    def plan_file(self, job: str, start: int) -> str:
+        """Where start ``start`` puts the plan on every host (its own copy on each)."""
+        return f"{self.cfg.root_dir}/.paddle_cluster/plans/{job}.{start}.jsonl"
+
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Dict[str, str]:
-        assert isinstance(request, MPIRequest) and self.lib is not None and self.mpirun is None, \
-            "prepare first, and stop before submitting again"
-        plan = request.plan
-        self.attempt += 1
+    def submit(self, request: Request, say: Callable[[str], None]) -> MPILiveJob:
+        job = MPILiveJob(cast(MPIRequest, request), self.cfg)  # rendered by this backend
+        try:
+            job.start()
+        except BaseException:
+            job.stop(self.cfg.kill_grace)
+            raise
+        return job
+
+
+class MPILiveJob(LiveJob):
+    """One start under mpirun: the plan on every host, mpirun itself and the events on its output."""
+
+    def __init__(self, request: MPIRequest, cfg: ClusterConfig) -> None:
+        super().__init__(request)
+        self.mpi_request, self.cfg = request, cfg
+        self.hosts = cast(MPIPrepared, request.prepared).hosts
+        self.mpirun: Optional[subprocess.Popen] = None
+        self.plan_path = ""  # the plan on every host, until removed
+        self.events = EventQueue([n.node for n in request.plan.nodes], cfg.orphan_timeout)
+        self.no_grace = False  # a second interrupt: stop without the grace period
+
+    def start(self) -> None:
+        request, plan, lib = self.mpi_request, self.plan, self.hosts.lib
         self.plan_path = plan_path = request.plan_path
         text = "".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes)
-        lib = self.lib
 
         def put(n: Node) -> None:
             # It holds the job secret: written by the node itself, 0600 from its first byte in a directory it
@@ -304,10 +320,14 @@ class MPIBackend(Backend):
             if not doc.get("ok"):
                 raise HostError(n.label, f"cannot write the plan: {doc.get('error')}")
 
-        each_node(self.nodes, put).ok("sending the plan")
-        self.events = events = EventQueue([n.node for n in plan.nodes], self.cfg.orphan_timeout)
-        events.starting(self.cfg.start_timeout)
-        self.write_files(request)
+        each_node(self.hosts.nodes, put).ok("sending the plan")
+        self.events.starting(self.cfg.start_timeout)
+        for name, body in request.files:  # the request's files, where it says (this job's temporary directory)
+            path = os.path.join(request.where, name)
+            with open(path, "w") as f:
+                f.write(body)
+            if name == "ssh":
+                os.chmod(path, 0o700)
         argv = list(request.argv)
         env = dict(os.environ)
         if os.geteuid() == 0 and request.impl == "openmpi":  # it refuses root unless told; HOSTS say who logs in
@@ -317,9 +337,8 @@ class MPIBackend(Backend):
                                            stderr=subprocess.STDOUT, env=env, cwd="/", preexec_fn=_own_session)
         except OSError as e:
             raise ClusterError(f"cannot start {argv[0]}: {e.strerror or e}; {HINTS[request.impl]}") from None
-        threading.Thread(target=_read, args=(self.mpirun, events, len(plan.nodes)), daemon=True,
+        threading.Thread(target=_read, args=(self.mpirun, self.events, len(plan.nodes)), daemon=True,
                          name="mpirun").start()
-        return dict(request.handle)
 
     def next_event(self, timeout: float) -> Optional[Event]:
         return self.events.get(timeout)
@@ -348,6 +367,7 @@ class MPIBackend(Backend):
     def stop(self, grace: float) -> List[int]:
         p = self.mpirun
         if p is None:
+            self.remove_plan()  # a start that failed before mpirun ran
             return []
         self.events.closing = True
         # The agents first, over the hosts' SSH connections: each stops its processes within ``grace`` and
@@ -366,35 +386,27 @@ class MPIBackend(Backend):
         self.remove_plan()
         return unswept
 
-    def plan_file(self, job: str, attempt: int) -> str:
-        """Where start ``attempt`` puts the plan on every host (its own copy on each)."""
-        return f"{self.cfg.root_dir}/.paddle_cluster/plans/{job}.{attempt}.jsonl"
+    def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+        return hosts_complete_steps(self.hosts, root, pservers)
 
     def remove_plan(self) -> None:
         """The plan file gone from every host, where a rank did not remove it (it never started, or failed before
         reading it): it holds the job secret. A host that cannot be reached keeps it (0600, in a 0700 directory)."""
-        path, lib, self.plan_path = self.plan_path, self.lib, ""
-        if path and lib is not None:
-            each_node(self.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
-                                                             what="removing the plan", timeout=60))
+        path, lib, self.plan_path = self.plan_path, self.hosts.lib, ""
+        if path:
+            each_node(self.hosts.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
+                                                                   what="removing the plan", timeout=60))
 
     def sweep(self, grace: float) -> List[int]:
         """``node kill`` on every host: anything of the job still running there (Open MPI kills its ranks'
         process groups only). The hosts where that failed."""
-        assert self.lib is not None and self.spec is not None
-        lib, job_dir = self.lib, self.spec.job_dir
+        lib, job_dir = self.hosts.lib, self.plan.spec.job_dir
 
         def kill(n: Node) -> None:
             dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(grace),
                                 what="sweeping the job's processes", timeout=grace + 60)
 
-        return sorted(each_node(self.nodes, kill).errors)
-
-    def close(self) -> None:
-        self.remove_plan()  # a start that failed before mpirun ran
-        self.ssh.close()
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        return sorted(each_node(self.hosts.nodes, kill).errors)
 
 
 def _own_session() -> None:

@@ -1,4 +1,4 @@
-"""The Slurm backend: ``backend`` runs a job in an allocation, ``ops`` finds, shows and stops one started
+"""The Slurm backend: ``backend`` runs a job in an allocation, ``jobs`` finds, shows and stops one started
 earlier (the layout of its files on the shared filesystem is in ``backend``)."""
 
 from .backend import SlurmBackend

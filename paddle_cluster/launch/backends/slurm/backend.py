@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
@@ -38,7 +38,8 @@ from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, Topology
 from ...preflight import CheckLine
 from ...top import DirsSource
-from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, Request, plan_text
+from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..ssh.backend import NO_LIBRARY
 from . import jobs
 from .jobs import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
@@ -63,6 +64,13 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
         # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
         out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
+
+
+@dataclass(frozen=True)
+class SlurmPrepared(Prepared):
+    """The node library installed under the shared ROOT_DIR (a dry run's: a placeholder)."""
+
+    lib: dispatch.Package = NO_LIBRARY
 
 
 @dataclass(frozen=True)
@@ -118,22 +126,12 @@ class SlurmBackend(Backend):
 
     def __init__(self, cfg: ClusterConfig, opts: SlurmOptions) -> None:
         self.cfg, self.opts = cfg, opts
-        self.names = [f"node{i}" for i in range(opts.nodes)]
-        self.labels = [f"node{i} (Slurm)" for i in range(opts.nodes)]
+        self.names = tuple(f"node{i}" for i in range(opts.nodes))
+        self.labels = tuple(f"node{i} (Slurm)" for i in range(opts.nodes))
         self.local = LocalNode(0, HostSpec.parse("localhost"), cfg)
-        self.lib: Optional[dispatch.Package] = None
-        self.pythons: List[str] = []  # every node's interpreter: this machine's PYTHON, resolved (``interpreter``)
-        self.say: Callable[[str], None] = lambda _s: None
-        self.job_id: Optional[str] = None
-        self.srun: Optional[subprocess.Popen] = None  # inside an existing allocation
-        self.attempt = 0
-        self.adir = ""  # the current start's directory (attempt-<k>)
-        self.events = EventQueue([], cfg.orphan_timeout)
-        self._done = threading.Event()
 
     # -- preparing ------------------------------------------------------------------------------------
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
-        self.say = say
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> SlurmPrepared:
         for tool in ("sbatch", "srun", "scontrol", "scancel"):
             if shutil.which(tool) is None:
                 slurm([tool], "")  # raises the install hint
@@ -149,11 +147,11 @@ class SlurmBackend(Backend):
         lib, res = probe_nodes([self.local], self.cfg)  # the node library under the shared ROOT_DIR
         (doc,) = res.ok("installing paddle_cluster under ROOT_DIR")
         self.local.close()
-        self.lib = lib
-        self.pythons = [self.interpreter(doc)] * self.opts.nodes
+        pythons = [self.interpreter(doc)] * self.opts.nodes  # every node's: this machine's PYTHON, resolved
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
-        return Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)], self.pythons, step)
+        return SlurmPrepared(Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)], pythons, step),
+                             self.names, self.labels, lib)
 
     def interpreter(self, doc: Dict[str, Any]) -> str:
         """PYTHON resolved to an absolute path on this machine (``doc``: its probe), numpy checked: srun runs the
@@ -163,15 +161,16 @@ class SlurmBackend(Backend):
                                f"there ({self.cfg.python} -m pip install numpy) or set PYTHON to one that has it")
         return doc.get("python_path") or self.cfg.python
 
-    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
-        return Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)])
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> SlurmPrepared:
+        return SlurmPrepared(Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)]), self.names,
+                             self.labels)
 
-    def render(self, plan: JobPlan) -> SlurmRequest:
-        spec, lib = plan.spec, self.lib or dispatch.Package("", "<node library sha256>", 0, 0)
-        adir = f"{spec.job_dir}/.paddle_cluster/attempt-{self.attempt + 1}"
+    def render(self, plan: JobPlan, prepared: Prepared) -> SlurmRequest:
+        spec, lib = plan.spec, cast(SlurmPrepared, prepared).lib  # rendered by this backend
+        adir = f"{spec.job_dir}/.paddle_cluster/attempt-{plan.start}"
         shares = tuple(per_node(plan))
-        srun = self.srun_argv(spec, lib, adir)
-        script = batch_script(spec.name, self.attempt + 1, [
+        srun = self.srun_argv(plan, lib, adir)
+        script = batch_script(spec.name, plan.start, [
             f"--nodes={self.opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
             f"--output={adir}/slurm-%j.out", f"--chdir={spec.cwd}",
             # A requeued job would find its nodes' plans gone (each is removed once read: it holds the job's
@@ -182,8 +181,8 @@ class SlurmBackend(Backend):
             (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.", script),
             ("submitted with:", shlex.join(sbatch)),
             ("each node's share of the plan (its address: the node's on PADDLE_NIC, published when it starts):",
-             plan_text(dataclasses.replace(plan, nodes=shares), self.labels))),
-            {"backend": self.name}, adir, script, sbatch, tuple(srun), shares)
+             plan_text(dataclasses.replace(plan, nodes=shares), prepared.labels))),
+            {"backend": self.name}, prepared, adir, script, sbatch, tuple(srun), shares)
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -210,12 +209,9 @@ class SlurmBackend(Backend):
         """``top``: every node's directory on the shared filesystem, read here (the agents write the figures)."""
         return DirsSource(lambda: jobs.node_dirs_by_name(job.cfg, job.name))
 
-    def log_of(self, plan: JobPlan, node: int, proc: m.ProcPlan) -> str:
-        return f"{node_dir(plan.spec.job_dir, node)}/log/{proc.log}"
-
-    # -- running --------------------------------------------------------------------------------------
-    def bootstrap_argv(self, spec: JobSpec, lib: dispatch.Package, adir: str, attached: bool) -> List[str]:
-        cfg = self.cfg
+    # -- rendering --------------------------------------------------------------------------------------
+    def bootstrap_argv(self, plan: JobPlan, lib: dispatch.Package, adir: str, attached: bool) -> List[str]:
+        cfg, spec = self.cfg, plan.spec
         # After a failure a following launcher decides (fail-fast, restarts), for as long as its lease shows it
         # follows; a job no launcher follows (--detach, or its launcher died) fails fast inside the allocation:
         # the failed node's agent exits 1 and srun --kill-on-bad-exit ends the step and so the job. --elastic
@@ -230,26 +226,46 @@ class SlurmBackend(Backend):
                                    f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
                                    "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
                                    "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
-        return [self.pythons[0], *argv[1:]] if self.pythons else argv
+        python = plan.topology.nodes[0].python  # this machine's PYTHON, resolved (``interpreter``); a dry run: ""
+        return [python, *argv[1:]] if python else argv
 
-    def srun_argv(self, spec: JobSpec, lib: dispatch.Package, adir: str) -> List[str]:
-        opts = self.opts
+    def srun_argv(self, plan: JobPlan, lib: dispatch.Package, adir: str) -> List[str]:
+        opts, spec = self.opts, plan.spec
         # srun takes --cpus-per-task from no variable since Slurm 22.05: the step asks for it again.
         cpus = [f"--cpus-per-task={opts.cpus_per_task}"] if opts.cpus_per_task else []
         return ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", *cpus, f"--job-name={spec.name}",
-                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(spec, lib, adir, not opts.detach)]
+                "--kill-on-bad-exit=1", "--export=ALL", *self.bootstrap_argv(plan, lib, adir, not opts.detach)]
 
-    def submit(self, request: Request) -> Dict[str, str]:
-        assert isinstance(request, SlurmRequest) and self.lib is not None and self.job_id is None and \
-            self.srun is None, "prepare first, and stop before submitting again"
-        spec, opts = request.plan.spec, self.opts
-        self.attempt += 1
-        self.adir = adir = request.adir
+    # -- running --------------------------------------------------------------------------------------
+    def submit(self, request: Request, say: Callable[[str], None]) -> SlurmLiveJob:
+        job = SlurmLiveJob(cast(SlurmRequest, request), self.cfg, self.opts, say)  # rendered by this backend
+        try:
+            job.start()
+        except BaseException:
+            job.stop(self.cfg.kill_grace)  # a job queued for nobody is cancelled
+            raise
+        return job
+
+
+class SlurmLiveJob(LiveJob):
+    """One start on Slurm: the Slurm job (or, inside an allocation, the ``srun`` step), followed through the nodes'
+    events files in the start's directory while the launcher's lease there shows it follows."""
+
+    def __init__(self, request: SlurmRequest, cfg: ClusterConfig, opts: SlurmOptions,
+                 say: Callable[[str], None]) -> None:
+        super().__init__(request)
+        self.slurm_request, self.cfg, self.opts, self.say = request, cfg, opts, say
+        self.job_id: Optional[str] = None
+        self.srun: Optional[subprocess.Popen] = None  # inside an existing allocation
+        self.adir = request.adir
+        self.events = EventQueue(range(opts.nodes), cfg.orphan_timeout)
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        request, spec, opts, adir = self.slurm_request, self.plan.spec, self.opts, self.adir
         for n in request.shares:  # each node's share holds the secret: 0600, and its node removes it once read
             private.write_private(f"{adir}/{PLAN}".replace("{node}", str(n.node)), m.encode(m.Start(n)).encode())
         srun = list(request.srun)
-        self.events = EventQueue(range(opts.nodes), self.cfg.orphan_timeout)
-        self._done = threading.Event()
         if os.environ.get("SLURM_JOB_ID") and not opts.detach:
             self.say(f"inside Slurm allocation {os.environ['SLURM_JOB_ID']}: running srun")
             if [o for o in opts.sbatch_options() if not o.startswith("--cpus-per-task=")]:
@@ -264,15 +280,14 @@ class SlurmBackend(Backend):
             self.job_id = out.strip().split(";")[0]
             jobs.write_id(spec.job_dir, self.job_id)
             self.say(f"submitted Slurm job {self.job_id} ({opts.nodes} node(s))")
-        # The Slurm job id once submitted (the job directory keeps it too)
-        handle = {**request.handle, **({"slurm_job": self.job_id} if self.job_id else {})}
+        if self.job_id:  # the Slurm job id once submitted (the job directory keeps it too)
+            self.ref = dataclasses.replace(self.ref, handle={**self.ref.handle, "slurm_job": self.job_id})
         if opts.detach:  # the nodes fail fast on their own (no launcher follows)
             self.say(f"job {spec.name} is Slurm job {self.job_id}")
-            return handle
+            return
         threading.Thread(target=self._follow, args=(adir, self.events, self._done), daemon=True,
                          name="slurm").start()
         self._wait_running()
-        return handle
 
     def _wait_running(self) -> None:
         """Until the job runs (Slurm's reason printed while it is pending); Ctrl+C here cancels it."""
@@ -353,8 +368,7 @@ class SlurmBackend(Backend):
 
     def stop(self, grace: float) -> List[int]:
         if self.job_id is None and self.srun is None:
-            if self.adir:  # a start that failed before submitting
-                jobs.remove_plans(self.adir)
+            jobs.remove_plans(self.adir)  # a start that failed before submitting, or stopped already
             return []
         self._done.set()
         if self.srun is not None:
@@ -376,6 +390,9 @@ class SlurmBackend(Backend):
         from paddle_cluster.ps.checkpoint import complete_steps  # the checkpoints are on the shared filesystem
 
         return [complete_steps(root, ids) for _, ids in sorted(pservers.items())]
+
+    def log_of(self, node: int, proc: m.ProcPlan) -> str:
+        return f"{node_dir(self.plan.spec.job_dir, node)}/log/{proc.log}"
 
     def close(self) -> None:
         self._done.set()  # (a detached job's nodes have yet to read their plans: only stop removes them)

@@ -14,7 +14,8 @@ import secrets
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union, cast
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import SessionRequest
@@ -27,13 +28,36 @@ from ...errors import HostConfigError, HostError
 from ...hosts import Node, Stream
 from ...plan import JobPlan, JobSpec, Topology
 from ...session import NodeSession
-from ..base import Backend, Description, Event, EventQueue, JobRef, Request, plan_text
+from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
 from . import jobs
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
 PING_S = 2.0
 LOOPBACK_NIC, LOOPBACK = "lo", "127.0.0.1"  # Linux's loopback interface and the address its probe finds
+NO_LIBRARY = dispatch.Package("", "<node library sha256>", 0, 0)  # a dry run's: nothing installed
+
+
+@dataclass(frozen=True)
+class SSHPrepared(Prepared):
+    """The hosts made ready: their connections, the node library on each, each one's network and, after
+    ``prepare``, each one's session waiting to become the agent of the job's first start (``waiting``, which that
+    start takes, with what the nodes printed meanwhile)."""
+
+    nodes: Tuple[Node, ...] = ()
+    lib: dispatch.Package = NO_LIBRARY
+    networks: Tuple[Optional[str], ...] = ()  # each node's PADDLE_NIC network (CIDR), from the probe
+    waiting: Dict[int, Stream] = field(default_factory=dict)
+    early: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
+    # The workspace step: what it took after the last node was up, and from the first byte sent
+    workspace_seconds: float = 0.0
+    sending_seconds: float = 0.0
+
+    def close(self) -> None:
+        for s in self.waiting.values():  # prepared, never started: their agents end with their stdin
+            s.close()
+        self.waiting.clear()
+        each_node(self.nodes, lambda n: n.close())
 
 
 class SSHBackend(Backend):
@@ -44,47 +68,36 @@ class SSHBackend(Backend):
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.nodes = make_nodes(cfg)
-        self.names = [n.name for n in self.nodes]
-        self.labels = [n.label for n in self.nodes]
-        self.lib: Optional[dispatch.Package] = None
-        self.streams: Dict[int, Stream] = {}
-        self.events = EventQueue([], cfg.orphan_timeout)
-        self.early: Dict[int, List[str]] = {}  # lines of the prepared sessions that were not their answers
-        self.sessions: Dict[int, Stream] = {}  # prepared nodes whose session waits to become the agent
-        self._pinging: Optional[threading.Event] = None
-        self.networks: List[Optional[str]] = []  # each node's PADDLE_NIC network (CIDR), from the probe
-        self.pythons: List[str] = []  # each node's interpreter as its probe resolved it (absolute), for every process
-        self.resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
-        # The last workspace step: what it took after the last node was up, and from the first byte sent
-        self.workspace_seconds = self.sending_seconds = 0.0
+        self.names = tuple(n.name for n in self.nodes)
+        self.labels = tuple(n.label for n in self.nodes)
 
     # -- preparing ------------------------------------------------------------------------------------
     def probe_cluster(self, say: Callable[[str], None], check_ports: bool = True) -> List[str]:
         """Install the node library everywhere and probe every node (NIC address, free ports, numpy, ROOT_DIR);
         each node's address on PADDLE_NIC."""
-        return self._prepare(None, say, check_ports)
+        return [p.address for p in self._prepare(None, say, check_ports).topology.nodes]
 
-    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
-        return Topology.hosts(self.cfg, self._prepare(spec, say, True, agent=True), self.pythons, self.resume_step)
+    def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> SSHPrepared:
+        return self._prepare(spec, say, True, agent=True)
 
-    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def prepare_nodes(self, spec: JobSpec, say: Callable[[str], None]) -> SSHPrepared:
         """``prepare`` for an engine that starts the agents itself (mpirun): each session ends once prepared."""
-        return Topology.hosts(self.cfg, self._prepare(spec, say, True), self.pythons, self.resume_step)
+        return self._prepare(spec, say, True)
 
-    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> Topology:
+    def preview(self, spec: JobSpec, say: Callable[[str], None]) -> SSHPrepared:
         """Each address a placeholder until the hosts are probed, except on the loopback interface, whose address
         is known (and decides the pservers' endpoints: ``plan.build_plan``)."""
         nic = self.cfg.paddle_nic
-        return Topology.hosts(self.cfg, [LOOPBACK if nic == LOOPBACK_NIC else f"<{n.spec.host}:{nic}>"
-                                         for n in self.nodes])
+        return SSHPrepared(Topology.hosts(self.cfg, [LOOPBACK if nic == LOOPBACK_NIC else f"<{n.spec.host}:{nic}>"
+                                                     for n in self.nodes]), self.names, self.labels, tuple(self.nodes))
 
-    def render(self, plan: JobPlan) -> Request:
+    def render(self, plan: JobPlan, prepared: Prepared) -> Request:
         # The native request is each node's share of the plan, its ``Start``.
         return Request(plan, ((f"ssh plan of job {plan.name}: one agent per host ({self.cfg.python} -m "
                                "paddle_cluster.node supervise, over SSH; localhost as a subprocess) runs its "
                                f"processes. Nothing was started.\nAddresses are each host's on PADDLE_NIC "
-                               f"({self.cfg.paddle_nic}), found when the job starts.", plan_text(plan, self.labels)),),
-                       {"backend": self.name})
+                               f"({self.cfg.paddle_nic}), found when the job starts.",
+                               plan_text(plan, prepared.labels)),), {"backend": self.name}, prepared)
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -100,18 +113,29 @@ class SSHBackend(Backend):
         say(jobs.kill_summary(job.cfg, job.name, nodes))
         return [r.line(job.name) for r in nodes]
 
-    def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> None:
+    def deliver(self, spec: JobSpec, say: Callable[[str], None]) -> SSHPrepared:
         """Only the workspace (and the probe that comes with it), as ``prepare`` does."""
-        self._prepare(spec, say, False)
+        return self._prepare(spec, say, False)
+
+    def close(self) -> None:
+        """The connections of ``probe_cluster`` and ``deliver`` (a job's are its ``SSHPrepared``'s)."""
+        each_node(self.nodes, lambda n: n.close())
 
     def _prepare(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
-                 agent: bool = False) -> List[str]:
+                 agent: bool = False) -> SSHPrepared:
         """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
-        waits for its ``Start``): see ``launch/session.py``."""
+        waits for its ``Start``): see ``launch/session.py``. Failing, it closes the nodes' connections."""
+        try:
+            return self._sessions(spec, say, check_ports, agent)
+        except BaseException:
+            self.close()
+            raise
+
+    def _sessions(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
+                  agent: bool) -> SSHPrepared:
         cfg = self.cfg
         with dispatch.library_archive() as lib, open(lib.path, "rb") as f:
             lib_data = f.read()
-        self.lib = lib
         # What this preparation holds: the cached workspace archive (no concurrent launch evicts it meanwhile),
         # the progress bars, where deltas are made.
         stack = contextlib.ExitStack()
@@ -144,6 +168,9 @@ class SSHBackend(Backend):
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
         probed: List[float] = []  # when each probe came in (time.perf_counter)
+        resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
+        held: Dict[int, Stream] = {}
+        early: Dict[int, Tuple[str, ...]] = {}  # lines of the prepared sessions that were not their answers
         chain = None
         if pkg is not None and spec is not None and spec.dispatch_dir:
             chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
@@ -187,28 +214,27 @@ class SSHBackend(Backend):
             docs = res.ok("preparing the nodes")
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
-                self.resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
-                                                             zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
+                resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
+                                                        zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
             if pkg is not None:
                 each_node(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()
-            self.workspace_seconds = done - max(probed) if req.wants_workspace else 0.0
-            self.sending_seconds = done - chain.started if chain is not None and chain.started else 0.0
+            workspace_seconds = done - max(probed) if req.wants_workspace else 0.0
+            sending_seconds = done - chain.started if chain is not None and chain.started else 0.0
             ok = True
         finally:
             prepared.set()
             stack.close()
             if ok and agent:
-                self.sessions = {i: s.stream for i, s in sessions.items()}
-                self.early = {i: list(s.other) for i, s in sessions.items() if s.other}
+                held = {i: s.stream for i, s in sessions.items()}
+                early = {i: tuple(s.other) for i, s in sessions.items() if s.other}
             else:
                 for s in sessions.values():
                     s.close()
         told = chain.lines() if chain is not None else []
-        self.networks = [d.get("network") for d in docs]
         # The interpreter each probe ran as (the login shell's PYTHON, resolved to an absolute path): every process
         # on that node runs it, whoever starts them (mpirun puts its own prefix first on PATH).
-        self.pythons = [d.get("python_path") or cfg.python for d in docs]
+        pythons = [d.get("python_path") or cfg.python for d in docs]
         addresses = [d["address"] for d in docs]
         say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
         for line in told:
@@ -219,7 +245,9 @@ class SSHBackend(Backend):
         if damaged:
             say(f"{', '.join(sorted(damaged))}: a job wrote into its cached copy of this workspace in place (the "
                 "workspace is read-only input; write outputs to new files): dropped and sent again")
-        return addresses
+        return SSHPrepared(Topology.hosts(cfg, addresses, pythons, resume_step), self.names, self.labels,
+                           tuple(self.nodes), lib, tuple(d.get("network") for d in docs), held, early,
+                           workspace_seconds, sending_seconds)
 
     def _workspace(self, n: Node, s: NodeSession, doc: dict, spec: Optional[JobSpec],
                    pkg: Union[dispatch.Package, dispatch.Packing, None], token: str, chain: Optional[relay.Dispatch],
@@ -252,16 +280,37 @@ class SSHBackend(Backend):
             raise HostError(n.label, "; ".join(problems))
 
     # -- running --------------------------------------------------------------------------------------
-    def submit(self, request: Request) -> Dict[str, str]:
+    def submit(self, request: Request, say: Callable[[str], None]) -> SSHLiveJob:
         """Each node's ``Start``: its share of the plan (the request's), to its prepared session's agent, or a new
         agent's on a restart."""
-        assert self.lib is not None and not self.streams, "prepare first, and stop before submitting again"
-        lib, cfg, plan = self.lib, self.cfg, request.plan
-        self.events = events = EventQueue([n.node for n in plan.nodes], cfg.orphan_timeout)
-        held, self.sessions = self.sessions, {}  # the prepared sessions' agents; a restart starts new ones
-        early, self.early = self.early, {}
-        for i, lines in early.items():  # what the nodes printed before their agents spoke is shown as theirs
-            for line in lines:
+        job = SSHLiveJob(request, self.cfg)
+        try:
+            job.start()
+        except BaseException:
+            lost = job.stop(self.cfg.kill_grace)  # the agents that did start
+            if lost:
+                say(job.unstopped(lost))
+            raise
+        return job
+
+
+class SSHLiveJob(LiveJob):
+    """One start over SSH: each node's agent stream, the events read from them, the pings that keep them."""
+
+    def __init__(self, request: Request, cfg: ClusterConfig) -> None:
+        super().__init__(request)
+        self.prepared, self.cfg = cast(SSHPrepared, request.prepared), cfg  # a request this backend rendered
+        self.streams: Dict[int, Stream] = {}
+        self.events = EventQueue([n.node for n in self.plan.nodes], cfg.orphan_timeout)
+        self._pinging = threading.Event()
+
+    def start(self) -> None:
+        prepared, cfg, plan, events = self.prepared, self.cfg, self.plan, self.events
+        lib = prepared.lib
+        held = dict(prepared.waiting)  # the prepared sessions' agents take the first start; a restart starts new ones
+        prepared.waiting.clear()
+        for i in held:  # what the nodes printed before their agents spoke is shown as theirs
+            for line in prepared.early.get(i, ()):
                 events.put(i, m.Note(i, line[:NOTE_MAX]))
 
         def start(n: Node) -> Stream:
@@ -273,14 +322,12 @@ class SSHBackend(Backend):
                 raise HostError(n.label, f"its agent ended before the job started ({e}); run again") from None
             return s
 
-        res = each_node(self.nodes, start)
+        res = each_node(prepared.nodes, start)
         self.streams = dict(res.values)
         for i, s in self.streams.items():
             threading.Thread(target=_read, args=(i, s, events), daemon=True, name=f"agent{i}").start()
-        self._pinging = threading.Event()
         threading.Thread(target=self._ping, args=(self._pinging,), daemon=True, name="pinger").start()
         res.ok("starting the node agents")
-        return dict(request.handle)
 
     def _ping(self, done: threading.Event) -> None:
         while not done.wait(PING_S):
@@ -306,8 +353,7 @@ class SSHBackend(Backend):
         self.events.closing = True
         self.request_stop(grace)
         unconfirmed = self.events.wait_stopped(sorted(self.streams), self.cfg.kill_grace + 15)
-        if self._pinging is not None:
-            self._pinging.set()
+        self._pinging.set()
         for s in self.streams.values():
             try:
                 s.close()
@@ -317,24 +363,22 @@ class SSHBackend(Backend):
         return unconfirmed
 
     def complete_steps(self, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
-        assert self.lib is not None
-        lib = self.lib
+        return hosts_complete_steps(self.prepared, root, pservers)
 
-        def steps(n: Node) -> List[int]:
-            doc = dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
-                                      ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
-                                      timeout=300)
-            if not doc.get("ok"):
-                raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
-            return doc["steps"]
 
-        return each_node([n for n in self.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
+def hosts_complete_steps(prepared: SSHPrepared, root: str, pservers: Dict[int, List[int]]) -> List[List[int]]:
+    """``LiveJob.complete_steps`` on the hosts of HOSTS: ``node checkpoints`` on each holding pservers."""
+    lib = prepared.lib
 
-    def close(self) -> None:
-        for s in self.sessions.values():  # prepared, never started: their agents end with their stdin
-            s.close()
-        self.sessions = {}
-        each_node(self.nodes, lambda n: n.close())
+    def steps(n: Node) -> List[int]:
+        doc = dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
+                                  ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
+                                  timeout=300)
+        if not doc.get("ok"):
+            raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
+        return doc["steps"]
+
+    return each_node([n for n in prepared.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
 
 
 def _keep_alive(waiting: Dict[int, Stream], done: threading.Event) -> None:
