@@ -292,6 +292,7 @@ class EventQueue:
         self.stopped: Dict[int, m.Stopped] = {}
         self._q: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
         self._lost: set = set()
+        self.closed: set = set()  # nodes whose channel ended: nothing more can come from them
         self._lock = threading.Lock()
         self.closing = False  # set when the job is being stopped: from then on a full queue drops, never blocks
         self.dropped = 0
@@ -327,6 +328,7 @@ class EventQueue:
             self.last_heard[i] = time.monotonic() + seconds
 
     def channel_closed(self, node: int) -> None:
+        self.closed.add(node)
         if node not in self.stopped:
             self._report_lost(NodeLost(node, "its agent's connection closed"))
 
@@ -356,8 +358,10 @@ class EventQueue:
 
     def wait_stopped(self, nodes: Sequence[int], seconds: float) -> List[int]:
         """Wait up to ``seconds`` for every one of ``nodes`` that can still be heard to confirm its stop; the
-        nodes without a confirmation. (One silent for ORPHAN_TIMEOUT stops on its own: waiting would stall.)"""
-        reachable = [i for i in nodes if i not in self.silent()]
+        nodes without a confirmation. (One silent for ORPHAN_TIMEOUT stops on its own, and one whose channel
+        ended can say nothing more: waiting for either would only stall the stop.)"""
+        silent = self.silent()
+        reachable = [i for i in nodes if i not in silent and i not in self.closed]
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and any(i not in self.stopped for i in reachable):
             time.sleep(0.05)
