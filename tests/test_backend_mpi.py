@@ -16,8 +16,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from enginecluster import mpich_unavailable_reason
 from helpers import (
+    OMIT,
     ROOT,
     assert_nothing_left,
     checkout_env,
@@ -28,6 +30,9 @@ from helpers import (
     wait_for,
     write_conf,
 )
+
+from paddle_cluster.cli import main
+from paddle_cluster.launch.backends.mpi.backend import MPILiveJob
 
 
 @pytest.fixture(params=["openmpi", "mpich"])
@@ -92,6 +97,38 @@ def test_status_logs_and_kill_of_an_mpi_job(hosts, tmp_path):
     doc = json.loads(st.stdout)
     assert doc["outcome"] == "stopped by paddle-cluster kill" and doc["exit_code"] == 3, doc
     assert [r["state"] for r in doc["processes"]] == ["stopped (kill)"] * 6, doc
+
+
+FAIL_ONE_PY = r"""
+import os, sys, time
+rank = int(os.environ["PADDLE_TRAINER_ID"])
+if rank == 1:
+    sys.exit("rank 1: out of data")
+print(f"holding {rank}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_failed_job_ends_with_mpirun_not_signalled(hosts, tmp_path, monkeypatch):
+    """A trainer fails while the others hold: the launcher's sweep stops them, and mpirun ends with its ranks, so
+    ``stop`` never has to signal it (Open MPI's abort on the non-zero rank held mpirun KILL_GRACE + 3 s past its
+    ranks, and the run ended only after the launcher's SIGTERM). The CLI runs in this process to see that: a
+    second interrupt or an mpirun that outlives its ranks are the only callers of ``request_stop``."""
+    signalled = []
+    request_stop = MPILiveJob.request_stop
+
+    def watched(job: MPILiveJob, grace: float) -> None:
+        signalled.append(grace)
+        request_stop(job, grace)
+
+    monkeypatch.setattr(MPILiveJob, "request_stop", watched)
+    ws = small_workspace(tmp_path, FAIL_ONE_PY)
+    conf = _conf(tmp_path, hosts, PSERVER_COMMAND=OMIT)  # --collective: no pservers, so no stand-in for them
+    res = CliRunner().invoke(main, ["--conf", str(conf), "run", "--collective", "--job_workspace", str(ws),
+                                    "--job_name", "mpifail"])
+    assert res.exit_code == 1 and "trainer.1" in res.output and "rank 1: out of data" in res.output, res.output
+    assert signalled == [], res.output
+    assert_nothing_left(hosts)
 
 
 def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():

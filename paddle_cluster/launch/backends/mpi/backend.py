@@ -257,6 +257,11 @@ class MPIBackend(Backend):
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
                 "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
                 "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
+                # A rank exiting non-zero (a process of its node failed) is the launcher's to act on (--keep-going).
+                # Open MPI's abort on it blocks each orted in a sleep of the timeout above before its SIGTERM and
+                # another before its SIGKILL, even once the launcher's sweep has ended the ranks: mpirun outlived
+                # them until the launcher SIGTERMed it.
+                "--mca", "orte_abort_on_non_zero_status", "0",
                 *agent]
 
     def _agent(self, plan: JobPlan, impl: str, plan_path: str, lib: dispatch.Package) -> List[str]:
