@@ -30,7 +30,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
 from paddle_cluster.node.bootstrap import RankVars, placeholder
 
-from ... import dispatch, resume
+from ... import dispatch, nodecmd, resume
 from ...access import probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
@@ -222,10 +222,10 @@ class SlurmBackend(Backend):
             keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
         else:
             keep = ()
-        argv = dispatch.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
-                                   f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
-                                   "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
-                                   "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
+        argv = nodecmd.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
+                                  f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
+                                  "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
+                                  "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
         python = plan.topology.nodes[0].python  # this machine's PYTHON, resolved (``interpreter``); a dry run: ""
         return [python, *argv[1:]] if python else argv
 

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union, cast
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import SessionRequest
 
-from ... import dispatch, machines, preflight, relay, resume
+from ... import dispatch, machines, nodecmd, preflight, progress, relay, resume
 from ...access import make_nodes
 from ...config import ClusterConfig
 from ...each_node import each_node
@@ -174,7 +174,7 @@ class SSHBackend(Backend):
         chain = None
         if pkg is not None and spec is not None and spec.dispatch_dir:
             chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
-                                   stack.enter_context(dispatch.upload_progress()),
+                                   stack.enter_context(progress.upload_progress()),
                                    stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
 
         def open_one(n: Node) -> Optional[dict]:
@@ -314,7 +314,7 @@ class SSHLiveJob(LiveJob):
                 events.put(i, m.Note(i, line[:NOTE_MAX]))
 
         def start(n: Node) -> Stream:
-            s = held.pop(n.index, None) or n.stream(dispatch.agent_argv(
+            s = held.pop(n.index, None) or n.stream(nodecmd.agent_argv(
                 n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout), "--grace", str(cfg.kill_grace)))
             try:
                 s.write_line(m.encode(m.Start(plan.nodes[n.index])))
@@ -371,9 +371,9 @@ def hosts_complete_steps(prepared: SSHPrepared, root: str, pservers: Dict[int, L
     lib = prepared.lib
 
     def steps(n: Node) -> List[int]:
-        doc = dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
-                                  ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
-                                  timeout=300)
+        doc = nodecmd.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
+                                 ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
+                                 timeout=300)
         if not doc.get("ok"):
             raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
         return doc["steps"]
