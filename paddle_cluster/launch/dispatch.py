@@ -59,7 +59,10 @@ def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:
 
 
 CHUNK = 1 << 20
-WORTH_DELTA = 0.5  # launch/delta.py's: a changed workspace is packed first (a delta may go) when at most this changed
+# A delta (delta.py, which imports this module) is sent only when it is at most this fraction of the whole
+# archive; so a workspace of which at most this much changed is packed first (a delta may go) rather than sent
+# while it is packed.
+WORTH_DELTA = 0.5
 
 
 class WorkspaceChanged(ClusterError):
