@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
+from paddle_cluster.contract import with_node_job_dir
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
 from paddle_cluster.node.bootstrap import RankVars, placeholder
@@ -59,8 +60,7 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
     out = []
     for n in plan.nodes:
         here = node_dir(plan.spec.job_dir, n.node)
-        environ = {**n.environ, "PADDLE_JOB_DIR": here}
-        environ.setdefault("PADDLE_CHECKPOINT_DIR", plan.spec.checkpoint_root)
+        environ = with_node_job_dir(n.environ, here, plan.spec.checkpoint_root)
         # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
         out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
