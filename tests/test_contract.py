@@ -367,11 +367,6 @@ def test_trainer_ports_follow_the_pservers():
     assert trainer_ports(7164, 2, 2, 1, 3)[0] == pserver_ports(7164, 2, 1, 1)[-1] + 1
 
 
-# Where a module other than contract.py still reads or sets a contract variable by its literal name, and why it
-# is allowed to for now (the Slurm backend's node directories: the launch backends are being restructured apart).
-NAMED_ELSEWHERE = {"paddle_cluster/launch/backends/slurm/backend.py": {"PADDLE_JOB_DIR", "PADDLE_CHECKPOINT_DIR"}}
-
-
 def _literal_uses(tree) -> set:
     """The ``PADDLE_*`` string constants a module uses as a variable's name: a key or subscript, a ``get``/
     ``pop``/``setdefault`` argument, an ``in`` test, or a module constant's value. Text in messages is not."""
@@ -407,7 +402,7 @@ def test_only_contract_names_the_variables():
     for path in sorted((root / "paddle_cluster").rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel != "paddle_cluster/contract.py":
-            names = _literal_uses(ast.parse(path.read_text(encoding="utf-8"))) - NAMED_ELSEWHERE.get(rel, set())
+            names = _literal_uses(ast.parse(path.read_text(encoding="utf-8")))
             if names:
                 spelt[rel] = sorted(names)
     assert spelt == {}

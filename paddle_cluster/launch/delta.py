@@ -21,9 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 from paddle_cluster.node.trees import DELTA_NAME
 
-from .dispatch import CHUNK, Package, _tar, entry_id
-
-WORTH = 0.5  # a delta is sent only when it is at most this fraction of the whole archive
+from .dispatch import CHUNK, WORTH_DELTA, Package, _tar, entry_id
 
 
 def manifest(cache_dir: str, sha: str) -> Optional[Dict[str, str]]:
@@ -71,7 +69,7 @@ def make(pkg: Package, directory: str, cache_dir: str, base: str, out_dir: str) 
     changed = [arc for arc, what in sorted(new.items()) if old.get(arc) != what]
     keep = sorted(arc for arc, what in new.items() if old.get(arc) == what)
     size = sum(os.lstat(os.path.join(directory, arc)).st_size for arc in changed)
-    if size > WORTH * pkg.size:
+    if size > WORTH_DELTA * pkg.size:
         return None
     with tempfile.TemporaryDirectory(prefix="paddle-delta-") as tmp:
         listing = Path(tmp) / DELTA_NAME

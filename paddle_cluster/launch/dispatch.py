@@ -15,7 +15,6 @@ import os
 import posixpath
 import secrets
 import stat
-import sys
 import tarfile
 import tempfile
 import threading
@@ -24,13 +23,14 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import paddle_cluster
-from paddle_cluster.node import MAIN
 
 from . import cache
 from .each_node import each_node
 from .errors import ClusterError, HostConfigError, HostError
 from .hosts import Node
+from .nodecmd import agent_json
 from .plan import JobSpec
+from .progress import upload_progress
 
 SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
@@ -59,7 +59,10 @@ def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:
 
 
 CHUNK = 1 << 20
-WORTH_DELTA = 0.5  # launch/delta.py's: a changed workspace is packed first (a delta may go) when at most this changed
+# A delta (delta.py, which imports this module) is sent only when it is at most this fraction of the whole
+# archive; so a workspace of which at most this much changed is packed first (a delta may go) rather than sent
+# while it is packed.
+WORTH_DELTA = 0.5
 
 
 class WorkspaceChanged(ClusterError):
@@ -512,44 +515,6 @@ def ensure_package(node: Node, pkg: Package, kind: str,
     if not res.get("ok"):
         raise HostError(node.label, f"{kind} archive: {res.get('error')}")
     return final, True
-
-
-def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:
-    """The command line that runs ``python -m paddle_cluster.node ARGS`` from the installed library."""
-    return [node.cfg.python, "-c", MAIN, f"{node.cfg.root_dir}/.paddle_cluster/lib/{lib.sha256}", *args]
-
-
-def agent_json(node: Node, lib: Package, *args: str, what: str, timeout: float = 120,
-               stdin: str = "") -> Dict[str, Any]:
-    """A node sub-command's JSON answer (``stdin``: what it reads)."""
-    return node.run_json(agent_argv(node, lib, *args), what, timeout, stdin)
-
-
-@contextlib.contextmanager
-def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
-    """``bar(name, total)`` gives an upload's progress callback; the bars (stderr) appear only once one is asked
-    for, so a launch that sends nothing pays nothing for them, and only on a terminal (no stray line on a pipe)."""
-    shown: List[Any] = []
-    lock = threading.Lock()
-
-    def bar(name: str, total: int) -> Callable[[int, int], None]:
-        with lock:
-            if not shown:
-                from rich.console import Console
-                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-                shown.append(Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                      TransferSpeedColumn(), disable=not sys.stderr.isatty(),
-                                      console=Console(stderr=True)))
-                shown[0].start()
-            task = shown[0].add_task(f"upload {name}", total=total)
-        return lambda done, _total: shown[0].update(task, completed=done)
-
-    try:
-        yield bar
-    finally:
-        if shown:
-            shown[0].stop()
 
 
 def deliver_workspace(nodes: Sequence[Node], lib: Package, spec: JobSpec, say: Callable[[str], None]) -> None:

@@ -39,7 +39,7 @@ class CommandResult:
     exit_code: int
 
 
-class Stream:
+class CommandStream:
     """A long-running remote command: write lines to its stdin, read lines from its stdout+stderr.
     ``lines()`` is one iterator for the stream's life: a reader may take over where another stopped."""
 
@@ -87,7 +87,7 @@ class Node:
         the upload forever."""
         raise NotImplementedError
 
-    def stream(self, argv: Sequence[str]) -> Stream:
+    def stream(self, argv: Sequence[str]) -> CommandStream:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -136,7 +136,7 @@ def opened(local: Local) -> Tuple[BinaryIO, int, str]:
     return local.reader(), local.size, f"the archive of {os.path.basename(local.directory.rstrip('/'))}"
 
 
-class _PopenStream(Stream):
+class _PopenStream(CommandStream):
     def __init__(self, argv: Sequence[str]) -> None:
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
@@ -195,7 +195,7 @@ class LocalNode(Node):
         if progress:
             progress(size, size)
 
-    def stream(self, argv: Sequence[str]) -> Stream:
+    def stream(self, argv: Sequence[str]) -> CommandStream:
         return _PopenStream(argv)
 
 

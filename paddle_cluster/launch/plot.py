@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from . import dispatch
+from . import nodecmd
 from .access import nodes_with_lib
 from .config import ClusterConfig
 from .each_node import each_node
@@ -32,7 +32,7 @@ def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     job_dir = cfg.job_dir(job_name)
 
     def read(n: Node) -> Dict[str, List[dict]]:
-        return dispatch.agent_json(n, lib, "metrics", "--job-dir", job_dir, what="reading metrics")
+        return nodecmd.agent_json(n, lib, "metrics", "--job-dir", job_dir, what="reading metrics")
     try:
         per_node = each_node(nodes, read).ok(f"reading the metrics of {job_name}")
     finally:

@@ -23,7 +23,7 @@ Progress = Callable[[str, int], Callable[[int, int], None]]
 
 
 @dataclass(frozen=True)
-class Need:
+class Recipient:
     """A node that lacks the archive: its session, the FIFO the launcher writes into, its listener."""
 
     session: NodeSession
@@ -59,10 +59,10 @@ class Dispatch:
         self.failed = False
         self._lock = threading.Lock()
         self._pending = nodes
-        self._tails: Dict[str, Need] = {}  # archive sha -> the last node of its chain, told of no successor yet
-        self._after: Dict[str, Need] = {}  # node name -> the node after it
-        self._before: Dict[str, Need] = {}
-        self._members: List[Need] = []
+        self._tails: Dict[str, Recipient] = {}  # archive sha -> the last node of its chain, told of no successor yet
+        self._after: Dict[str, Recipient] = {}  # node name -> the node after it
+        self._before: Dict[str, Recipient] = {}
+        self._members: List[Recipient] = []
         self._deltas: Dict[str, Optional[Tuple[Package, int]]] = {}  # base -> the delta against it, and its files
         self._by_delta: Dict[str, List[str]] = {}  # base -> the nodes sent that delta
         self._told: List[str] = []
@@ -77,7 +77,7 @@ class Dispatch:
         with self._lock:
             self._settle()
 
-    def join(self, nd: Need) -> None:
+    def join(self, nd: Recipient) -> None:
         """Put ``nd`` at the end of its chain, and receive the archive there (or from the launcher, at the head
         of a chain, or when its link fails); returns once the node has it whole and unpacked."""
         with self._lock:
@@ -164,7 +164,7 @@ class Dispatch:
             self._by_delta[base] = []
         return self._deltas[base]
 
-    def _leave(self, nd: Need, sha: str) -> None:  # never the archive being made: it has no delta
+    def _leave(self, nd: Recipient, sha: str) -> None:  # never the archive being made: it has no delta
         """``nd`` is sent another archive than its chain's: it forwards nothing (a later node joins elsewhere)."""
         with self._lock:
             if self._tails.get(sha) is nd:
@@ -172,7 +172,7 @@ class Dispatch:
                 nd.session.send(m.Forward(""))
 
     # -- one node ----------------------------------------------------------------------------------------------
-    def _feed(self, nd: Need, it: Union[Package, Packing], on: str) -> None:
+    def _feed(self, nd: Recipient, it: Union[Package, Packing], on: str) -> None:
         nd.session.send(m.Fetch("launcher", self._sha(it), it.size, on))
         with self._lock:
             if self._sealed and it is self.live:
@@ -190,7 +190,7 @@ class Dispatch:
             nd.session.send(m.Abort(str(e)))
             raise
 
-    def _receive(self, nd: Need, it: Union[Package, Packing], on: str, direct: bool) -> None:
+    def _receive(self, nd: Recipient, it: Union[Package, Packing], on: str, direct: bool) -> None:
         node = nd.session.node
         if direct:
             self._feed(nd, it, on)
@@ -226,7 +226,7 @@ class Dispatch:
                 raise HostError(node.label, f"receiving the workspace: {ws['retry']}")
             raise HostError(node.label, f"unpacking the workspace into {self.job_dir} refused: {ws.get('error')}")
 
-    def _broken_into(self, nxt: Need, why: str, linked: bool) -> None:
+    def _broken_into(self, nxt: Recipient, why: str, linked: bool) -> None:
         with self._lock:
             self._broken[nxt.name] = why
         if not linked:  # never made: that node still waits for it

@@ -1,10 +1,11 @@
 """``run --resume_from``: the checkpoint step every pserver resumes from, chosen on the launcher before anything
 starts, from what each node's probe found of its pservers' shards (``ps.checkpoint.survey``). No step complete
-for every pserver is an error naming what was looked for and where; a fresh start is only what the user asked."""
+for every pserver is an error naming what was looked for and where; a fresh start is only what the user asked.
+A ``--max_restarts`` restart resumes from the same kind of step (``newest_common``), found after the failure."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import ClusterError
 from .plan import JobSpec
@@ -26,15 +27,25 @@ def what(spec: JobSpec) -> str:
     return spec.resume_root if r.startswith("/") else f"{spec.resume_root} (job {r}'s checkpoints)"
 
 
+def newest_common(steps: Sequence[Iterable[int]]) -> Optional[int]:
+    """The newest step in every one of ``steps`` (each pserver node's complete checkpoints); None if none is.
+
+    Pservers on different hosts see only their own shards, so each would pick its own "latest": the launcher
+    picks the one step all of them hold, which rolls every shard back to the same step.
+    """
+    common = set.intersection(*(set(s) for s in steps)) if steps else set()
+    return max(common) if common else None
+
+
 def common_step(spec: JobSpec, found: Sequence[Tuple[str, Optional[Dict[str, Any]]]],
                 say: Callable[[str], None]) -> int:
     """The newest step complete for every pserver, from each pserver node's survey (``(label, survey)``), said;
     NoCheckpoint, naming each node's finding, when there is none."""
     steps = [set(s.get("complete", [])) if s and "error" not in s else set() for _, s in found]
-    common = set.intersection(*steps) if steps else set()
-    if common:
-        say(f"--resume_from {spec.resume_from}: every pserver resumes from step {max(common)} of {what(spec)}")
-        return max(common)
+    step = newest_common(steps)
+    if step is not None:
+        say(f"--resume_from {spec.resume_from}: every pserver resumes from step {step} of {what(spec)}")
+        return step
     root = spec.resume_root
     lines = [f"--resume_from {spec.resume_from}: no checkpoint complete for every pserver in {what(spec)}; "
              "nothing was started (not starting fresh):"]

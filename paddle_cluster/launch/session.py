@@ -14,7 +14,7 @@ from paddle_cluster.node.session import REPLY, SessionRequest
 
 from .dispatch import Package
 from .errors import HostError
-from .hosts import Node, Stream
+from .hosts import CommandStream, Node
 
 # Runs on the node with nothing but Python: the library of this hash is installed (sent on stdin, after a
 # 16-digit length, when the node says it lacks it), then the session runs from it.
@@ -64,7 +64,7 @@ class NodeSession:
 
     def __init__(self, node: Node, lib: Package, lib_data: bytes, req: SessionRequest) -> None:
         self.node, self.lib, self.lib_data, self.req = node, lib, lib_data, req
-        self.stream: Stream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
+        self.stream: CommandStream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
                                            req.to_json()])
         self.other: Deque[str] = deque(maxlen=KEPT_LINES)
 

@@ -20,10 +20,10 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, Local, Node, Stream, _cancel_when, opened, send_into
+from .hosts import CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
 
 
-class _ChannelStream(Stream):
+class _ChannelStream(CommandStream):
     def __init__(self, channel: paramiko.Channel) -> None:
         self.channel = channel
         self._lock = threading.Lock()
@@ -215,7 +215,7 @@ class SSHNode(Node):
             raise HostError(self.label, f"upload of {name} to {remote} failed: {err or rc}")
         return True
 
-    def stream(self, argv: Sequence[str]) -> Stream:
+    def stream(self, argv: Sequence[str]) -> CommandStream:
         conn = self._connection()
         chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
         chan.set_combine_stderr(True)

@@ -14,11 +14,11 @@ from paddle_cluster.contract import PSERVER, ROLE_VAR, TRAINER
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
+from . import resume
 from .backends.base import Backend, Event, JobRefused, LiveJob, NodeLost, Request
 from .config import BUILTIN_PSERVER
 from .entry import refused_arguments
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
-from .plan import JobPlan
 
 TAIL_LINES = 20
 # A pserver's own INFO/DEBUG log line (ps/server/pserver.py's format): kept in its log file, shown only with --verbose.
@@ -267,17 +267,6 @@ class Attempt:
             raise self._cause(e) from None
 
 
-def latest_common_step(job: LiveJob, plan: JobPlan) -> Optional[int]:
-    """The newest step whose checkpoint is complete for every pserver (on its own node); None if none is.
-
-    Pservers on different hosts see only their own shards, so each would pick its own "latest": the
-    launcher picks the one step all of them hold, which rolls every shard back to the same step.
-    """
-    found = job.complete_steps(plan.spec.checkpoint_root, plan.pserver_ids())
-    common = set.intersection(*(set(s) for s in found)) if found else set()
-    return max(common) if common else None
-
-
 def supervise(request: Request, backend: Backend, out: Callable[[str], None], say: Callable[[str], None],
               started: Callable[[LiveJob], None]) -> JobResult:
     """Submit ``request`` to ``backend`` and follow its plan to the end, restarting it from the newest common
@@ -304,7 +293,7 @@ def supervise(request: Request, backend: Backend, out: Callable[[str], None], sa
                     raise JobFailed(f"{e}\ncannot restart: no stop confirmation from "
                                     f"{', '.join(job.labels[i] for i in lost)}") from None
                 try:
-                    step = latest_common_step(job, plan)
+                    step = resume.newest_common(job.complete_steps(plan.spec.checkpoint_root, plan.pserver_ids()))
                 except ClusterError as err:  # e.g. a checkpoint there but unreadable: never restart from scratch
                     raise JobFailed(f"{e}\ncannot restart: {err}") from None
                 restarts += 1

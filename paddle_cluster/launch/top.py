@@ -20,7 +20,7 @@ import tty
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from . import dispatch, journal
+from . import journal, nodecmd
 from .access import nodes_with_lib
 from .config import ClusterConfig
 from .each_node import each_node
@@ -56,7 +56,7 @@ class HostsSource:
         self.job_dir = cfg.job_dir(job_name)
 
     def read(self) -> List[NodeDoc]:
-        res = each_node(self.nodes, lambda n: dispatch.agent_json(n, self.lib, "top", "--job-dir", self.job_dir,
+        res = each_node(self.nodes, lambda n: nodecmd.agent_json(n, self.lib, "top", "--job-dir", self.job_dir,
                                                                what="reading the job's figures", timeout=30))
         return [NodeDoc(n.name, n.spec.text, res.values.get(n.index, {}),
                         str(res.errors[n.index]) if n.index in res.errors else "") for n in self.nodes]

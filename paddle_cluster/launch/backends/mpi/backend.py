@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.bootstrap import RankVars
 
-from ... import dispatch
+from ... import dispatch, nodecmd
 from ...config import ClusterConfig, ConfKey
 from ...each_node import each_node
 from ...errors import ClusterError, HostError
@@ -269,8 +269,8 @@ class MPIBackend(Backend):
         # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
         # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
         shield = ("--own-session",) if impl == "mpich" else ()
-        agent = dispatch.agent_argv(self.nodes[0], lib, "bootstrap", "--ranks", RANKS.text(), "--plan", plan_path,
-                                    "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going", *shield)
+        agent = nodecmd.agent_argv(self.nodes[0], lib, "bootstrap", "--ranks", RANKS.text(), "--plan", plan_path,
+                                   "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going", *shield)
         pythons = {n.python for n in plan.topology.nodes}
         if len(pythons) == 1 and "" not in pythons:  # one command for every rank: the agent too runs what
             agent[0] = pythons.pop()  # preflight checked
@@ -320,8 +320,8 @@ class MPILiveJob(LiveJob):
         def put(n: Node) -> None:
             # It holds the job secret: written by the node itself, 0600 from its first byte in a directory it
             # checks (another user's refused) and makes 0700; the rank removes it once read (--remove-plan).
-            doc = dispatch.agent_json(n, lib, "private", "--write", plan_path, what="writing the plan", timeout=60,
-                                      stdin=text)
+            doc = nodecmd.agent_json(n, lib, "private", "--write", plan_path, what="writing the plan", timeout=60,
+                                     stdin=text)
             if not doc.get("ok"):
                 raise HostError(n.label, f"cannot write the plan: {doc.get('error')}")
 
@@ -399,7 +399,7 @@ class MPILiveJob(LiveJob):
         reading it): it holds the job secret. A host that cannot be reached keeps it (0600, in a 0700 directory)."""
         path, lib, self.plan_path = self.plan_path, self.hosts.lib, ""
         if path:
-            each_node(self.hosts.nodes, lambda n: dispatch.agent_json(n, lib, "private", "--remove", path,
+            each_node(self.hosts.nodes, lambda n: nodecmd.agent_json(n, lib, "private", "--remove", path,
                                                                    what="removing the plan", timeout=60))
 
     def sweep(self, grace: float) -> List[int]:
@@ -408,8 +408,8 @@ class MPILiveJob(LiveJob):
         lib, job_dir = self.hosts.lib, self.plan.spec.job_dir
 
         def kill(n: Node) -> None:
-            dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(grace),
-                                what="sweeping the job's processes", timeout=grace + 60)
+            nodecmd.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(grace),
+                               what="sweeping the job's processes", timeout=grace + 60)
 
         return sorted(each_node(self.hosts.nodes, kill).errors)
 

@@ -26,11 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
+from paddle_cluster.contract import with_node_job_dir
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
 from paddle_cluster.node.bootstrap import RankVars, placeholder
 
-from ... import dispatch, resume
+from ... import dispatch, nodecmd, resume
 from ...access import probe_nodes
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, ConfigError
@@ -59,8 +60,7 @@ def per_node(plan: JobPlan) -> List[m.NodePlan]:
     out = []
     for n in plan.nodes:
         here = node_dir(plan.spec.job_dir, n.node)
-        environ = {**n.environ, "PADDLE_JOB_DIR": here}
-        environ.setdefault("PADDLE_CHECKPOINT_DIR", plan.spec.checkpoint_root)
+        environ = with_node_job_dir(n.environ, here, plan.spec.checkpoint_root)
         # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
         out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
     return out
@@ -222,10 +222,10 @@ class SlurmBackend(Backend):
             keep = ("--keep-going-while", f"{adir}/{LEASE}", "--lease-timeout", str(cfg.orphan_timeout))
         else:
             keep = ()
-        argv = dispatch.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
-                                   f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
-                                   "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
-                                   "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
+        argv = nodecmd.agent_argv(self.local, lib, "bootstrap", "--ranks", RANKS.text(), "--plan",
+                                  f"{adir}/{PLAN}", "--remove-plan", "--events", f"{adir}/events.{{node}}.jsonl",
+                                  "--rendezvous", f"{adir}/addresses", "--nic", cfg.paddle_nic,
+                                  "--timeout", str(cfg.start_timeout), "--grace", str(cfg.kill_grace), *keep)
         python = plan.topology.nodes[0].python  # this machine's PYTHON, resolved (``interpreter``); a dry run: ""
         return [python, *argv[1:]] if python else argv
 

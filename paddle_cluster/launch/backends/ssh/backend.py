@@ -20,12 +20,12 @@ from typing import Callable, Dict, List, Optional, Tuple, Union, cast
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import SessionRequest
 
-from ... import dispatch, machines, preflight, relay, resume
+from ... import dispatch, machines, nodecmd, preflight, progress, relay, resume
 from ...access import make_nodes
 from ...config import ClusterConfig
 from ...each_node import each_node
 from ...errors import HostConfigError, HostError
-from ...hosts import Node, Stream
+from ...hosts import CommandStream, Node
 from ...plan import JobPlan, JobSpec, Topology
 from ...session import NodeSession
 from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
@@ -47,7 +47,7 @@ class SSHPrepared(Prepared):
     nodes: Tuple[Node, ...] = ()
     lib: dispatch.Package = NO_LIBRARY
     networks: Tuple[Optional[str], ...] = ()  # each node's PADDLE_NIC network (CIDR), from the probe
-    waiting: Dict[int, Stream] = field(default_factory=dict)
+    waiting: Dict[int, CommandStream] = field(default_factory=dict)
     early: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
     # The workspace step: what it took after the last node was up, and from the first byte sent
     workspace_seconds: float = 0.0
@@ -164,17 +164,17 @@ class SSHBackend(Backend):
         sent_to: Dict[int, bool] = {}
         token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
         damaged: List[str] = []  # nodes whose cached tree of this workspace a job wrote into
-        waiting: Dict[int, Stream] = {}  # agents that wait for the others' preparation (a slow upload)
+        waiting: Dict[int, CommandStream] = {}  # agents that wait for the others' preparation (a slow upload)
         prepared = threading.Event()
         threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
         probed: List[float] = []  # when each probe came in (time.perf_counter)
         resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
-        held: Dict[int, Stream] = {}
+        held: Dict[int, CommandStream] = {}
         early: Dict[int, Tuple[str, ...]] = {}  # lines of the prepared sessions that were not their answers
         chain = None
         if pkg is not None and spec is not None and spec.dispatch_dir:
             chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
-                                   stack.enter_context(dispatch.upload_progress()),
+                                   stack.enter_context(progress.upload_progress()),
                                    stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
 
         def open_one(n: Node) -> Optional[dict]:
@@ -265,7 +265,7 @@ class SSHBackend(Backend):
             damaged.append(n.name)
         if chain is not None and "need" in ws:
             sent_to[n.index] = True
-            chain.join(relay.Need(s, ws["need"], f"{doc['address']}:{ws['port']}", str(ws.get("base") or "")))
+            chain.join(relay.Recipient(s, ws["need"], f"{doc['address']}:{ws['port']}", str(ws.get("base") or "")))
             return
         if not ws.get("held"):
             raise HostError(n.label, f"unpacking the workspace into {spec.job_dir if spec else ''} refused: "
@@ -300,7 +300,7 @@ class SSHLiveJob(LiveJob):
     def __init__(self, request: Request, cfg: ClusterConfig) -> None:
         super().__init__(request)
         self.prepared, self.cfg = cast(SSHPrepared, request.prepared), cfg  # a request this backend rendered
-        self.streams: Dict[int, Stream] = {}
+        self.streams: Dict[int, CommandStream] = {}
         self.events = EventQueue([n.node for n in self.plan.nodes], cfg.orphan_timeout)
         self._pinging = threading.Event()
 
@@ -313,8 +313,8 @@ class SSHLiveJob(LiveJob):
             for line in prepared.early.get(i, ()):
                 events.put(i, m.Note(i, line[:NOTE_MAX]))
 
-        def start(n: Node) -> Stream:
-            s = held.pop(n.index, None) or n.stream(dispatch.agent_argv(
+        def start(n: Node) -> CommandStream:
+            s = held.pop(n.index, None) or n.stream(nodecmd.agent_argv(
                 n, lib, "supervise", "--orphan-timeout", str(cfg.orphan_timeout), "--grace", str(cfg.kill_grace)))
             try:
                 s.write_line(m.encode(m.Start(plan.nodes[n.index])))
@@ -371,9 +371,9 @@ def hosts_complete_steps(prepared: SSHPrepared, root: str, pservers: Dict[int, L
     lib = prepared.lib
 
     def steps(n: Node) -> List[int]:
-        doc = dispatch.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
-                                  ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
-                                  timeout=300)
+        doc = nodecmd.agent_json(n, lib, "checkpoints", "--root", root, "--pservers",
+                                 ",".join(map(str, pservers[n.index])), what=f"listing checkpoints in {root}",
+                                 timeout=300)
         if not doc.get("ok"):
             raise HostError(n.label, f"listing checkpoints in {root}: {doc.get('error')}")
         return doc["steps"]
@@ -381,7 +381,7 @@ def hosts_complete_steps(prepared: SSHPrepared, root: str, pservers: Dict[int, L
     return each_node([n for n in prepared.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
 
 
-def _keep_alive(waiting: Dict[int, Stream], done: threading.Event) -> None:
+def _keep_alive(waiting: Dict[int, CommandStream], done: threading.Event) -> None:
     """Ping the agents that are ready while others are still being prepared: an agent that hears nothing for
     ORPHAN_TIMEOUT stops, and uploading a large workspace to one node can take longer than that."""
     while not done.wait(PING_S):
@@ -392,7 +392,7 @@ def _keep_alive(waiting: Dict[int, Stream], done: threading.Event) -> None:
                 pass
 
 
-def _read(i: int, stream: Stream, events: EventQueue) -> None:
+def _read(i: int, stream: CommandStream, events: EventQueue) -> None:
     for line in stream.lines():  # bounded: an over-long line arrives as a note saying it was dropped
         try:
             ev = m.decode(line)

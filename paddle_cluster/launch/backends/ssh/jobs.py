@@ -8,7 +8,7 @@ from typing import Callable, List, Optional
 
 from paddle_cluster.node.jobdir import KillOutcome
 
-from ... import dispatch
+from ... import nodecmd
 from ...access import nodes_with_lib
 from ...config import ClusterConfig
 from ...each_node import each_node
@@ -40,12 +40,12 @@ def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
     job_dir = cfg.job_dir(job_name)
 
     def running(n: Node) -> List[str]:
-        doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what=f"reading job {job_name}")
+        doc = nodecmd.agent_json(n, lib, "status", "--job-dir", job_dir, what=f"reading job {job_name}")
         return [p["name"] for p in doc["procs"] if p["state"] == "running"]
 
     def kill(n: Node) -> NodeKill:
-        doc = dispatch.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
-                                  what=f"stopping job {job_name}", timeout=cfg.kill_grace + 60)
+        doc = nodecmd.agent_json(n, lib, "kill", "--job-dir", job_dir, "--grace", str(cfg.kill_grace),
+                                 what=f"stopping job {job_name}", timeout=cfg.kill_grace + 60)
         was = before[n.index]
         return NodeKill(n.label, doc["found"], [KillOutcome(**p) for p in doc["procs"]
                                                 if p["running"] or p["name"] in was])
@@ -79,7 +79,7 @@ def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) 
     job_dir = cfg.job_dir(job_name)
 
     def status(n: Node) -> List[ProcRow]:
-        doc = dispatch.agent_json(n, lib, "status", "--job-dir", job_dir, what="reading job status")
+        doc = nodecmd.agent_json(n, lib, "status", "--job-dir", job_dir, what="reading job status")
         addr = probes[n.index].get("address") or "?"
         # each process's own address as its agent recorded it (a local pserver's loopback one), else the node's
         return [ProcRow(n.name, n.spec.text, p.get("address") or addr, p["name"], p["role"], p["pid"], p["state"],
@@ -122,14 +122,14 @@ def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n:
     args = ["logs", "--job-dir", cfg.job_dir(job_name), "--role", role, "-n", str(n)]
     try:
         if not follow:
-            res = node.run(dispatch.agent_argv(node, lib, *args), timeout=120)
+            res = node.run(nodecmd.agent_argv(node, lib, *args), timeout=120)
             if res.exit_code != 0:
                 raise HostError(node.label, res.stderr.strip() or f"no logs for job {job_name}")
             for line in res.stdout.splitlines():
                 out(line)
             return 0
         with stoppable():
-            stream = node.stream(dispatch.agent_argv(node, lib, *args, "-f"))
+            stream = node.stream(nodecmd.agent_argv(node, lib, *args, "-f"))
             try:
                 for line in stream.lines():  # ends by itself once the job has ended (the node agent stops)
                     out(line)
