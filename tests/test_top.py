@@ -52,8 +52,11 @@ def _snapshot(conf_path: Path, env=None) -> dict:
 
 
 def _trainers_moving(snap: dict) -> bool:
+    """Both trainers stepping, and every process's CPU % known: the agent says it from its second look at a
+    process, a second after the first, which may come after the trainers' first steps."""
     rows = [r for r in snap["rows"] if r["role"] == "trainer"]
-    return bool(rows) and all(r["state"] == "running" and r["steps_per_s"] for r in rows) and bool(snap["slowest"])
+    return (bool(rows) and all(r["state"] == "running" and r["steps_per_s"] for r in rows) and bool(snap["slowest"])
+            and all(r["cpu"] is not None for r in snap["rows"]))
 
 
 def test_top_json_on_a_local_job(tmp_path):
