@@ -503,13 +503,18 @@ def test_config_file_others_can_write_is_refused_like_openssh(tmp_path):
 @pytest.mark.timeout(60)
 def test_root_owned_config_is_accepted_for_another_user(tmp_path):
     """Root excepted: a root-owned, 0644 conf.py is read by an unprivileged user (nobody; a forked child with its
-    effective ids, as the venv is not nobody's to run)."""
+    effective ids, as the venv is not nobody's to run). The parent reads it first, so every module reading it
+    needs (some imported only when first asked) is loaded: the child, nobody, may not read root's interpreter
+    (pyenv under a 0700 /root), and what it reads must not depend on which tests ran before."""
+    from paddle_cluster.launch.config import load_config
+
     shared = Path(tempfile.mkdtemp(prefix="bounds-conf-", dir="/tmp"))
     try:
         os.chmod(shared, 0o755)
         conf = shared / "cluster.yaml"
         conf.write_text("HOSTS: [localhost]\n")
         os.chmod(conf, 0o644)
+        assert load_config(str(conf), environ={}).hosts[0].host == "localhost"
         pw = pwd.getpwnam("nobody")
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
@@ -517,7 +522,6 @@ def test_root_owned_config_is_accepted_for_another_user(tmp_path):
             try:
                 os.setegid(pw.pw_gid)
                 os.seteuid(pw.pw_uid)
-                from paddle_cluster.launch.config import load_config
                 code = 0 if load_config(str(conf), environ={}).hosts[0].host == "localhost" else 3
             finally:
                 os._exit(code)
