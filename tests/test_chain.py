@@ -103,17 +103,30 @@ class _Orders(chain.Orders):
         self.stop = os.read(self.fd, 100).decode() or "ended"
 
 
-def test_a_link_without_the_token_gets_nothing(tmp_path):
-    token, data = os.urandom(32), os.urandom(3 << 20)
-    sha = hashlib.sha256(data).hexdigest()
+@contextlib.contextmanager
+def _receiving(tmp_path, token: bytes, sha: str, size: int):
+    """A chain receiver taking ``size`` bytes into ``tmp_path/part`` on a thread; yields it and ``got`` (its
+    ``why`` once it returns), and stops and closes it however the test ends."""
     rx = chain.Receiver("127.0.0.1", str(tmp_path / "fifo"))
     r_stop, w_stop = os.pipe()
     got = {}
     out = open(tmp_path / "part", "wb")
     t = threading.Thread(target=lambda: got.update(
-        why=rx.receive("chain", token, sha, len(data), out, _Orders(r_stop), lambda *a, **k: None)))
+        why=rx.receive("chain", token, sha, size, out, _Orders(r_stop), lambda *a, **k: None)))
     t.start()
     try:
+        yield rx, got, t, out
+    finally:
+        os.write(w_stop, b"\n")
+        t.join(30)
+        rx.close()
+        out.close()
+
+
+def test_a_link_without_the_token_gets_nothing(tmp_path):
+    token, data = os.urandom(32), os.urandom(3 << 20)
+    sha = hashlib.sha256(data).hexdigest()
+    with _receiving(tmp_path, token, sha, len(data)) as (rx, got, t, out):
         with pytest.raises(chain.LinkError):  # the receiver drops a wrong token
             chain.connect(f"127.0.0.1:{rx.port}", os.urandom(32), sha)
         with socket.create_connection(("127.0.0.1", rx.port)) as rogue:  # and a peer that says nothing
@@ -123,11 +136,6 @@ def test_a_link_without_the_token_gets_nothing(tmp_path):
         t.join(30)
         out.close()
         assert got == {"why": ""} and (tmp_path / "part").read_bytes() == data
-    finally:
-        os.write(w_stop, b"\n")
-        t.join(30)
-        rx.close()
-        out.close()
     assert not os.path.exists(rx.fifo) and not os.path.exists(rx.where)
 
 
@@ -137,23 +145,11 @@ def test_bytes_altered_on_a_link_are_refused(tmp_path):
     token, data = os.urandom(32), bytearray(os.urandom(1 << 20))
     sha = hashlib.sha256(data).hexdigest()
     data[12345] ^= 1
-    rx = chain.Receiver("127.0.0.1", str(tmp_path / "fifo"))
-    r_stop, w_stop = os.pipe()
-    got = {}
-    out = open(tmp_path / "part", "wb")
-    t = threading.Thread(target=lambda: got.update(
-        why=rx.receive("chain", token, sha, len(data), out, _Orders(r_stop), lambda *a, **k: None)))
-    t.start()
-    try:
+    with _receiving(tmp_path, token, sha, len(data)) as (rx, got, t, _out):
         with chain.connect(f"127.0.0.1:{rx.port}", token, sha) as link:
             link.sendall(data)
         t.join(30)
         assert got == {"why": "checksum mismatch after the transfer"}
-    finally:
-        os.write(w_stop, b"\n")
-        t.join(30)
-        rx.close()
-        out.close()
 
 
 def test_idle_strangers_neither_stall_a_link_nor_stay(tmp_path, monkeypatch):
