@@ -1,0 +1,50 @@
+"""A new user's path with bad input, as README.md and docs/ describe it: each mistake ends in one line naming the
+setting, where it came from and the fix, with the exit status of a configuration error (2), nothing left running.
+The conf.py is the README's (HOSTS, ROOT_DIR, PADDLE_NIC) on this machine alone."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from helpers import FIT_A_LINE, cli, write_settings
+
+WS = str(FIT_A_LINE)
+
+
+def _conf(tmp: Path, **over) -> Path:
+    # PYTHON is pinned to this interpreter (it has numpy) unless a test is about PYTHON itself.
+    return write_settings(tmp / "conf.py", {"HOSTS": ["localhost"], "ROOT_DIR": str(tmp / "root"),
+                                            "PADDLE_NIC": "lo", "PYTHON": sys.executable, **over})
+
+
+def _one_error(res, *parts: str) -> None:
+    """``res`` failed as a configuration error with one message line holding every part, and no traceback."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "Traceback" not in out and 'File "' not in out, out
+    assert any(all(p in line for p in parts) for line in out.splitlines()), out
+
+
+def test_root_dir_that_cannot_be_made_is_named(tmp_path):
+    """ROOT_DIR under /proc (nothing can be created there, not even by root): once a bare Python traceback."""
+    conf = _conf(tmp_path, ROOT_DIR="/proc/paddle-nope")
+    res = cli(conf, "run", "--job_dispatch_package", WS)
+    _one_error(res, "node0 (localhost): ROOT_DIR = '/proc/paddle-nope' in", str(conf), "cannot create",
+               "set ROOT_DIR to")
+    check = cli(conf, "check")
+    assert check.returncode == 1 and "ROOT_DIR = '/proc/paddle-nope'" in check.stdout + check.stderr
+
+
+def test_python_that_does_not_exist_is_named(tmp_path):
+    conf = _conf(tmp_path, PYTHON="/usr/bin/paddle-nope")
+    res = cli(conf, "run", "--job_dispatch_package", WS)
+    _one_error(res, "node0 (localhost): PYTHON = '/usr/bin/paddle-nope' in", str(conf), "set PYTHON to")
+
+
+def test_python_that_is_not_a_python_is_named(tmp_path):
+    """An interpreter that starts but runs no session (here /bin/true): once 'the session ended without an
+    answer', naming nothing."""
+    conf = _conf(tmp_path, PYTHON="/bin/true")
+    res = cli(conf, "run", "--job_dispatch_package", WS)
+    _one_error(res, "PYTHON = '/bin/true' in", "did not run the node session there", "set PYTHON to")
