@@ -48,3 +48,11 @@ def test_python_that_is_not_a_python_is_named(tmp_path):
     conf = _conf(tmp_path, PYTHON="/bin/true")
     res = cli(conf, "run", "--job_dispatch_package", WS)
     _one_error(res, "PYTHON = '/bin/true' in", "did not run the node session there", "set PYTHON to")
+
+
+def test_kill_of_a_job_no_node_knows_is_an_error(tmp_path):
+    """A mistyped --job_name: once 'nothing was running ... nothing stopped' and exit 0, as if all were well."""
+    conf = _conf(tmp_path)
+    res = cli(conf, "kill", "--job_name", "JOB-typo")
+    _one_error(res, "job JOB-typo: no node has a record of it", str(tmp_path / "root" / "JOB-typo"),
+               "give the name run printed")

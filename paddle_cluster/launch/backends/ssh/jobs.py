@@ -61,8 +61,13 @@ def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
 
 
 def kill_summary(cfg: ClusterConfig, job_name: str, nodes: List[NodeKill]) -> str:
-    """The last line of ``kill``: how many processes it stopped where, or that nothing of the job ran."""
+    """The last line of ``kill``: how many processes it stopped where, or that nothing of the job ran; a job no
+    node knows is a ``UsageError``."""
     hit = [n for n in nodes if n.stopped]
+    if not any(n.found for n in nodes):  # a mistyped name must not read as "stopped, all is well"
+        raise UsageError(f"job {job_name}: no node has a record of it (no {cfg.job_dir(job_name)} with process "
+                         f"records on any of the {len(nodes)} node(s)), so nothing was stopped; give the name run "
+                         "printed (paddle-cluster status shows the latest job of this config)")
     if not hit:
         return (f"job {job_name}: nothing was running on any of its {len(nodes)} node(s); nothing stopped "
                 "(paddle-cluster status shows how it ended)")
