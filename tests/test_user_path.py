@@ -4,10 +4,11 @@ The conf.py is the README's (HOSTS, ROOT_DIR, PADDLE_NIC) on this machine alone.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
-from helpers import FIT_A_LINE, cli, write_settings
+from helpers import FIT_A_LINE, checkout_env, cli, write_settings
 
 WS = str(FIT_A_LINE)
 
@@ -56,3 +57,13 @@ def test_kill_of_a_job_no_node_knows_is_an_error(tmp_path):
     res = cli(conf, "kill", "--job_name", "JOB-typo")
     _one_error(res, "job JOB-typo: no node has a record of it", str(tmp_path / "root" / "JOB-typo"),
                "give the name run printed")
+
+
+def test_a_conf_py_that_is_not_python_is_named_by_its_path(tmp_path):
+    """The README's conf.py with its list left open, read from the current directory: once
+    'conf.py = 'conf.py' in conf.py: syntax error ...', a key that is no key."""
+    (tmp_path / "conf.py").write_text('HOSTS = ["localhost"\nROOT_DIR = "/tmp"\n')
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "check"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env=checkout_env(), stdin=subprocess.DEVNULL)
+    _one_error(res, f"error: {tmp_path / 'conf.py'}: syntax error at line 1: ", "the file is Python")
+    assert "conf.py = " not in res.stderr, res.stderr

@@ -16,13 +16,16 @@ class ConfigError(ClusterError):
     (``ENTRY = 'x.py' in /p/conf.py: ...``; with ``default``, why the default applies: ``ENTRY = 'train.py'
     (the default; /p/conf.py does not set ENTRY): ...``) or, starting with ``-``, the command-line option that
     gave it (``--entry x.py: ...``); with ``unset``, the file has no such key (``HOSTS is not set in /p/conf.py:
-    ...``)."""
+    ...``); with ``whole_file``, ``key`` is the file's kind (``conf.py``, ``YAML``), ``value`` its path and the
+    message names the path alone (``/p/conf.py: syntax error ...``)."""
 
     exit_code = 2
 
     def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "",
-                 unset: bool = False) -> None:
-        if key.startswith("-"):
+                 unset: bool = False, whole_file: bool = False) -> None:
+        if whole_file:
+            head = str(value)
+        elif key.startswith("-"):
             # A value with a line break is shown quoted: the message stays one line.
             shown = f"{value!r}" if isinstance(value, str) and any(c in value for c in "\n\r\0") else value
             head = key if value is None else f"{key} {shown}"
