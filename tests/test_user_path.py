@@ -4,11 +4,13 @@ The conf.py is the README's (HOSTS, ROOT_DIR, PADDLE_NIC) on this machine alone.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import FIT_A_LINE, checkout_env, cli, write_settings
+from helpers import FIT_A_LINE, checkout_env, cli, start_cli, wait_for, write_settings
 
 WS = str(FIT_A_LINE)
 
@@ -67,3 +69,43 @@ def test_a_conf_py_that_is_not_python_is_named_by_its_path(tmp_path):
                          text=True, timeout=60, env=checkout_env(), stdin=subprocess.DEVNULL)
     _one_error(res, f"error: {tmp_path / 'conf.py'}: syntax error at line 1: ", "the file is Python")
     assert "conf.py = " not in res.stderr, res.stderr
+
+
+def test_ctrl_c_while_the_nodes_are_prepared_is_an_interrupt(tmp_path):
+    """Ctrl+C while run waits for the nodes' probes: once recorded as node0's failure ('unexpected error:
+    KeyboardInterrupt', exit 1). PYTHON is a wrapper that holds the first node session until the test has sent
+    SIGINT (two FIFOs: no sleep, no timing); every later start runs the interpreter at once."""
+    probing, go, once = tmp_path / "probing", tmp_path / "go", tmp_path / "once"
+    os.mkfifo(probing)
+    os.mkfifo(go)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nif mkdir {once} 2>/dev/null; then echo > {probing}; read _ < {go}; fi\n"
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    proc = start_cli(_conf(tmp_path, PYTHON=str(wrapper)), "run", "--job_dispatch_package", WS)
+    try:
+        with open(probing) as f:  # the node session has started and waits
+            f.read()
+        proc.send_signal(signal.SIGINT)
+        with open(go, "w") as f:
+            f.write("\n")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and "unexpected error" not in err and "Traceback" not in err, err
+    wait_for(lambda: not _running_under(tmp_path), 10, f"no process left under {tmp_path}")
+
+
+def _running_under(path: Path) -> list:
+    """Processes whose command line names ``path`` (the node session's names ROOT_DIR, a job's its job dir)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(path) in (d / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(d.name))
+        except OSError:
+            pass
+    return found
