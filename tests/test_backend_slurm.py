@@ -350,7 +350,7 @@ def test_bad_slurm_options_are_refused_before_anything_is_submitted(tmp_path, ar
     env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO))
     res = _cli(conf, env, "run", "--nodes", "2", "--job_dispatch_package", str(tmp_path / "ws"), *args)
     no_traceback(res)
-    assert res.returncode == 1 and all(w in res.stderr for w in words), res.stderr
+    assert res.returncode == 2 and all(w in res.stderr for w in words), res.stderr  # a usage error
     assert not (tmp_path / "root").exists()  # refused before anything was prepared
 
 

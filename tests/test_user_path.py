@@ -109,3 +109,4 @@ def _running_under(path: Path) -> list:
         except OSError:
             pass
     return found
+
