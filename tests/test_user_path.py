@@ -110,3 +110,22 @@ def _running_under(path: Path) -> list:
             pass
     return found
 
+
+
+def test_ctrl_c_while_the_cli_starts_is_an_interrupt():
+    """Ctrl+C in the first tenths of a second, while the CLI's modules load: once a traceback of the import. The
+    SIGINT is sent when click is imported (a real signal to the process, at a moment that does not depend on
+    load)."""
+    trigger = ("import builtins, os, signal\n"
+               "real = builtins.__import__\n"
+               "def hook(name, *a, **k):\n"
+               "    if name == 'click':\n"
+               "        builtins.__import__ = real\n"
+               "        os.kill(os.getpid(), signal.SIGINT)\n"
+               "    return real(name, *a, **k)\n"
+               "builtins.__import__ = hook\n"
+               "from paddle_cluster.__main__ import entry\n"
+               "entry()\n")
+    res = subprocess.run([sys.executable, "-c", trigger, "status"], capture_output=True, text=True, timeout=60,
+                         env=checkout_env(), stdin=subprocess.DEVNULL)
+    assert res.returncode == 130 and res.stderr == "paddle-cluster: interrupted\n", res.stderr
