@@ -21,10 +21,11 @@ def _conf(tmp: Path, **over) -> Path:
                                             "PADDLE_NIC": "lo", "PYTHON": sys.executable, **over})
 
 
-def _one_error(res, *parts: str) -> None:
-    """``res`` failed as a configuration error with one message line holding every part, and no traceback."""
+def _one_error(res, *parts: str, code: int = 2) -> None:
+    """``res`` failed with ``code`` (2: a configuration error), one message line holding every part, and no
+    traceback."""
     out = res.stdout + res.stderr
-    assert res.returncode == 2, out
+    assert res.returncode == code, out
     assert "Traceback" not in out and 'File "' not in out, out
     assert any(all(p in line for p in parts) for line in out.splitlines()), out
 
@@ -58,7 +59,13 @@ def test_kill_of_a_job_no_node_knows_is_an_error(tmp_path):
     conf = _conf(tmp_path)
     res = cli(conf, "kill", "--job_name", "JOB-typo")
     _one_error(res, "job JOB-typo: no node has a record of it", str(tmp_path / "root" / "JOB-typo"),
-               "give the name run printed")
+               "check the job name", code=1)
+
+
+def test_logs_f_of_a_job_no_node_knows_is_an_error(tmp_path):
+    """`logs node0 -f --job_name JOB-typo`: once 'no log directory ...' on stdout and exit 0."""
+    res = cli(_conf(tmp_path), "logs", "node0", "-f", "--job_name", "JOB-typo")
+    _one_error(res, "node0 (localhost): no log directory", "(job JOB-typo); check the job name", code=1)
 
 
 def test_a_conf_py_that_is_not_python_is_named_by_its_path(tmp_path):

@@ -88,6 +88,10 @@ class HostsFailed(ClusterError):
             self.exit_code = ConfigError.exit_code
 
 
+# The fix for a job name no node knows (status, logs, kill, top): most often a mistyped --job_name.
+JOB_NAME_FIX = ("check the job name (run printed it; without --job_name these commands take the latest job of this "
+                "config)")
+
 # How a command ends, by exit status: the CLI's help and docs/troubleshooting.md list the same.
 OUTCOMES = {0: "finished", 1: "failed", 2: "configuration or usage error", 3: "stopped by paddle-cluster kill",
             4: "lost contact with a node", 130: "interrupted (Ctrl+C, SIGTERM or SIGHUP)"}
