@@ -332,6 +332,10 @@ def test_more_than_slurm_can_grant_is_its_error_and_nothing_is_queued(slurm, tmp
     assert res.returncode != 0 and "submitting the job: sbatch --parsable" in res.stderr, res.stderr
     assert "Requested node configuration is not available" in res.stderr, res.stderr
     assert slurm.active_jobs() == []
+    # status then says what run said, not "no Slurm job recorded ... is ROOT_DIR the shared filesystem ...?"
+    st = _cli(conf, env, "status")
+    assert st.returncode == 1 and "job slurmbig never reached Slurm: run ended it failed (exit 1): submitting the " \
+        "job: sbatch --parsable" in st.stderr, st.stderr
 
 
 @pytest.mark.parametrize("args, words", [

@@ -17,6 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, private, procs
 
+from ... import journal
 from ...config import ClusterConfig, HostSpec
 from ...errors import ClusterError, UsageError
 from ...interrupt import stoppable
@@ -160,6 +161,10 @@ def _job_id(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
     """The Slurm job id, or ``JOB.STEP`` for a job that ran as a step of an existing allocation."""
     job_id = handle.get("slurm_job") or saved_job_id(cfg.job_dir(name))
     if not job_id:
+        ended = journal.outcome(cfg, name)
+        if ended:  # run ended it before sbatch gave it an id (sbatch refused it): what run said then
+            raise ClusterError(f"job {name} never reached Slurm: run ended it {ended['outcome']} (exit "
+                               f"{ended['exit_code']}): {ended['message']}")
         raise ClusterError(f"no Slurm job recorded for job {name} in {cfg.job_dir(name)}/.paddle_cluster; is "
                            "ROOT_DIR the shared filesystem it was started with?")
     return job_id
