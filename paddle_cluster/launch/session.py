@@ -123,7 +123,11 @@ class NodeSession:
             self.stream.settimeout(None)
         last = [x.strip() for x in list(self.other)[-5:] if x.strip()]
         detail = " | ".join(last) or "the session ended without an answer"
-        if not self.answered:  # nothing of the session ran: the interpreter is missing or is not a Python 3
+        python = self.node.cfg.python
+        if not self.answered and (not last or any(python in x or "Error" in x for x in last)):
+            # nothing of the session ran, and what was said names the interpreter (not found, not executable) or
+            # a Python error (not a Python 3), or nothing was said at all (not a Python): PYTHON is at fault. Other
+            # output (a nologin shell, a wrapper's refusal) is shown as it is.
             raise self._config_error("python", f"did not run the node session there ({detail}): {PYTHON_FIX}")
         raise HostError(self.node.label, f"{what} failed: {detail}")
 
