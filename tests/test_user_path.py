@@ -1,15 +1,17 @@
-"""A new user's path with bad input, as README.md and docs/ describe it: each mistake ends in one line naming the
-setting, where it came from and the fix, with the exit status of a configuration error (2), nothing left running.
+"""A new user's path with bad input, as README.md and docs/ describe it: each mistake ends in one line naming what
+is wrong, where it came from and the fix, exits non-zero (2 for a configuration error) and leaves nothing running.
 The conf.py is the README's (HOSTS, ROOT_DIR, PADDLE_NIC) on this machine alone."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import FIT_A_LINE, checkout_env, cli, start_cli, wait_for, write_settings
 
 WS = str(FIT_A_LINE)
@@ -136,3 +138,17 @@ def test_ctrl_c_while_the_cli_starts_is_an_interrupt():
     res = subprocess.run([sys.executable, "-c", trigger, "status"], capture_output=True, text=True, timeout=60,
                          env=checkout_env(), stdin=subprocess.DEVNULL)
     assert res.returncode == 130 and res.stderr == "paddle-cluster: interrupted\n", res.stderr
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl on PATH (scripts/test installs it)")
+def test_run_on_k8s_with_a_context_that_does_not_answer_says_the_fix(tmp_path):
+    """`run --backend k8s` whose kubeconfig names a server that is not there: once kubectl's refusal alone (check
+    said the fix, run did not). The kubeconfig is the user's: one cluster, one context."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]"
+                          "\ncontexts: [{name: c, context: {cluster: c, user: u}}]\ncurrent-context: c\n"
+                          "users: [{name: u, user: {token: t}}]\n")
+    res = cli(_conf(tmp_path), "run", "--backend", "k8s", "--image", "registry.example/ml/fit:1",
+              "--job_dispatch_package", WS, env={"KUBECONFIG": str(kubeconfig)})
+    _one_error(res, "--backend k8s: kubectl's current context did not answer", "point kubectl at your cluster",
+               code=1)
