@@ -152,3 +152,9 @@ def test_run_on_k8s_with_a_context_that_does_not_answer_says_the_fix(tmp_path):
               "--job_dispatch_package", WS, env={"KUBECONFIG": str(kubeconfig)})
     _one_error(res, "--backend k8s: kubectl's current context did not answer", "point kubectl at your cluster",
                code=1)
+
+
+def test_plot_of_a_job_no_node_knows_says_to_check_the_name(tmp_path):
+    """`plot --job_name JOB-typo`: once only 'trainers write them with MetricsWriter', as if the job had run."""
+    res = cli(_conf(tmp_path), "plot", "--job_name", "JOB-typo")
+    _one_error(res, "job JOB-typo has no metrics records", "check the job name", code=1)
