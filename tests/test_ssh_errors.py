@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import no_traceback, wait_for, write_conf
+from helpers import no_traceback, wait_for, write_conf, write_settings
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parent.parent
@@ -126,3 +126,23 @@ def test_each_ssh_failure_is_one_documented_line(make_ssh_cluster, tmp_path):
     assert f"{label}: {ip}:22: {phrase}" in res.stderr, res.stderr
     assert "installing paddle_cluster" not in res.stderr, res.stderr
     no_traceback(res)
+
+
+def test_no_key_at_all_says_to_make_one(cluster, tmp_path):
+    """A new user who skipped the quick start's ssh-keygen: no agent, no ~/.ssh/id_*, no SSH_IDENTITY_FILE. Once
+    'SSH failed: SSHException: No authentication methods available'. The README's conf.py, with the test hosts'
+    known_hosts (its own key is what this test leaves out)."""
+    conf = write_settings(tmp_path / "conf.py", {"HOSTS": cluster.hosts[:1], "ROOT_DIR": "/home/paddle",
+                                                 "PADDLE_NIC": "eth0", "SSH_KNOWN_HOSTS": cluster.known_hosts})
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "check"], capture_output=True,
+                         text=True, timeout=120, env={**env, "HOME": str(home), "PYTHONPATH": str(REPO)},
+                         stdin=subprocess.DEVNULL)
+    assert_table_only(res)
+    ip = cluster.ips[0]
+    line = host_line(res, f"node0 ({cluster.hosts[0]})")
+    assert f"{ip}:22: no SSH key to log in as root with" in line, line
+    assert f"ssh-keygen -t ed25519 && ssh-copy-id -p 22 root@{ip}" in line, line
+    assert "no SSH key to log in as USER with" in TROUBLESHOOTING

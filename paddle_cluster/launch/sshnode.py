@@ -291,6 +291,11 @@ def connect_error(label: str, host: str, port: int, user: str, e: BaseException,
                             "prompted for)", f"install the key: ssh-copy-id -p {port}"
                             f"{' -i ' + cfg.ssh_identity_file if cfg.ssh_identity_file else ''} {user}@{address}")
     text = str(e)
+    if isinstance(e, paramiko.SSHException) and "No authentication methods available" in text:
+        # no agent, no ~/.ssh/id_*, no SSH_IDENTITY_FILE: the quick start's ssh-keygen step not done yet
+        return ConnectError(label, address, port, f"no SSH key to log in as {user} with (no ssh-agent, no "
+                            "~/.ssh/id_*, no SSH_IDENTITY_FILE; passwords are never prompted for)", "make one and "
+                            f"install it: ssh-keygen -t ed25519 && ssh-copy-id -p {port} {user}@{address}")
     if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in text:
         return ConnectError(label, address, port, f"host key of {address} is unknown (not in {known})",
                             f"check it and add it: ssh-keyscan -p {port} {address} >> {known} (or run once with "
