@@ -146,3 +146,31 @@ def test_no_key_at_all_says_to_make_one(cluster, tmp_path):
     assert f"{ip}:22: no SSH key to log in as root with" in line, line
     assert f"ssh-keygen -t ed25519 && ssh-copy-id -p 22 root@{ip}" in line, line
     assert "no SSH key to log in as USER with" in TROUBLESHOOTING
+
+
+def test_a_key_with_a_passphrase_and_no_agent_or_a_pub_file_is_named(cluster, tmp_path):
+    """SSH_IDENTITY_FILE that is the hosts' own key behind a passphrase, with no ssh-agent: once 'login refused ...
+    install the key: ssh-copy-id' (it was installed). And the .pub given for the key: once 'SSH failed:
+    SSHException: not a valid OPENSSH private key file'."""
+    locked = tmp_path / "id_locked"
+    locked.write_bytes(Path(cluster.key_path).read_bytes())
+    locked.chmod(0o600)
+    subprocess.run(["ssh-keygen", "-q", "-p", "-P", "", "-N", "a passphrase", "-f", str(locked)], check=True,
+                   capture_output=True)
+    pub = tmp_path / "id.pub"
+    pub.write_text(subprocess.run(["ssh-keygen", "-y", "-f", cluster.key_path], capture_output=True, text=True,
+                                  check=True).stdout)
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    ip = cluster.ips[0]
+    for key, said, fix in ((locked, f"login as root refused: {locked} has a passphrase and no ssh-agent holds it",
+                            f'eval "$(ssh-agent)" && ssh-add {locked}'),
+                           (pub, f"SSH_IDENTITY_FILE {pub} is not a private key", "not its .pub")):
+        conf = write_conf(tmp_path, cluster, hosts=cluster.hosts[:1], SSH_IDENTITY_FILE=str(key))
+        res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "check"],
+                             capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(REPO)},
+                             stdin=subprocess.DEVNULL)
+        assert_table_only(res)
+        line = host_line(res, f"node0 ({cluster.hosts[0]})")
+        assert f"{ip}:22: {said}" in line and fix in line, line
+    assert "has a passphrase and no ssh-agent holds it" in TROUBLESHOOTING
+    assert "is not a private key" in TROUBLESHOOTING
