@@ -158,3 +158,14 @@ def test_plot_of_a_job_no_node_knows_says_to_check_the_name(tmp_path):
     """`plot --job_name JOB-typo`: once only 'trainers write them with MetricsWriter', as if the job had run."""
     res = cli(_conf(tmp_path), "plot", "--job_name", "JOB-typo")
     _one_error(res, "job JOB-typo has no metrics records", "check the job name", code=1)
+
+
+def test_slurm_commands_on_a_job_name_that_is_not_there_say_to_check_it(tmp_path):
+    """BACKEND = 'slurm' (docs/backends.md's conf.py) and a mistyped --job_name: once 'no Slurm job recorded ... is
+    ROOT_DIR the shared filesystem?' (status, kill), 'unknown node node0 ... none yet' (logs), 'no metrics records
+    ... MetricsWriter' (plot). Nothing here reaches Slurm."""
+    conf = write_settings(tmp_path / "conf.py", {"BACKEND": "slurm", "ROOT_DIR": str(tmp_path / "root"),
+                                                 "PADDLE_NIC": "eth0"})
+    for args in (["status"], ["kill"], ["logs", "node0"], ["plot"]):
+        res = cli(conf, *args, "--job_name", "JOB-typo")
+        _one_error(res, f"job JOB-typo: no {tmp_path / 'root' / 'JOB-typo'}; check the job name", code=1)
