@@ -332,6 +332,10 @@ def test_more_than_slurm_can_grant_is_its_error_and_nothing_is_queued(slurm, tmp
     assert res.returncode != 0 and "submitting the job: sbatch --parsable" in res.stderr, res.stderr
     assert "Requested node configuration is not available" in res.stderr, res.stderr
     assert slurm.active_jobs() == []
+    # status then says what run said, not "no Slurm job recorded ... is ROOT_DIR the shared filesystem ...?"
+    st = _cli(conf, env, "status")
+    assert st.returncode == 1 and "job slurmbig never reached Slurm: run ended it failed (exit 1): submitting the " \
+        "job: sbatch --parsable" in st.stderr, st.stderr
 
 
 @pytest.mark.parametrize("args, words", [
@@ -350,7 +354,7 @@ def test_bad_slurm_options_are_refused_before_anything_is_submitted(tmp_path, ar
     env.update(HOME=str(tmp_path), PYTHONPATH=str(REPO))
     res = _cli(conf, env, "run", "--nodes", "2", "--job_dispatch_package", str(tmp_path / "ws"), *args)
     no_traceback(res)
-    assert res.returncode == 1 and all(w in res.stderr for w in words), res.stderr
+    assert res.returncode == 2 and all(w in res.stderr for w in words), res.stderr  # a usage error
     assert not (tmp_path / "root").exists()  # refused before anything was prepared
 
 

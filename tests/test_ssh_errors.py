@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import no_traceback, wait_for, write_conf
+from helpers import no_traceback, wait_for, write_conf, write_settings
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parent.parent
@@ -126,3 +126,51 @@ def test_each_ssh_failure_is_one_documented_line(make_ssh_cluster, tmp_path):
     assert f"{label}: {ip}:22: {phrase}" in res.stderr, res.stderr
     assert "installing paddle_cluster" not in res.stderr, res.stderr
     no_traceback(res)
+
+
+def test_no_key_at_all_says_to_make_one(cluster, tmp_path):
+    """A new user who skipped the quick start's ssh-keygen: no agent, no ~/.ssh/id_*, no SSH_IDENTITY_FILE. Once
+    'SSH failed: SSHException: No authentication methods available'. The README's conf.py, with the test hosts'
+    known_hosts (its own key is what this test leaves out)."""
+    conf = write_settings(tmp_path / "conf.py", {"HOSTS": cluster.hosts[:1], "ROOT_DIR": "/home/paddle",
+                                                 "PADDLE_NIC": "eth0", "SSH_KNOWN_HOSTS": cluster.known_hosts})
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "check"], capture_output=True,
+                         text=True, timeout=120, env={**env, "HOME": str(home), "PYTHONPATH": str(REPO)},
+                         stdin=subprocess.DEVNULL)
+    assert_table_only(res)
+    ip = cluster.ips[0]
+    line = host_line(res, f"node0 ({cluster.hosts[0]})")
+    assert f"{ip}:22: no SSH key to log in as root with" in line, line
+    assert f"ssh-keygen -t ed25519 && ssh-copy-id -p 22 root@{ip}" in line, line
+    assert "no SSH key to log in as USER with" in TROUBLESHOOTING
+
+
+def test_a_key_with_a_passphrase_and_no_agent_or_a_pub_file_is_named(cluster, tmp_path):
+    """SSH_IDENTITY_FILE that is the hosts' own key behind a passphrase, with no ssh-agent: once 'login refused ...
+    install the key: ssh-copy-id' (it was installed). And the .pub given for the key: once 'SSH failed:
+    SSHException: not a valid OPENSSH private key file'."""
+    locked = tmp_path / "id_locked"
+    locked.write_bytes(Path(cluster.key_path).read_bytes())
+    locked.chmod(0o600)
+    subprocess.run(["ssh-keygen", "-q", "-p", "-P", "", "-N", "a passphrase", "-f", str(locked)], check=True,
+                   capture_output=True)
+    pub = tmp_path / "id.pub"
+    pub.write_text(subprocess.run(["ssh-keygen", "-y", "-f", cluster.key_path], capture_output=True, text=True,
+                                  check=True).stdout)
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    ip = cluster.ips[0]
+    for key, said, fix in ((locked, f"login as root refused: {locked} has a passphrase and no ssh-agent holds it",
+                            f'eval "$(ssh-agent)" && ssh-add {locked}'),
+                           (pub, f"SSH_IDENTITY_FILE {pub} is not a private key", "not its .pub")):
+        conf = write_conf(tmp_path, cluster, hosts=cluster.hosts[:1], SSH_IDENTITY_FILE=str(key))
+        res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "check"],
+                             capture_output=True, text=True, timeout=120, env={**env, "PYTHONPATH": str(REPO)},
+                             stdin=subprocess.DEVNULL)
+        assert_table_only(res)
+        line = host_line(res, f"node0 ({cluster.hosts[0]})")
+        assert f"{ip}:22: {said}" in line and fix in line, line
+    assert "has a passphrase and no ssh-agent holds it" in TROUBLESHOOTING
+    assert "is not a private key" in TROUBLESHOOTING

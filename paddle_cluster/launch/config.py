@@ -255,23 +255,30 @@ def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.
     return parse_config(raw, os.path.abspath(path))  # errors name the file wherever the command ran
 
 
-def _read_text(path: Path, key: str) -> str:
+def _file_error(path: Path, fix: str) -> ConfigError:
+    """An error of the config file as a whole, named by its absolute path (``conf.py = 'conf.py' in conf.py``
+    said it as if it were a key)."""
+    kind = "YAML" if path.suffix in (".yaml", ".yml") else "conf.py"
+    return ConfigError(kind, os.path.abspath(path), fix, whole_file=True)
+
+
+def _read_text(path: Path) -> str:
     try:
         with open(path, "rb") as f:
-            _check_owner(path, key, os.fstat(f.fileno()))  # of the file read, not of a name that may change
+            _check_owner(path, os.fstat(f.fileno()))  # of the file read, not of a name that may change
             return f.read().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(key, str(path), f"not UTF-8 text (byte {e.start}); save the file as UTF-8",
-                          str(path)) from None
+        raise _file_error(path, f"not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
     except OSError as e:
-        raise ConfigError(key, str(path), f"cannot read it: {e.strerror or e}; check the path and its permissions",
-                          str(path)) from None
+        raise _file_error(path, f"cannot read it: {e.strerror or e}; check the path and its permissions") from None
 
 
-def _check_owner(path: Path, key: str, st: os.stat_result) -> None:
+def _check_owner(path: Path, st: os.stat_result) -> None:
     """Refuse, as OpenSSH does, a config file another user could have written: it says what runs where, and
     conf.py is executed. Owned by the user running the launcher or root; not group- or other-writable."""
     import pwd
+
+    path = Path(os.path.abspath(path))  # the fix is a command to paste, from any directory
 
     def name(uid: int) -> str:
         try:
@@ -282,41 +289,41 @@ def _check_owner(path: Path, key: str, st: os.stat_result) -> None:
     me = os.geteuid()
     if st.st_mode & 0o022:
         who = "group and others" if st.st_mode & 0o002 else "its group"
-        raise ConfigError(key, str(path), f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), so another "
-                          f"user could change what the launcher runs; fix: chmod go-w {path}", str(path))
+        raise _file_error(path, f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), so another user "
+                          f"could change what the launcher runs; fix: chmod go-w {path}")
     if st.st_uid not in (me, 0):
-        raise ConfigError(key, str(path), f"is owned by {name(st.st_uid)}, not by {name(me)} who runs the launcher "
-                          f"(or root); fix: chown {name(me)} {path}, or copy it to a file of your own", str(path))
+        raise _file_error(path, f"is owned by {name(st.st_uid)}, not by {name(me)} who runs the launcher (or "
+                          f"root); fix: chown {name(me)} {path}, or copy it to a file of your own")
 
 
 def _read_python(path: Path) -> Dict[str, Any]:
-    text = _read_text(path, "conf.py")
+    text = _read_text(path)
     try:
         code = compile(text, str(path), "exec")
     except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes, on older Pythons
         where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
-        raise ConfigError("conf.py", str(path), f"syntax error{where}: {getattr(e, 'msg', e)}; "
-                          f"the file is Python, e.g. HOSTS = [\"root@10.0.0.1\"]", str(path)) from None
+        raise _file_error(path, f"syntax error{where}: {getattr(e, 'msg', e)}; "
+                          f"the file is Python, e.g. HOSTS = [\"root@10.0.0.1\"]") from None
     namespace: Dict[str, Any] = {"__file__": str(path), "__name__": "paddle_cluster_conf"}
     try:
         exec(code, namespace)  # noqa: S102 - conf.py is the user's own Python, as in the seed
     except (Exception, SystemExit) as e:  # a conf.py calling sys.exit() must not end the launcher silently
-        raise ConfigError("conf.py", str(path), f"running it raised {type(e).__name__}: {e}", str(path)) from None
+        raise _file_error(path, f"running it raised {type(e).__name__}: {e}") from None
     return {k: v for k, v in namespace.items()
             if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))}
 
 
 def _read_yaml(path: Path) -> Dict[str, Any]:
     try:
-        data = yaml.safe_load(_read_text(path, "YAML"))
+        data = yaml.safe_load(_read_text(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("YAML", str(path), f"cannot parse{line}: {getattr(e, 'problem', e)}", str(path)) from None
+        raise _file_error(path, f"cannot parse it as YAML{line}: {getattr(e, 'problem', e)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("YAML", str(path), "the file must be a mapping of KEY: value", str(path))
+        raise _file_error(path, "the YAML must be a mapping of KEY: value")
     return {str(k).upper(): v for k, v in data.items()}
 
 

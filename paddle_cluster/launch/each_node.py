@@ -36,11 +36,22 @@ def each_node(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int =
     errors: Dict[int, BaseException] = {}
     if not nodes:
         return NodeResults(values, errors, {})
+    interrupted = False
     with ThreadPoolExecutor(max_workers=min(max_workers, len(nodes)), thread_name_prefix="each_node") as pool:
         futures = {n.index: pool.submit(fn, n) for n in nodes}
         for i, fut in futures.items():
-            try:
-                values[i] = fut.result()
-            except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
-                errors[i] = e
+            while True:
+                try:
+                    values[i] = fut.result()
+                except BaseException as e:  # noqa: B036 - a fan-out must never drop a host's failure
+                    if isinstance(e, KeyboardInterrupt) and not (fut.done() and fut.exception() is e):
+                        # Ctrl+C reached this thread while it waited: the user's, not this node's failure
+                        # ("unexpected error: KeyboardInterrupt" on node0, exit 1). Every node's work still ends
+                        # here, then the interrupt goes on to the command.
+                        interrupted = True
+                        continue
+                    errors[i] = e
+                break
+    if interrupted:
+        raise KeyboardInterrupt
     return NodeResults(values, errors, {n.index: n.label for n in nodes})

@@ -16,13 +16,16 @@ class ConfigError(ClusterError):
     (``ENTRY = 'x.py' in /p/conf.py: ...``; with ``default``, why the default applies: ``ENTRY = 'train.py'
     (the default; /p/conf.py does not set ENTRY): ...``) or, starting with ``-``, the command-line option that
     gave it (``--entry x.py: ...``); with ``unset``, the file has no such key (``HOSTS is not set in /p/conf.py:
-    ...``)."""
+    ...``); with ``whole_file``, ``key`` is the file's kind (``conf.py``, ``YAML``), ``value`` its path and the
+    message names the path alone (``/p/conf.py: syntax error ...``)."""
 
     exit_code = 2
 
     def __init__(self, key: str, value: object, fix: str, source: str = "", default: str = "",
-                 unset: bool = False) -> None:
-        if key.startswith("-"):
+                 unset: bool = False, whole_file: bool = False) -> None:
+        if whole_file:
+            head = str(value)
+        elif key.startswith("-"):
             # A value with a line break is shown quoted: the message stays one line.
             shown = f"{value!r}" if isinstance(value, str) and any(c in value for c in "\n\r\0") else value
             head = key if value is None else f"{key} {shown}"
@@ -84,6 +87,10 @@ class HostsFailed(ClusterError):
         if all(isinstance(e, ClusterError) and e.exit_code == ConfigError.exit_code for e in failures.values()):
             self.exit_code = ConfigError.exit_code
 
+
+# The fix for a job name no node knows (status, logs, kill, top): most often a mistyped --job_name.
+JOB_NAME_FIX = ("check the job name (run printed it; without --job_name these commands take the latest job of this "
+                "config)")
 
 # How a command ends, by exit status: the CLI's help and docs/troubleshooting.md list the same.
 OUTCOMES = {0: "finished", 1: "failed", 2: "configuration or usage error", 3: "stopped by paddle-cluster kill",

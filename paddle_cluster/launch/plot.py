@@ -10,7 +10,7 @@ from . import nodecmd
 from .access import nodes_with_lib
 from .config import ClusterConfig
 from .each_node import each_node
-from .errors import ClusterError
+from .errors import JOB_NAME_FIX, ClusterError
 from .hosts import Node
 
 # Keys of a metrics record that are bookkeeping, not curves.
@@ -42,8 +42,9 @@ def collect(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
         for trainer, recs in doc.items():
             merged.setdefault(trainer, []).extend(recs)
     if not any(merged.values()):
-        raise ClusterError(f"job {job_name} has no metrics records (log/metrics.trainer*.jsonl) on any node; "
-                           "trainers write them with paddle_cluster.train.metrics.MetricsWriter")
+        raise ClusterError(f"job {job_name} has no metrics records (log/metrics.trainer*.jsonl) on any node: its "
+                           "trainers wrote none (they write them with paddle_cluster.train.metrics.MetricsWriter), "
+                           f"or there is no such job here ({JOB_NAME_FIX})")
     return merged
 
 

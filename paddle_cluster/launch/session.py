@@ -13,7 +13,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY, SessionRequest
 
 from .dispatch import Package
-from .errors import HostError
+from .errors import HostConfigError, HostError
 from .hosts import CommandStream, Node
 
 # Runs on the node with nothing but Python: the library of this hash is installed (sent on stdin, after a
@@ -32,7 +32,12 @@ def read(n):
     return b
 if not os.path.isdir(lib):
     import hashlib, io, json, shutil, tarfile
-    os.makedirs(os.path.dirname(lib), mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(lib), mode=0o700, exist_ok=True)
+    except OSError as e:  # ROOT_DIR is not a directory this user can write here
+        print(json.dumps({"session": "error", "key": "root_dir", "error": "cannot create %s there: %s" % (
+            os.path.dirname(lib), e.strerror or e)}))
+        sys.exit(1)
     os.write(1, b'{"session": "need-lib"}\n')
     data = read(int(read(16)))
     if hashlib.sha256(data).hexdigest() != sha:
@@ -53,6 +58,8 @@ from paddle_cluster.node.session import main
 sys.exit(main(sys.argv[3]))
 """
 
+PYTHON_FIX = ("set PYTHON to a Python 3 with numpy on that host (an absolute path, or a name its login shell "
+              "finds; paddle-cluster check shows each host's)")
 REPLY_TIMEOUT = 300.0  # an answer can wait for unpacking a large workspace
 # Lines a node prints that are not the session's answers (a login script's, a wrapper's): the last ones are kept,
 # each cut short, to be shown with the agent's output and named in an error -- never held whole or without end.
@@ -64,9 +71,13 @@ class NodeSession:
 
     def __init__(self, node: Node, lib: Package, lib_data: bytes, req: SessionRequest) -> None:
         self.node, self.lib, self.lib_data, self.req = node, lib, lib_data, req
-        self.stream: CommandStream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
-                                           req.to_json()])
+        try:
+            self.stream: CommandStream = node.stream([node.cfg.python, "-c", BOOT, node.cfg.root_dir, lib.sha256,
+                                                      req.to_json()])
+        except OSError as e:  # a local node: PYTHON names no executable file here
+            raise self._config_error("python", f"{e.strerror or e}: {PYTHON_FIX}") from None
         self.other: Deque[str] = deque(maxlen=KEPT_LINES)
+        self.answered = False  # the node's interpreter has run the session (else PYTHON is the suspect)
 
     def open(self) -> Dict[str, Any]:
         """The node's probe, with ``workspace``: its state there; the library is sent first if it is new."""
@@ -100,6 +111,10 @@ class NodeSession:
                 except (ValueError, RecursionError):  # not an answer, however odd: kept, never fatal
                     doc = None
                 if isinstance(doc, dict) and REPLY in doc:
+                    self.answered = True
+                    if doc[REPLY] == "error" and doc.get("key") == "root_dir":
+                        raise self._config_error("root_dir", f"{doc.get('error')}; set ROOT_DIR to an absolute "
+                                                 "directory the SSH user can write on every host")
                     if doc[REPLY] == "error":
                         raise HostError(self.node.label, f"{what}: {doc.get('error')}")
                     return doc
@@ -108,7 +123,17 @@ class NodeSession:
             self.stream.settimeout(None)
         last = [x.strip() for x in list(self.other)[-5:] if x.strip()]
         detail = " | ".join(last) or "the session ended without an answer"
+        python = self.node.cfg.python
+        if not self.answered and (not last or any(python in x or "Error" in x for x in last)):
+            # nothing of the session ran, and what was said names the interpreter (not found, not executable) or
+            # a Python error (not a Python 3), or nothing was said at all (not a Python): PYTHON is at fault. Other
+            # output (a nologin shell, a wrapper's refusal) is shown as it is.
+            raise self._config_error("python", f"did not run the node session there ({detail}): {PYTHON_FIX}")
         raise HostError(self.node.label, f"{what} failed: {detail}")
+
+    def _config_error(self, name: str, fix: str) -> HostConfigError:
+        """A setting (``name``, a config field) that does not work on this node, named with its source."""
+        return HostConfigError(self.node.label, str(self.node.cfg.error(name, fix)))
 
     def close(self) -> None:
         self.stream.close()

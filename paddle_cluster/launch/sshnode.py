@@ -271,6 +271,34 @@ def _ssh_command(user: str, address: str, port: int, cfg: ClusterConfig, *extra:
     return f"ssh{' '.join(('',) + extra)} -o BatchMode=yes -p {port}{key} {user}@{address} true"
 
 
+def _key_files(cfg: ClusterConfig) -> List[str]:
+    """The key files a login offers: SSH_IDENTITY_FILE, else the usual ~/.ssh/id_* that exist."""
+    if cfg.ssh_identity_file:
+        return [cfg.ssh_identity_file]
+    home = os.path.expanduser("~/.ssh")
+    return [p for p in (os.path.join(home, f"id_{t}") for t in ("rsa", "ecdsa", "ed25519", "dsa")) if os.path.isfile(p)]
+
+
+def _needs_passphrase(path: str) -> bool:
+    try:
+        paramiko.PKey.from_path(path)
+    except paramiko.PasswordRequiredException:
+        return True
+    except TypeError as e:  # cryptography's word for an encrypted PEM key
+        return "password" in str(e).lower()
+    except Exception:  # noqa: BLE001 - unreadable or not a key: another message says so
+        return False
+    return False
+
+
+def _agent_has_keys() -> bool:
+    agent = paramiko.Agent()
+    try:
+        return bool(agent.get_keys())
+    finally:
+        agent.close()
+
+
 def connect_error(label: str, host: str, port: int, user: str, e: BaseException, cfg: ClusterConfig) -> ConnectError:
     """What went wrong opening an SSH session, as a ``ConnectError``: the only place paramiko's and the socket
     layer's exceptions are read."""
@@ -285,12 +313,26 @@ def connect_error(label: str, host: str, port: int, user: str, e: BaseException,
         return ConnectError(label, address, port, f"host key CHANGED (differs from {known})",
                             f"if the host was reinstalled: ssh-keygen -R {address} -f {known}; otherwise do not "
                             "connect")
+    if isinstance(e, refused) and not _agent_has_keys():
+        locked = [k for k in _key_files(cfg) if _needs_passphrase(k)]
+        if locked:  # paramiko skips a key it cannot open: the key may well be installed (ssh-copy-id is no fix)
+            return ConnectError(label, address, port, f"login as {user} refused: {locked[0]} has a passphrase "
+                                "and no ssh-agent holds it (passphrases and passwords are never prompted for)",
+                                f"add it to an agent: eval \"$(ssh-agent)\" && ssh-add {locked[0]}")
     if isinstance(e, refused):
         keys = cfg.ssh_identity_file or "ssh-agent and ~/.ssh/id_*"
         return ConnectError(label, address, port, f"login as {user} refused (tried {keys}; passwords are never "
                             "prompted for)", f"install the key: ssh-copy-id -p {port}"
                             f"{' -i ' + cfg.ssh_identity_file if cfg.ssh_identity_file else ''} {user}@{address}")
     text = str(e)
+    if isinstance(e, paramiko.SSHException) and "No authentication methods available" in text:
+        # no agent, no ~/.ssh/id_*, no SSH_IDENTITY_FILE: the quick start's ssh-keygen step not done yet
+        return ConnectError(label, address, port, f"no SSH key to log in as {user} with (no ssh-agent, no "
+                            "~/.ssh/id_*, no SSH_IDENTITY_FILE; passwords are never prompted for)", "make one and "
+                            f"install it: ssh-keygen -t ed25519 && ssh-copy-id -p {port} {user}@{address}")
+    if isinstance(e, paramiko.SSHException) and cfg.ssh_identity_file and "not a valid" in text:
+        return ConnectError(label, address, port, f"SSH_IDENTITY_FILE {cfg.ssh_identity_file} is not a private key "
+                            f"({text})", "give the private key's file, not its .pub, e.g. ~/.ssh/id_ed25519")
     if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in text:
         return ConnectError(label, address, port, f"host key of {address} is unknown (not in {known})",
                             f"check it and add it: ssh-keyscan -p {port} {address} >> {known} (or run once with "

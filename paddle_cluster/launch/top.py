@@ -24,7 +24,7 @@ from . import journal, nodecmd
 from .access import nodes_with_lib
 from .config import ClusterConfig
 from .each_node import each_node
-from .errors import ClusterError
+from .errors import JOB_NAME_FIX, ClusterError
 
 STALL_S = 10.0  # a running process whose step has not moved for this long is shown yellow
 _NOT_METRICS = {"pass", "step", "loss", "samples_per_s", "time", "trainer", "samples"}
@@ -208,7 +208,8 @@ def snapshot(cfg: ClusterConfig, job_name: str, source: Source) -> Snapshot:
     rates = [r.steps_per_s for r in trainers if r.steps_per_s is not None]
     samples = [r.samples_per_s for r in trainers if r.samples_per_s is not None]
     if not rows and not notes:
-        raise ClusterError(f"job {job_name} has no recorded processes under {cfg.job_dir(job_name)} on any node")
+        raise ClusterError(f"job {job_name} has no recorded processes under {cfg.job_dir(job_name)} on any node; "
+                           f"{JOB_NAME_FIX}")
     return Snapshot(job_name, max(starts) if starts else None, sum(rates) if rates else None,
                     sum(samples) if samples else None, slowest(rows), journal.outcome(cfg, job_name), rows, notes)
 

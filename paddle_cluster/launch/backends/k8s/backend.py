@@ -247,9 +247,11 @@ class K8sBackend(Backend):
         k8s_name, topology = opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         jobset = self.jobset or bool(opts.pods.queue)
         kubectl = Kubectl(opts.namespace, "", self.binary, kc.kinds(jobset))
+        if not rights.first_answer(kubectl, "--backend k8s"):  # the first question: a context that does not answer
+            raise ClusterError(f"kubectl says you {rights.refusal(kubectl, rights.NEEDS[0])}")
         if jobset:
             self._need_jobsets(kubectl)
-        for need in rights.NEEDS:  # those that run needs at once (check asks for them all)
+        for need in rights.NEEDS[1:]:  # the others run needs at once (check asks for them all)
             if need.at_run and not kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(kubectl, need)}")
         roles = [(PSERVER, i) for i in range(topology.pservers)] + [(TRAINER, j) for j in range(topology.trainers)]

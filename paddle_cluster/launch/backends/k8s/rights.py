@@ -89,6 +89,19 @@ def refusal(k: Kubectl, need: Need) -> str:
             "namespace (--namespace, K8S_NAMESPACE)")
 
 
+def first_answer(k: Kubectl, who: str) -> bool:
+    """Whether kubectl may do ``NEEDS[0]``: the first question to the API server, so a context that does not
+    answer is said once, by ``who`` (the command), with the fix."""
+    try:
+        return k.may(NEEDS[0].verb, NEEDS[0].resource)
+    except KubectlMissing:
+        raise
+    except ClusterError as e:
+        raise ClusterError(f"{who}: kubectl's current context did not answer: {e}; point kubectl at your cluster "
+                           "(KUBECONFIG or ~/.kube/config; 'kubectl config current-context' shows which it "
+                           "uses)") from None
+
+
 def check(cfg: ClusterConfig, jobset: bool = False) -> List[PermissionRow]:
     """Every need of ``NEEDS`` (and ``JOBSET_NEEDS`` for a job as a JobSet) asked of the API server in
     K8S_NAMESPACE (the first alone: a context that does not answer is one error, not one per permission)."""
@@ -96,14 +109,7 @@ def check(cfg: ClusterConfig, jobset: bool = False) -> List[PermissionRow]:
     if not manifests.namespace_ok(cfg.k8s_namespace):
         raise cfg.error("k8s_namespace", manifests.NAMESPACE_FIX)
     k = Kubectl(cfg.k8s_namespace, "")
-    try:
-        answers = [k.may(NEEDS[0].verb, NEEDS[0].resource)]
-    except KubectlMissing:
-        raise
-    except ClusterError as e:
-        raise ClusterError(f"check --backend k8s: kubectl's current context did not answer: {e}; point kubectl "
-                           "at your cluster (KUBECONFIG or ~/.kube/config; 'kubectl config current-context' "
-                           "shows which it uses)") from None
+    answers = [first_answer(k, "check --backend k8s")]
     with ThreadPoolExecutor(8) as pool:  # each answer is a round trip to the API server
         answers += pool.map(lambda n: k.may(n.verb, n.resource), needs[1:])
     return [PermissionRow(k.namespace, n.verb, n.resource, ok, n.why, "" if ok else refusal(k, n))

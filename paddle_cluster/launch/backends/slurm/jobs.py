@@ -17,8 +17,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.node import jobdir, private, procs
 
+from ... import journal
 from ...config import ClusterConfig, HostSpec
-from ...errors import ClusterError, UsageError
+from ...errors import JOB_NAME_FIX, ClusterError, UsageError
 from ...interrupt import stoppable
 from ...preflight import CheckLine, EngineRow, check_cluster
 from ..base import ProcRow
@@ -156,10 +157,23 @@ def cancel_job(job_id: str, timeout: float) -> str:
         return "gone"
 
 
+def _known(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> None:
+    """A job this machine started, or whose directory is on the shared filesystem; else most likely a mistyped
+    name, said so (not 'unknown node', 'no metrics', 'no Slurm job recorded')."""
+    if not handle and not journal.outcome(cfg, name) and not os.path.isdir(cfg.job_dir(name)):
+        raise ClusterError(f"job {name}: no {cfg.job_dir(name)}; {JOB_NAME_FIX}; or is ROOT_DIR the shared "
+                           "filesystem it was started with?")
+
+
 def _job_id(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> str:
     """The Slurm job id, or ``JOB.STEP`` for a job that ran as a step of an existing allocation."""
+    _known(cfg, name, handle)
     job_id = handle.get("slurm_job") or saved_job_id(cfg.job_dir(name))
     if not job_id:
+        ended = journal.outcome(cfg, name)
+        if ended:  # run ended it before sbatch gave it an id (sbatch refused it): what run said then
+            raise ClusterError(f"job {name} never reached Slurm: run ended it {ended['outcome']} (exit "
+                               f"{ended['exit_code']}): {ended['message']}")
         raise ClusterError(f"no Slurm job recorded for job {name} in {cfg.job_dir(name)}/.paddle_cluster; is "
                            "ROOT_DIR the shared filesystem it was started with?")
     return job_id
@@ -243,6 +257,7 @@ def status(cfg: ClusterConfig, name: str, handle: Mapping[str, str]) -> Tuple[st
 def logs(cfg: ClusterConfig, name: str, handle: Mapping[str, str], node_text: str, role: str, n: int,
          follow: bool) -> None:
     """``logs``: a node's log files on the shared filesystem; ``ClusterError`` when it has none (yet)."""
+    _known(cfg, name, handle)
     t = node_text.strip()
     idx: Optional[int] = int(t[4:]) if t.startswith("node") and t[4:].isdigit() else int(t) if t.isdigit() else None
     d = node_dir(cfg.job_dir(name), idx if idx is not None else -1)
@@ -296,6 +311,7 @@ def _engine_row() -> EngineRow:
 
 def metrics(cfg: ClusterConfig, job_name: str) -> Dict[str, List[dict]]:
     """``plot``: each trainer's metrics records, from every node's directory on the shared filesystem."""
+    _known(cfg, job_name, {})
     job_dir = cfg.job_dir(job_name)
     merged: Dict[str, List[dict]] = {}
     nodes = sorted(d for d in (os.listdir(job_dir) if os.path.isdir(job_dir) else ()) if re.fullmatch(r"node\d+", d))

@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from ...errors import ClusterError
+from ...errors import ConfigError
 
 # sbatch options the backend sets itself (one task per node, its script, output and directory): a pass-through
 # of one of them would break the job rather than tune it.
@@ -40,24 +40,24 @@ class SlurmOptions:
 
     def __post_init__(self) -> None:
         if self.mem is not None and not _MEM.fullmatch(self.mem):
-            raise ClusterError(f"--mem {self.mem!r}: give a size per node as sbatch takes it, a number with an "
-                               "optional unit K, M, G or T (e.g. 4G, 4096M; 0 asks for all of each node's memory)")
+            raise ConfigError("--mem", repr(self.mem), "give a size per node as sbatch takes it, a number with an "
+                              "optional unit K, M, G or T (e.g. 4G, 4096M; 0 asks for all of each node's memory)")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
-            raise ClusterError(f"--cpus-per-task {self.cpus_per_task}: give 1 or more")
+            raise ConfigError("--cpus-per-task", self.cpus_per_task, "give 1 or more")
         for flag, value in (("--gres", self.gres), ("--constraint", self.constraint), ("--qos", self.qos),
                             ("--reservation", self.reservation), ("--partition", self.partition),
                             ("--time", self.time), ("--account", self.account)):
             if value is not None and (not value.strip() or any(c.isspace() for c in value)):
-                raise ClusterError(f"{flag} {value!r}: give a value without spaces (sbatch {flag}=VALUE)")
+                raise ConfigError(flag, repr(value), f"give a value without spaces (sbatch {flag}=VALUE)")
         for arg in self.sbatch_args:
             name = arg.split("=", 1)[0]
             if not arg.startswith("-") or "\n" in arg:
-                raise ClusterError(f"--sbatch-arg {arg!r}: give one sbatch option as written on sbatch's command "
-                                   "line, e.g. --sbatch-arg=--mail-type=END or --sbatch-arg=--gpus-per-node=2")
+                raise ConfigError("--sbatch-arg", repr(arg), "give one sbatch option as written on sbatch's command "
+                                  "line, e.g. --sbatch-arg=--mail-type=END or --sbatch-arg=--gpus-per-node=2")
             if name in OWNED:
-                raise ClusterError(f"--sbatch-arg {arg!r}: paddle-cluster sets sbatch {OWNED[name]} itself (one "
-                                   "task per node, its own script, output and directory); use --nodes for the "
-                                   "node count and --job_name for the name")
+                raise ConfigError("--sbatch-arg", repr(arg), f"paddle-cluster sets sbatch {OWNED[name]} itself (one "
+                                  "task per node, its own script, output and directory); use --nodes for the "
+                                  "node count and --job_name for the name")
 
     def sbatch_options(self) -> List[str]:
         """The options of the job's allocation, as sbatch takes them (the script's ``#SBATCH`` lines)."""
@@ -82,5 +82,5 @@ def _sbatch_quoted(option: str) -> str:
         return option
     name, eq, value = option.partition("=")
     if '"' in option:
-        raise ClusterError(f"--sbatch-arg {option!r}: a double quote cannot be passed through an #SBATCH line")
+        raise ConfigError("--sbatch-arg", repr(option), "a double quote cannot be passed through an #SBATCH line")
     return f'{name}="{value}"' if eq else f'"{option}"'

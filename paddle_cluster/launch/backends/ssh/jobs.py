@@ -12,7 +12,7 @@ from ... import nodecmd
 from ...access import nodes_with_lib
 from ...config import ClusterConfig
 from ...each_node import each_node
-from ...errors import ClusterError, HostError, UsageError
+from ...errors import JOB_NAME_FIX, ClusterError, HostError, UsageError
 from ...hosts import Node
 from ...interrupt import stoppable
 from ..base import ProcRow
@@ -61,8 +61,12 @@ def kill_job(cfg: ClusterConfig, job_name: str) -> List[NodeKill]:
 
 
 def kill_summary(cfg: ClusterConfig, job_name: str, nodes: List[NodeKill]) -> str:
-    """The last line of ``kill``: how many processes it stopped where, or that nothing of the job ran."""
+    """The last line of ``kill``: how many processes it stopped where, or that nothing of the job ran; a job no
+    node knows is an error (exit 1, as ``status`` of it)."""
     hit = [n for n in nodes if n.stopped]
+    if not any(n.found for n in nodes):  # a mistyped name must not read as "stopped, all is well"
+        raise ClusterError(f"job {job_name}: no node has a record of it (no {cfg.job_dir(job_name)} with process "
+                           f"records on any of the {len(nodes)} node(s)), so nothing was stopped; {JOB_NAME_FIX}")
     if not hit:
         return (f"job {job_name}: nothing was running on any of its {len(nodes)} node(s); nothing stopped "
                 "(paddle-cluster status shows how it ended)")
@@ -92,7 +96,7 @@ def job_status(cfg: ClusterConfig, job_name: str, ended: Optional[dict] = None) 
         rows = [dataclasses.replace(r, state="finished") if r.state in ("exited 0", "stopped (launcher)")
                 else r for r in rows]
     if not rows:
-        raise ClusterError(f"job {job_name} has no recorded processes under {job_dir} on any node")
+        raise ClusterError(f"job {job_name} has no recorded processes under {job_dir} on any node; {JOB_NAME_FIX}")
     return rows
 
 
@@ -121,10 +125,12 @@ def stream_logs(cfg: ClusterConfig, job_name: str, node_text: str, role: str, n:
     node = nodes[idx]
     args = ["logs", "--job-dir", cfg.job_dir(job_name), "--role", role, "-n", str(n)]
     try:
+        # Without -f, the lines; with -f, first whether there are logs to follow: a followed stream's exit status
+        # is not seen (a mistyped job name printed 'no log directory ...' and exited 0).
+        res = node.run(nodecmd.agent_argv(node, lib, *args[:-1], "0" if follow else str(n)), timeout=120)
+        if res.exit_code != 0:
+            raise HostError(node.label, f"{res.stderr.strip() or 'no logs'} (job {job_name}); {JOB_NAME_FIX}")
         if not follow:
-            res = node.run(nodecmd.agent_argv(node, lib, *args), timeout=120)
-            if res.exit_code != 0:
-                raise HostError(node.label, res.stderr.strip() or f"no logs for job {job_name}")
             for line in res.stdout.splitlines():
                 out(line)
             return 0
