@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..contract import JobEnv
 from .errors import AuthError, ConnectionLost, PSError, from_wire
 from .wire import auth
+from .wire import lane as L
 from .wire import protocol as P
 from .wire.stream import Stream
 
@@ -40,6 +41,8 @@ class Channel:
             self.sock.close()
             raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
         self.io_timeout = io_timeout
+        self._lane_of = (env.job_id, key, pserver, trainer, env.all_ports(pserver)[0])
+        self.lane: Optional[L.Lane] = None  # this connection's same-host lane (``open_lane``)
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
@@ -122,6 +125,25 @@ class Channel:
         self.send(header, *payload)
         return self.reply_json()
 
+    def open_lane(self, size: int) -> Optional[str]:
+        """Set up a same-host lane of ``size`` bytes for this connection (docs/architecture.md): None once it is
+        ``self.lane``, else why the connection stays on TCP. Run it on the channel (``submit``)."""
+        try:
+            lane, nonce = L.offer(*self._lane_of, size)
+        except L.LaneRefused as e:
+            return str(e)
+        try:
+            self.send(P.pack_header(P.Op.LANE, length=len(nonce)), nonce)
+            body = self.reply_json() or {}
+        except BaseException:
+            lane.close()
+            raise
+        if not body.get("lane"):
+            lane.close()
+            return str(body.get("reason") or "refused")
+        self.lane = lane
+        return None
+
     def close(self) -> None:
         self.pool.shutdown(wait=False)
         self.reader.shutdown(wait=False)
@@ -129,6 +151,8 @@ class Channel:
             self.sock.close()
         except OSError:
             pass
+        if self.lane is not None:
+            self.lane.close()
 
 
 def reply_timeout(barrier_timeout: float) -> float:

@@ -28,6 +28,7 @@ from ..errors import (
     UnknownKey,
 )
 from ..wire import protocol as P
+from ..wire.lane import NONCE_SIZE, LaneRefused
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .net import Conn
@@ -168,6 +169,24 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
     conn.reply_ok({"path": d, "step": step})
 
 
+def lane(st: State, conn: Conn, h: P.Header) -> None:
+    """Bind the same-host lane this trainer offered under the frame's nonce to this connection (docs/architecture.md);
+    a refusal is an answer, not an error: the trainer stays on TCP."""
+    P.expect_length(h, NONCE_SIZE, "LANE")
+    nonce = bytearray(NONCE_SIZE)
+    conn.stream.recv_into(nonce)
+    if conn.lane is not None:
+        raise ProtocolError(f"trainer {conn.trainer}: this connection has its lane already")
+    try:
+        if st.lanes is None:
+            raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
+        conn.lane = st.lanes.claim(conn.trainer, bytes(nonce))
+    except LaneRefused as e:
+        conn.reply_ok({"lane": False, "reason": str(e)})
+        return
+    conn.reply_ok({"lane": True})
+
+
 OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.DECLARE: declare,
     P.Op.DEF_DENSE: def_dense,
@@ -182,6 +201,7 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.SAVE: save,
     P.Op.CLOSE: close,
     P.Op.STATUS: status,
+    P.Op.LANE: lane,
 }
 
 

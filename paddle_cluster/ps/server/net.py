@@ -25,6 +25,7 @@ from ...contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from ..errors import AuthError, ConnectionLost, LimitExceeded, ProtocolError, PSError
 from ..wire import auth
 from ..wire import protocol as P
+from ..wire.lane import Lane
 from ..wire.stream import Scratch, Stalled, Stream
 from .budget import CONN_OVERHEAD, Budget
 
@@ -77,6 +78,7 @@ class Conn:
         self.trainer = -1
         self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
+        self.lane: Optional[Lane] = None  # the same-host lane this connection claimed (``LANE``)
 
     @property
     def gone(self) -> bool:
@@ -337,6 +339,8 @@ class Listener:
             if self.budget is not None:
                 self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
             self._forget(sock, pending)
+            if conn.lane is not None:
+                conn.lane.close()
             try:
                 sock.close()
             except OSError:

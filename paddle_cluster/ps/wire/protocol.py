@@ -54,6 +54,7 @@ class Op(enum.IntEnum):
     SAVE = 31  # JSON: write this pserver's shard of a checkpoint
     CLOSE = 32  # this trainer is done
     STATUS = 33  # -> JSON: steps, active trainers, table sizes
+    LANE = 34  # raw: the nonce of a same-host lane this trainer offered (``lane``) -> JSON {lane, reason}
     OK = 40  # reply, optional JSON payload
     DATA = 41  # reply, raw payload
     ERROR = 42  # reply, JSON {"message": ...}; status = errors.PSError.code
