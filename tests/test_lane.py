@@ -7,9 +7,11 @@ pserver with no lane socket on this node (another host or network namespace).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -25,18 +27,29 @@ NOBODY = 65534
 W = np.ones(1000, np.float32)
 
 
-@pytest.fixture
-def served(tmp_path):
-    """One pserver process and trainer 0 of a 1-trainer job, on this node."""
+def _serve(tmp_path, lane: bool):
+    """One pserver process and trainer 0 of a 1-trainer job, on this node (``lane``: the trainer's PADDLE_LANE)."""
     env = H.make_env(1, 1, tmp_path)
     with H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0)
-        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5),
+                     env=dataclasses.replace(trainer_env(env, 0), lane=lane))
         ps.register_dense({"w": W})
         try:
             yield env, pr, server, ps
         finally:
             ps.close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    """Lanes off in the trainer: the tests set one up by hand."""
+    yield from _serve(tmp_path, False)
+
+
+@pytest.fixture
+def laned(tmp_path):
+    yield from _serve(tmp_path, True)
 
 
 def _maps_lane(pid: int) -> bool:
@@ -45,22 +58,31 @@ def _maps_lane(pid: int) -> bool:
 
 
 def _still_trains(ps) -> None:
-    """The connection still serves dense traffic over TCP, with the values SGD makes."""
+    """The connection still serves dense traffic, with the values SGD makes."""
     step = ps.step
     out = ps.push_pull({"w": np.ones_like(W)})
     assert np.array_equal(out["w"], np.full_like(W, 1 - 0.5 * (step + 1)))
 
 
-def test_same_host_trainer_gets_a_lane_both_processes_map(served):
+def test_same_host_trainer_trains_through_a_lane_both_processes_map(laned):
+    env, pr, server, ps = laned
+    assert _maps_lane(os.getpid()) and _maps_lane(server.pid)
+    assert ps._dense.lane_at  # every block of the channel is in it
+    _still_trains(ps)
+    _still_trains(ps)
+    ps.close()
+    assert not _maps_lane(os.getpid())
+
+
+def test_lane_set_up_by_hand_binds_to_its_connection(served):
     env, pr, server, ps = served
     ch = ps._ctl(0)
     assert not _maps_lane(server.pid)
     assert ch.submit(Channel.open_lane, 1 << 20).result(timeout=10) is None
     assert ch.lane is not None and ch.lane.size == 1 << 20
     assert _maps_lane(os.getpid()) and _maps_lane(server.pid)
-    _still_trains(ps)
+    _still_trains(ps)  # its blocks are not in this lane's layout: over TCP
     ps.close()
-    ch.lane = None  # closed with the channel
     assert not _maps_lane(os.getpid())
 
 
@@ -152,3 +174,46 @@ def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
+    """Trainers (threads, one client each) on one pserver process: 2 steps of push_pull, one of push then pull,
+    on a 3 MiB parameter (3 segments) and a small one; the final values."""
+    env = H.make_env(1, trainers, tmp_path / f"{lane}")
+    big = np.linspace(-1, 1, 3 << 18, dtype=np.float32)
+    out = [None] * trainers
+
+    def trainer(i: int) -> None:
+        ps = connect(mode=mode, optimizer=OptimizerSpec(opt, lr=0.1),
+                     env=dataclasses.replace(trainer_env(env, i), lane=lane))
+        try:
+            vals = ps.register_dense({"big": big, "w": W})
+            assert bool(ps._dense.lane_at) == lane
+            for step in range(3):
+                rng = np.random.default_rng(100 * i + step)
+                grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in vals.items()}
+                if step < 2:
+                    vals = ps.push_pull(grads)
+                else:
+                    ps.push(grads)
+                    vals = ps.pull()
+            out[i] = np.concatenate([vals["big"], vals["w"]])
+        finally:
+            ps.close()
+
+    (tmp_path / f"{lane}").mkdir()
+    with H.procs(tmp_path / f"{lane}") as pr:
+        pr.pserver(env, 0)
+        th = [threading.Thread(target=trainer, args=(i,)) for i in range(trainers)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(60)
+    assert all(o is not None for o in out)
+    assert all(np.array_equal(o, out[0]) for o in out) or mode == "async"
+    return out[0]
+
+
+@pytest.mark.parametrize("mode, opt, trainers", [("sync", "sgd", 2), ("sync", "adam", 2), ("async", "sgd", 1)])
+def test_lane_results_are_bit_identical_to_tcp(tmp_path, mode, opt, trainers):
+    assert np.array_equal(_train(tmp_path, True, mode, opt, trainers), _train(tmp_path, False, mode, opt, trainers))

@@ -14,6 +14,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..contract import JobEnv
 from .errors import AuthError, ConnectionLost, PSError, from_wire
 from .wire import auth
@@ -125,15 +127,17 @@ class Channel:
         self.send(header, *payload)
         return self.reply_json()
 
-    def open_lane(self, size: int) -> Optional[str]:
-        """Set up a same-host lane of ``size`` bytes for this connection (docs/architecture.md): None once it is
-        ``self.lane``, else why the connection stays on TCP. Run it on the channel (``submit``)."""
+    def open_lane(self, size: int, layout: Sequence[Tuple[int, int]] = ()) -> Optional[str]:
+        """Set up a same-host lane of ``size`` bytes for this connection (docs/architecture.md), ``layout`` the
+        (block key, offset) of each block in it: None once it is ``self.lane``, else why the connection stays on
+        TCP. Run it on the channel (``submit``)."""
         try:
             lane, nonce = L.offer(*self._lane_of, size)
         except L.LaneRefused as e:
             return str(e)
         try:
-            self.send(P.pack_header(P.Op.LANE, length=len(nonce)), nonce)
+            pairs = np.array(layout, "<i8").reshape(-1, 2)
+            self.send(P.pack_header(P.Op.LANE, length=len(nonce) + pairs.nbytes), nonce + pairs.tobytes())
             body = self.reply_json() or {}
         except BaseException:
             lane.close()

@@ -5,6 +5,7 @@ defining, pulling and pushing them. ``PSClient`` drives both with its step and i
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -16,12 +17,20 @@ from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
 from .wire import protocol as P
 
+log = logging.getLogger("paddle_cluster.ps")
+LANE_ALIGN = 64  # a block's place in a lane: cache-line aligned
+
 
 class DenseParams:
     """Dense parameters: their blocks, this trainer's receive buffers, and the block versions it last pulled."""
 
-    def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int) -> None:
+    def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int,
+                 lanes: bool = False) -> None:
         self.channels = channels  # [pserver][dense port]
+        self.lanes = lanes  # try a same-host lane on each channel at its first blocks' registration
+        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in a lane
+        self._lane_tried: Set[Channel] = set()
+        self._lane_said = False
         self.conns_per_pserver = conns_per_pserver
         self.max_block_bytes = max_block_bytes
         self.values: Dict[str, np.ndarray] = {}
@@ -69,11 +78,38 @@ class DenseParams:
                 pipeline(ch, frames, [expect_ok] * len(mine))
 
         gather([ch.submit(define, bl) for ch, bl in self._by_channel(placement.blocks).items()])
+        if self.lanes:
+            self._open_lanes(self._by_channel(placement.blocks))
         by_name = placement.by_name()
         for name, a in arrays.items():
             self.values[name] = np.empty(a.shape, dtype=a.dtype)
             self.blocks[name] = by_name[name]
         return list(arrays)
+
+    def _open_lanes(self, by_channel: Dict[Channel, List[Block]]) -> None:
+        """A lane for each channel not tried yet, holding its blocks (later ones travel over TCP); where it cannot
+        be had, the first reason is logged once."""
+        todo = {ch: bl for ch, bl in by_channel.items() if ch not in self._lane_tried}
+        self._lane_tried.update(todo)
+        layouts = {}
+        for ch, blocks in todo.items():
+            off, layout = 0, []
+            for b in blocks:
+                layout.append((b.key, off))
+                off += -(-b.nbytes // LANE_ALIGN) * LANE_ALIGN
+            layouts[ch] = (2 * off, layout)
+        why = gather([ch.submit(Channel.open_lane, *layouts[ch]) for ch in todo])
+        for (ch, blocks), no in zip(todo.items(), why):
+            if no is not None:
+                if not self._lane_said:
+                    log.info("dense data to %s over TCP, not a same-host lane: %s", ch.where, no)
+                    self._lane_said = True
+                continue
+            half = layouts[ch][0] // 2
+            for b, (_, off) in zip(blocks, layouts[ch][1]):
+                n, dt = b.nbytes // np.dtype(b.dtype).itemsize, np.dtype(b.dtype)
+                self.lane_at[b.key] = (np.frombuffer(ch.lane.mem, dt, n, off),
+                                       np.frombuffer(ch.lane.mem, dt, n, half + off))
 
     def pull(self, names: Sequence[str], step: int) -> Dict[str, np.ndarray]:
         unknown = [n for n in names if n not in self.values]
@@ -132,19 +168,30 @@ class DenseParams:
         return [b for n in sorted(send) for b in self.blocks[n]]
 
     def _push_frame(self, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+        """A push's frame; a block in a lane is copied there now (on the channel's thread: every earlier push on
+        the channel is answered, so the pserver no longer reads the place) and its frame is a header."""
+        at = self.lane_at.get(b.key)
+        if at is not None:
+            np.copyto(at[0], send[b.name][b.lo:b.hi].reshape(-1))
+            return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG, key=b.key, step=step,
+                                  aux=self.versions.get(b.key, 0)), ())
         return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
                               aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
 
-    @staticmethod
-    def _pull_frame(b: Block, step: int) -> Frame:
-        return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), key=b.key, step=step), ()
+    def _pull_frame(self, b: Block, step: int) -> Frame:
+        flag = P.LANE_FLAG if b.key in self.lane_at else 0
+        return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), flag, key=b.key, step=step), ()
 
     def _into(self, b: Block) -> Callable[[Channel, P.Header], None]:
         """Reads a pull's reply into ``b``'s place in the receive buffers."""
         def cb(ch: Channel, h: P.Header) -> None:
-            if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+            lane = h.status & P.LANE_FLAG and b.key in self.lane_at
+            if h.op != P.Op.DATA or h.key != b.key or h.length != (0 if lane else b.nbytes):
                 raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
-            ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
+            if lane:  # the pserver copied the values into the lane before it sent the header
+                np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
+            else:
+                ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
             self.versions[b.key] = h.step
         return cb
 

@@ -79,6 +79,7 @@ class Conn:
         self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
         self.lane: Optional[Lane] = None  # the same-host lane this connection claimed (``LANE``)
+        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in it
 
     @property
     def gone(self) -> bool:
@@ -340,6 +341,7 @@ class Listener:
                 self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
             self._forget(sock, pending)
             if conn.lane is not None:
+                conn.lane_at.clear()  # its views first: a mapping with views cannot be closed
                 conn.lane.close()
             try:
                 sock.close()

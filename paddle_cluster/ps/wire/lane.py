@@ -21,7 +21,12 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+
+import numpy as np
+
+from .protocol import byte_view
+from .stream import SEGMENT
 
 log = logging.getLogger("paddle_cluster.ps")
 
@@ -238,3 +243,31 @@ class Desk:
             raise LaneRefused(f"trainer {trainer}: cannot map the lane ({e.strerror})") from None
         finally:
             os.close(p.fd)
+
+
+class Payload:
+    """A push's gradient in a lane, read the way a ``stream.Stream`` reads a frame's payload (``chunks``,
+    ``recv_into``, ``discard``), so a block folds it as it folds one received over TCP."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data.reshape(-1).view(np.uint8)
+
+    def chunks(self, into: Optional[Callable[[int], Any]] = None) -> Iterator[Tuple[int, memoryview]]:
+        for off in range(0, len(self.data), SEGMENT):
+            piece = self.data[off:off + SEGMENT]
+            dest = into(off) if into is not None else None
+            if dest is not None:  # a pool slot that becomes the segment's sum: the bytes must be in it
+                d = np.frombuffer(dest, np.uint8, len(piece))
+                np.copyto(d, piece)
+                piece = d
+            yield off, memoryview(piece)
+
+    def recv_into(self, *views: Any) -> None:
+        off = 0
+        for v in views:
+            d = np.frombuffer(byte_view(v), np.uint8)
+            np.copyto(d, self.data[off:off + len(d)])
+            off += len(d)
+
+    def discard(self) -> None:
+        pass
