@@ -1,17 +1,22 @@
-"""The same-host lane's setup (docs/architecture.md, "The same-host lane"), on a real pserver process.
+"""The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node gets a lane: one memfd mapped by both processes. Refused, with the reason, and
-the connection left on TCP: an offer under another key, a nonce nobody offered, another user at either end, a
-pserver with no lane socket on this node (another host or network namespace).
+A trainer on the pserver's node trains through a lane, one memfd mapped by both processes, with results bit for
+bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async); a trainer killed with -9 leaves
+no mapping in the pserver. Refused, with the reason, and the connection left on TCP: an offer under another key,
+a nonce nobody offered, another user at either end (a squatter of the socket name: said once in the trainer's
+log), a pserver with no lane socket on this node (another host or network namespace).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,11 +154,10 @@ def test_another_user_cannot_offer_a_lane(served):
     _still_trains(ps)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
-def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
-    env = H.make_env(1, 1, tmp_path)
+@contextlib.contextmanager
+def _squatter(env):
+    """Another user's process listening on pserver 0's lane socket name before the pserver does."""
     port = env.all_ports(0)[0]
-
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -169,11 +173,39 @@ def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
     os.close(w)
     try:
         assert os.fdopen(r).readline() == "listening\n"
-        with pytest.raises(L.LaneRefused, match=f"belongs to uid {NOBODY}, not this user"):
-            L.offer(env.job_id, env.key_of(0), 0, 0, port, 1 << 16)
+        yield
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
+def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
+    env = H.make_env(1, 1, tmp_path)
+    with _squatter(env):
+        with pytest.raises(L.LaneRefused, match=f"belongs to uid {NOBODY}, not this user"):
+            L.offer(env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0], 1 << 16)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
+def test_a_squatted_lane_socket_leaves_the_job_on_tcp_said_once(tmp_path, caplog):
+    env = H.make_env(1, 1, tmp_path)
+    with _squatter(env), H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+            ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+            try:
+                ps.register_dense({"w": W, "v": W})
+                ps.register_dense({"u": W})
+                assert not ps._dense.lane_at and not _maps_lane(server.pid)
+                for step in range(2):
+                    out = ps.push_pull({n: np.ones_like(W) for n in ("w", "v", "u")})
+                    assert np.array_equal(out["u"], np.full_like(W, 1 - 0.5 * (step + 1)))
+            finally:
+                ps.close()
+        said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
+        assert len(said) == 1 and f"belongs to uid {NOBODY}" in said[0], said
+        assert "no same-host lanes: cannot listen on the lane socket" in pr.log(server)
 
 
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
@@ -217,3 +249,28 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
 @pytest.mark.parametrize("mode, opt, trainers", [("sync", "sgd", 2), ("sync", "adam", 2), ("async", "sgd", 1)])
 def test_lane_results_are_bit_identical_to_tcp(tmp_path, mode, opt, trainers):
     assert np.array_equal(_train(tmp_path, True, mode, opt, trainers), _train(tmp_path, False, mode, opt, trainers))
+
+
+
+def _lanes_mapped(pid: int) -> set:
+    """The inodes of the lanes process ``pid`` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[4] for line in f if "memfd:paddle-cluster-lane" in line}
+
+
+def test_kill_9_of_a_trainer_unmaps_its_lane_and_only_its(tmp_path):
+    env = H.make_env(1, 2, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        tr = [pr.trainer(env, i, "die_after_step", str(tmp_path / f"t{i}")) for i in range(2)]
+        for p in tr:
+            assert p.stdout.readline().decode().strip() == "STEP0-DONE", pr.log(p)
+        both = _lanes_mapped(server.pid)
+        assert len(both) == 2 and _lanes_mapped(tr[0].pid) <= both and _lanes_mapped(tr[1].pid) <= both
+        survivor = _lanes_mapped(tr[1].pid)
+        tr[0].kill()
+        tr[0].wait(10)
+        deadline = time.monotonic() + 10
+        while _lanes_mapped(server.pid) != survivor and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _lanes_mapped(server.pid) == survivor and server.poll() is None
