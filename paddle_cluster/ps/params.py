@@ -129,7 +129,7 @@ class DenseParams:
         send = self.gradients(grads)
 
         def push_blocks(ch: Channel, blocks: List[Block]) -> None:
-            pipeline(ch, [self._push_frame(b, send, step) for b in blocks], [expect_ok] * len(blocks))
+            pipeline(ch, [self._push_frame(ch, b, send, step) for b in blocks], [expect_ok] * len(blocks))
 
         return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
 
@@ -141,7 +141,7 @@ class DenseParams:
         def blocks_both_ways(ch: Channel, blocks: List[Block]) -> None:
             frames, replies = [], []
             for b in blocks:
-                frames += [self._push_frame(b, send, step), self._pull_frame(b, step + 1)]
+                frames += [self._push_frame(ch, b, send, step), self._pull_frame(b, step + 1)]
                 replies += [expect_ok, self._into(b)]
             exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
 
@@ -167,12 +167,13 @@ class DenseParams:
     def _blocks_of(self, send: Mapping[str, np.ndarray]) -> List[Block]:
         return [b for n in sorted(send) for b in self.blocks[n]]
 
-    def _push_frame(self, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+    def _push_frame(self, ch: Channel, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
         """A push's frame; a block in a lane is copied there now (on the channel's thread: every earlier push on
         the channel is answered, so the pserver no longer reads the place) and its frame is a header."""
         at = self.lane_at.get(b.key)
         if at is not None:
             np.copyto(at[0], send[b.name][b.lo:b.hi].reshape(-1))
+            ch.stream.tally[0] += b.nbytes  # what ``top`` shows as sent: the lane's bytes too
             return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG, key=b.key, step=step,
                                   aux=self.versions.get(b.key, 0)), ())
         return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
@@ -190,6 +191,7 @@ class DenseParams:
                 raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
             if lane:  # the pserver copied the values into the lane before it sent the header
                 np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
+                ch.stream.tally[1] += b.nbytes
             else:
                 ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
             self.versions[b.key] = h.step

@@ -82,6 +82,8 @@ def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
     at = _in_lane(conn, h) if h.op == P.Op.PUSH_DENSE else None
     s = _block(st, h, payload=at is None) if h.op == P.Op.PUSH_DENSE else _table(st, h)
+    if at is not None:
+        conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
     if not s.push(conn, h, st.staleness, *([] if at is None else [Payload(at[0])])):
         st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=s.step.n)
@@ -91,7 +93,10 @@ def pull(st: State, conn: Conn, h: P.Header) -> None:
     """PULL_DENSE and PULL_SPARSE: the shard replies once its step is there."""
     if h.op == P.Op.PULL_DENSE:
         at = _in_lane(conn, h)
-        _block(st, h, payload=False).pull(conn, h, None if at is None else at[1])
+        b = _block(st, h, payload=False)
+        if at is not None:
+            conn.stream.tally[0] += b.nbytes
+        b.pull(conn, h, None if at is None else at[1])
     else:
         _table(st, h).pull(conn, h)
 
