@@ -134,6 +134,7 @@ class Desk:
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._done = threading.Event()
+        self._foreign = 0  # connections from other users refused
 
     def start(self) -> None:
         """Listen (an ``OSError`` if the name is taken: the pserver then serves without lanes)."""
@@ -171,6 +172,13 @@ class Desk:
                 time.sleep(0.05)
                 continue
             with c:
+                uid = _peer_uid(c)
+                if uid != os.getuid():  # closed unanswered at once: another user cannot hold the desk up
+                    if not self._foreign:
+                        log.warning("pserver %d: refused a lane from uid %d (not this pserver's user; further "
+                                    "ones are not logged)", self.pserver, uid)
+                    self._foreign += 1
+                    continue
                 c.settimeout(OFFER_TIMEOUT)
                 try:
                     c.send(self._take(c))
@@ -178,17 +186,11 @@ class Desk:
                     pass
 
     def _take(self, c: socket.socket) -> bytes:
-        """One offer on connection ``c``: checked and kept (the answer NUL), or why it is refused."""
-        msg, fds, _, _ = socket.recv_fds(c, _OFFER.size + 1, 4)  # read whole, so the answer is not lost to a reset
+        """One offer on connection ``c`` (of this user): checked and kept (the answer NUL), or why it is refused."""
+        msg, fds, _, _ = socket.recv_fds(c, _OFFER.size + 1, 4)
         fd = fds[0] if fds else -1
         for extra in fds[1:]:
             os.close(extra)
-        uid = _peer_uid(c)
-        if uid != os.getuid():
-            if fd >= 0:
-                os.close(fd)
-            log.warning("pserver %d: refused a lane from uid %d (not this pserver's user)", self.pserver, uid)
-            return b"another user"
         try:
             why = self._check(msg, fd)
         except OSError as e:
