@@ -277,3 +277,22 @@ def test_kill_9_of_a_trainer_unmaps_its_lane_and_only_its(tmp_path):
         while _lanes_mapped(server.pid) != survivor and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _lanes_mapped(server.pid) == survivor and server.poll() is None
+
+
+def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
+    """The value area is the pserver's memory (it writes it): charged to its budget, refused past it."""
+    env = H.make_env(1, 1, tmp_path)
+    big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its lane too does not
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0, {"PADDLE_PSERVER_MEMORY": str(11 << 20)})
+        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+            ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+            try:
+                ps.register_dense({"big": big})
+                assert not ps._dense.lane_at
+                out = ps.push_pull({"big": np.ones_like(big)})
+                assert np.array_equal(out["big"], np.full_like(big, 0.5))
+            finally:
+                ps.close()
+    said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
+    assert len(said) == 1 and "value area of trainer 0's same-host lane" in said[0], said

@@ -206,6 +206,11 @@ def lane(st: State, conn: Conn, h: P.Header) -> None:
             raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
         conn.lane = lane = st.lanes.claim(conn.trainer, nonce)
         half = lane.size // 2
+        try:  # the value area: this pserver writes it, so its pages are this pserver's memory
+            st.budget.charge(half, f"the value area of trainer {conn.trainer}'s same-host lane")
+        except LimitExceeded as e:
+            raise LaneRefused(str(e)) from None
+        conn.lane_charged = half
         for key, off in layout.tolist():
             b = st.blocks.get(key)
             if b is None or off % 64 or not 0 <= off <= half - b.nbytes:
@@ -215,6 +220,8 @@ def lane(st: State, conn: Conn, h: P.Header) -> None:
                                  np.frombuffer(lane.mem, b.dtype, n, half + off))
     except LaneRefused as e:
         conn.lane_at.clear()
+        st.budget.release(conn.lane_charged)
+        conn.lane_charged = 0
         if conn.lane is not None:
             conn.lane.close()
             conn.lane = None

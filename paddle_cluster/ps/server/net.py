@@ -80,6 +80,7 @@ class Conn:
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
         self.lane: Optional[Lane] = None  # the same-host lane this connection claimed (``LANE``)
         self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in it
+        self.lane_charged = 0  # bytes of the lane charged to the budget (its value area)
 
     @property
     def gone(self) -> bool:
@@ -338,7 +339,7 @@ class Listener:
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
             if self.budget is not None:
-                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
+                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held + conn.lane_charged)
             self._forget(sock, pending)
             if conn.lane is not None:
                 conn.lane_at.clear()  # its views first: a mapping with views cannot be closed
