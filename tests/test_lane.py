@@ -21,11 +21,13 @@ import time
 import numpy as np
 import pytest
 import rt_helpers as H
+from helpers import wait_for
 from rt_helpers import trainer_env
 
-from paddle_cluster.contract import derive_trainer_key
+from paddle_cluster.contract import PSERVER, derive_trainer_key
 from paddle_cluster.ps import OptimizerSpec, connect
 from paddle_cluster.ps.channel import Channel
+from paddle_cluster.ps.server.pserver import PServer
 from paddle_cluster.ps.wire import lane as L
 
 NOBODY = 65534
@@ -62,6 +64,11 @@ def _maps_lane(pid: int) -> bool:
         return "memfd:paddle-cluster-lane" in f.read()
 
 
+def _made() -> contextlib.closing:
+    """A trainer's lane of 64 KiB, closed (descriptor and mapping) when the block ends."""
+    return contextlib.closing(L.create(1 << 16))
+
+
 def _still_trains(ps) -> None:
     """The connection still serves dense traffic, with the values SGD makes."""
     step = ps.step
@@ -83,33 +90,35 @@ def test_lane_set_up_by_hand_binds_to_its_connection(served):
     env, pr, server, ps = served
     ch = ps._ctl(0)
     assert not _maps_lane(server.pid)
-    assert ch.submit(Channel.open_lane, 1 << 20).result(timeout=10) is None
-    assert ch.lane is not None and ch.lane.size == 1 << 20
-    assert _maps_lane(os.getpid()) and _maps_lane(server.pid)
+    lane = L.create(1 << 20)
+    assert ch.submit(Channel.open_lane, lane, []).result(timeout=10) is None
+    lane.close()
+    assert not _maps_lane(os.getpid()) and _maps_lane(server.pid)  # the pserver's mapping: its connection's
     _still_trains(ps)  # its blocks are not in this lane's layout: over TCP
     ps.close()
-    assert not _maps_lane(os.getpid())
+    wait_for(lambda: not _maps_lane(server.pid), 10, "the pserver unmaps the lane with the connection")
 
 
 def test_offer_under_another_key_is_refused_and_tcp_stays(served):
     env, pr, server, ps = served
     port = env.all_ports(0)[0]
     wrong = derive_trainer_key("another job secret of enough length, 32+", env.job_id, 0)
-    with pytest.raises(L.LaneRefused, match="MAC is wrong"):
-        L.offer(env.job_id, wrong, 0, 0, port, 1 << 16)
+    with pytest.raises(L.LaneRefused, match="MAC is wrong"), _made() as lane:
+        L.offer(lane, env.job_id, wrong, 0, 0, port)
     assert "refused a lane: trainer 0: the offer's MAC is wrong" in pr.log(server)
     # A LANE frame with a nonce nobody offered binds nothing.
     ch = ps._ctl(0)
     ch._lane_of = (env.job_id, wrong, 0, 0, port)
-    assert "MAC is wrong" in ch.submit(Channel.open_lane, 1 << 16).result(timeout=10)
-    assert ch.lane is None and not _maps_lane(server.pid)
+    with _made() as lane:
+        assert "MAC is wrong" in ch.submit(Channel.open_lane, lane, []).result(timeout=10)
+    assert not _maps_lane(server.pid)
     _still_trains(ps)
 
 
 def test_no_lane_socket_on_this_node_means_tcp(served):
     env, pr, server, ps = served
-    with pytest.raises(L.LaneRefused, match="no lane socket on this node"):
-        L.offer(env.job_id, env.key_of(0), 1, 0, env.all_ports(0)[0], 1 << 16)  # pserver 1: not here
+    with pytest.raises(L.LaneRefused, match="no lane socket on this node"), _made() as lane:
+        L.offer(lane, env.job_id, env.key_of(0), 1, 0, env.all_ports(0)[0])  # pserver 1: not here
 
 
 def _as_nobody_in_child(fn):
@@ -168,7 +177,7 @@ def _squatter(env):
             os.close(r)
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            L.Desk(env.job_id, 0, port, env.key_of, 1, 1 << 20).start()
+            L.Desk(env.job_id, 0, port, env.key_of, 1).start()
             os.write(w, b"listening\n")
             signal.pause()
         finally:
@@ -186,8 +195,8 @@ def _squatter(env):
 def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
     env = H.make_env(1, 1, tmp_path)
     with _squatter(env):
-        with pytest.raises(L.LaneRefused, match=f"belongs to uid {NOBODY}, not this user"):
-            L.offer(env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0], 1 << 16)
+        with pytest.raises(L.LaneRefused, match=f"belongs to uid {NOBODY}, not this user"), _made() as lane:
+            L.offer(lane, env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0])
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
@@ -212,18 +221,22 @@ def test_a_squatted_lane_socket_leaves_the_job_on_tcp_said_once(tmp_path, caplog
 
 
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
-    """Trainers (threads, one client each) on one pserver process: 2 steps of push_pull, one of push then pull,
-    on a 3 MiB parameter (3 segments) and a small one; the final values."""
-    env = H.make_env(1, trainers, tmp_path / f"{lane}")
+    """Trainers (threads, one client each) on two pserver processes of two dense ports each: 2 steps of push_pull,
+    one of push then pull, on a 3 MiB parameter (1 MiB blocks over both pservers and all four connections: one
+    memfd offered to each) and a small one; the final values."""
+    env = H.make_env(2, trainers, tmp_path / f"{lane}", ports_num=2)
     big = np.linspace(-1, 1, 3 << 18, dtype=np.float32)
     out = [None] * trainers
 
     def trainer(i: int) -> None:
-        ps = connect(mode=mode, optimizer=OptimizerSpec(opt, lr=0.1),
+        ps = connect(mode=mode, optimizer=OptimizerSpec(opt, lr=0.1), max_block_bytes=1 << 20,
                      env=dataclasses.replace(trainer_env(env, i), lane=lane))
         try:
             vals = ps.register_dense({"big": big, "w": W})
+            assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 3
             assert bool(ps._dense.lane_at) == lane
+            # Through lanes, the receive buffers are the value areas: no copy out of them.
+            assert ps._dense._in_lane == ({"big", "w"} if lane else set())
             for step in range(3):
                 rng = np.random.default_rng(100 * i + step)
                 grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in vals.items()}
@@ -239,6 +252,7 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
     (tmp_path / f"{lane}").mkdir()
     with H.procs(tmp_path / f"{lane}") as pr:
         pr.pserver(env, 0)
+        pr.pserver(env, 1)
         th = [threading.Thread(target=trainer, args=(i,)) for i in range(trainers)]
         for t in th:
             t.start()
@@ -253,6 +267,79 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
 def test_lane_results_are_bit_identical_to_tcp(tmp_path, mode, opt, trainers):
     assert np.array_equal(_train(tmp_path, True, mode, opt, trainers), _train(tmp_path, False, mode, opt, trainers))
 
+
+def test_values_in_the_lane_change_only_with_a_pull(laned):
+    """The caller's arrays are the lane's value area: a push (the pserver applies it) leaves them as they were;
+    the next pull overwrites them, as it does TCP's receive buffers."""
+    env, pr, server, ps = laned
+    held = ps.push_pull({"w": np.ones_like(W)})["w"]
+    assert "w" in ps._dense._in_lane and np.array_equal(held, np.full_like(W, 0.5))
+    ps.wait(ps.push({"w": np.ones_like(W)}))
+    assert np.array_equal(held, np.full_like(W, 0.5))  # applied on the pserver, not written to the lane
+    assert ps.pull()["w"] is held and np.array_equal(held, np.zeros_like(W))
+    kept = held.copy()
+    ps.close()
+    assert np.array_equal(held, kept)  # still readable after close: its mapping goes with the last view
+
+
+def test_parameters_registered_later_travel_over_tcp(laned):
+    """A connection's lane holds the blocks of its first registration; later ones stay on TCP, rightly."""
+    env, pr, server, ps = laned
+    ps.register_dense({"u": 2 * W})
+    keys = {b.key for b in ps._dense.blocks["u"]}
+    assert not keys & set(ps._dense.lane_at) and "u" not in ps._dense._in_lane and "w" in ps._dense._in_lane
+    for step in range(2):
+        out = ps.push_pull({"w": np.ones_like(W), "u": np.ones_like(W)})
+        assert np.array_equal(out["w"], np.full_like(W, 1 - 0.5 * (step + 1)))
+        assert np.array_equal(out["u"], np.full_like(W, 2 - 0.5 * (step + 1)))
+
+
+def _lane_fds() -> int:
+    """How many descriptors of this process are lanes' memfds."""
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if "memfd:paddle-cluster-lane" in _readlink(f"/proc/self/fd/{fd}"))
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # the directory's own descriptor, gone once listed
+        return ""
+
+
+def test_an_offer_claimed_too_late_is_dropped_and_the_trainer_stays_on_tcp(tmp_path, monkeypatch, caplog):
+    """An in-process pserver keeps offers 0.3 s; the trainer claims its lane 0.6 s after offering it: the desk
+    has dropped the offer and closed its descriptor, the trainer trains over TCP and says why once."""
+    monkeypatch.setattr(L, "OFFER_TIMEOUT", 0.3)
+    offer = L.offer
+
+    def late(*a, **kw):
+        nonce = offer(*a, **kw)
+        time.sleep(0.6)
+        return nonce
+
+    monkeypatch.setattr(L, "offer", late)
+    env = H.make_env(1, 1, tmp_path)
+    fds = _lane_fds()
+    server = PServer(env.for_process(PSERVER, 0, "127.0.0.1"), 0).start()
+    try:
+        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+            ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+            try:
+                ps.register_dense({"w": W, "v": W})
+                assert not ps._dense.lane_at and _lane_fds() == fds and not _maps_lane(os.getpid())
+                _still_trains_both(ps)
+            finally:
+                ps.close()
+    finally:
+        server.stop()
+    said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
+    assert len(said) == 1 and "no lane offered under that nonce" in said[0], said
+
+
+def _still_trains_both(ps) -> None:
+    out = ps.push_pull({"w": np.ones_like(W), "v": np.ones_like(W)})
+    assert np.array_equal(out["w"], np.full_like(W, 0.5)) and np.array_equal(out["v"], np.full_like(W, 0.5))
 
 
 def _lanes_mapped(pid: int) -> set:

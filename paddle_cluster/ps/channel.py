@@ -44,7 +44,6 @@ class Channel:
             raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
         self.io_timeout = io_timeout
         self._lane_of = (env.job_id, key, pserver, trainer, env.all_ports(pserver)[0])
-        self.lane: Optional[L.Lane] = None  # this connection's same-host lane (``open_lane``)
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
@@ -127,26 +126,18 @@ class Channel:
         self.send(header, *payload)
         return self.reply_json()
 
-    def open_lane(self, size: int, layout: Sequence[Tuple[int, int]] = ()) -> Optional[str]:
-        """Set up a same-host lane of ``size`` bytes for this connection (docs/architecture.md), ``layout`` the
-        (block key, offset) of each block in it: None once it is ``self.lane``, else why the connection stays on
-        TCP. Run it on the channel (``submit``)."""
+    def open_lane(self, lane: L.Lane, layout: Sequence[Tuple[int, int]]) -> Optional[str]:
+        """Offer ``lane`` (the trainer's, ``lane.create``) to this connection's pserver with the (block key, offset)
+        of each of its blocks in it (docs/architecture.md): None once the pserver took it, else why the connection
+        stays on TCP. Run it on the channel (``submit``)."""
         try:
-            lane, nonce = L.offer(*self._lane_of, size)
+            nonce = L.offer(lane, *self._lane_of)
         except L.LaneRefused as e:
             return str(e)
-        try:
-            pairs = np.array(layout, "<i8").reshape(-1, 2)
-            self.send(P.pack_header(P.Op.LANE, length=len(nonce) + pairs.nbytes), nonce + pairs.tobytes())
-            body = self.reply_json() or {}
-        except BaseException:
-            lane.close()
-            raise
-        if not body.get("lane"):
-            lane.close()
-            return str(body.get("reason") or "refused")
-        self.lane = lane
-        return None
+        pairs = np.array(layout, "<i8").reshape(-1, 2)
+        self.send(P.pack_header(P.Op.LANE, length=len(nonce) + pairs.nbytes), nonce + pairs.tobytes())
+        body = self.reply_json() or {}
+        return None if body.get("lane") else str(body.get("reason") or "refused")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -155,8 +146,6 @@ class Channel:
             self.sock.close()
         except OSError:
             pass
-        if self.lane is not None:
-            self.lane.close()
 
 
 def reply_timeout(barrier_timeout: float) -> float:

@@ -383,7 +383,7 @@ class PSClient:
         finally:
             self._closed = True
             if hasattr(self, "_dense"):
-                self._dense.lane_at.clear()  # views of the lanes: their mappings close with the channels
+                self._dense.close()
             futures = []
             for k in range(self.n_pservers):
                 ch = self._ctl(k)

@@ -15,10 +15,11 @@ import numpy as np
 from .channel import Channel, Frame, exchange, expect_ok, fan_out, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
+from .wire import lane as L
 from .wire import protocol as P
 
 log = logging.getLogger("paddle_cluster.ps")
-LANE_ALIGN = 64  # a block's place in a lane: cache-line aligned
+LANE_ALIGN = 64  # a parameter's place in a lane: cache-line aligned
 
 
 class DenseParams:
@@ -29,6 +30,8 @@ class DenseParams:
         self.channels = channels  # [pserver][dense port]
         self.lanes = lanes  # try a same-host lane on each channel at its first blocks' registration
         self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in a lane
+        self._lanes: List[L.Lane] = []  # the memfds this trainer made, one per registration that got a lane
+        self._in_lane: Set[str] = set()  # parameters whose receive buffer is their place in a lane's value area
         self._lane_tried: Set[Channel] = set()
         self._lane_said = False
         self.conns_per_pserver = conns_per_pserver
@@ -78,38 +81,77 @@ class DenseParams:
                 pipeline(ch, frames, [expect_ok] * len(mine))
 
         gather([ch.submit(define, bl) for ch, bl in self._by_channel(placement.blocks).items()])
-        if self.lanes:
-            self._open_lanes(self._by_channel(placement.blocks))
         by_name = placement.by_name()
-        for name, a in arrays.items():
-            self.values[name] = np.empty(a.shape, dtype=a.dtype)
+        for name in arrays:
             self.blocks[name] = by_name[name]
+        in_lane = self._open_lanes(arrays) if self.lanes else {}
+        for name, a in arrays.items():
+            self.values[name] = in_lane[name] if name in in_lane else np.empty(a.shape, dtype=a.dtype)
+        self._in_lane.update(in_lane)
         return list(arrays)
 
-    def _open_lanes(self, by_channel: Dict[Channel, List[Block]]) -> None:
-        """A lane for each channel not tried yet, holding its blocks (later ones travel over TCP); where it cannot
-        be had, the first reason is logged once."""
-        todo = {ch: bl for ch, bl in by_channel.items() if ch not in self._lane_tried}
+    def _open_lanes(self, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """One memfd for the blocks of ``arrays`` on channels not tried yet (later ones travel over TCP), offered
+        to each of those channels' pservers; where one cannot be had, the first reason is logged once. Returns
+        the parameters whose every block got in: their receive buffers, views of the value area.
+
+        A parameter's blocks lie one after another in it, as in the array, so such a view is the whole
+        parameter. A view is the caller's array as the TCP receive buffer is (``PSClient.pull``: overwritten by
+        the next pull): the pserver writes a block's place only while it answers this trainer's pull of that
+        block, before the reply's header, and never reads it."""
+        todo = {ch: bl for ch, bl in self._by_channel([b for n in arrays for b in self.blocks[n]]).items()
+                if ch not in self._lane_tried}
         self._lane_tried.update(todo)
-        layouts = {}
-        for ch, blocks in todo.items():
-            off, layout = 0, []
-            for b in blocks:
-                layout.append((b.key, off))
-                off += -(-b.nbytes // LANE_ALIGN) * LANE_ALIGN
-            layouts[ch] = (2 * off, layout)
-        why = gather([ch.submit(Channel.open_lane, *layouts[ch]) for ch in todo])
-        for (ch, blocks), no in zip(todo.items(), why):
+        if not todo:
+            return {}
+        laned = {b.key for bl in todo.values() for b in bl}
+        at, off = {}, 0  # parameter -> its place; then block key -> its place
+        for name, a in arrays.items():
+            if any(b.key in laned for b in self.blocks[name]):
+                at[name] = off
+                off += -(-a.nbytes // LANE_ALIGN) * LANE_ALIGN
+        place = {b.key: at[b.name] + b.lo * (b.nbytes // max(1, b.hi - b.lo))
+                 for bl in todo.values() for b in bl}
+        try:
+            lane = L.create(2 * off)
+        except L.LaneRefused as e:
+            self._say_tcp("this node", str(e))
+            return {}
+        try:
+            why = gather([ch.submit(Channel.open_lane, lane, [(b.key, place[b.key]) for b in bl])
+                          for ch, bl in todo.items()])
+        except BaseException:
+            lane.close()
+            raise
+        lane.offered()
+        took = [ch for ch, no in zip(todo, why) if no is None]
+        for ch, no in zip(todo, why):
             if no is not None:
-                if not self._lane_said:
-                    log.info("dense data to %s over TCP, not a same-host lane: %s", ch.where, no)
-                    self._lane_said = True
-                continue
-            half = layouts[ch][0] // 2
-            for b, (_, off) in zip(blocks, layouts[ch][1]):
+                self._say_tcp(ch.where, no)
+        if not took:
+            lane.close()
+            return {}
+        self._lanes.append(lane)
+        for ch in took:
+            for b in todo[ch]:
                 n, dt = b.nbytes // np.dtype(b.dtype).itemsize, np.dtype(b.dtype)
-                self.lane_at[b.key] = (np.frombuffer(ch.lane.mem, dt, n, off),
-                                       np.frombuffer(ch.lane.mem, dt, n, half + off))
+                self.lane_at[b.key] = (np.frombuffer(lane.mem, dt, n, place[b.key]),
+                                       np.frombuffer(lane.mem, dt, n, off + place[b.key]))
+        return {name: np.frombuffer(lane.mem, a.dtype, a.size, off + at[name]).reshape(a.shape)
+                for name, a in arrays.items() if all(b.key in self.lane_at for b in self.blocks[name])}
+
+    def _say_tcp(self, where: str, why: str) -> None:
+        if not self._lane_said:
+            log.info("dense data to %s over TCP, not a same-host lane: %s", where, why)
+            self._lane_said = True
+
+    def close(self) -> None:
+        """Unmap the lanes; a receive buffer the caller still holds keeps its mapping (and its values) alive."""
+        self.lane_at.clear()
+        self.values.clear()
+        for lane in self._lanes:
+            lane.close()
+        self._lanes.clear()
 
     def pull(self, names: Sequence[str], step: int) -> Dict[str, np.ndarray]:
         unknown = [n for n in names if n not in self.values]
@@ -190,7 +232,8 @@ class DenseParams:
             if h.op != P.Op.DATA or h.key != b.key or h.length != (0 if lane else b.nbytes):
                 raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
             if lane:  # the pserver copied the values into the lane before it sent the header
-                np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
+                if b.name not in self._in_lane:  # else they are in the receive buffer already
+                    np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
                 ch.stream.tally[1] += b.nbytes
             else:
                 ch.stream.recv_into(self.values[b.name][b.lo:b.hi])

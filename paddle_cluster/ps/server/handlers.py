@@ -205,16 +205,21 @@ def lane(st: State, conn: Conn, h: P.Header) -> None:
         if st.lanes is None:
             raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
         conn.lane = lane = st.lanes.claim(conn.trainer, nonce)
-        half = lane.size // 2
-        try:  # the value area: this pserver writes it, so its pages are this pserver's memory
-            st.budget.charge(half, f"the value area of trainer {conn.trainer}'s same-host lane")
-        except LimitExceeded as e:
-            raise LaneRefused(str(e)) from None
-        conn.lane_charged = half
+        half, places = lane.size // 2, {}
         for key, off in layout.tolist():
             b = st.blocks.get(key)
-            if b is None or off % 64 or not 0 <= off <= half - b.nbytes:
+            if b is None or off % b.dtype.itemsize or not 0 <= off <= half - b.nbytes:
                 raise LaneRefused(f"block {key} at offset {off} does not fit a lane of {lane.size} bytes")
+            places[key] = (b, off)
+        # What this pserver writes (its blocks' places in the value area) is its memory; the trainer's gradient
+        # area and the other pservers' places in the same memfd are not.
+        writes = sum(b.nbytes for b, _ in places.values())
+        try:
+            st.budget.charge(writes, f"the value area of trainer {conn.trainer}'s same-host lane")
+        except LimitExceeded as e:
+            raise LaneRefused(str(e)) from None
+        conn.lane_charged = writes
+        for key, (b, off) in places.items():
             n = b.nbytes // b.dtype.itemsize
             conn.lane_at[key] = (np.frombuffer(lane.mem, b.dtype, n, off),
                                  np.frombuffer(lane.mem, b.dtype, n, half + off))

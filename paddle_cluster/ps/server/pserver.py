@@ -96,8 +96,7 @@ class PServer:
     def start(self) -> PServer:
         """Bind every port (all or nothing) and start accepting."""
         self.net.start()
-        desk = Desk(self.env.job_id, self.pserver_id, self.ports[0], self.env.key_of, self.env.trainers,
-                    self.state.budget.limit)
+        desk = Desk(self.env.job_id, self.pserver_id, self.ports[0], self.env.key_of, self.env.trainers)
         try:
             desk.start()
             self.state.lanes = desk

@@ -1,11 +1,11 @@
 """The same-host lane's setup (docs/architecture.md, "The same-host lane"): a trainer's sealed memfd handed to a
 pserver on its node over an abstract Unix socket, then claimed on the authenticated TCP connection.
 
-Trainer side: ``offer`` makes the memfd, maps it and hands it over (``SCM_RIGHTS``) with a nonce and a MAC under
-the trainer's key; the nonce then goes in a ``LANE`` frame on the TCP connection. Pserver side: a ``Desk``
-listens on the abstract socket, checks each offer (same user, MAC, seals, size) and keeps it under its nonce
-until a connection of the same trainer ``claim``s it. Either side's refusal is a ``LaneRefused`` with the
-reason; the trainer then stays on TCP.
+Trainer side: ``create`` makes the memfd and maps it, ``offer`` hands it to one pserver (``SCM_RIGHTS``) with a
+nonce and a MAC under the trainer's key; the nonce then goes in a ``LANE`` frame on the TCP connection. Pserver
+side: a ``Desk`` listens on the abstract socket, checks each offer (same user, MAC, seals, size) and keeps it
+under its nonce until a connection of the same trainer ``claim``s it. Either side's refusal is a ``LaneRefused``
+with the reason; the trainer then stays on TCP.
 """
 
 from __future__ import annotations
@@ -59,36 +59,52 @@ def _peer_uid(sock: socket.socket) -> int:
 
 @dataclass
 class Lane:
-    """A mapped lane: ``size`` bytes shared by one trainer connection and its pserver."""
+    """A mapped lane of ``size`` bytes. The trainer's, made by ``create``, may be offered to every pserver on its
+    node (each claims it on one connection) while ``fd`` is open; a pserver's is one connection's mapping."""
 
     mem: mmap.mmap
     size: int
+    fd: int = -1
+
+    def offered(self) -> None:
+        """No more offers: the descriptor is closed, the mapping stays."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def close(self) -> None:
+        self.offered()
         try:
             self.mem.close()
-        except BufferError:  # an array still views it: the mapping goes with the last view
+        except BufferError:  # an array still views it (a receive buffer the caller holds): it goes with the last
             pass
 
 
-def offer(job_id: str, key_hex: str, pserver: int, trainer: int, port: int, size: int,
-          timeout: float = OFFER_TIMEOUT) -> Tuple[Lane, bytes]:
-    """Trainer side: a lane of ``size`` bytes handed to pserver ``pserver`` (its first TCP port ``port``) on this
-    node; (the mapped lane, the nonce to claim it with on the TCP connection). ``LaneRefused`` says why not."""
+def create(size: int) -> Lane:
+    """Trainer side: a sealed memfd of ``size`` bytes, mapped (``LaneRefused`` if the system cannot)."""
     if not hasattr(os, "memfd_create"):
         raise LaneRefused("this system has no memfd_create")
     try:
         fd = os.memfd_create("paddle-cluster-lane", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as e:
         raise LaneRefused(f"memfd_create failed: {e.strerror}") from None
-    mem = None
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        mem = mmap.mmap(fd, size)
-        nonce = os.urandom(NONCE_SIZE)
-        msg = _OFFER.pack(trainer, size, nonce,
-                          _mac(bytes.fromhex(key_hex), job_id, pserver, trainer, port, nonce, size))
+        return Lane(mmap.mmap(fd, size), size, fd)
+    except OSError as e:
+        os.close(fd)
+        raise LaneRefused(f"lane setup failed: {e.strerror or e}") from None
+
+
+def offer(lane: Lane, job_id: str, key_hex: str, pserver: int, trainer: int, port: int,
+          timeout: float = OFFER_TIMEOUT) -> bytes:
+    """Trainer side: hand ``lane`` to pserver ``pserver`` (its first TCP port ``port``) on this node; the nonce to
+    claim it with on the TCP connection. ``LaneRefused`` says why not."""
+    nonce = os.urandom(NONCE_SIZE)
+    msg = _OFFER.pack(trainer, lane.size, nonce,
+                      _mac(bytes.fromhex(key_hex), job_id, pserver, trainer, port, nonce, lane.size))
+    try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(timeout)
             try:
@@ -98,21 +114,13 @@ def offer(job_id: str, key_hex: str, pserver: int, trainer: int, port: int, size
             uid = _peer_uid(s)
             if uid != os.getuid():
                 raise LaneRefused(f"the lane socket belongs to uid {uid}, not this user ({os.getuid()})")
-            socket.send_fds(s, [msg], [fd])
+            socket.send_fds(s, [msg], [lane.fd])
             answer = s.recv(512)
-        if answer != b"\0":
-            raise LaneRefused(f"the pserver refused the lane: {answer.decode('utf-8', 'replace') or 'no answer'}")
-        return Lane(mem, size), nonce
     except OSError as e:
-        if mem is not None:
-            mem.close()
         raise LaneRefused(f"lane setup failed: {e.strerror or e}") from None
-    except LaneRefused:
-        if mem is not None:
-            mem.close()
-        raise
-    finally:
-        os.close(fd)
+    if answer != b"\0":
+        raise LaneRefused(f"the pserver refused the lane: {answer.decode('utf-8', 'replace') or 'no answer'}")
+    return nonce
 
 
 @dataclass
@@ -126,10 +134,9 @@ class _Pending:
 class Desk:
     """Pserver side: the abstract socket lanes are offered on, and the offers waiting to be claimed."""
 
-    def __init__(self, job_id: str, pserver: int, port: int, key_of: Callable[[int], str], n_trainers: int,
-                 max_bytes: int) -> None:
+    def __init__(self, job_id: str, pserver: int, port: int, key_of: Callable[[int], str], n_trainers: int) -> None:
         self.job_id, self.pserver, self.port = job_id, pserver, port
-        self.key_of, self.n_trainers, self.max_bytes = key_of, n_trainers, max_bytes
+        self.key_of, self.n_trainers = key_of, n_trainers
         self._pending: Dict[bytes, _Pending] = {}
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
@@ -212,8 +219,8 @@ class Desk:
         want = _mac(bytes.fromhex(self.key_of(trainer)), self.job_id, self.pserver, trainer, self.port, nonce, size)
         if not hmac.compare_digest(mac, want):
             return f"trainer {trainer}: the offer's MAC is wrong (not this trainer's key, job or pserver)"
-        if not 0 < size <= self.max_bytes:
-            return f"trainer {trainer}: a lane of {size} bytes (at most {self.max_bytes})"
+        if size <= 0 or size % 2:  # a gradient area and a value area of the same size
+            return f"trainer {trainer}: a lane of {size} bytes"
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         if seals & SEALS != SEALS:
             return f"trainer {trainer}: the memory is not sealed against resizing"
@@ -234,6 +241,7 @@ class Desk:
 
     def claim(self, trainer: int, nonce: bytes) -> Lane:
         """The lane offered under ``nonce``, mapped, if trainer ``trainer`` offered it; else ``LaneRefused``."""
+        self._expire()  # an offer kept past its time is gone, whether or not the accept loop dropped it yet
         with self._lock:
             p = self._pending.get(bytes(nonce))
             if p is None or p.trainer != trainer:
