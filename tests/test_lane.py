@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -383,3 +384,29 @@ def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
                 ps.close()
     said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
     assert len(said) == 1 and "value area of trainer 0's same-host lane" in said[0], said
+
+
+@pytest.mark.timeout(120)
+def test_a_pserver_killed_and_restarted_gets_new_lanes_and_exact_results(cluster, tmp_path):
+    """kill -9 of pserver.1 in a supervised job (its node's trainer.1 trains through a lane to it): the job
+    restarts from its checkpoint, the new pserver.1 and trainer.1 share a new lane, the final w is exact."""
+    from helpers import TOTAL, Launch, assert_nothing_left, conf, final_w, proc_pid, workspace
+
+    job = "lane_kill_ps"
+    run = Launch(conf(tmp_path, cluster), "--job_dispatch_package", str(workspace(tmp_path)), "--job_name", job,
+                 "--max_restarts", "1", "--", str(TOTAL), "10", "sync")
+    run.wait_line(r"checkpoint step=20")
+    old = proc_pid(cluster, 1, job, "pserver.1")
+    before = _lanes_mapped(old)
+    assert before and before <= _lanes_mapped(proc_pid(cluster, 1, job, "trainer.1")), before
+    os.kill(old, signal.SIGKILL)
+    _, line = run.wait_line(r"restarting the job from", 30)
+    step = int(re.search(r"checkpoint step (\d+)", line).group(1))
+    run.wait_line(rf"\[trainer\.1@node1\] start step={step} ", 60)
+    new = wait_for(lambda: (lambda p: p if p != old else None)(proc_pid(cluster, 1, job, "pserver.1")), 30,
+                   "the restarted pserver.1")
+    after = wait_for(lambda: _lanes_mapped(new), 30, "a lane in the restarted pserver.1")
+    assert not after & before and after <= _lanes_mapped(proc_pid(cluster, 1, job, "trainer.1"))
+    assert run.finish(120) == 0, run.text()[-3000:]
+    assert final_w(run) == -0.5 * TOTAL
+    assert_nothing_left(cluster)
