@@ -35,14 +35,15 @@ NOBODY = 65534
 W = np.ones(1000, np.float32)
 
 
-def _serve(tmp_path, lane: bool):
-    """One pserver process and trainer 0 of a 1-trainer job, on this node (``lane``: the trainer's PADDLE_LANE)."""
+def _serve(tmp_path, lane: bool, first=None):
+    """One pserver process and trainer 0 of a 1-trainer job, on this node (``lane``: the trainer's PADDLE_LANE),
+    its first registration ``first`` (``{"w": W}``)."""
     env = H.make_env(1, 1, tmp_path)
     with H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0)
         ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5),
                      env=dataclasses.replace(trainer_env(env, 0), lane=lane))
-        ps.register_dense({"w": W})
+        ps.register_dense({"w": W} if first is None else first)
         try:
             yield env, pr, server, ps
         finally:
@@ -293,6 +294,17 @@ def test_parameters_registered_later_travel_over_tcp(laned):
         out = ps.push_pull({"w": np.ones_like(W), "u": np.ones_like(W)})
         assert np.array_equal(out["w"], np.full_like(W, 1 - 0.5 * (step + 1)))
         assert np.array_equal(out["u"], np.full_like(W, 2 - 0.5 * (step + 1)))
+
+
+def test_a_registration_of_empty_parameters_leaves_the_lane_to_the_next(tmp_path):
+    """Nothing to share (no memfd of 0 bytes): the connection's lane goes to the first registration with bytes."""
+    with contextlib.contextmanager(_serve)(tmp_path, True, {"e": np.zeros((0, 4), np.float32)}) as (*_, ps):
+        assert not ps._dense.lane_at
+        ps.register_dense({"w": W})
+        assert ps._dense._in_lane == {"w"}
+        out = ps.push_pull({"e": np.zeros((0, 4), np.float32), "w": np.ones_like(W)})
+        assert out["e"].shape == (0, 4) and np.array_equal(out["w"], np.full_like(W, 0.5))
+        assert ps.pull(["w", "w"])["w"] is out["w"]  # a name asked twice: its blocks pulled once
 
 
 def _lane_fds() -> int:

@@ -101,15 +101,15 @@ class DenseParams:
         block, before the reply's header, and never reads it."""
         todo = {ch: bl for ch, bl in self._by_channel([b for n in arrays for b in self.blocks[n]]).items()
                 if ch not in self._lane_tried}
-        self._lane_tried.update(todo)
-        if not todo:
-            return {}
         laned = {b.key for bl in todo.values() for b in bl}
         at, off = {}, 0  # parameter -> its place; then block key -> its place
         for name, a in arrays.items():
             if any(b.key in laned for b in self.blocks[name]):
                 at[name] = off
                 off += -(-a.nbytes // LANE_ALIGN) * LANE_ALIGN
+        if not off:  # nothing to share (empty parameters): the channels wait for a registration with bytes
+            return {}
+        self._lane_tried.update(todo)
         place = {b.key: at[b.name] + b.lo * (b.nbytes // max(1, b.hi - b.lo))
                  for bl in todo.values() for b in bl}
         try:
@@ -161,7 +161,7 @@ class DenseParams:
         def fetch(ch: Channel, blocks: List[Block]) -> None:
             pipeline(ch, [self._pull_frame(b, step) for b in blocks], [self._into(b) for b in blocks])
 
-        blocks = [b for n in names for b in self.blocks[n]]
+        blocks = [b for n in dict.fromkeys(names) for b in self.blocks[n]]  # a block once: one reply per place
         gather(fan_out([(ch, fetch, (bl,)) for ch, bl in self._by_channel(blocks).items()]))
         return {n: self.values[n] for n in names}
 
