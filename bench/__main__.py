@@ -187,7 +187,7 @@ class Suite:
     def _frames(self, trainers: int, servers: int, shm: bool = False) -> None:
         """Plain sockets sending our frames with our SGD (bench.frames), once per run: what the PS's traffic
         pattern costs with nothing of ours, for the CPU bounds; ``shm``: the arrays through shared memory, what a
-        same-host lane would cost (not built in the runtime; its own row, never read as TCP)."""
+        same-host lane costs at least (its own row, never read as TCP)."""
         from . import frames
 
         c = self.cfg
