@@ -1,10 +1,13 @@
 """The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node trains through a lane, one memfd mapped by both processes, with results bit for
-bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async); a trainer killed with -9 leaves
-no mapping in the pserver. Refused, with the reason, and the connection left on TCP: an offer under another key,
-a nonce nobody offered, another user at either end (a squatter of the socket name: said once in the trainer's
-log), a pserver with no lane socket on this node (another host or network namespace).
+A trainer on the pserver's node trains through a lane, one memfd per registration mapped by it and every
+pserver on the node, with results bit for bit those of TCP (sync SGD folded by segment, sync Adam summed whole,
+async; 2 pservers x 2 dense ports); the arrays pull returns are the lane's value area and change only with a
+pull; parameters registered later stay on TCP; a trainer killed with -9 leaves no mapping in the pserver; a
+pserver killed with -9 in a supervised job comes back with new lanes and exact results. Refused, with the reason,
+and the connection left on TCP: an offer under another key, a nonce nobody offered, an offer claimed after its
+time, another user at either end (a squatter of the socket name: said once in the trainer's log), a pserver with
+no lane socket on this node (another host or network namespace), a value area past the pserver's budget.
 """
 
 from __future__ import annotations
