@@ -127,6 +127,8 @@ class Suite:
                      f"dense2{tag}" if mode == "sync" else "")
             if mode == "sync" and integrity:
                 self._memory("2 trainers sync", res)
+        for trainers, integrity in ((1, False), (1, True), (2, False)):
+            self._lane(trainers, integrity, mac)
         sweep = []
         for n in (1, 2):
             self._sgd(n)
@@ -147,6 +149,22 @@ class Suite:
             self.add(Row("dense", f"barrier round trip, {c['tiny']} B model, {trainers} trainer(s)",
                          1e3 * st.median, "ms p50", None, note=f"p99 {1e3 * st.pct(99):.3f} ms",
                          check=dense.check(res), extra={"p50": st.median, "p99": st.pct(99), "max": st.hi}))
+
+    def _lane(self, trainers: int, integrity: bool, mac: str) -> None:
+        """Sync push+pull through same-host lanes (docs/architecture.md), against the TCP row of the same run."""
+        from . import dense
+
+        c = self.cfg
+        size = c["size"]
+        res = dense.run(size, trainers, warmup=c["warmup"], reps=c["reps"], integrity=integrity, lane=True)
+        st = dense.step_stats(res, "pushpull")
+        moved = 2 * trainers * size
+        tcp = self.m[f"dense{trainers}_{'pushpull' if trainers == 1 else 'sync'}{'' if integrity else '_off'}"]
+        label = f"integrity on ({mac})" if integrity else "integrity off"
+        self.add(Row("dense", f"{trainers} trainer(s) sync push+pull, same-host lane, {label}", gbs(moved / st.median),
+                     "GB/s", st.spread(), check=dense.check(res), extra=st.to_dict(),
+                     note=f"step {1e3 * st.median:.1f} ms, {moved / st.median / tcp:.2f}x TCP"),
+                 dense.cpu_stats(res, "pushpull"))
 
     def _sgd(self, trainers: int) -> None:
         """The pserver's SGD path alone for ``trainers`` sync trainers (bench.cpu.sgd_alone), and for 1 and 2 the
@@ -169,7 +187,7 @@ class Suite:
     def _frames(self, trainers: int, servers: int, shm: bool = False) -> None:
         """Plain sockets sending our frames with our SGD (bench.frames), once per run: what the PS's traffic
         pattern costs with nothing of ours, for the CPU bounds; ``shm``: the arrays through shared memory, what a
-        same-host lane would cost (not built in the runtime; its own row, never read as TCP)."""
+        same-host lane costs at least (its own row, never read as TCP)."""
         from . import frames
 
         c = self.cfg

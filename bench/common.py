@@ -104,14 +104,16 @@ def free_port_range(n: int) -> int:
 
 
 def make_env(hosts: Sequence[str], trainers: int, job_dir: str, *, ports_num: int = 1, sparse_ports: int = 1,
-             barrier_timeout: float = 60.0, base_port: Optional[int] = None, integrity: bool = True) -> JobEnv:
+             barrier_timeout: float = 60.0, base_port: Optional[int] = None, integrity: bool = True,
+             lane: bool = False) -> JobEnv:
+    """``lane``: dense data through a same-host lane; off by default, so every other row measures TCP."""
     per = ports_num + sparse_ports
     if base_port is None:
         base_port = free_port_range(per * len(hosts)) if all(h == "127.0.0.1" for h in hosts) else 7164
     eps = tuple(Endpoint(h, base_port + k * per) for k, h in enumerate(hosts))
     return JobEnv(job_id="bench", pservers=eps, trainers=trainers, ports_num=ports_num,
                   ports_num_for_sparse=sparse_ports, secret=SECRET, job_dir=job_dir, workspace=job_dir,
-                  barrier_timeout=barrier_timeout, integrity=integrity)
+                  barrier_timeout=barrier_timeout, integrity=integrity, lane=lane)
 
 
 def proc_environ(env: JobEnv, role: str, index: int, ip: str) -> Dict[str, str]:

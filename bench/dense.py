@@ -94,19 +94,20 @@ def holds(size: int, trainers: int, mode: str = "sync", max_block: int = 4 * MB,
 def run(size: int, trainers: int = 1, mode: str = "sync", max_block: int = 4 * MB, warmup: int = 2, reps: int = 5,
         phases: Sequence[str] = ("pushpull",), n_pservers: int = 2, hosts: Optional[List[str]] = None,
         prefix_ps=None, prefix_tr=None, trainer_ip: Any = "127.0.0.1", workdir: Optional[str] = None,
-        integrity: bool = True, stdlib_mac: bool = False) -> Dict[str, Any]:
+        integrity: bool = True, stdlib_mac: bool = False, lane: bool = False) -> Dict[str, Any]:
     """Start ``n_pservers`` pservers and ``trainers`` trainers, run the worker, return its timings.
 
     ``prefix_ps(k)`` / ``prefix_tr(i)``: command prefixes (e.g. entering a namespace) per process; ``trainer_ip``:
     the trainers' address, or ``trainer_ip(i)`` for each.
     ``integrity``: frames carry MACs (the default) or not (``INTEGRITY = False``); ``stdlib_mac``: the trainers
-    offer only HMAC-SHA256, as on a node with neither OpenSSL 3 nor the ``cryptography`` package.
+    offer only HMAC-SHA256, as on a node with neither OpenSSL 3 nor the ``cryptography`` package; ``lane``: dense
+    data through same-host lanes (docs/architecture.md) instead of TCP.
     Also returns every pserver's memory (idle before registration, and at the end) and what the design says
     it holds (``holds``).
     """
     hosts = hosts or ["127.0.0.1"] * n_pservers
     tmp = workdir or tempfile.mkdtemp(prefix="bench-dense-")
-    env = make_env(hosts, trainers, tmp, integrity=integrity)
+    env = make_env(hosts, trainers, tmp, integrity=integrity, lane=lane)
     procs = Procs(os.path.join(tmp, "logs"))
     try:
         ps = [procs.pserver(env, k, prefix_ps(k) if prefix_ps else ()) for k in range(len(hosts))]

@@ -4,7 +4,8 @@ Two pservers and ``--trainers`` trainers as separate processes, a ``--mb`` MB mo
 prints, for a step as ``push`` then ``pull`` and as one ``push_pull`` (``ROUNDS`` alternating rounds of
 ``--steps`` each), the median step (and its push and pull) and each process's CPU time per step (user,
 system) and how often its threads were put on a core (wake-ups), so a step can be read as CPU work vs waiting.
-``--off``: integrity off. ``--perf FILE``: also record the processes with ``perf record -g`` for
+``--off``: integrity off. ``--lane``: dense data through same-host lanes (docs/architecture.md).
+``--perf FILE``: also record the processes with ``perf record -g`` for
 ``perf report -i FILE --no-children --sort dso,sym``.
 """
 
@@ -59,9 +60,9 @@ def cpu(pid: int) -> Tuple[float, float, int]:
     return (*proc_times(pid), schedstat(pid)[2])
 
 
-def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[str] = None) -> str:
+def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[str] = None, lane: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix="bench-profile-")
-    env = make_env(["127.0.0.1"] * 2, trainers, tmp, integrity=integrity)
+    env = make_env(["127.0.0.1"] * 2, trainers, tmp, integrity=integrity, lane=lane)
     procs = Procs(os.path.join(tmp, "logs"))
     try:
         ps = [procs.pserver(env, k) for k in range(2)]
@@ -78,7 +79,8 @@ def run(size: int, trainers: int, integrity: bool, steps: int, perf: Optional[st
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.5)
         names = ["pserver0", "pserver1"] + [f"trainer{i}" for i in range(trainers)]
-        lines = [f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB"]
+        lines = [f"integrity {'on' if integrity else 'off'}, {trainers} trainer(s), {size // MB} MB, "
+                 + ("same-host lanes" if lane else "TCP")]
         times = {ph: {"push": [], "pull": [], "step": []} for ph, _ in PHASES}
         used = {ph: [(0.0, 0.0, 0)] * len(pids) for ph, _ in PHASES}
         for _ in range(ROUNDS):
@@ -122,8 +124,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--perf", help="also write a perf record here")
+    ap.add_argument("--lane", action="store_true", help="dense data through same-host lanes")
     a = ap.parse_args(argv)
-    print(run(a.mb * MB, a.trainers, not a.off, a.steps, a.perf), flush=True)
+    print(run(a.mb * MB, a.trainers, not a.off, a.steps, a.perf, a.lane), flush=True)
     return 0
 
 

@@ -56,7 +56,8 @@ def _bound(m: Dict[str, Any], peer: str, ours: str, bytes_moved: int, sgd: str, 
                  f"({pattern / eff:.2f}x the least; ours {1 / pattern:.2f}x them)")
     lane = cpu.get(frames.replace("frames", "shm")) if frames else None
     if lane is not None and lane.per_step > 0:
-        work += f"; the same pattern through shared memory (a same-host lane, not built) {1e3 * lane.per_step:.0f} ms"
+        work += (f"; the same pattern through shared memory (what a same-host lane costs at least) "
+                 f"{1e3 * lane.per_step:.0f} ms")
     by_cpu = cpu[ours].per_step / other if lower else other / cpu[ours].per_step
     work += f"; by CPU (both sides on equal cores) the ratio is {by_cpu:.2f}"
     if eff > 1 / FAR:  # less than the least: the rows' CPU per byte differed (other load, caches), not ours

@@ -111,6 +111,8 @@ class JobEnv:
     trainer_key: str = field(default="", repr=False)
     # Frames carry MACs (``INTEGRITY`` in the config; off only on an isolated fabric).
     integrity: bool = True
+    # Dense data to a pserver on the trainer's node through shared memory (docs/architecture.md); off: TCP.
+    lane: bool = True
     job_dir: str = ""
     workspace: str = ""
     barrier_timeout: float = 120.0
@@ -228,6 +230,8 @@ class JobEnv:
             env[TRAINER_KEY_VAR] = self.trainer_key
         if not self.integrity:
             env["PADDLE_INTEGRITY"] = "0"
+        if not self.lane:
+            env["PADDLE_LANE"] = "0"
         if self.resume:
             env["PADDLE_RESUME"] = self.resume
         if self.checkpoint_dir:
@@ -320,6 +324,7 @@ class JobEnv:
             secret=env.get(SECRET_VAR, ""),
             trainer_key=env.get(TRAINER_KEY_VAR, ""),
             integrity=_bool(env, "PADDLE_INTEGRITY", True),
+            lane=_bool(env, "PADDLE_LANE", True),
             job_dir=env.get("PADDLE_JOB_DIR", ""),
             workspace=env.get("PADDLE_WORKSPACE", ""),
             barrier_timeout=_float(env, "PADDLE_BARRIER_TIMEOUT", 120.0),

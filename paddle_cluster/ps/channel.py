@@ -14,9 +14,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..contract import JobEnv
 from .errors import AuthError, ConnectionLost, PSError, from_wire
 from .wire import auth
+from .wire import lane as L
 from .wire import protocol as P
 from .wire.stream import Stream
 
@@ -40,6 +43,7 @@ class Channel:
             self.sock.close()
             raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
         self.io_timeout = io_timeout
+        self._lane_of = (env.job_id, key, pserver, trainer, env.all_ports(pserver)[0])
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
@@ -121,6 +125,19 @@ class Channel:
         header, payload = json_request(op, body, key=key, step=step)
         self.send(header, *payload)
         return self.reply_json()
+
+    def open_lane(self, lane: L.Lane, layout: Sequence[Tuple[int, int]]) -> Optional[str]:
+        """Offer ``lane`` (the trainer's, ``lane.create``) to this connection's pserver with the (block key, offset)
+        of each of its blocks in it (docs/architecture.md): None once the pserver took it, else why the connection
+        stays on TCP. Run it on the channel (``submit``)."""
+        try:
+            nonce = L.offer(lane, *self._lane_of)
+        except L.LaneRefused as e:
+            return str(e)
+        pairs = np.array(layout, "<i8").reshape(-1, 2)
+        self.send(P.pack_header(P.Op.LANE, length=len(nonce) + pairs.nbytes), nonce + pairs.tobytes())
+        body = self.reply_json() or {}
+        return None if body.get("lane") else str(body.get("reason") or "refused")
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

@@ -133,7 +133,7 @@ class PSClient:
                 + " (a checkpoint is incomplete on some pserver; resume all from the same step)")
         self.step: int = next(iter(steps.values()))
         self.resumed_from = [r.get("resumed_from") for r in replies]
-        self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes)
+        self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes, env.lane)
         self._sparse = SparseTables(self._sparse_ch, self._ctl)
         # A launched trainer (a job directory, not the in-process pserver of an unlaunched script) tells ``top``
         # its step and traffic.
@@ -382,6 +382,8 @@ class PSClient:
             log.warning("trainer %d: an outstanding push failed while closing: %s", self.trainer_id, e)
         finally:
             self._closed = True
+            if hasattr(self, "_dense"):
+                self._dense.close()
             futures = []
             for k in range(self.n_pservers):
                 ch = self._ctl(k)

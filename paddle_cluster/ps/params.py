@@ -5,6 +5,7 @@ defining, pulling and pushing them. ``PSClient`` drives both with its step and i
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
@@ -14,14 +15,25 @@ import numpy as np
 from .channel import Channel, Frame, exchange, expect_ok, fan_out, gather, json_request, pipeline
 from .errors import ConnectionLost
 from .placement import Block, place_dense, shard_of, sparse_conn
+from .wire import lane as L
 from .wire import protocol as P
+
+log = logging.getLogger("paddle_cluster.ps")
+LANE_ALIGN = 64  # a parameter's place in a lane: cache-line aligned
 
 
 class DenseParams:
     """Dense parameters: their blocks, this trainer's receive buffers, and the block versions it last pulled."""
 
-    def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int) -> None:
+    def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int,
+                 lanes: bool = False) -> None:
         self.channels = channels  # [pserver][dense port]
+        self.lanes = lanes  # try a same-host lane on each channel at its first blocks' registration
+        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in a lane
+        self._lanes: List[L.Lane] = []  # the memfds this trainer made, one per registration that got a lane
+        self._in_lane: Set[str] = set()  # parameters whose receive buffer is their place in a lane's value area
+        self._lane_tried: Set[Channel] = set()
+        self._lane_said = False
         self.conns_per_pserver = conns_per_pserver
         self.max_block_bytes = max_block_bytes
         self.values: Dict[str, np.ndarray] = {}
@@ -70,10 +82,76 @@ class DenseParams:
 
         gather([ch.submit(define, bl) for ch, bl in self._by_channel(placement.blocks).items()])
         by_name = placement.by_name()
-        for name, a in arrays.items():
-            self.values[name] = np.empty(a.shape, dtype=a.dtype)
+        for name in arrays:
             self.blocks[name] = by_name[name]
+        in_lane = self._open_lanes(arrays) if self.lanes else {}
+        for name, a in arrays.items():
+            self.values[name] = in_lane[name] if name in in_lane else np.empty(a.shape, dtype=a.dtype)
+        self._in_lane.update(in_lane)
         return list(arrays)
+
+    def _open_lanes(self, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """One memfd for the blocks of ``arrays`` on channels not tried yet (later ones travel over TCP), offered
+        to each of those channels' pservers; where one cannot be had, the first reason is logged once. Returns
+        the parameters whose every block got in: their receive buffers, views of the value area.
+
+        A parameter's blocks lie one after another in it, as in the array, so such a view is the whole
+        parameter. A view is the caller's array as the TCP receive buffer is (``PSClient.pull``: overwritten by
+        the next pull): the pserver writes a block's place only while it answers this trainer's pull of that
+        block, before the reply's header, and never reads it."""
+        todo = {ch: bl for ch, bl in self._by_channel([b for n in arrays for b in self.blocks[n]]).items()
+                if ch not in self._lane_tried}
+        laned = {b.key for bl in todo.values() for b in bl}
+        at, off = {}, 0  # parameter -> its place; then block key -> its place
+        for name, a in arrays.items():
+            if any(b.key in laned for b in self.blocks[name]):
+                at[name] = off
+                off += -(-a.nbytes // LANE_ALIGN) * LANE_ALIGN
+        if not off:  # nothing to share (empty parameters): the channels wait for a registration with bytes
+            return {}
+        self._lane_tried.update(todo)
+        place = {b.key: at[b.name] + b.lo * (b.nbytes // max(1, b.hi - b.lo))
+                 for bl in todo.values() for b in bl}
+        try:
+            lane = L.create(2 * off)
+        except L.LaneRefused as e:
+            self._say_tcp("this node", str(e))
+            return {}
+        try:
+            why = gather([ch.submit(Channel.open_lane, lane, [(b.key, place[b.key]) for b in bl])
+                          for ch, bl in todo.items()])
+        except BaseException:
+            lane.close()
+            raise
+        lane.offered()
+        took = [ch for ch, no in zip(todo, why) if no is None]
+        for ch, no in zip(todo, why):
+            if no is not None:
+                self._say_tcp(ch.where, no)
+        if not took:
+            lane.close()
+            return {}
+        self._lanes.append(lane)
+        for ch in took:
+            for b in todo[ch]:
+                n, dt = b.nbytes // np.dtype(b.dtype).itemsize, np.dtype(b.dtype)
+                self.lane_at[b.key] = (np.frombuffer(lane.mem, dt, n, place[b.key]),
+                                       np.frombuffer(lane.mem, dt, n, off + place[b.key]))
+        return {name: np.frombuffer(lane.mem, a.dtype, a.size, off + at[name]).reshape(a.shape)
+                for name, a in arrays.items() if all(b.key in self.lane_at for b in self.blocks[name])}
+
+    def _say_tcp(self, where: str, why: str) -> None:
+        if not self._lane_said:
+            log.info("dense data to %s over TCP, not a same-host lane: %s", where, why)
+            self._lane_said = True
+
+    def close(self) -> None:
+        """Unmap the lanes; a receive buffer the caller still holds keeps its mapping (and its values) alive."""
+        self.lane_at.clear()
+        self.values.clear()
+        for lane in self._lanes:
+            lane.close()
+        self._lanes.clear()
 
     def pull(self, names: Sequence[str], step: int) -> Dict[str, np.ndarray]:
         unknown = [n for n in names if n not in self.values]
@@ -83,7 +161,7 @@ class DenseParams:
         def fetch(ch: Channel, blocks: List[Block]) -> None:
             pipeline(ch, [self._pull_frame(b, step) for b in blocks], [self._into(b) for b in blocks])
 
-        blocks = [b for n in names for b in self.blocks[n]]
+        blocks = [b for n in dict.fromkeys(names) for b in self.blocks[n]]  # a block once: one reply per place
         gather(fan_out([(ch, fetch, (bl,)) for ch, bl in self._by_channel(blocks).items()]))
         return {n: self.values[n] for n in names}
 
@@ -93,7 +171,7 @@ class DenseParams:
         send = self.gradients(grads)
 
         def push_blocks(ch: Channel, blocks: List[Block]) -> None:
-            pipeline(ch, [self._push_frame(b, send, step) for b in blocks], [expect_ok] * len(blocks))
+            pipeline(ch, [self._push_frame(ch, b, send, step) for b in blocks], [expect_ok] * len(blocks))
 
         return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
 
@@ -105,7 +183,7 @@ class DenseParams:
         def blocks_both_ways(ch: Channel, blocks: List[Block]) -> None:
             frames, replies = [], []
             for b in blocks:
-                frames += [self._push_frame(b, send, step), self._pull_frame(b, step + 1)]
+                frames += [self._push_frame(ch, b, send, step), self._pull_frame(b, step + 1)]
                 replies += [expect_ok, self._into(b)]
             exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
 
@@ -131,20 +209,34 @@ class DenseParams:
     def _blocks_of(self, send: Mapping[str, np.ndarray]) -> List[Block]:
         return [b for n in sorted(send) for b in self.blocks[n]]
 
-    def _push_frame(self, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+    def _push_frame(self, ch: Channel, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+        """A push's frame; a block in a lane is copied there now (on the channel's thread: every earlier push on
+        the channel is answered, so the pserver no longer reads the place) and its frame is a header."""
+        at = self.lane_at.get(b.key)
+        if at is not None:
+            np.copyto(at[0], send[b.name][b.lo:b.hi].reshape(-1))
+            ch.stream.tally[0] += b.nbytes  # what ``top`` shows as sent: the lane's bytes too
+            return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG, key=b.key, step=step,
+                                  aux=self.versions.get(b.key, 0)), ())
         return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
                               aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
 
-    @staticmethod
-    def _pull_frame(b: Block, step: int) -> Frame:
-        return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), key=b.key, step=step), ()
+    def _pull_frame(self, b: Block, step: int) -> Frame:
+        flag = P.LANE_FLAG if b.key in self.lane_at else 0
+        return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), flag, key=b.key, step=step), ()
 
     def _into(self, b: Block) -> Callable[[Channel, P.Header], None]:
         """Reads a pull's reply into ``b``'s place in the receive buffers."""
         def cb(ch: Channel, h: P.Header) -> None:
-            if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+            lane = h.status & P.LANE_FLAG and b.key in self.lane_at
+            if h.op != P.Op.DATA or h.key != b.key or h.length != (0 if lane else b.nbytes):
                 raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
-            ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
+            if lane:  # the pserver copied the values into the lane before it sent the header
+                if b.name not in self._in_lane:  # else they are in the receive buffer already
+                    np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
+                ch.stream.tally[1] += b.nbytes
+            else:
+                ch.stream.recv_into(self.values[b.name][b.lo:b.hi])
             self.versions[b.key] = h.step
         return cb
 

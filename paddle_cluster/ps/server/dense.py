@@ -214,13 +214,15 @@ class DenseBlock(Shard):
             self.initialized, self.initializing = True, False
             self.wake()
 
-    def pull(self, conn: Conn, h: P.Header) -> None:
+    def pull(self, conn: Conn, h: P.Header, into: Optional[np.ndarray] = None) -> None:
         """Reply with the value for ``h.step``. In sync mode one not applied yet is waited for here: the
         trainer's requests behind it (its next gradients) wait in the socket's buffer, where the kernel keeps
         taking them in; a writer thread to read them meanwhile cost more CPU than it saved
         (docs/benchmarks.md). Where the step is folded segment by segment, the reply is sent segment by segment
         as they are applied, so a block's values flow back while its later segments' gradients still arrive
-        (the same frame: only when its bytes are written changes)."""
+        (the same frame: only when its bytes are written changes). ``into``: the block's place in the connection's
+        same-host lane, where the values are copied (segment by segment likewise) before a header without payload
+        says they are there."""
         sync = self.sync
         with self.cv:
             streams = self.folds() and self.initialized and not self.error and self.step.n < h.step
@@ -230,37 +232,53 @@ class DenseBlock(Shard):
         # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
         # pushes again (after it has read this reply), and a stalled reader must never block the other
         # trainers. Async pulls may see a concurrent update.
+        if into is not None:
+            self._pull_into(into, step, (lambda end: self.wait_segment(step, end, lambda: conn.gone)) if streams
+                            else None)
+            conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), P.LANE_FLAG, key=h.key, step=step))
+            return
         conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), key=h.key, step=step,
                                        length=self.nbytes),
                          self.param, volatile=sync.mode != "sync",
                          ready=(lambda end: self.wait_segment(step, end, lambda: conn.gone)) if streams else None)
 
-    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None) -> bool:
+    def _pull_into(self, into: np.ndarray, step: int, ready: Optional[Callable[[int], None]]) -> None:
+        """Copy the values into a lane (``pull``), a segment at a time once ``ready`` says it is applied."""
+        src, dst = self.param.reshape(-1).view(np.uint8), into.view(np.uint8)
+        for lo in range(0, self.nbytes, SEGMENT):
+            hi = min(lo + SEGMENT, self.nbytes)
+            if ready is not None:
+                ready(hi)
+            np.copyto(dst[lo:hi], src[lo:hi])
+
+    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None, src: Any = None) -> bool:
         """Receive trainer ``conn.trainer``'s gradient for step ``h.step`` and fold it in; False when async mode
         dropped it as staler than ``staleness`` (``h.aux``: the block version it was computed on). A repeat of
         a push already counted is read and dropped.
 
         Sync SGD folds the push segment by segment as it arrives (``push_segments``); another sync optimizer
         receives it whole and adds it to the block's sum (``_push_sum``); async mode applies it as it lands.
-        Received whole, a frame cut short changes nothing."""
+        Received whole, a frame cut short changes nothing. ``src``: where the payload is read from (the connection's
+        stream, or its same-host lane's ``lane.Payload``)."""
+        src = conn.stream if src is None else src
         t, at = conn.trainer, self.step
         with self.cv:
             new = at.begin(t, h.step)
         if not new:
-            conn.stream.discard()
+            src.discard()
             return True
         check = self._checker(t, h.step)
         try:
             if self.folds():
-                self.push_segments(t, h.step, conn.stream.chunks, check)
+                self.push_segments(t, h.step, src.chunks, check)
                 with self.cv:
                     if at.n == h.step:
                         at.pending[t] = True
             elif self.sync.mode == "sync":
-                self._push_sum(conn, t, h.step, check)
+                self._push_sum(conn, src, t, h.step, check)
             else:
                 g = conn.buffer(self.shape, self.dtype)
-                conn.stream.recv_into(g)
+                src.recv_into(g)
                 if check is not None:
                     check(g)  # before it is applied: refused, it changes nothing
                 with self.cv:
@@ -473,7 +491,7 @@ class DenseBlock(Shard):
 
     # -- a whole block's sum (an optimizer other than SGD) ---------------------------------------------------
 
-    def _push_sum(self, conn: Conn, t: int, step: int, check: Optional[Callable[[np.ndarray], None]]) -> None:
+    def _push_sum(self, conn: Conn, src: Any, t: int, step: int, check: Optional[Callable[[np.ndarray], None]]) -> None:
         """Receive trainer ``t``'s whole gradient and add it to the block's sum in trainer order. One of the
         first two trainers finding the sum empty receives straight into it (no copy); the others into their
         connection's buffer. ``check`` sees it before it is added to anything."""
@@ -483,7 +501,7 @@ class DenseBlock(Shard):
             self.acc_busy = self.acc_busy or direct
         try:
             g = self.acc if direct else conn.buffer(self.shape, self.dtype)
-            conn.stream.recv_into(g)
+            src.recv_into(g)
             if check is not None:
                 check(g)
             with self.cv:

@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Callable, Dict, Optional
 
+import numpy as np
+
 from .. import checkpoint as ckpt
 from ..errors import (
     AuthError,
@@ -28,6 +30,7 @@ from ..errors import (
     UnknownKey,
 )
 from ..wire import protocol as P
+from ..wire.lane import NONCE_SIZE, LaneRefused, Payload
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .net import Conn
@@ -65,17 +68,37 @@ def init_dense(st: State, conn: Conn, h: P.Header) -> None:
     conn.reply_ok(key=h.key, step=b.step.n)
 
 
+def _in_lane(conn: Conn, h: P.Header) -> Optional[tuple]:
+    """A dense request's (gradient, values) place in the connection's lane, if its header says it is there."""
+    if not h.status & P.LANE_FLAG:
+        return None
+    at = conn.lane_at.get(h.key)
+    if at is None:
+        raise ProtocolError(f"block {h.key} is not in this connection's lane")
+    return at
+
+
 def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
-    s = _block(st, h, payload=True) if h.op == P.Op.PUSH_DENSE else _table(st, h)
-    if not s.push(conn, h, st.staleness):
+    at = _in_lane(conn, h) if h.op == P.Op.PUSH_DENSE else None
+    s = _block(st, h, payload=at is None) if h.op == P.Op.PUSH_DENSE else _table(st, h)
+    if at is not None:
+        conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
+    if not s.push(conn, h, st.staleness, *([] if at is None else [Payload(at[0])])):
         st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=s.step.n)
 
 
 def pull(st: State, conn: Conn, h: P.Header) -> None:
     """PULL_DENSE and PULL_SPARSE: the shard replies once its step is there."""
-    (_block(st, h, payload=False) if h.op == P.Op.PULL_DENSE else _table(st, h)).pull(conn, h)
+    if h.op == P.Op.PULL_DENSE:
+        at = _in_lane(conn, h)
+        b = _block(st, h, payload=False)
+        if at is not None:
+            conn.stream.tally[0] += b.nbytes
+        b.pull(conn, h, None if at is None else at[1])
+    else:
+        _table(st, h).pull(conn, h)
 
 
 def rows_sparse(st: State, conn: Conn, h: P.Header) -> None:
@@ -168,6 +191,50 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
     conn.reply_ok({"path": d, "step": step})
 
 
+def lane(st: State, conn: Conn, h: P.Header) -> None:
+    """Bind the same-host lane this trainer offered under the frame's nonce to this connection, with the place of
+    each of its blocks (docs/architecture.md); a refusal is an answer, not an error: the trainer stays on TCP."""
+    if not NONCE_SIZE <= h.length <= P.MAX_JSON_BYTES or (h.length - NONCE_SIZE) % 16:
+        raise ProtocolError(f"LANE of {h.length} bytes: a nonce and (key, offset) pairs expected")
+    body = bytearray(h.length)
+    conn.stream.recv_into(body)
+    if conn.lane is not None:
+        raise ProtocolError(f"trainer {conn.trainer}: this connection has its lane already")
+    nonce, layout = bytes(body[:NONCE_SIZE]), np.frombuffer(body, "<i8", offset=NONCE_SIZE).reshape(-1, 2)
+    try:
+        if st.lanes is None:
+            raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
+        conn.lane = lane = st.lanes.claim(conn.trainer, nonce)
+        half, places = lane.size // 2, {}
+        for key, off in layout.tolist():
+            b = st.blocks.get(key)
+            if b is None or off % b.dtype.itemsize or not 0 <= off <= half - b.nbytes:
+                raise LaneRefused(f"block {key} at offset {off} does not fit a lane of {lane.size} bytes")
+            places[key] = (b, off)
+        # What this pserver writes (its blocks' places in the value area) is its memory; the trainer's gradient
+        # area and the other pservers' places in the same memfd are not.
+        writes = sum(b.nbytes for b, _ in places.values())
+        try:
+            st.budget.charge(writes, f"the value area of trainer {conn.trainer}'s same-host lane")
+        except LimitExceeded as e:
+            raise LaneRefused(str(e)) from None
+        conn.lane_charged = writes
+        for key, (b, off) in places.items():
+            n = b.nbytes // b.dtype.itemsize
+            conn.lane_at[key] = (np.frombuffer(lane.mem, b.dtype, n, off),
+                                 np.frombuffer(lane.mem, b.dtype, n, half + off))
+    except LaneRefused as e:
+        conn.lane_at.clear()
+        st.budget.release(conn.lane_charged)
+        conn.lane_charged = 0
+        if conn.lane is not None:
+            conn.lane.close()
+            conn.lane = None
+        conn.reply_ok({"lane": False, "reason": str(e)})
+        return
+    conn.reply_ok({"lane": True})
+
+
 OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.DECLARE: declare,
     P.Op.DEF_DENSE: def_dense,
@@ -182,6 +249,7 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.SAVE: save,
     P.Op.CLOSE: close,
     P.Op.STATUS: status,
+    P.Op.LANE: lane,
 }
 
 

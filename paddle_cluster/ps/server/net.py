@@ -25,6 +25,7 @@ from ...contract import DEFAULT_MAX_CONNECTIONS, JobEnv
 from ..errors import AuthError, ConnectionLost, LimitExceeded, ProtocolError, PSError
 from ..wire import auth
 from ..wire import protocol as P
+from ..wire.lane import Lane
 from ..wire.stream import Scratch, Stalled, Stream
 from .budget import CONN_OVERHEAD, Budget
 
@@ -77,6 +78,9 @@ class Conn:
         self.trainer = -1
         self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
+        self.lane: Optional[Lane] = None  # the same-host lane this connection claimed (``LANE``)
+        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in it
+        self.lane_charged = 0  # bytes of the lane charged to the budget (its value area)
 
     @property
     def gone(self) -> bool:
@@ -335,8 +339,11 @@ class Listener:
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
             if self.budget is not None:
-                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
+                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held + conn.lane_charged)
             self._forget(sock, pending)
+            if conn.lane is not None:
+                conn.lane_at.clear()  # its views first: a mapping with views cannot be closed
+                conn.lane.close()
             try:
                 sock.close()
             except OSError:

@@ -16,6 +16,7 @@ from .. import checkpoint as ckpt
 from ..counters import FiguresWriter
 from ..errors import CheckpointError, LimitExceeded
 from ..wire import protocol as P
+from ..wire.lane import Desk
 from . import handlers
 from .budget import Budget, default_limit, human
 from .dense import DenseShared
@@ -95,6 +96,13 @@ class PServer:
     def start(self) -> PServer:
         """Bind every port (all or nothing) and start accepting."""
         self.net.start()
+        desk = Desk(self.env.job_id, self.pserver_id, self.ports[0], self.env.key_of, self.env.trainers)
+        try:
+            desk.start()
+            self.state.lanes = desk
+        except OSError as e:  # the trainers on this node stay on TCP
+            log.warning("pserver %d: no same-host lanes: cannot listen on the lane socket: %s", self.pserver_id,
+                        e.strerror or e)
         return self
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -107,6 +115,8 @@ class PServer:
         with self.sync.lock:
             self.sync.lock.notify_all()
         self.net.stop()
+        if self.state.lanes is not None:
+            self.state.lanes.stop()
         for shard in self.state.shards():
             with shard.cv:
                 shard.wake()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .. import checkpoint as ckpt
+from ..wire.lane import Desk
 from .budget import Budget
 from .dense import DenseBlock, DenseShared
 from .shard import Shard
@@ -39,6 +40,7 @@ class State:
     blocks: Dict[int, DenseBlock] = field(default_factory=dict)
     tables: Dict[int, TableShard] = field(default_factory=dict)
     waiting: Dict[int, int] = field(default_factory=dict)  # trainer -> its definitions waiting for trainer 0's
+    lanes: Optional[Desk] = None  # where same-host lanes are offered (None: this pserver takes none)
 
     def shards(self) -> List[Shard]:
         """Every dense block, then every table shard."""

@@ -35,6 +35,7 @@ HEADER_SIZE = HEADER.size  # 40
 MAX_JSON_BYTES = 1 << 20
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 NO_TRAINER = -1
+LANE_FLAG = 1  # status of PUSH_DENSE, PULL_DENSE and its DATA reply: the array is in the connection's lane
 
 
 class Op(enum.IntEnum):
@@ -54,6 +55,7 @@ class Op(enum.IntEnum):
     SAVE = 31  # JSON: write this pserver's shard of a checkpoint
     CLOSE = 32  # this trainer is done
     STATUS = 33  # -> JSON: steps, active trainers, table sizes
+    LANE = 34  # raw: a lane's nonce, then int64 (block key, offset) pairs (``lane``) -> JSON {lane, reason}
     OK = 40  # reply, optional JSON payload
     DATA = 41  # reply, raw payload
     ERROR = 42  # reply, JSON {"message": ...}; status = errors.PSError.code
