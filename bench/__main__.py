@@ -158,13 +158,14 @@ class Suite:
         size = c["size"]
         res = dense.run(size, trainers, warmup=c["warmup"], reps=c["reps"], integrity=integrity, lane=True)
         st = dense.step_stats(res, "pushpull")
-        moved = 2 * trainers * size
-        tcp = self.m[f"dense{trainers}_{'pushpull' if trainers == 1 else 'sync'}{'' if integrity else '_off'}"]
+        moved, tag = 2 * trainers * size, "" if integrity else "_off"
+        tcp = self.m[f"dense{trainers}_{'pushpull' if trainers == 1 else 'sync'}{tag}"]
+        self.m[f"lane{trainers}{tag}"], self.m[f"lane{trainers}_step{tag}"] = moved / st.median, st.median
         label = f"integrity on ({mac})" if integrity else "integrity off"
         self.add(Row("dense", f"{trainers} trainer(s) sync push+pull, same-host lane, {label}", gbs(moved / st.median),
                      "GB/s", st.spread(), check=dense.check(res), extra=st.to_dict(),
                      note=f"step {1e3 * st.median:.1f} ms, {moved / st.median / tcp:.2f}x TCP"),
-                 dense.cpu_stats(res, "pushpull"))
+                 dense.cpu_stats(res, "pushpull"), f"lane{trainers}{tag}")
 
     def _sgd(self, trainers: int) -> None:
         """The pserver's SGD path alone for ``trainers`` sync trainers (bench.cpu.sgd_alone), and for 1 and 2 the

@@ -111,6 +111,14 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
       lambda v: v >= 0.90, bound=_bound(m, "raw2", "dense1_off", 2 * s, "sgd1", False, "frames1_2"))
     t("2-trainer sync aggregate / raw TCP 2 streams (integrity off)", ratio("dense2_sync_off", "raw2"),
       ">= 0.85", lambda v: v >= 0.85, bound=_bound(m, "raw2", "dense2_off", 4 * s, "sgd2", False, "frames2_2"))
+    # Trainers and pservers on one node talk through the same-host lane by default (docs/architecture.md): the
+    # same goals for that path, beside the TCP path above that nodes apart take.
+    t("dense push+pull, same-host lane / raw TCP 2 streams (integrity off)", ratio("lane1_off", "raw2"), ">= 0.90",
+      lambda v: v >= 0.90)
+    t("2-trainer sync aggregate, same-host lane / raw TCP 2 streams (integrity off)", ratio("lane2_off", "raw2"),
+      ">= 0.85", lambda v: v >= 0.85)
+    t("integrity on / off: dense push+pull, same-host lane", ratio("lane1", "lane1_off"), ">= 0.70",
+      lambda v: v >= 0.70)
     t("integrity on / off: dense push+pull", ratio("dense1_pushpull", "dense1_pushpull_off"), ">= 0.70",
       lambda v: v >= 0.70)
     t("integrity on / off: 2-trainer sync", ratio("dense2_sync", "dense2_sync_off"), ">= 0.70",
@@ -121,6 +129,8 @@ def targets(m: Dict[str, Any], skipped: Dict[str, str], cfg: Dict[str, Any]) -> 
       skipped.get("zmq", ""), _bound(m, "zmq", "dense1_off", 2 * s, "sgd1", False, "frames1_2"))
     t("2-trainer sync step / gloo all-reduce time", ratio("dense2_sync_step_off", "gloo"), "<= 1.2",
       lambda v: v <= 1.2, skipped.get("gloo", ""), _bound(m, "gloo2", "dense2_off", 4 * s, "sgd2", True, "frames2_2"))
+    t("2-trainer sync step, same-host lane / gloo all-reduce time", ratio("lane2_step_off", "gloo"), "<= 1.2",
+      lambda v: v <= 1.2, skipped.get("gloo", ""))
     for key, where in (("ps_vs_ring", "loopback"), ("ps_vs_ring_shaped", "1 Gbit/s links")):
         r = m.get(key, {})
         for n in (2, 4):
