@@ -10,7 +10,7 @@ import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from paddle_cluster.contract import PSERVER
 from paddle_cluster.node import pod as pod_entry
@@ -77,12 +77,18 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
     then renamed. The processes saved."""
     log_dir = os.path.join(job_dir, "log")
     saved = []
-    for p in pods:
+
+    def log_of(p: PodState) -> Optional[str]:
         if not p.state:  # never ran: no log
-            continue
+            return None
         try:
-            text = k.run(k.logs(p.name, follow=False), timeout=120)
+            return k.run(k.logs(p.name, follow=False), timeout=120)
         except ClusterError:
+            return None
+    with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, at once: every run's end and kill wait for them
+        texts = list(ex.map(log_of, pods))
+    for p, text in zip(pods, texts):
+        if text is None:
             continue
         os.makedirs(log_dir, exist_ok=True)
         lines, metrics = [], []
