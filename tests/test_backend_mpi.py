@@ -139,13 +139,15 @@ time.sleep(600)
 """
 
 
+@pytest.mark.parametrize("hosts", ["openmpi"], indirect=True)  # Hydra's own: tests/test_node_agent.py
 def test_a_killed_launcher_s_agents_wait_out_the_grace_period(hosts, tmp_path):
-    """The launcher SIGKILLed: mpirun gets SIGTERM (its parent-death signal) and stops its ranks -- Open MPI's
-    orted SIGKILLs them a second after its SIGTERM, Hydra at once -- while each agent, beside its rank
-    (``--own-session``), stops trainers that ignore SIGTERM with SIGKILL after KILL_GRACE. An agent that was
-    the rank died before that and left them running."""
+    """The launcher SIGKILLed: mpirun gets SIGTERM (its parent-death signal) and each orted SIGKILLs its rank
+    2 s later (odls_base_sigkill_timeout 1), while the agent, beside its rank (``--own-session``), stops
+    trainers that ignore SIGTERM with SIGKILL after KILL_GRACE. An agent that was the rank died before that
+    and left them running."""
     ws = small_workspace(tmp_path, STUBBORN_PY)
-    conf = _conf(tmp_path, hosts, PSERVER_COMMAND=OMIT, KILL_GRACE=4)  # --collective: no pservers
+    # KILL_GRACE 3: past orted's SIGKILL with a second to spare. --collective: no pservers.
+    conf = _conf(tmp_path, hosts, PSERVER_COMMAND=OMIT, KILL_GRACE=3)
     p, _ = _start_holding(conf, ws, "mpidead", "--collective")
     p.kill()
     p.communicate(timeout=30)
