@@ -52,9 +52,9 @@ def _conf(tmp: Path, cluster, **over) -> Path:
     return write_conf(tmp, cluster, BACKEND="mpi", MPI_IMPL=cluster.mpi_impl, LD_LIBRARY_PATH="", ENV={}, **over)
 
 
-def _start_holding(conf: Path, ws: Path, job: str):
+def _start_holding(conf: Path, ws: Path, job: str, *more: str):
     """``run`` of the holding workspace, once its 3 trainers hold; (the process, its output lines so far)."""
-    p = start_cli(conf, "run", "--job_workspace", str(ws), "--job_name", job)
+    p = start_cli(conf, "run", "--job_workspace", str(ws), "--job_name", job, *more)
     lines = []
 
     def holding() -> bool:
@@ -129,6 +129,33 @@ def test_a_failed_job_ends_with_mpirun_not_signalled(hosts, tmp_path, monkeypatc
     assert res.exit_code == 1 and "trainer.1" in res.output and "rank 1: out of data" in res.output, res.output
     assert signalled == [], res.output
     assert_nothing_left(hosts)
+
+
+STUBBORN_PY = r"""
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(f"holding {os.environ['PADDLE_TRAINER_ID']}", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("hosts", ["openmpi"], indirect=True)  # Hydra's own: tests/test_node_agent.py
+def test_a_killed_launcher_s_agents_wait_out_the_grace_period(hosts, tmp_path):
+    """The launcher SIGKILLed: mpirun gets SIGTERM (its parent-death signal) and each orted SIGKILLs its rank
+    2 s later (odls_base_sigkill_timeout 1), while the agent, beside its rank (``--own-session``), stops
+    trainers that ignore SIGTERM with SIGKILL after KILL_GRACE. An agent that was the rank died before that
+    and left them running."""
+    ws = small_workspace(tmp_path, STUBBORN_PY)
+    # KILL_GRACE 3: past orted's SIGKILL with a second to spare. --collective: no pservers.
+    conf = _conf(tmp_path, hosts, PSERVER_COMMAND=OMIT, KILL_GRACE=3)
+    p, _ = _start_holding(conf, ws, "mpidead", "--collective")
+    p.kill()
+    p.communicate(timeout=30)
+    assert_nothing_left(hosts, within=45)
+    st = cli(conf, "status", "--json", "--job_name", "mpidead")
+    doc = json.loads(st.stdout)
+    assert sorted(r["name"] for r in doc["processes"]) == [f"trainer.{i}" for i in range(3)], doc
+    assert "running" not in {r["state"] for r in doc["processes"]}, doc
 
 
 def test_ranks_place_themselves_by_open_mpi_or_pmi_variables():

@@ -35,11 +35,14 @@ def processes(engine: Engine) -> List[str]:
 
 
 def assert_running(engine: Engine, job: str) -> None:
-    """``status`` of a job that runs: no outcome yet, and exactly its own processes, every one running."""
+    """``status`` of a job whose trainers hold: no outcome yet, and exactly its own processes, every one running,
+    each trainer's row with its own last line (k8s reads the pods' logs at once, and puts each in its row)."""
     doc = status(engine, job)
     assert doc["outcome"] is None, doc
     assert sorted(p["name"] for p in doc["processes"]) == processes(engine), doc
     assert {p["state"] for p in doc["processes"]} == {"running"}, doc
+    said = {p["name"]: p["last_line"] for p in doc["processes"] if p["name"].startswith("trainer.")}
+    assert said == {f"trainer.{t}": f"holding {t}" for t in range(engine.trainers)}, doc
 
 
 def assert_ended(engine: Engine, job: str, code: int, outcome: str) -> None:

@@ -35,6 +35,8 @@ from kube.standin import (
 )
 from rt_helpers import free_port_range
 
+from paddle_cluster.node.pod import TRAINERS_GONE_GRACE_S
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_a_line"
 # Trainer 1 fails after 3 s; the others train as usual.
@@ -585,6 +587,9 @@ ps.close()
 def test_a_dns_outage_is_not_the_trainers_ending(fresh_kube: StandIn, job_dir: Path) -> None:
     """The cluster DNS failing (SERVFAIL, then no answer at all, as while CoreDNS restarts) for longer than a
     pserver's grace for NXDOMAIN: the pserver retries and says so, never counts it, and the job finishes."""
+    # SERVFAIL alone outlasts the grace: each lookup fails at once, so a pserver counting it stops within the
+    # outage. Without any answer a round of lookups takes seconds (resolv.conf's timeout:1 attempts:2, per name).
+    servfail, drop = TRAINERS_GONE_GRACE_S + 2, 4
     ws = job_dir / "patient"
     ws.mkdir()
     (ws / "train.py").write_text(PATIENT)
@@ -592,14 +597,14 @@ def test_a_dns_outage_is_not_the_trainers_ending(fresh_kube: StandIn, job_dir: P
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
                                  "--pservers", "1", "--trainers", "2", "--job_name", "fit", "--job_dispatch_package",
-                                 "patient", "--", "22"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 "patient", "--", f"{servfail + drop + 4:g}"], cwd=job_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
             "fit-trainer-*.log")) == 2, 90, "both trainers connected")
-        fresh_kube.dns_fault("servfail", 9)
-        time.sleep(9)
-        fresh_kube.dns_fault("drop", 9)
+        fresh_kube.dns_fault("servfail", servfail)
+        time.sleep(servfail)
+        fresh_kube.dns_fault("drop", drop)
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:

@@ -246,9 +246,10 @@ def test_kill_without_grace_cuts_short_an_agent_waiting_out_its_grace_period(tmp
 
 
 def test_an_own_session_agent_runs_the_dispatched_library_and_stops_the_job_when_its_rank_is_killed(tmp_path):
-    """Under MPICH's Hydra the rank is ``bootstrap --own-session`` (Hydra SIGKILLs its ranks once mpiexec stops): the
-    agent, its child in a session of its own, runs from the library the launcher dispatched, as the rank does, on
-    a host whose python has no paddle_cluster (here: a bare venv's), and stops the job once the rank is killed."""
+    """Under MPI the rank is ``bootstrap --own-session`` (Hydra SIGKILLs its ranks once mpiexec stops, Open MPI's
+    orted a second after its SIGTERM): the agent, its child in a session of its own, runs from the library the
+    launcher dispatched, as the rank does, on a host whose python has no paddle_cluster (here: a bare venv's), and
+    stops the job once the rank is killed."""
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     plan = node_plan(tmp_path, py(LISTEN), py("import time; print('up', flush=True); time.sleep(600)"))

@@ -12,19 +12,20 @@ import pytest
 from helpers import OMIT, Launch, checkout_env, cli, conf, local_conf, no_traceback, wait_for
 
 # Sync SGD on a dense vector and a sparse table, a metrics record per step; trainer SLOW (argv[2]) sleeps
-# 0.1 s per step, so it is the one the others wait for. Ends after argv[1] steps.
+# 0.1 s per step, so it is the one the others wait for. Ends after argv[1] steps, and not while the file named
+# by argv[3], if given, exists.
 TRAIN_PY = r'''
-import sys, time
+import os, sys, time
 import numpy as np
 from paddle_cluster.ps import OptimizerSpec, connect
 from paddle_cluster.train.metrics import MetricsWriter
-steps, slow = int(sys.argv[1]), int(sys.argv[2])
+steps, slow, hold = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.1))
 w = ps.register_dense({"w": np.zeros(20000, np.float32)})["w"]
 ps.register_sparse("emb", 8, vocab_size=1000)
 metrics = MetricsWriter()
 print("training", flush=True)
-while ps.step < steps:
+while ps.step < steps or (hold and os.path.exists(hold[0])):
     ids = np.arange(ps.step % 50 * 20, ps.step % 50 * 20 + 20)
     rows = ps.pull_sparse("emb", ids)
     ps.push_sparse("emb", ids, np.ones_like(rows))
@@ -116,7 +117,9 @@ def test_top_view_on_three_hosts(cluster, tmp_path):
     # (train.py does not serve: the built-in pserver).
     cfg = conf(tmp_path, cluster, PSERVER_COMMAND=OMIT, BARRIER_TIMEOUT=60.0)
     env = checkout_env(TERM="xterm")
-    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "150", "1")
+    hold = tmp_path / "hold"  # the trainers step on while it exists (every host sees the test's tmp_path)
+    hold.touch()
+    run = Launch(cfg, "--job_dispatch_package", str(_workspace(tmp_path)), "--", "20", "1", str(hold))
 
     def spawn() -> pexpect.spawn:
         return pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top"], env=env,
@@ -135,6 +138,8 @@ def test_top_view_on_three_hosts(cluster, tmp_path):
         assert run.proc.poll() is None and not run.find(r"\[trainer\.0@node0\] done")  # the job runs on
 
         view = spawn()
+        view.expect_exact("trainer.2")
+        hold.unlink()
         view.expect(r"finished \(exit 0\)", timeout=120)  # the job ends while it is watched
         view.send("q")
         view.expect(pexpect.EOF, timeout=15)

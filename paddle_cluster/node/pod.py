@@ -58,8 +58,12 @@ STARTING_MIN_S = 1.0  # how long at least it says so: a trainer polling every PO
 PROBE_S = 0.3  # how long a trainer waits for STARTING from a port that accepted
 TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
-# NXDOMAIN for every trainer name this long (its negative answers cached ~5 s by CoreDNS): the trainers are gone.
-TRAINERS_GONE_GRACE_S = 15.0
+# NXDOMAIN for every trainer name this long: the trainers are gone. A trainer pod's name resolves until the pod
+# ends (publishNotReadyAddresses; no pod comes back: restartPolicy Never, backoffLimit 0), so the only NXDOMAIN
+# while one runs is a stale negative answer, cached at most 5 s (CoreDNS's kubernetes TTL) by each of at most two
+# caches (NodeLocal DNSCache in front of CoreDNS). The built-in pserver has ended before any name goes: it exits
+# on its trainers' last close, which comes before their pods end.
+TRAINERS_GONE_GRACE_S = 10.0
 NXDOMAIN = "NXDOMAIN"  # the resolver's authoritative "no such name" (EAI_NONAME, EAI_NODATA)
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here

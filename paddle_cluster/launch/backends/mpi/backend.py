@@ -243,8 +243,8 @@ class MPIBackend(Backend):
     def argv(self, plan: JobPlan, impl: str, launcher: str, plan_path: str, paths: Dict[str, str],
              hosts: SSHPrepared) -> List[str]:
         """The launcher's command line, given the paths of ``files``."""
-        hostfile, config, grace = paths["hostfile"], paths["ssh_config"], self.cfg.kill_grace
-        agent = self._agent(plan, impl, plan_path, hosts.lib)
+        hostfile, config = paths["hostfile"], paths["ssh_config"]
+        agent = self._agent(plan, plan_path, hosts.lib)
         if impl == "mpich":
             return self._hydra_argv(plan, launcher, hostfile, paths["ssh"], agent)
         if any(" " in p for p in (config, self.cfg.known_hosts, self.cfg.ssh_identity_file or "")):
@@ -256,7 +256,11 @@ class MPIBackend(Backend):
                 "--map-by", "node", "--mca", "plm_rsh_agent", f"{shutil.which('ssh') or 'ssh'} -F {config}",
                 "--mca", "plm_rsh_no_tree_spawn", "1",  # mpirun reaches every host itself, with our settings
                 "--mca", "oob_tcp_if_include", wire, "--mca", "btl_tcp_if_include", wire,
-                "--mca", "odls_base_sigkill_timeout", str(int(grace) + 3),  # let agents stop their processes
+                # Each orted, told to stop its ranks (mpirun SIGTERMed: a killed launcher), sends SIGCONT, sleeps
+                # this, SIGTERM, sleeps it again, SIGKILL, whether the ranks are gone or not. The agent runs beside
+                # its rank (--own-session) and stops its processes on the rank's SIGTERM or death, so 1 s will do:
+                # KILL_GRACE + 3 s held the job ~2 KILL_GRACE + 6 s past the launcher's death.
+                "--mca", "odls_base_sigkill_timeout", "1",
                 # A rank exiting non-zero (a process of its node failed) is the launcher's to act on (--keep-going).
                 # Open MPI's abort on it blocks each orted in a sleep of the timeout above before its SIGTERM and
                 # another before its SIGKILL, even once the launcher's sweep has ended the ranks: mpirun outlived
@@ -264,13 +268,14 @@ class MPIBackend(Backend):
                 "--mca", "orte_abort_on_non_zero_status", "0",
                 *agent]
 
-    def _agent(self, plan: JobPlan, impl: str, plan_path: str, lib: dispatch.Package) -> List[str]:
+    def _agent(self, plan: JobPlan, plan_path: str, lib: dispatch.Package) -> List[str]:
         # --keep-going: the launcher follows the job and decides (fail-fast, --elastic, restarts, the culprit).
-        # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher): the agent runs
-        # beside the rank and gets SIGTERM instead, so it still stops its processes, setsid ones included.
-        shield = ("--own-session",) if impl == "mpich" else ()
+        # --own-session: Hydra SIGKILLs its ranks once mpiexec is stopped (a killed launcher), Open MPI's orted
+        # a second after its SIGTERM: the agent runs beside the rank and gets SIGTERM instead, so it still stops
+        # its processes within the grace period, setsid ones included.
         agent = nodecmd.agent_argv(self.nodes[0], lib, "bootstrap", "--ranks", RANKS.text(), "--plan", plan_path,
-                                   "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going", *shield)
+                                   "--remove-plan", "--grace", str(self.cfg.kill_grace), "--keep-going",
+                                   "--own-session")
         pythons = {n.python for n in plan.topology.nodes}
         if len(pythons) == 1 and "" not in pythons:  # one command for every rank: the agent too runs what
             agent[0] = pythons.pop()  # preflight checked
