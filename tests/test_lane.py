@@ -15,6 +15,7 @@ no lane socket on this node (another host or network namespace), a value area pa
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -317,6 +318,45 @@ def test_a_lane_for_blocks_already_in_one_is_a_protocol_error(laned):
     with _made() as lane, pytest.raises(PSError, match="names a block twice or one already in a lane"):
         ps._ctl(0).submit(Channel.open_lane, lane, [(key, 0)]).result(timeout=10)
     assert "trainer 0: LANE names a block twice or one already in a lane" in pr.log(server)
+
+
+def test_a_two_group_torch_model_has_every_block_in_a_lane(tmp_path, monkeypatch):
+    """The usual torch pattern, weights with weight decay and biases without: two optimizer groups, two
+    registrations, each in its own lane (the pserver maps both), and the steps plain torch takes."""
+    torch = pytest.importorskip("torch")
+    import paddle_cluster.torch as pct
+
+    env = H.make_env(1, 1, tmp_path)
+    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
+        monkeypatch.delenv(k)
+    for k, v in trainer_env(env, 0).to_environ().items():  # trainer 0's contract, as a launcher sets it
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain = copy.deepcopy(net)
+
+    def groups(m):
+        return [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
+                {"params": [p for n, p in m.named_parameters() if n.endswith("bias")]}]
+
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    ref = torch.optim.SGD(groups(plain), lr=0.1)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        opt = pct.DistributedOptimizer(torch.optim.SGD(groups(net), lr=0.1), named_parameters=net.named_parameters())
+        try:
+            dense = opt.bridge.ps._dense
+            assert set(dense.lane_at) == {b.key for bl in dense.blocks.values() for b in bl}
+            assert dense._in_lane == set(dense.blocks) and len(_lanes_mapped(server.pid)) == 2
+            for _ in range(3):
+                for m, o in ((net, opt), (plain, ref)):
+                    o.zero_grad()
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    o.step()
+            for (n, a), b in zip(net.state_dict().items(), plain.state_dict().values()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        finally:
+            pct.shutdown()
 
 
 def _budget_used(tmp_path, lane: bool) -> tuple:
