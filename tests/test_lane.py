@@ -1,9 +1,11 @@
 """The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node trains through a lane, one memfd per registration mapped by it and every
-pserver on the node, with results bit for bit those of TCP (sync SGD folded by segment, sync Adam summed whole,
-async; 2 pservers x 2 dense ports); the arrays pull returns are the lane's value area and change only with a
-pull; parameters registered later stay on TCP; a trainer killed with -9 leaves no mapping in the pserver; a
+A trainer on the pserver's node trains through lanes, one memfd per registration mapped by it and every
+pserver on the node (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with results bit for
+bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2 dense ports; two
+registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the arrays pull returns are
+the lane's value area and change only with a pull; each lane's budget goes back when its connection ends; a LANE
+for a block already in one is a protocol error; a trainer killed with -9 leaves no mapping in the pserver; a
 pserver killed with -9 in a supervised job comes back with new lanes and exact results. Refused, with the reason,
 and the connection left on TCP: an offer under another key, a nonce nobody offered, an offer claimed after its
 time, another user at either end (a squatter of the socket name: said once in the trainer's log), a pserver with
@@ -13,6 +15,7 @@ no lane socket on this node (another host or network namespace), a value area pa
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -31,6 +34,7 @@ from rt_helpers import trainer_env
 from paddle_cluster.contract import PSERVER, derive_trainer_key
 from paddle_cluster.ps import OptimizerSpec, connect
 from paddle_cluster.ps.channel import Channel
+from paddle_cluster.ps.errors import PSError
 from paddle_cluster.ps.server.pserver import PServer
 from paddle_cluster.ps.wire import lane as L
 
@@ -228,7 +232,8 @@ def test_a_squatted_lane_socket_leaves_the_job_on_tcp_said_once(tmp_path, caplog
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
     """Trainers (threads, one client each) on two pserver processes of two dense ports each: 2 steps of push_pull,
     one of push then pull, on a 3 MiB parameter (1 MiB blocks over both pservers and all four connections: one
-    memfd offered to each) and a small one; the final values."""
+    memfd offered to each) and a small one, then a bias registered apart with its own rate (two optimizer
+    groups: a second memfd, on a connection that holds one already); the final values."""
     env = H.make_env(2, trainers, tmp_path / f"{lane}", ports_num=2)
     big = np.linspace(-1, 1, 3 << 18, dtype=np.float32)
     out = [None] * trainers
@@ -238,10 +243,12 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
                      env=dataclasses.replace(trainer_env(env, i), lane=lane))
         try:
             vals = ps.register_dense({"big": big, "w": W})
+            vals.update(ps.register_dense({"b": np.arange(100, dtype=np.float32)}, OptimizerSpec(opt, lr=0.05)))
             assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 3
-            assert bool(ps._dense.lane_at) == lane
+            assert len(ps._dense.lane_at) == (sum(len(bl) for bl in ps._dense.blocks.values()) if lane else 0)
+            assert sorted(ps._dense._lanes_on.values()) == ([1, 1, 1, 2] if lane else [])
             # Through lanes, the receive buffers are the value areas: no copy out of them.
-            assert ps._dense._in_lane == ({"big", "w"} if lane else set())
+            assert ps._dense._in_lane == ({"big", "w", "b"} if lane else set())
             for step in range(3):
                 rng = np.random.default_rng(100 * i + step)
                 grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in vals.items()}
@@ -250,7 +257,7 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
                 else:
                     ps.push(grads)
                     vals = ps.pull()
-            out[i] = np.concatenate([vals["big"], vals["w"]])
+            out[i] = np.concatenate([vals["big"], vals["w"], vals["b"]])
         finally:
             ps.close()
 
@@ -287,20 +294,102 @@ def test_values_in_the_lane_change_only_with_a_pull(laned):
     assert np.array_equal(held, kept)  # still readable after close: its mapping goes with the last view
 
 
-def test_parameters_registered_later_travel_over_tcp(laned):
-    """A connection's lane holds the blocks of its first registration; later ones stay on TCP, rightly."""
+def test_each_registration_gets_a_lane_up_to_the_cap_then_tcp_said_once(laned, caplog):
+    """One connection: each registration's blocks in a lane of their own, the pserver mapping each; past
+    ``MAX_LANES`` a registration travels over TCP, said once, and trains the same."""
     env, pr, server, ps = laned
-    ps.register_dense({"u": 2 * W})
-    keys = {b.key for b in ps._dense.blocks["u"]}
-    assert not keys & set(ps._dense.lane_at) and "u" not in ps._dense._in_lane and "w" in ps._dense._in_lane
+    later = [f"u{i}" for i in range(L.MAX_LANES)]
+    with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+        for i, name in enumerate(later):
+            ps.register_dense({name: (i + 2) * W})
+    assert ps._dense._in_lane == {"w", *later[:-1]} and len(_lanes_mapped(server.pid)) == L.MAX_LANES
+    said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
+    assert len(said) == 1 and f"holds {L.MAX_LANES} lanes already" in said[0], said
     for step in range(2):
-        out = ps.push_pull({"w": np.ones_like(W), "u": np.ones_like(W)})
-        assert np.array_equal(out["w"], np.full_like(W, 1 - 0.5 * (step + 1)))
-        assert np.array_equal(out["u"], np.full_like(W, 2 - 0.5 * (step + 1)))
+        out = ps.push_pull({n: np.ones_like(W) for n in ("w", *later)})
+        for i, name in enumerate(["w", *later]):
+            assert np.array_equal(out[name], np.full_like(W, i + 1 - 0.5 * (step + 1))), name
 
 
-def test_a_registration_of_empty_parameters_leaves_the_lane_to_the_next(tmp_path):
-    """Nothing to share (no memfd of 0 bytes): the connection's lane goes to the first registration with bytes."""
+def test_a_lane_for_blocks_already_in_one_is_a_protocol_error(laned):
+    """A block has one place: a LANE naming a block of the connection's lanes drops the connection, saying why."""
+    env, pr, server, ps = laned
+    key = ps._dense.blocks["w"][0].key
+    with _made() as lane, pytest.raises(PSError, match="names a block twice or one already in a lane"):
+        ps._ctl(0).submit(Channel.open_lane, lane, [(key, 0)]).result(timeout=10)
+    assert "trainer 0: LANE names a block twice or one already in a lane" in pr.log(server)
+
+
+def test_a_two_group_torch_model_has_every_block_in_a_lane(tmp_path, monkeypatch):
+    """The usual torch pattern, weights with weight decay and biases without: two optimizer groups, two
+    registrations, each in its own lane (the pserver maps both), and the steps plain torch takes."""
+    torch = pytest.importorskip("torch")
+    import paddle_cluster.torch as pct
+
+    env = H.make_env(1, 1, tmp_path)
+    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
+        monkeypatch.delenv(k)
+    for k, v in trainer_env(env, 0).to_environ().items():  # trainer 0's contract, as a launcher sets it
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    plain = copy.deepcopy(net)
+
+    def groups(m):
+        return [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")], "weight_decay": 0.01},
+                {"params": [p for n, p in m.named_parameters() if n.endswith("bias")]}]
+
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    ref = torch.optim.SGD(groups(plain), lr=0.1)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        opt = pct.DistributedOptimizer(torch.optim.SGD(groups(net), lr=0.1), named_parameters=net.named_parameters())
+        try:
+            dense = opt.bridge.ps._dense
+            assert set(dense.lane_at) == {b.key for bl in dense.blocks.values() for b in bl}
+            assert dense._in_lane == set(dense.blocks) and len(_lanes_mapped(server.pid)) == 2
+            for _ in range(3):
+                for m, o in ((net, opt), (plain, ref)):
+                    o.zero_grad()
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+                    o.step()
+            for (n, a), b in zip(net.state_dict().items(), plain.state_dict().values()):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+        finally:
+            pct.shutdown()
+
+
+def _budget_used(tmp_path, lane: bool) -> tuple:
+    """An in-process pserver's budget in use once one trainer registered two groups (each through its own lane,
+    or over TCP), and once that trainer's connections ended."""
+    env = H.make_env(1, 1, tmp_path / f"{lane}")
+    server = PServer(env.for_process(PSERVER, 0, "127.0.0.1"), 0).start()
+    try:
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5),
+                     env=dataclasses.replace(trainer_env(env, 0), lane=lane))
+        try:
+            ps.register_dense({"w": W})
+            ps.register_dense({"b": W[:100]}, OptimizerSpec("sgd", lr=0.1))
+            assert len(ps._dense._lanes) == (2 if lane else 0)
+            during = server.state.budget.used
+        finally:
+            ps.close()
+        wait_for(lambda: not server.net._conns, 10, "the pserver ends the trainer's connections")
+        return during, server.state.budget.used
+    finally:
+        server.stop()
+
+
+def test_the_pserver_budget_of_every_lane_is_released_when_the_connection_ends(tmp_path):
+    """Each lane's value area is charged (the bytes its blocks' places hold) and released with the connection."""
+    (tmp_path / "True").mkdir()
+    (tmp_path / "False").mkdir()
+    laned, tcp = _budget_used(tmp_path, True), _budget_used(tmp_path, False)
+    assert laned[0] == tcp[0] + W.nbytes + W[:100].nbytes and laned[1] == tcp[1]
+
+
+def test_a_registration_of_empty_parameters_makes_no_lane(tmp_path):
+    """Nothing to share: no memfd of 0 bytes; the next registration, with bytes, gets its lane."""
     with contextlib.contextmanager(_serve)(tmp_path, True, {"e": np.zeros((0, 4), np.float32)}) as (*_, ps):
         assert not ps._dense.lane_at
         ps.register_dense({"w": W})

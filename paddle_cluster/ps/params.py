@@ -28,11 +28,12 @@ class DenseParams:
     def __init__(self, channels: List[List[Channel]], conns_per_pserver: int, max_block_bytes: int,
                  lanes: bool = False) -> None:
         self.channels = channels  # [pserver][dense port]
-        self.lanes = lanes  # try a same-host lane on each channel at its first blocks' registration
+        self.lanes = lanes  # try a same-host lane on each channel at each registration of blocks on it
         self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in a lane
         self._lanes: List[L.Lane] = []  # the memfds this trainer made, one per registration that got a lane
         self._in_lane: Set[str] = set()  # parameters whose receive buffer is their place in a lane's value area
-        self._lane_tried: Set[Channel] = set()
+        self._lanes_on: Dict[Channel, int] = {}  # lanes each channel holds (at most ``L.MAX_LANES``)
+        self._lane_refused: Set[Channel] = set()  # channels a lane was refused on: they stay on TCP
         self._lane_said = False
         self.conns_per_pserver = conns_per_pserver
         self.max_block_bytes = max_block_bytes
@@ -91,30 +92,34 @@ class DenseParams:
         return list(arrays)
 
     def _open_lanes(self, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        """One memfd for the blocks of ``arrays`` on channels not tried yet (later ones travel over TCP), offered
-        to each of those channels' pservers; where one cannot be had, the first reason is logged once. Returns
-        the parameters whose every block got in: their receive buffers, views of the value area.
+        """One memfd for the blocks of ``arrays``, offered to each of their channels' pservers but those that
+        refused one before (the reason is the node's or the pserver's: it stays) or hold ``L.MAX_LANES`` already;
+        where one cannot be had, the first reason is logged once. Returns the parameters whose every block got
+        in: their receive buffers, views of the value area.
 
         A parameter's blocks lie one after another in it, as in the array, so such a view is the whole
         parameter. A view is the caller's array as the TCP receive buffer is (``PSClient.pull``: overwritten by
         the next pull): the pserver writes a block's place only while it answers this trainer's pull of that
         block, before the reply's header, and never reads it."""
         todo = {ch: bl for ch, bl in self._by_channel([b for n in arrays for b in self.blocks[n]]).items()
-                if ch not in self._lane_tried}
+                if ch not in self._lane_refused}
+        for ch in [ch for ch in todo if self._lanes_on.get(ch, 0) >= L.MAX_LANES]:
+            self._say_tcp(ch.where, f"its connection holds {L.MAX_LANES} lanes already, one per registration")
+            del todo[ch]
         laned = {b.key for bl in todo.values() for b in bl}
         at, off = {}, 0  # parameter -> its place; then block key -> its place
         for name, a in arrays.items():
             if any(b.key in laned for b in self.blocks[name]):
                 at[name] = off
                 off += -(-a.nbytes // LANE_ALIGN) * LANE_ALIGN
-        if not off:  # nothing to share (empty parameters): the channels wait for a registration with bytes
+        if not off:  # nothing to share (empty parameters): no memfd of 0 bytes
             return {}
-        self._lane_tried.update(todo)
         place = {b.key: at[b.name] + b.lo * (b.nbytes // max(1, b.hi - b.lo))
                  for bl in todo.values() for b in bl}
         try:
             lane = L.create(2 * off)
         except L.LaneRefused as e:
+            self._lane_refused.update(todo)
             self._say_tcp("this node", str(e))
             return {}
         try:
@@ -127,12 +132,14 @@ class DenseParams:
         took = [ch for ch, no in zip(todo, why) if no is None]
         for ch, no in zip(todo, why):
             if no is not None:
+                self._lane_refused.add(ch)
                 self._say_tcp(ch.where, no)
         if not took:
             lane.close()
             return {}
         self._lanes.append(lane)
         for ch in took:
+            self._lanes_on[ch] = self._lanes_on.get(ch, 0) + 1
             for b in todo[ch]:
                 n, dt = b.nbytes // np.dtype(b.dtype).itemsize, np.dtype(b.dtype)
                 self.lane_at[b.key] = (np.frombuffer(lane.mem, dt, n, place[b.key]),

@@ -30,7 +30,7 @@ from ..errors import (
     UnknownKey,
 )
 from ..wire import protocol as P
-from ..wire.lane import NONCE_SIZE, LaneRefused, Payload
+from ..wire.lane import MAX_LANES, NONCE_SIZE, LaneRefused, Payload
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .net import Conn
@@ -193,18 +193,24 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
 
 def lane(st: State, conn: Conn, h: P.Header) -> None:
     """Bind the same-host lane this trainer offered under the frame's nonce to this connection, with the place of
-    each of its blocks (docs/architecture.md); a refusal is an answer, not an error: the trainer stays on TCP."""
+    each of its blocks (docs/architecture.md): one lane per registration, up to ``MAX_LANES``; a refusal is an
+    answer, not an error: those blocks stay on TCP."""
     if not NONCE_SIZE <= h.length <= P.MAX_JSON_BYTES or (h.length - NONCE_SIZE) % 16:
         raise ProtocolError(f"LANE of {h.length} bytes: a nonce and (key, offset) pairs expected")
     body = bytearray(h.length)
     conn.stream.recv_into(body)
-    if conn.lane is not None:
-        raise ProtocolError(f"trainer {conn.trainer}: this connection has its lane already")
     nonce, layout = bytes(body[:NONCE_SIZE]), np.frombuffer(body, "<i8", offset=NONCE_SIZE).reshape(-1, 2)
+    keys = layout[:, 0].tolist()
+    if len(set(keys)) != len(keys) or not conn.lane_at.keys().isdisjoint(keys):  # a block has one place
+        raise ProtocolError(f"trainer {conn.trainer}: LANE names a block twice or one already in a lane of this "
+                            "connection")
+    lane = None
     try:
         if st.lanes is None:
             raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
-        conn.lane = lane = st.lanes.claim(conn.trainer, nonce)
+        if len(conn.lanes) >= MAX_LANES:
+            raise LaneRefused(f"trainer {conn.trainer}: this connection has its {MAX_LANES} lanes already")
+        lane = st.lanes.claim(conn.trainer, nonce)
         half, places = lane.size // 2, {}
         for key, off in layout.tolist():
             b = st.blocks.get(key)
@@ -218,20 +224,16 @@ def lane(st: State, conn: Conn, h: P.Header) -> None:
             st.budget.charge(writes, f"the value area of trainer {conn.trainer}'s same-host lane")
         except LimitExceeded as e:
             raise LaneRefused(str(e)) from None
-        conn.lane_charged = writes
-        for key, (b, off) in places.items():
-            n = b.nbytes // b.dtype.itemsize
-            conn.lane_at[key] = (np.frombuffer(lane.mem, b.dtype, n, off),
-                                 np.frombuffer(lane.mem, b.dtype, n, half + off))
     except LaneRefused as e:
-        conn.lane_at.clear()
-        st.budget.release(conn.lane_charged)
-        conn.lane_charged = 0
-        if conn.lane is not None:
-            conn.lane.close()
-            conn.lane = None
+        if lane is not None:
+            lane.close()
         conn.reply_ok({"lane": False, "reason": str(e)})
         return
+    conn.lanes.append(lane)
+    conn.lane_charged += writes
+    for key, (b, off) in places.items():
+        n = b.nbytes // b.dtype.itemsize
+        conn.lane_at[key] = (np.frombuffer(lane.mem, b.dtype, n, off), np.frombuffer(lane.mem, b.dtype, n, half + off))
     conn.reply_ok({"lane": True})
 
 

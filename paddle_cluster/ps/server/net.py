@@ -78,9 +78,9 @@ class Conn:
         self.trainer = -1
         self.stream = Stream(sock, None)  # replaced by the authenticated one after the handshake
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
-        self.lane: Optional[Lane] = None  # the same-host lane this connection claimed (``LANE``)
-        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in it
-        self.lane_charged = 0  # bytes of the lane charged to the budget (its value area)
+        self.lanes: List[Lane] = []  # the same-host lanes this connection claimed (``LANE``), one per registration
+        self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in its lane
+        self.lane_charged = 0  # bytes of the lanes charged to the budget (their blocks' places in the value areas)
 
     @property
     def gone(self) -> bool:
@@ -341,9 +341,9 @@ class Listener:
             if self.budget is not None:
                 self.budget.release(conn.rbuf.nbytes + conn.stream.held + held + conn.lane_charged)
             self._forget(sock, pending)
-            if conn.lane is not None:
-                conn.lane_at.clear()  # its views first: a mapping with views cannot be closed
-                conn.lane.close()
+            conn.lane_at.clear()  # the views first: a mapping with views cannot be closed
+            for lane in conn.lanes:
+                lane.close()
             try:
                 sock.close()
             except OSError:

@@ -35,6 +35,10 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL  # the size 
 _OFFER = struct.Struct("<hQ32s32s")  # trainer, size, nonce, MAC
 OFFER_TIMEOUT = 5.0  # seconds an offer's exchange may take, and an unclaimed offer is kept
 MAX_PENDING = 64  # offers kept unclaimed at once (each holds a descriptor)
+# Lanes one connection may hold, one per registration: a frontend registers once per optimizer group (a handful).
+# Each is a mapping in the pserver that its memory budget does not count: 8 x the connection cap (256 by default)
+# stays far below Linux's default vm.max_map_count (65530), so a trainer cannot use up the pserver's mappings.
+MAX_LANES = 8
 _CRED = struct.Struct("3i")  # pid, uid, gid
 
 
