@@ -252,10 +252,15 @@ def _load_in_sandbox(name: str, text: str) -> None:
             # HOSTS is the backend's to require (ssh and mpi do; slurm and k8s give the nodes).
             assert backend_of(cfg).name == cfg.backend
         except ConfigError as e:
-            # One message naming the key, this file and the fix: "KEY = value in FILE: fix" or "KEY is not set".
+            # One message naming the key, this file and the fix: "KEY = value in FILE: fix" or "KEY is not set";
+            # an error of the file as a whole (syntax, shape, owner) names the file alone: "FILE: fix".
             msg = str(e)
-            assert msg.startswith((f"{e.key} = ", f"{e.key} is not set")), msg
-            assert f" in {path}: " in msg and e.fix and msg.endswith(e.fix), msg
+            assert e.fix and msg.endswith(e.fix), msg
+            if e.value == str(path):
+                assert msg == f"{path}: {e.fix}", msg
+            else:
+                assert msg.startswith((f"{e.key} = ", f"{e.key} is not set")), msg
+                assert f" in {path}: " in msg, msg
         assert sorted(os.listdir(d)) == before
 
 
