@@ -9,6 +9,7 @@ from typing import Callable, List, Optional
 from . import journal
 from .backends import Backend, backend_for
 from .backends.base import LiveJob, Prepared
+from .each_node import NodesInterrupted
 from .errors import ClusterError, Interrupted
 from .interrupt import stoppable
 from .plan import JobSpec, build_plan
@@ -77,8 +78,10 @@ def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None]
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
                 f"{spec.job_dir}")
             return supervise(request, be, out, say, jobs.append)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
+            for line in e.lines() if isinstance(e, NodesInterrupted) else ():
+                say(line)
             return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; every process was "
                              "stopped")
         except ClusterError as e:
