@@ -54,3 +54,61 @@ def test_ctrl_c_while_a_node_hangs_at_start(cluster, tmp_path):
     # (node0 and node2 may be named too, with what was awaited of them, when Ctrl+C came before their answers)
     assert f"node1 ({cluster.hosts[1]}) had not answered (starting the node session)" in err, err
     assert_nothing_left(cluster, within=5)
+
+
+def _agent(cluster, i: int) -> int:
+    """The pid of node ``i``'s agent (its node session, which became the agent)."""
+    for pid in cluster.pids(i):
+        try:
+            if b"from paddle_cluster.node.session import main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            pass
+    raise AssertionError(f"no agent on node{i}")
+
+
+def test_second_ctrl_c_while_a_node_does_not_confirm_its_stop(cluster, tmp_path):
+    """SIGTERM (as Ctrl+C) while node1's agent is frozen (SIGSTOP: a node that stalls): the stop waits for its
+    confirmation; a second Ctrl+C ends run at once, naming node1 and the kill that cleans it up, which does."""
+    ws = make_workspace(tmp_path / "ws")
+    # write_conf's PYTHON (this interpreter) and PSERVER_COMMAND: make_workspace's ps.py only listens, its
+    # train.py holds with SLEEP_FOREVER.
+    conf = write_conf(tmp_path, cluster, ENV={"MY_SETTING": "42", "SLEEP_FOREVER": "1"})
+    proc = _launch(conf, "--job_dispatch_package", str(ws), "--job_name", "frozen")
+    agent = None
+    try:
+        wait_for(lambda: all(b"sleeping" in _read(cluster.root_dir(i) / "frozen/log/train.log") for i in range(3))
+                 or proc.poll() is not None, 60, "the trainers to start")
+        assert proc.poll() is None, proc.communicate()
+        agent = _agent(cluster, 1)
+        os.kill(agent, signal.SIGSTOP)
+        os.killpg(proc.pid, signal.SIGTERM)
+        wait_for(lambda: not (cluster.pids(0) or cluster.pids(2)) or proc.poll() is not None, 30,
+                 "node0 and node2 to stop")
+        assert proc.poll() is None, proc.communicate()  # still waiting for node1's confirmation
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if agent is not None:
+            os.kill(agent, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, out + err
+    assert took < 10, f"{took:.1f} s to end after the second Ctrl+C\n{err}"
+    assert "Traceback" not in err, err
+    assert f"no stop confirmation from node1 ({cluster.hosts[1]})" in err, err
+    assert "`paddle-cluster kill --job_name frozen` stops them" in err, err
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "kill", "--job_name", "frozen"],
+                         capture_output=True, text=True, timeout=60, env=checkout_env(), stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_nothing_left(cluster, within=10)
+
+
+def _read(p: Path) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return b""
