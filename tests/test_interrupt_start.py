@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from enginecluster import mpi_unavailable_reason
 from helpers import assert_nothing_left, checkout_env, make_workspace, wait_for, write_conf
 
 
@@ -31,11 +33,16 @@ def _hanging_python(tmp: Path, python: str, host: str) -> Path:
     return wrapper
 
 
-def test_ctrl_c_while_a_node_hangs_at_start(cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["ssh", "mpi"])
+def test_ctrl_c_while_a_node_hangs_at_start(cluster, tmp_path, backend):
+    """(mpi prepares the hosts as ssh does, over a node session each, before mpirun starts a rank anywhere.)"""
+    if backend == "mpi" and mpi_unavailable_reason():
+        pytest.skip(mpi_unavailable_reason())
     ws = make_workspace(tmp_path / "ws")
     # PYTHON is pinned to a wrapper: the hang under test is the node's interpreter never starting (the only key
     # that runs something of the user's on a node before its session answers); PSERVER_COMMAND is write_conf's.
-    conf = write_conf(tmp_path, cluster, PYTHON=str(_hanging_python(tmp_path, cluster.python, "node1")))
+    conf = write_conf(tmp_path, cluster, BACKEND=backend,
+                      PYTHON=str(_hanging_python(tmp_path, cluster.python, "node1")))
     proc = _launch(conf, "--job_dispatch_package", str(ws), "--job_name", "hung")
     try:
         wait_for(lambda: (tmp_path / "hung").exists() or proc.poll() is not None, 60, "node1's PYTHON to hang")
@@ -101,6 +108,7 @@ def test_second_ctrl_c_while_a_node_does_not_confirm_its_stop(cluster, tmp_path)
     assert "Traceback" not in err, err
     assert f"no stop confirmation from node1 ({cluster.hosts[1]})" in err, err
     assert "`paddle-cluster kill --job_name frozen` stops them" in err, err
+    assert "every process was stopped" not in err, err
     res = subprocess.run([sys.executable, "-m", "paddle_cluster", "--conf", str(conf), "kill", "--job_name", "frozen"],
                          capture_output=True, text=True, timeout=60, env=checkout_env(), stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
