@@ -67,11 +67,7 @@ def each_node(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int =
                         # waits on is ended now, so every node's work ends here within moments, then the
                         # interrupt goes on to the command.
                         if not interrupted:
-                            for n in nodes:
-                                if not futures[n.index].done():
-                                    awaited = n.abort()
-                                    if awaited:
-                                        unanswered[n.label] = awaited
+                            unanswered = _abort([n for n in nodes if not futures[n.index].done()])
                         interrupted = True
                         continue
                     errors[i] = e
@@ -79,3 +75,11 @@ def each_node(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int =
     if interrupted:
         raise NodesInterrupted(unanswered)
     return NodeResults(values, errors, {n.index: n.label for n in nodes})
+
+
+def _abort(nodes: Sequence[Node]) -> Dict[str, List[str]]:
+    """``Node.abort`` on every one of ``nodes`` at once (one may wait on its network); what was awaited of each."""
+    if not nodes:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="abort") as pool:
+        return {n.label: awaited for n, awaited in zip(nodes, pool.map(lambda n: n.abort(), nodes)) if awaited}
