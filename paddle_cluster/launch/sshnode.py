@@ -34,9 +34,11 @@ def _marked(argv: Sequence[str]) -> str:
 class _ChannelStream(CommandStream):
     def __init__(self, channel: paramiko.Channel, kill: Callable[[int], None]) -> None:
         self.channel, self._kill = channel, kill
-        self.session: Optional[int] = None  # the command's POSIX session on the node, once its first line is read
+        self._session: List[int] = []  # the command's POSIX session on the node, once its first line is read
         self._lock = threading.Lock()
-        self._lines = self._read()
+        # Not a generator method: one holding ``self`` would make a cycle that only the garbage collector frees,
+        # maybe at exit, when paramiko's file object complains ("I/O operation on closed file") as it goes.
+        self._lines = _channel_lines(channel, self._session)
 
     def write(self, data: bytes) -> None:
         with self._lock:
@@ -44,17 +46,6 @@ class _ChannelStream(CommandStream):
 
     def lines(self) -> Iterator[str]:
         return self._lines
-
-    def _read(self) -> Iterator[str]:
-        f = self.channel.makefile("rb")
-        try:
-            for line in bounded_lines(f.readline):
-                if self.session is None and line.startswith(SESSION_MARK) and line[len(SESSION_MARK):].isdigit():
-                    self.session = int(line[len(SESSION_MARK):])
-                    continue
-                yield line
-        except (OSError, EOFError, paramiko.SSHException):
-            return
 
     def settimeout(self, seconds: Optional[float]) -> None:
         self.channel.settimeout(seconds)
@@ -72,12 +63,25 @@ class _ChannelStream(CommandStream):
         # Closing stdin reaches only a command that reads it, not one waiting for something else (a PYTHON wrapper,
         # a stalled disk); sshd kills nothing when a channel closes, and its "signal" request is refused for root
         # logins (no privilege separation then). So: kill the command's POSIX session over another channel.
-        if self.session is not None and not self.ended():
+        if self._session and not self.ended():
             try:
-                self._kill(self.session)
+                self._kill(self._session[0])
             except Exception:  # noqa: BLE001 - the node may be unreachable: its agent then stops on its own
                 pass
         self.channel.close()  # our reads end now
+
+
+def _channel_lines(channel: paramiko.Channel, session: List[int]) -> Iterator[str]:
+    """The channel's lines, but for the first that says its POSIX session (into ``session``)."""
+    f = channel.makefile("rb")
+    try:
+        for line in bounded_lines(f.readline):
+            if not session and line.startswith(SESSION_MARK) and line[len(SESSION_MARK):].isdigit():
+                session.append(int(line[len(SESSION_MARK):]))
+                continue
+            yield line
+    except (OSError, EOFError, paramiko.SSHException):
+        return
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
