@@ -70,9 +70,9 @@ def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None]
     last_wait: List[threading.Timer] = []  # armed by a second interrupt
 
     def give_up() -> None:
-        result = JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; its processes may still "
-                           f"run on nodes that did not confirm their stop (each node's agent stops them on its own "
-                           f"within ORPHAN_TIMEOUT); `paddle-cluster kill --job_name {spec.name}` stops them")
+        result = JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted before its stop was "
+                           f"confirmed: its processes may still run; `paddle-cluster kill --job_name {spec.name}` "
+                           "stops them")
         say(f"still stopping {LAST_WAIT_S:.0f} s after the second interrupt: leaving now")
         say(result.message)
         try:
