@@ -16,9 +16,10 @@ import shutil
 import signal
 import subprocess
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, Iterator, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 from paddle_cluster.node.lines import bounded_lines
 
@@ -41,7 +42,10 @@ class CommandResult:
 
 class CommandStream:
     """A long-running remote command: write lines to its stdin, read lines from its stdout+stderr.
-    ``lines()`` is one iterator for the stream's life: a reader may take over where another stopped."""
+    ``lines()`` is one iterator for the stream's life: a reader may take over where another stopped.
+    ``awaiting`` is what its caller says while it waits for the command's answer (what ``Node.abort`` reports)."""
+
+    awaiting = ""
 
     def write_line(self, text: str) -> None:
         self.write(text.encode() + b"\n")
@@ -62,12 +66,18 @@ class CommandStream:
     def close(self) -> None:
         raise NotImplementedError
 
+    def abort(self) -> None:
+        """End the command now, whatever it waits for: its POSIX session killed (where the node allows it), the
+        stream closed, so that reading ``lines()`` ends."""
+        self.close()
+
 
 class Node:
     """One host of the cluster; ``index`` is its node id (its position in ``HOSTS``)."""
 
     def __init__(self, index: int, spec: HostSpec, cfg: ClusterConfig) -> None:
         self.index, self.spec, self.cfg = index, spec, cfg
+        self._streams: weakref.WeakSet[CommandStream] = weakref.WeakSet()  # for ``abort``
 
     @property
     def name(self) -> str:
@@ -88,7 +98,27 @@ class Node:
         raise NotImplementedError
 
     def stream(self, argv: Sequence[str]) -> CommandStream:
+        """A long-running command on the node; ``abort`` ends it."""
+        s = self._stream(argv)
+        self._streams.add(s)
+        return s
+
+    def _stream(self, argv: Sequence[str]) -> CommandStream:
         raise NotImplementedError
+
+    def abort(self) -> List[str]:
+        """Ctrl+C: end at once every command stream this node has open (the calls waiting on them then fail), from
+        another thread than the one waiting; a connection still being made is given up. What was awaited of the
+        node then (an answer, the connection): the node's part in a stop that did not finish."""
+        awaited = []
+        for s in list(self._streams):
+            if s.awaiting:
+                awaited.append(s.awaiting)
+            try:
+                s.abort()
+            except Exception:  # noqa: BLE001 - the others still have to end
+                pass
+        return awaited
 
     def close(self) -> None:
         pass
@@ -155,6 +185,13 @@ class _PopenStream(CommandStream):
     def ended(self) -> bool:
         return self.proc.poll() is not None
 
+    def abort(self) -> None:
+        try:  # its own POSIX session (start_new_session): the command and all it started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.close()
+
     def close(self) -> None:
         if self.proc.stdin:
             try:
@@ -195,7 +232,7 @@ class LocalNode(Node):
         if progress:
             progress(size, size)
 
-    def stream(self, argv: Sequence[str]) -> CommandStream:
+    def _stream(self, argv: Sequence[str]) -> CommandStream:
         return _PopenStream(argv)
 
 

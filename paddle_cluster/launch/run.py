@@ -4,15 +4,21 @@ stops on its own if the launcher disappears)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from typing import Callable, List, Optional
 
 from . import journal
 from .backends import Backend, backend_for
 from .backends.base import LiveJob, Prepared
+from .each_node import NodesInterrupted
 from .errors import ClusterError, Interrupted
 from .interrupt import stoppable
 from .plan import JobSpec, build_plan
 from .supervise import JobResult, supervise
+
+LAST_WAIT_S = 5.0  # after a second interrupt, the launcher ends within this, whatever it still waits on
 
 
 def render_text(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> str:
@@ -43,24 +49,57 @@ def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None
             backend: Optional[Backend] = None) -> JobResult:
     """``_run`` the job, and record how it ended for ``status`` (once it started)."""
     started = []
-    result = _run(spec, out, lambda: started.append(True), say, backend)
-    if started:
-        journal.record_outcome(spec.cfg, spec.name, result.exit_code, result.outcome, result.message)
+
+    def record(result: JobResult) -> None:
+        if started:
+            journal.record_outcome(spec.cfg, spec.name, result.exit_code, result.outcome, result.message)
+
+    result = _run(spec, out, lambda: started.append(True), say, backend, record)
+    record(result)
     return result
 
 
 def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None], say: Callable[[str], None],
-         backend: Optional[Backend] = None) -> JobResult:
+         backend: Optional[Backend] = None, record: Callable[[JobResult], None] = lambda r: None) -> JobResult:
     """Run the whole job and leave nothing running; ``out`` gets the processes' lines, ``say`` the launcher's.
-    Every way the job can end is a ``JobResult``: exit codes as in ``errors.OUTCOMES``."""
+    Every way the job can end is a ``JobResult``: exit codes as in ``errors.OUTCOMES``. After a second interrupt
+    it ends within ``LAST_WAIT_S`` (``record``-ing that end), whatever it still waits on."""
     be = backend or backend_for(spec.cfg)
     jobs: List[LiveJob] = []  # each start of the job, as submitted: the last one is running
     prepared: Optional[Prepared] = None
+    last_wait: List[threading.Timer] = []  # armed by a second interrupt
+
+    def give_up() -> None:
+        result = JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted before its stop was "
+                           f"confirmed: its processes may still run; `paddle-cluster kill --job_name {spec.name}` "
+                           "stops them")
+        say(f"still stopping {LAST_WAIT_S:.0f} s after the second interrupt: leaving now")
+        say(result.message)
+        try:
+            record(result)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(result.exit_code)  # the main thread is blocked on a node or an engine: no unwinding
 
     def skip_grace() -> None:
         say("second interrupt: killing without grace period")
         if jobs:
             jobs[-1].request_stop(0)
+        if not last_wait:
+            last_wait.append(threading.Timer(LAST_WAIT_S, give_up))
+            last_wait[0].daemon = True
+            last_wait[0].start()
+
+    stopped: List[List[int]] = []
+
+    def stop() -> List[int]:
+        """Stop the running start of the job, once; the nodes that did not confirm it (said)."""
+        if not stopped:
+            stopped.append(jobs[-1].stop(0 if interrupts.count > 1 else spec.cfg.kill_grace) if jobs else [])
+            if stopped[0]:
+                say(jobs[-1].unstopped(stopped[0]))
+        return stopped[0]
 
     with stoppable(skip_grace) as interrupts:
         try:
@@ -77,19 +116,22 @@ def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None]
             say(f"job {spec.name}: {len(plan.env.pservers)} pserver(s), {plan.env.trainers} trainer(s) in "
                 f"{spec.job_dir}")
             return supervise(request, be, out, say, jobs.append)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             say(f"interrupted: stopping job {spec.name} on every node (Ctrl+C again to skip the grace period)")
-            return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; every process was "
-                             "stopped")
+            for line in e.lines() if isinstance(e, NodesInterrupted) else ():
+                say(line)
+            lost = stop()
+            return JobResult(spec.name, Interrupted.exit_code, f"job {spec.name} interrupted; " + (
+                "every process was stopped" if not lost else "what may still run is named above"))
         except ClusterError as e:
             return JobResult(spec.name, e.exit_code, str(e))
         finally:
             try:
-                lost = jobs[-1].stop(0 if interrupts.count > 1 else spec.cfg.kill_grace) if jobs else []
-                if lost:
-                    say(jobs[-1].unstopped(lost))
+                stop()
             finally:
                 for job in jobs:
                     job.close()
                 if prepared is not None:
                     prepared.close()
+                for t in last_wait:  # ended in time
+                    t.cancel()

@@ -104,6 +104,7 @@ class NodeSession:
     def reply(self, what: str) -> Dict[str, Any]:
         """The node's next answer (``REPLY`` says which); other lines are kept, an error answer raised."""
         self.stream.settimeout(REPLY_TIMEOUT)
+        self.stream.awaiting = what
         try:
             for line in self.stream.lines():
                 try:
@@ -121,6 +122,7 @@ class NodeSession:
                 self.other.append(line[:KEPT_CHARS])
         finally:
             self.stream.settimeout(None)
+            self.stream.awaiting = ""
         last = [x.strip() for x in list(self.other)[-5:] if x.strip()]
         detail = " | ".join(last) or "the session ended without an answer"
         python = self.node.cfg.python

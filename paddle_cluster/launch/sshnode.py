@@ -22,12 +22,23 @@ from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
 from .hosts import CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
 
+# The first line of every stream: the POSIX session (process group) its command runs in, for ``abort``. sshd makes
+# one per command (setsid) whose leader execs the login shell, which execs sh, whose $$ it is.
+SESSION_MARK = "paddle-cluster-session "
+
+
+def _marked(argv: Sequence[str]) -> str:
+    return "exec sh -c " + shlex.quote(f'echo "{SESSION_MARK}$$"; exec "$@"') + " sh " + shlex.join(argv)
+
 
 class _ChannelStream(CommandStream):
-    def __init__(self, channel: paramiko.Channel) -> None:
-        self.channel = channel
+    def __init__(self, channel: paramiko.Channel, kill: Callable[[int], None]) -> None:
+        self.channel, self._kill = channel, kill
+        self._session: List[int] = []  # the command's POSIX session on the node, once its first line is read
         self._lock = threading.Lock()
-        self._lines = self._read()
+        # Not a generator method: one holding ``self`` would make a cycle that only the garbage collector frees,
+        # maybe at exit, when paramiko's file object complains ("I/O operation on closed file") as it goes.
+        self._lines = _channel_lines(channel, self._session)
 
     def write(self, data: bytes) -> None:
         with self._lock:
@@ -35,13 +46,6 @@ class _ChannelStream(CommandStream):
 
     def lines(self) -> Iterator[str]:
         return self._lines
-
-    def _read(self) -> Iterator[str]:
-        f = self.channel.makefile("rb")
-        try:
-            yield from bounded_lines(f.readline)
-        except (OSError, EOFError, paramiko.SSHException):
-            return
 
     def settimeout(self, seconds: Optional[float]) -> None:
         self.channel.settimeout(seconds)
@@ -54,6 +58,30 @@ class _ChannelStream(CommandStream):
             self.channel.shutdown_write()
         except (OSError, EOFError, paramiko.SSHException):
             pass
+
+    def abort(self) -> None:
+        # Closing stdin reaches only a command that reads it, not one waiting for something else (a PYTHON wrapper,
+        # a stalled disk); sshd kills nothing when a channel closes, and its "signal" request is refused for root
+        # logins (no privilege separation then). So: kill the command's POSIX session over another channel.
+        if self._session and not self.ended():
+            try:
+                self._kill(self._session[0])
+            except Exception:  # noqa: BLE001 - the node may be unreachable: its agent then stops on its own
+                pass
+        self.channel.close()  # our reads end now
+
+
+def _channel_lines(channel: paramiko.Channel, session: List[int]) -> Iterator[str]:
+    """The channel's lines, but for the first that says its POSIX session (into ``session``)."""
+    f = channel.makefile("rb")
+    try:
+        for line in bounded_lines(f.readline):
+            if not session and line.startswith(SESSION_MARK) and line[len(SESSION_MARK):].isdigit():
+                session.append(int(line[len(SESSION_MARK):]))
+                continue
+            yield line
+    except (OSError, EOFError, paramiko.SSHException):
+        return
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
@@ -77,6 +105,7 @@ class SSHNode(Node):
     def __init__(self, index: int, spec: HostSpec, cfg: ClusterConfig) -> None:
         super().__init__(index, spec, cfg)
         self._conn = None
+        self._opening = None  # the connection being made, for ``abort``
         self._lock = threading.Lock()
 
     def _connection(self):
@@ -100,10 +129,13 @@ class SSHNode(Node):
         while isinstance(hop, fabric.Connection):  # the gateways of a ProxyJump chain need the same policy
             self._harden(hop.client)
             hop = hop.gateway
+        self._opening = conn
         try:
             conn.open()
         except Exception as e:  # noqa: BLE001 - every way a connection fails becomes one line naming the fix
             raise connect_error(self.label, conn.host, conn.port, conn.user, e, cfg) from e
+        finally:
+            self._opening = None
         return conn
 
     def _harden(self, client: paramiko.SSHClient) -> None:
@@ -215,12 +247,23 @@ class SSHNode(Node):
             raise HostError(self.label, f"upload of {name} to {remote} failed: {err or rc}")
         return True
 
-    def stream(self, argv: Sequence[str]) -> CommandStream:
+    def abort(self) -> List[str]:
+        awaited = super().abort()
+        opening = self._opening
+        if opening is not None:  # an sshd that accepted and says nothing: its handshake ends now, not at a timeout
+            awaited.append("the SSH connection")
+            try:
+                opening.client.close()
+            except Exception:  # noqa: BLE001 - it is being given up either way
+                pass
+        return awaited
+
+    def _stream(self, argv: Sequence[str]) -> CommandStream:
         conn = self._connection()
         chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
         chan.set_combine_stderr(True)
-        chan.exec_command(shlex.join(argv))
-        return _ChannelStream(chan)
+        chan.exec_command(_marked(argv))
+        return _ChannelStream(chan, lambda sid: self.run(["kill", "-s", "KILL", "--", f"-{sid}"], timeout=5))
 
     def close(self) -> None:
         with self._lock:

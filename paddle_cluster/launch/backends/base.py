@@ -275,8 +275,9 @@ class LiveJob(ABC):
 
     def unstopped(self, nodes: List[int]) -> str:
         """What to tell the user about ``nodes``, whose stop ``stop`` could not confirm."""
-        return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}; their agents stop on their "
-                f"own within ORPHAN_TIMEOUT")
+        return (f"no stop confirmation from {', '.join(self.labels[i] for i in nodes)}: the job's processes there "
+                f"may still run (their agents stop them on their own within ORPHAN_TIMEOUT); `paddle-cluster kill "
+                f"--job_name {self.plan.name}` stops them")
 
 
 EVENTS_MAX = 10_000  # events waiting for the launcher's main loop (a few MB at most)
@@ -295,6 +296,7 @@ class EventQueue:
         self.closed: set = set()  # nodes whose channel ended: nothing more can come from them
         self._lock = threading.Lock()
         self.closing = False  # set when the job is being stopped: from then on a full queue drops, never blocks
+        self.hurried = float("inf")  # when a wait for stop confirmations ends at the latest (``hurry``)
         self.dropped = 0
 
     def put(self, node: int, ev: Union[m.Event, NodeLost]) -> None:
@@ -356,6 +358,10 @@ class EventQueue:
             self._lost.add(ev.node)
         self._enqueue(ev)
 
+    def hurry(self, seconds: float) -> None:
+        """A wait for stop confirmations (under way or to come) ends ``seconds`` from now at the latest."""
+        self.hurried = min(self.hurried, time.monotonic() + seconds)
+
     def wait_stopped(self, nodes: Sequence[int], seconds: float) -> List[int]:
         """Wait up to ``seconds`` for every one of ``nodes`` that can still be heard to confirm its stop; the
         nodes without a confirmation. (One silent for ORPHAN_TIMEOUT stops on its own, and one whose channel
@@ -363,7 +369,7 @@ class EventQueue:
         silent = self.silent()
         reachable = [i for i in nodes if i not in silent and i not in self.closed]
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and any(i not in self.stopped for i in reachable):
+        while time.monotonic() < min(deadline, self.hurried) and any(i not in self.stopped for i in reachable):
             time.sleep(0.05)
         return [i for i in nodes if i not in self.stopped]
 

@@ -34,6 +34,7 @@ from . import jobs
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
 
 PING_S = 2.0
+SECOND_STOP_S = 2.0  # after a second interrupt, how long the stop still waits for the nodes' confirmations
 LOOPBACK_NIC, LOOPBACK = "lo", "127.0.0.1"  # Linux's loopback interface and the address its probe finds
 NO_LIBRARY = dispatch.Package("", "<node library sha256>", 0, 0)  # a dry run's: nothing installed
 
@@ -345,6 +346,8 @@ class SSHLiveJob(LiveJob):
         return self.events.get(timeout)
 
     def request_stop(self, grace: float) -> None:
+        if grace == 0 and self.events.closing:  # a second interrupt during the stop: end it now, not after a silent
+            self.events.hurry(SECOND_STOP_S)   # node's confirmation time; what it may have left is named
         self._send_all(m.Stop(grace))
 
     def stop(self, grace: float) -> List[int]:
