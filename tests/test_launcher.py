@@ -153,9 +153,12 @@ def test_wrong_nic_lists_the_interfaces(cluster, tmp_path):
 
 
 def test_port_in_use_is_named(cluster, tmp_path):
+    # SO_REUSEADDR, as the pservers bind: an earlier test's job on this session's cluster can leave connections
+    # to 7165 in TIME_WAIT, where a plain bind fails and the blocker never listens.
     blocker = cluster.popen(0, [cluster.python, "-c", textwrap.dedent(f"""
         import socket, time
-        s = socket.socket(); s.bind(("{cluster.ips[0]}", 7165)); s.listen(); time.sleep(60)""")])
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("{cluster.ips[0]}", 7165)); s.listen(); time.sleep(60)""")])
     try:
         wait_for(lambda: cluster.exec(0, ["ss", "-ltn"]).stdout.count(":7165") > 0, 10, "blocker")
         conf = write_conf(tmp_path, cluster)
