@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -47,20 +46,28 @@ def test_ctrl_c_while_a_node_hangs_at_start(cluster, tmp_path, backend):
     try:
         wait_for(lambda: (tmp_path / "hung").exists() or proc.poll() is not None, 60, "node1's PYTHON to hang")
         assert proc.poll() is None, proc.communicate()
-        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        took = time.monotonic() - t0
+        # The deadline on the wait is the check: run ends within seconds, not after the 300 s reply timeout.
+        out, err = _ended(proc, 15, "Ctrl+C while node1 hangs")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 130, out + err
-    assert took < 15, f"{took:.1f} s to end after Ctrl+C (the reply timeout is 300 s)\n{err}"
     assert "Traceback" not in err and "unexpected error" not in err, err
     # (node0 and node2 may be named too, with what was awaited of them, when Ctrl+C came before their answers)
     assert f"node1 ({cluster.hosts[1]}) had not answered (starting the node session)" in err, err
     assert_nothing_left(cluster, within=5)
+
+
+def _ended(proc: subprocess.Popen, deadline: float, after: str):
+    """``proc``'s output once it ends, failing the test if it has not ended ``deadline`` seconds after ``after``."""
+    try:
+        return proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher leads its process group (_launch)
+        out, err = proc.communicate()
+        pytest.fail(f"run still running {deadline} s after {after}\n{out}{err}")
 
 
 def _agent(cluster, i: int) -> int:
@@ -103,10 +110,8 @@ def test_second_ctrl_c_while_a_node_does_not_confirm_its_stop(cluster, tmp_path,
         wait_for(lambda: not (_job_processes(cluster, 0) or _job_processes(cluster, 2)) or proc.poll() is not None,
                  30, "the job's processes on node0 and node2 to stop")
         assert proc.poll() is None, proc.communicate()  # still waiting for node1's confirmation
-        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        took = time.monotonic() - t0
+        out, err = _ended(proc, 10, "the second Ctrl+C")  # run's own bound is 5 s
     finally:
         if agent is not None:
             os.kill(agent, signal.SIGCONT)
@@ -114,7 +119,6 @@ def test_second_ctrl_c_while_a_node_does_not_confirm_its_stop(cluster, tmp_path,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 130, out + err
-    assert took < 10, f"{took:.1f} s to end after the second Ctrl+C\n{err}"
     assert "Traceback" not in err, err
     if backend == "ssh":
         assert f"no stop confirmation from node1 ({cluster.hosts[1]})" in err, err
