@@ -14,10 +14,10 @@ is applied, sending header and block in ``SEGMENT`` pieces. Sockets are blocking
 client reads its replies on a thread per server while it sends. No authentication, MACs, step checks or
 error paths. The check: every value pulled after the last step is ``-lr * steps``.
 
-``shm=True`` measures a same-host lane instead (what a trainer and a pserver on one node could share; not
-built in the runtime): each client has two shared-memory areas of the model's size mapped by every server,
-one it copies its gradients into, one the servers copy the values into; the socket carries only the
-headers. A push is the client's copy plus the server's SGD straight from the shared gradient; a pull is the
+``shm=True`` measures the same pattern through shared memory instead (what the runtime's same-host lane
+costs at least, docs/architecture.md): each client has two shared-memory areas of the model's size mapped
+by every server, one it copies its gradients into, one the servers copy the values into; the socket carries
+only the headers. A push is the client's copy plus the server's SGD straight from the shared gradient; a pull is the
 server's copy into the shared values (the client's receive buffers): one copy per byte each way where TCP
 makes two kernel copies.
 """
