@@ -169,3 +169,12 @@ def test_slurm_commands_on_a_job_name_that_is_not_there_say_to_check_it(tmp_path
     for args in (["status"], ["kill"], ["logs", "node0"], ["plot"]):
         res = cli(conf, *args, "--job_name", "JOB-typo")
         _one_error(res, f"job JOB-typo: no {tmp_path / 'root' / 'JOB-typo'}; check the job name", code=1)
+
+
+def test_a_relative_job_workspace_is_refused_before_anything_starts(tmp_path):
+    """Each node would resolve a relative --job_workspace from its own working directory: once reported only
+    as 'no such directory there' by whichever node looked first."""
+    conf = _conf(tmp_path)
+    res = cli(conf, "run", "--job_workspace", "ws")
+    _one_error(res, "--job_workspace ws:", "absolute", "--job_dispatch_package")
+    assert not (tmp_path / "root").exists()  # refused on this machine: no node was reached

@@ -83,6 +83,9 @@ def settle(cfg: ClusterConfig, dispatch_dir: Optional[str], workspace: Optional[
     for option, value in [("--job_dispatch_package", dispatch_dir), ("--job_workspace", workspace),
                           *((ARGS, a) for a in args)]:
         refuse_line_break(option, value)
+    if workspace is not None and not os.path.isabs(workspace):  # else each node resolves it from its own cwd
+        raise ConfigError("--job_workspace", workspace, "the workspace's path on every node, absolute (e.g. "
+                          "/home/paddle/ws); to copy a directory of this machine, use --job_dispatch_package")
     check_workspace(dispatch_dir)
     if entry is not None:
         cfg = override(cfg, {"entry": ("--entry", entry)})
