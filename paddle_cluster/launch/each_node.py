@@ -78,8 +78,7 @@ def each_node(nodes: Sequence[Node], fn: Callable[[Node], T], max_workers: int =
 
 
 def _abort(nodes: Sequence[Node]) -> Dict[str, List[str]]:
-    """``Node.abort`` on every one of ``nodes`` at once (one may wait on its network); what was awaited of each."""
-    if not nodes:
-        return {}
-    with ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="abort") as pool:
-        return {n.label: awaited for n, awaited in zip(nodes, pool.map(lambda n: n.abort(), nodes)) if awaited}
+    """``Node.abort`` on every one of ``nodes`` at once (one may wait on its network), through the same fan-out;
+    what was awaited of each."""
+    done = each_node(nodes, lambda n: n.abort())
+    return {n.label: done.values[n.index] for n in nodes if done.values.get(n.index)}
