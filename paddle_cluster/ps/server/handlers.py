@@ -80,11 +80,16 @@ def _in_lane(conn: Conn, h: P.Header) -> Optional[tuple]:
 
 def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
-    at = _in_lane(conn, h) if h.op == P.Op.PUSH_DENSE else None
-    s = _block(st, h, payload=at is None) if h.op == P.Op.PUSH_DENSE else _table(st, h)
-    if at is not None:
-        conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
-    if not s.push(conn, h, st.staleness, *([] if at is None else [Payload(at[0])])):
+    if h.op == P.Op.PUSH_DENSE:
+        at = _in_lane(conn, h)
+        s = _block(st, h, payload=at is None)
+        if at is not None:
+            conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
+        kept = s.push(conn, h, st.staleness, None if at is None else Payload(at[0]))
+    else:
+        s = _table(st, h)
+        kept = s.push(conn, h, st.staleness)
+    if not kept:
         st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=s.step.n)
 
