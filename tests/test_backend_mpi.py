@@ -146,7 +146,8 @@ def test_a_killed_launcher_s_agents_wait_out_the_grace_period(hosts, tmp_path):
     trainers that ignore SIGTERM with SIGKILL after KILL_GRACE. An agent that was the rank died before that
     and left them running."""
     ws = small_workspace(tmp_path, STUBBORN_PY)
-    # KILL_GRACE 3: past orted's SIGKILL with a second to spare. --collective: no pservers.
+    # KILL_GRACE 3: past orted's SIGKILL with a second to spare. --collective: no pservers, so no stand-in for
+    # them (OMIT leaves PSERVER_COMMAND out, as the README's conf.py does).
     conf = _conf(tmp_path, hosts, PSERVER_COMMAND=OMIT, KILL_GRACE=3)
     p, _ = _start_holding(conf, ws, "mpidead", "--collective")
     p.kill()
