@@ -112,8 +112,10 @@ class DistributedOptimizer:
     apply the wrapped optimizer's rule with each parameter's hyper-parameters, and its learning rate as
     ``get_lr()`` gives it at each step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer
     starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then the step it continues
-    from). Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them. Parameters are
-    named by their Paddle names (the same on every trainer that builds the same model), or by
+    from). Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them; one whose ``grad`` is
+    None in a step counts as zero in the trainers' mean and is not updated at all when no trainer has one (as
+    paddle.optimizer skips it; ``clear_grad()`` sets gradients to zero, which are applied, as Paddle does).
+    Parameters are named by their Paddle names (the same on every trainer that builds the same model), or by
     ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
     trainers' gradients) or "async". One per trainer process."""
 
@@ -124,6 +126,8 @@ class DistributedOptimizer:
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
             else [(None, p) for p in groups]
+        # stop_gradient=True when wrapped: never sent, never registered (paddle.optimizer skips them).
+        self.frozen = [p for _, p in entries if p.stop_gradient]
         entries = [(g, p) for g, p in entries if not p.stop_gradient]
         names = self._names(entries, named_parameters)
         by_rule: Dict[Tuple[Any, ...], Tuple[Group, float]] = {}
@@ -176,6 +180,10 @@ class DistributedOptimizer:
 
     def step(self) -> None:
         """Send this step's gradients, load the values after it into the parameters."""
+        thawed = [p.name for p in self.frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had stop_gradient=True when the optimizer "
+                               "was wrapped, so they are not on the pservers; set stop_gradient before wrapping")
         grads = {n: _dense_grad(p) for n, p in self.dense}
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
         if all(g is None for g in grads.values()) and not any(rows.values()):

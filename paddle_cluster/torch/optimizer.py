@@ -27,7 +27,8 @@ def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optimize
         what = f"torch.optim.{kind}" if type(optimizer) is getattr(torch.optim, kind, None) else \
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         raise ValueError(f"DistributedOptimizer: {what} is not supported; {_ONE_LINE}")
-    g = {k: v for k, v in group.items() if k not in _HOW}
+    # A key the constructor does not take is bookkeeping (a scheduler's max_lr, base_momentum...): torch ignores it.
+    g = {k: v for k, v in group.items() if k not in _HOW and k in optimizer.defaults}
     if g.pop("maximize", False):
         raise ValueError(f"DistributedOptimizer: torch.optim.{kind}(maximize=True) is not supported; {_ONE_LINE}")
     spec = {"name": SUPPORTED[kind], "lr": float(g.pop("lr")), "weight_decay": float(g.pop("weight_decay", 0.0))}
@@ -60,9 +61,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
     values into the parameters in place; the pservers apply the wrapped optimizer's rule with each parameter
     group's hyper-parameters, and a change to them (an LR scheduler stepping either optimizer) from the next
-    step on. Every trainer starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then
-    the step it continues from). ``mode``: "sync" (every step averages all trainers' gradients) or "async".
-    One per trainer process."""
+    step on. A parameter without a gradient in a step (``grad`` None) counts as zero in the trainers' mean, and
+    is not updated at all when no trainer has one (as torch and DDP); one with ``requires_grad=False`` when
+    wrapped stays on the trainer, as it is. Every trainer starts from trainer 0's values (or a resumed
+    checkpoint's: ``start_step`` is then the step it continues from). ``mode``: "sync" (every step averages all
+    trainers' gradients) or "async". One per trainer process."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
@@ -76,10 +79,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.specs = specs
         self.dense: List[Tuple[str, torch.nn.Parameter]] = []
         self.embeddings: List[Embedding] = []
+        # requires_grad=False when wrapped: never sent, never registered (torch leaves them as they are).
+        self.frozen: List[Tuple[str, torch.nn.Parameter]] = []
         groups, tables = [], []
         for spec, g in zip(specs, optimizer.param_groups):
             group = Group(spec)
             for p in g["params"]:
+                if not p.requires_grad:
+                    self.frozen.append((names[p], p))
+                    continue
                 emb = getattr(p, "_paddle_cluster_table", None)
                 if emb is not None:
                     name = names[p][:-len(".weight")] if names[p].endswith(".weight") else names[p]
@@ -134,6 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_frozen()
         grads = {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
                  .numpy() for n, p in self.dense}
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
@@ -148,6 +157,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             emb.end_step()
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
+
+    def _check_frozen(self) -> None:
+        """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""
+        thawed = [n for n, p in self.frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had requires_grad=False when the optimizer "
+                               "was wrapped, so they are not on the pservers; set requires_grad before wrapping")
 
     def save_checkpoint(self, name: Optional[str] = None) -> Any:
         """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under

@@ -12,12 +12,13 @@ Contract (what a frontend does, in order):
    ``b.start_step`` is the step it starts at (0, or the checkpoint's).
 3. Each step: ``rows = b.lookup(table, ids)`` for the embeddings the forward pass uses (a ``Lookup``: the unique
    ids, ``inverse`` such that ``rows[inverse].reshape(ids.shape + (width,))`` are the ids' rows, and the rows);
-   then ``values = b.step(dense_grads, row_grads, hypers)``: every dense gradient by name (a missing one counts
-   as zero), ``row_grads[table]`` a list of ``(unique ids, their row gradients)`` (one per lookup; duplicates are
-   summed), ``hypers[i]`` group ``i``'s hyper-parameters now (e.g. ``{"lr": 0.05}``): a change since the last
-   step (an LR scheduler) is sent with ``set_hyper`` and applies from this step's update on. Returns every dense
-   value after the step (copy them back: the arrays are the client's buffers, valid until the next step).
-   Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
+   then ``values = b.step(dense_grads, row_grads, hypers)``: every dense gradient by name (None or missing: the
+   parameter has none this step; it counts as zero in the trainers' mean, DDP's rule, and is not updated at all
+   when no trainer has one, torch's), ``row_grads[table]`` a list of ``(unique ids, their row gradients)``
+   (one per lookup; duplicates are summed), ``hypers[i]`` group ``i``'s hyper-parameters now (e.g.
+   ``{"lr": 0.05}``): a change since the last step (an LR scheduler) is sent with ``set_hyper`` and applies from
+   this step's update on. Returns every dense value after the step (copy them back: the arrays are the client's
+   buffers, valid until the next step). Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
 4. ``b.final(tables)`` (the dense values and each table, whole or its existing rows) builds the final model;
    ``b.save_checkpoint()`` (trainer 0) has the pservers save parameters and optimizer state; ``b.close()`` ends
    the trainer.
@@ -43,6 +44,7 @@ import numpy as np
 from ..contract import JobEnv
 from ..ps import PSClient, connect, init_rows
 from ..ps.optim import STRUCTURAL, OptimizerSpec
+from ..ps.wire import protocol as P
 
 DENSE_TABLE_BYTES = 1 << 30  # ``table_dense`` refuses a whole table larger than this: read ``table_rows`` instead
 
@@ -90,6 +92,7 @@ class Bridge:
         self.names: List[str] = []
         self._sent: List[Dict[str, Any]] = []  # per group: the hyper-parameters the pservers use
         self._shapes: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {}
+        self._zero: Dict[str, np.ndarray] = {}
         self.start_step = 0
 
     @property
@@ -164,15 +167,27 @@ class Bridge:
             if parts:
                 self.ps.push_sparse(name, np.concatenate([i for i, _ in parts]),
                                     np.concatenate([g for _, g in parts]))
-        grads = {}
+        grads, flags = {}, {}
         for name in self.names:
             g = dense_grads.get(name)
             shape, dtype = self._shapes[name]
-            grads[name] = np.zeros(shape, dtype) if g is None else np.ascontiguousarray(g, dtype=dtype)
+            if g is None:  # zeros on the wire, flagged: counted as zero, and no update where no trainer has one
+                grads[name], flags[name] = self._zeros(name), P.NOGRAD_FLAG
+            else:
+                grads[name] = np.ascontiguousarray(g, dtype=dtype)
         if self.ps.mode == "sync":
-            return self.ps.push_pull(grads)
-        self.ps.push(grads)
+            return self.ps.push_pull(grads, flags)
+        self.ps.push(grads, flags)
         return self.ps.pull()
+
+    def _zeros(self, name: str) -> np.ndarray:
+        """A read-only zero array shaped like dense parameter ``name`` (made once)."""
+        z = self._zero.get(name)
+        if z is None:
+            shape, dtype = self._shapes[name]
+            z = self._zero[name] = np.zeros(shape, dtype)
+            z.flags.writeable = False
+        return z
 
     def _send_hypers(self, hypers: Sequence[Mapping[str, Any]]) -> None:
         if hypers and len(hypers) != len(self.groups):

@@ -146,6 +146,10 @@ class DenseBlock(Shard):
         # in trainer order. One buffer per block, allocated on first use.
         self._acc: Optional[np.ndarray] = None
         self.acc_busy = False  # a push is being received straight into acc
+        # The last sync step some trainer gave a gradient (a push without ``NOGRAD_FLAG``), and the last one whose
+        # gradient came averaged already (``AVERAGED_FLAG``): per step number, so nothing is reset between steps.
+        self.graded_at = -1
+        self.averaged_at = -1
         self._start_segments(self.lock)
 
     def label(self) -> str:
@@ -165,6 +169,16 @@ class DenseBlock(Shard):
     @property
     def plain_sgd(self) -> bool:
         return self.spec.name == "sgd" and self.spec.weight_decay == 0
+
+    def touched(self, step: int) -> bool:
+        """(Holding ``cv``.) Did some trainer give the block a gradient for sync step ``step``? One that none did is
+        not updated at all (no decay, no momentum, no step count), as torch skips a parameter whose grad is None."""
+        return self.graded_at == step
+
+    def divisor(self, n: int, step: int) -> int:
+        """(Holding ``cv``.) What the sum of ``n`` trainers' gradients for ``step`` is divided by: ``n`` (the
+        trainers without a gradient count as zero, DDP's rule), 1 when it came averaged already."""
+        return 1 if self.averaged_at == step else n
 
     def apply_mean(self, g: np.ndarray, n: int, by: str) -> None:
         """Apply the mean gradient ``g / n`` of ``by`` ("trainer 1"); ``g`` is scratch (it may be overwritten)."""
@@ -264,6 +278,10 @@ class DenseBlock(Shard):
         t, at = conn.trainer, self.step
         with self.cv:
             new = at.begin(t, h.step)
+            if new and not h.status & P.NOGRAD_FLAG:
+                self.graded_at = h.step
+            if new and h.status & P.AVERAGED_FLAG:
+                self.averaged_at = h.step
         if not new:
             src.discard()
             return True
@@ -284,6 +302,8 @@ class DenseBlock(Shard):
                 with self.cv:
                     if staleness is not None and at.n - h.aux > staleness:
                         return False  # computed on values older than allowed
+                    if h.status & P.NOGRAD_FLAG:
+                        return True  # no gradient: nothing to apply (torch's rule)
                     with at.advancing(None):
                         self.apply_mean(g, 1, f"trainer {t}")
             return True
@@ -413,9 +433,11 @@ class DenseBlock(Shard):
                 with sync.rw.shared():
                     sync.apply_hyper(self, step)
                     if s is None:  # the only active trainer: straight from the receive buffer
-                        _sgd(self, p, g, None, 1)
+                        if self.touched(step):
+                            _sgd(self, p, g, None, 1)
                     elif sync.active <= s.who | {t}:  # the last one: add, average, apply
-                        _sgd(self, p, s.acc, g, len(s.who) + 1)
+                        if self.touched(step):
+                            _sgd(self, p, s.acc, g, self.divisor(len(s.who) + 1, step))
                     else:
                         np.add(s.acc, g, out=s.acc)
                         s.who.add(t)
@@ -484,7 +506,8 @@ class DenseBlock(Shard):
                 p = self.param.reshape(-1)[lo:lo + len(s.acc)]
                 with sync.rw.shared():
                     sync.apply_hyper(self, self.step.n)
-                    _sgd(self, p, s.acc, None, len(s.who))
+                    if self.touched(self.step.n):
+                        _sgd(self, p, s.acc, None, self.divisor(len(s.who), self.step.n))
                 self.check_update(p, s.who, self.step.n)
                 self._free(i)
                 self._segment_done(i)
@@ -538,9 +561,10 @@ class DenseBlock(Shard):
         last = at.full()
         if first and last:  # the only contributor: apply straight from the receive buffer
             with at.advancing(at.n):
-                self.apply_mean(g, 1, f"trainer {t}")
+                if self.touched(at.n):
+                    self.apply_mean(g, 1, f"trainer {t}")
             return
-        if not last or not self.plain_sgd:
+        if not last or not self.plain_sgd or not self.touched(at.n):
             if first:
                 np.copyto(self.acc, g)
             else:
@@ -548,7 +572,7 @@ class DenseBlock(Shard):
             self._complete()
             return
         # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
-        n = len(at.pending)
+        n = self.divisor(len(at.pending), at.n)
         by = finite.trainers(at.pending)
         with at.advancing(at.n):
             optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
@@ -569,8 +593,10 @@ class DenseBlock(Shard):
         with self.cv:
             try:
                 # acc holds the contributors' gradients, summed in trainer order by _add.
+                n, touched = self.divisor(len(at.pending), at.n), self.touched(at.n)
                 with at.advancing(at.n):
-                    self.apply_mean(self.acc, len(at.pending), finite.trainers(at.pending))
+                    if touched:
+                        self.apply_mean(self.acc, n, finite.trainers(at.pending))
             except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
                 log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it
