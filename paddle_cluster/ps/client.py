@@ -237,6 +237,21 @@ class PSClient:
         return dict(self._dense.values)
 
     @_timed
+    def reduce(self, grads: Mapping[str, np.ndarray], flags: Optional[Mapping[str, int]] = None
+               ) -> Dict[str, Optional[np.ndarray]]:
+        """Sync mode: every trainer's dense gradients of this step averaged over the trainers, without applying
+        them (``synchronize()``); the step does not advance. A parameter no trainer had a gradient for
+        (``protocol.NOGRAD_FLAG`` in ``flags`` on every trainer) is None. Costs one round trip carrying the
+        gradients both ways; the step's own push follows (with ``AVERAGED_FLAG``)."""
+        self._check_open()
+        if self.mode != "sync":
+            raise RuntimeError("synchronize(): async mode has no step average to wait for; use mode='sync'")
+        self.wait()
+        futures, out, none = self._dense.reduce(self._dense.gradients(dict(grads)), self.step, flags or {})
+        gather(futures)
+        return {n: None if n in none else a for n, a in out.items()}
+
+    @_timed
     def finish_step(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> None:
         """End a training step with its dense gradients. Sync mode: ``push_pull``, the next step's values
         being fixed once every trainer pushed (``step_values`` returns them); async: ``push``, so the next

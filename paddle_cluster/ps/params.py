@@ -202,6 +202,38 @@ class DenseParams:
         # The caller waits for them all (``PSClient.push_pull``): one channel's share runs on its thread.
         return fan_out([(ch, blocks_both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()])
 
+    def reduce(self, send: Mapping[str, np.ndarray], step: int, flags: Mapping[str, int]
+               ) -> Tuple[List[Future], Dict[str, np.ndarray], Set[str]]:
+        """Push ``send`` (from ``gradients``) for ``step`` to be averaged, not applied (``REDUCE_FLAG``), and pull
+        the average, block by block, over TCP (a lane holds values, not averages): the futures, the averages'
+        arrays (filled once the futures are done) and the parameters some block of which no trainer had a
+        gradient for."""
+        out = {n: np.empty_like(self.values[n]) for n in send}
+        none: Set[str] = set()
+
+        def into(b: Block) -> Callable[[Channel, P.Header], None]:
+            def cb(ch: Channel, h: P.Header) -> None:
+                if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+                    raise ConnectionLost(f"bad reply to synchronize of key {b.key}: {h}")
+                ch.stream.recv_into(out[b.name][b.lo:b.hi])
+                if h.status & P.NOGRAD_FLAG:
+                    none.add(b.name)
+            return cb
+
+        def both_ways(ch: Channel, blocks: List[Block]) -> None:
+            frames, replies = [], []
+            for b in blocks:
+                status = P.REDUCE_FLAG | flags.get(b.name, 0)
+                frames += [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), status, key=b.key, step=step,
+                                          length=b.nbytes), (send[b.name][b.lo:b.hi],)),
+                           (P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), P.REDUCE_FLAG, key=b.key,
+                                          step=step), ())]
+                replies += [expect_ok, into(b)]
+            exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
+
+        jobs = [(ch, both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
+        return fan_out(jobs), out, none
+
     def gradients(self, grads: Mapping[str, Any]) -> Dict[str, np.ndarray]:
         """``grads`` checked against the registered parameters, as contiguous arrays of their dtypes."""
         missing = sorted(set(self.values) - set(grads))

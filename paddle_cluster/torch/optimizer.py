@@ -3,7 +3,8 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -109,6 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for emb in self.embeddings:
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
+        self._synced = False  # p.grad holds this step's average (synchronize())
 
     @staticmethod
     def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
@@ -132,6 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.copy_(torch.from_numpy(values[name]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synced = False
         super().zero_grad(set_to_none)
         for emb in self.embeddings:
             emb.zero_grad_rows()
@@ -142,21 +145,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_frozen()
-        grads = {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
-                 .numpy() for n, p in self.dense}
+        grads = self._grads()
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()):
+        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
         hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
-        values = self.bridge.step(grads, rows, hypers)
+        averaged, self._synced = self._synced, False
+        values = self.bridge.step(grads, rows, hypers, averaged=averaged)
         self._load(values)
         for emb in self.embeddings:
             emb.end_step()
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
+
+    def _grads(self) -> Dict[str, Optional[np.ndarray]]:
+        """Each dense parameter's gradient now (None: it has none)."""
+        self._check_frozen()
+        return {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
+                .numpy() for n, p in self.dense}
+
+    def synchronize(self) -> None:
+        """Horovod's: leave in every ``p.grad`` the gradient this step applies, all trainers' averaged (None where
+        no trainer has one), nothing applied yet: clip or inspect it, then ``step()`` (under
+        ``skip_synchronize()``, as Horovod scripts write it) applies exactly that gradient. Sync mode. Costs one
+        more round trip: the gradients go to the pservers and their average comes back, then the step sends the
+        final gradient (trainer 0; the others send zeros) as a step without it would. Embedding tables' row
+        gradients are not in it: they go at ``step()`` as always."""
+        avg = self.bridge.synchronize(self._grads())
+        with torch.no_grad():
+            for n, p in self.dense:
+                a = avg[n]
+                p.grad = None if a is None else torch.from_numpy(a).to(device=p.device, dtype=p.dtype)
+        self._synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
+        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
+        if not self._synced:
+            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
+                               "first; without it, step() averages the trainers' gradients itself")
+        yield
 
     def _check_frozen(self) -> None:
         """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""

@@ -157,8 +157,10 @@ class Bridge:
 
     def step(self, dense_grads: Mapping[str, Optional[np.ndarray]],
              row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]],
-             hypers: Sequence[Mapping[str, Any]] = ()) -> Dict[str, np.ndarray]:
-        """Send this step's gradients (and any hyper-parameter change); the dense values after it."""
+             hypers: Sequence[Mapping[str, Any]] = (), averaged: bool = False) -> Dict[str, np.ndarray]:
+        """Send this step's gradients (and any hyper-parameter change); the dense values after it. ``averaged``:
+        ``dense_grads`` is the step's whole gradient after ``synchronize`` (the same on every trainer): trainer
+        0's is applied as it is, the others send no gradient."""
         self._send_hypers(hypers)
         for name, parts in row_grads.items():
             if name not in self.tables:
@@ -167,18 +169,32 @@ class Bridge:
             if parts:
                 self.ps.push_sparse(name, np.concatenate([i for i, _ in parts]),
                                     np.concatenate([g for _, g in parts]))
-        grads, flags = {}, {}
-        for name in self.names:
-            g = dense_grads.get(name)
-            shape, dtype = self._shapes[name]
-            if g is None:  # zeros on the wire, flagged: counted as zero, and no update where no trainer has one
-                grads[name], flags[name] = self._zeros(name), P.NOGRAD_FLAG
-            else:
-                grads[name] = np.ascontiguousarray(g, dtype=dtype)
+        if averaged and self.rank != 0:
+            dense_grads = {}
+        grads, flags = self._dense(dense_grads)
+        if averaged:
+            flags = {n: flags.get(n, P.AVERAGED_FLAG) for n in self.names}
         if self.ps.mode == "sync":
             return self.ps.push_pull(grads, flags)
         self.ps.push(grads, flags)
         return self.ps.pull()
+
+    def synchronize(self, dense_grads: Mapping[str, Optional[np.ndarray]]) -> Dict[str, Optional[np.ndarray]]:
+        """Sync mode: this step's dense gradients averaged over every trainer (as the step would apply them),
+        nothing applied; None for a parameter no trainer had a gradient for. The step then goes with
+        ``step(..., averaged=True)``."""
+        return self.ps.reduce(*self._dense(dense_grads))
+
+    def _dense(self, dense_grads: Mapping[str, Optional[np.ndarray]]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
+        """Every dense parameter's gradient to send, and the flags of those without one (``NOGRAD_FLAG``)."""
+        grads, flags = {}, {}
+        for name in self.names:
+            g = dense_grads.get(name)
+            if g is None:  # zeros on the wire, flagged: counted as zero, and no update where no trainer has one
+                grads[name], flags[name] = self._zeros(name), P.NOGRAD_FLAG
+            else:
+                grads[name] = np.ascontiguousarray(g, dtype=self._shapes[name][1])
+        return grads, flags
 
     def _zeros(self, name: str) -> np.ndarray:
         """A read-only zero array shaped like dense parameter ``name`` (made once)."""

@@ -29,7 +29,7 @@ from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, 
 import numpy as np
 
 from .. import optim
-from ..errors import ConnectionLost, NonFinite, PSError, RemoteError
+from ..errors import ConnectionLost, NonFinite, ProtocolError, PSError, RemoteError
 from ..optim import OptimizerSpec
 from ..wire import protocol as P
 from ..wire.stream import SEGMENT
@@ -102,6 +102,18 @@ class AccPool:
 _NOBODY: FrozenSet[int] = frozenset()
 
 
+@dataclass
+class Reduce:
+    """A block's ``synchronize()`` of step ``step``: the trainers' gradients summed in trainer order (``who``: each
+    one in the sum, and whether it had a gradient), their average once ``done``."""
+
+    sum: np.ndarray
+    step: int = -1
+    who: Dict[int, bool] = field(default_factory=dict)
+    receiving: Set[int] = field(default_factory=set)
+    done: bool = False
+
+
 @dataclass(frozen=True)
 class DenseShared:
     """What the dense blocks of one pserver share: its barriers, the slots segments are summed in, and the
@@ -150,6 +162,7 @@ class DenseBlock(Shard):
         # gradient came averaged already (``AVERAGED_FLAG``): per step number, so nothing is reset between steps.
         self.graded_at = -1
         self.averaged_at = -1
+        self.reduce: Optional[Reduce] = None  # synchronize()'s average, made on the first one
         self._start_segments(self.lock)
 
     def label(self) -> str:
@@ -328,12 +341,82 @@ class DenseBlock(Shard):
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
         whose update was refused: its values are lost)."""
+        if self.reduce is not None:
+            self._reduce_done()
         if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
             else:
                 self._complete()
         self.wake()
+
+    # -- synchronize(): the step's averaged gradient, sent back instead of applied ----------------------------
+
+    def reduce_push(self, conn: Conn, h: P.Header, budget: Any) -> None:
+        """Trainer ``conn.trainer``'s gradient for sync step ``h.step`` (``NOGRAD_FLAG``: it has none), summed in
+        trainer order into the block's average of that step; nothing is applied. The average's buffer is charged
+        to ``budget`` when first made. A repeat of a push already counted is read and dropped."""
+        t, sync = conn.trainer, self.sync
+        with self.cv:
+            self.step.wait(h.step, "synchronize")  # every earlier step applied: its average is no longer read
+            if self.reduce is None:
+                budget.charge(self.nbytes, f"the averaged gradient of {self.label()} (synchronize())")
+                self.reduce = Reduce(np.empty(self.shape, dtype=self.dtype))
+            r = self.reduce
+            if r.step != h.step:
+                r.step, r.who, r.done = h.step, {}, False
+            repeat = t in r.who or t in r.receiving
+            r.receiving.add(t)
+        if repeat:
+            conn.stream.discard()
+            return
+        try:
+            g = conn.buffer(self.shape, self.dtype)
+            conn.stream.recv_into(g)
+            check = self._checker(t, h.step)
+            if check is not None:
+                check(g)
+            with self.cv:
+                def turn() -> bool:
+                    return sync.in_order(t, r.who.keys())
+                if not turn():
+                    sync.wait(self.cv, turn, h.step, f"synchronize {self.label()}: summing in trainer order",
+                              lambda: {u for u in sync.active if u < t} - set(r.who))
+                if r.who:
+                    np.add(r.sum, g, out=r.sum)
+                else:
+                    np.copyto(r.sum, g)
+                r.who[t] = not h.status & P.NOGRAD_FLAG
+                self._reduce_done()
+        finally:
+            with self.cv:
+                r.receiving.discard(t)
+                self.cv.notify_all()
+
+    def _reduce_done(self) -> None:
+        """(Holding ``cv``.) Once every active trainer is in the sum, it becomes their average."""
+        r = self.reduce
+        if r is None or r.done or not r.who or not self.sync.active <= r.who.keys():
+            return
+        if len(r.who) > 1:
+            r.sum /= self.dtype.type(len(r.who))
+        r.done = True
+        self.cv.notify_all()
+
+    def reduce_pull(self, conn: Conn, h: P.Header) -> None:
+        """Reply with the average of sync step ``h.step`` once every active trainer is in it; with
+        ``NOGRAD_FLAG`` when no trainer had a gradient."""
+        with self.cv:
+            r = self.reduce
+            if r is None or r.step != h.step:
+                raise ProtocolError(f"{self.label()}: trainer {conn.trainer} pulls the average of step {h.step}, "
+                                    "which it did not push (synchronize())")
+            self.sync.wait(self.cv, lambda: r.done or r.step != h.step, h.step, f"synchronize {self.label()}",
+                           lambda: set(self.sync.active) - set(r.who), lambda: conn.gone)
+            flag = 0 if any(r.who.values()) else P.NOGRAD_FLAG
+        # Sent outside the lock: nothing changes it until this trainer pushes again, after reading it.
+        conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), flag, key=h.key, step=h.step,
+                                       length=self.nbytes), r.sum)
 
     # -- sync SGD: a push folded segment by segment -------------------------------------------------------------
 

@@ -43,6 +43,9 @@ NOGRAD_FLAG = 2
 # after a synchronize()): the step applies it as it is, not divided by the trainer count; the other trainers
 # push NOGRAD_FLAG zeros.
 AVERAGED_FLAG = 4
+# Status of PUSH_DENSE: a gradient to average over the trainers, not to apply (``synchronize()``); of PULL_DENSE:
+# reply with that average for ``step`` (its DATA reply has NOGRAD_FLAG when no trainer had a gradient).
+REDUCE_FLAG = 8
 
 
 class Op(enum.IntEnum):
