@@ -13,6 +13,7 @@ plain torch from ``start`` on the whole batch. The cases:
   beta1, CyclicLR (``cycle_momentum=True``), ReduceLROnPlateau on a metric every trainer sees alike.
 * ``clip_sgd``, ``clip_adam``: ``clip_grad_norm_`` of the whole batch's gradient, Horovod's way:
   ``opt.synchronize()``, clip, ``with opt.skip_synchronize(): opt.step()``; plain torch clips the whole batch's.
+* ``combined``: all of them in one script (frozen backbone, the head, OneCycleLR cycling momentum, clipping).
 """
 
 from __future__ import annotations
@@ -59,22 +60,23 @@ def batch(step: int, rank: int = 0, size: int = 1):
 
 def _optimizer(case: str, net: Net) -> torch.optim.Optimizer:
     body = list(net.fc1.parameters()) + list(net.fc2.parameters())
-    if case == "frozen":
+    if case in ("frozen", "combined"):
         net.fc1.requires_grad_(False)
+    if case == "frozen":
         return torch.optim.AdamW(net.parameters(), lr=0.02)  # weight_decay 0.01 by default
     if case == "unused_adamw":
         return torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.1)
     if case == "unused_sgd":
         return torch.optim.SGD([{"params": body, "momentum": 0.9, "weight_decay": 0.01},
                                 {"params": net.head.parameters(), "weight_decay": 0.1}], lr=0.1)
-    if case in ("onecycle_sgd", "cyclic", "plateau", "clip_sgd"):
+    if case in ("onecycle_sgd", "cyclic", "plateau", "clip_sgd", "combined"):
         return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     return torch.optim.Adam(net.parameters(), lr=0.05)
 
 
 def _scheduler(case: str, opt: torch.optim.Optimizer, steps: int) -> Optional[Any]:
     S = torch.optim.lr_scheduler
-    if case.startswith("onecycle"):
+    if case.startswith("onecycle") or case == "combined":
         return S.OneCycleLR(opt, max_lr=0.3, total_steps=steps + 1)
     if case == "cyclic":
         return S.CyclicLR(opt, base_lr=0.01, max_lr=0.2, step_size_up=2)
@@ -84,14 +86,14 @@ def _scheduler(case: str, opt: torch.optim.Optimizer, steps: int) -> Optional[An
 
 
 CASES = ("frozen", "unused_adamw", "unused_sgd", "onecycle_sgd", "onecycle_adam", "cyclic", "plateau",
-         "clip_sgd", "clip_adam")
+         "clip_sgd", "clip_adam", "combined")
 MAX_NORM = 0.2
 
 
 def train(case: str, net: Net, opt: Any, steps: int, rank: int = 0, size: int = 1, first: int = 0) -> None:
     """The loop, the same for plain torch and the pservers: ``opt`` is torch.optim's or pct's."""
     sched = _scheduler(case, opt, steps)
-    clip = case.startswith("clip")
+    clip = case.startswith("clip") or case == "combined"
     for step in range(first, steps):
         x, flag, y = batch(step, rank, size)
         opt.zero_grad()
@@ -121,9 +123,10 @@ def reference(case: str, start: Dict[str, torch.Tensor], steps: int) -> Dict[str
 def main(case: str, out: str, steps: int) -> None:
     import paddle_cluster.torch as pct
 
+    out = out.format(rank=pct.rank())  # "{rank}" in OUT: one file per trainer of a launched job
     torch.manual_seed(pct.rank())  # each trainer starts elsewhere: trainer 0's values must win
     net = Net()
-    if case == "frozen":  # a pretrained backbone, the same on every trainer (frozen, it never leaves the trainer)
+    if case in ("frozen", "combined"):  # a pretrained backbone, the same on every trainer (frozen: never sent)
         torch.manual_seed(7)
         net.fc1.load_state_dict(torch.nn.Linear(FEATURES, HIDDEN).state_dict())
     opt = pct.DistributedOptimizer(_optimizer(case, net), named_parameters=net.named_parameters())

@@ -19,7 +19,10 @@ SUPPORTED = {"SGD": "sgd", "Momentum": "momentum", "Adagrad": "adagrad", "Adam":
 _ONE_LINE = ("supported: paddle.optimizer.SGD, Momentum (momentum, use_nesterov), Adagrad (epsilon, "
              "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those, its decoupled "
              "weight_decay, apply_decay_param_fun), each with a float or LRScheduler learning_rate, parameter "
-             "groups, weight_decay a float or L2Decay, no grad_clip")
+             "groups, weight_decay a float or L2Decay, grad_clip a paddle.nn.ClipGradByGlobalNorm, ClipGradByNorm "
+             "or ClipGradByValue")
+# Applied to the step's gradient averaged over the trainers (``synchronize``), as Paddle clips the whole batch's.
+_CLIPS = (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm, paddle.nn.ClipGradByValue)
 
 def _refuse(what: str, why: str = "") -> ValueError:
     return ValueError(f"DistributedOptimizer: {what} is not supported{f' ({why})' if why else ''}; {_ONE_LINE}")
@@ -52,9 +55,9 @@ def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any
     g = group or {}
     if param.dtype not in (paddle.float32, paddle.float64):
         raise _refuse(f"parameter {param.name} of {param.dtype}", "float32 and float64 parameters are")
-    if g.get("grad_clip", optimizer._grad_clip) is not None:
-        raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...)",
-                      "it would clip each trainer's part of the gradient, not the gradient the pservers apply")
+    clip = g.get("grad_clip", optimizer._grad_clip)
+    if clip is not None and type(clip) not in _CLIPS:
+        raise _refuse(f"grad_clip={type(clip).__module__}.{type(clip).__qualname__}")
     mult = param.optimize_attr.get("learning_rate", 1.0) if param.optimize_attr else 1.0
     if not isinstance(mult, (int, float)):
         raise _refuse(f"a tensor learning_rate on parameter {param.name}")
@@ -106,15 +109,16 @@ def _dense_grad(p: Any) -> Optional[np.ndarray]:
 
 
 class DistributedOptimizer:
-    """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters
-    on the pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the
-    gradients (dense and embedding rows) and loads the new values into the parameters in place; the pservers
-    apply the wrapped optimizer's rule with each parameter's hyper-parameters, and its learning rate as
-    ``get_lr()`` gives it at each step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer
-    starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then the step it continues
-    from). Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them; one whose ``grad`` is
-    None in a step counts as zero in the trainers' mean and is not updated at all when no trainer has one (as
-    paddle.optimizer skips it; ``clear_grad()`` sets gradients to zero, which are applied, as Paddle does).
+    """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters on the
+    pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the gradients
+    (dense and embedding rows) and loads the new values into the parameters in place; the pservers apply the wrapped
+    optimizer's rule with each parameter's hyper-parameters, and its learning rate as ``get_lr()`` gives it at each
+    step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer starts from trainer 0's values (or a
+    resumed checkpoint's: ``start_step`` is then the step it continues from). A ``grad_clip`` clips the step's
+    gradient averaged over the trainers (``Bridge.synchronize``: one more round trip per step), as Paddle clips the
+    whole batch's. Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them; one whose
+    ``grad`` is None in a step counts as zero in the trainers' mean and is not updated at all when no trainer has
+    one (as paddle.optimizer skips it; ``clear_grad()`` sets gradients to zero, which are applied, as Paddle does).
     Parameters are named by their Paddle names (the same on every trainer that builds the same model), or by
     ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
     trainers' gradients) or "async". One per trainer process."""
@@ -147,6 +151,7 @@ class DistributedOptimizer:
                 group.names.append(names[id(p)])
                 self.dense.append((names[id(p)], p))
         self.optimizer = optimizer
+        self.clips = self._clips(optimizer, entries, names)
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
         self.bridge = bridge.Bridge(mode, **connect_kw)
@@ -174,6 +179,28 @@ class DistributedOptimizer:
                              "named_parameters: pass the named_parameters() of the model the optimizer trains")
         return by_param
 
+    @staticmethod
+    def _clips(optimizer: Any, entries: List[Tuple[Any, Any]], names: Dict[int, str]
+               ) -> List[Tuple[Any, List[Tuple[str, Any]]]]:
+        """Each ``grad_clip`` (the optimizer's, or a parameter group's) and the dense parameters it clips together,
+        as ``paddle.optimizer`` applies it: over all of them, or a group's over that group."""
+        by: Dict[int, Tuple[Any, List[Tuple[str, Any]]]] = {}
+        for g, p in entries:
+            clip = (g or {}).get("grad_clip", optimizer._grad_clip)
+            if clip is not None and getattr(p, "_paddle_cluster_table", None) is None:
+                by.setdefault(id(g), (clip, []))[1].append((names[id(p)], p))
+        return list(by.values())
+
+    def _clipped(self, grads: Dict[str, Optional[np.ndarray]]) -> Dict[str, Optional[np.ndarray]]:
+        """The step's gradient averaged over the trainers, clipped by each ``grad_clip`` with Paddle's own."""
+        avg = self.bridge.synchronize(grads)
+        for clip, params in self.clips:
+            pairs = [(p, paddle.to_tensor(avg[n])) for n, p in params if avg[n] is not None]
+            named = {id(p): n for n, p in params}
+            for p, g in clip(pairs):
+                avg[named[id(p)]] = g.numpy()
+        return avg
+
     def _load(self, values: Dict[str, np.ndarray]) -> None:
         for name, p in self.dense:
             p.set_value(values[name])
@@ -190,7 +217,9 @@ class DistributedOptimizer:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
         lr = float(self.optimizer.get_lr())
-        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults])
+        if self.clips:  # clipping needs the whole step's gradient: averaged first, applied once as it is
+            grads = self._clipped(grads)
+        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=bool(self.clips))
         self._load(values)
         for emb in self.embeddings:
             emb.end_step()
