@@ -128,7 +128,7 @@ def test_every_paddle_scheduler_alone_equals_plain_paddle(alone):
 
 
 def test_refusals_are_one_line(alone):
-    """A grad_clip of another kind; a gradient for a parameter frozen when wrapped."""
+    """A grad_clip of another kind, or in async mode; a gradient for a parameter frozen when wrapped."""
     ppc = alone
 
     class Mine(paddle.nn.ClipGradByValue):
@@ -139,6 +139,11 @@ def test_refusals_are_one_line(alone):
         ppc.DistributedOptimizer(paddle.optimizer.SGD(0.1, parameters=net.parameters(), grad_clip=Mine(1.0)))
     assert str(e.value).startswith("DistributedOptimizer: grad_clip=") and "Mine is not supported" in str(e.value)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        ppc.DistributedOptimizer(paddle.optimizer.SGD(0.1, parameters=net.parameters(),
+                                                      grad_clip=paddle.nn.ClipGradByNorm(1.0)), mode="async")
+    assert str(e.value).startswith("DistributedOptimizer: grad_clip with mode='async' is not supported (clipping "
+                                   "needs the step's averaged gradient: mode='sync')")
     for p in net.fc1.parameters():
         p.stop_gradient = True
     opt = ppc.DistributedOptimizer(paddle.optimizer.SGD(0.1, parameters=net.parameters()),

@@ -134,7 +134,8 @@ def alone(monkeypatch, tmp_path):
 
 def test_refusals_are_one_line(alone):
     """An optimizer option that cannot be honoured, still refused at wrap time (a scheduler's own keys are not);
-    a gradient for a parameter frozen when wrapped; skip_synchronize() without synchronize()."""
+    a gradient for a parameter frozen when wrapped; skip_synchronize() without synchronize(); synchronize() in
+    async mode."""
     pct = alone
     net = J.Net()
     groups = [{"params": net.fc1.parameters(), "max_lr": 0.3, "base_momentum": 0.8, "note": "mine"},
@@ -156,6 +157,11 @@ def test_refusals_are_one_line(alone):
         opt.step()
     assert str(e.value) == ("DistributedOptimizer: fc1.weight, fc1.bias had requires_grad=False when the optimizer "
                             "was wrapped, so they are not on the pservers; set requires_grad before wrapping")
+    pct.shutdown()
+    opt = pct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode="async")
+    with pytest.raises(RuntimeError) as e:
+        opt.synchronize()
+    assert str(e.value) == "synchronize(): async mode has no step average to wait for; use mode='sync'"
 
 
 @pytest.mark.cluster

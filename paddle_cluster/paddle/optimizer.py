@@ -152,6 +152,8 @@ class DistributedOptimizer:
                 self.dense.append((names[id(p)], p))
         self.optimizer = optimizer
         self.clips = self._clips(optimizer, entries, names)
+        if self.clips and mode != "sync":
+            raise _refuse(f"grad_clip with mode={mode!r}", "clipping needs the step's averaged gradient: mode='sync'")
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
         self.bridge = bridge.Bridge(mode, **connect_kw)
