@@ -19,6 +19,9 @@ Contract (what a frontend does, in order):
    ``{"lr": 0.05}``): a change since the last step (an LR scheduler) is sent with ``set_hyper`` and applies from
    this step's update on. Returns every dense value after the step (copy them back: the arrays are the client's
    buffers, valid until the next step). Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
+   Clipping the whole batch's gradient: ``avg = b.synchronize(dense_grads)`` first (every trainer's gradients
+   averaged as the step would, nothing applied; None where no trainer has one), then ``b.step(final, rows,
+   hypers, averaged=True)`` with the gradient made from ``avg`` (the same on every trainer: trainer 0's goes).
 4. ``b.final(tables)`` (the dense values and each table, whole or its existing rows) builds the final model;
    ``b.save_checkpoint()`` (trainer 0) has the pservers save parameters and optimizer state; ``b.close()`` ends
    the trainer.
