@@ -11,11 +11,14 @@ steps)`` is plain Paddle from ``start`` on the whole batch. The loop clears grad
   skips it: no decay, no moments), at others by trainer 0 only (DDP's rule: the others count as zero).
 * ``clip_global`` (a ClipGradByGlobalNorm per parameter group), ``clip_norm`` (ClipGradByNorm, Adam),
   ``clip_value`` (ClipGradByValue, Momentum): ``grad_clip`` on the whole batch's gradient, as Paddle clips it.
+* ``synchronize``: ``paddle.nn.utils.clip_grad_norm_`` by hand, Horovod's way: ``opt.synchronize()``, clip,
+  ``with opt.skip_synchronize(): opt.step()``; plain Paddle clips the whole batch's gradient.
 * ``combined``: all of them in one script (frozen backbone, the head, a OneCycleLR rate, ClipGradByGlobalNorm).
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import warnings
@@ -28,7 +31,7 @@ import paddle  # noqa: E402
 
 GLOBAL_BATCH, FEATURES, HIDDEN = 12, 5, 4
 FLAGGED = ([0, 1], [], [2, 8])  # flagged samples by step % 3: in trainer 0's half only, nowhere, in both halves
-CASES = ("frozen", "unused_adamw", "unused_sgd", "clip_global", "clip_norm", "clip_value", "combined")
+CASES = ("frozen", "unused_adamw", "unused_sgd", "clip_global", "clip_norm", "clip_value", "synchronize", "combined")
 
 
 class Net(paddle.nn.Layer):
@@ -75,6 +78,8 @@ def make(case: str, net: Net) -> paddle.optimizer.Optimizer:
         return paddle.optimizer.Momentum(0.1, momentum=0.9, parameters=[
             {"params": body, "grad_clip": paddle.nn.ClipGradByGlobalNorm(0.2)},
             {"params": net.head.parameters(), "grad_clip": paddle.nn.ClipGradByGlobalNorm(0.05)}])
+    if case == "synchronize":
+        return paddle.optimizer.Adam(0.05, parameters=net.parameters())
     if case == "clip_norm":
         return paddle.optimizer.Adam(0.05, grad_clip=paddle.nn.ClipGradByNorm(0.1), parameters=net.parameters())
     return paddle.optimizer.Momentum(0.1, momentum=0.9, weight_decay=0.01, grad_clip=paddle.nn.ClipGradByValue(0.05),
@@ -85,13 +90,21 @@ def numpy(sd: Dict[str, Any]) -> Dict[str, np.ndarray]:
     return {k: np.array(v.numpy()) for k, v in sd.items()}
 
 
-def train(net: Net, opt: Any, steps: int, rank: int = 0, size: int = 1) -> None:
-    """The loop, the same for plain Paddle and the pservers: ``opt`` is paddle.optimizer's or ppc's."""
+def train(net: Net, opt: Any, steps: int, rank: int = 0, size: int = 1, by_hand: bool = False) -> None:
+    """The loop, the same for plain Paddle and the pservers: ``opt`` is paddle.optimizer's or ppc's; ``by_hand``:
+    clip with ``paddle.nn.utils.clip_grad_norm_`` (after ``synchronize()`` on the pservers)."""
     sched = getattr(opt, "optimizer", opt)._learning_rate
     for step in range(steps):
         x, flagged, y = batch(step, rank, size)
         paddle.nn.functional.mse_loss(net(x, flagged), y).backward()
-        opt.step()
+        skip: Any = contextlib.nullcontext()
+        if by_hand:
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
+                skip = opt.skip_synchronize()
+            paddle.nn.utils.clip_grad_norm_(net.parameters(), 0.2)
+        with skip:
+            opt.step()
         opt.clear_grad(set_to_zero=False)
         if isinstance(sched, paddle.optimizer.lr.LRScheduler):
             sched.step()
@@ -101,7 +114,7 @@ def reference(case: str, start: Dict[str, np.ndarray], steps: int) -> Dict[str, 
     """Plain Paddle: the same model from ``start``, the whole global batch every step."""
     net = Net()
     net.set_state_dict({k: paddle.to_tensor(v) for k, v in start.items()})
-    train(net, make(case, net), steps)
+    train(net, make(case, net), steps, by_hand=case == "synchronize")
     return numpy(net.state_dict())
 
 
@@ -116,7 +129,7 @@ def main(case: str, out: str, steps: int) -> None:
         net.fc1.set_state_dict(paddle.nn.Linear(FEATURES, HIDDEN).state_dict())
     opt = ppc.DistributedOptimizer(make(case, net), named_parameters=net.named_parameters())
     start = numpy(ppc.state_dict(net))
-    train(net, opt, steps, ppc.rank(), ppc.size())
+    train(net, opt, steps, ppc.rank(), ppc.size(), by_hand=case == "synchronize")
     with open(out, "wb") as f:
         pickle.dump({"start": start, "final": numpy(ppc.state_dict(net))}, f)
     ppc.shutdown()

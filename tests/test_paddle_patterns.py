@@ -128,7 +128,8 @@ def test_every_paddle_scheduler_alone_equals_plain_paddle(alone):
 
 
 def test_refusals_are_one_line(alone):
-    """A grad_clip of another kind, or in async mode; a gradient for a parameter frozen when wrapped."""
+    """A grad_clip of another kind, or in async mode; synchronize() next to a grad_clip; a gradient for a
+    parameter frozen when wrapped."""
     ppc = alone
 
     class Mine(paddle.nn.ClipGradByValue):
@@ -144,6 +145,12 @@ def test_refusals_are_one_line(alone):
                                                       grad_clip=paddle.nn.ClipGradByNorm(1.0)), mode="async")
     assert str(e.value).startswith("DistributedOptimizer: grad_clip with mode='async' is not supported (clipping "
                                    "needs the step's averaged gradient: mode='sync')")
+    opt = ppc.DistributedOptimizer(paddle.optimizer.SGD(0.1, parameters=net.parameters(),
+                                                        grad_clip=paddle.nn.ClipGradByNorm(1.0)))
+    with pytest.raises(RuntimeError) as e:
+        opt.synchronize()
+    assert str(e.value).startswith("DistributedOptimizer.synchronize(): the optimizer has a grad_clip, which step() ")
+    ppc.shutdown()
     for p in net.fc1.parameters():
         p.stop_gradient = True
     opt = ppc.DistributedOptimizer(paddle.optimizer.SGD(0.1, parameters=net.parameters()),

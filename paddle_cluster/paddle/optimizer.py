@@ -3,7 +3,8 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import paddle
@@ -167,6 +168,7 @@ class DistributedOptimizer:
         for emb in self.embeddings:
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
+        self._synced = False  # p.grad holds this step's average (synchronize())
 
     @staticmethod
     def _names(entries: List[Tuple[Any, Any]], named: Optional[Iterable[Tuple[str, Any]]]) -> Dict[int, str]:
@@ -209,19 +211,16 @@ class DistributedOptimizer:
 
     def step(self) -> None:
         """Send this step's gradients, load the values after it into the parameters."""
-        thawed = [p.name for p in self.frozen if p.grad is not None]
-        if thawed:
-            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had stop_gradient=True when the optimizer "
-                               "was wrapped, so they are not on the pservers; set stop_gradient before wrapping")
-        grads = {n: _dense_grad(p) for n, p in self.dense}
+        grads = self._grads()
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()):
+        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
         lr = float(self.optimizer.get_lr())
+        averaged, self._synced = self._synced or bool(self.clips), False
         if self.clips:  # clipping needs the whole step's gradient: averaged first, applied once as it is
             grads = self._clipped(grads)
-        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=bool(self.clips))
+        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=averaged)
         self._load(values)
         for emb in self.embeddings:
             emb.end_step()
@@ -234,7 +233,44 @@ class DistributedOptimizer:
         self.step()
         return [], pairs
 
+    def _grads(self) -> Dict[str, Optional[np.ndarray]]:
+        """Each dense parameter's gradient now (None: it has none)."""
+        thawed = [p.name for p in self.frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had stop_gradient=True when the optimizer "
+                               "was wrapped, so they are not on the pservers; set stop_gradient before wrapping")
+        return {n: _dense_grad(p) for n, p in self.dense}
+
+    def synchronize(self) -> None:
+        """As ``paddle_cluster.torch``'s (Horovod's): every ``p.grad`` becomes the gradient this step applies, all
+        trainers' averaged (None where no trainer has one), nothing applied yet: clip or inspect it (e.g.
+        ``paddle.nn.utils.clip_grad_norm_``), then ``step()`` applies exactly that gradient. Sync mode; one more
+        round trip (docs/pytorch.md). With a ``grad_clip`` the optimizer does this itself at ``step()``."""
+        if self.clips:
+            raise RuntimeError("DistributedOptimizer.synchronize(): the optimizer has a grad_clip, which step() "
+                               "applies to the averaged gradient itself; drop grad_clip or the synchronize() call")
+        avg = self.bridge.synchronize(self._grads())
+        for n, p in self.dense:
+            a = avg[n]
+            if a is None:
+                p.clear_gradient(False)
+            elif p.grad is None or p.grad.is_selected_rows():
+                p._set_grad_ivar(paddle.to_tensor(a))
+            else:
+                p.grad.set_value(a)
+        self._synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
+        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
+        if not self._synced:
+            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
+                               "first; without it, step() averages the trainers' gradients itself")
+        yield
+
     def clear_grad(self, set_to_zero: bool = True) -> None:
+        self._synced = False
         self.optimizer.clear_grad(set_to_zero)
         for emb in self.embeddings:
             emb.clear_rows()
