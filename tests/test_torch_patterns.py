@@ -82,6 +82,7 @@ def _sweep() -> dict:
                                                           anneal_strategy="linear"),
         "OneCycleLR-Adam-betas": lambda o: S.OneCycleLR(o, 0.05, total_steps=STEPS + 1),
         "ReduceLROnPlateau-max": lambda o: S.ReduceLROnPlateau(o, mode="max", factor=0.5, patience=0),
+        "OneCycleLR-made-before-wrapping": lambda o: S.OneCycleLR(o, 0.3, total_steps=STEPS + 1),
     }
 
 
@@ -91,8 +92,10 @@ def _sweep_run(name: str, make_sched, start: dict, wrap) -> dict:
     params = dict(params=net.parameters(), lr=0.05)
     inner = torch.optim.Adam(**params) if "Adam" in name else \
         torch.optim.SGD(**params, momentum=0.9, nesterov=True)
+    before = name.endswith("before-wrapping")  # on the wrapped optimizer, its keys in the groups when wrapped
+    sched = make_sched(inner) if before else None
     opt = wrap(inner, net)
-    sched = make_sched(opt)
+    sched = sched or make_sched(opt)
     for step in range(STEPS):
         x, flag, y = J.batch(step)
         opt.zero_grad()
