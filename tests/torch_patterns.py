@@ -9,11 +9,12 @@ plain torch from ``start`` on the whole batch. The cases:
 * ``unused_adamw``, ``unused_sgd``: a head used only for flagged samples: at some steps by no trainer (torch
   skips it: no decay, no momentum, no Adam step), at others by trainer 0 only (DDP: the others count as zero).
   ``unused_sgd``'s head is in a plain-SGD group with weight decay (the pservers' segment-folding path).
-* ``onecycle_sgd``, ``onecycle_adam``, ``cyclic``, ``plateau``: OneCycleLR cycling SGD's momentum or Adam's
-  beta1, CyclicLR (``cycle_momentum=True``), ReduceLROnPlateau on a metric every trainer sees alike.
+* ``onecycle_adam``, ``cyclic``, ``plateau``: OneCycleLR cycling Adam's beta1, CyclicLR cycling SGD's momentum
+  (``cycle_momentum=True``), ReduceLROnPlateau on a metric every trainer sees alike.
 * ``clip_sgd``, ``clip_adam``: ``clip_grad_norm_`` of the whole batch's gradient, Horovod's way:
   ``opt.synchronize()``, clip, ``with opt.skip_synchronize(): opt.step()``; plain torch clips the whole batch's.
-* ``combined``: all of them in one script (frozen backbone, the head, OneCycleLR cycling momentum, clipping).
+* ``combined``: all of them in one script (frozen backbone, the head, OneCycleLR cycling SGD's momentum,
+  clipping).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _optimizer(case: str, net: Net) -> torch.optim.Optimizer:
     if case == "unused_sgd":
         return torch.optim.SGD([{"params": body, "momentum": 0.9, "weight_decay": 0.01},
                                 {"params": net.head.parameters(), "weight_decay": 0.1}], lr=0.1)
-    if case in ("onecycle_sgd", "cyclic", "plateau", "clip_sgd", "combined"):
+    if case in ("cyclic", "plateau", "clip_sgd", "combined"):
         return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     return torch.optim.Adam(net.parameters(), lr=0.05)
 
@@ -85,8 +86,8 @@ def _scheduler(case: str, opt: torch.optim.Optimizer, steps: int) -> Optional[An
     return None
 
 
-CASES = ("frozen", "unused_adamw", "unused_sgd", "onecycle_sgd", "onecycle_adam", "cyclic", "plateau",
-         "clip_sgd", "clip_adam", "combined")
+CASES = ("frozen", "unused_adamw", "unused_sgd", "onecycle_adam", "cyclic", "plateau", "clip_sgd", "clip_adam",
+         "combined")
 MAX_NORM = 0.2
 
 
