@@ -274,3 +274,38 @@ def test_waiting_hyper_parameter_changes_are_charged(tmp_path):
         finally:
             raw.close()
         server.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_synchronize_average_is_charged(tmp_path):
+    """A block's ``synchronize()`` average (a REDUCE push) is one more copy of the block, charged when first made:
+    a 24 MiB block (48 MiB charged: its value and scratch) cannot get one under a 64 MiB budget, refused naming
+    it; a 2 MiB one can, and its average comes back."""
+    env = H.make_env(1, 1, tmp_path)
+    f32 = P.dtype_code("float32")
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0, MEMORY)
+        raw = Raw(env, 0)
+        try:
+            _declare(raw, env, mode="sync")
+            base = _hwm(server.pid)
+            for key, n in ((1, 6 << 20), (2, 1 << 19)):
+                assert not isinstance(raw.call_json(P.Op.DEF_DENSE, _dense(f"w{key}", n), key=key), PSError)
+                raw.send(P.Op.INIT_DENSE, bytes(4 * n), dtype=f32, key=key)
+                assert not isinstance(raw.reply()[1], PSError)
+            raw.send(P.Op.PUSH_DENSE, bytes(24 * MiB), dtype=f32, status=P.REDUCE_FLAG, key=1)
+            got = raw.reply()[1]
+            assert isinstance(got, LimitExceeded), got
+            assert "the averaged gradient of block w1[0:6291456] (synchronize())" in str(got), got
+            assert "64 MiB memory budget (PADDLE_PSERVER_MEMORY)" in str(got), got
+            grad = (b"\x00\x00\x80\x3f") * (1 << 19)  # 1.0 in float32
+            raw.send(P.Op.PUSH_DENSE, grad, dtype=f32, status=P.REDUCE_FLAG, key=2)
+            assert not isinstance(raw.reply()[1], PSError)
+            raw.send(P.Op.PULL_DENSE, dtype=f32, status=P.REDUCE_FLAG, key=2)
+            h, got = raw.reply()
+            assert got == grad and not h.status & P.NOGRAD_FLAG
+            grew = _hwm(server.pid) - base
+            assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB"
+        finally:
+            raw.close()
+        server.kill()

@@ -3,7 +3,8 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import paddle
@@ -19,7 +20,10 @@ SUPPORTED = {"SGD": "sgd", "Momentum": "momentum", "Adagrad": "adagrad", "Adam":
 _ONE_LINE = ("supported: paddle.optimizer.SGD, Momentum (momentum, use_nesterov), Adagrad (epsilon, "
              "initial_accumulator_value), Adam (beta1, beta2, epsilon, amsgrad) and AdamW (those, its decoupled "
              "weight_decay, apply_decay_param_fun), each with a float or LRScheduler learning_rate, parameter "
-             "groups, weight_decay a float or L2Decay, no grad_clip")
+             "groups, weight_decay a float or L2Decay, grad_clip a paddle.nn.ClipGradByGlobalNorm, ClipGradByNorm "
+             "or ClipGradByValue")
+# Applied to the step's gradient averaged over the trainers (``synchronize``), as Paddle clips the whole batch's.
+_CLIPS = (paddle.nn.ClipGradByGlobalNorm, paddle.nn.ClipGradByNorm, paddle.nn.ClipGradByValue)
 
 def _refuse(what: str, why: str = "") -> ValueError:
     return ValueError(f"DistributedOptimizer: {what} is not supported{f' ({why})' if why else ''}; {_ONE_LINE}")
@@ -52,9 +56,9 @@ def spec_of(optimizer: paddle.optimizer.Optimizer, group: Optional[Dict[str, Any
     g = group or {}
     if param.dtype not in (paddle.float32, paddle.float64):
         raise _refuse(f"parameter {param.name} of {param.dtype}", "float32 and float64 parameters are")
-    if g.get("grad_clip", optimizer._grad_clip) is not None:
-        raise _refuse(f"paddle.optimizer.{kind}(grad_clip=...)",
-                      "it would clip each trainer's part of the gradient, not the gradient the pservers apply")
+    clip = g.get("grad_clip", optimizer._grad_clip)
+    if clip is not None and type(clip) not in _CLIPS:
+        raise _refuse(f"grad_clip={type(clip).__module__}.{type(clip).__qualname__}")
     mult = param.optimize_attr.get("learning_rate", 1.0) if param.optimize_attr else 1.0
     if not isinstance(mult, (int, float)):
         raise _refuse(f"a tensor learning_rate on parameter {param.name}")
@@ -106,14 +110,17 @@ def _dense_grad(p: Any) -> Optional[np.ndarray]:
 
 
 class DistributedOptimizer:
-    """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters
-    on the pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the
-    gradients (dense and embedding rows) and loads the new values into the parameters in place; the pservers
-    apply the wrapped optimizer's rule with each parameter's hyper-parameters, and its learning rate as
-    ``get_lr()`` gives it at each step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer
-    starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then the step it continues
-    from). Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them. Parameters are
-    named by their Paddle names (the same on every trainer that builds the same model), or by
+    """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters on the
+    pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the gradients
+    (dense and embedding rows) and loads the new values into the parameters in place; the pservers apply the wrapped
+    optimizer's rule with each parameter's hyper-parameters, and its learning rate as ``get_lr()`` gives it at each
+    step (an LRScheduler stepping, ``set_lr``) from that step on. Every trainer starts from trainer 0's values (or a
+    resumed checkpoint's: ``start_step`` is then the step it continues from). A ``grad_clip`` clips the step's
+    gradient averaged over the trainers (``Bridge.synchronize``: one more round trip per step), as Paddle clips the
+    whole batch's. Parameters with ``stop_gradient=True`` stay local, as paddle.optimizer skips them; one whose
+    ``grad`` is None in a step counts as zero in the trainers' mean and is not updated at all when no trainer has
+    one (as paddle.optimizer skips it; ``clear_grad()`` sets gradients to zero, which are applied, as Paddle does).
+    Parameters are named by their Paddle names (the same on every trainer that builds the same model), or by
     ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
     trainers' gradients) or "async". One per trainer process."""
 
@@ -124,6 +131,8 @@ class DistributedOptimizer:
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
             else [(None, p) for p in groups]
+        # stop_gradient=True when wrapped: never sent, never registered (paddle.optimizer skips them).
+        self.frozen = [p for _, p in entries if p.stop_gradient]
         entries = [(g, p) for g, p in entries if not p.stop_gradient]
         names = self._names(entries, named_parameters)
         by_rule: Dict[Tuple[Any, ...], Tuple[Group, float]] = {}
@@ -143,6 +152,9 @@ class DistributedOptimizer:
                 group.names.append(names[id(p)])
                 self.dense.append((names[id(p)], p))
         self.optimizer = optimizer
+        self.clips = self._clips(optimizer, entries, names)
+        if self.clips and mode != "sync":
+            raise _refuse(f"grad_clip with mode={mode!r}", "clipping needs the step's averaged gradient: mode='sync'")
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
         self.bridge = bridge.Bridge(mode, **connect_kw)
@@ -156,6 +168,7 @@ class DistributedOptimizer:
         for emb in self.embeddings:
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
+        self._synced = False  # p.grad holds this step's average (synchronize())
 
     @staticmethod
     def _names(entries: List[Tuple[Any, Any]], named: Optional[Iterable[Tuple[str, Any]]]) -> Dict[int, str]:
@@ -170,19 +183,44 @@ class DistributedOptimizer:
                              "named_parameters: pass the named_parameters() of the model the optimizer trains")
         return by_param
 
+    @staticmethod
+    def _clips(optimizer: Any, entries: List[Tuple[Any, Any]], names: Dict[int, str]
+               ) -> List[Tuple[Any, List[Tuple[str, Any]]]]:
+        """Each ``grad_clip`` (the optimizer's, or a parameter group's) and the dense parameters it clips together,
+        as ``paddle.optimizer`` applies it: over all of them, or a group's over that group."""
+        by: Dict[int, Tuple[Any, List[Tuple[str, Any]]]] = {}
+        for g, p in entries:
+            clip = (g or {}).get("grad_clip", optimizer._grad_clip)
+            if clip is not None and getattr(p, "_paddle_cluster_table", None) is None:
+                by.setdefault(id(g), (clip, []))[1].append((names[id(p)], p))
+        return list(by.values())
+
+    def _clipped(self, grads: Dict[str, Optional[np.ndarray]]) -> Dict[str, Optional[np.ndarray]]:
+        """The step's gradient averaged over the trainers, clipped by each ``grad_clip`` with Paddle's own."""
+        avg = self.bridge.synchronize(grads)
+        for clip, params in self.clips:
+            pairs = [(p, paddle.to_tensor(avg[n])) for n, p in params if avg[n] is not None]
+            named = {id(p): n for n, p in params}
+            for p, g in clip(pairs):
+                avg[named[id(p)]] = g.numpy()
+        return avg
+
     def _load(self, values: Dict[str, np.ndarray]) -> None:
         for name, p in self.dense:
             p.set_value(values[name])
 
     def step(self) -> None:
         """Send this step's gradients, load the values after it into the parameters."""
-        grads = {n: _dense_grad(p) for n, p in self.dense}
+        grads = self._grads()
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()):
+        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
         lr = float(self.optimizer.get_lr())
-        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults])
+        averaged, self._synced = self._synced or bool(self.clips), False
+        if self.clips:  # clipping needs the whole step's gradient: averaged first, applied once as it is
+            grads = self._clipped(grads)
+        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=averaged)
         self._load(values)
         for emb in self.embeddings:
             emb.end_step()
@@ -195,7 +233,44 @@ class DistributedOptimizer:
         self.step()
         return [], pairs
 
+    def _grads(self) -> Dict[str, Optional[np.ndarray]]:
+        """Each dense parameter's gradient now (None: it has none)."""
+        thawed = [p.name for p in self.frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had stop_gradient=True when the optimizer "
+                               "was wrapped, so they are not on the pservers; set stop_gradient before wrapping")
+        return {n: _dense_grad(p) for n, p in self.dense}
+
+    def synchronize(self) -> None:
+        """As ``paddle_cluster.torch``'s (Horovod's): every ``p.grad`` becomes the gradient this step applies, all
+        trainers' averaged (None where no trainer has one), nothing applied yet: clip or inspect it (e.g.
+        ``paddle.nn.utils.clip_grad_norm_``), then ``step()`` applies exactly that gradient. Sync mode; one more
+        round trip (docs/pytorch.md). With a ``grad_clip`` the optimizer does this itself at ``step()``."""
+        if self.clips:
+            raise RuntimeError("DistributedOptimizer.synchronize(): the optimizer has a grad_clip, which step() "
+                               "applies to the averaged gradient itself; drop grad_clip or the synchronize() call")
+        avg = self.bridge.synchronize(self._grads())
+        for n, p in self.dense:
+            a = avg[n]
+            if a is None:
+                p.clear_gradient(False)
+            elif p.grad is None or p.grad.is_selected_rows():
+                p._set_grad_ivar(paddle.to_tensor(a))
+            else:
+                p.grad.set_value(a)
+        self._synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
+        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
+        if not self._synced:
+            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
+                               "first; without it, step() averages the trainers' gradients itself")
+        yield
+
     def clear_grad(self, set_to_zero: bool = True) -> None:
+        self._synced = False
         self.optimizer.clear_grad(set_to_zero)
         for emb in self.embeddings:
             emb.clear_rows()

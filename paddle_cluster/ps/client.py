@@ -200,22 +200,26 @@ class PSClient:
         return self._dense.pull(list(self._dense.values) if names is None else list(names), self.step)
 
     @_timed
-    def push(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> PushHandle:
+    def push(self, grads: Optional[Mapping[str, np.ndarray]] = None, flags: Optional[Mapping[str, int]] = None
+             ) -> PushHandle:
         """Send dense gradients for ``self.step`` and advance to the next step.
 
         Every registered dense parameter needs a gradient. Tables not pushed this step get an empty
         push (sync barriers count every trainer on every step). The gradient arrays are sent without
-        copying: do not modify them until the push is waited for (``wait``, or the next ``pull``).
+        copying: do not modify them until the push is waited for (``wait``, or the next ``pull``). ``flags``: a
+        parameter's push status (``protocol.NOGRAD_FLAG``: no gradient this step, its array is zeros;
+        ``AVERAGED_FLAG``: the step's averaged gradient already), by name.
         """
         self._check_open()
         step = self.step
-        futures = self._dense.push(dict(grads or {}), step)
+        futures = self._dense.push(dict(grads or {}), step, flags)
         futures += self._sparse.end_step(step, sync=self.mode == "sync")
         self.step += 1
         return self._track(PushHandle(step, futures))
 
     @_timed
-    def push_pull(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+    def push_pull(self, grads: Optional[Mapping[str, np.ndarray]] = None, flags: Optional[Mapping[str, int]] = None
+                  ) -> Dict[str, np.ndarray]:
         """``push(grads)`` then ``pull()`` in one exchange: returns every dense value for the next step.
 
         Each block's pull follows its push on the same connection, so the step is one round trip and the
@@ -227,10 +231,25 @@ class PSClient:
         step = self.step
         futures = self._sparse.end_step(step, sync=self.mode == "sync")
         self.step += 1  # before the exchange, part of which runs on this thread: the step has begun
-        futures += self._dense.push_pull(send, step)
+        futures += self._dense.push_pull(send, step, flags)
         self._track(PushHandle(step, futures))
         self.wait()
         return dict(self._dense.values)
+
+    @_timed
+    def reduce(self, grads: Mapping[str, np.ndarray], flags: Optional[Mapping[str, int]] = None
+               ) -> Dict[str, Optional[np.ndarray]]:
+        """Sync mode: every trainer's dense gradients of this step averaged over the trainers, without applying
+        them (``synchronize()``); the step does not advance. A parameter no trainer had a gradient for
+        (``protocol.NOGRAD_FLAG`` in ``flags`` on every trainer) is None. Costs one round trip carrying the
+        gradients both ways; the step's own push follows (with ``AVERAGED_FLAG``)."""
+        self._check_open()
+        if self.mode != "sync":
+            raise RuntimeError("synchronize(): async mode has no step average to wait for; use mode='sync'")
+        self.wait()
+        futures, out, none = self._dense.reduce(self._dense.gradients(dict(grads)), self.step, flags or {})
+        gather(futures)
+        return {n: None if n in none else a for n, a in out.items()}
 
     @_timed
     def finish_step(self, grads: Optional[Mapping[str, np.ndarray]] = None) -> None:

@@ -172,30 +172,67 @@ class DenseParams:
         gather(fan_out([(ch, fetch, (bl,)) for ch, bl in self._by_channel(blocks).items()]))
         return {n: self.values[n] for n in names}
 
-    def push(self, grads: Mapping[str, Any], step: int) -> List[Future]:
+    def push(self, grads: Mapping[str, Any], step: int, flags: Optional[Mapping[str, int]] = None) -> List[Future]:
         """Send a gradient of every registered parameter for ``step`` (without copying: the caller keeps
-        the arrays unchanged until the push is waited for)."""
+        the arrays unchanged until the push is waited for). ``flags``: a parameter's push status bits
+        (``protocol.NOGRAD_FLAG``, ``AVERAGED_FLAG``), 0 when not named."""
         send = self.gradients(grads)
+        flags = flags or {}
 
         def push_blocks(ch: Channel, blocks: List[Block]) -> None:
-            pipeline(ch, [self._push_frame(ch, b, send, step) for b in blocks], [expect_ok] * len(blocks))
+            pipeline(ch, [self._push_frame(ch, b, send, step, flags.get(b.name, 0)) for b in blocks],
+                     [expect_ok] * len(blocks))
 
         return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
 
-    def push_pull(self, send: Mapping[str, np.ndarray], step: int) -> List[Future]:
+    def push_pull(self, send: Mapping[str, np.ndarray], step: int, flags: Optional[Mapping[str, int]] = None
+                  ) -> List[Future]:
         """Push ``send`` (from ``gradients``) for ``step`` and pull every value for ``step + 1``, block by
         block: on each channel a block's pull follows its push, so the pserver answers it as soon as that
-        block's step is applied while later blocks' gradients are still on their way."""
+        block's step is applied while later blocks' gradients are still on their way. ``flags``: as ``push``'s."""
+        flags = flags or {}
 
         def blocks_both_ways(ch: Channel, blocks: List[Block]) -> None:
             frames, replies = [], []
             for b in blocks:
-                frames += [self._push_frame(ch, b, send, step), self._pull_frame(b, step + 1)]
+                frames += [self._push_frame(ch, b, send, step, flags.get(b.name, 0)), self._pull_frame(b, step + 1)]
                 replies += [expect_ok, self._into(b)]
             exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
 
         # The caller waits for them all (``PSClient.push_pull``): one channel's share runs on its thread.
         return fan_out([(ch, blocks_both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()])
+
+    def reduce(self, send: Mapping[str, np.ndarray], step: int, flags: Mapping[str, int]
+               ) -> Tuple[List[Future], Dict[str, np.ndarray], Set[str]]:
+        """Push ``send`` (from ``gradients``) for ``step`` to be averaged, not applied (``REDUCE_FLAG``), and pull
+        the average, block by block, over TCP (a lane holds values, not averages): the futures, the averages'
+        arrays (filled once the futures are done) and the parameters some block of which no trainer had a
+        gradient for."""
+        out = {n: np.empty_like(self.values[n]) for n in send}
+        none: Set[str] = set()
+
+        def into(b: Block) -> Callable[[Channel, P.Header], None]:
+            def cb(ch: Channel, h: P.Header) -> None:
+                if h.op != P.Op.DATA or h.key != b.key or h.length != b.nbytes:
+                    raise ConnectionLost(f"bad reply to synchronize of key {b.key}: {h}")
+                ch.stream.recv_into(out[b.name][b.lo:b.hi])
+                if h.status & P.NOGRAD_FLAG:
+                    none.add(b.name)
+            return cb
+
+        def both_ways(ch: Channel, blocks: List[Block]) -> None:
+            frames, replies = [], []
+            for b in blocks:
+                status = P.REDUCE_FLAG | flags.get(b.name, 0)
+                frames += [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), status, key=b.key, step=step,
+                                          length=b.nbytes), (send[b.name][b.lo:b.hi],)),
+                           (P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), P.REDUCE_FLAG, key=b.key,
+                                          step=step), ())]
+                replies += [expect_ok, into(b)]
+            exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
+
+        jobs = [(ch, both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
+        return fan_out(jobs), out, none
 
     def gradients(self, grads: Mapping[str, Any]) -> Dict[str, np.ndarray]:
         """``grads`` checked against the registered parameters, as contiguous arrays of their dtypes."""
@@ -216,16 +253,17 @@ class DenseParams:
     def _blocks_of(self, send: Mapping[str, np.ndarray]) -> List[Block]:
         return [b for n in sorted(send) for b in self.blocks[n]]
 
-    def _push_frame(self, ch: Channel, b: Block, send: Mapping[str, np.ndarray], step: int) -> Frame:
+    def _push_frame(self, ch: Channel, b: Block, send: Mapping[str, np.ndarray], step: int, flags: int = 0
+                    ) -> Frame:
         """A push's frame; a block in a lane is copied there now (on the channel's thread: every earlier push on
         the channel is answered, so the pserver no longer reads the place) and its frame is a header."""
         at = self.lane_at.get(b.key)
         if at is not None:
             np.copyto(at[0], send[b.name][b.lo:b.hi].reshape(-1))
             ch.stream.tally[0] += b.nbytes  # what ``top`` shows as sent: the lane's bytes too
-            return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG, key=b.key, step=step,
+            return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG | flags, key=b.key, step=step,
                                   aux=self.versions.get(b.key, 0)), ())
-        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), key=b.key, step=step, length=b.nbytes,
+        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), flags, key=b.key, step=step, length=b.nbytes,
                               aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
 
     def _pull_frame(self, b: Block, step: int) -> Frame:

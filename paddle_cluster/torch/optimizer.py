@@ -3,7 +3,8 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,7 +28,8 @@ def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optimize
         what = f"torch.optim.{kind}" if type(optimizer) is getattr(torch.optim, kind, None) else \
             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         raise ValueError(f"DistributedOptimizer: {what} is not supported; {_ONE_LINE}")
-    g = {k: v for k, v in group.items() if k not in _HOW}
+    # A key the constructor does not take is bookkeeping (a scheduler's max_lr, base_momentum...): torch ignores it.
+    g = {k: v for k, v in group.items() if k not in _HOW and k in optimizer.defaults}
     if g.pop("maximize", False):
         raise ValueError(f"DistributedOptimizer: torch.optim.{kind}(maximize=True) is not supported; {_ONE_LINE}")
     spec = {"name": SUPPORTED[kind], "lr": float(g.pop("lr")), "weight_decay": float(g.pop("weight_decay", 0.0))}
@@ -60,9 +62,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
     values into the parameters in place; the pservers apply the wrapped optimizer's rule with each parameter
     group's hyper-parameters, and a change to them (an LR scheduler stepping either optimizer) from the next
-    step on. Every trainer starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then
-    the step it continues from). ``mode``: "sync" (every step averages all trainers' gradients) or "async".
-    One per trainer process."""
+    step on. A parameter without a gradient in a step (``grad`` None) counts as zero in the trainers' mean, and
+    is not updated at all when no trainer has one (as torch and DDP); one with ``requires_grad=False`` when
+    wrapped stays on the trainer, as it is. Every trainer starts from trainer 0's values (or a resumed
+    checkpoint's: ``start_step`` is then the step it continues from). ``mode``: "sync" (every step averages all
+    trainers' gradients) or "async". One per trainer process."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
@@ -76,10 +80,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.specs = specs
         self.dense: List[Tuple[str, torch.nn.Parameter]] = []
         self.embeddings: List[Embedding] = []
+        # requires_grad=False when wrapped: never sent, never registered (torch leaves them as they are).
+        self.frozen: List[Tuple[str, torch.nn.Parameter]] = []
         groups, tables = [], []
         for spec, g in zip(specs, optimizer.param_groups):
             group = Group(spec)
             for p in g["params"]:
+                if not p.requires_grad:
+                    self.frozen.append((names[p], p))
+                    continue
                 emb = getattr(p, "_paddle_cluster_table", None)
                 if emb is not None:
                     name = names[p][:-len(".weight")] if names[p].endswith(".weight") else names[p]
@@ -101,6 +110,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for emb in self.embeddings:
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
+        self._synced = False  # p.grad holds this step's average (synchronize())
 
     @staticmethod
     def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
@@ -124,6 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.copy_(torch.from_numpy(values[name]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synced = False
         super().zero_grad(set_to_none)
         for emb in self.embeddings:
             emb.zero_grad_rows()
@@ -134,20 +145,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
-                 .numpy() for n, p in self.dense}
+        grads = self._grads()
         rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()):
+        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
         hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
-        values = self.bridge.step(grads, rows, hypers)
+        averaged, self._synced = self._synced, False
+        values = self.bridge.step(grads, rows, hypers, averaged=averaged)
         self._load(values)
         for emb in self.embeddings:
             emb.end_step()
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
+
+    def _grads(self) -> Dict[str, Optional[np.ndarray]]:
+        """Each dense parameter's gradient now (None: it has none)."""
+        self._check_frozen()
+        return {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
+                .numpy() for n, p in self.dense}
+
+    def synchronize(self) -> None:
+        """Horovod's: leave in every ``p.grad`` the gradient this step applies, all trainers' averaged (None where
+        no trainer has one), nothing applied yet: clip or inspect it, then ``step()`` (under
+        ``skip_synchronize()``, as Horovod scripts write it) applies exactly that gradient. Sync mode. Costs one
+        more round trip: the gradients go to the pservers and their average comes back, then the step sends the
+        final gradient (trainer 0; the others send zeros) as a step without it would. Embedding tables' row
+        gradients are not in it: they go at ``step()`` as always."""
+        avg = self.bridge.synchronize(self._grads())
+        with torch.no_grad():
+            for n, p in self.dense:
+                a = avg[n]
+                p.grad = None if a is None else torch.from_numpy(a).to(device=p.device, dtype=p.dtype)
+        self._synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
+        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
+        if not self._synced:
+            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
+                               "first; without it, step() averages the trainers' gradients itself")
+        yield
+
+    def _check_frozen(self) -> None:
+        """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""
+        thawed = [n for n, p in self.frozen if p.grad is not None]
+        if thawed:
+            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had requires_grad=False when the optimizer "
+                               "was wrapped, so they are not on the pservers; set requires_grad before wrapping")
 
     def save_checkpoint(self, name: Optional[str] = None) -> Any:
         """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under

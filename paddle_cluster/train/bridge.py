@@ -12,12 +12,16 @@ Contract (what a frontend does, in order):
    ``b.start_step`` is the step it starts at (0, or the checkpoint's).
 3. Each step: ``rows = b.lookup(table, ids)`` for the embeddings the forward pass uses (a ``Lookup``: the unique
    ids, ``inverse`` such that ``rows[inverse].reshape(ids.shape + (width,))`` are the ids' rows, and the rows);
-   then ``values = b.step(dense_grads, row_grads, hypers)``: every dense gradient by name (a missing one counts
-   as zero), ``row_grads[table]`` a list of ``(unique ids, their row gradients)`` (one per lookup; duplicates are
-   summed), ``hypers[i]`` group ``i``'s hyper-parameters now (e.g. ``{"lr": 0.05}``): a change since the last
-   step (an LR scheduler) is sent with ``set_hyper`` and applies from this step's update on. Returns every dense
-   value after the step (copy them back: the arrays are the client's buffers, valid until the next step).
-   Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
+   then ``values = b.step(dense_grads, row_grads, hypers)``: every dense gradient by name (None or missing: the
+   parameter has none this step; it counts as zero in the trainers' mean, DDP's rule, and is not updated at all
+   when no trainer has one, torch's), ``row_grads[table]`` a list of ``(unique ids, their row gradients)``
+   (one per lookup; duplicates are summed), ``hypers[i]`` group ``i``'s hyper-parameters now (e.g.
+   ``{"lr": 0.05}``): a change since the last step (an LR scheduler) is sent with ``set_hyper`` and applies from
+   this step's update on. Returns every dense value after the step (copy them back: the arrays are the client's
+   buffers, valid until the next step). Every trainer passes the same ``hypers``; trainer 0's are the ones sent.
+   Clipping the whole batch's gradient: ``avg = b.synchronize(dense_grads)`` first (every trainer's gradients
+   averaged as the step would, nothing applied; None where no trainer has one), then ``b.step(final, rows,
+   hypers, averaged=True)`` with the gradient made from ``avg`` (the same on every trainer: trainer 0's goes).
 4. ``b.final(tables)`` (the dense values and each table, whole or its existing rows) builds the final model;
    ``b.save_checkpoint()`` (trainer 0) has the pservers save parameters and optimizer state; ``b.close()`` ends
    the trainer.
@@ -43,6 +47,7 @@ import numpy as np
 from ..contract import JobEnv
 from ..ps import PSClient, connect, init_rows
 from ..ps.optim import STRUCTURAL, OptimizerSpec
+from ..ps.wire import protocol as P
 
 DENSE_TABLE_BYTES = 1 << 30  # ``table_dense`` refuses a whole table larger than this: read ``table_rows`` instead
 
@@ -90,6 +95,7 @@ class Bridge:
         self.names: List[str] = []
         self._sent: List[Dict[str, Any]] = []  # per group: the hyper-parameters the pservers use
         self._shapes: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {}
+        self._zero: Dict[str, np.ndarray] = {}
         self.start_step = 0
 
     @property
@@ -154,8 +160,10 @@ class Bridge:
 
     def step(self, dense_grads: Mapping[str, Optional[np.ndarray]],
              row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]],
-             hypers: Sequence[Mapping[str, Any]] = ()) -> Dict[str, np.ndarray]:
-        """Send this step's gradients (and any hyper-parameter change); the dense values after it."""
+             hypers: Sequence[Mapping[str, Any]] = (), averaged: bool = False) -> Dict[str, np.ndarray]:
+        """Send this step's gradients (and any hyper-parameter change); the dense values after it. ``averaged``:
+        ``dense_grads`` is the step's whole gradient after ``synchronize`` (the same on every trainer): trainer
+        0's is applied as it is, the others send no gradient."""
         self._send_hypers(hypers)
         for name, parts in row_grads.items():
             if name not in self.tables:
@@ -164,15 +172,41 @@ class Bridge:
             if parts:
                 self.ps.push_sparse(name, np.concatenate([i for i, _ in parts]),
                                     np.concatenate([g for _, g in parts]))
-        grads = {}
+        if averaged and self.rank != 0:
+            dense_grads = {}
+        grads, flags = self._dense(dense_grads)
+        if averaged:
+            flags = {n: flags.get(n, P.AVERAGED_FLAG) for n in self.names}
+        if self.ps.mode == "sync":
+            return self.ps.push_pull(grads, flags)
+        self.ps.push(grads, flags)
+        return self.ps.pull()
+
+    def synchronize(self, dense_grads: Mapping[str, Optional[np.ndarray]]) -> Dict[str, Optional[np.ndarray]]:
+        """Sync mode: this step's dense gradients averaged over every trainer (as the step would apply them),
+        nothing applied; None for a parameter no trainer had a gradient for. The step then goes with
+        ``step(..., averaged=True)``."""
+        return self.ps.reduce(*self._dense(dense_grads))
+
+    def _dense(self, dense_grads: Mapping[str, Optional[np.ndarray]]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
+        """Every dense parameter's gradient to send, and the flags of those without one (``NOGRAD_FLAG``)."""
+        grads, flags = {}, {}
         for name in self.names:
             g = dense_grads.get(name)
+            if g is None:  # zeros on the wire, flagged: counted as zero, and no update where no trainer has one
+                grads[name], flags[name] = self._zeros(name), P.NOGRAD_FLAG
+            else:
+                grads[name] = np.ascontiguousarray(g, dtype=self._shapes[name][1])
+        return grads, flags
+
+    def _zeros(self, name: str) -> np.ndarray:
+        """A read-only zero array shaped like dense parameter ``name`` (made once)."""
+        z = self._zero.get(name)
+        if z is None:
             shape, dtype = self._shapes[name]
-            grads[name] = np.zeros(shape, dtype) if g is None else np.ascontiguousarray(g, dtype=dtype)
-        if self.ps.mode == "sync":
-            return self.ps.push_pull(grads)
-        self.ps.push(grads)
-        return self.ps.pull()
+            z = self._zero[name] = np.zeros(shape, dtype)
+            z.flags.writeable = False
+        return z
 
     def _send_hypers(self, hypers: Sequence[Mapping[str, Any]]) -> None:
         if hypers and len(hypers) != len(self.groups):

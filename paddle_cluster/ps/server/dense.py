@@ -29,7 +29,7 @@ from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterable, List, 
 import numpy as np
 
 from .. import optim
-from ..errors import ConnectionLost, NonFinite, PSError, RemoteError
+from ..errors import ConnectionLost, NonFinite, ProtocolError, PSError, RemoteError
 from ..optim import OptimizerSpec
 from ..wire import protocol as P
 from ..wire.stream import SEGMENT
@@ -102,6 +102,18 @@ class AccPool:
 _NOBODY: FrozenSet[int] = frozenset()
 
 
+@dataclass
+class Reduce:
+    """A block's ``synchronize()`` of step ``step``: the trainers' gradients summed in trainer order (``who``: each
+    one in the sum, and whether it had a gradient), their average once ``done``."""
+
+    sum: np.ndarray
+    step: int = -1
+    who: Dict[int, bool] = field(default_factory=dict)
+    receiving: Set[int] = field(default_factory=set)
+    done: bool = False
+
+
 @dataclass(frozen=True)
 class DenseShared:
     """What the dense blocks of one pserver share: its barriers, the slots segments are summed in, and the
@@ -146,6 +158,11 @@ class DenseBlock(Shard):
         # in trainer order. One buffer per block, allocated on first use.
         self._acc: Optional[np.ndarray] = None
         self.acc_busy = False  # a push is being received straight into acc
+        # The last sync step some trainer gave a gradient (a push without ``NOGRAD_FLAG``), and the last one whose
+        # gradient came averaged already (``AVERAGED_FLAG``): per step number, so nothing is reset between steps.
+        self.graded_at = -1
+        self.averaged_at = -1
+        self.reduce: Optional[Reduce] = None  # synchronize()'s average, made on the first one
         self._start_segments(self.lock)
 
     def label(self) -> str:
@@ -165,6 +182,16 @@ class DenseBlock(Shard):
     @property
     def plain_sgd(self) -> bool:
         return self.spec.name == "sgd" and self.spec.weight_decay == 0
+
+    def touched(self, step: int) -> bool:
+        """(Holding ``cv``.) Did some trainer give the block a gradient for sync step ``step``? One that none did is
+        not updated at all (no decay, no momentum, no step count), as torch skips a parameter whose grad is None."""
+        return self.graded_at == step
+
+    def divisor(self, n: int, step: int) -> int:
+        """(Holding ``cv``.) What the sum of ``n`` trainers' gradients for ``step`` is divided by: ``n`` (the
+        trainers without a gradient count as zero, DDP's rule), 1 when it came averaged already."""
+        return 1 if self.averaged_at == step else n
 
     def apply_mean(self, g: np.ndarray, n: int, by: str) -> None:
         """Apply the mean gradient ``g / n`` of ``by`` ("trainer 1"); ``g`` is scratch (it may be overwritten)."""
@@ -264,6 +291,10 @@ class DenseBlock(Shard):
         t, at = conn.trainer, self.step
         with self.cv:
             new = at.begin(t, h.step)
+            if new and not h.status & P.NOGRAD_FLAG:
+                self.graded_at = h.step
+            if new and h.status & P.AVERAGED_FLAG:
+                self.averaged_at = h.step
         if not new:
             src.discard()
             return True
@@ -284,6 +315,8 @@ class DenseBlock(Shard):
                 with self.cv:
                     if staleness is not None and at.n - h.aux > staleness:
                         return False  # computed on values older than allowed
+                    if h.status & P.NOGRAD_FLAG:
+                        return True  # no gradient: nothing to apply (torch's rule)
                     with at.advancing(None):
                         self.apply_mean(g, 1, f"trainer {t}")
             return True
@@ -308,12 +341,82 @@ class DenseBlock(Shard):
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
         whose update was refused: its values are lost)."""
+        if self.reduce is not None:
+            self._reduce_done()
         if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
             else:
                 self._complete()
         self.wake()
+
+    # -- synchronize(): the step's averaged gradient, sent back instead of applied ----------------------------
+
+    def reduce_push(self, conn: Conn, h: P.Header, budget: Any) -> None:
+        """Trainer ``conn.trainer``'s gradient for sync step ``h.step`` (``NOGRAD_FLAG``: it has none), summed in
+        trainer order into the block's average of that step; nothing is applied. The average's buffer is charged
+        to ``budget`` when first made. A repeat of a push already counted is read and dropped."""
+        t, sync = conn.trainer, self.sync
+        with self.cv:
+            self.step.wait(h.step, "synchronize")  # every earlier step applied: its average is no longer read
+            if self.reduce is None:
+                budget.charge(self.nbytes, f"the averaged gradient of {self.label()} (synchronize())")
+                self.reduce = Reduce(np.empty(self.shape, dtype=self.dtype))
+            r = self.reduce
+            if r.step != h.step:
+                r.step, r.who, r.done = h.step, {}, False
+            repeat = t in r.who or t in r.receiving
+            r.receiving.add(t)
+        if repeat:
+            conn.stream.discard()
+            return
+        try:
+            g = conn.buffer(self.shape, self.dtype)
+            conn.stream.recv_into(g)
+            check = self._checker(t, h.step)
+            if check is not None:
+                check(g)
+            with self.cv:
+                def turn() -> bool:
+                    return sync.in_order(t, r.who.keys())
+                if not turn():
+                    sync.wait(self.cv, turn, h.step, f"synchronize {self.label()}: summing in trainer order",
+                              lambda: {u for u in sync.active if u < t} - set(r.who))
+                if r.who:
+                    np.add(r.sum, g, out=r.sum)
+                else:
+                    np.copyto(r.sum, g)
+                r.who[t] = not h.status & P.NOGRAD_FLAG
+                self._reduce_done()
+        finally:
+            with self.cv:
+                r.receiving.discard(t)
+                self.cv.notify_all()
+
+    def _reduce_done(self) -> None:
+        """(Holding ``cv``.) Once every active trainer is in the sum, it becomes their average."""
+        r = self.reduce
+        if r is None or r.done or not r.who or not self.sync.active <= r.who.keys():
+            return
+        if len(r.who) > 1:
+            r.sum /= self.dtype.type(len(r.who))
+        r.done = True
+        self.cv.notify_all()
+
+    def reduce_pull(self, conn: Conn, h: P.Header) -> None:
+        """Reply with the average of sync step ``h.step`` once every active trainer is in it; with
+        ``NOGRAD_FLAG`` when no trainer had a gradient."""
+        with self.cv:
+            r = self.reduce
+            if r is None or r.step != h.step:
+                raise ProtocolError(f"{self.label()}: trainer {conn.trainer} pulls the average of step {h.step}, "
+                                    "which it did not push (synchronize())")
+            self.sync.wait(self.cv, lambda: r.done or r.step != h.step, h.step, f"synchronize {self.label()}",
+                           lambda: set(self.sync.active) - set(r.who), lambda: conn.gone)
+            flag = 0 if any(r.who.values()) else P.NOGRAD_FLAG
+        # Sent outside the lock: nothing changes it until this trainer pushes again, after reading it.
+        conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), flag, key=h.key, step=h.step,
+                                       length=self.nbytes), r.sum)
 
     # -- sync SGD: a push folded segment by segment -------------------------------------------------------------
 
@@ -413,9 +516,11 @@ class DenseBlock(Shard):
                 with sync.rw.shared():
                     sync.apply_hyper(self, step)
                     if s is None:  # the only active trainer: straight from the receive buffer
-                        _sgd(self, p, g, None, 1)
+                        if self.touched(step):
+                            _sgd(self, p, g, None, 1)
                     elif sync.active <= s.who | {t}:  # the last one: add, average, apply
-                        _sgd(self, p, s.acc, g, len(s.who) + 1)
+                        if self.touched(step):
+                            _sgd(self, p, s.acc, g, self.divisor(len(s.who) + 1, step))
                     else:
                         np.add(s.acc, g, out=s.acc)
                         s.who.add(t)
@@ -484,7 +589,8 @@ class DenseBlock(Shard):
                 p = self.param.reshape(-1)[lo:lo + len(s.acc)]
                 with sync.rw.shared():
                     sync.apply_hyper(self, self.step.n)
-                    _sgd(self, p, s.acc, None, len(s.who))
+                    if self.touched(self.step.n):
+                        _sgd(self, p, s.acc, None, self.divisor(len(s.who), self.step.n))
                 self.check_update(p, s.who, self.step.n)
                 self._free(i)
                 self._segment_done(i)
@@ -538,9 +644,10 @@ class DenseBlock(Shard):
         last = at.full()
         if first and last:  # the only contributor: apply straight from the receive buffer
             with at.advancing(at.n):
-                self.apply_mean(g, 1, f"trainer {t}")
+                if self.touched(at.n):
+                    self.apply_mean(g, 1, f"trainer {t}")
             return
-        if not last or not self.plain_sgd:
+        if not last or not self.plain_sgd or not self.touched(at.n):
             if first:
                 np.copyto(self.acc, g)
             else:
@@ -548,7 +655,7 @@ class DenseBlock(Shard):
             self._complete()
             return
         # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
-        n = len(at.pending)
+        n = self.divisor(len(at.pending), at.n)
         by = finite.trainers(at.pending)
         with at.advancing(at.n):
             optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
@@ -569,8 +676,10 @@ class DenseBlock(Shard):
         with self.cv:
             try:
                 # acc holds the contributors' gradients, summed in trainer order by _add.
+                n, touched = self.divisor(len(at.pending), at.n), self.touched(at.n)
                 with at.advancing(at.n):
-                    self.apply_mean(self.acc, len(at.pending), finite.trainers(at.pending))
+                    if touched:
+                        self.apply_mean(self.acc, n, finite.trainers(at.pending))
             except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
                 log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it

@@ -80,6 +80,11 @@ def _in_lane(conn: Conn, h: P.Header) -> Optional[tuple]:
 
 def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
+    if h.op == P.Op.PUSH_DENSE and h.status & P.REDUCE_FLAG:
+        b = _block(st, h, payload=True)
+        b.reduce_push(conn, h, st.budget)
+        conn.reply_ok(key=h.key, step=b.step.n)
+        return
     if h.op == P.Op.PUSH_DENSE:
         at = _in_lane(conn, h)
         s = _block(st, h, payload=at is None)
@@ -96,6 +101,9 @@ def push(st: State, conn: Conn, h: P.Header) -> None:
 
 def pull(st: State, conn: Conn, h: P.Header) -> None:
     """PULL_DENSE and PULL_SPARSE: the shard replies once its step is there."""
+    if h.op == P.Op.PULL_DENSE and h.status & P.REDUCE_FLAG:
+        _block(st, h, payload=False).reduce_pull(conn, h)
+        return
     if h.op == P.Op.PULL_DENSE:
         at = _in_lane(conn, h)
         b = _block(st, h, payload=False)

@@ -36,6 +36,16 @@ MAX_JSON_BYTES = 1 << 20
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 NO_TRAINER = -1
 LANE_FLAG = 1  # status of PUSH_DENSE, PULL_DENSE and its DATA reply: the array is in the connection's lane
+# Status of PUSH_DENSE: this trainer has no gradient for the block this step (its payload is zeros): it counts
+# as zero in the mean (DDP's rule), and a step in which no trainer has one leaves the block as it is (torch's).
+NOGRAD_FLAG = 2
+# Status of PUSH_DENSE: the payload is the step's whole gradient, averaged over the trainers already (the step
+# after a synchronize()): the step applies it as it is, not divided by the trainer count; the other trainers
+# push NOGRAD_FLAG zeros.
+AVERAGED_FLAG = 4
+# Status of PUSH_DENSE: a gradient to average over the trainers, not to apply (``synchronize()``); of PULL_DENSE:
+# reply with that average for ``step`` (its DATA reply has NOGRAD_FLAG when no trainer had a gradient).
+REDUCE_FLAG = 8
 
 
 class Op(enum.IntEnum):
