@@ -1,13 +1,15 @@
 """The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node trains through lanes, one memfd per registration mapped by it and every
-pserver on the node (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with results bit for
+A trainer on the pserver's node trains through lanes, one memfd per registration and connection mapped by it and
+that connection's pserver (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with results bit for
 bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2 dense ports; two
 registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the arrays pull returns are
-the lane's value area and change only with a pull; each lane's budget goes back when its connection ends; a LANE
+the lane's value area and change only with a pull; each lane is charged whole and its budget goes back when its
+connection ends; a LANE
 for a block already in one is a protocol error; a trainer killed with -9 leaves no mapping in the pserver; a
 pserver killed with -9 in a supervised job comes back with new lanes and exact results. Refused, with the reason,
-and the connection left on TCP: an offer under another key, a nonce nobody offered, an offer claimed after its
+and the connection left on TCP: an offer under another key (the trainer holding it takes the desk for an impostor,
+hands nothing over), an offer claimed after its
 time, another user at either end (a squatter of the socket name: said once in the trainer's log), a pserver with
 no lane socket on this node (another host or network namespace), a value area past the pserver's budget.
 """
@@ -99,27 +101,48 @@ def test_lane_set_up_by_hand_binds_to_its_connection(served):
     env, pr, server, ps = served
     ch = ps._ctl(0)
     assert not _maps_lane(server.pid)
-    lane = L.create(1 << 20)
-    assert ch.submit(Channel.open_lane, lane, []).result(timeout=10) is None
+    lane = L.create(2 * L.aligned(W.nbytes))  # exactly what the layout needs: w's block at 0
+    assert ch.submit(Channel.open_lane, lane, [(ps._dense.blocks["w"][0].key, 0)]).result(timeout=10) is None
     lane.close()
     assert not _maps_lane(os.getpid()) and _maps_lane(server.pid)  # the pserver's mapping: its connection's
-    _still_trains(ps)  # its blocks are not in this lane's layout: over TCP
+    _still_trains(ps)  # the trainer does not know its block is in this lane: over TCP
     ps.close()
     wait_for(lambda: not _maps_lane(server.pid), 10, "the pserver unmaps the lane with the connection")
+
+
+def _raw_offer(env, trainer: int, key_hex: str, fd: int, size: int, port: int = 0) -> str:
+    """One exchange at pserver 0's desk as a trainer would make it, but with the offer's MAC under ``key_hex``
+    whatever the desk proved: the desk's answer ("" for kept)."""
+    import socket
+
+    port = port or env.all_ports(0)[0]
+    mine = os.urandom(L.NONCE_SIZE)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(L.socket_name(env.job_id, 0, port))
+        s.send(L._HELLO.pack(trainer, mine))
+        _, desk, _proof = L._PROOF.unpack(s.recv(512))
+        mac = L._mac(bytes.fromhex(key_hex), b"lane", env.job_id, 0, trainer, port, mine, desk, size)
+        socket.send_fds(s, [L._OFFER.pack(size, mac)], [fd])
+        return s.recv(512).decode().strip("\0")
 
 
 def test_offer_under_another_key_is_refused_and_tcp_stays(served):
     env, pr, server, ps = served
     port = env.all_ports(0)[0]
     wrong = derive_trainer_key("another job secret of enough length, 32+", env.job_id, 0)
-    with pytest.raises(L.LaneRefused, match="MAC is wrong"), _made() as lane:
+    # A trainer holding another key takes the desk's proof for an impostor's: it hands nothing over.
+    with pytest.raises(L.LaneRefused, match="did not prove it knows this trainer's key"), _made() as lane:
         L.offer(lane, env.job_id, wrong, 0, 0, port)
+    # The desk refuses an offer whose MAC is not under the trainer's key.
+    with _made() as lane:
+        assert "MAC is wrong" in _raw_offer(env, 0, wrong, lane.fd, lane.size)
     assert "refused a lane: trainer 0: the offer's MAC is wrong" in pr.log(server)
     # A LANE frame with a nonce nobody offered binds nothing.
     ch = ps._ctl(0)
     ch._lane_of = (env.job_id, wrong, 0, 0, port)
     with _made() as lane:
-        assert "MAC is wrong" in ch.submit(Channel.open_lane, lane, []).result(timeout=10)
+        assert "did not prove" in ch.submit(Channel.open_lane, lane, []).result(timeout=10)
     assert not _maps_lane(server.pid)
     _still_trains(ps)
 
@@ -247,8 +270,9 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
             assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 3
             assert len(ps._dense.lane_at) == (sum(len(bl) for bl in ps._dense.blocks.values()) if lane else 0)
             assert sorted(ps._dense._lanes_on.values()) == ([1, 1, 1, 2] if lane else [])
-            # Through lanes, the receive buffers are the value areas: no copy out of them.
-            assert ps._dense._in_lane == ({"big", "w", "b"} if lane else set())
+            # Through lanes, the receive buffers of parameters in one lane are its value area: no copy out of it
+            # (big's blocks are in three lanes, one per connection: copied out of them).
+            assert ps._dense._in_lane == ({"w", "b"} if lane else set())
             for step in range(3):
                 rng = np.random.default_rng(100 * i + step)
                 grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in vals.items()}
@@ -381,11 +405,13 @@ def _budget_used(tmp_path, lane: bool) -> tuple:
 
 
 def test_the_pserver_budget_of_every_lane_is_released_when_the_connection_ends(tmp_path):
-    """Each lane's value area is charged (the bytes its blocks' places hold) and released with the connection."""
+    """Each lane is charged whole (its gradient and value areas, exactly its blocks, in pages) and released with
+    the connection."""
     (tmp_path / "True").mkdir()
     (tmp_path / "False").mkdir()
     laned, tcp = _budget_used(tmp_path, True), _budget_used(tmp_path, False)
-    assert laned[0] == tcp[0] + W.nbytes + W[:100].nbytes and laned[1] == tcp[1]
+    lanes = L.mapped_bytes(2 * L.aligned(W.nbytes)) + L.mapped_bytes(2 * L.aligned(W[:100].nbytes))
+    assert laned[0] == tcp[0] + lanes and laned[1] == tcp[1]
 
 
 def test_a_registration_of_empty_parameters_makes_no_lane(tmp_path):
@@ -472,9 +498,9 @@ def test_kill_9_of_a_trainer_unmaps_its_lane_and_only_its(tmp_path):
 
 
 def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
-    """The value area is the pserver's memory (it writes it): charged to its budget, refused past it."""
+    """A lane is the pserver's memory (it maps it and keeps it alive): charged to its budget, refused past it."""
     env = H.make_env(1, 1, tmp_path)
-    big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its lane too does not
+    big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its 8 MiB lane too does not
     with H.procs(tmp_path) as pr:
         pr.pserver(env, 0, {"PADDLE_PSERVER_MEMORY": str(11 << 20)})
         with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
@@ -487,7 +513,8 @@ def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
             finally:
                 ps.close()
     said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
-    assert len(said) == 1 and "value area of trainer 0's same-host lane" in said[0], said
+    assert len(said) == 1 and "trainer 0's same-host lane offered" in said[0], said
+    assert "PADDLE_PSERVER_MEMORY" in said[0], said
 
 
 @pytest.mark.timeout(120)

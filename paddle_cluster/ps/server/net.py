@@ -80,7 +80,6 @@ class Conn:
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
         self.lanes: List[Lane] = []  # the same-host lanes this connection claimed (``LANE``), one per registration
         self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in its lane
-        self.lane_charged = 0  # bytes of the lanes charged to the budget (their blocks' places in the value areas)
 
     @property
     def gone(self) -> bool:
@@ -339,11 +338,11 @@ class Listener:
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
             if self.budget is not None:
-                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held + conn.lane_charged)
+                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
             self._forget(sock, pending)
             conn.lane_at.clear()  # the views first: a mapping with views cannot be closed
             for lane in conn.lanes:
-                lane.close()
+                lane.close()  # gives back its budget
             try:
                 sock.close()
             except OSError:
