@@ -13,7 +13,7 @@ import socket
 import pytest
 import rt_helpers as H
 from helpers import wait_for
-from test_security_budget import MEMORY, Raw, _declare, _dense
+from test_security_budget import MEMORY, Raw, _dense
 
 from paddle_cluster.ps.errors import PSError
 from paddle_cluster.ps.wire import lane as L
@@ -55,14 +55,14 @@ def _memfd(size: int, fill: bool = False) -> int:
     return fd
 
 
-def _offer(env, fd: int, size: int) -> tuple:
-    """Trainer 0's exchange at pserver 0's desk with its own key, as ``lane.offer`` makes it: (the desk's answer,
-    "" when it kept the offer; the nonce to claim it with)."""
+def _offer(env, token: str, fd: int, size: int) -> tuple:
+    """Trainer 0's exchange at pserver 0's desk (its ``token``) with its own key, as ``lane.offer`` makes it: (the
+    desk's answer, "" when it kept the offer; the nonce to claim it with)."""
     port, key = env.all_ports(0)[0], bytes.fromhex(env.key_of(0))
     mine = os.urandom(L.NONCE_SIZE)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(10)
-        s.connect(L.socket_name(env.job_id, 0, port))
+        s.connect(L.socket_name(env.job_id, 0, port, token))
         s.send(L._HELLO.pack(0, mine))
         _, desk, _proof = L._PROOF.unpack(s.recv(512))
         socket.send_fds(s, [L._OFFER.pack(size, L._mac(key, b"lane", env.job_id, 0, 0, port, mine, desk, size))],
@@ -79,10 +79,14 @@ def _claim(raw: Raw, nonce: bytes, layout=((0, 0),)) -> dict:
     return got
 
 
-def _defined(env, raw: Raw) -> None:
-    _declare(raw, env)
-    got = raw.call_json(P.Op.DEF_DENSE, _dense("w", N), key=0)
+def _defined(env, raw: Raw) -> str:
+    """Trainer 0's job declared and its one block defined on ``raw``: the desk's token."""
+    got = raw.call_json(P.Op.DECLARE, {"mode": "async", "optimizer": {"name": "sgd", "lr": 0.1},
+                                       "trainers": env.trainers, "n_pservers": 1, "staleness": None})
     assert not isinstance(got, PSError), got
+    defined = raw.call_json(P.Op.DEF_DENSE, _dense("w", N), key=0)
+    assert not isinstance(defined, PSError), defined
+    return got["lane"]
 
 
 @pytest.mark.timeout(120)
@@ -95,14 +99,14 @@ def test_huge_sparse_memfds_are_refused_or_charged_and_vmsize_stays_within_the_b
         server = pr.pserver(env, 0, MEMORY)
         raws = [Raw(env, 0), Raw(env, 0)]
         try:
-            _defined(env, raws[0])
+            token = _defined(env, raws[0])
             base = _vm_size(server.pid)
             sizes = [1 << s for s in range(46, 12, -1) if 1 << s != EXACT] + [EXACT, EXACT]
             answers = {}
             for i, size in enumerate(sizes):  # the two exact ones (last, one after the other) on either connection
                 fd = _memfd(size)
                 try:
-                    why, nonce = _offer(env, fd, size)
+                    why, nonce = _offer(env, token, fd, size)
                 finally:
                     os.close(fd)  # the trainer keeps nothing: what stays alive is the pserver's
                 if not why:
@@ -135,12 +139,12 @@ def test_empty_layouts_and_spread_layouts_map_nothing(tmp_path):
         server = pr.pserver(env, 0, MEMORY)
         raw = Raw(env, 0)
         try:
-            _defined(env, raw)
+            token = _defined(env, raw)
             for layout, why in (((), "an empty lane layout"), (((0, L.ALIGN),), "spread over")):
                 for _ in range(30):  # 30 x 32 MiB offered and refused: each charge given back
                     fd = _memfd(32 * MiB)
                     try:
-                        got, nonce = _offer(env, fd, 32 * MiB)
+                        got, nonce = _offer(env, token, fd, 32 * MiB)
                     finally:
                         os.close(fd)
                     assert got == "", got
@@ -148,7 +152,7 @@ def test_empty_layouts_and_spread_layouts_map_nothing(tmp_path):
                     assert _kept_alive(server.pid) == 0
             fd = _memfd(EXACT)
             try:
-                got, nonce = _offer(env, fd, EXACT)
+                got, nonce = _offer(env, token, fd, EXACT)
             finally:
                 os.close(fd)
             assert got == "" and _claim(raw, nonce)["lane"] is True
@@ -166,12 +170,12 @@ def test_fallocated_memfds_closed_by_the_trainer_are_charged_while_kept(tmp_path
         server = pr.pserver(env, 0, MEMORY)
         raw = Raw(env, 0)
         try:
-            _defined(env, raw)
+            token = _defined(env, raw)
             kept, refused = [], []
             for _ in range(4):
                 fd = _memfd(32 * MiB, fill=True)
                 try:
-                    why, nonce = _offer(env, fd, 32 * MiB)
+                    why, nonce = _offer(env, token, fd, 32 * MiB)
                 finally:
                     os.close(fd)
                 (refused if why else kept).append(why or nonce)

@@ -44,6 +44,7 @@ class Channel:
             raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
         self.io_timeout = io_timeout
         self._lane_of = (env.job_id, key, pserver, trainer, env.all_ports(pserver)[0])
+        self.lane_token: Optional[str] = None  # the pserver's lane socket's (``DECLARE``'s answer); None: no lanes
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
@@ -130,8 +131,10 @@ class Channel:
         """Offer ``lane`` (the trainer's, ``lane.create``) to this connection's pserver with the (block key, offset)
         of each of its blocks in it (docs/architecture.md): None once the pserver took it, else why the connection
         stays on TCP. Run it on the channel (``submit``)."""
+        if self.lane_token is None:
+            return f"pserver {self.pserver} takes no lanes"
         try:
-            nonce = L.offer(lane, *self._lane_of)
+            nonce = L.offer(lane, *self._lane_of, str(self.lane_token))
         except L.LaneRefused as e:
             return str(e)
         pairs = np.array(layout, "<i8").reshape(-1, 2)

@@ -19,6 +19,7 @@ import hmac
 import logging
 import mmap
 import os
+import secrets
 import selectors
 import socket
 import struct
@@ -55,10 +56,12 @@ class LaneRefused(Exception):
     """No lane: the reason, for the one log line that says the trainer stays on TCP."""
 
 
-def socket_name(job_id: str, pserver: int, port: int) -> bytes:
-    """The pserver's abstract socket (a leading NUL: no file). Per network namespace, like its TCP port."""
+def socket_name(job_id: str, pserver: int, port: int, token: str) -> bytes:
+    """The pserver's abstract socket (a leading NUL: no file). Per network namespace, like its TCP port. Its
+    ``token`` is drawn at random when the pserver starts and told to its trainers only on their authenticated
+    connections (``DECLARE``'s answer): no other process can take the name before the pserver does."""
     job = hashlib.sha256(job_id.encode()).hexdigest()[:16]
-    return b"\0paddle-cluster-lane/%s/%d/%d" % (job.encode(), pserver, port)
+    return b"\0paddle-cluster-lane/%s/%d/%d/%s" % (job.encode(), pserver, port, token.encode())
 
 
 def aligned(n: int) -> int:
@@ -126,9 +129,10 @@ def create(size: int) -> Lane:
         raise LaneRefused(f"lane setup failed: {e.strerror or e}") from None
 
 
-def offer(lane: Lane, job_id: str, key_hex: str, pserver: int, trainer: int, port: int,
+def offer(lane: Lane, job_id: str, key_hex: str, pserver: int, trainer: int, port: int, token: str,
           timeout: float = OFFER_TIMEOUT) -> bytes:
-    """Trainer side: hand ``lane`` to pserver ``pserver`` (its first TCP port ``port``) on this node; the nonce to
+    """Trainer side: hand ``lane`` to pserver ``pserver`` (its first TCP port ``port``, its desk's ``token``) on
+    this node; the nonce to
     claim it with on the TCP connection. ``LaneRefused`` says why not. The descriptor goes only to a listener
     that proved it knows this trainer's key: one that did not (another process of this user holding the socket
     name) gets nothing, and that is logged."""
@@ -137,7 +141,7 @@ def offer(lane: Lane, job_id: str, key_hex: str, pserver: int, trainer: int, por
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(timeout)
             try:
-                s.connect(socket_name(job_id, pserver, port))
+                s.connect(socket_name(job_id, pserver, port, token))
             except OSError as e:  # no such name: the pserver is on another host or in another network namespace
                 raise LaneRefused(f"no lane socket on this node ({e.strerror})") from None
             uid = _peer_uid(s)
@@ -202,12 +206,13 @@ class Desk:
         self._sock: Optional[socket.socket] = None
         self._done = threading.Event()
         self._foreign = 0  # connections from other users refused
+        self.token = secrets.token_hex(16)  # in the socket's name (``socket_name``)
 
     def start(self) -> None:
         """Listen (an ``OSError`` if the name is taken: the pserver then serves without lanes)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            s.bind(socket_name(self.job_id, self.pserver, self.port))
+            s.bind(socket_name(self.job_id, self.pserver, self.port, self.token))
             s.listen(64)
         except OSError:
             s.close()
