@@ -1,17 +1,17 @@
 """The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node trains through lanes, one memfd per registration and connection mapped by it and
-that connection's pserver (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with results bit for
-bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2 dense ports; two
-registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the arrays pull returns are
-the lane's value area and change only with a pull; each lane is charged whole and its budget goes back when its
-connection ends; a LANE
-for a block already in one is a protocol error; a trainer killed with -9 leaves no mapping in the pserver; a
-pserver killed with -9 in a supervised job comes back with new lanes and exact results. Refused, with the reason,
-and the connection left on TCP: an offer under another key (the trainer holding it takes the desk for an impostor,
-hands nothing over), an offer claimed after its
-time, another user at either end (a squatter of the socket name: said once in the trainer's log), a pserver with
-no lane socket on this node (another host or network namespace), a value area past the pserver's budget.
+A trainer on the pserver's node trains through lanes, one memfd per registration and connection, mapped by it
+and that connection's pserver (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with
+results bit for bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2
+dense ports; two registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the
+arrays pull returns are the lane's value area and change only with a pull; each lane is charged whole and its
+budget goes back when its connection ends; a LANE for a block already in one is a protocol error; a trainer
+killed with -9 leaves no mapping in the pserver; a pserver killed with -9 in a supervised job comes back with
+new lanes and exact results; silent peers at the desk hold no offer up. Refused, with the reason, and the
+connection left on TCP: an offer under another key (the trainer holding it takes the desk for an impostor and
+hands nothing over; the desk refuses its MAC), an offer claimed after its time, another user at either end, a
+squatter of this user without the secret (it cannot know the name, and gets nothing where it holds one), a
+pserver with no lane socket on this node (another host or network namespace), a lane past the pserver's budget.
 """
 
 from __future__ import annotations
