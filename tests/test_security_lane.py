@@ -187,3 +187,26 @@ def test_fallocated_memfds_closed_by_the_trainer_are_charged_while_kept(tmp_path
             assert _kept_alive(server.pid) == 0
         finally:
             raw.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_trainers_unclaimed_offers_are_capped(tmp_path):
+    """A trainer that offers and never claims gets 16 offers kept (each charged), the 17th refused naming the
+    cap: it cannot fill the desk's 64 for the others."""
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0, MEMORY)
+        raw = Raw(env, 0)
+        try:
+            token = _defined(env, raw)
+            answers = []
+            for _ in range(L.MAX_PENDING_PER_TRAINER + 1):
+                fd = _memfd(EXACT)
+                try:
+                    answers.append(_offer(env, token, fd, EXACT)[0])
+                finally:
+                    os.close(fd)
+            assert answers[:-1] == [""] * L.MAX_PENDING_PER_TRAINER
+            assert f"trainer 0: {L.MAX_PENDING_PER_TRAINER} of its offers are waiting to be claimed" == answers[-1]
+        finally:
+            raw.close()

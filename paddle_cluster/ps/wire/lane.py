@@ -42,6 +42,7 @@ _PROOF = struct.Struct("<c32s32s")  # b"\1", the desk's nonce, the desk's MAC (i
 _OFFER = struct.Struct("<Q32s")  # size, the trainer's MAC; the descriptor attached
 OFFER_TIMEOUT = 5.0  # seconds an offer's exchange may take, and an unclaimed offer is kept
 MAX_PENDING = 64  # offers kept unclaimed at once (each holds a descriptor, its memory charged to the budget)
+MAX_PENDING_PER_TRAINER = 16  # of them one trainer's (it offers one per dense connection at a registration)
 MAX_TALKS = 64  # connections in their exchange at the desk at once; past it the oldest is dropped
 # Lanes one connection may hold, one per registration: a frontend registers once per optimizer group (a handful).
 # Each is a mapping in the pserver: 8 x the connection cap (256 by default) stays far below Linux's default
@@ -359,6 +360,8 @@ class Desk:
                 return f"{MAX_PENDING} offers are waiting to be claimed"
             if t.mine in self._pending:
                 return f"trainer {t.trainer}: an offer under that nonce is waiting already"
+            if sum(p.trainer == t.trainer for p in self._pending.values()) >= MAX_PENDING_PER_TRAINER:
+                return f"trainer {t.trainer}: {MAX_PENDING_PER_TRAINER} of its offers are waiting to be claimed"
         charged = mapped_bytes(size)
         try:
             self._charge(charged, f"trainer {t.trainer}'s same-host lane offered ({size} bytes of shared memory)")
