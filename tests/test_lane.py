@@ -1,15 +1,17 @@
 """The same-host lane (docs/architecture.md, "The same-host lane"), on real pserver processes.
 
-A trainer on the pserver's node trains through lanes, one memfd per registration mapped by it and every
-pserver on the node (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with results bit for
-bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2 dense ports; two
-registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the arrays pull returns are
-the lane's value area and change only with a pull; each lane's budget goes back when its connection ends; a LANE
-for a block already in one is a protocol error; a trainer killed with -9 leaves no mapping in the pserver; a
-pserver killed with -9 in a supervised job comes back with new lanes and exact results. Refused, with the reason,
-and the connection left on TCP: an offer under another key, a nonce nobody offered, an offer claimed after its
-time, another user at either end (a squatter of the socket name: said once in the trainer's log), a pserver with
-no lane socket on this node (another host or network namespace), a value area past the pserver's budget.
+A trainer on the pserver's node trains through lanes, one memfd per registration and connection, mapped by it
+and that connection's pserver (a connection holds one per registration, up to ``MAX_LANES``, then TCP), with
+results bit for bit those of TCP (sync SGD folded by segment, sync Adam summed whole, async; 2 pservers x 2
+dense ports; two registrations); a two-group torch ``DistributedOptimizer`` has every block in a lane; the
+arrays pull returns are the lane's value area and change only with a pull; each lane is charged whole and its
+budget goes back when its connection ends; a LANE for a block already in one is a protocol error; a trainer
+killed with -9 leaves no mapping in the pserver; a pserver killed with -9 in a supervised job comes back with
+new lanes and exact results; silent peers at the desk hold no offer up. Refused, with the reason, and the
+connection left on TCP: an offer under another key (the trainer holding it takes the desk for an impostor and
+hands nothing over; the desk refuses its MAC), an offer claimed after its time, another user at either end, a
+squatter of this user without the secret (it cannot know the name, and gets nothing where it holds one), a
+pserver with no lane socket on this node (another host or network namespace), a lane past the pserver's budget.
 """
 
 from __future__ import annotations
@@ -99,27 +101,48 @@ def test_lane_set_up_by_hand_binds_to_its_connection(served):
     env, pr, server, ps = served
     ch = ps._ctl(0)
     assert not _maps_lane(server.pid)
-    lane = L.create(1 << 20)
-    assert ch.submit(Channel.open_lane, lane, []).result(timeout=10) is None
+    lane = L.create(2 * L.aligned(W.nbytes))  # exactly what the layout needs: w's block at 0
+    assert ch.submit(Channel.open_lane, lane, [(ps._dense.blocks["w"][0].key, 0)]).result(timeout=10) is None
     lane.close()
     assert not _maps_lane(os.getpid()) and _maps_lane(server.pid)  # the pserver's mapping: its connection's
-    _still_trains(ps)  # its blocks are not in this lane's layout: over TCP
+    _still_trains(ps)  # the trainer does not know its block is in this lane: over TCP
     ps.close()
     wait_for(lambda: not _maps_lane(server.pid), 10, "the pserver unmaps the lane with the connection")
 
 
+def _raw_offer(env, token: str, trainer: int, key_hex: str, fd: int, size: int) -> str:
+    """One exchange at pserver 0's desk (its ``token``) as a trainer would make it, but with the offer's MAC under
+    ``key_hex`` whatever the desk proved: the desk's answer ("" for kept)."""
+    import socket
+
+    port = env.all_ports(0)[0]
+    mine = os.urandom(L.NONCE_SIZE)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(L.socket_name(env.job_id, 0, port, token))
+        s.send(L._HELLO.pack(trainer, mine))
+        _, desk, _proof = L._PROOF.unpack(s.recv(512))
+        mac = L._mac(bytes.fromhex(key_hex), b"lane", env.job_id, 0, trainer, port, mine, desk, size)
+        socket.send_fds(s, [L._OFFER.pack(size, mac)], [fd])
+        return s.recv(512).decode().strip("\0")
+
+
 def test_offer_under_another_key_is_refused_and_tcp_stays(served):
     env, pr, server, ps = served
-    port = env.all_ports(0)[0]
+    port, token = env.all_ports(0)[0], ps._ctl(0).lane_token
     wrong = derive_trainer_key("another job secret of enough length, 32+", env.job_id, 0)
-    with pytest.raises(L.LaneRefused, match="MAC is wrong"), _made() as lane:
-        L.offer(lane, env.job_id, wrong, 0, 0, port)
+    # A trainer holding another key takes the desk's proof for an impostor's: it hands nothing over.
+    with pytest.raises(L.LaneRefused, match="did not prove it knows this trainer's key"), _made() as lane:
+        L.offer(lane, env.job_id, wrong, 0, 0, port, token)
+    # The desk refuses an offer whose MAC is not under the trainer's key.
+    with _made() as lane:
+        assert "MAC is wrong" in _raw_offer(env, token, 0, wrong, lane.fd, lane.size)
     assert "refused a lane: trainer 0: the offer's MAC is wrong" in pr.log(server)
     # A LANE frame with a nonce nobody offered binds nothing.
     ch = ps._ctl(0)
     ch._lane_of = (env.job_id, wrong, 0, 0, port)
     with _made() as lane:
-        assert "MAC is wrong" in ch.submit(Channel.open_lane, lane, []).result(timeout=10)
+        assert "did not prove" in ch.submit(Channel.open_lane, lane, []).result(timeout=10)
     assert not _maps_lane(server.pid)
     _still_trains(ps)
 
@@ -127,7 +150,7 @@ def test_offer_under_another_key_is_refused_and_tcp_stays(served):
 def test_no_lane_socket_on_this_node_means_tcp(served):
     env, pr, server, ps = served
     with pytest.raises(L.LaneRefused, match="no lane socket on this node"), _made() as lane:
-        L.offer(lane, env.job_id, env.key_of(0), 1, 0, env.all_ports(0)[0])  # pserver 1: not here
+        L.offer(lane, env.job_id, env.key_of(0), 1, 0, env.all_ports(0)[0], ps._ctl(0).lane_token)  # pserver 1
 
 
 def _as_nobody_in_child(fn):
@@ -153,6 +176,7 @@ def _as_nobody_in_child(fn):
 @pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
 def test_another_user_cannot_offer_a_lane(served):
     env, pr, server, ps = served
+    token = ps._ctl(0).lane_token
 
     def offer() -> str:
         """What ``L.offer`` sends, without its own check of the listener's user (which would stop it first)."""
@@ -161,7 +185,7 @@ def test_another_user_cannot_offer_a_lane(served):
         fd = os.memfd_create("x", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 1 << 16)
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.connect(L.socket_name(env.job_id, 0, env.all_ports(0)[0]))
+            s.connect(L.socket_name(env.job_id, 0, env.all_ports(0)[0], token))
             try:
                 socket.send_fds(s, [bytes(L._OFFER.size)], [fd])
                 return s.recv(512).decode() or "closed"
@@ -176,57 +200,85 @@ def test_another_user_cannot_offer_a_lane(served):
 
 
 @contextlib.contextmanager
-def _squatter(env):
-    """Another user's process listening on pserver 0's lane socket name before the pserver does."""
-    port = env.all_ports(0)[0]
+def _squatter(env, token: str, user: int = -1):
+    """A process without the job's secret (as ``user`` if given, else this one's) listening on pserver 0's lane
+    socket name for ``token`` before the pserver does, answering every hello with a made-up proof; yields a
+    function saying how many descriptors it was handed so far."""
+    import socket
+
+    name = L.socket_name(env.job_id, 0, env.all_ports(0)[0], token)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
             os.close(r)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            L.Desk(env.job_id, 0, port, env.key_of, 1).start()
+            if user >= 0:
+                os.setgid(user)
+                os.setuid(user)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.bind(name)
+            s.listen(16)
             os.write(w, b"listening\n")
-            signal.pause()
+            while True:
+                c, _ = s.accept()
+                with c:
+                    c.settimeout(5)
+                    try:
+                        c.recv(512)
+                        c.send(L._PROOF.pack(b"\1", os.urandom(32), os.urandom(32)))
+                        _, fds, _, _ = socket.recv_fds(c, 512, 4)
+                        if fds:
+                            os.write(w, b"fd\n")
+                    except OSError:
+                        pass
         finally:
             os._exit(0)
     os.close(w)
+    out = os.fdopen(r)
     try:
-        assert os.fdopen(r).readline() == "listening\n"
-        yield
+        assert out.readline() == "listening\n"
+        os.set_blocking(r, False)
+        got = []
+        yield lambda: len(got.__iadd__([line for line in out.readlines() if line == "fd\n"]))
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+        out.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
 def test_trainer_refuses_a_lane_socket_of_another_user(tmp_path):
     env = H.make_env(1, 1, tmp_path)
-    with _squatter(env):
+    with _squatter(env, "leaked", NOBODY) as handed:
         with pytest.raises(L.LaneRefused, match=f"belongs to uid {NOBODY}, not this user"), _made() as lane:
-            L.offer(lane, env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0])
+            L.offer(lane, env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0], "leaked")
+        assert handed() == 0
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or sys.platform != "linux", reason="needs root to become another user")
-def test_a_squatted_lane_socket_leaves_the_job_on_tcp_said_once(tmp_path, caplog):
+def test_a_squatter_of_this_user_without_the_secret_gets_no_memory_and_the_job_its_lanes(tmp_path, caplog):
+    """A process of the trainer's own user, without the job's secret, binds pserver 0's lane socket name
+    before the pserver starts: it cannot know the name (its token is drawn when the pserver starts and told on
+    the authenticated connection), so the pserver takes its own and the trainer trains through a lane to it;
+    had the name leaked, the squatter cannot prove it knows the trainer's key, so it is handed nothing and the
+    trainer says so in its log."""
     env = H.make_env(1, 1, tmp_path)
-    with _squatter(env), H.procs(tmp_path) as pr:
+    with _squatter(env, "") as handed, _squatter(env, "0" * 32) as handed_too, H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0)
-        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
-            ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
-            try:
-                ps.register_dense({"w": W, "v": W})
-                ps.register_dense({"u": W})
-                assert not ps._dense.lane_at and not _maps_lane(server.pid)
-                for step in range(2):
-                    out = ps.push_pull({n: np.ones_like(W) for n in ("w", "v", "u")})
-                    assert np.array_equal(out["u"], np.full_like(W, 1 - 0.5 * (step + 1)))
-            finally:
-                ps.close()
-        said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
-        assert len(said) == 1 and f"belongs to uid {NOBODY}" in said[0], said
-        assert "no same-host lanes: cannot listen on the lane socket" in pr.log(server)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": W})
+            assert ps._dense._in_lane == {"w"} and _maps_lane(server.pid)
+            _still_trains(ps)
+        finally:
+            ps.close()
+        assert handed() == 0 and handed_too() == 0
+    with _squatter(env, "leaked") as handed, caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+        with pytest.raises(L.LaneRefused, match="did not prove it knows this trainer's key"), _made() as lane:
+            L.offer(lane, env.job_id, env.key_of(0), 0, 0, env.all_ports(0)[0], "leaked")
+        assert handed() == 0
+    said = [r.getMessage() for r in caplog.records if "did not prove it knows this trainer's key" in r.getMessage()]
+    assert said and "no memory handed to it" in said[0] and said[0].startswith("trainer 0: the lane socket of "
+                                                                                "pserver 0")
 
 
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
@@ -247,8 +299,9 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
             assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 3
             assert len(ps._dense.lane_at) == (sum(len(bl) for bl in ps._dense.blocks.values()) if lane else 0)
             assert sorted(ps._dense._lanes_on.values()) == ([1, 1, 1, 2] if lane else [])
-            # Through lanes, the receive buffers are the value areas: no copy out of them.
-            assert ps._dense._in_lane == ({"big", "w", "b"} if lane else set())
+            # Through lanes, the receive buffers of parameters in one lane are its value area: no copy out of it
+            # (big's blocks are in three lanes, one per connection: copied out of them).
+            assert ps._dense._in_lane == ({"w", "b"} if lane else set())
             for step in range(3):
                 rng = np.random.default_rng(100 * i + step)
                 grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in vals.items()}
@@ -381,11 +434,13 @@ def _budget_used(tmp_path, lane: bool) -> tuple:
 
 
 def test_the_pserver_budget_of_every_lane_is_released_when_the_connection_ends(tmp_path):
-    """Each lane's value area is charged (the bytes its blocks' places hold) and released with the connection."""
+    """Each lane is charged whole (its gradient and value areas, exactly its blocks, in pages) and released with
+    the connection."""
     (tmp_path / "True").mkdir()
     (tmp_path / "False").mkdir()
     laned, tcp = _budget_used(tmp_path, True), _budget_used(tmp_path, False)
-    assert laned[0] == tcp[0] + W.nbytes + W[:100].nbytes and laned[1] == tcp[1]
+    lanes = L.mapped_bytes(2 * L.aligned(W.nbytes)) + L.mapped_bytes(2 * L.aligned(W[:100].nbytes))
+    assert laned[0] == tcp[0] + lanes and laned[1] == tcp[1]
 
 
 def test_a_registration_of_empty_parameters_makes_no_lane(tmp_path):
@@ -472,9 +527,9 @@ def test_kill_9_of_a_trainer_unmaps_its_lane_and_only_its(tmp_path):
 
 
 def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
-    """The value area is the pserver's memory (it writes it): charged to its budget, refused past it."""
+    """A lane is the pserver's memory (it maps it and keeps it alive): charged to its budget, refused past it."""
     env = H.make_env(1, 1, tmp_path)
-    big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its lane too does not
+    big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its 8 MiB lane too does not
     with H.procs(tmp_path) as pr:
         pr.pserver(env, 0, {"PADDLE_PSERVER_MEMORY": str(11 << 20)})
         with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
@@ -487,7 +542,8 @@ def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
             finally:
                 ps.close()
     said = [r.getMessage() for r in caplog.records if "over TCP, not a same-host lane" in r.getMessage()]
-    assert len(said) == 1 and "value area of trainer 0's same-host lane" in said[0], said
+    assert len(said) == 1 and "trainer 0's same-host lane offered" in said[0], said
+    assert "PADDLE_PSERVER_MEMORY" in said[0], said
 
 
 @pytest.mark.timeout(120)
@@ -514,3 +570,34 @@ def test_a_pserver_killed_and_restarted_gets_new_lanes_and_exact_results(cluster
     assert run.finish(120) == 0, run.text()[-3000:]
     assert final_w(run) == -0.5 * TOTAL
     assert_nothing_left(cluster)
+
+
+def test_silent_peers_at_the_desk_hold_no_honest_offer_up(laned):
+    """100 connections of this user to the desk that say nothing (one says its hello, then nothing): the desk
+    answers the trainer's offers as they arrive, so each of its next registrations gets its lane at once; past
+    64 talking the oldest silent ones are closed, and the rest within the offer's 5 s."""
+    import socket
+
+    env, pr, server, ps = laned
+    name = L.socket_name(env.job_id, 0, env.all_ports(0)[0], ps._ctl(0).lane_token)
+    silent = []
+    for i in range(100):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(name)
+        if i == 99:
+            s.send(L._HELLO.pack(0, os.urandom(L.NONCE_SIZE)))
+        silent.append(s)
+    try:
+        for i in range(3):
+            t0 = time.monotonic()
+            ps.register_dense({f"u{i}": W})
+            assert f"u{i}" in ps._dense._in_lane and time.monotonic() - t0 < L.OFFER_TIMEOUT / 2
+        silent[0].settimeout(L.OFFER_TIMEOUT)
+        assert silent[0].recv(512) == b""  # the oldest, dropped for the newer ones
+        silent[-1].settimeout(2 * L.OFFER_TIMEOUT)
+        assert len(silent[-1].recv(512)) == L._PROOF.size and silent[-1].recv(512) == b""  # its 5 s are up
+    finally:
+        for s in silent:
+            s.close()
+    out = ps.push_pull({n: np.ones_like(W) for n in ("w", "u0", "u1", "u2")})
+    assert np.array_equal(out["w"], np.full_like(W, 0.5)) and np.array_equal(out["u2"], np.full_like(W, 0.5))

@@ -23,6 +23,8 @@ from .wire import lane as L
 from .wire import protocol as P
 from .wire.stream import Stream
 
+HANDSHAKE_TRIES = 3  # a handshake closed on our answer, at most this many times (see ``Channel._authenticated``)
+
 
 class Channel:
     """One authenticated connection to one pserver port, driven by one worker thread."""
@@ -31,19 +33,11 @@ class Channel:
                  io_timeout: float) -> None:
         self.pserver = pserver
         self.where = f"pserver {pserver} at {env.pservers[pserver].host}:{port}"
-        self.sock = open_socket(env.pservers[pserver].host, port, connect_timeout, self.where)
-        try:
-            P.tune_socket(self.sock)
-            keys = auth.client_handshake(self.sock, key, env.job_id, pserver, trainer, env.integrity)
-            P.set_io_timeout(self.sock, io_timeout)
-        except AuthError as e:
-            self.sock.close()
-            raise AuthError(f"{self.where}: {e}") from None
-        except (OSError, PSError) as e:
-            self.sock.close()
-            raise ConnectionLost(f"{self.where}: handshake failed: {e}") from None
+        self.sock, keys = self._authenticated(env, key, trainer, pserver, port, connect_timeout)
+        P.set_io_timeout(self.sock, io_timeout)
         self.io_timeout = io_timeout
         self._lane_of = (env.job_id, key, pserver, trainer, env.all_ports(pserver)[0])
+        self.lane_token: Optional[str] = None  # the pserver's lane socket's (``DECLARE``'s answer); None: no lanes
         self.stream = Stream(self.sock, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ps{pserver}-{port}")
         # Reads replies while the worker sends (``exchange``); its thread starts on first use.
@@ -51,6 +45,30 @@ class Channel:
         self.broken: Optional[str] = None
         self._mu = threading.Lock()
         self._queued = 0  # jobs submitted or running here and not finished: ``run_here`` must queue behind them
+
+    def _authenticated(self, env: JobEnv, key: str, trainer: int, pserver: int, port: int, timeout: float
+                       ) -> Tuple[socket.socket, Optional[auth.Keys]]:
+        """A connection and its keys. A handshake the pserver refused before our answer (its handshakes full) or
+        that was cut (reset, closed: a pserver dropping idle strangers may drop us) is tried again until
+        ``timeout``; one closed on our answer, a few times (a wrong key is that too, and must fail soon)."""
+        deadline = time.monotonic() + timeout
+        delay, answered_tries = 0.05, 0
+        while True:
+            sock = open_socket(env.pservers[pserver].host, port, max(0.5, deadline - time.monotonic()), self.where)
+            try:
+                P.tune_socket(sock)
+                return sock, auth.client_handshake(sock, key, env.job_id, pserver, trainer, env.integrity)
+            except AuthError as e:
+                sock.close()
+                answered_tries += 1
+                if answered_tries >= HANDSHAKE_TRIES or time.monotonic() + delay > deadline:
+                    raise AuthError(f"{self.where}: {e}") from None
+            except (OSError, PSError) as e:
+                sock.close()
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionLost(f"{self.where}: handshake failed: {e} (gave up after {timeout:g} s)") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         with self._mu:
@@ -130,8 +148,10 @@ class Channel:
         """Offer ``lane`` (the trainer's, ``lane.create``) to this connection's pserver with the (block key, offset)
         of each of its blocks in it (docs/architecture.md): None once the pserver took it, else why the connection
         stays on TCP. Run it on the channel (``submit``)."""
+        if self.lane_token is None:
+            return f"pserver {self.pserver} takes no lanes"
         try:
-            nonce = L.offer(lane, *self._lane_of)
+            nonce = L.offer(lane, *self._lane_of, str(self.lane_token))
         except L.LaneRefused as e:
             return str(e)
         pairs = np.array(layout, "<i8").reshape(-1, 2)

@@ -133,6 +133,9 @@ class PSClient:
                 + " (a checkpoint is incomplete on some pserver; resume all from the same step)")
         self.step: int = next(iter(steps.values()))
         self.resumed_from = [r.get("resumed_from") for r in replies]
+        for k, r in enumerate(replies):  # where each pserver's lanes are offered, said on the authenticated connection
+            for ch in self._dense_ch[k]:
+                ch.lane_token = r.get("lane")
         self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes, env.lane)
         self._sparse = SparseTables(self._sparse_ch, self._ctl)
         # A launched trainer (a job directory, not the in-process pserver of an unlaunched script) tells ``top``

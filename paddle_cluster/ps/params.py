@@ -19,7 +19,6 @@ from .wire import lane as L
 from .wire import protocol as P
 
 log = logging.getLogger("paddle_cluster.ps")
-LANE_ALIGN = 64  # a parameter's place in a lane: cache-line aligned
 
 
 class DenseParams:
@@ -92,60 +91,59 @@ class DenseParams:
         return list(arrays)
 
     def _open_lanes(self, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        """One memfd for the blocks of ``arrays``, offered to each of their channels' pservers but those that
-        refused one before (the reason is the node's or the pserver's: it stays) or hold ``L.MAX_LANES`` already;
-        where one cannot be had, the first reason is logged once. Returns the parameters whose every block got
-        in: their receive buffers, views of the value area.
+        """One memfd per channel the blocks of ``arrays`` are on, holding exactly that channel's blocks (a pserver
+        maps no more than what it registered), offered to its pserver, but on channels that refused one before
+        (the reason is the node's or the pserver's: it stays) or hold ``L.MAX_LANES`` already; where one cannot
+        be had, the first reason is logged once. Returns the parameters whose blocks are all in one lane, in
+        order: their receive buffers, views of its value area (others are copied out of their lanes by ``pull``).
 
-        A parameter's blocks lie one after another in it, as in the array, so such a view is the whole
-        parameter. A view is the caller's array as the TCP receive buffer is (``PSClient.pull``: overwritten by
-        the next pull): the pserver writes a block's place only while it answers this trainer's pull of that
-        block, before the reply's header, and never reads it."""
+        A view is the caller's array as the TCP receive buffer is (``PSClient.pull``: overwritten by the next
+        pull): the pserver writes a block's place only while it answers this trainer's pull of that block, before
+        the reply's header, and never reads it."""
         todo = {ch: bl for ch, bl in self._by_channel([b for n in arrays for b in self.blocks[n]]).items()
                 if ch not in self._lane_refused}
         for ch in [ch for ch in todo if self._lanes_on.get(ch, 0) >= L.MAX_LANES]:
             self._say_tcp(ch.where, f"its connection holds {L.MAX_LANES} lanes already, one per registration")
             del todo[ch]
-        laned = {b.key for bl in todo.values() for b in bl}
-        at, off = {}, 0  # parameter -> its place; then block key -> its place
-        for name, a in arrays.items():
-            if any(b.key in laned for b in self.blocks[name]):
-                at[name] = off
-                off += -(-a.nbytes // LANE_ALIGN) * LANE_ALIGN
-        if not off:  # nothing to share (empty parameters): no memfd of 0 bytes
-            return {}
-        place = {b.key: at[b.name] + b.lo * (b.nbytes // max(1, b.hi - b.lo))
-                 for bl in todo.values() for b in bl}
+        made: Dict[Channel, Tuple[L.Lane, Dict[int, int]]] = {}  # channel -> its lane, block key -> place
         try:
-            lane = L.create(2 * off)
+            for ch, bl in todo.items():
+                place, half = lane_layout(arrays, bl)
+                if half:  # nothing to share (empty parameters): no memfd of 0 bytes
+                    made[ch] = (L.create(2 * half), place)
         except L.LaneRefused as e:
+            for lane, _ in made.values():
+                lane.close()
             self._lane_refused.update(todo)
             self._say_tcp("this node", str(e))
             return {}
         try:
-            why = gather([ch.submit(Channel.open_lane, lane, [(b.key, place[b.key]) for b in bl])
-                          for ch, bl in todo.items()])
+            why = gather([ch.submit(Channel.open_lane, lane, list(place.items()))
+                          for ch, (lane, place) in made.items()])
         except BaseException:
-            lane.close()
+            for lane, _ in made.values():
+                lane.close()
             raise
-        lane.offered()
-        took = [ch for ch, no in zip(todo, why) if no is None]
-        for ch, no in zip(todo, why):
+        whole: Dict[str, np.ndarray] = {}
+        for (ch, (lane, place)), no in zip(made.items(), why):
+            lane.offered()
             if no is not None:
                 self._lane_refused.add(ch)
                 self._say_tcp(ch.where, no)
-        if not took:
-            lane.close()
-            return {}
-        self._lanes.append(lane)
-        for ch in took:
+                lane.close()
+                continue
+            self._lanes.append(lane)
             self._lanes_on[ch] = self._lanes_on.get(ch, 0) + 1
+            half = lane.size // 2
             for b in todo[ch]:
                 n, dt = b.nbytes // np.dtype(b.dtype).itemsize, np.dtype(b.dtype)
                 self.lane_at[b.key] = (np.frombuffer(lane.mem, dt, n, place[b.key]),
-                                       np.frombuffer(lane.mem, dt, n, off + place[b.key]))
-        return {name: np.frombuffer(lane.mem, a.dtype, a.size, off + at[name]).reshape(a.shape)
-                for name, a in arrays.items() if all(b.key in self.lane_at for b in self.blocks[name])}
+                                       np.frombuffer(lane.mem, dt, n, half + place[b.key]))
+            for name, a in arrays.items():
+                blocks = self.blocks[name]
+                if all(b.key in place for b in blocks):  # laid out one after another, as in the array
+                    whole[name] = np.frombuffer(lane.mem, a.dtype, a.size, half + place[blocks[0].key]).reshape(a.shape)
+        return whole
 
     def _say_tcp(self, where: str, why: str) -> None:
         if not self._lane_said:
@@ -439,3 +437,17 @@ def _rows_page(ch: Channel, t: Table, step: int, first: np.ndarray, page_rows: i
     pipeline(ch, [(P.pack_header(P.Op.ROWS_SPARSE, P.dtype_code(np.int64), key=t.key, step=step, length=8,
                                  aux=page_rows), (first,))], [cb])
     return got[0], got[1]
+
+
+def lane_layout(arrays: Mapping[str, np.ndarray], blocks: Sequence[Block]) -> Tuple[Dict[int, int], int]:
+    """The places of ``blocks`` (one channel's) in its lane's gradient area, and that area's size: each
+    parameter's blocks one after another in row order, each parameter at an aligned place (``L.ALIGN``); so the
+    area is no bigger than the blocks' own bytes, which is what a pserver takes (``handlers.lane_size``)."""
+    place: Dict[int, int] = {}
+    off = 0
+    for name in arrays:
+        for b in sorted((b for b in blocks if b.name == name), key=lambda b: b.lo):
+            place[b.key] = off
+            off += b.nbytes
+        off = L.aligned(off)
+    return place, off

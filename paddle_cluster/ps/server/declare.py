@@ -163,7 +163,7 @@ def _declare(st: State, conn: Conn, body: Dict[str, Any]) -> None:
             raise ConfigMismatch(f"trainer {conn.trainer} declares optimizer {opt} but trainer 0 declared "
                                  f"{st.optimizer}")
     conn.reply_ok({"pserver_id": st.pserver_id, "step": st.base_step, "mode": sync.mode,
-                   "resumed_from": st.resumed_from})
+                   "resumed_from": st.resumed_from, "lane": st.lanes.token if st.lanes is not None else None})
 
 
 def def_dense(st: State, conn: Conn, h: P.Header) -> None:

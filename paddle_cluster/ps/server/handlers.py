@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from ..errors import (
     RemoteError,
     UnknownKey,
 )
+from ..wire import lane as lane_util
 from ..wire import protocol as P
 from ..wire.lane import MAX_LANES, NONCE_SIZE, LaneRefused, Payload
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
@@ -206,7 +207,8 @@ def save(st: State, conn: Conn, h: P.Header) -> None:
 
 def lane(st: State, conn: Conn, h: P.Header) -> None:
     """Bind the same-host lane this trainer offered under the frame's nonce to this connection, with the place of
-    each of its blocks (docs/architecture.md): one lane per registration, up to ``MAX_LANES``; a refusal is an
+    each of its blocks (docs/architecture.md): one lane per registration, up to ``MAX_LANES``, of exactly the size
+    its layout needs (``lane_size``), its memory charged to the budget since the desk kept it; a refusal is an
     answer, not an error: those blocks stay on TCP."""
     if not NONCE_SIZE <= h.length <= P.MAX_JSON_BYTES or (h.length - NONCE_SIZE) % 16:
         raise ProtocolError(f"LANE of {h.length} bytes: a nonce and (key, offset) pairs expected")
@@ -217,37 +219,44 @@ def lane(st: State, conn: Conn, h: P.Header) -> None:
     if len(set(keys)) != len(keys) or not conn.lane_at.keys().isdisjoint(keys):  # a block has one place
         raise ProtocolError(f"trainer {conn.trainer}: LANE names a block twice or one already in a lane of this "
                             "connection")
-    lane = None
     try:
         if st.lanes is None:
             raise LaneRefused(f"pserver {st.pserver_id} takes no lanes")
         if len(conn.lanes) >= MAX_LANES:
             raise LaneRefused(f"trainer {conn.trainer}: this connection has its {MAX_LANES} lanes already")
-        lane = st.lanes.claim(conn.trainer, nonce)
-        half, places = lane.size // 2, {}
+        places = {}
         for key, off in layout.tolist():
             b = st.blocks.get(key)
-            if b is None or off % b.dtype.itemsize or not 0 <= off <= half - b.nbytes:
-                raise LaneRefused(f"block {key} at offset {off} does not fit a lane of {lane.size} bytes")
+            if b is None or off < 0 or off % b.dtype.itemsize:
+                raise LaneRefused(f"trainer {conn.trainer}: block {key} at offset {off}: no such block here, or "
+                                  "misplaced")
             places[key] = (b, off)
-        # What this pserver writes (its blocks' places in the value area) is its memory; the trainer's gradient
-        # area and the other pservers' places in the same memfd are not.
-        writes = sum(b.nbytes for b, _ in places.values())
-        try:
-            st.budget.charge(writes, f"the value area of trainer {conn.trainer}'s same-host lane")
-        except LimitExceeded as e:
-            raise LaneRefused(str(e)) from None
+        lane = st.lanes.claim(conn.trainer, nonce, lane_size(conn.trainer, places), set(places))
     except LaneRefused as e:
-        if lane is not None:
-            lane.close()
+        if st.lanes is not None:
+            st.lanes.drop(conn.trainer, nonce)  # refused whatever it holds: the desk lets it go now
         conn.reply_ok({"lane": False, "reason": str(e)})
         return
     conn.lanes.append(lane)
-    conn.lane_charged += writes
+    half = lane.size // 2
     for key, (b, off) in places.items():
         n = b.nbytes // b.dtype.itemsize
         conn.lane_at[key] = (np.frombuffer(lane.mem, b.dtype, n, off), np.frombuffer(lane.mem, b.dtype, n, half + off))
     conn.reply_ok({"lane": True})
+
+
+def lane_size(trainer: int, places: Dict[int, Tuple[Any, int]]) -> int:
+    """The bytes of a lane holding these blocks at these places (a gradient area and a value area of the same
+    size, each ending with its last block, aligned): no empty layout, and no room past its blocks' own bytes
+    (each aligned), so what a lane maps is what its blocks need."""
+    half = lane_util.aligned(max((off + b.nbytes for b, off in places.values()), default=0))
+    if not half:
+        raise LaneRefused(f"trainer {trainer}: an empty lane layout")
+    need = sum(lane_util.aligned(b.nbytes) for b, _ in places.values())
+    if half > need:
+        raise LaneRefused(f"trainer {trainer}: a layout of {len(places)} blocks ({need} bytes) spread over {half} "
+                          "bytes: a lane holds its blocks and nothing else")
+    return 2 * half
 
 
 OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {

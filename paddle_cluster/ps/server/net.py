@@ -31,7 +31,9 @@ from .budget import CONN_OVERHEAD, Budget
 
 log = logging.getLogger("paddle_cluster.ps")
 _HUNG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # the peer sent its FIN (Linux), or worse
-MAX_PENDING_HANDSHAKES = 64  # a flood of peers that never authenticate holds at most this many threads
+# Connections waiting for a peer's answer to the challenge at once; past it the oldest idle one is dropped (a peer
+# that says nothing holds no slot a trainer needs), and at most twice as many handshake threads run.
+MAX_PENDING_HANDSHAKES = 64
 # A trainer silent this many barrier timeouts on every connection is gone (a live one in sync mode never is:
 # its peers' barriers would have failed first).
 IDLE_BARRIERS = 3
@@ -80,7 +82,6 @@ class Conn:
         self.rbuf = np.empty(0, dtype=np.uint8)  # receive buffer for dense pushes, grown to the largest block
         self.lanes: List[Lane] = []  # the same-host lanes this connection claimed (``LANE``), one per registration
         self.lane_at: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # block key -> its gradient, values in its lane
-        self.lane_charged = 0  # bytes of the lanes charged to the budget (their blocks' places in the value areas)
 
     @property
     def gone(self) -> bool:
@@ -153,7 +154,8 @@ class Listener:
         self._heard: Dict[int, float] = {}  # trainer -> when a request of it last arrived, on any connection
         self.max_connections = max_connections
         self.max_pending = min(MAX_PENDING_HANDSHAKES, max_connections)
-        self._pending = 0  # connections still in their handshake
+        self._waiting: Dict[socket.socket, float] = {}  # connections waiting for the peer's answer, oldest first
+        self._pending = 0  # handshake threads running (the waiting ones, those answered, those dropped and ending)
         self.rated = RateLog(log)
         self.pserver_id = pserver_id
         self.host = host
@@ -225,11 +227,15 @@ class Listener:
             pause = 0.0
             peer = f"{addr[0]}:{addr[1]}"
             with self._lock:
-                n, pending = len(self._conns), self._pending
-                ok = n < self.max_connections and pending < self.max_pending
+                evicted = self._make_room()
+                n, pending = len(self._conns), len(self._waiting)
+                ok = n < self.max_connections and pending < self.max_pending and self._pending < 2 * self.max_pending
                 if ok:
                     self._conns.add(sock)
+                    self._waiting[sock] = time.monotonic()
                     self._pending += 1
+            if evicted is not None:
+                self._evict(evicted)
             if not ok:
                 self._refuse(sock, peer, port, n, pending)
                 continue
@@ -239,6 +245,48 @@ class Listener:
             except RuntimeError as e:  # no thread to be had: as good as full
                 self._forget(sock, pending=True)
                 self._refuse(sock, peer, port, n, pending, str(e))
+
+    def _make_room(self) -> Optional[Tuple[socket.socket, float]]:
+        """(Under the lock.) When the connections or the handshakes are at their cap, take the oldest connection
+        still waiting for its peer's answer with nothing to read (an idle stranger: a trainer's answer is there
+        within a round trip) out of them, and return it with its age: the new one takes its place."""
+        if len(self._conns) < self.max_connections and len(self._waiting) < self.max_pending:
+            return None
+        now = time.monotonic()
+        for sock, since in self._waiting.items():
+            p = select.poll()
+            p.register(sock, select.POLLIN)
+            try:
+                if p.poll(0):
+                    continue  # its answer arrived: its thread is about to read it
+            except OSError:
+                pass
+            del self._waiting[sock]
+            self._conns.discard(sock)
+            return sock, now - since
+        return None
+
+    def _evict(self, evicted: Tuple[socket.socket, float]) -> None:
+        sock, age = evicted
+        try:
+            host, port = sock.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "a peer"
+        self.rated.warning("evicted", "pserver %d: dropped the connection from %s (unauthenticated peer): it said "
+                           "nothing for %.1f s while %d others waited to authenticate (the oldest goes)",
+                           self.pserver_id, peer, age, self.max_pending)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once; the thread closes it
+        except OSError:
+            pass
+
+    def _answered(self, sock: socket.socket) -> None:
+        """The peer's answer is read: the connection is no longer one to drop for room (ConnectionLost if it was
+        dropped already)."""
+        with self._lock:
+            if self._waiting.pop(sock, None) is None:
+                raise ConnectionLost("dropped for a newer connection while it said nothing")
 
     def _refuse(self, sock: socket.socket, peer: str, port: int, n: int, pending: int, why: str = "") -> None:
         """Say why in one frame, without waiting for the peer, and close."""
@@ -258,7 +306,9 @@ class Listener:
     def _forget(self, sock: socket.socket, pending: bool) -> None:
         with self._lock:
             self._conns.discard(sock)
-            self._pending -= int(pending)
+            if pending:
+                self._waiting.pop(sock, None)
+                self._pending -= 1
 
     def _silent(self, trainer: int) -> float:
         return time.monotonic() - self._heard.get(trainer, 0.0)
@@ -286,7 +336,8 @@ class Listener:
             try:
                 # One deadline for the whole handshake: a peer that trickles bytes cannot pin a thread.
                 conn.trainer, keys = auth.server_handshake(sock, self.env.key_of, self.env.job_id, self.pserver_id,
-                                                           self.env.trainers, self.env.integrity)
+                                                           self.env.trainers, self.env.integrity,
+                                                           answered=lambda: self._answered(sock))
             except ConnectionLost as e:
                 # Closed before answering the challenge: a port probe (the launcher's readiness check), not news.
                 log.debug("pserver %d: %s closed before authenticating: %s", self.pserver_id, peer, e)
@@ -339,11 +390,11 @@ class Listener:
                 log.info("pserver %d: connection from %s ended: %s", self.pserver_id, peer, e)
         finally:
             if self.budget is not None:
-                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held + conn.lane_charged)
+                self.budget.release(conn.rbuf.nbytes + conn.stream.held + held)
             self._forget(sock, pending)
             conn.lane_at.clear()  # the views first: a mapping with views cannot be closed
             for lane in conn.lanes:
-                lane.close()
+                lane.close()  # gives back its budget
             try:
                 sock.close()
             except OSError:

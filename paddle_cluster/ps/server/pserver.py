@@ -96,7 +96,8 @@ class PServer:
     def start(self) -> PServer:
         """Bind every port (all or nothing) and start accepting."""
         self.net.start()
-        desk = Desk(self.env.job_id, self.pserver_id, self.ports[0], self.env.key_of, self.env.trainers)
+        desk = Desk(self.env.job_id, self.pserver_id, self.ports[0], self.env.key_of, self.env.trainers,
+                    self.state.budget.charge, self.state.budget.release)
         try:
             desk.start()
             self.state.lanes = desk

@@ -201,15 +201,18 @@ def _recv_frame(sock: socket.socket, want_op: int, want_len: int, deadline: floa
 
 
 def server_handshake(sock: socket.socket, key_of: Callable[[int], str], job_id: str, pserver: int,
-                     n_trainers: int, integrity: bool, timeout: float = HANDSHAKE_TIMEOUT
-                     ) -> Tuple[int, Optional[Keys]]:
+                     n_trainers: int, integrity: bool, timeout: float = HANDSHAKE_TIMEOUT,
+                     answered: Optional[Callable[[], None]] = None) -> Tuple[int, Optional[Keys]]:
     """Authenticate a new connection within ``timeout`` s: (the trainer id it proved, its frame keys or None
-    without integrity). Raises AuthError / ProtocolError / ConnectionLost."""
+    without integrity). ``answered`` is called once the peer's answer is read, before it is checked. Raises
+    AuthError / ProtocolError / ConnectionLost."""
     deadline = time.monotonic() + timeout
     sn = os.urandom(NONCE_SIZE)
     sock.settimeout(timeout)
     sock.sendall(P.pack_header(P.Op.AUTH_CHALLENGE, length=NONCE_SIZE) + sn)
     h, body = _recv_frame(sock, P.Op.AUTH_RESPONSE, MAC_SIZE + NONCE_SIZE, deadline)
+    if answered is not None:
+        answered()
     if not 0 <= h.trainer < n_trainers:
         raise AuthError(f"trainer id {h.trainer} is outside [0, {n_trainers})")
     key = bytes.fromhex(key_of(h.trainer))
