@@ -90,6 +90,11 @@ class Node:
     def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
         raise NotImplementedError
 
+    def run_into(self, argv: Sequence[str], sink: BinaryIO, timeout: Optional[float] = None) -> CommandResult:
+        """Run ``argv`` with its standard output written to ``sink`` as it comes (a file's bytes, any size);
+        its stderr and exit status in the result. A silence of ``timeout`` s is a ``HostError``."""
+        raise NotImplementedError
+
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:
         """Copy ``local`` (a path, or an archive still being made) to ``remote`` (a file or a FIFO); ``until()``,
@@ -219,6 +224,23 @@ class LocalNode(Node):
         except FileNotFoundError as e:
             raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
         return CommandResult(p.stdout, p.stderr, p.returncode)
+
+    def run_into(self, argv: Sequence[str], sink: BinaryIO, timeout: Optional[float] = None) -> CommandResult:
+        try:
+            p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
+        assert p.stdout is not None and p.stderr is not None
+        try:
+            for b in iter(lambda: p.stdout.read1(1 << 20), b""):  # type: ignore[union-attr]
+                sink.write(b)
+        except BaseException:
+            p.kill()
+            raise
+        finally:
+            err = p.stderr.read().decode(errors="replace")
+            p.wait()
+        return CommandResult("", err, p.returncode)
 
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:
