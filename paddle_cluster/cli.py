@@ -475,17 +475,22 @@ for _name in REGISTRY:
 def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = (),
            caption: Optional[str] = None) -> None:
     """A table as wide as the terminal, or unwrapped up to 200 columns for a pipe. To fit, the ``wrap`` columns
-    and the last one wrap; the others stay whole. ``caption``: a line below it."""
+    and the last one wrap; the others stay whole. ``caption``: a line below it. Every cell is text, never markup,
+    with control characters made visible: a job's log line or a host's answer cannot style or drive the terminal."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
+    from .launch.shown import printable
+
+    t = Table(title=Text(printable(title)) if title else None, title_justify="left",
+              caption=Text(printable(caption)) if caption else None, caption_justify="left", box=box.SIMPLE_HEAD,
               show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for h in headers:
         t.add_column(h, overflow="fold", no_wrap=h not in wrap and h != headers[-1])
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(printable(c)) for c in r))
     Console(width=200 if not sys.stdout.isatty() else None).print(t)
 
 

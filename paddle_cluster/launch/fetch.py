@@ -24,6 +24,7 @@ from . import nodecmd
 from .each_node import NodeResults, each_node
 from .errors import ClusterError, HostError
 from .hosts import Node
+from .shown import printable as shown
 
 DEFAULT_PATHS = ("output",)
 LARGE = 16 << 20  # a file at least this big gets a progress bar
@@ -136,11 +137,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
-
-
-def shown(text: str) -> str:
-    """A name a node gave, printable on one line (control characters escaped)."""
-    return text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
 
 
 def _entry(doc: Any) -> files.UnsafePath | Dict[str, Any]:
