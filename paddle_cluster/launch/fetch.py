@@ -359,6 +359,9 @@ def fetch_job(outputs_of: Callable[[], Outputs], job: str, dest: Optional[str], 
     try:
         with upload_progress("fetch") as bar:
             return fetch(outputs, job, dest or job, list(paths) or list(DEFAULT_PATHS), say, bar)
+    except KeyboardInterrupt:
+        say("interrupted: the same fetch resumes where it stopped (what arrived is kept as .NAME.fetch-part)")
+        raise
     finally:
         outputs.close()
 

@@ -72,6 +72,19 @@ class CommandStream:
         self.close()
 
 
+class Cancel(CommandStream):
+    """A command that is no stream (``run_into``'s copy) made abortable: ``Node.abort`` calls ``stop``."""
+
+    def __init__(self, stop: Callable[[], None], awaiting: str) -> None:
+        self._stop, self.awaiting = stop, awaiting
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self._stop()
+
+
 class Node:
     """One host of the cluster; ``index`` is its node id (its position in ``HOSTS``)."""
 
@@ -231,6 +244,8 @@ class LocalNode(Node):
         except OSError as e:
             raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
         assert p.stdout is not None and p.stderr is not None
+        cancel = Cancel(p.kill, "a file being copied")
+        self._streams.add(cancel)  # Ctrl+C (each_node's abort) ends the copy
         try:
             for b in iter(lambda: p.stdout.read1(1 << 20), b""):  # type: ignore[union-attr]
                 sink.write(b)
@@ -240,6 +255,7 @@ class LocalNode(Node):
         finally:
             err = p.stderr.read().decode(errors="replace")
             p.wait()
+            self._streams.discard(cancel)
         return CommandResult("", err, p.returncode)
 
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,

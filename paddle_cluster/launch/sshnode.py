@@ -20,7 +20,7 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
+from .hosts import Cancel, CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
 
 # The first line of every stream: the POSIX session (process group) its command runs in, for ``abort``. sshd makes
 # one per command (setsid) whose leader execs the login shell, which execs sh, whose $$ it is.
@@ -170,13 +170,18 @@ class SSHNode(Node):
         conn = self._connection()
         try:
             chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
-            chan.settimeout(timeout)
-            chan.exec_command(shlex.join(argv))
-            chan.shutdown_write()
-            for b in iter(lambda: chan.recv(1 << 20), b""):
-                sink.write(b)
-            err = chan.makefile_stderr("rb").read()
-            code = chan.recv_exit_status()
+            cancel = Cancel(chan.close, "a file being copied")
+            self._streams.add(cancel)  # Ctrl+C (each_node's abort) closes the channel: the copy ends at once
+            try:
+                chan.settimeout(timeout)
+                chan.exec_command(shlex.join(argv))
+                chan.shutdown_write()
+                for b in iter(lambda: chan.recv(1 << 20), b""):
+                    sink.write(b)
+                err = chan.makefile_stderr("rb").read()
+                code = chan.recv_exit_status()  # -1 when the channel was closed first (aborted)
+            finally:
+                self._streams.discard(cancel)
         except (socket.timeout, TimeoutError):
             raise HostError(self.label, f"{shlex.join(argv)[:120]}: no data for {timeout:.0f} s") from None
         except (paramiko.SSHException, EOFError, OSError) as e:
