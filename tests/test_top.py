@@ -139,10 +139,18 @@ def _frame_in_a_terminal(cfg: Path, env: dict, rows: int, cols: int, procs: dict
 
 # A collective trainer (no pservers) that writes what a hostile or broken job could: metric names with rich
 # markup and terminal escapes (title, clear screen), a figures file with a string for its step and a list for its
-# rows, a log line with escapes; then holds while the file argv[1] exists.
+# rows, a log line with escapes (trainer 1: a FIFO and /dev/zero where its figures and metrics go); then holds
+# while the file argv[1] exists.
 HOSTILE_PY = r'''
 import json, os, sys, time
 d, me = os.environ["PADDLE_JOB_DIR"], os.environ["PADDLE_TRAINER_ID"]
+if me == "1":  # files that would hold a reader: a FIFO for its figures, /dev/zero for its metrics
+    os.mkfifo(os.path.join(d, "log", "figures.trainer.1.json"))
+    os.symlink("/dev/zero", os.path.join(d, "log", "metrics.trainer1.jsonl"))
+    print("done", flush=True)
+    while os.path.exists(sys.argv[1]):
+        time.sleep(0.2)
+    sys.exit(0)
 with open(os.path.join(d, "log", f"metrics.trainer{me}.jsonl"), "a") as f:
     f.write(json.dumps({"step": 3, "loss": 0.5, "[link=https://example.com]x[/link]\x1b]0;owned\x07": 1,
                         "[blink]b\x1b[2J": 2}) + "\n")
@@ -163,10 +171,12 @@ def test_what_a_job_writes_is_shown_as_text(tmp_path):
     (ws / "train.py").write_text(HOSTILE_PY)
     hold = tmp_path / "hold"
     hold.touch()
-    cfg = local_conf(tmp_path, PSERVERS_PER_NODE=0, PSERVER_COMMAND=OMIT)  # --collective: no pservers
+    # --collective: no pservers; two trainers, the second leaving a FIFO and /dev/zero where its files go.
+    cfg = local_conf(tmp_path, PSERVERS_PER_NODE=0, PSERVER_COMMAND=OMIT, TRAINERS_PER_NODE=2)
     run = Launch(cfg, "--collective", "--job_dispatch_package", str(ws), "--", str(hold))
     try:
         run.wait_line(r"\[trainer\.0@node0\] .*done", 60)
+        run.wait_line(r"\[trainer\.1@node0\] done", 60)
         once = cli(cfg, "top", "--once", timeout=60)
         no_traceback(once)
         assert once.returncode == 0, once.stderr
@@ -174,6 +184,7 @@ def test_what_a_job_writes_is_shown_as_text(tmp_path):
         assert "[link=https://example.com]x[/link]" in once.stdout and "[blink]b\\x1b[2J" in once.stdout
         assert 'figures step = "abc"' in once.stdout and "figures rows = [1]" in once.stdout, once.stdout
         snap = json.loads(cli(cfg, "top", "--json", timeout=60).stdout)
+        assert next(r for r in snap["rows"] if r["name"] == "trainer.1")["state"] == "running"  # shown, not held
         row = next(r for r in snap["rows"] if r["name"] == "trainer.0")
         assert row["step"] == 3 and row["rows"] is None and row["held"] is None  # its metrics' step, nothing else
         assert row["malformed"] and any("figures held" in n for n in snap["notes"]), snap
