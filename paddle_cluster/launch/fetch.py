@@ -197,7 +197,9 @@ def fetch(outputs: Outputs, job: str, dest: str, paths: Sequence[str], say: Call
     res = outputs.each(one)
     for i in sorted(res.values):
         got = res.values[i]
-        if got is None:
+        if got is None and i in found.values:  # the job's directory is not on this node (the others have it)
+            say(f"{res.labels[i]}: no directory of job {job} there ({shown(str(found.values[i].get('error')))})")
+        if got is None:  # that, or its listing failed (raised below)
             continue
         say(got.line())
         for p in got.missing:
