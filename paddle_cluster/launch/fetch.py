@@ -163,11 +163,11 @@ def listings(outputs: Outputs, job: str, paths: Sequence[str]) -> NodeResults:
     found = [d for d in docs if d.get("found")]
     if not found and docs:
         jobs = sorted({j for d in docs for j in d.get("jobs") or () if isinstance(j, str)})
-        raise ClusterError(f"job {job} is on no node ({docs[0].get('error')}); jobs there: "
+        raise ClusterError(f"job {job} is on no node ({shown(str(docs[0].get('error')))}); jobs there: "
                            f"{', '.join(map(shown, jobs)) or 'none'}")
     for d in found:
         if not d.get("ok"):
-            raise ClusterError(f"fetch: {d.get('error')}")
+            raise ClusterError(f"fetch: {shown(str(d.get('error')))}")
     nowhere = [p for p in paths if all("/".join(files.parts(p)) in (d.get("missing") or ()) for d in found)]
     if nowhere:
         present = sorted({n for d in found for n in d.get("present") or () if isinstance(n, str)})
@@ -185,7 +185,7 @@ def fetch(outputs: Outputs, job: str, dest: str, paths: Sequence[str], say: Call
             files.parts(p)
         except files.UnsafePath as e:
             raise ClusterError(f"fetch: {e}; give paths relative to the job directory, such as output or "
-                               "log/trainer.0.log") from None
+                               "log") from None
     found = listings(outputs, job, paths)
 
     def one(src: NodeFiles) -> Optional[Fetched]:

@@ -41,8 +41,8 @@ def submit(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> JobResult:
             prepared.close()
     journal.remember(spec.cfg, spec.name, spec.workspace, job.ref.handle)
     return JobResult(spec.name, 0, f"job {spec.name} submitted to {be.name}; follow it with `paddle-cluster status` "
-                     f"and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill` (add --job_name "
-                     f"{spec.name} for an older job)")
+                     f"and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill`, copy its outputs here "
+                     f"with `paddle-cluster fetch` once it has finished (add --job_name {spec.name} for an older job)")
 
 
 def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None],
