@@ -197,6 +197,19 @@ def test_what_a_job_writes_is_shown_as_text(tmp_path):
         run.finish(60)
 
 
+def test_the_jobs_step_rate_is_the_shared_one_in_sync_and_the_sum_in_async():
+    """Six trainers at 3.3 steps/s each: a sync job steps at 3.3 (not 19.8); an async one at their sum, labelled."""
+    from paddle_cluster.launch.top import RATE_LABEL, Row, job_rate
+
+    def trainers(mode):
+        return [Row("node0", "h", f"trainer.{k}", "trainer", "running", steps_per_s=3.3 + k / 100, mode=mode)
+                for k in range(6)]
+    assert job_rate(trainers("sync")) == (pytest.approx(3.33), "sync")
+    assert job_rate(trainers("async")) == (pytest.approx(19.95), "async")
+    assert job_rate(trainers(None)) == (pytest.approx(19.95), "sum")  # a client that does not say its mode
+    assert RATE_LABEL["async"] == "steps/s (async: the trainers' sum)"
+
+
 def test_top_of_a_job_that_never_ran(tmp_path):
     cfg = local_conf(tmp_path)
     res = cli(cfg, "top", "--json", "--job_name", "JOBNOSUCH")
