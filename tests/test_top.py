@@ -106,6 +106,15 @@ def test_top_json_on_a_local_job(tmp_path):
         assert all(name in res.stdout for name in rows)
         for rows_, cols in ((24, 80), (30, 100), (50, 160)):
             _frame_in_a_terminal(cfg, env, rows_, cols, rows)
+        # The full-screen view in an 80x24 terminal: every process's node and name on its row, then q.
+        view = pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top"],
+                             env={**env, "TERM": "xterm"}, dimensions=(24, 80), encoding="utf-8", timeout=60)
+        for name in rows:
+            view.expect(rf"node0 +{re.escape(name)} +running")
+        view.send("q")
+        view.expect(pexpect.EOF, timeout=15)
+        view.close()
+        assert view.exitstatus == 0, view.before
         assert run.proc.poll() is None  # reading the figures touches nothing of the job
     finally:
         cli(cfg, "kill", env=env)
