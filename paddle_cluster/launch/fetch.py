@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import stat
+import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Protocol, Sequence
 
@@ -359,7 +360,12 @@ def fetch_job(outputs_of: Callable[[], Outputs], job: str, dest: Optional[str], 
 
     outputs = outputs_of()
     try:
-        with upload_progress("fetch") as bar:
+        with upload_progress("fetch") as bars:
+            def bar(name: str, total: int) -> Callable[[int, int], None]:
+                if not sys.stderr.isatty():  # no bar on a pipe: a line as each large file starts
+                    say(f"fetching {name} ({_size(total)})")
+                return bars(name, total)
+
             return fetch(outputs, job, dest or job, list(paths) or list(DEFAULT_PATHS), say, bar)
     except KeyboardInterrupt:
         say("interrupted: the same fetch resumes where it stopped (what arrived is kept as .NAME.fetch-part)")
