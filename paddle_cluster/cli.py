@@ -262,6 +262,8 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "(compares it with \"PSERVER\"), else builtin.")
 @_COLLECTIVE
 @_PORT
+@click.option("--fetch", is_flag=True, help="When the job finishes, copy trainer 0's output/ (node0's) to "
+              "./<job name>/node0/ (paddle-cluster fetch does it for every node and any path, later).")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the pservers' INFO log lines (always in their log "
               "files; warnings and errors are always shown).")
 @_SCRIPT_ARGS
@@ -269,7 +271,7 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
 def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str], job_name: Optional[str],
         resume_from: Optional[str], max_restarts: Optional[int], elastic: bool, backend: Optional[str], detach: bool,
         dry_run: bool, entry_script: Optional[str], pserver: Optional[str], collective: bool, port: Optional[int],
-        verbose: bool, trainer_args: Tuple[str, ...],
+        fetch: bool, verbose: bool, trainer_args: Tuple[str, ...],
         **backend_opts) -> Optional[JobResult]:
     """Start a job: pservers first, trainers once every pserver listens.
 
@@ -303,7 +305,10 @@ def run(ctx: click.Context, dispatch_dir: Optional[str], workspace: Optional[str
     if dry_run:
         click.echo(render_text(spec, be, _say), nl=False)
         return None
-    return submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be)
+    if fetch and detach:
+        raise click.UsageError("--fetch needs run to follow the job: without --detach, or `paddle-cluster fetch` "
+                               "once it has finished")
+    return submit(spec, be, _say) if detach else run_job(spec, _out, _say, backend=be, fetch=fetch)
 
 
 def _earlier(ctx: click.Context, name: Optional[str]):
@@ -370,6 +375,21 @@ def top(ctx: click.Context, job_name: Optional[str], once_only: bool, as_json: b
 
     cls, job = _earlier(ctx, job_name)
     view.run_top(job.cfg, job.name, lambda: cls.figures(job), _out, once_only, as_json)
+
+
+@main.command("fetch")
+@_earlier_job("Job whose files to copy")
+@click.option("--to", "dest", metavar="DIR", help="Where to put them: DIR/node0/..., a folder per node (default: "
+              "./<job name>).")
+@click.argument("paths", nargs=-1, metavar="[PATH...]")
+@_handled
+def fetch_cmd(ctx: click.Context, job_name: Optional[str], dest: Optional[str], paths: Tuple[str, ...]) -> None:
+    """Copy each node's output/ of a job (or the PATHs, relative to its job directory) to this machine, a folder
+    per node. A file already here with the same SHA-256 is skipped; an interrupted copy resumes."""
+    from .launch import fetch as fetching
+
+    cls, job = _earlier(ctx, job_name)
+    fetching.fetch_job(lambda: cls.outputs(job), job.name, dest, paths, _say)
 
 
 @main.command(help="Preflight what a job would run on; each backend checks its own: " +
@@ -455,17 +475,22 @@ for _name in REGISTRY:
 def _table(headers, rows, title: Optional[str] = None, wrap: Tuple[str, ...] = (),
            caption: Optional[str] = None) -> None:
     """A table as wide as the terminal, or unwrapped up to 200 columns for a pipe. To fit, the ``wrap`` columns
-    and the last one wrap; the others stay whole. ``caption``: a line below it."""
+    and the last one wrap; the others stay whole. ``caption``: a line below it. Every cell is text, never markup,
+    with control characters made visible: a job's log line or a host's answer cannot style or drive the terminal."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=title, title_justify="left", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
+    from .launch.shown import printable
+
+    t = Table(title=Text(printable(title)) if title else None, title_justify="left",
+              caption=Text(printable(caption)) if caption else None, caption_justify="left", box=box.SIMPLE_HEAD,
               show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
     for h in headers:
         t.add_column(h, overflow="fold", no_wrap=h not in wrap and h != headers[-1])
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(printable(c)) for c in r))
     Console(width=200 if not sys.stdout.isatty() else None).print(t)
 
 

@@ -11,7 +11,8 @@ from engines import ENGINES
 from helpers import REPO
 
 SCENARIOS = {
-    "fit_a_line": "README conf.py; the dual-role fit_a_line reaches test MSE < 30; status and logs after",
+    "fit_a_line": "README conf.py; the dual-role fit_a_line reaches test MSE < 30; status, logs and `fetch` of "
+                  "trainer 0's output/ after (k8s: fetch says how instead)",
     "env_ctrl_c": "a dual-role script dumps each trainer's and pserver's PADDLE_* environment (the same "
                   "normalised contract on every backend); status and logs during; Ctrl+C: exit 130, nothing left",
     "kill": "`kill` from another process: the run ends with exit 3 (stopped by paddle-cluster kill), "

@@ -49,6 +49,16 @@ def test_fit_a_line(engine: Engine):
     assert sum(p["name"].startswith("trainer.") for p in doc["processes"]) == engine.trainers, doc
     lg = engine.cli("logs", engine.log_node(0), "--role", "trainer", "--job_name", job)
     assert lg.returncode == 0 and "final test_mse=" in lg.stdout, lg.stdout + lg.stderr
+    # The results come home: trainer 0's output/ into got/node0 (Slurm: the shared job directory's into got/shared;
+    # Kubernetes: one line saying how instead).
+    got = engine.cli("fetch", "--job_name", job, "--to", "got")
+    if engine.name == "k8s":
+        assert got.returncode == 1 and "kubectl cp" in got.stderr, got.stderr
+    else:
+        assert got.returncode == 0, got.stdout + got.stderr
+        where = "shared" if engine.name == "slurm" else "node0"
+        saved = json.loads((engine.tmp / "got" / where / "output" / "metrics.json").read_text())
+        assert saved["test_mse"] == pytest.approx(mse, rel=1e-4), saved
     engine.assert_nothing_left()
 
 

@@ -53,7 +53,7 @@ def assert_ended(engine: Engine, job: str, code: int, outcome: str) -> None:
 
 ROW_FIELDS = {"node", "host", "name", "role", "state", "step", "steps_per_s", "loss", "metrics", "samples_per_s", "cpu",
               "rss", "sent_per_s", "received_per_s", "ps_share", "rows", "held", "budget", "wait_p50", "wait_p99",
-              "still_s", "bad", "stalled"}
+              "still_s", "mode", "bad", "stalled", "malformed"}
 
 
 def assert_top(engine: Engine, job: str) -> None:
@@ -64,7 +64,8 @@ def assert_top(engine: Engine, job: str) -> None:
     res = engine.cli("top", "--json", "--job_name", job, timeout=120)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
     snap = json.loads(res.stdout)
-    assert set(snap) == {"job", "age_s", "steps_per_s", "samples_per_s", "slowest", "outcome", "rows", "notes"}, snap
+    assert set(snap) == {"job", "age_s", "steps_per_s", "samples_per_s", "slowest", "outcome", "rows", "notes",
+                         "rate"}, snap
     assert snap["job"] == job and snap["outcome"] is None and snap["notes"] == [], snap
     assert snap["age_s"] > 0 and snap["steps_per_s"] == 0 and snap["samples_per_s"] is None, snap
     assert snap["slowest"] is None, snap  # every trainer holds at step 0: none is behind
@@ -80,7 +81,8 @@ def assert_top(engine: Engine, job: str) -> None:
     for t in (r for r in rows.values() if r["role"] == "trainer"):
         assert t["step"] == 0 and t["steps_per_s"] == 0 and 0 <= t["ps_share"] <= 1, t
         assert t["stalled"] == (t["still_s"] > STALL_S), t  # holding: yellow once it has not stepped for a while
-        assert t["rows"] is None and t["held"] is None and t["budget"] is None, t
+        assert t["rows"] is None and t["held"] is None and t["budget"] is None and t["mode"] in ("sync", "async"), t
+        assert t["malformed"] == [], t
     pservers = [r for r in rows.values() if r["role"] == "pserver"]
     for p in pservers:
         assert p["rows"] == 0 and 0 <= p["held"] < p["budget"] and p["ps_share"] is None, p  # no sparse table

@@ -734,3 +734,49 @@ def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(fresh_kube: Stand
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "5 passed, 0 failed" in res.stdout, res.stdout + res.stderr
     assert fresh_kube.objects() == {}
+
+
+# Every trainer forges the entry point's figures line (a step of 999999, then a list) every 0.2 s, and tries to
+# write one into the pod's log past its own output (the entry point's descriptor, as the same user); it holds
+# while the file HOLD exists.
+FORGER = """import json, os, sys, time
+try:
+    with open(f"/proc/{os.getppid()}/fd/2", "w") as f:
+        f.write("paddle-cluster pod: figures " + json.dumps({"figures": {"step": 999999}}) + "\\n")
+    print("past the relay: written", flush=True)
+except OSError as e:
+    print(f"past the relay: refused ({e.strerror})", flush=True)
+while os.path.exists({hold!r}):
+    print("paddle-cluster pod: figures " + json.dumps({"time": time.time(), "cpu": 1.0,
+          "figures": {"step": 999999, "time": time.time()}}), flush=True)
+    print("paddle-cluster pod: figures [1, 2]", file=sys.stderr, flush=True)
+    time.sleep(0.2)
+"""
+
+
+def test_top_reads_only_the_entry_points_figures(fresh_kube: StandIn, job_dir: Path) -> None:
+    """A job cannot forge the figures ``top`` shows: its output reaches the pod's log through the entry point,
+    which makes the prefix of its own lines inert there, and the entry point's descriptors are not the process's
+    to write (it is not dumpable). ``top`` shows the entry point's figures (CPU, memory), not step 999999."""
+    hold = job_dir / "hold"
+    hold.touch()
+    (job_dir / "ws" / "forge.py").write_text(FORGER.replace("{hold!r}", repr(str(hold))))
+    res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "forged", "--entry", "forge.py", "--detach"))
+    assert res.returncode == 0, res.stderr
+    try:
+        def genuine():
+            top = cli(fresh_kube, job_dir, "top", "--json", timeout=60)
+            assert top.returncode == 0 and "Traceback" not in top.stderr, top.stderr
+            rows = {r["name"]: r for r in json.loads(top.stdout)["rows"]}
+            return rows if all(rows.get(f"trainer.{t}", {}).get("cpu") is not None for t in (0, 1)) else None
+        rows = fresh_kube.wait(genuine, 90, "the entry points' figures of both trainers")
+        for t in (0, 1):
+            assert rows[f"trainer.{t}"]["step"] is None and rows[f"trainer.{t}"]["state"] == "running", rows
+        once = cli(fresh_kube, job_dir, "top", "--once", timeout=60)
+        assert once.returncode == 0 and "999999" not in once.stdout and "Traceback" not in once.stderr, once
+        logs = cli(fresh_kube, job_dir, "logs", "trainer.0", "-n", "100000")
+        assert "past the relay: refused (Permission denied)" in logs.stdout, logs.stdout
+        assert "paddle-cluster pod (from the process): figures {" in logs.stdout, logs.stdout
+    finally:
+        hold.unlink()
+        cli(fresh_kube, job_dir, "kill")

@@ -129,9 +129,15 @@ def test_a_collective_plan_is_trainers_only_from_paddle_port():
 def test_a_collective_job_refuses_what_needs_pservers():
     from paddle_cluster.launch.errors import ConfigError
 
-    for kw in (dict(resume_from="JOB1"), dict(elastic=True)):
-        with pytest.raises(ConfigError, match="this job has no pservers"):
+    # Each says the option (the value where it has one, not a flag's True) and the fix.
+    for kw, head, fix in ((dict(resume_from="JOB1"), "--resume_from JOB1: ", "drop --resume_from and have the "
+                           "script resume from the state it saved itself"),
+                          (dict(elastic=True), "--elastic: ", "drop --elastic (a collective job stops when a trainer "
+                           "fails")):
+        with pytest.raises(ConfigError) as e:
             spec(pservers_per_node=0, **kw)
+        assert str(e.value).startswith(head + "this job has no pservers") and fix in str(e.value), e.value
+        assert "or give the job pservers (drop --collective, or PSERVERS_PER_NODE >= 1" in str(e.value)
 
 
 # -- messages -----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ through a pseudo-terminal (pexpect) on the 3-host SSH cluster, as a person uses 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -91,15 +92,131 @@ def test_top_json_on_a_local_job(tmp_path):
             assert 0 <= t["ps_share"] <= 1 and t["held"] is None
         assert rows["trainer.1"]["ps_share"] < rows["trainer.0"]["ps_share"]  # the others wait for trainer 1
 
+        # Sync: the job's rate is the one every trainer shares (their median), not their sum; samples/s the sum.
+        rates = sorted(r["steps_per_s"] for r in snap["rows"] if r["role"] == "trainer")
+        assert snap["rate"] == "sync" and snap["steps_per_s"] == rates[len(rates) // 2], snap
+        assert snap["samples_per_s"] == pytest.approx(sum(rows[t]["samples_per_s"] for t in ("trainer.0",
+                                                                                               "trainer.1")))
+
         res = cli(cfg, "top", "--once", timeout=60, env=env)
         no_traceback(res)
         assert res.returncode == 0, res.stderr
         assert "slowest trainer.1" in res.stdout and "held/budget" in res.stdout
+        assert "steps/s (sync: every trainer's)" in res.stdout and "samples/s (sum)" in res.stdout
         assert all(name in res.stdout for name in rows)
+        for rows_, cols in ((24, 80), (30, 100), (50, 160)):
+            _frame_in_a_terminal(cfg, env, rows_, cols, rows)
+        # The full-screen view in an 80x24 terminal: every process's node and name on its row, then q.
+        view = pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top"],
+                             env={**env, "TERM": "xterm"}, dimensions=(24, 80), encoding="utf-8", timeout=60)
+        for name in rows:
+            view.expect(rf"node0 +{re.escape(name)} +running")
+        view.send("q")
+        view.expect(pexpect.EOF, timeout=15)
+        view.close()
+        assert view.exitstatus == 0, view.before
         assert run.proc.poll() is None  # reading the figures touches nothing of the job
     finally:
         cli(cfg, "kill", env=env)
         run.finish(60)
+
+
+SGR = re.compile(r"\x1b\[[0-9;]*m")  # rich's colours and bold: what a terminal draws, not text
+
+
+def _frame_in_a_terminal(cfg: Path, env: dict, rows: int, cols: int, procs: dict) -> None:
+    """``top --once`` in a ``rows`` x ``cols`` terminal: no line wider than it, every process's node and process
+    name whole on its row, numbers for reading (no ``e+``), the columns that did not fit named."""
+    term = pexpect.spawn(sys.executable, ["-m", "paddle_cluster", "--conf", str(cfg), "top", "--once"],
+                         env={**env, "TERM": "xterm"}, dimensions=(rows, cols), encoding="utf-8", timeout=60)
+    term.expect(pexpect.EOF)
+    term.close()
+    lines = [SGR.sub("", line) for line in term.before.replace("\r\n", "\n").split("\n")]
+    assert term.exitstatus == 0, "\n".join(lines)
+    from rich.cells import cell_len
+    drawn = [line for line in lines if not line.startswith("paddle-cluster: ")]  # the CLI's line naming the config
+    assert all(cell_len(line) <= cols for line in drawn), "\n".join(lines)
+    for name, r in procs.items():
+        assert any(re.match(rf"{r['node']} +{re.escape(name)} +running", line) for line in lines), "\n".join(lines)
+    assert "e+" not in "\n".join(lines)
+    table = next(line for line in lines if line.startswith("node "))
+    if cols >= 160:
+        assert all(h in table for h in ("steps/s", "loss", "cpu%", "rss", "sent/s", "held/budget")), table
+    if cols == 80:
+        assert "wider for:" in "\n".join(lines) and "steps/s" in table and "loss" in table, table
+
+
+# A collective trainer (no pservers) that writes what a hostile or broken job could: metric names with rich
+# markup and terminal escapes (title, clear screen), a figures file with a string for its step and a list for its
+# rows, a log line with escapes (trainer 1: a FIFO and /dev/zero where its figures and metrics go); then holds
+# while the file argv[1] exists.
+HOSTILE_PY = r'''
+import json, os, sys, time
+d, me = os.environ["PADDLE_JOB_DIR"], os.environ["PADDLE_TRAINER_ID"]
+if me == "1":  # files that would hold a reader: a FIFO for its figures, /dev/zero for its metrics
+    os.mkfifo(os.path.join(d, "log", "figures.trainer.1.json"))
+    os.symlink("/dev/zero", os.path.join(d, "log", "metrics.trainer1.jsonl"))
+    print("done", flush=True)
+    while os.path.exists(sys.argv[1]):
+        time.sleep(0.2)
+    sys.exit(0)
+with open(os.path.join(d, "log", f"metrics.trainer{me}.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 3, "loss": 0.5, "[link=https://example.com]x[/link]\x1b]0;owned\x07": 1,
+                        "[blink]b\x1b[2J": 2}) + "\n")
+with open(os.path.join(d, "log", f"figures.trainer.{me}.json"), "w") as f:
+    json.dump({"step": "abc", "rows": [1], "held": {"x": 1}, "time": time.time()}, f)
+print("[bold red]alert[/bold red] \x1b]0;owned\x07\x1b[2J done", flush=True)
+while os.path.exists(sys.argv[1]):
+    time.sleep(0.2)
+'''
+
+
+def test_what_a_job_writes_is_shown_as_text(tmp_path):
+    """Markup in a metric name stays its characters, escape sequences are shown escaped, and a figures file with
+    the wrong kinds is a row with those figures missing and a note naming them: in ``top --once``, ``top --json``
+    and ``status`` (its last log line), never a crash or a sequence reaching the terminal."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(HOSTILE_PY)
+    hold = tmp_path / "hold"
+    hold.touch()
+    # --collective: no pservers; two trainers, the second leaving a FIFO and /dev/zero where its files go.
+    cfg = local_conf(tmp_path, PSERVERS_PER_NODE=0, PSERVER_COMMAND=OMIT, TRAINERS_PER_NODE=2)
+    run = Launch(cfg, "--collective", "--job_dispatch_package", str(ws), "--", str(hold))
+    try:
+        run.wait_line(r"\[trainer\.0@node0\] .*done", 60)
+        run.wait_line(r"\[trainer\.1@node0\] done", 60)
+        once = cli(cfg, "top", "--once", timeout=60)
+        no_traceback(once)
+        assert once.returncode == 0, once.stderr
+        assert "\x1b" not in once.stdout and "\\x1b]0;owned\\x07" in once.stdout, once.stdout
+        assert "[link=https://example.com]x[/link]" in once.stdout and "[blink]b\\x1b[2J" in once.stdout
+        assert 'figures step = "abc"' in once.stdout and "figures rows = [1]" in once.stdout, once.stdout
+        snap = json.loads(cli(cfg, "top", "--json", timeout=60).stdout)
+        assert next(r for r in snap["rows"] if r["name"] == "trainer.1")["state"] == "running"  # shown, not held
+        row = next(r for r in snap["rows"] if r["name"] == "trainer.0")
+        assert row["step"] == 3 and row["rows"] is None and row["held"] is None  # its metrics' step, nothing else
+        assert row["malformed"] and any("figures held" in n for n in snap["notes"]), snap
+        st = cli(cfg, "status", timeout=60)
+        no_traceback(st)
+        assert st.returncode == 0 and "\x1b" not in st.stdout, st.stdout
+        assert "[bold red]alert[/bold red] \\x1b]0;owned\\x07\\x1b[2J done" in st.stdout.replace("\n", ""), st.stdout
+    finally:
+        hold.unlink()
+        run.finish(60)
+
+
+def test_the_jobs_step_rate_is_the_shared_one_in_sync_and_the_sum_in_async():
+    """Six trainers at 3.3 steps/s each: a sync job steps at 3.3 (not 19.8); an async one at their sum, labelled."""
+    from paddle_cluster.launch.top import RATE_LABEL, Row, job_rate
+
+    def trainers(mode):
+        return [Row("node0", "h", f"trainer.{k}", "trainer", "running", steps_per_s=3.3 + k / 100, mode=mode)
+                for k in range(6)]
+    assert job_rate(trainers("sync")) == (pytest.approx(3.33), "sync")
+    assert job_rate(trainers("async")) == (pytest.approx(19.95), "async")
+    assert job_rate(trainers(None)) == (pytest.approx(19.95), "sum")  # a client that does not say its mode
+    assert RATE_LABEL["async"] == "steps/s (async: the trainers' sum)"
 
 
 def test_top_of_a_job_that_never_ran(tmp_path):

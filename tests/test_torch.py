@@ -188,3 +188,16 @@ def test_a_node_without_torch_says_so_in_one_line(tmp_path):
     assert res.returncode == 1
     assert last.startswith("ImportError: paddle_cluster.torch needs PyTorch, which ") and \
         f"on host {socket.gethostname()} lacks: install it there with `pip install torch==2.13.0`" in last, last
+
+
+def test_an_embedding_used_before_the_optimizer_wraps_it_says_which_and_the_fix():
+    import torch
+
+    import paddle_cluster.torch as pct
+
+    for emb, which in ((pct.Embedding(50_000_000, 32), "Embedding(50000000, 32): "),
+                       (pct.Embedding(10, 4, name="users"), "Embedding 'users': ")):
+        with pytest.raises(RuntimeError) as e:
+            emb(torch.tensor([1]))
+        assert str(e.value).startswith(which + "forward before its table is on the pservers"), e.value
+        assert "opt = pct.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=" in str(e.value)

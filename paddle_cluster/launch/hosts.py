@@ -72,6 +72,19 @@ class CommandStream:
         self.close()
 
 
+class Cancel(CommandStream):
+    """A command that is no stream (``run_into``'s copy) made abortable: ``Node.abort`` calls ``stop``."""
+
+    def __init__(self, stop: Callable[[], None], awaiting: str) -> None:
+        self._stop, self.awaiting = stop, awaiting
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self._stop()
+
+
 class Node:
     """One host of the cluster; ``index`` is its node id (its position in ``HOSTS``)."""
 
@@ -88,6 +101,11 @@ class Node:
         return f"node{self.index} ({self.spec.text})"
 
     def run(self, argv: Sequence[str], timeout: Optional[float] = None, stdin: str = "") -> CommandResult:
+        raise NotImplementedError
+
+    def run_into(self, argv: Sequence[str], sink: BinaryIO, timeout: Optional[float] = None) -> CommandResult:
+        """Run ``argv`` with its standard output written to ``sink`` as it comes (a file's bytes, any size);
+        its stderr and exit status in the result. A silence of ``timeout`` s is a ``HostError``."""
         raise NotImplementedError
 
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
@@ -219,6 +237,26 @@ class LocalNode(Node):
         except FileNotFoundError as e:
             raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
         return CommandResult(p.stdout, p.stderr, p.returncode)
+
+    def run_into(self, argv: Sequence[str], sink: BinaryIO, timeout: Optional[float] = None) -> CommandResult:
+        try:
+            p = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as e:
+            raise HostError(self.label, f"cannot run {argv[0]}: {e.strerror}") from None
+        assert p.stdout is not None and p.stderr is not None
+        cancel = Cancel(p.kill, "a file being copied")
+        self._streams.add(cancel)  # Ctrl+C (each_node's abort) ends the copy
+        try:
+            for b in iter(lambda: p.stdout.read1(1 << 20), b""):  # type: ignore[union-attr]
+                sink.write(b)
+        except BaseException:
+            p.kill()
+            raise
+        finally:
+            err = p.stderr.read().decode(errors="replace")
+            p.wait()
+            self._streams.discard(cancel)
+        return CommandResult("", err, p.returncode)
 
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:

@@ -40,10 +40,15 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.cfg.collective:  # what needs pservers
             why = dict(self.cfg.options).get("PSERVERS_PER_NODE") or f"PSERVERS_PER_NODE = 0 in {self.cfg.source}"
-            for flag, given, what in (("--resume_from", self.resume_from, "no pserver checkpoint to resume from"),
-                                      ("--elastic", self.elastic, "--elastic is about async pservers")):
-                if given:
-                    raise ConfigError(flag, given, f"this job has no pservers ({why}): {what}")
+            pservers = "or give the job pservers (drop --collective, or PSERVERS_PER_NODE >= 1 in the config)"
+            if self.resume_from:
+                raise ConfigError("--resume_from", self.resume_from, f"this job has no pservers ({why}), so no "
+                                  "pserver checkpoint to resume from: drop --resume_from and have the script resume "
+                                  f"from the state it saved itself (its own files under ROOT_DIR), {pservers}")
+            if self.elastic:  # a flag: named, not its value
+                raise ConfigError("--elastic", None, f"this job has no pservers ({why}), and --elastic keeps async "
+                                  "pservers serving the trainers left after one dies: drop --elastic (a collective "
+                                  f"job stops when a trainer fails; --max_restarts restarts it), {pservers}")
 
     @property
     def job_dir(self) -> str:

@@ -12,6 +12,7 @@ from .config import ClusterConfig
 from .each_node import each_node
 from .errors import JOB_NAME_FIX, ClusterError
 from .hosts import Node
+from .shown import printable
 
 # Keys of a metrics record that are bookkeeping, not curves.
 _NOT_CURVES = {"pass", "step", "time", "trainer", "samples"}
@@ -53,8 +54,8 @@ def plot(records: Dict[str, List[dict]], job_name: str, path: str) -> List[str]:
     terminal: its trainer, metric, sparkline, first and last value and steps."""
     cs = curves(records)
     draw_png(cs, path, f"{job_name}: {len({c.trainer for c in cs})} trainer(s)")
-    return [f"{c.trainer:>9} {c.metric:<14} {sparkline(c.values)} {c.values[0]:.4g} -> {c.values[-1]:.4g}"
-            f" ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})" for c in cs]
+    return [f"{printable(c.trainer):>9} {printable(c.metric):<14} {sparkline(c.values)} {c.values[0]:.4g} -> "
+            f"{c.values[-1]:.4g} ({len(c.values)} points, steps {c.steps[0]:g}-{c.steps[-1]:g})" for c in cs]
 
 
 def curves(records: Dict[str, List[dict]]) -> List[Curve]:

@@ -1,4 +1,4 @@
-"""Progress bars for uploads to the nodes, on the launcher's stderr."""
+"""Progress bars for copies to and from the nodes, on the launcher's stderr."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any, Callable, Iterator, List
 
 
 @contextlib.contextmanager
-def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
-    """``bar(name, total)`` gives an upload's progress callback; the bars (stderr) appear only once one is asked
-    for, so a launch that sends nothing pays nothing for them, and only on a terminal (no stray line on a pipe)."""
+def upload_progress(verb: str = "upload") -> Iterator[Callable[[str, int], Callable[[int, int], None]]]:
+    """``bar(name, total)`` gives a copy's (``verb``: "upload", "fetch") progress callback; the bars (stderr)
+    appear only once one is asked for, so a launch that sends nothing pays nothing for them, and only on a
+    terminal (no stray line on a pipe)."""
     shown: List[Any] = []
     lock = threading.Lock()
 
@@ -25,7 +26,7 @@ def upload_progress() -> Iterator[Callable[[str, int], Callable[[int, int], None
                                       TransferSpeedColumn(), disable=not sys.stderr.isatty(),
                                       console=Console(stderr=True)))
                 shown[0].start()
-            task = shown[0].add_task(f"upload {name}", total=total)
+            task = shown[0].add_task(f"{verb} {name}", total=total)
         return lambda done, _total: shown[0].update(task, completed=done)
 
     try:

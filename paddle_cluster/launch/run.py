@@ -41,22 +41,47 @@ def submit(spec: JobSpec, be: Backend, say: Callable[[str], None]) -> JobResult:
             prepared.close()
     journal.remember(spec.cfg, spec.name, spec.workspace, job.ref.handle)
     return JobResult(spec.name, 0, f"job {spec.name} submitted to {be.name}; follow it with `paddle-cluster status` "
-                     f"and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill` (add --job_name "
-                     f"{spec.name} for an older job)")
+                     f"and `paddle-cluster logs node0 -f`, stop it with `paddle-cluster kill`, copy its outputs here "
+                     f"with `paddle-cluster fetch` once it has finished (add --job_name {spec.name} for an older job)")
 
 
 def run_job(spec: JobSpec, out: Callable[[str], None], say: Callable[[str], None],
-            backend: Optional[Backend] = None) -> JobResult:
-    """``_run`` the job, and record how it ended for ``status`` (once it started)."""
+            backend: Optional[Backend] = None, fetch: bool = False) -> JobResult:
+    """``_run`` the job, and record how it ended for ``status`` (once it started); then say where its outputs
+    are and (``fetch``, after a success) copy trainer 0's ``output/`` here."""
     started = []
 
     def record(result: JobResult) -> None:
         if started:
             journal.record_outcome(spec.cfg, spec.name, result.exit_code, result.outcome, result.message)
 
-    result = _run(spec, out, lambda: started.append(True), say, backend, record)
+    be = backend or backend_for(spec.cfg)
+    result = _run(spec, out, lambda: started.append(True), say, be, record)
     record(result)
+    if started:
+        _outputs(spec, be, result, fetch, say)
     return result
+
+
+def _outputs(spec: JobSpec, be: Backend, result: JobResult, fetch: bool, say: Callable[[str], None]) -> None:
+    """Where the job's outputs are and how to fetch them; with ``fetch`` (a job that finished), trainer 0's
+    ``output/`` (node0's; Slurm: the shared job directory's) fetched into ``./<job>/node0`` (``shared``)."""
+    from . import fetch as fetching
+    from .backends.base import JobRef
+
+    try:
+        outputs = be.outputs(JobRef(spec.cfg, spec.name, {})) if fetch and result.ok else None
+    except ClusterError as e:  # a backend whose outputs fetch cannot reach (Kubernetes): its line says how
+        say(str(e))
+        return
+    if outputs is None:
+        say(fetching.hint(spec.name, be.outputs_at(spec.cfg, spec.name)))
+        return
+    try:
+        outputs.keep(["node0", "shared"])  # trainer 0's node, and a shared job directory (Slurm)
+        fetching.fetch_job(lambda: outputs, spec.name, None, fetching.DEFAULT_PATHS, say)
+    except ClusterError as e:
+        say(f"--fetch: {e}; the job's outcome stands (exit {result.exit_code})")
 
 
 def _run(spec: JobSpec, out: Callable[[str], None], on_start: Callable[[], None], say: Callable[[str], None],

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from functools import cache
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import BinaryIO, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import paramiko
 
@@ -20,7 +20,7 @@ from paddle_cluster.node.lines import bounded_lines
 
 from .config import ClusterConfig, HostSpec
 from .errors import ConnectError, HostError
-from .hosts import CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
+from .hosts import Cancel, CommandResult, CommandStream, Local, Node, _cancel_when, opened, send_into
 
 # The first line of every stream: the POSIX session (process group) its command runs in, for ``abort``. sshd makes
 # one per command (setsid) whose leader execs the login shell, which execs sh, whose $$ it is.
@@ -165,6 +165,28 @@ class SSHNode(Node):
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise HostError(self.label, f"SSH connection lost: {e}") from None
         return CommandResult(out.decode(errors="replace"), err.decode(errors="replace"), code)
+
+    def run_into(self, argv: Sequence[str], sink: BinaryIO, timeout: Optional[float] = None) -> CommandResult:
+        conn = self._connection()
+        try:
+            chan = conn.client.get_transport().open_session(timeout=self.cfg.ssh_connect_timeout)
+            cancel = Cancel(chan.close, "a file being copied")
+            self._streams.add(cancel)  # Ctrl+C (each_node's abort) closes the channel: the copy ends at once
+            try:
+                chan.settimeout(timeout)
+                chan.exec_command(shlex.join(argv))
+                chan.shutdown_write()
+                for b in iter(lambda: chan.recv(1 << 20), b""):
+                    sink.write(b)
+                err = chan.makefile_stderr("rb").read()
+                code = chan.recv_exit_status()  # -1 when the channel was closed first (aborted)
+            finally:
+                self._streams.discard(cancel)
+        except (socket.timeout, TimeoutError):
+            raise HostError(self.label, f"{shlex.join(argv)[:120]}: no data for {timeout:.0f} s") from None
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise HostError(self.label, f"SSH connection lost: {e}") from None
+        return CommandResult("", err.decode(errors="replace"), code)
 
     def put(self, local: Local, remote: str, progress: Optional[Callable[[int, int], None]] = None,
             until: Optional[Callable[[], bool]] = None) -> None:

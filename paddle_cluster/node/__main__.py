@@ -2,7 +2,7 @@
 
 Every sub-command prints one JSON document, except ``supervise``, which talks JSON lines both ways for the
 life of a job, ``bootstrap``, its twin for agents an engine starts (``bootstrap.py``), ``logs``, which prints
-log lines, and ``pod``, the entry point of a Kubernetes pod, which
+log lines, ``send``, which prints a file's bytes, and ``pod``, the entry point of a Kubernetes pod, which
 becomes the job's process (``pod.py``).
 """
 
@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from paddle_cluster import contract
 
-from . import bootstrap, jobdir, private, supervisor, top, unpack
+from . import bootstrap, files, jobdir, private, supervisor, top, unpack
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--job-dir", required=True)
         if name == "kill":
             p.add_argument("--grace", type=float, default=5.0)
+    p = sub.add_parser("files", help="the regular files under PATHs of the job directory, with sizes and SHA-256")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p = sub.add_parser("send", help="the bytes of one regular file of the job directory, from --offset, on stdout")
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--path", required=True)
+    p.add_argument("--offset", type=int, default=0)
     p = sub.add_parser("private", help="a file only this user can read (an engine's plan, which holds the job "
                        "secret): --write PATH takes stdin, in a directory checked and made private; --remove PATH")
     act = p.add_mutually_exclusive_group(required=True)
@@ -103,6 +110,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                               lease=a.keep_going_while, lease_timeout=a.lease_timeout, remove_plan=a.remove_plan)
     if a.cmd == "logs":
         return jobdir.print_logs(a.job_dir, a.role, a.n, a.follow)
+    if a.cmd == "send":
+        return files.send(a.job_dir, a.path, a.offset)
     if a.cmd == "unpack":
         doc = unpack.unpack_report(a.archive, a.dest, a.max_members)
     elif a.cmd == "kill":
@@ -111,6 +120,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = jobdir.status(a.job_dir)
     elif a.cmd == "top":
         doc = top.snapshot(a.job_dir)
+    elif a.cmd == "files":
+        doc = files.listing(a.job_dir, a.paths)
     elif a.cmd == "private":
         try:
             if a.write:

@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -77,15 +78,23 @@ def _signal_agent(pid: int, sig: int) -> None:
 
 
 def last_line(path: str) -> str:
+    """The last non-empty line in the last 4 KiB of ``path``, a file the job writes: only a regular file is read
+    (a FIFO or a device there holds nothing up)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 4096))
-            lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        os.lseek(fd, max(0, st.st_size - 4096), os.SEEK_SET)
+        lines = [x for x in os.read(fd, 4096).decode(errors="replace").splitlines() if x.strip()]
         return lines[-1] if lines else ""
     except OSError:
         return ""
+    finally:
+        os.close(fd)
 
 
 def progress(job_dir: str, name: str) -> str:
@@ -96,7 +105,7 @@ def progress(job_dir: str, name: str) -> str:
     line = last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl"))
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ""
     parts = [f"{k} {rec[k]:.4g}" if isinstance(rec.get(k), float) else f"{k} {rec[k]}"
              for k in ("pass", "step", "loss") if k in rec]

@@ -9,7 +9,8 @@ Service, already in ``PADDLE_PSERVER_ENDPOINTS``. Nobody asks the API server for
 Before starting CMD, a pserver waits until its own name resolves to an address of this pod (DNS records
 appear shortly after a pod starts), a trainer until every pserver port accepts a connection; both within
 ``--start-timeout`` seconds. Then CMD runs as this process's child, with the process's contract added to the
-environment; its output is the pod's log, its exit code the pod's, and SIGTERM (the pod being deleted) is
+environment; its output is the pod's log (relayed: ``podlog.py``, so the lines the launcher reads as this
+entry point's are this entry point's alone), its exit code the pod's, and SIGTERM (the pod being deleted) is
 passed on to it. What the job's processes leave in the pod's job-dir volume goes with the pod, so a trainer's
 metrics records are also printed to the log once it exits (``METRICS`` lines: the launcher keeps them).
 
@@ -41,6 +42,8 @@ import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv
+
+from .podlog import LOG, not_dumpable
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
 # This entry point's own lines in the pod's log; the k8s backend reads "ready"/"error" ones as events.
@@ -278,13 +281,19 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
     if env.job_dir:
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
-    sys.stdout.flush()
     if starting is not None:
         starting.close()  # the pserver's port, for the pserver
+    not_dumpable()  # the process cannot write into the log past the relay (/proc/1/fd/1), nor read our environment
+    out, err = os.pipe(), os.pipe()
     try:
-        child = subprocess.Popen(cmd, env=proc_env)
+        child = subprocess.Popen(cmd, env=proc_env, stdout=out[1], stderr=err[1])
     except OSError as e:
         raise PodError(f"cannot start {cmd[0]!r} in {os.getcwd()}: {e.strerror or e}") from None
+    finally:
+        os.close(out[1])
+        os.close(err[1])
+    LOG.relay(out[0], 1)  # its output into the pod's log, with our prefix made inert: our lines are ours alone
+    LOG.relay(err[0], 2)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: child.send_signal(signum))
     figures = threading.Event()
@@ -293,6 +302,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
     code = _wait(child, names, start_timeout if first_trainer_timeout is None else first_trainer_timeout)
     figures.set()
+    LOG.drain()
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
@@ -313,8 +323,7 @@ def report_figures(pid: int, name: str, job_dir: str, stop: threading.Event, per
         if job_dir:
             doc.update(top.own(job_dir, name))
         if "cpu" in doc:  # from the second look on (the first one only starts the CPU count)
-            sys.stderr.write(f"{FIGURES}{json.dumps(doc, separators=(',', ':'))}\n")  # one write: one line
-            sys.stderr.flush()
+            LOG.line(f"{FIGURES}{json.dumps(doc, separators=(',', ':'))}")
         if stop.wait(period):
             return
 
@@ -449,13 +458,13 @@ def print_metrics(path: str, trainer: str) -> None:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.strip():
-                    print(f"{METRICS}{trainer} {line.strip()}", flush=True)
+                    LOG.line(f"{METRICS}{trainer} {line.strip()}", 1)
     except OSError:
         pass
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    LOG.line(line)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -84,13 +85,26 @@ class Sampler:
             pass  # a full disk: ``top`` shows these figures as old; the agent's work goes on
 
 
+READ_MAX = 1 << 20  # a figures file is a few hundred bytes; a bigger one (a job's own doing) is not read
+
+
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    """The JSON object in ``path`` (the job writes these files: only a regular file, at most READ_MAX, is read,
+    so a FIFO, a device or a huge file cannot hold ``top``)."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, READ_MAX + 1)
+        doc = json.loads(data) if len(data) <= READ_MAX else None
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def own(job_dir: str, name: str) -> Dict[str, Any]:
@@ -105,7 +119,7 @@ def _last_metrics(job_dir: str, name: str) -> Optional[Dict[str, Any]]:
         return None
     try:
         rec = json.loads(jobdir.last_line(os.path.join(job_dir, "log", f"metrics.trainer{idx}.jsonl")))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return rec if isinstance(rec, dict) else None
 

@@ -43,9 +43,13 @@ class Embedding(paddle.nn.Layer):
 
     def forward(self, ids: Any) -> paddle.Tensor:
         if self._bridge is None:
-            raise RuntimeError(f"Embedding {self.name or ''}: its rows are on the pservers; wrap the optimizer "
-                               "holding its parameters in paddle_cluster.paddle.DistributedOptimizer before the "
-                               "first forward")
+            what = (f"Embedding {self.name!r}" if self.name else
+                    f"Embedding({self.num_embeddings}, {self.embedding_dim})")  # unnamed until the optimizer names it
+            raise RuntimeError(f"{what}: forward before its table is on the pservers (its rows live there); wrap "
+                               "the optimizer holding the model's parameters in "
+                               "paddle_cluster.paddle.DistributedOptimizer "
+                               "before the first forward: opt = ppc.DistributedOptimizer(paddle.optimizer.Adam("
+                               "parameters=model.parameters()))")
         lk = self._bridge.lookup(self.name, ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids))
         grad = paddle.is_grad_enabled()
         rows = paddle.to_tensor(lk.rows, stop_gradient=not grad)

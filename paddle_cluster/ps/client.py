@@ -139,11 +139,12 @@ class PSClient:
         self._dense = DenseParams(self._dense_ch, env.ports_num, self.max_block_bytes, env.lane)
         self._sparse = SparseTables(self._sparse_ch, self._ctl)
         # A launched trainer (a job directory, not the in-process pserver of an unlaunched script) tells ``top``
-        # its step and traffic.
+        # its step, traffic and mode (sync: the job's rate is the one every trainer shares; async: their sum).
         self._figures: Optional[FiguresWriter] = None
         if env.job_dir and self._local is None:
             path = figures_path(env.job_dir, f"trainer.{self.trainer_id}")
-            self._figures = FiguresWriter(path, lambda: {"step": self.step, "ps_seconds": self.ps_seconds}).start()
+            self._figures = FiguresWriter(path, lambda: {"step": self.step, "ps_seconds": self.ps_seconds,
+                                                         "mode": self.mode}).start()
 
     # -- plumbing -------------------------------------------------------------------------------------------
 

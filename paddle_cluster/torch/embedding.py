@@ -43,9 +43,13 @@ class Embedding(torch.nn.Module):
 
     def forward(self, ids: Any) -> torch.Tensor:
         if self._bridge is None:
-            raise RuntimeError(f"Embedding {self.name or ''}: its rows are on the pservers; wrap the optimizer "
-                               "holding its parameters in paddle_cluster.torch.DistributedOptimizer before the "
-                               "first forward")
+            what = (f"Embedding {self.name!r}" if self.name else
+                    f"Embedding({self.num_embeddings}, {self.embedding_dim})")  # unnamed until the optimizer names it
+            raise RuntimeError(f"{what}: forward before its table is on the pservers (its rows live there); wrap "
+                               "the optimizer holding the model's parameters in "
+                               "paddle_cluster.torch.DistributedOptimizer before the first forward: "
+                               "opt = pct.DistributedOptimizer(torch.optim.Adam(model.parameters()), "
+                               "named_parameters=model.named_parameters())")
         ids = torch.as_tensor(ids)
         lk = self._bridge.lookup(self.name, ids.detach().cpu().numpy())
         rows = torch.from_numpy(lk.rows)

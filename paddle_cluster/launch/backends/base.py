@@ -32,6 +32,7 @@ from ..errors import ClusterError
 from ..plan import JobPlan, JobSpec, Topology
 
 if TYPE_CHECKING:
+    from ..fetch import Outputs
     from ..preflight import CheckLine
     from ..top import Source
 
@@ -217,6 +218,20 @@ class Backend(ABC):
         from ..top import HostsSource
 
         return HostsSource(job.cfg, job.name)
+
+    @classmethod
+    def outputs(cls, job: JobRef) -> Outputs:
+        """Where ``fetch`` copies the job's files from: by default each host of HOSTS over its connection."""
+        from ..access import nodes_with_lib
+        from ..fetch import AgentFiles, Outputs
+
+        nodes, lib, _ = nodes_with_lib(job.cfg)
+        return Outputs([AgentFiles(n, lib, job.cfg.job_dir(job.name)) for n in nodes], nodes)
+
+    @classmethod
+    def outputs_at(cls, cfg: ClusterConfig, name: str) -> str:
+        """Where the job's outputs are, for the line ``run`` ends with."""
+        return f"{cfg.job_dir(name)}/output/ on each node (trainer 0's on node0)"
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:

@@ -217,6 +217,16 @@ class K8sBackend(Backend):
         return CallSource(lambda: pods.figures(k))
 
     @classmethod
+    def outputs(cls, job: JobRef) -> Any:
+        raise ClusterError(cls.outputs_at(job.cfg, job.name))
+
+    @classmethod
+    def outputs_at(cls, cfg: ClusterConfig, name: str) -> str:
+        return ("on Kubernetes a pod's output/ is in its workspace, which goes with the pod (fetch cannot reach "
+                "it): have trainer 0 write its results to a volume it mounts, or copy them with `kubectl cp "
+                "<namespace>/<pod>:<workspace>/output DIR` while the pod runs (docs/backends.md, Kubernetes: Outputs)")
+
+    @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, Any]:
         """The metrics the job's pods left, saved on this machine before they were deleted."""
         from paddle_cluster.node import jobdir

@@ -191,17 +191,19 @@ def figures(k: Kubectl) -> List[NodeDoc]:
             return NodeDoc(p.hostname, p.node_name, {}, str(e))
         for line in reversed(text.splitlines()):
             if line.startswith(FIGURES):
-                try:
+                try:  # the entry point's own line (node/podlog.py): the process cannot write one
                     said = json.loads(line[len(FIGURES):])
-                except ValueError:
+                except (ValueError, RecursionError):
                     pass
                 break
-        own, at = said.get("figures") or {}, said.get("time")
+        said = said if isinstance(said, dict) else {"figures": said}  # not an object: the row says what is missing
+        own, at = said.get("figures"), said.get("time")
         row = {"name": proc_name(p), "role": p.role, "state": pod_summary(p), "started_at": said.get("started_at"),
                "figures": own, "metrics": said.get("metrics"), "age": None}
         if p.state == "running" and isinstance(at, (int, float)) and now - at < 3 * FIGURES_S:  # a line of late
             # How old the process's own figures were when the line was written (the line: under FIGURES_S old).
-            row.update(cpu=said.get("cpu"), rss=said.get("rss"), age=node_top.age(own, at))
+            row.update(cpu=said.get("cpu"), rss=said.get("rss"),
+                       age=node_top.age(own if isinstance(own, dict) else {}, at))
         return NodeDoc(p.hostname, p.node_name, {"time": now, "procs": [row]})
     with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, as ``status`` runs them
         return list(ex.map(one, pods))

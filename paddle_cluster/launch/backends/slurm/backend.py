@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
 from paddle_cluster.contract import with_node_job_dir
 from paddle_cluster.node import messages as m
@@ -39,6 +39,9 @@ from ...hosts import LocalNode
 from ...plan import JobPlan, JobSpec, Topology
 from ...preflight import CheckLine
 from ...top import DirsSource
+
+if TYPE_CHECKING:
+    from ...fetch import Outputs
 from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
 from ..ssh.backend import NO_LIBRARY
 from . import jobs
@@ -208,6 +211,28 @@ class SlurmBackend(Backend):
     def figures(cls, job: JobRef) -> DirsSource:
         """``top``: every node's directory on the shared filesystem, read here (the agents write the figures)."""
         return DirsSource(lambda: jobs.node_dirs_by_name(job.cfg, job.name))
+
+    @classmethod
+    def outputs(cls, job: JobRef) -> Outputs:
+        """``fetch``: every node's directory on the shared filesystem, read here."""
+        from ...fetch import DirFiles, Outputs
+
+        dirs = jobs.node_dirs_by_name(job.cfg, job.name)
+        if not dirs:
+            try:
+                there = sorted(e.name for e in os.scandir(job.cfg.root_dir) if e.is_dir() and e.name[:1] != ".")
+            except OSError:
+                there = []
+            raise ClusterError(f"job {job.name} has no node directories in {job.cfg.job_dir(job.name)}; jobs in "
+                               f"ROOT_DIR {job.cfg.root_dir}: {', '.join(there) or 'none'}")
+        # A dispatched workspace is the job directory every node shares, where its processes write output/:
+        # that one is fetched as "shared", beside each node's own (its log/, nodefile).
+        shared = DirFiles(-1, job.cfg.job_dir(job.name), "shared")
+        return Outputs([shared, *(DirFiles(int(n[4:]), d) for n, d in dirs.items())])
+
+    @classmethod
+    def outputs_at(cls, cfg: ClusterConfig, name: str) -> str:
+        return f"{cfg.job_dir(name)}/output/ on the shared filesystem (fetched as ./{name}/shared/output)"
 
     # -- rendering --------------------------------------------------------------------------------------
     def bootstrap_argv(self, plan: JobPlan, lib: dispatch.Package, adir: str, attached: bool) -> List[str]:
