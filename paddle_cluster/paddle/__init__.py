@@ -31,5 +31,7 @@ except ImportError:
 
 from .embedding import Embedding
 from .optimizer import SUPPORTED, DistributedOptimizer, rank, save, shutdown, size, state_dict
+from .report import average, report
 
-__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "rank", "save", "shutdown", "size", "state_dict"]
+__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "average", "rank", "report", "save", "shutdown", "size",
+           "state_dict"]

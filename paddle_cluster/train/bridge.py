@@ -156,6 +156,7 @@ class Bridge:
              row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]],
              hypers: Sequence[Mapping[str, Any]] = ()) -> Dict[str, np.ndarray]:
         """Send this step's gradients (and any hyper-parameter change); the dense values after it."""
+        refuse_empty_batch(dense_grads, row_grads)
         self._send_hypers(hypers)
         for name, parts in row_grads.items():
             if name not in self.tables:
@@ -235,6 +236,22 @@ class Bridge:
 
     def close(self) -> None:
         self.ps.close()
+
+
+def refuse_empty_batch(dense_grads: Mapping[str, Optional[np.ndarray]],
+                       row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]]) -> None:
+    """ValueError (one line) for a step computed on an empty batch: every gradient exactly zero and no embedding
+    row looked up. Averaged with the other trainers' gradients its zeros would shrink the step by 1/N, silently:
+    DDP does that, this runtime refuses it (a trainer that ended leaves the average instead)."""
+    if any(len(i) for parts in row_grads.values() for i, _ in parts):
+        return
+    given = [g for g in dense_grads.values() if g is not None]
+    if given and not any(np.any(g) for g in given):
+        raise ValueError("DistributedOptimizer.step(): this trainer's batch is empty (every gradient is exactly zero "
+                         "and no embedding row was looked up): averaged with the other trainers' gradients, its zeros "
+                         "would shrink the step silently; give every trainer at least one sample of every batch (or "
+                         "drop the last partial batch), or end this trainer with shutdown() when its shard is done: "
+                         "the other trainers' mean is then the step")
 
 
 # The process's one frontend ``DistributedOptimizer`` (it has a ``bridge``): a trainer trains one model.
