@@ -6,7 +6,8 @@ and the plain-framework references it must equal.
 - ``report``: each step ``report({"loss", "lr"})`` and ``average(loss)`` driving a ReduceLROnPlateau;
 - ``leave``: trainer 1 ends (``shutdown()``) after 2 of the 4 steps; trainer 0's shard alone is then the step;
 - ``empty``: trainer 1's shard is empty from step 1 on (its ``step()`` must refuse it in one line).
-OUT gets JSON: the start and final parameters, each step's loss and average.
+OUT (``{rank}`` in it: the trainer's id) gets JSON: the start and final parameters, each step's loss and
+average.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run_torch(scenario: str, out: str) -> None:
     if pct.rank() == 0:
         res["final"] = {k: v.tolist() for k, v in pct.state_dict(net).items()}
     pct.shutdown()
-    json.dump(res, open(out, "w"))
+    json.dump(res, open(out.format(rank=res["rank"]), "w"))
 
 
 def reference_torch(scenario: str, start: dict) -> dict:
@@ -118,7 +119,7 @@ def run_paddle(scenario: str, out: str) -> None:
     if ppc.rank() == 0:
         res["final"] = {k: v.numpy().tolist() for k, v in ppc.state_dict(net).items()}
     ppc.shutdown()
-    json.dump(res, open(out, "w"))
+    json.dump(res, open(out.format(rank=res["rank"]), "w"))
 
 
 def reference_paddle(scenario: str, start: dict) -> dict:

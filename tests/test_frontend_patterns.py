@@ -13,6 +13,7 @@ import numpy as np
 import patterns_job as J
 import pytest
 import rt_helpers as H
+from helpers import cli, local_conf
 
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.train.metrics import read_metrics
@@ -93,3 +94,27 @@ def test_an_empty_shard_is_refused_in_one_line(tmp_path, fw):
             "shutdown()" in last, last
     else:
         assert "ValueError: (InvalidArgument) Required tensor shall not be nullptr" in logs[1], logs[1]
+
+
+@pytest.mark.timeout(180)
+def test_top_and_plot_show_a_torch_script_s_reports(tmp_path):
+    """``paddle-cluster run`` of the torch script (2 trainers, the built-in pserver): ``status`` shows each
+    trainer's last reported loss, ``plot`` draws the job from the records ``pct.report`` wrote."""
+    pytest.importorskip("torch")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text(JOB.read_text())
+    conf = local_conf(tmp_path, PADDLE_PORTS_NUM=1, PADDLE_PORTS_NUM_FOR_SPARSE=1, TRAINERS_PER_NODE=2)
+    env = {"HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    run = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "fw", "--", "torch", "report",
+              str(tmp_path / "out-{rank}.json"), env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    losses = [json.loads((tmp_path / f"out-{i}.json").read_text())["losses"] for i in range(2)]
+    st = cli(conf, "status", "--json", env=env)
+    progress = {r["name"]: r["progress"] for r in json.loads(st.stdout)["processes"]}
+    for i in range(2):
+        assert progress[f"trainer.{i}"] == f"step 4 loss {losses[i][-1]:.4g}", progress
+    res = cli(conf, "plot", "--out", str(tmp_path / "fw.png"), env=env)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "fw.png").read_bytes().startswith(b"\x89PNG")
+    assert any("trainer1" in ln and "loss" in ln and "(4 points, steps 1-4)" in ln for ln in res.stdout.splitlines())
