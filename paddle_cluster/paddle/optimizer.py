@@ -215,11 +215,12 @@ class DistributedOptimizer:
         return self.bridge.save_checkpoint(name)
 
 
-def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
+def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
-    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
+    0 first waits (``final_wait`` s at most) for the other trainers to finish."""
     ctx = bridge.held("state_dict(model)")
     values, final = ctx.bridge.final(tables, final_wait)
     ctx._load(values)
@@ -227,7 +228,7 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
     for prefix, m in model.named_sublayers(include_self=True):
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
-            if tables == "whole":
+            if not isinstance(final[m.name], tuple):
                 out[key] = paddle.to_tensor(final[m.name])
             else:
                 del out[key]
@@ -236,7 +237,8 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
     return out
 
 
-def save(model: paddle.nn.Layer, path: str, tables: str = "whole") -> Optional[str]:
+def save(model: paddle.nn.Layer, path: str, tables: str = "auto") -> Optional[str]:
     """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
-    written (None on other trainers, which write nothing)."""
+    written (None on other trainers, which write nothing). If writing fails, the pservers save a checkpoint of
+    this step first and the error says where (the job's model is never lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: paddle.save(state_dict(model, tables), tmp))

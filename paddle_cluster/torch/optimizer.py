@@ -156,11 +156,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.bridge.save_checkpoint(name)
 
 
-def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
+def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
-    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
+    0 first waits (``final_wait`` s at most) for the other trainers to finish."""
     ctx = bridge.held("state_dict(model)")
     values, final = ctx.bridge.final(tables, final_wait)
     ctx._load(values)
@@ -168,7 +169,7 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
     for prefix, m in model.named_modules():
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
-            if tables == "whole":
+            if not isinstance(final[m.name], tuple):
                 out[key] = torch.from_numpy(final[m.name])
             else:
                 del out[key]
@@ -177,7 +178,8 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
     return out
 
 
-def save(model: torch.nn.Module, path: str, tables: str = "whole") -> Optional[str]:
+def save(model: torch.nn.Module, path: str, tables: str = "auto") -> Optional[str]:
     """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
-    written (None on other trainers, which write nothing)."""
+    written (None on other trainers, which write nothing). If writing fails, the pservers save a checkpoint of
+    this step first and the error says where (the job's model is never lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: torch.save(state_dict(model, tables), tmp))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -91,6 +92,7 @@ class Bridge:
         self._sent: List[Dict[str, Any]] = []  # per group: the hyper-parameters the pservers use
         self._shapes: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {}
         self.start_step = 0
+        self._told_rows: set = set()  # tables ``final`` gave as rows because whole they are too big (said once)
 
     @property
     def rank(self) -> int:
@@ -199,15 +201,20 @@ class Bridge:
         """The rows of table ``name`` that exist (sorted ids, rows), as of this step."""
         return self.ps.read_sparse(name)
 
+    def whole_bytes(self, name: str) -> int:
+        """What table ``name`` whole (``table_dense``) takes."""
+        t = self.tables[name]
+        return t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
+
     def table_dense(self, name: str) -> np.ndarray:
         """Table ``name`` whole, ``(num_embeddings, width)``: the rows that exist, the others at the initial value
         their first use would give them. Refused above ``DENSE_TABLE_BYTES``: use ``table_rows``."""
         t = self.tables[name]
-        nbytes = t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
+        nbytes = self.whole_bytes(name)
         if nbytes > DENSE_TABLE_BYTES:
             raise ValueError(f"table {name!r} whole would be {nbytes >> 20} MiB ({t.num_embeddings} rows of "
-                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB: pass tables='rows' for the "
-                             "rows that exist")
+                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB: pass tables='rows' (or the "
+                             "default, 'auto') for the rows that exist")
         ids, rows = self.table_rows(name)
         out = np.empty((t.num_embeddings, t.width), dtype=t.dtype)
         chunk = max(1, (1 << 18) // t.width)
@@ -217,17 +224,26 @@ class Bridge:
         out[ids] = rows
         return out
 
-    def final(self, tables: str = "whole", final_wait: float = 600.0
+    def final(self, tables: str = "auto", final_wait: float = 600.0
               ) -> Tuple[Dict[str, np.ndarray], Dict[str, Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]]]:
-        """The model the pservers hold now: every dense value, and each table whole (``tables="whole"``:
-        ``table_dense``) or as its existing rows (``"rows"``: ``table_rows``). Async mode: trainer 0 first waits
+        """The model the pservers hold now: every dense value, and each table whole (an array: ``table_dense``)
+        or as its existing rows (a tuple: ``table_rows``): ``tables="whole"``, ``"rows"``, or ``"auto"``, whole
+        up to ``DENSE_TABLE_BYTES`` and rows above (said once on stderr). Async mode: trainer 0 first waits
         (``final_wait`` s at most) for the other trainers to finish."""
-        if tables not in ("whole", "rows"):
-            raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
+        if tables not in ("auto", "whole", "rows"):
+            raise ValueError(f"state_dict(tables={tables!r}): expected 'auto', 'whole' or 'rows'")
         if self.ps.mode == "async" and self.size > 1 and self.rank == 0:
             self.ps.wait_others_closed(final_wait)
-        read = self.table_dense if tables == "whole" else self.table_rows
-        return self.ps.pull(), {name: read(name) for name in self.tables}
+        out: Dict[str, Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]] = {}
+        for name in self.tables:
+            whole = tables == "whole" or (tables == "auto" and self.whole_bytes(name) <= DENSE_TABLE_BYTES)
+            out[name] = self.table_dense(name) if whole else self.table_rows(name)
+            if tables == "auto" and not whole and name not in self._told_rows:
+                self._told_rows.add(name)
+                sys.stderr.write(f"paddle_cluster: table {name!r} whole would be {self.whole_bytes(name) >> 20} MiB "
+                                 f"(over {DENSE_TABLE_BYTES >> 20} MiB): the model holds its {len(out[name][0])} "
+                                 "existing rows instead, under <its weight>.ids and <its weight>.rows\n")
+        return self.ps.pull(), out
 
     def save_checkpoint(self, name: Optional[str] = None) -> Any:
         """Trainer 0: the pservers save every parameter, table row and optimizer state of this step. Other
@@ -308,14 +324,31 @@ def shutdown() -> None:
 
 def save_atomically(path: str, write: Callable[[str], None]) -> Optional[str]:
     """Trainer 0 runs ``write(tmp)`` and moves ``tmp`` to ``path`` (a reader never sees half a file); the path
-    written, or None on other trainers, which write nothing."""
+    written, or None on other trainers, which write nothing. If writing fails, the pservers first save a
+    checkpoint of this step (every parameter, row and optimizer state: ``--resume_from`` continues from it),
+    so the trainer's error, which ends the job, never loses the model; the error says where it is."""
     if rank() != 0:
         return None
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
         os.replace(tmp, path)
+    except Exception as e:
+        raise RuntimeError(f"save {path!r} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                           f"{_rescue()}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _rescue() -> str:
+    """After a failed save: have the pservers save a checkpoint; what to tell the user about it."""
+    if _held is None:
+        return "no DistributedOptimizer holds the model on pservers"
+    try:
+        info = _held.bridge.save_checkpoint()
+    except Exception as e:  # noqa: BLE001  (said in the one line; the save's own error is the one raised)
+        return f"the pservers could not save a checkpoint either: {str(e).splitlines()[0]}"
+    return (f"the pservers saved a checkpoint of step {info.step} first ({', '.join(info.paths)}): "
+            "`paddle-cluster run --resume_from JOB` continues from it")
