@@ -118,3 +118,116 @@ def test_top_and_plot_show_a_torch_script_s_reports(tmp_path):
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "fw.png").read_bytes().startswith(b"\x89PNG")
     assert any("trainer1" in ln and "loss" in ln and "(4 points, steps 1-4)" in ln for ln in res.stdout.splitlines())
+
+
+@pytest.fixture
+def alone(tmp_path, monkeypatch):
+    """This process as a script run alone: no launcher's variables (its in-process pserver), in ``tmp_path``."""
+    for k in [k for k in __import__("os").environ if k.startswith("PADDLE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+
+
+IDS = [[[0, 3], [2, 0]], [[3, 3], [1, 0]], [[0, 0], [2, 1]]]  # each step's ids; 0 is the padding id
+
+
+def test_torch_embedding_takes_nn_embedding_s_arguments(alone):
+    """``pct.Embedding(V, D, 0)`` is ``nn.Embedding(V, D, padding_idx=0)``: the row stays zero, gets no gradient,
+    and the model trains as plain torch does (SGD: lazy rows equal dense ones); what cannot be honoured is refused
+    in one line; a name is keyword-only; ``add_param_group`` after wrapping is refused naming the fix."""
+    torch = pytest.importorskip("torch")
+    import paddle_cluster.torch as pct
+
+    for kw, says in (({"max_norm": 1.0}, "Embedding(max_norm=1.0) is not supported: it renormalises"),
+                     ({"scale_grad_by_freq": True}, "Embedding(scale_grad_by_freq=True) is not supported"),
+                     ({"_weight": torch.zeros(10, 3)}, "Embedding(_weight=<Tensor>) is not supported"),
+                     ({"padding_idx": "users"}, "Embedding: padding_idx='users' must be an integer in [-10, 10)"),
+                     ({"padding_idx": 10}, "Embedding: padding_idx=10 must be an integer in [-10, 10)")):
+        with pytest.raises(ValueError) as e:
+            pct.Embedding(10, 3, **kw)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+    assert pct.Embedding(10, 3, -1).padding_idx == 9
+
+    def model(emb):
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"emb": emb, "head": torch.nn.Linear(3, 1)})
+
+    def loss(m, ids):
+        return m["head"](m["emb"](torch.tensor(ids)).sum(1)).square().mean()
+
+    ours = model(pct.Embedding(10, 3, 0, init_scale=0.3, name="users"))
+    inner = torch.optim.SGD(ours.parameters(), lr=0.5)
+    opt = pct.DistributedOptimizer(inner, named_parameters=ours.named_parameters())
+    try:
+        with pytest.raises(ValueError, match=r"^add_param_group after DistributedOptimizer wrapped .* lr=0"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+        start = pct.state_dict(ours)
+        assert start["emb.weight"][0].abs().sum() == 0 and start["emb.weight"][1:].abs().min() > 0
+        plain = model(torch.nn.Embedding(10, 3, padding_idx=0))
+        plain.load_state_dict(start)
+        popt = torch.optim.SGD(plain.parameters(), lr=0.5)
+        for ids in IDS:
+            opt.zero_grad()
+            popt.zero_grad()
+            loss(ours, ids).backward()
+            loss(plain, ids).backward()
+            opt.step()
+            popt.step()
+        assert (ours["emb"](torch.tensor([0, 0])) == 0).all()
+        got = pct.state_dict(ours)
+        for k, v in plain.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+        assert (got["emb.weight"][0] == 0).all() and (got["emb.weight"] != start["emb.weight"]).any()
+        rows = pct.state_dict(ours, tables="rows")
+        assert 0 not in rows["emb.weight.ids"].tolist()  # never created on the pservers
+        inner.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})  # behind the wrapper's back
+        loss(ours, IDS[0]).backward()
+        with pytest.raises(ValueError, match=r"^add_param_group after DistributedOptimizer wrapped"):
+            opt.step()
+    finally:
+        pct.shutdown()
+
+
+def test_paddle_embedding_takes_nn_embedding_s_arguments(alone):
+    """``ppc.Embedding(V, D, 0)`` is ``paddle.nn.Embedding(V, D, padding_idx=0)``: zeros out, no gradient, the
+    same training as plain Paddle; ``weight_attr`` and ``max_norm`` refused in one line."""
+    paddle = pytest.importorskip("paddle")
+    import paddle_cluster.paddle as ppc
+
+    for kw, says in (({"weight_attr": paddle.ParamAttr()}, "Embedding(weight_attr=<ParamAttr>) is not supported"),
+                     ({"max_norm": 1.0}, "Embedding(max_norm=1.0) is not supported"),
+                     ({"padding_idx": 10}, "Embedding: padding_idx=10 must be an integer in [-10, 10)")):
+        with pytest.raises(ValueError) as e:
+            ppc.Embedding(10, 3, **kw)
+        assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+
+    class Model(paddle.nn.Layer):
+        def __init__(self, emb):
+            super().__init__()
+            paddle.seed(0)
+            self.emb, self.head = emb, paddle.nn.Linear(3, 1)
+
+        def loss(self, ids):
+            return self.head(self.emb(paddle.to_tensor(ids)).sum(1)).square().mean()
+
+    ours = Model(ppc.Embedding(10, 3, 0, init_scale=0.3, name="users"))
+    opt = ppc.DistributedOptimizer(paddle.optimizer.SGD(learning_rate=0.5, parameters=ours.parameters()),
+                                   named_parameters=ours.named_parameters())
+    try:
+        start = ppc.state_dict(ours)
+        plain = Model(paddle.nn.Embedding(10, 3, padding_idx=0))
+        plain.set_state_dict(start)
+        popt = paddle.optimizer.SGD(learning_rate=0.5, parameters=plain.parameters())
+        for ids in IDS:
+            ours.loss(ids).backward()
+            plain.loss(ids).backward()
+            opt.step()
+            popt.step()
+            opt.clear_grad()
+            popt.clear_grad()
+        assert (ours.emb(paddle.to_tensor([0, 0])).numpy() == 0).all()
+        got = ppc.state_dict(ours)
+        for k, v in plain.state_dict().items():
+            np.testing.assert_allclose(got[k].numpy(), v.numpy(), rtol=1e-6, atol=1e-7, err_msg=k)
+    finally:
+        ppc.shutdown()

@@ -229,6 +229,8 @@ def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float =
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
             if not isinstance(final[m.name], tuple):
+                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
+                    final[m.name][m.padding_idx] = 0
                 out[key] = paddle.to_tensor(final[m.name])
             else:
                 del out[key]

@@ -20,6 +20,11 @@ _ONE_LINE = ("supported: torch.optim.SGD (momentum, dampening, nesterov, weight_
 # Options that change how torch computes, never what: ignored.
 _HOW = {"foreach", "fused", "capturable", "differentiable", "params", "param_names", "initial_lr"}
 
+_NO_NEW_GROUP = ("add_param_group after DistributedOptimizer wrapped the optimizer is not supported: the parameters "
+                 "are defined on the pservers when it is wrapped; add every group before wrapping (one to train "
+                 "later can start with lr=0 and get its rate from a scheduler or by hand)")
+
+
 def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> OptimizerSpec:
     """The server rule doing what ``optimizer`` does to ``group``; ValueError (one line) for anything else."""
     kind = type(optimizer).__name__
@@ -123,6 +128,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, p in self.dense:
                 p.copy_(torch.from_numpy(values[name]))
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "bridge", None) is not None:  # torch.optim.Optimizer.__init__ adds the wrapped groups
+            raise ValueError(_NO_NEW_GROUP)
+        super().add_param_group(param_group)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for emb in self.embeddings:
@@ -140,6 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if all(g is None for g in grads.values()) and not any(rows.values()):
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
+        if len(self.param_groups) != len(self.specs):  # add_param_group on the wrapped optimizer
+            raise ValueError(_NO_NEW_GROUP)
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
         hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
         values = self.bridge.step(grads, rows, hypers)
@@ -170,6 +182,8 @@ def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float =
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
             if not isinstance(final[m.name], tuple):
+                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
+                    final[m.name][m.padding_idx] = 0
                 out[key] = torch.from_numpy(final[m.name])
             else:
                 del out[key]

@@ -79,6 +79,7 @@ class Lookup:
     inverse: np.ndarray
     rows: np.ndarray
     shape: Tuple[int, ...]
+    padded: bool = False  # ``inverse`` also holds ``len(ids)``: a padding id, whose row is zeros (append one)
 
 
 class Bridge:
@@ -138,21 +139,28 @@ class Bridge:
         self.start_step = self.ps.step
         return start
 
-    def lookup(self, table: str, ids: Any) -> Lookup:
-        """The rows of ``ids`` (any integer shape) for this step; only the unique ids travel."""
+    def lookup(self, table: str, ids: Any, padding_idx: Optional[int] = None) -> Lookup:
+        """The rows of ``ids`` (any integer shape) for this step; only the unique ids travel. ``padding_idx``:
+        that id is no row on the pservers (never created, never given a gradient): ``inverse`` points it past
+        the rows, at the zero row the caller appends (``padded``)."""
         t = self.tables.get(table)
         if t is None:
             raise KeyError(f"table {table!r} is not defined; defined: {sorted(self.tables)}")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"embedding {table!r}: ids must be integers, got {ids.dtype}")
-        uniq, inverse = np.unique(ids.reshape(-1).astype(np.int64), return_inverse=True)
+        flat = ids.reshape(-1).astype(np.int64)
+        keep = None if padding_idx is None else flat != padding_idx
+        uniq, inverse = np.unique(flat if keep is None else flat[keep], return_inverse=True)
+        if keep is not None:
+            inverse, kept = np.full(len(flat), len(uniq), dtype=np.int64), inverse
+            inverse[keep] = kept
         if len(uniq) and (uniq[0] < 0 or uniq[-1] >= t.num_embeddings):
             bad = int(uniq[0] if uniq[0] < 0 else uniq[-1])
             raise ValueError(f"embedding {table!r}: id {bad} is outside its id space [0, {t.num_embeddings}) "
                              f"(num_embeddings={t.num_embeddings})")
         rows = self.ps.pull_sparse(table, uniq) if len(uniq) else np.empty((0, t.width), dtype=t.dtype)
-        return Lookup(table, uniq, inverse, rows, ids.shape)
+        return Lookup(table, uniq, inverse, rows, ids.shape, keep is not None)
 
     def step(self, dense_grads: Mapping[str, Optional[np.ndarray]],
              row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]],
