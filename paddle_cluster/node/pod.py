@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv
+from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv, node_defaults
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
 # This entry point's own lines in the pod's log; the k8s backend reads "ready"/"error" ones as events.
@@ -274,6 +274,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
     proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
+    proc_env.update(node_defaults(proc_env))
     if env.role != PSERVER:
         proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
     if env.job_dir:
