@@ -5,7 +5,9 @@ and the plain-framework references it must equal.
 (trainer 0 three samples, trainer 1 one: DDP's rule averages the trainers' means):
 - ``report``: each step ``report({"loss", "lr"})`` and ``average(loss)`` driving a ReduceLROnPlateau;
 - ``leave``: trainer 1 ends (``shutdown()``) after 2 of the 4 steps; trainer 0's shard alone is then the step;
-- ``empty``: trainer 1's shard is empty from step 1 on (its ``step()`` must refuse it in one line).
+- ``empty``: trainer 1's shard is empty from step 1 on (its ``step()`` must refuse it in one line);
+- ``broadcast``, ``average`` (torch): a BatchNorm model, its buffers under that rule; ``ddp OUT PORT RANK`` is
+  the reference, the same model under DDP.
 OUT (``{rank}`` in it: the trainer's id) gets JSON: the start and final parameters, each step's loss and
 average.
 """
@@ -61,6 +63,58 @@ def run_torch(scenario: str, out: str) -> None:
         res["final"] = {k: v.tolist() for k, v in pct.state_dict(net).items()}
     pct.shutdown()
     json.dump(res, open(out.format(rank=res["rank"]), "w"))
+
+
+def _bn_net():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+
+def _bn_batch(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(8, 3, generator=g) * (1 + step), torch.randn(8, 1, generator=g)
+    return x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+
+
+def run_torch_bn(out: str, how: str = "broadcast") -> None:
+    """A BatchNorm model, DDP's buffer rule (``how``): each trainer's state_dict (its own buffers) after 3 steps."""
+    import torch
+
+    import paddle_cluster.torch as pct
+
+    net = _bn_net()
+    opt = pct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters(), buffers=how)
+    for step in range(3):
+        x, y = _bn_batch(step, pct.rank())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    res = {"rank": pct.rank(), "state": {k: v.tolist() for k, v in net.state_dict().items()}}
+    pct.shutdown()
+    json.dump(res, open(out.format(rank=res["rank"]), "w"))
+
+
+def run_ddp_bn(out: str, port: str, rank: str) -> None:
+    """The reference: the same under torch DDP (gloo, broadcast_buffers=True), 2 processes."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=2)
+    net = torch.nn.parallel.DistributedDataParallel(_bn_net(), broadcast_buffers=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _bn_batch(step, int(rank))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    json.dump({"state": {k: v.tolist() for k, v in net.module.state_dict().items()}},
+              open(out.format(rank=rank), "w"))
+    dist.destroy_process_group()
 
 
 def reference_torch(scenario: str, start: dict) -> dict:
@@ -145,4 +199,9 @@ def reference_paddle(scenario: str, start: dict) -> dict:
 
 
 if __name__ == "__main__":
-    {"torch": run_torch, "paddle": run_paddle}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "ddp":
+        run_ddp_bn(*sys.argv[2:])
+    elif sys.argv[2] in ("broadcast", "average"):
+        run_torch_bn(sys.argv[3], sys.argv[2])
+    else:
+        {"torch": run_torch, "paddle": run_paddle}[sys.argv[1]](sys.argv[2], sys.argv[3])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import patterns_job as J
 import pytest
 import rt_helpers as H
-from helpers import cli, local_conf
+from helpers import checkout_env, cli, free_port_range, local_conf
 
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.train.metrics import read_metrics
@@ -231,3 +232,23 @@ def test_paddle_embedding_takes_nn_embedding_s_arguments(alone):
             np.testing.assert_allclose(got[k].numpy(), v.numpy(), rtol=1e-6, atol=1e-7, err_msg=k)
     finally:
         ppc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_batchnorm_buffers_follow_ddp(tmp_path):
+    """A BatchNorm model on 2 trainers: before each training forward every trainer takes trainer 0's running
+    statistics, so each trainer's parameters and buffers after 3 steps are those of the same rank under torch DDP
+    (gloo, ``broadcast_buffers=True``), and ``pct.save``'s trainer-0 buffers are DDP rank 0's."""
+    pytest.importorskip("torch")
+    codes, logs, ours = _two_trainers(tmp_path, "torch", "broadcast")
+    assert codes == [0, 0], logs
+    port = str(free_port_range(1))
+    out = str(tmp_path / "ddp-{rank}.json")
+    with H.procs(tmp_path) as pr:
+        ranks = [pr.start([sys.executable, str(JOB), "ddp", out, port, str(r)], checkout_env(dict(os.environ)),
+                          f"ddp{r}") for r in range(2)]
+        assert H.wait_all(pr, ranks, 60) == [0, 0], [pr.log(r) for r in ranks]
+    for r in range(2):
+        ddp = json.loads(Path(out.format(rank=r)).read_text())["state"]
+        _close(ours[r]["state"], ddp)
+    assert ours[0]["state"]["1.running_mean"] != ours[1]["state"]["1.running_mean"]  # each its own last forward

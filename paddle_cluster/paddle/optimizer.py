@@ -240,7 +240,8 @@ def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float =
 
 
 def save(model: paddle.nn.Layer, path: str, tables: str = "auto") -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
-    written (None on other trainers, which write nothing). If writing fails, the pservers save a checkpoint of
-    this step first and the error says where (the job's model is never lost to a failed save)."""
+    """Trainer 0 writes ``state_dict(model, tables)`` (the pservers' parameters, trainer 0's buffers) to ``path``
+    with ``paddle.save``, atomically; the path written (None on other trainers, which write nothing). If writing
+    fails, the pservers save a checkpoint of this step first and the error says where (the job's model is never
+    lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: paddle.save(state_dict(model, tables), tmp))

@@ -11,6 +11,7 @@ import torch
 from ..ps.optim import OptimizerSpec
 from ..train import bridge
 from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
 
 # torch.optim class -> the server rule; the options each may set (any other non-default one is refused).
@@ -67,12 +68,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     group's hyper-parameters, and a change to them (an LR scheduler stepping either optimizer) from the next
     step on. Every trainer starts from trainer 0's values (or a resumed checkpoint's: ``start_step`` is then
     the step it continues from). ``mode``: "sync" (every step averages all trainers' gradients) or "async".
-    One per trainer process."""
+    ``buffers`` (sync mode): "broadcast" (trainer 0's before each training forward, as DDP), "average" or None
+    (each trainer its own), for ``model`` (default: the module ``named_parameters`` came from). One per trainer
+    process."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-                 mode: str = "sync", **connect_kw: Any) -> None:
+                 mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
+                 buffers: Optional[str] = "broadcast", **connect_kw: Any) -> None:
         bridge.vacant()
+        if buffers not in HOW:
+            raise ValueError(f"DistributedOptimizer(buffers={buffers!r}): expected 'broadcast' (trainer 0's before "
+                             "each forward, as DDP), 'average' or None (each trainer its own)")
+        model = model if model is not None else model_of(named_parameters)
         specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
         names = self._names(optimizer, named_parameters)
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -106,6 +114,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for emb in self.embeddings:
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
+        # DDP's buffers: sync mode only (async trainers do not step together); alone there is no one to match.
+        self.buffers = BufferSync(model, self.bridge, buffers) \
+            if model is not None and buffers and mode == "sync" and self.bridge.size > 1 else None
 
     @staticmethod
     def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
@@ -193,7 +204,8 @@ def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float =
 
 
 def save(model: torch.nn.Module, path: str, tables: str = "auto") -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
-    written (None on other trainers, which write nothing). If writing fails, the pservers save a checkpoint of
-    this step first and the error says where (the job's model is never lost to a failed save)."""
+    """Trainer 0 writes ``state_dict(model, tables)`` (the pservers' parameters, trainer 0's buffers) to ``path``
+    with ``torch.save``, atomically; the path written (None on other trainers, which write nothing). If writing
+    fails, the pservers save a checkpoint of this step first and the error says where (the job's model is never
+    lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: torch.save(state_dict(model, tables), tmp))
