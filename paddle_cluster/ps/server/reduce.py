@@ -28,6 +28,7 @@ class Round:
     width: int
     parts: Dict[int, List[float]] = field(default_factory=dict)
     answered: Set[int] = field(default_factory=set)
+    held: int = 0  # bytes charged to the budget for the parts
 
 
 def _values(body: dict, trainer: int) -> List[float]:
@@ -51,27 +52,26 @@ def reduce_op(st: State, conn: Conn, h: P.Header) -> None:
     held = HELD_PER_VALUE * len(values)
     st.budget.charge(held, f"trainer {conn.trainer}'s {len(values)} values to sum with the other trainers'")
     sync = st.sync
-    try:
-        with sync.lock:
-            r = st.rounds.setdefault(seq, Round(len(values)))
-            if len(values) != r.width:
-                raise ConfigMismatch(f"trainer {conn.trainer} sums {len(values)} values in call {seq}, other "
-                                     f"trainers {r.width}: every trainer averages the same things in the same order")
-            if conn.trainer in r.parts:
-                raise ConfigMismatch(f"trainer {conn.trainer} sent call {seq} twice")
-            r.parts[conn.trainer] = values
-            sync.lock.notify_all()
-            try:
-                sync.wait(sync.lock, lambda: sync.active <= r.parts.keys(), seq, f"averaging, call {seq}",
-                          lambda: sync.active - r.parts.keys(), lambda: conn.gone)
-                total = [0.0] * r.width
-                for t in sorted(r.parts):
-                    total = [a + v for a, v in zip(total, r.parts[t])]
-                n = len(r.parts)
-            finally:
-                r.answered.add(conn.trainer)
-                if r.answered >= r.parts.keys():
-                    del st.rounds[seq]
-    finally:
-        st.budget.release(held)
+    with sync.lock:
+        r = st.rounds.setdefault(seq, Round(len(values)))
+        if len(values) != r.width or conn.trainer in r.parts:
+            st.budget.release(held)
+            raise ConfigMismatch(f"trainer {conn.trainer} sums {len(values)} values in call {seq}, other trainers "
+                                 f"{r.width}: every trainer averages the same things in the same order"
+                                 if len(values) != r.width else f"trainer {conn.trainer} sent call {seq} twice")
+        r.parts[conn.trainer] = values
+        r.held += held  # held by the round until its last answer: the parts stay that long
+        sync.lock.notify_all()
+        try:
+            sync.wait(sync.lock, lambda: sync.active <= r.parts.keys(), seq, f"averaging, call {seq}",
+                      lambda: sync.active - r.parts.keys(), lambda: conn.gone)
+            total = [0.0] * r.width
+            for t in sorted(r.parts):
+                total = [a + v for a, v in zip(total, r.parts[t])]
+            n = len(r.parts)
+        finally:
+            r.answered.add(conn.trainer)
+            if r.answered >= r.parts.keys():
+                del st.rounds[seq]
+                st.budget.release(r.held)
     conn.reply_ok({"sum": [v.hex() for v in total], "n": n})
