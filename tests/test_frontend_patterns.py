@@ -252,3 +252,31 @@ def test_batchnorm_buffers_follow_ddp(tmp_path):
         ddp = json.loads(Path(out.format(rank=r)).read_text())["state"]
         _close(ours[r]["state"], ddp)
     assert ours[0]["state"]["1.running_mean"] != ours[1]["state"]["1.running_mean"]  # each its own last forward
+
+
+def test_report_and_average_alone_and_their_bad_input(alone, tmp_path):
+    """Alone (rank 0 of 1): ``average`` is the value itself, a tensor keeps its shape and dtype; ``report``
+    writes ./log's records at the optimizer's step; a metric that is no number, or one named like a record's
+    own keys, is refused in one line."""
+    torch = pytest.importorskip("torch")
+    import paddle_cluster.torch as pct
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = pct.DistributedOptimizer(torch.optim.SGD([w], lr=0.5))
+    try:
+        assert pct.average(3.25) == 3.25
+        t = pct.average(torch.tensor([[1.5, 2.0]], dtype=torch.float64))
+        assert t.dtype == torch.float64 and t.tolist() == [[1.5, 2.0]]
+        w.sum().backward()
+        opt.step()
+        rec = pct.report({"loss": torch.tensor(0.75), "acc": 1})
+        assert (rec["step"], rec["loss"], rec["acc"], rec["trainer"]) == (1, 0.75, 1.0, 0)
+        assert read_metrics(str(tmp_path / "log"))[-1]["loss"] == 0.75
+        for bad, says in (({"loss": "low"}, "report: metric 'loss' is str 'low'; a metric is a number"),
+                          ({"step": 3}, "report: metric name(s) 'step' not allowed"),
+                          ({"loss": torch.ones(2, 2)}, "report: metric 'loss' is Tensor tensor([[1., 1.],;")):
+            with pytest.raises(ValueError) as e:
+                pct.report(bad)
+            assert str(e.value).startswith(says) and "\n" not in str(e.value), str(e.value)
+    finally:
+        pct.shutdown()

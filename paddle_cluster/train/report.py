@@ -22,6 +22,11 @@ _writer: Optional[MetricsWriter] = None
 _reports = 0
 
 
+def _short(v: Any) -> str:
+    """``v``'s repr on one line, at most 60 characters (a tensor's spans several)."""
+    return (repr(v).splitlines() or [""])[0][:60]
+
+
 def _number(key: str, v: Any) -> float:
     try:
         x = v.item() if hasattr(v, "item") else v  # a one-element tensor or a numpy scalar
@@ -29,8 +34,8 @@ def _number(key: str, v: Any) -> float:
             raise TypeError
         return float(x)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"report: metric {key!r} is {type(v).__name__} {v!r:.60}; a metric is a number "
-                         "(a float, an int or a one-element tensor)") from None
+        raise ValueError(f"report: metric {key!r} is {type(v).__name__} {_short(v)}; a metric is a number (a "
+                         "float, an int or a one-element tensor)") from None
 
 
 def report(metrics: Mapping[str, Any], step: Optional[int] = None) -> Dict[str, Any]:
@@ -38,10 +43,10 @@ def report(metrics: Mapping[str, Any], step: Optional[int] = None) -> Dict[str, 
     the process's DistributedOptimizer has taken, else the count of reports so far); the record written."""
     global _writer, _reports
     if not isinstance(metrics, Mapping) or not metrics:
-        raise ValueError(f"report({metrics!r:.60}): give a dict of metric name -> number, e.g. {{'loss': 0.5}}")
-    clash = sorted(k for k in metrics if k in _BOOKKEEPING or not isinstance(k, str) or not k)
+        raise ValueError(f"report({_short(metrics)}): give a dict of metric name -> number, e.g. {{'loss': 0.5}}")
+    clash = sorted(repr(k) for k in metrics if k in _BOOKKEEPING or not isinstance(k, str) or not k)
     if clash:
-        raise ValueError(f"report: metric name(s) {clash} not allowed: every record has its own "
+        raise ValueError(f"report: metric name(s) {', '.join(clash)} not allowed: every record has its own "
                          f"{', '.join(_BOOKKEEPING)}; pass the step as report(metrics, step=...)")
     values = {k: _number(k, v) for k, v in metrics.items()}
     if step is None:
