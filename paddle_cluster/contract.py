@@ -341,6 +341,21 @@ class JobEnv:
         )
 
 
+def node_defaults(env: Mapping[str, str], dev: str = "/dev") -> Dict[str, str]:
+    """What a node adds to a process's variables ``env`` from what only it knows: a trainer with a collective
+    side (``PADDLE_TRAINER_ENDPOINTS``) on a node without an NVIDIA GPU gets ``PADDLE_DISTRI_BACKEND=gloo``,
+    what ``paddle.distributed.launch`` sets there (without it Paddle's ``init_parallel_env`` fails on CPU), unless
+    ``ENV`` set it."""
+    if "PADDLE_TRAINER_ENDPOINTS" not in env or "PADDLE_DISTRI_BACKEND" in env or env.get(ROLE_VAR) == PSERVER:
+        return {}
+    try:
+        gpus = any(re.fullmatch(r"nvidia\d+", n) for n in os.listdir(dev))
+    except OSError:
+        gpus = False
+    hidden = env.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    return {} if gpus and not hidden else {"PADDLE_DISTRI_BACKEND": "gloo"}
+
+
 def reserved_env() -> Dict[str, str]:
     """The variables the launcher sets that ``ENV`` must not override (the job would disagree with itself), each
     with the processes that get it: "every pserver and trainer", "each pserver" or "each trainer". Every name

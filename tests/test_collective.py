@@ -34,10 +34,9 @@ def _ws(tmp_path, text: str):
 
 
 def test_a_paddle_distributed_script_across_the_hosts(cluster, tmp_path):
-    # PADDLE_DISTRI_BACKEND: what paddle.distributed.launch sets on a node without GPUs (docs/environment.md);
+    # No ENV: the nodes (no GPU) choose PADDLE_DISTRI_BACKEND=gloo themselves, as paddle.distributed.launch does;
     # PSERVER_COMMAND left out: write_conf's stand-in pserver has no place in a job without pservers.
-    conf = write_conf(tmp_path, cluster, PSERVERS_PER_NODE=0, PSERVER_COMMAND=OMIT,
-                      ENV={"PADDLE_DISTRI_BACKEND": "gloo"})
+    conf = write_conf(tmp_path, cluster, PSERVERS_PER_NODE=0, PSERVER_COMMAND=OMIT)
     res = cli(conf, "run", "--job_dispatch_package", str(_ws(tmp_path, PADDLE_PY)), timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     no_traceback(res)
@@ -67,3 +66,18 @@ def test_connect_in_a_job_without_pservers_says_so():
                  master_port=7164).for_process(TRAINER, 1, "10.0.0.2")
     with pytest.raises(ConfigMismatch, match="this job has no pservers"):
         connect(env=JobEnv.from_environ(env.to_environ()))
+
+
+def test_a_node_without_gpus_chooses_gloo_for_paddle(tmp_path):
+    """A trainer with a collective side on a node without /dev/nvidia<N> gets PADDLE_DISTRI_BACKEND=gloo (what
+    paddle.distributed.launch sets there); a GPU node, a pserver, or ENV's own choice are left alone."""
+    from paddle_cluster.contract import PSERVER, ROLE_VAR, node_defaults
+
+    trainer = {"PADDLE_TRAINER_ENDPOINTS": "10.0.0.1:7165", ROLE_VAR: TRAINER}
+    (tmp_path / "null").touch()
+    assert node_defaults(trainer, str(tmp_path)) == {"PADDLE_DISTRI_BACKEND": "gloo"}
+    assert node_defaults({**trainer, ROLE_VAR: PSERVER}, str(tmp_path)) == {}
+    assert node_defaults({**trainer, "PADDLE_DISTRI_BACKEND": "nccl"}, str(tmp_path)) == {}
+    (tmp_path / "nvidia0").touch()
+    assert node_defaults(trainer, str(tmp_path)) == {}
+    assert node_defaults({**trainer, "CUDA_VISIBLE_DEVICES": ""}, str(tmp_path)) == {"PADDLE_DISTRI_BACKEND": "gloo"}

@@ -352,7 +352,7 @@ def test_each_registration_gets_a_lane_up_to_the_cap_then_tcp_said_once(laned, c
     ``MAX_LANES`` a registration travels over TCP, said once, and trains the same."""
     env, pr, server, ps = laned
     later = [f"u{i}" for i in range(L.MAX_LANES)]
-    with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+    with caplog.at_level(logging.DEBUG, "paddle_cluster.ps"):
         for i, name in enumerate(later):
             ps.register_dense({name: (i + 2) * W})
     assert ps._dense._in_lane == {"w", *later[:-1]} and len(_lanes_mapped(server.pid)) == L.MAX_LANES
@@ -483,7 +483,7 @@ def test_an_offer_claimed_too_late_is_dropped_and_the_trainer_stays_on_tcp(tmp_p
     fds = _lane_fds()
     server = PServer(env.for_process(PSERVER, 0, "127.0.0.1"), 0).start()
     try:
-        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+        with caplog.at_level(logging.DEBUG, "paddle_cluster.ps"):
             ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
             try:
                 ps.register_dense({"w": W, "v": W})
@@ -532,7 +532,7 @@ def test_a_lane_beyond_the_pserver_memory_budget_leaves_tcp(tmp_path, caplog):
     big = np.ones(1 << 20, np.float32)  # 4 MB, its block charged 8 MiB: fits 11 MiB, its 8 MiB lane too does not
     with H.procs(tmp_path) as pr:
         pr.pserver(env, 0, {"PADDLE_PSERVER_MEMORY": str(11 << 20)})
-        with caplog.at_level(logging.INFO, "paddle_cluster.ps"):
+        with caplog.at_level(logging.DEBUG, "paddle_cluster.ps"):
             ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
             try:
                 ps.register_dense({"big": big})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf
 from rt_helpers import free_port_range
 
 from paddle_cluster.launch.config import load_config
@@ -82,3 +84,45 @@ def test_trainer_script_of_a_command():
     assert trainer_script("./run.sh") == "./run.sh"
     assert trainer_script("python3 -m mypkg.train") is None
     assert trainer_script("/opt/bin/train") is None
+
+
+def _python_without_torch(tmp_path):
+    """A venv without the system site-packages (so without torch and paddle), numpy linked in: an interpreter a
+    node could have. Made with this test's interpreter, on the filesystem every test host shares."""
+    import numpy
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    src = os.path.dirname(numpy.__file__)
+    for name in ("numpy", "numpy.libs"):
+        if os.path.exists(os.path.join(os.path.dirname(src), name)):
+            (site / name).symlink_to(os.path.join(os.path.dirname(src), name))
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.cluster
+def test_a_node_whose_python_lacks_the_script_s_framework_is_named_before_anything_starts(cluster, tmp_path):
+    """``run`` of a script importing torch, with PYTHON a venv without torch (pinned: the test's own interpreter
+    has torch, and this is about one that lacks it): refused at the preflight, naming the host, the
+    interpreter and PYTHON as the fix; nothing is sent or started."""
+    python = _python_without_torch(tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "train.py").write_text("import torch\nimport paddle_cluster.torch as pct\nprint(pct.rank())\n")
+    conf = write_conf(tmp_path, cluster, PYTHON=python, PSERVER_COMMAND=OMIT)
+    res = cli(conf, "run", "--job_dispatch_package", str(ws), "--job_name", "notorch")
+    assert res.returncode != 0, res.stdout
+    no_traceback(res)
+    line = next((ln for ln in res.stderr.splitlines() if "imports torch" in ln), res.stderr)
+    assert f"({cluster.hosts[0]})" in line or "node0" in line, line
+    says = f"train.py imports torch, which PYTHON there ({python}: {python}) cannot import; install it there " \
+        f"({python} -m pip install torch==2.13.0) or set PYTHON in {conf} to an interpreter that has it"
+    assert says in line, line
+    check = cli(conf, "check", "--json")  # check says what that interpreter has of the frameworks, on every host
+    rows = json.loads(check.stdout)
+    hosts = [r for r in (rows if isinstance(rows, list) else rows.get("hosts", [])) if "frameworks" in r]
+    assert len(hosts) == 3 and {r["frameworks"] for r in hosts} == {"torch -, paddle -"}, check.stdout
+    sent = [p for i in range(3) for p in cluster.root_dir(i).rglob("train.py") if "notorch" in str(p)]
+    assert not sent, sent  # refused before the workspace went anywhere
+    assert_nothing_left(cluster)

@@ -8,6 +8,7 @@ host of HOSTS, ``check_cluster``; an engine, ``EngineRow``; a permission), a tab
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -41,6 +42,58 @@ def trainer_script(command: str) -> Optional[str]:
     if not words or words[0].startswith("/") or ("/" not in words[0] and not words[0].endswith(".py")):
         return None
     return words[0]
+
+
+# What a script's imports need of a real framework: torch itself, or Paddle 2.x/3.x (a bare ``import paddle``,
+# ``paddle.v2`` or ``paddle.fluid`` may be the compatibility package's, which needs nothing).
+_NEEDS = {"torch": "torch", "paddle_cluster.torch": "torch", "paddle_cluster.paddle": "paddle"}
+_PADDLE_2 = ("nn", "optimizer", "distributed", "io", "vision", "static", "amp", "jit", "metric")
+PIP = {"torch": "torch==2.13.0", "paddle": "paddlepaddle==3.3.1"}
+
+
+def frameworks_needed(source: Optional[str]) -> Tuple[str, ...]:
+    """The frameworks (``torch``, ``paddle``) an entry script imports, read from its ``import`` statements
+    without running it; () when it does not parse."""
+    try:
+        tree = ast.parse(source or "")
+    except (SyntaxError, ValueError):
+        return ()
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            if ".".join(parts[:k]) in _NEEDS:
+                found.add(_NEEDS[".".join(parts[:k])])
+        if parts[0] == "paddle" and len(parts) > 1 and parts[1] in _PADDLE_2:
+            found.add("paddle")
+    return tuple(sorted(found))
+
+
+def entry_source(spec: JobSpec) -> Optional[str]:
+    """The text of the script the trainers run, when it is on this machine (``--job_dispatch_package``)."""
+    script = trainer_script(spec.cfg.commands()[1])
+    if not spec.dispatch_dir or script is None:
+        return None
+    try:
+        with open(os.path.join(spec.dispatch_dir, script), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def framework_problems(cfg: ClusterConfig, doc: Dict[str, Any], needs: Sequence[str]) -> List[str]:
+    """The frameworks the entry script imports (``needs``) that the node's interpreter lacks, with the fix."""
+    have = doc.get("frameworks") or {}
+    script = trainer_script(cfg.commands()[1]) or cfg.entry
+    return [f"{script} imports {fw}, which PYTHON there ({cfg.python}: {doc.get('python_path')}) cannot import; "
+            f"install it there ({cfg.python} -m pip install {PIP[fw]}) or set PYTHON in {cfg.source} to an "
+            "interpreter that has it" for fw in needs if fw in have and have[fw] is None]
 
 
 def probe_problems(cfg: ClusterConfig, doc: Dict[str, Any]) -> List[str]:
@@ -108,6 +161,7 @@ class CheckRow:
     disk_free: str
     problem: str = ""
     interpreter: str = "-"  # the absolute path every process there runs (PYTHON as the login shell resolves it)
+    frameworks: str = ""  # "torch 2.13.0, paddle -": what PYTHON there can import of them (a script's may need)
 
     HEADERS: ClassVar[Tuple[str, ...]] = ("node", "host", "ssh", "python, numpy", "nic", "ports", "ROOT_DIR")
     WRAP: ClassVar[Tuple[str, ...]] = ("host", "python, numpy", "nic", "ports")
@@ -115,7 +169,8 @@ class CheckRow:
 
     def cells(self) -> List[str]:
         return [self.node, self.host, self.ssh,
-                f"{self.interpreter} ({self.python}), numpy {self.numpy}" if self.python != "-" else "-", self.nic,
+                f"{self.interpreter} ({self.python}), numpy {self.numpy}{'; ' if self.frameworks else ''}"
+                f"{self.frameworks}" if self.python != "-" else "-", self.nic,
                 self.ports, f"{self.root_dir}, {self.disk_free} free" if self.disk_free != "-" else self.root_dir]
 
     def failure(self) -> str:
@@ -162,7 +217,8 @@ def check_cluster(cfg: ClusterConfig, ignore: Tuple[str, ...] = ()) -> List[Chec
             "taken: " + ",".join(map(str, doc["ports_taken"])) if doc["ports_taken"] else "free",
             "writable" if root.get("writable") else "NOT WRITABLE",
             f"{free / 2**30:.1f} GiB" if free is not None else "-", "; ".join(problems),
-            doc.get("python_path") or cfg.python)
+            doc.get("python_path") or cfg.python,
+            ", ".join(f"{k} {v or '-'}" for k, v in (doc.get("frameworks") or {}).items()))
 
     _, res = probe_nodes(nodes, cfg, cfg.node_ports())
     each_node(nodes, lambda n: n.close())

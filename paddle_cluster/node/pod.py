@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv
+from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv, node_defaults
 
 from .podlog import LOG, not_dumpable
 
@@ -277,6 +277,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
     proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
+    proc_env.update(node_defaults(proc_env))
     if env.role != PSERVER:
         proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
     if env.job_dir:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -103,6 +104,28 @@ def numpy_version() -> Optional[str]:
     return found.group(1) if found else "unknown"
 
 
+FRAMEWORKS = {"torch": "torch", "paddle": "paddlepaddle"}  # module -> its distribution (pip's name)
+
+
+def frameworks() -> Dict[str, Optional[str]]:
+    """Each framework a script may import (``FRAMEWORKS``): its version as installed, "unknown" when its
+    distribution does not say, None when this interpreter cannot import it; found, never imported."""
+    out: Dict[str, Optional[str]] = {}
+    for module, dist in FRAMEWORKS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        version = None
+        if found:
+            try:
+                version = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                version = "unknown"
+        out[module] = version
+    return out
+
+
 def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
     """The node's answer to the launcher's preflight, as one JSON-ready document."""
     ifaces = interfaces()
@@ -113,6 +136,7 @@ def probe(nic: str, ports: Sequence[int], root: str) -> Dict[str, Any]:
         "python": sys.version.split()[0],
         "python_path": sys.executable,
         "numpy": numpy_version(),
+        "frameworks": frameworks(),
         "nic": nic,
         "address": addr,
         "network": network(nic) if addr else None,

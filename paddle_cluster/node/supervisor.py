@@ -255,6 +255,7 @@ class Supervisor:
         env = dict(os.environ)
         env.update(self.plan.environ)
         env.update(p.env)
+        env.update(contract.node_defaults(env))
         env["PWD"] = self.plan.cwd  # the agent's own PWD is the login directory; the process starts in cwd
         env["PYTHONPATH"] = os.pathsep.join(x for x in (self.lib_dir, env.get("PYTHONPATH", "")) if x)
         if self.plan.ld_library_path:

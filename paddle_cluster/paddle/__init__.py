@@ -27,9 +27,12 @@ try:
 except ImportError:
     raise ImportError(f"paddle_cluster.paddle needs PaddlePaddle, which {sys.executable} on host "
                       f"{socket.gethostname()} lacks: install it there with `pip install paddlepaddle==3.3.1` "
-                      "(the CPU build) or `pip install 'paddle-cluster[paddle]'`") from None
+                      "(the CPU build) or `pip install 'paddle-cluster[paddle]'`, or set PYTHON in conf.py to an "
+                      "interpreter that has it") from None
 
 from .embedding import Embedding
 from .optimizer import SUPPORTED, DistributedOptimizer, rank, save, shutdown, size, state_dict
+from .report import average, report
 
-__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "rank", "save", "shutdown", "size", "state_dict"]
+__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "average", "rank", "report", "save", "shutdown", "size",
+           "state_dict"]

@@ -8,6 +8,7 @@ import numpy as np
 import paddle
 
 from ..train.bridge import Bridge, TableDef
+from ..train.embedding_args import padding_index, refuse
 
 
 class Embedding(paddle.nn.Layer):
@@ -20,17 +21,29 @@ class Embedding(paddle.nn.Layer):
     follows its group's update rule and hyper-parameters) and names it in ``state_dict``, where
     ``paddle_cluster.paddle.state_dict`` fills in the whole table. ``name`` (default: the placeholder's Paddle
     name, e.g. ``embedding_0.w_0``) must be the same on every trainer.
+
+    The arguments are ``paddle.nn.Embedding``'s: ``padding_idx`` is that row output as zeros and given no
+    gradient (it is never created on the pservers), ``sparse`` and ``device`` change nothing here, and
+    ``max_norm``, ``scale_grad_by_freq``, ``_weight``, ``_freeze`` and ``weight_attr`` are refused in one line.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None, *,
-                 init_scale: float = 0.01, seed: int = 0, dtype: str = "float32") -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, *, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Any = None, _freeze: bool = False, device: Any = None,
+                 dtype: Optional[str] = None, weight_attr: Any = None, name: Optional[str] = None,
+                 init_scale: float = 0.01, seed: int = 0) -> None:
         super().__init__()
         for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        # sparse: the rows always travel as rows; norm_type only matters with max_norm; device: rows are fetched
+        # to the CPU.
+        refuse("Embedding", max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, _weight=_weight,
+               _freeze=_freeze, weight_attr=weight_attr)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_index("Embedding", num_embeddings, padding_idx)
         self.name, self.init_scale, self.seed = name, float(init_scale), int(seed)
-        self.weight = self.create_parameter([0, embedding_dim], dtype=dtype)
+        self.weight = self.create_parameter([0, embedding_dim], dtype=dtype or "float32")
         self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
         self._bridge: Optional[Bridge] = None
         self._lookups: List[Tuple[np.ndarray, paddle.Tensor]] = []  # this step's (unique ids, rows leaf tensor)
@@ -50,11 +63,14 @@ class Embedding(paddle.nn.Layer):
                                "paddle_cluster.paddle.DistributedOptimizer "
                                "before the first forward: opt = ppc.DistributedOptimizer(paddle.optimizer.Adam("
                                "parameters=model.parameters()))")
-        lk = self._bridge.lookup(self.name, ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids))
+        lk = self._bridge.lookup(self.name, ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids),
+                                 self.padding_idx)
         grad = paddle.is_grad_enabled()
         rows = paddle.to_tensor(lk.rows, stop_gradient=not grad)
         if grad:
             self._lookups.append((lk.ids, rows))
+        if lk.padded:  # the padding id's row: zeros, outside the rows whose gradients go out
+            rows = paddle.concat([rows, paddle.zeros([1, self.embedding_dim], dtype=rows.dtype)])
         return paddle.gather(rows, paddle.to_tensor(lk.inverse)).reshape([*lk.shape, self.embedding_dim])
 
     def row_grads(self) -> List[Tuple[np.ndarray, np.ndarray]]:
@@ -69,4 +85,5 @@ class Embedding(paddle.nn.Layer):
         self._lookups = []
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r} (rows on the pservers)"
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, name={self.name!r} (rows on the pservers)"

@@ -290,11 +290,12 @@ class DistributedOptimizer:
         return self.bridge.save_checkpoint(name)
 
 
-def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
+def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
-    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
+    0 first waits (``final_wait`` s at most) for the other trainers to finish."""
     ctx = bridge.held("state_dict(model)")
     values, final = ctx.bridge.final(tables, final_wait)
     ctx._load(values)
@@ -302,7 +303,9 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
     for prefix, m in model.named_sublayers(include_self=True):
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
-            if tables == "whole":
+            if not isinstance(final[m.name], tuple):
+                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
+                    final[m.name][m.padding_idx] = 0
                 out[key] = paddle.to_tensor(final[m.name])
             else:
                 del out[key]
@@ -311,7 +314,9 @@ def state_dict(model: paddle.nn.Layer, tables: str = "whole", final_wait: float 
     return out
 
 
-def save(model: paddle.nn.Layer, path: str, tables: str = "whole") -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``paddle.save``, atomically; the path
-    written (None on other trainers, which write nothing)."""
+def save(model: paddle.nn.Layer, path: str, tables: str = "auto") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` (the pservers' parameters, trainer 0's buffers) to ``path``
+    with ``paddle.save``, atomically; the path written (None on other trainers, which write nothing). If writing
+    fails, the pservers save a checkpoint of this step first and the error says where (the job's model is never
+    lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: paddle.save(state_dict(model, tables), tmp))

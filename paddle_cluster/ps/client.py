@@ -99,6 +99,7 @@ class PSClient:
         self._outstanding: List[PushHandle] = []
         self._brought: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) finish_step brought
         self._in_call, self.ps_seconds = False, 0.0  # ``_timed``
+        self._reduce_seq = 0  # ``sum_over_trainers`` calls made (each trainer makes the same ones)
         # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
         # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
         io_timeout = reply_timeout(env.barrier_timeout)
@@ -343,6 +344,22 @@ class PSClient:
 
     def set_lr(self, lr: float, names: Optional[Sequence[str]] = None) -> None:
         self.set_hyper(names, lr=float(lr))
+
+    def sum_over_trainers(self, values: Sequence[float]) -> Tuple[np.ndarray, int]:
+        """The sum of ``values`` over every active trainer (float64, in trainer order: the same bits on every
+        trainer) and how many trainers it holds. A collective: every trainer makes the same calls in the same
+        order (a trainer that closed no longer counts); bounded by the barrier timeout."""
+        self._check_open()
+        flat = [float(v) for v in np.asarray(values, dtype=np.float64).reshape(-1)]
+        out, n = [], 0
+        for lo in range(0, max(1, len(flat)), P.REDUCE_MAX_VALUES):
+            part = flat[lo:lo + P.REDUCE_MAX_VALUES]
+            self._reduce_seq += 1
+            reply = self._ctl(0).submit(Channel.call_json, P.Op.REDUCE,
+                                        {"seq": self._reduce_seq, "values": [v.hex() for v in part]}).result()
+            out += [float.fromhex(v) for v in reply["sum"]]
+            n = int(reply["n"])
+        return np.array(out, dtype=np.float64), n
 
     def status(self) -> List[Dict[str, Any]]:
         """Each pserver's view: mode, active/closed trainers, per-block and per-table steps."""

@@ -147,7 +147,8 @@ class DenseParams:
 
     def _say_tcp(self, where: str, why: str) -> None:
         if not self._lane_said:
-            log.info("dense data to %s over TCP, not a same-host lane: %s", where, why)
+            # DEBUG: TCP is a correct path, not a fault; at INFO (Paddle sets the root logger so) it read as an error.
+            log.debug("dense data to %s over TCP, not a same-host lane: %s", where, why)
             self._lane_said = True
 
     def close(self) -> None:

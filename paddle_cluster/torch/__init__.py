@@ -24,9 +24,12 @@ try:
 except ImportError:
     raise ImportError(f"paddle_cluster.torch needs PyTorch, which {sys.executable} on host {socket.gethostname()} "
                       "lacks: install it there with `pip install torch==2.13.0` (the CPU build) or "
-                      "`pip install 'paddle-cluster[torch]'`") from None
+                      "`pip install 'paddle-cluster[torch]'`, or set PYTHON in conf.py to an interpreter that has "
+                      "it") from None
 
 from .embedding import Embedding
 from .optimizer import SUPPORTED, DistributedOptimizer, rank, save, shutdown, size, state_dict
+from .report import average, report
 
-__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "rank", "save", "shutdown", "size", "state_dict"]
+__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "average", "rank", "report", "save", "shutdown", "size",
+           "state_dict"]

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..train.bridge import Bridge, TableDef
+from ..train.embedding_args import padding_index, refuse
 
 
 class Embedding(torch.nn.Module):
@@ -20,15 +21,29 @@ class Embedding(torch.nn.Module):
     table follows its group's update rule and hyper-parameters) and names it in ``state_dict``, where
     ``paddle_cluster.torch.state_dict`` fills in the whole table. ``name`` (default: the placeholder's name in
     ``named_parameters`` without ``.weight``) must be the same on every trainer.
+
+    The arguments are ``torch.nn.Embedding``'s: ``padding_idx`` is that row kept at zero and given no gradient
+    (it is never created on the pservers), ``sparse`` and ``device`` change nothing here, and ``max_norm``,
+    ``scale_grad_by_freq``, ``_weight`` and ``_freeze`` are refused in one line. ``name``, ``init_scale`` and
+    ``seed`` are keyword-only.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, name: Optional[str] = None, *,
-                 init_scale: float = 0.01, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False,
+                 device: Any = None, dtype: Optional[torch.dtype] = None, *, name: Optional[str] = None,
+                 init_scale: float = 0.01, seed: int = 0) -> None:
         super().__init__()
         for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        # sparse: the rows always travel as rows; norm_type only matters with max_norm; device: rows are fetched
+        # to the CPU and the output follows the ids' device.
+        refuse("Embedding", max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, _weight=_weight,
+               _freeze=_freeze)
+        dtype = torch.float32 if dtype is None else dtype
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_index("Embedding", num_embeddings, padding_idx)
         self.name, self.init_scale, self.seed, self.dtype = name, float(init_scale), int(seed), dtype
         self.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
         self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
@@ -51,11 +66,13 @@ class Embedding(torch.nn.Module):
                                "opt = pct.DistributedOptimizer(torch.optim.Adam(model.parameters()), "
                                "named_parameters=model.named_parameters())")
         ids = torch.as_tensor(ids)
-        lk = self._bridge.lookup(self.name, ids.detach().cpu().numpy())
+        lk = self._bridge.lookup(self.name, ids.detach().cpu().numpy(), self.padding_idx)
         rows = torch.from_numpy(lk.rows)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._lookups.append((lk.ids, rows))
+        if lk.padded:  # the padding id's row: zeros, outside the rows whose gradients go out
+            rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
         out = rows[torch.from_numpy(lk.inverse)].reshape(*lk.shape, self.embedding_dim)
         return out.to(ids.device) if ids.device.type != "cpu" else out
 
@@ -71,4 +88,5 @@ class Embedding(torch.nn.Module):
         self._lookups = []
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r} (rows on the pservers)"
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, name={self.name!r} (rows on the pservers)"

@@ -12,6 +12,7 @@ import torch
 from ..ps.optim import OptimizerSpec
 from ..train import bridge
 from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
 
 # torch.optim class -> the server rule; the options each may set (any other non-default one is refused).
@@ -20,6 +21,11 @@ _ONE_LINE = ("supported: torch.optim.SGD (momentum, dampening, nesterov, weight_
              "initial_accumulator_value, eps, weight_decay), Adam and AdamW (betas, eps, weight_decay, amsgrad)")
 # Options that change how torch computes, never what: ignored.
 _HOW = {"foreach", "fused", "capturable", "differentiable", "params", "param_names", "initial_lr"}
+
+_NO_NEW_GROUP = ("add_param_group after DistributedOptimizer wrapped the optimizer is not supported: the parameters "
+                 "are defined on the pservers when it is wrapped; add every group before wrapping (one to train "
+                 "later can start with lr=0 and get its rate from a scheduler or by hand)")
+
 
 def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> OptimizerSpec:
     """The server rule doing what ``optimizer`` does to ``group``; ValueError (one line) for anything else."""
@@ -66,12 +72,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     is not updated at all when no trainer has one (as torch and DDP); one with ``requires_grad=False`` when
     wrapped stays on the trainer, as it is. Every trainer starts from trainer 0's values (or a resumed
     checkpoint's: ``start_step`` is then the step it continues from). ``mode``: "sync" (every step averages all
-    trainers' gradients) or "async". One per trainer process."""
+    trainers' gradients) or "async". ``buffers`` (sync mode): "broadcast" (trainer 0's before each training
+    forward, as DDP), "average" or None (each trainer its own), for ``model`` (default: the module
+    ``named_parameters`` came from). One per trainer process."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-                 mode: str = "sync", **connect_kw: Any) -> None:
+                 mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
+                 buffers: Optional[str] = "broadcast", **connect_kw: Any) -> None:
         bridge.vacant()
+        if buffers not in HOW:
+            raise ValueError(f"DistributedOptimizer(buffers={buffers!r}): expected 'broadcast' (trainer 0's before "
+                             "each forward, as DDP), 'average' or None (each trainer its own)")
+        model = model if model is not None else model_of(named_parameters)
         specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
         names = self._names(optimizer, named_parameters)
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -111,6 +124,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             emb._bridge = self.bridge
         self.start_step = self.bridge.start_step
         self._synced = False  # p.grad holds this step's average (synchronize())
+        # DDP's buffers: sync mode only (async trainers do not step together); alone there is no one to match.
+        self.buffers = BufferSync(model, self.bridge, buffers) \
+            if model is not None and buffers and mode == "sync" and self.bridge.size > 1 else None
 
     @staticmethod
     def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
@@ -133,6 +149,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, p in self.dense:
                 p.copy_(torch.from_numpy(values[name]))
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "bridge", None) is not None:  # torch.optim.Optimizer.__init__ adds the wrapped groups
+            raise ValueError(_NO_NEW_GROUP)
+        super().add_param_group(param_group)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._synced = False
         super().zero_grad(set_to_none)
@@ -150,6 +171,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
             raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
                                "loss.backward() first")
+        if len(self.param_groups) != len(self.specs):  # add_param_group on the wrapped optimizer
+            raise ValueError(_NO_NEW_GROUP)
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
         hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
         averaged, self._synced = self._synced, False
@@ -203,11 +226,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.bridge.save_checkpoint(name)
 
 
-def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
+def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
     ``weight`` is the whole table (the rows that exist, the others at their initial value), which a plain
     ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
-    that exist. Async mode: trainer 0 first waits (``final_wait`` s at most) for the other trainers to finish."""
+    that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
+    0 first waits (``final_wait`` s at most) for the other trainers to finish."""
     ctx = bridge.held("state_dict(model)")
     values, final = ctx.bridge.final(tables, final_wait)
     ctx._load(values)
@@ -215,7 +239,9 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
     for prefix, m in model.named_modules():
         if isinstance(m, Embedding):
             key = f"{prefix}.weight" if prefix else "weight"
-            if tables == "whole":
+            if not isinstance(final[m.name], tuple):
+                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
+                    final[m.name][m.padding_idx] = 0
                 out[key] = torch.from_numpy(final[m.name])
             else:
                 del out[key]
@@ -224,7 +250,9 @@ def state_dict(model: torch.nn.Module, tables: str = "whole", final_wait: float 
     return out
 
 
-def save(model: torch.nn.Module, path: str, tables: str = "whole") -> Optional[str]:
-    """Trainer 0 writes ``state_dict(model, tables)`` to ``path`` with ``torch.save``, atomically; the path
-    written (None on other trainers, which write nothing)."""
+def save(model: torch.nn.Module, path: str, tables: str = "auto") -> Optional[str]:
+    """Trainer 0 writes ``state_dict(model, tables)`` (the pservers' parameters, trainer 0's buffers) to ``path``
+    with ``torch.save``, atomically; the path written (None on other trainers, which write nothing). If writing
+    fails, the pservers save a checkpoint of this step first and the error says where (the job's model is never
+    lost to a failed save)."""
     return bridge.save_atomically(path, lambda tmp: torch.save(state_dict(model, tables), tmp))

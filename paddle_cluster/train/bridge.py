@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -83,6 +84,7 @@ class Lookup:
     inverse: np.ndarray
     rows: np.ndarray
     shape: Tuple[int, ...]
+    padded: bool = False  # ``inverse`` also holds ``len(ids)``: a padding id, whose row is zeros (append one)
 
 
 class Bridge:
@@ -97,6 +99,7 @@ class Bridge:
         self._shapes: Dict[str, Tuple[Tuple[int, ...], np.dtype]] = {}
         self._zero: Dict[str, np.ndarray] = {}
         self.start_step = 0
+        self._told_rows: set = set()  # tables ``final`` gave as rows because whole they are too big (said once)
 
     @property
     def rank(self) -> int:
@@ -142,21 +145,28 @@ class Bridge:
         self.start_step = self.ps.step
         return start
 
-    def lookup(self, table: str, ids: Any) -> Lookup:
-        """The rows of ``ids`` (any integer shape) for this step; only the unique ids travel."""
+    def lookup(self, table: str, ids: Any, padding_idx: Optional[int] = None) -> Lookup:
+        """The rows of ``ids`` (any integer shape) for this step; only the unique ids travel. ``padding_idx``:
+        that id is no row on the pservers (never created, never given a gradient): ``inverse`` points it past
+        the rows, at the zero row the caller appends (``padded``)."""
         t = self.tables.get(table)
         if t is None:
             raise KeyError(f"table {table!r} is not defined; defined: {sorted(self.tables)}")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"embedding {table!r}: ids must be integers, got {ids.dtype}")
-        uniq, inverse = np.unique(ids.reshape(-1).astype(np.int64), return_inverse=True)
+        flat = ids.reshape(-1).astype(np.int64)
+        keep = None if padding_idx is None else flat != padding_idx
+        uniq, inverse = np.unique(flat if keep is None else flat[keep], return_inverse=True)
+        if keep is not None:
+            inverse, kept = np.full(len(flat), len(uniq), dtype=np.int64), inverse
+            inverse[keep] = kept
         if len(uniq) and (uniq[0] < 0 or uniq[-1] >= t.num_embeddings):
             bad = int(uniq[0] if uniq[0] < 0 else uniq[-1])
             raise ValueError(f"embedding {table!r}: id {bad} is outside its id space [0, {t.num_embeddings}) "
                              f"(num_embeddings={t.num_embeddings})")
         rows = self.ps.pull_sparse(table, uniq) if len(uniq) else np.empty((0, t.width), dtype=t.dtype)
-        return Lookup(table, uniq, inverse, rows, ids.shape)
+        return Lookup(table, uniq, inverse, rows, ids.shape, keep is not None)
 
     def step(self, dense_grads: Mapping[str, Optional[np.ndarray]],
              row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]],
@@ -164,6 +174,8 @@ class Bridge:
         """Send this step's gradients (and any hyper-parameter change); the dense values after it. ``averaged``:
         ``dense_grads`` is the step's whole gradient after ``synchronize`` (the same on every trainer): trainer
         0's is applied as it is, the others send no gradient."""
+        if not averaged:
+            refuse_empty_batch(dense_grads, row_grads)
         self._send_hypers(hypers)
         for name, parts in row_grads.items():
             if name not in self.tables:
@@ -232,15 +244,20 @@ class Bridge:
         """The rows of table ``name`` that exist (sorted ids, rows), as of this step."""
         return self.ps.read_sparse(name)
 
+    def whole_bytes(self, name: str) -> int:
+        """What table ``name`` whole (``table_dense``) takes."""
+        t = self.tables[name]
+        return t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
+
     def table_dense(self, name: str) -> np.ndarray:
         """Table ``name`` whole, ``(num_embeddings, width)``: the rows that exist, the others at the initial value
         their first use would give them. Refused above ``DENSE_TABLE_BYTES``: use ``table_rows``."""
         t = self.tables[name]
-        nbytes = t.num_embeddings * t.width * np.dtype(t.dtype).itemsize
+        nbytes = self.whole_bytes(name)
         if nbytes > DENSE_TABLE_BYTES:
             raise ValueError(f"table {name!r} whole would be {nbytes >> 20} MiB ({t.num_embeddings} rows of "
-                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB: pass tables='rows' for the "
-                             "rows that exist")
+                             f"{t.width}), more than {DENSE_TABLE_BYTES >> 20} MiB: pass tables='rows' (or the "
+                             "default, 'auto') for the rows that exist")
         ids, rows = self.table_rows(name)
         out = np.empty((t.num_embeddings, t.width), dtype=t.dtype)
         chunk = max(1, (1 << 18) // t.width)
@@ -250,17 +267,26 @@ class Bridge:
         out[ids] = rows
         return out
 
-    def final(self, tables: str = "whole", final_wait: float = 600.0
+    def final(self, tables: str = "auto", final_wait: float = 600.0
               ) -> Tuple[Dict[str, np.ndarray], Dict[str, Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]]]:
-        """The model the pservers hold now: every dense value, and each table whole (``tables="whole"``:
-        ``table_dense``) or as its existing rows (``"rows"``: ``table_rows``). Async mode: trainer 0 first waits
+        """The model the pservers hold now: every dense value, and each table whole (an array: ``table_dense``)
+        or as its existing rows (a tuple: ``table_rows``): ``tables="whole"``, ``"rows"``, or ``"auto"``, whole
+        up to ``DENSE_TABLE_BYTES`` and rows above (said once on stderr). Async mode: trainer 0 first waits
         (``final_wait`` s at most) for the other trainers to finish."""
-        if tables not in ("whole", "rows"):
-            raise ValueError(f"state_dict(tables={tables!r}): expected 'whole' or 'rows'")
+        if tables not in ("auto", "whole", "rows"):
+            raise ValueError(f"state_dict(tables={tables!r}): expected 'auto', 'whole' or 'rows'")
         if self.ps.mode == "async" and self.size > 1 and self.rank == 0:
             self.ps.wait_others_closed(final_wait)
-        read = self.table_dense if tables == "whole" else self.table_rows
-        return self.ps.pull(), {name: read(name) for name in self.tables}
+        out: Dict[str, Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]] = {}
+        for name in self.tables:
+            whole = tables == "whole" or (tables == "auto" and self.whole_bytes(name) <= DENSE_TABLE_BYTES)
+            out[name] = self.table_dense(name) if whole else self.table_rows(name)
+            if tables == "auto" and not whole and name not in self._told_rows:
+                self._told_rows.add(name)
+                sys.stderr.write(f"paddle_cluster: table {name!r} whole would be {self.whole_bytes(name) >> 20} MiB "
+                                 f"(over {DENSE_TABLE_BYTES >> 20} MiB): the model holds its {len(out[name][0])} "
+                                 "existing rows instead, under <its weight>.ids and <its weight>.rows\n")
+        return self.ps.pull(), out
 
     def save_checkpoint(self, name: Optional[str] = None) -> Any:
         """Trainer 0: the pservers save every parameter, table row and optimizer state of this step. Other
@@ -269,6 +295,22 @@ class Bridge:
 
     def close(self) -> None:
         self.ps.close()
+
+
+def refuse_empty_batch(dense_grads: Mapping[str, Optional[np.ndarray]],
+                       row_grads: Mapping[str, Sequence[Tuple[np.ndarray, np.ndarray]]]) -> None:
+    """ValueError (one line) for a step computed on an empty batch: every gradient exactly zero and no embedding
+    row looked up. Averaged with the other trainers' gradients its zeros would shrink the step by 1/N, silently:
+    DDP does that, this runtime refuses it (a trainer that ended leaves the average instead)."""
+    if any(len(i) for parts in row_grads.values() for i, _ in parts):
+        return
+    given = [g for g in dense_grads.values() if g is not None]
+    if given and not any(np.any(g) for g in given):
+        raise ValueError("DistributedOptimizer.step(): this trainer's batch is empty (every gradient is exactly zero "
+                         "and no embedding row was looked up): averaged with the other trainers' gradients, its zeros "
+                         "would shrink the step silently; give every trainer at least one sample of every batch (or "
+                         "drop the last partial batch), or end this trainer with shutdown() when its shard is done: "
+                         "the other trainers' mean is then the step")
 
 
 # The process's one frontend ``DistributedOptimizer`` (it has a ``bridge``): a trainer trains one model.
@@ -325,14 +367,31 @@ def shutdown() -> None:
 
 def save_atomically(path: str, write: Callable[[str], None]) -> Optional[str]:
     """Trainer 0 runs ``write(tmp)`` and moves ``tmp`` to ``path`` (a reader never sees half a file); the path
-    written, or None on other trainers, which write nothing."""
+    written, or None on other trainers, which write nothing. If writing fails, the pservers first save a
+    checkpoint of this step (every parameter, row and optimizer state: ``--resume_from`` continues from it),
+    so the trainer's error, which ends the job, never loses the model; the error says where it is."""
     if rank() != 0:
         return None
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
         os.replace(tmp, path)
+    except Exception as e:
+        raise RuntimeError(f"save {path!r} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                           f"{_rescue()}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _rescue() -> str:
+    """After a failed save: have the pservers save a checkpoint; what to tell the user about it."""
+    if _held is None:
+        return "no DistributedOptimizer holds the model on pservers"
+    try:
+        info = _held.bridge.save_checkpoint()
+    except Exception as e:  # noqa: BLE001  (said in the one line; the save's own error is the one raised)
+        return f"the pservers could not save a checkpoint either: {str(e).splitlines()[0]}"
+    return (f"the pservers saved a checkpoint of step {info.step} first ({', '.join(info.paths)}): "
+            "`paddle-cluster run --resume_from JOB` continues from it")

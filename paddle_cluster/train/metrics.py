@@ -116,6 +116,17 @@ class MetricsWriter:
         self._f.flush()
         return rec
 
+    def record(self, step: int, metrics: Mapping[str, float]) -> Dict[str, Any]:
+        """Write and return one record of ``metrics`` (name -> number) at ``step``: a framework script's
+        ``report`` (``train.report``), with the bookkeeping keys of ``log`` but no pass or rate of its own."""
+        if self._f is None:
+            raise ValueError("MetricsWriter is closed")
+        self._last = now = self._clock()
+        rec: Dict[str, Any] = {"step": int(step), **metrics, "time": now, "trainer": self.trainer_id}
+        self._f.write(json.dumps(rec, default=_jsonable) + "\n")
+        self._f.flush()
+        return rec
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()

@@ -35,6 +35,7 @@ from ..wire.lane import MAX_LANES, NONCE_SIZE, LaneRefused, Payload
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
 from .dense import DenseBlock
 from .net import Conn
+from .reduce import reduce_op
 from .state import State
 from .table import TableShard
 
@@ -274,6 +275,7 @@ OPS: Dict[int, Callable[[State, Conn, P.Header], None]] = {
     P.Op.CLOSE: close,
     P.Op.STATUS: status,
     P.Op.LANE: lane,
+    P.Op.REDUCE: reduce_op,
 }
 
 

@@ -41,6 +41,7 @@ class State:
     tables: Dict[int, TableShard] = field(default_factory=dict)
     waiting: Dict[int, int] = field(default_factory=dict)  # trainer -> its definitions waiting for trainer 0's
     lanes: Optional[Desk] = None  # where same-host lanes are offered (None: this pserver takes none)
+    rounds: Dict[int, Any] = field(default_factory=dict)  # REDUCE calls under way (``reduce.Round`` by call)
 
     def shards(self) -> List[Shard]:
         """Every dense block, then every table shard."""

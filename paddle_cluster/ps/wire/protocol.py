@@ -33,6 +33,7 @@ HEADER = struct.Struct("<4sHBBHhIqQQ")
 HEADER_SIZE = HEADER.size  # 40
 # JSON control messages are small; a bigger one is an attack or a bug.
 MAX_JSON_BYTES = 1 << 20
+REDUCE_MAX_VALUES = 16384  # values per REDUCE call: the request and its reply stay well inside a JSON frame
 DEFAULT_MAX_FRAME_BYTES = 1 << 30
 NO_TRAINER = -1
 LANE_FLAG = 1  # status of PUSH_DENSE, PULL_DENSE and its DATA reply: the array is in the connection's lane
@@ -66,6 +67,7 @@ class Op(enum.IntEnum):
     CLOSE = 32  # this trainer is done
     STATUS = 33  # -> JSON: steps, active trainers, table sizes
     LANE = 34  # raw: a lane's nonce, then int64 (block key, offset) pairs (``lane``) -> JSON {lane, reason}
+    REDUCE = 35  # JSON {seq, values}, pserver 0: -> JSON {sum, n}, the active trainers' sum (``server.reduce``)
     OK = 40  # reply, optional JSON payload
     DATA = 41  # reply, raw payload
     ERROR = 42  # reply, JSON {"message": ...}; status = errors.PSError.code

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import SessionRequest
@@ -178,12 +178,14 @@ class SSHBackend(Backend):
                                    stack.enter_context(progress.upload_progress()),
                                    stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
 
+        needs = preflight.frameworks_needed(preflight.entry_source(spec)) if spec is not None else ()
+
         def open_one(n: Node) -> Optional[dict]:
             try:
                 mine = req if not req.checkpoints else dataclasses.replace(req, pservers=spec.node_pservers(n.index))
                 s = sessions[n.index] = NodeSession(n, lib, lib_data, mine)
                 doc = s.open()
-                self._check_probe(n, doc)
+                self._check_probe(n, doc, needs)
                 probed.append(time.perf_counter())
                 if req.wants_workspace:
                     self._workspace(n, s, doc, spec, pkg, token, chain, sent_to, damaged)
@@ -275,8 +277,8 @@ class SSHBackend(Backend):
         if chain is not None:
             chain.settled()
 
-    def _check_probe(self, n: Node, doc: dict) -> None:
-        problems = preflight.probe_problems(self.cfg, doc)
+    def _check_probe(self, n: Node, doc: dict, needs: Sequence[str] = ()) -> None:
+        problems = preflight.probe_problems(self.cfg, doc) + preflight.framework_problems(self.cfg, doc, needs)
         if problems:
             raise HostError(n.label, "; ".join(problems))
 
