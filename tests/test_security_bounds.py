@@ -313,6 +313,62 @@ def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(t
         assert H.wait_all(pr, [server], 10) == [0]
 
 
+@pytest.mark.timeout(120)
+def test_updates_that_would_make_optimizer_state_non_finite_are_refused(tmp_path):
+    """Issue 46, point 4: one finite push of 3e38 makes Adam's v (Adagrad's accumulator) inf, after which the
+    parameter never moves again, silently. Such an update is refused naming the parameter, the state and the
+    trainer: a table's rows and state are left as they were (the row still trains), a dense block is no longer
+    served (as for values); Adagrad's accumulator on the sync path alike."""
+    from paddle_cluster.ps.server.resume import load_shard
+
+    env = H.make_env(1, 1, tmp_path)
+    big = np.full((1, 4), 3e38, np.float32)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="async", optimizer=OptimizerSpec("adam", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(4, np.float32)})
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            row = ps.pull_sparse("emb", [5]).copy()
+            with pytest.raises(NonFinite, match=r"the update of table 'emb' at step 0 from trainer 0's gradient would "
+                                                r"make its adam state 'v' hold NaN or Inf"):
+                ps.push_sparse("emb", [5], big)
+                ps.push({"w": np.zeros(4, np.float32)})  # ends the step
+                ps.wait()
+            np.testing.assert_array_equal(ps.pull_sparse("emb", [5]), row)
+            ps.push_sparse("emb", [5], np.ones((1, 4), np.float32))
+            ps.push({"w": np.zeros(4, np.float32)})
+            ps.wait()
+            # Adam's first step moves each element by lr: the state was left finite (v at inf would move it by 0).
+            np.testing.assert_allclose(ps.pull_sparse("emb", [5]), row - 0.1, rtol=1e-5)
+            ps.save_checkpoint()
+            root = os.path.join(str(tmp_path), "checkpoints")
+            assert load_shard(os.path.join(root, os.listdir(root)[0]), 0, 1).tables  # finite, so it loads
+            with pytest.raises(NonFinite, match=r"the update of block w\[0:4\] at step 2 from trainer 0's gradient "
+                                                r"would make its adam state 'v' hold NaN or Inf"):
+                ps.push({"w": big[0]})
+                ps.wait()
+            with pytest.raises(PSError, match=r"block w\[0:4\] .*adam state 'v'"):
+                ps.pull()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("adagrad", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            ps.pull_sparse("emb", [5])
+            with pytest.raises(NonFinite, match=r"table 'emb' at step 0 from trainer 0's gradient would make its "
+                                                r"adagrad state 'm' hold NaN or Inf"):
+                ps.push_sparse("emb", [5], big)  # the accumulator: g * g = 9e76, the row would not move
+                ps.push()
+                ps.wait()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
 @pytest.mark.timeout(90)
 def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_log_line(tmp_path):
     env = H.make_env(1, 1, tmp_path, barrier_timeout=1.0)

@@ -5,7 +5,7 @@ them -- through its step (``shard.Step``)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -160,7 +160,16 @@ class TableShard(Shard):
             if pos is None:
                 pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
             check = None if by is None else (lambda rows: finite.updated(rows, self.label(), by, self.step.n))
-            self.opt.apply(self.table, self.state, pos, grads, check)
+            self.opt.apply(self.table, self.state, pos, grads, check, None if by is None else self._state_check(by))
+
+    def _state_check(self, by: str) -> Callable[[Dict[str, np.ndarray]], None]:
+        """What refuses updated optimizer state rows holding NaN or Inf (``NonFinite`` naming the table, the slot
+        and ``by``), before they are written back: the table and its state are left as they were."""
+        def check(state: Dict[str, np.ndarray]) -> None:
+            slot = finite.bad_state(state)
+            if slot is not None:
+                raise finite.state_refused(self.label(), slot, self.spec.name, by, self.step.n)
+        return check
 
     def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
         """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted
