@@ -488,6 +488,19 @@ def test_weak_secret_families_are_refused(secret, why):
         check_secret(secret)
 
 
+def test_paddle_cluster_secret_prints_a_secret_every_process_accepts():
+    from click.testing import CliRunner
+
+    from paddle_cluster.cli import main
+    from paddle_cluster.contract import check_secret
+    outs = [CliRunner().invoke(main, ["secret"]) for _ in range(3)]
+    assert all(r.exit_code == 0 for r in outs), [r.output for r in outs]
+    made = [r.output.strip() for r in outs]
+    assert len(set(made)) == 3 and all(len(m) == 64 and int(m, 16) >= 0 for m in made), made
+    for m in made:
+        check_secret(m)
+
+
 def test_generated_secrets_pass():
     import secrets
 
