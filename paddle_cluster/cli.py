@@ -433,6 +433,15 @@ def plot(ctx: click.Context, job_name: Optional[str], out_path: Optional[str]) -
     _say(f"wrote {os.path.abspath(path)}")
 
 
+@main.command()
+def secret() -> None:
+    """Print a new job secret (64 random hex digits) for pservers and trainers started by hand: give them all the
+    same one as PADDLE_JOB_SECRET (`run` makes its own for every job)."""
+    from .jobsecret import generate
+
+    _out(generate())
+
+
 @main.group(help="Print what a backend is given to run a job (" + _each_backend(lambda c: c.renders) + "), starting "
             "nothing: `run --dry-run` with one backend's options.")
 def render() -> None:

@@ -48,8 +48,9 @@ def check_secret(value: str, var: str = SECRET_VAR) -> None:
     problem = secret_problem(value)
     if problem:
         raise ContractError(f"{var} {problem}: `paddle-cluster run` sets it for every process it starts; to start "
-                            f"pservers and trainers by hand, give them all the same {SECRET_VAR}, e.g. export "
-                            f"{SECRET_VAR}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')")
+                            f"pservers and trainers by hand, give them all the same generated {SECRET_VAR}, e.g. "
+                            f"export {SECRET_VAR}=$(paddle-cluster secret) (or $(python3 -c 'import secrets; "
+                            "print(secrets.token_hex(32))'))")
 
 
 def job_secret(environ: Optional[Mapping[str, str]] = None) -> str:

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import hmac
 import math
+import secrets
 from typing import List, Optional, Tuple
 
 # The launcher makes 64 hex digits; anything under 32 characters is refused where a runtime process starts.
@@ -15,6 +16,15 @@ MIN_SECRET_CHARS = 32
 # What ``estimate`` must give a secret at least: far below a generated one (32 random hex digits estimate 90 bits
 # or more, 64 over 200), far above typed ones (a word or keyboard run repeated, with digits: 15 to 50).
 MIN_SECRET_BITS = 64
+# A secret is generated, never typed: hex digits, as ``generate`` (``paddle-cluster secret``), ``secrets.token_hex``
+# and ``openssl rand -hex`` print them. A typed passphrase (words, a pangram, keyboard walks) has far less
+# entropy than its length suggests, and no estimate knows every pattern a person types.
+HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+
+
+def generate() -> str:
+    """A new job secret: 32 random bytes as 64 hex digits (what the launcher makes for every job)."""
+    return secrets.token_hex(32)
 
 
 def derive_trainer_key(secret: str, job_id: str, trainer: int) -> str:
@@ -30,6 +40,9 @@ def secret_problem(value: str) -> Optional[str]:
     the secret."""
     if not value or len(value) < MIN_SECRET_CHARS:
         return "is not set" if not value else f"has {len(value)} characters, fewer than {MIN_SECRET_CHARS}"
+    if not HEX_DIGITS.issuperset(value):
+        return ("is not a generated secret: it has characters other than hex digits (a typed passphrase is easy to "
+                "guess whatever its length); make one with `paddle-cluster secret`")
     bits, kinds = estimate(value)
     if bits >= MIN_SECRET_BITS:
         return None
@@ -52,7 +65,8 @@ cluster train trainer server pserver job model deep learning tensor baidu tiger 
 flower orange banana apple cherry purple silver golden black white green yellow blue red star moon sun sky
 admin1 access batman charlie daniel thomas hunter ranger buster soccer hockey killer george andrew michelle
 jessica pepper ginger maggie secure private hidden magic mustang cookie coffee chocolate player matrix
-forever family friend happy lucky angel heaven hell home house music party""".split())
+forever family friend happy lucky angel heaven hell home house music party dead beef cafe babe face feed fade
+bead deaf decade facade accede added abba acdc""".split())
 _RANK = {w: i + 1 for i, w in enumerate(dict.fromkeys(WORDS))}
 _LONGEST = max(map(len, _RANK))
 _LEET = str.maketrans("4@8(3610$5+7!|2", "aabceiloosttilz")
@@ -120,10 +134,52 @@ def _estimate(s: str, repeats: bool) -> Tuple[float, Tuple[str, ...]]:
         while j <= n and _run(s[i:j]):  # a run's every prefix is one
             offer(j, math.log2(_run(s[i:j])) + 1, "a keyboard or alphabet run")
             j += 1
-        for p in range(1, (n - i) // 2 + 1) if repeats else ():
+        _numbers(s, i, offer)
+        _interleaved(s, i, offer)
+        for p in range(1, n - i - 2) if repeats else ():  # a piece, then all or 3+ characters of it again
             base, k, cost = s[i:i + p], 1, None
             while s[i + k * p:i + (k + 1) * p] == base:
                 k += 1
                 cost = cost or _estimate(base, False)
                 offer(i + k * p, cost[0] + math.log2(k) + 1, *cost[1], "a repeated piece")
+            at = i + k * p  # a last repeat cut short ("abcdabcdab"): three characters of it at least
+            tail = _common(s, at, base) if p > 3 and s[at:at + 3] == base[:3] else 0
+            if tail >= 3:
+                cost = cost or _estimate(base, False)
+                offer(i + k * p + tail, cost[0] + math.log2(k + 1) + math.log2(p) + 1, *cost[1], "a repeated piece")
     return best[n]
+
+
+def _common(s: str, at: int, base: str) -> int:
+    """How many characters of ``s`` from ``at`` on repeat ``base`` from its start (fewer than all of it)."""
+    t = 0
+    while t < len(base) - 1 and at + t < len(s) and s[at + t] == base[t]:
+        t += 1
+    return t
+
+
+def _numbers(s: str, i: int, offer: functools.partial) -> None:
+    """Offer the counting sequences from ``i``: numbers of 1 to 4 digits, each the one before plus a constant
+    step (``1970197119721973``, ``0001000200030004``, ``102030``), at least three of them."""
+    for w in (1, 2, 3, 4):
+        if not s[i:i + w].isdigit():
+            return
+        step, count, j = None, 1, i + w
+        while j + w <= len(s) and s[j:j + w].isdigit():
+            d = int(s[j:j + w]) - int(s[j - w:j])
+            if d == 0 or abs(d) > 100 or (step is not None and d != step):
+                break
+            step, count, j = d, count + 1, j + w
+            if count >= 3:  # its first number, its step, how many
+                offer(j, w * math.log2(10) + math.log2(200) + math.log2(count) + 1, "a sequence of numbers")
+
+
+def _interleaved(s: str, i: int, offer: functools.partial) -> None:
+    """Offer two runs taken in turn from ``i`` (``a1b2c3d4``, ``1q2w3e4r``): each half is a run (``_run``)."""
+    j = i + 6
+    while j <= len(s):
+        a, b = _run(s[i:j:2]), _run(s[i + 1:j:2])
+        if not (a and b):
+            return
+        offer(j, math.log2(a) + math.log2(b) + 1, "two runs interleaved")
+        j += 2

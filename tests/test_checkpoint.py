@@ -52,12 +52,14 @@ def _flip_byte(path, offset=None):
 @pytest.mark.timeout(30)
 def test_shard_roundtrip_exact(tmp_path):
     rng = np.random.default_rng(0)
-    blocks = [ckpt.BlockState(0, "w", 0, 4, "float32", {"declared": {}, "current": {}}, 7,
-                              rng.standard_normal((4, 3)).astype(np.float32),
-                              {"m": rng.standard_normal((4, 3)).astype(np.float32), "t": np.array([7], np.int64)})]
-    tables = [ckpt.TableState(0, "emb", 2, "float32", 0.1, 1, {"declared": {}, "current": {}}, 7,
+    adam = {"declared": {"name": "adam"}, "current": {"name": "adam", "lr": 0.5}}  # as a save writes them
+    blocks = [ckpt.BlockState(0, "w", 0, 4, "float32", adam, 7, rng.standard_normal((4, 3)).astype(np.float32),
+                              {"m": rng.standard_normal((4, 3)).astype(np.float32),
+                               "v": rng.random((4, 3)).astype(np.float32), "t": np.array([7], np.int64)})]
+    tables = [ckpt.TableState(0, "emb", 2, "float32", 0.1, 1, adam, 7,
                               np.array([1, 3, 9], np.int64), rng.standard_normal((3, 2)).astype(np.float32),
-                              {"t": np.array([1, 2, 3], np.int64)})]
+                              {"m": np.zeros((3, 2), np.float32), "v": np.ones((3, 2), np.float32),
+                               "t": np.array([1, 2, 3], np.int64)})]
     shard = ckpt.ShardState(7, 1, 2, "sync", {"name": "adam"}, blocks, tables)
     d = ckpt.save_shard(ckpt.step_dir(str(tmp_path), 7), shard)
     assert sorted(os.listdir(d)) == ["manifest.json", "shard.npz"]  # no temporary files left behind

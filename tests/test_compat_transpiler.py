@@ -16,7 +16,7 @@ from paddle_cluster.contract import PSERVER, TRAINER, Endpoint, JobEnv, derive_t
 from paddle_cluster.ps import load_dense
 from paddle_cluster.ps.server.pserver import PServer
 
-SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
+SECRET = "53c7e1f8a3b9e2d5c7b4f1a6d0c8e3b9f4"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ def test_two_trainers_two_pservers_sync_match_one_trainer(tmp_path, monkeypatch)
     """Sync with B per trainer on 2 trainers == 1 trainer with 2B: the same global batch every step."""
     x, y = regression(n=96)
     results = []
-    secret = "fluid-test-secret-0123456789abcdef"
+    secret = "f1d7e5c3a9b2d4e6f8a0c1b3d5e7f9a2c4"
     monkeypatch.setenv("PADDLE_JOB_SECRET", secret)  # a hand-started job: every process gets the secret
     for trainers, n_ps, batch in ((1, 1, 16), (2, 2, 8)):
         base = free_port_range(n_ps)

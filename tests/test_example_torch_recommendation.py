@@ -33,7 +33,7 @@ def test_two_trainers_train_and_save_a_plain_torch_model(tmp_path):
     rmse = [float(v) for v in re.findall(r"^\[trainer\.0@node0\] pass \d test_rmse=(\S+)$", res.stdout, re.M)]
     assert len(rmse) == 2 and rmse[1] < rmse[0] < 1.2, res.stdout[-2000:]  # 1.2: above the mean predictor's ~1.12
     assert f"final test_rmse={rmse[1]:.4f}" in res.stdout
-    sd = torch.load(tmp_path / "root" / "tr" / "output" / "model.pt")
+    sd = torch.load(tmp_path / "root" / "tr" / "output" / "model.pt", weights_only=True)  # never unpickled
     users, movies = sd["user.weight"].shape[0], sd["movie.weight"].shape[0]
 
     class Plain(torch.nn.Module):  # the example's model with torch's own Embedding

@@ -56,15 +56,9 @@ class Pod:
         self.proc: subprocess.Popen | None = None
 
     def environ(self) -> Dict[str, str]:
-        """The container's environment: its env entries, then what Kubernetes and the image add."""
-        env: Dict[str, str] = {}
-        for e in self.container["env"]:
-            if "value" in e:
-                env[e["name"]] = e["value"]
-            else:
-                ref = e["valueFrom"]["secretKeyRef"]
-                assert ref["name"] == self.secret["metadata"]["name"]
-                env[e["name"]] = self.secret["stringData"][ref["key"]]
+        """The container's environment: its env entries (literal values only: the secret is a file), then what
+        Kubernetes and the image add."""
+        env: Dict[str, str] = {e["name"]: e["value"] for e in self.container["env"]}
         env.update({"JOB_COMPLETION_INDEX": str(self.index), "HOSTNAME": self.hostname,
                     # the image: python3 with numpy, paddle_cluster installed
                     "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": str(REPO)})
@@ -78,11 +72,21 @@ class Pod:
         mount = self.container["volumeMounts"][0]["mountPath"]
         assert self.spec["volumes"][0] == {"name": self.container["volumeMounts"][0]["name"], "emptyDir": {}}
         Path(mount).mkdir(parents=True, exist_ok=True)
+        # The Secret's volume: its keys as files, as the kubelet writes them.
+        (vol,) = [v for v in self.spec["volumes"] if "secret" in v]
+        assert vol["secret"]["secretName"] == self.secret["metadata"]["name"]
+        (secret_mount,) = [m["mountPath"] for m in self.container["volumeMounts"] if m["name"] == vol["name"]]
+        files = self.dir / "secret"
+        files.mkdir()
+        for item in vol["secret"]["items"]:
+            (files / item["path"]).write_text(self.secret["stringData"][item["key"]])
+            os.chmod(files / item["path"], vol["secret"]["defaultMode"])
+        Path(secret_mount).mkdir(parents=True, exist_ok=True)
         argv = [*self.container["command"], *self.container["args"]]
         env = " ".join(shlex.quote(f"{k}={v}") for k, v in self.environ().items())
         script = (f"hostname {self.hostname} && mount --bind {hosts} /etc/hosts && "
-                  f"mount --bind {self.volume} {shlex.quote(mount)} && cd {shlex.quote(self.container['workingDir'])}"
-                  f" && exec env -i {env} {shlex.join(argv)}")
+                  f"mount --bind {self.volume} {shlex.quote(mount)} && mount --bind {files} {shlex.quote(secret_mount)}"
+                  f" && cd {shlex.quote(self.container['workingDir'])} && exec env -i {env} {shlex.join(argv)}")
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 ["nsenter", f"--net=/run/netns/{self.cluster.netns(self.host)}", "--", "unshare", "--mount",
@@ -140,6 +144,21 @@ def test_fit_a_line_in_pods_2x2(pods_cluster, tmp_path: Path) -> None:
         for i, p in enumerate(pservers):
             # The pserver bound its stable name, which resolves to its own pod's address.
             p.wait_for(rf"^PSERVER_READY {i} fit-pserver-{i}\.fit\.ml\.svc \d+,\d+$", 60)
+        # The entry point read the secret from the Secret's file: no pod's entry point holds it in its environment
+        # (/proc/<pid>/environ, readable by every process of the pod's user), a trainer's process not either.
+        job_secret = secret["stringData"][k8s.SECRET_KEY].encode()
+        for p in every:
+            assert p.proc is not None
+            p.wait_for(r"ready: (pserver|trainer) \d+: .*; starting", 30)
+            assert job_secret not in Path(f"/proc/{p.proc.pid}/environ").read_bytes(), p.hostname
+            kids: List[str] = []
+            until = time.monotonic() + 10
+            while not kids and p.proc.poll() is None and time.monotonic() < until:
+                kids = Path(f"/proc/{p.proc.pid}/task/{p.proc.pid}/children").read_text().split()
+                time.sleep(0.05)
+            assert kids or p in trainers, p.hostname  # (a trainer may have finished already)
+            held = [job_secret in Path(f"/proc/{k}/environ").read_bytes() for k in kids]
+            assert held == [p in pservers] * len(kids), p.hostname  # a pserver needs it; a trainer has its key
         codes = {}
         deadline = time.monotonic() + 180
         for p in every:

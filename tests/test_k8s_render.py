@@ -115,9 +115,16 @@ def test_the_secret_is_only_in_the_secret(tmp_path: Path) -> None:
     secret = docs[0]["stringData"][k8s.SECRET_KEY]
     assert len(secret) == 64 and out.count(secret) == 1
     for job in docs[2:]:
-        (ref,) = [e for e in container(job)["env"] if e["name"] == "PADDLE_JOB_SECRET"]
-        assert ref == {"name": "PADDLE_JOB_SECRET", "valueFrom": {"secretKeyRef": {
-            "name": docs[0]["metadata"]["name"], "key": k8s.SECRET_KEY}}}
+        # Not in the environment (PID 1's /proc/1/environ would show it to the pod's every process): a file of the
+        # Secret's volume, read once by the entry point.
+        assert not [e for e in container(job)["env"] if e["name"] == "PADDLE_JOB_SECRET"]
+        (vol,) = [v for v in job["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+        assert vol["secret"] == {"secretName": docs[0]["metadata"]["name"], "defaultMode": 0o440,
+                                 "items": [{"key": k8s.SECRET_KEY, "path": k8s.SECRET_KEY}]}
+        (m,) = [m for m in container(job)["volumeMounts"] if m["name"] == vol["name"]]
+        assert m == {"name": vol["name"], "mountPath": k8s.SECRET_DIR, "readOnly": True}
+        command = container(job)["command"]
+        assert command[command.index("--secret-file") + 1] == f"{k8s.SECRET_DIR}/{k8s.SECRET_KEY}"
     # Two renders are two jobs: their secrets differ.
     assert yaml.safe_load_all(cli("render", "k8s", "--image", "img:1", cwd=tmp_path).stdout).__next__()[
         "stringData"][k8s.SECRET_KEY] != secret
@@ -161,7 +168,7 @@ MUTATIONS = {
     "upper-case name": (lambda d: _job(d)["metadata"].__setitem__("name", "Fit-trainer"), "metadata.name"),
     "bad label value": (lambda d: _job(d)["metadata"]["labels"].__setitem__("x", "a b"), "label"),
     "secret key nobody holds": (lambda d: d[0]["stringData"].update({"other": d[0]["stringData"].pop(
-        k8s.SECRET_KEY)}), "PADDLE_JOB_SECRET"),
+        k8s.SECRET_KEY)}), "volume job-secret refers to"),
     "subdomain of no Service": (lambda d: _job(d)["spec"]["template"]["spec"].__setitem__("subdomain", "other"),
                                 "subdomain"),
     "Service not headless": (lambda d: d[1]["spec"].__setitem__("clusterIP", "10.0.0.1"), "headless"),
@@ -341,7 +348,7 @@ def test_a_dispatched_workspace_is_a_configmap_the_pods_mount() -> None:
     assert docs[2]["binaryData"] == {"workspace.tar.gz": "H4sgcGFja2Vk"}
     for job in docs[3:]:
         c = container(job)
-        assert c["command"][-3:] == ["--unpack", f"{k8s.PACK_DIR}/workspace.tar.gz", "--"]
+        assert c["command"][-5:-2] == ["--unpack", f"{k8s.PACK_DIR}/workspace.tar.gz", "--secret-file"]
         assert c["workingDir"] == "/data/fit/workspace"
         assert {"name": "workspace", "configMap": {"name": "fit-workspace"}} in job["spec"]["template"]["spec"][
             "volumes"]

@@ -27,7 +27,7 @@ from paddle_cluster.launch.backends.mpi.backend import RANKS as MPI_RANKS
 from paddle_cluster.node import MAIN, procs
 from paddle_cluster.node import messages as m
 
-SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
+SECRET = "5d4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from paddle_cluster.ps.wire import auth as A
 from paddle_cluster.ps.wire import protocol as P
 from paddle_cluster.ps.wire.stream import SEGMENT, Stream
 
-SECRET = "s3cret-Pz8Ky3WnLq5VbR7mTx2HcJ9dF4G"  # as a job secret must be: not guessable (jobsecret.estimate)
+SECRET = "53c7e1f8a3b9e2d5c7b4f1a6d0c8e3b9f4"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 pytestmark = pytest.mark.timeout(30)
 

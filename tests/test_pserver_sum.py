@@ -112,3 +112,54 @@ def test_segment_folding_under_a_tiny_pool_is_exact_and_never_deadlocks(tmp_path
     w = _reference(w0, grads, spec)
     for i in range(trainers):
         assert np.array_equal(out[i], w), i
+
+
+@pytest.mark.timeout(60)
+def test_sync_sparse_fold_in_bounded_chunks_is_the_trainer_order_sum(monkeypatch, tmp_path):
+    """A sync step's row gradients are merged and applied a chunk at a time (``table.APPLY_BYTES``, made tiny here
+    so a step takes dozens of chunks): every row is still ``0 + g0 + g1 + g2`` in trainer order, averaged, applied
+    -- bit-identical to summing the whole step at once."""
+    from paddle_cluster.ps.placement import init_rows
+    from paddle_cluster.ps.server import table
+
+    monkeypatch.setattr(table, "APPLY_BYTES", 256)  # 2 rows of width 8 per trainer and chunk
+    env = H.make_env(1, 3, tmp_path)
+    rng = np.random.default_rng(3)
+    steps, width, vocab, lr = 3, 8, 200, 0.5
+    ids = [[np.unique(rng.integers(0, vocab, 60 + 20 * i)) for i in range(3)] for _ in range(steps)]
+    grads = [[rng.standard_normal((len(ids[s][i]), width)).astype(np.float32) for i in range(3)] for s in range(steps)]
+    server = PServer(env, 0).start()
+    out, errors = {}, []
+
+    def trainer(i: int) -> None:
+        try:
+            ps = PSClient(env, mode="sync", optimizer=OptimizerSpec("sgd", lr=lr), trainer_id=i)
+            ps.register_sparse("emb", width, vocab_size=vocab, init_scale=0.1, seed=4)
+            for s in range(steps):
+                ps.pull_sparse("emb", ids[s][i])
+                ps.push_sparse("emb", ids[s][i], grads[s][i])
+                ps.push()
+            out[i] = ps.pull_sparse("emb", np.arange(vocab)).copy()
+            ps.close()
+        except BaseException as e:  # noqa: B036 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+    finally:
+        server.stop()
+    assert not errors, errors
+    want = init_rows(np.arange(vocab), width, 0.1, 4)
+    for s in range(steps):
+        g = np.zeros((vocab, width), np.float32)
+        for i in range(3):
+            np.add.at(g, ids[s][i], grads[s][i])
+        seen = np.unique(np.concatenate(ids[s]))
+        g = g[seen] / np.float32(3)
+        want[seen] -= g * np.float32(lr)
+    for i in range(3):
+        np.testing.assert_array_equal(out[i], want)

@@ -33,7 +33,7 @@ from paddle_cluster.ps.errors import AuthError, ConnectionLost, ProtocolError
 from paddle_cluster.ps.wire import auth as A
 from paddle_cluster.ps.wire import protocol as P
 
-SECRET = "ss-4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
+SECRET = "5d4f9c2e7a1b8d3f60e5a9c7b2d4e8f1a3"  # as a job secret must be: not guessable (jobsecret.estimate)
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -313,6 +313,62 @@ def test_updates_and_definitions_that_would_make_values_non_finite_are_refused(t
         assert H.wait_all(pr, [server], 10) == [0]
 
 
+@pytest.mark.timeout(120)
+def test_updates_that_would_make_optimizer_state_non_finite_are_refused(tmp_path):
+    """Issue 46, point 4: one finite push of 3e38 makes Adam's v (Adagrad's accumulator) inf, after which the
+    parameter never moves again, silently. Such an update is refused naming the parameter, the state and the
+    trainer: a table's rows and state are left as they were (the row still trains), a dense block is no longer
+    served (as for values); Adagrad's accumulator on the sync path alike."""
+    from paddle_cluster.ps.server.resume import load_shard
+
+    env = H.make_env(1, 1, tmp_path)
+    big = np.full((1, 4), 3e38, np.float32)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="async", optimizer=OptimizerSpec("adam", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(4, np.float32)})
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            row = ps.pull_sparse("emb", [5]).copy()
+            with pytest.raises(NonFinite, match=r"the update of table 'emb' at step 0 from trainer 0's gradient would "
+                                                r"make its adam state 'v' hold NaN or Inf"):
+                ps.push_sparse("emb", [5], big)
+                ps.push({"w": np.zeros(4, np.float32)})  # ends the step
+                ps.wait()
+            np.testing.assert_array_equal(ps.pull_sparse("emb", [5]), row)
+            ps.push_sparse("emb", [5], np.ones((1, 4), np.float32))
+            ps.push({"w": np.zeros(4, np.float32)})
+            ps.wait()
+            # Adam's first step moves each element by lr: the state was left finite (v at inf would move it by 0).
+            np.testing.assert_allclose(ps.pull_sparse("emb", [5]), row - 0.1, rtol=1e-5)
+            ps.save_checkpoint()
+            root = os.path.join(str(tmp_path), "checkpoints")
+            assert load_shard(os.path.join(root, os.listdir(root)[0]), 0, 1).tables  # finite, so it loads
+            with pytest.raises(NonFinite, match=r"the update of block w\[0:4\] at step 2 from trainer 0's gradient "
+                                                r"would make its adam state 'v' hold NaN or Inf"):
+                ps.push({"w": big[0]})
+                ps.wait()
+            with pytest.raises(PSError, match=r"block w\[0:4\] .*adam state 'v'"):
+                ps.pull()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("adagrad", lr=0.1), env=trainer_env(env, 0))
+        try:
+            ps.register_sparse("emb", 4, vocab_size=100, init_scale=0.1)
+            ps.pull_sparse("emb", [5])
+            with pytest.raises(NonFinite, match=r"table 'emb' at step 0 from trainer 0's gradient would make its "
+                                                r"adagrad state 'm' hold NaN or Inf"):
+                ps.push_sparse("emb", [5], big)  # the accumulator: g * g = 9e76, the row would not move
+                ps.push()
+                ps.wait()
+        finally:
+            ps.close()
+        assert H.wait_all(pr, [server], 10) == [0]
+
+
 @pytest.mark.timeout(90)
 def test_connection_stalled_mid_frame_or_idle_is_closed_after_a_bound_with_one_log_line(tmp_path):
     env = H.make_env(1, 1, tmp_path, barrier_timeout=1.0)
@@ -391,27 +447,58 @@ def test_a_frame_trickled_byte_by_byte_is_closed_at_the_stall_bound_whatever_its
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("secret,why", [("a" * 32, "made of a repeated piece"),
-                                        ("password1password2password3password4", "made of a common word"),
-                                        ("paddlepaddlepaddlepaddlepaddle2026!", "made of a common word, a repeated"),
-                                        ("qwertyuiopasdfghjklzxcvbnm1234567890", "made of a keyboard or alphabet run"),
-                                        ("s3cret" * 8, "made of a common word, a repeated piece")])
+@pytest.mark.parametrize("secret,why", [
+    ("a" * 32, "is too easy to guess (about 11 bits, made of a repeated piece"),
+    ("19701971197219731974197519761977", "is too easy to guess (about 25 bits, made of a sequence of numbers"),
+    ("1q2w3e4r5t6y7u8i9o0p1q2w3e4r5t6y7u8i", "is not a generated secret: it has characters other than hex digits"),
+    ("correcthorsebatterystaplecorrecthorse", "is not a generated secret")])
 def test_low_entropy_secret_is_refused_where_a_process_starts(tmp_path, secret, why):
     env = dataclasses.replace(H.make_env(1, 1, tmp_path), secret=secret)
     with H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0, wait=False)
         assert H.wait_all(pr, [server], 20) == [2]
         log = pr.log(server)
-        assert "PADDLE_JOB_SECRET is too easy to guess (about " in log and why in log and "token_hex(32)" in log, log
+        assert f"PADDLE_JOB_SECRET {why}" in log and "paddle-cluster secret" in log and "token_hex(32)" in log, log
         assert secret not in log
         tr_env = H.proc_env(env, TRAINER, 0)
         tr_env.pop("PADDLE_TRAINER_KEY", None)
         tr_env["PADDLE_JOB_SECRET"] = secret
         trainer = pr.start([sys.executable, "-c", "from paddle_cluster.ps import connect; connect()"], tr_env, "t")
         assert H.wait_all(pr, [trainer], 20) == [1]
-        assert "too easy to guess" in pr.log(trainer), pr.log(trainer)
-    with pytest.raises(ContractError, match="too easy to guess"):
+        assert why in pr.log(trainer), pr.log(trainer)
+    with pytest.raises(ContractError, match=re.escape(why)):
         PServer(env, 0)
+
+
+@pytest.mark.parametrize("secret,why", [
+    # Issue 46, point 8: the pattern families that passed the estimate, and what refuses each now.
+    ("1q2w3e4r5t6y7u8i9o0p1q2w3e4r5t6y7u8i", "other than hex digits"),  # a keyboard walk
+    ("a1b2c3d4e5f6g7h8i9j0a1b2c3d4e5f6", "other than hex digits"),
+    ("a1b2c3d4e5f6a7b8c9d0a1b2c3d4e5f6", "made of two runs interleaved, a repeated piece"),  # the same in hex
+    ("19701971197219731974197519761977", "made of a sequence of numbers"),
+    ("correcthorsebatterystaplecorrecthorse", "other than hex digits"),
+    ("thequickbrownfoxjumpsoverthelazydog", "other than hex digits"),  # a pangram
+    ("deadbeefdeadbeefcafebabecafebabe1234", "made of a common word, a repeated piece"),
+    ("0123456789abcdef0123456789abcdef01", "made of a keyboard or alphabet run, a repeated piece"),
+    ("password1password2password3password4", "other than hex digits"),
+    ("s3cret" * 8, "other than hex digits")])
+def test_weak_secret_families_are_refused(secret, why):
+    from paddle_cluster.contract import check_secret
+    with pytest.raises(ContractError, match=re.escape(why)):
+        check_secret(secret)
+
+
+def test_paddle_cluster_secret_prints_a_secret_every_process_accepts():
+    from click.testing import CliRunner
+
+    from paddle_cluster.cli import main
+    from paddle_cluster.contract import check_secret
+    outs = [CliRunner().invoke(main, ["secret"]) for _ in range(3)]
+    assert all(r.exit_code == 0 for r in outs), [r.output for r in outs]
+    made = [r.output.strip() for r in outs]
+    assert len(set(made)) == 3 and all(len(m) == 64 and int(m, 16) >= 0 for m in made), made
+    for m in made:
+        check_secret(m)
 
 
 def test_generated_secrets_pass():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 from typing import Any, Dict, List, Tuple
 
+import numpy as np
 import pytest
 import rt_helpers as H
 
@@ -308,4 +309,126 @@ def test_a_synchronize_average_is_charged(tmp_path):
             assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB"
         finally:
             raw.close()
+        server.kill()
+
+
+# -- temporaries (issue 46, point 3): what a request makes the pserver allocate while it is served ------------------
+
+
+def _pull_rows(raw: Raw, key: int, ids, width: int) -> Any:
+    """PULL_SPARSE ``ids`` of table ``key``: the rows (float32, ``width`` wide), or the PSError."""
+    ids = np.asarray(ids, np.int64)
+    raw.send(P.Op.PULL_SPARSE, ids.tobytes(), dtype=P.dtype_code("int64"), key=key, aux=len(ids))
+    _, got = raw.reply()
+    return got if isinstance(got, PSError) else np.frombuffer(got, np.float32).reshape(len(ids), width)
+
+
+@pytest.mark.timeout(120)
+def test_a_row_wider_than_the_init_chunk_is_initialised_in_bounded_pieces(tmp_path):
+    """One row of 4M float32 (16 MiB) used to be initialised whole, with ~28 bytes of scratch per element (VmHWM
+    +112 MiB for it alone); it is made INIT_CHUNK columns at a time, its values those of the whole row."""
+    from paddle_cluster.ps.placement import init_rows
+
+    width = 4 << 20
+    env = H.make_env(1, 1, tmp_path)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0, MEMORY)
+        raw = Raw(env, 0)
+        try:
+            _declare(raw, env)
+            assert not isinstance(raw.call_json(P.Op.DEF_SPARSE, _table("wide", width=width), key=2), PSError)
+            base = _hwm(server.pid)
+            got = _pull_rows(raw, 2, [3], width)
+            grew = _hwm(server.pid) - base
+            assert not isinstance(got, PSError), got
+            np.testing.assert_array_equal(got, init_rows(np.array([3]), width, 0.1, 0))
+            assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB for one row of 16 MiB"
+            got = _pull_rows(raw, 2, [4, 5], width)  # two more rows, and their reply: past the budget
+            assert isinstance(got, LimitExceeded) and "64 MiB memory budget (PADDLE_PSERVER_MEMORY)" in str(got), got
+        finally:
+            raw.close()
+        server.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_sparse_step_is_folded_and_applied_in_bounded_chunks(tmp_path):
+    """Two trainers push the same 5000 rows of 1024 float32 (20 MiB each) in a sync step: the pushes and the table
+    are charged (60 MiB of 64), and merging and applying their mean (it concatenated, ``unique``d and summed
+    them whole, and the optimizer copied them: VmHWM +124 MiB) goes a bounded chunk at a time. The rows are the
+    trainers' mean applied by SGD."""
+    from paddle_cluster.ps.placement import init_rows
+
+    width, n = 1024, 5000
+    env = H.make_env(1, 2, tmp_path)
+    rng = np.random.default_rng(1)
+    ids = np.arange(n, dtype=np.int64)
+    grads = [rng.standard_normal((n, width)).astype(np.float32) for _ in range(2)]
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0, MEMORY)
+        raws = [Raw(env, 0), Raw(env, 1)]
+        try:
+            for r in raws:
+                _declare(r, env, mode="sync")
+            for r in raws:
+                assert not isinstance(r.call_json(P.Op.DEF_SPARSE, _table("emb", width=width, vocab_size=n), key=4),
+                                      PSError)
+            base = _hwm(server.pid)
+            for r, g in zip(raws, grads):
+                r.send(P.Op.PUSH_SPARSE, ids.tobytes() + g.tobytes(), dtype=P.dtype_code("float32"), key=4, aux=n)
+            for r in raws:
+                _, got = r.reply()
+                assert not isinstance(got, PSError), got
+            grew = _hwm(server.pid) - base
+            assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB for a sync step of 2 x 20 MiB"
+            raws[0].send(P.Op.PULL_SPARSE, ids.tobytes(), dtype=P.dtype_code("int64"), key=4, aux=n, step=1)
+            _, got = raws[0].reply()
+            assert not isinstance(got, PSError), got
+            want = init_rows(ids, width, 0.1, 0)
+            want -= ((grads[0] + grads[1]) / np.float32(2)) * np.float32(0.1)
+            np.testing.assert_array_equal(np.frombuffer(got, np.float32).reshape(n, width), want)
+        finally:
+            for r in raws:
+                r.close()
+        server.kill()
+
+
+@pytest.mark.timeout(120)
+def test_pulls_of_many_ids_charge_their_lookup_and_reply(tmp_path):
+    """A pull of 500000 new ids, then four concurrent pulls of them on other connections: the ids, the reply
+    rows, the lookup's positions and scratch and the index's growth are charged (they were not: +149 MiB while
+    the figures said 19 MiB held), so the pulls either get their rows or a refusal naming the budget, and the
+    pserver's peak stays within it."""
+    from paddle_cluster.ps.placement import init_rows
+
+    n = 500_000
+    env = H.make_env(1, 1, tmp_path)
+    ids = np.arange(n, dtype=np.int64) * 3
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0, MEMORY)
+        raws = [Raw(env, 0) for _ in range(5)]
+        try:
+            _declare(raws[0], env)
+            assert not isinstance(raws[0].call_json(P.Op.DEF_SPARSE, _table("ids", vocab_size=None, max_rows=n),
+                                                    key=6), PSError)
+            base = _hwm(server.pid)
+            got = _pull_rows(raws[0], 6, ids, 1)
+            assert not isinstance(got, PSError), got
+            np.testing.assert_array_equal(got, init_rows(ids, 1, 0.1, 0))
+            for r in raws[1:]:
+                r.send(P.Op.PULL_SPARSE, ids.tobytes(), dtype=P.dtype_code("int64"), key=6, aux=n)
+            served = refused = 0
+            for r in raws[1:]:
+                _, reply = r.reply()
+                if isinstance(reply, PSError):
+                    assert isinstance(reply, LimitExceeded) and "memory budget (PADDLE_PSERVER_MEMORY)" in str(reply)
+                    refused += 1
+                else:
+                    np.testing.assert_array_equal(np.frombuffer(reply, np.float32), got[:, 0])
+                    served += 1
+            grew = _hwm(server.pid) - base
+            assert served >= 1, "every pull was refused"
+            assert grew <= BUDGET + SLACK, f"grew {grew / MiB:.0f} MiB for 5 pulls of {n} ids ({refused} refused)"
+        finally:
+            for r in raws:
+                r.close()
         server.kill()

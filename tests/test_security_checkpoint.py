@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import sys
 import zipfile
 
@@ -23,11 +24,11 @@ from paddle_cluster.ps.checkpoint import MANIFEST, SHARD
 MiB = 1 << 20
 
 
-def _checkpoint(tmp_path, env) -> str:
+def _checkpoint(tmp_path, env, optimizer=OptimizerSpec("sgd", lr=0.5)) -> str:
     """A real pserver's shard of step 0: a dense block and a table of 3 rows (ids 1, 2, 3) of vocab_size=100."""
     with H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0)
-        ps = connect(mode="async", optimizer=OptimizerSpec("sgd", lr=0.5), env=H.trainer_env(env, 0))
+        ps = connect(mode="async", optimizer=optimizer, env=H.trainer_env(env, 0))
         try:
             ps.register_dense({"w": np.arange(8, dtype=np.float32)})
             ps.register_sparse("emb", 2, vocab_size=100, init_scale=0.1)
@@ -172,3 +173,109 @@ def test_a_forged_shard_is_refused_member_by_member_before_anything_is_allocated
         finally:
             ps.close()
         server.kill()
+
+
+def _keeper(d: str):
+    """A function that puts the shard directory ``d`` back as it is now."""
+    with open(os.path.join(d, SHARD), "rb") as f:
+        shard = f.read()
+    with open(os.path.join(d, MANIFEST), "rb") as f:
+        manifest = f.read()
+
+    def restore():
+        for name, data in ((SHARD, shard), (MANIFEST, manifest)):
+            path = os.path.join(d, name)
+            if os.path.lexists(path):
+                os.unlink(path)
+            with open(path, "wb") as f:
+                f.write(data)
+    return restore
+
+
+def _edit_manifest(d: str, change) -> None:
+    with open(os.path.join(d, MANIFEST)) as f:
+        m = json.load(f)
+    change(m)
+    with open(os.path.join(d, MANIFEST), "w") as f:
+        json.dump(m, f)
+
+
+def _refused(tmp_path, env, *expected, peak_below=100 * MiB):
+    rc, log, peak = _resume_fails(tmp_path, env)
+    assert rc == 3, log
+    assert "Traceback" not in log, log
+    for text in expected:
+        assert text in log, log
+    assert peak < peak_below, f"peak RSS {peak / MiB:.0f} MiB"
+    return log
+
+
+@pytest.mark.timeout(240)
+def test_resume_reads_only_regular_files_of_the_shard_directory_and_checks_every_field(tmp_path):
+    """Issue 46, point 5: each attack row on a manifest, each refused with exit 3 naming the file and the member,
+    within seconds (nothing read from a device, nothing waited on)."""
+    env = H.make_env(1, 1, tmp_path)
+    d = _checkpoint(tmp_path, env, OptimizerSpec("adam", lr=0.1))
+    restore = _keeper(d)
+    m0 = json.loads(open(os.path.join(d, MANIFEST)).read())
+    block, table = m0["blocks"][0], m0["tables"][0]
+    assert set(block["opt"]) == {"m", "v", "t"} and set(table["slots"]) == {"m", "v", "t"}
+
+    # A files entry naming /dev/zero, or ../../../../etc/shadow with its true hash: never opened.
+    _edit_manifest(d, lambda m: m["files"].__setitem__("/dev/zero", {"sha256": "0" * 64, "bytes": 0}))
+    _refused(tmp_path, env, f"{d}/manifest.json: manifest's files are ['/dev/zero', 'shard.npz'], a save writes "
+                            "exactly shard.npz; refusing it")
+    restore()
+    with open("/etc/shadow", "rb") as f:
+        shadow = {"sha256": hashlib.sha256(f.read()).hexdigest(), "bytes": os.path.getsize("/etc/shadow")}
+    _edit_manifest(d, lambda m: m.__setitem__("files", {"../../../../etc/shadow": shadow}))
+    _refused(tmp_path, env, "manifest's files are ['../../../../etc/shadow'], a save writes exactly shard.npz")
+
+    # shard.npz itself a symbolic link (to /dev/zero), a character device, a FIFO; manifest.json a FIFO.
+    restore()
+    os.unlink(os.path.join(d, SHARD))
+    os.symlink("/dev/zero", os.path.join(d, SHARD))
+    _refused(tmp_path, env, f"{d}/shard.npz: is a symbolic link, not a regular file; refusing it")
+    os.unlink(os.path.join(d, SHARD))
+    os.mknod(os.path.join(d, SHARD), 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    _refused(tmp_path, env, f"{d}/shard.npz: is a character device, not a regular file; refusing it")
+    os.unlink(os.path.join(d, SHARD))
+    os.mkfifo(os.path.join(d, SHARD))
+    _refused(tmp_path, env, f"{d}/shard.npz: is a FIFO, not a regular file; refusing it")
+    restore()
+    os.unlink(os.path.join(d, MANIFEST))
+    os.mkfifo(os.path.join(d, MANIFEST))
+    _refused(tmp_path, env, f"{d}/manifest.json: is a FIFO, not a regular file; refusing it")
+
+    # A 200 MB block name: refused from the manifest's size (at most the budget over 24, what parsing it holds);
+    # a 2000-character one, from MAX_NAME.
+    restore()
+    with open(os.path.join(d, MANIFEST), "w") as f:
+        f.write(json.dumps({**m0, "blocks": [{**block, "name": "@@NAME@@"}]}).replace("@@NAME@@", "x" * (200 << 20)))
+    _refused(tmp_path, env, f"{d}/manifest.json: 209717", "bytes, more than the 2796202 it may hold; refusing it")
+    restore()
+    _edit_manifest(d, lambda m: m["blocks"][0].__setitem__("name", "w" * 2000))
+    _refused(tmp_path, env, "manifest.json: block 0's name is 2000 characters: a name is a string of 1 to 1024 "
+                            "characters; refusing it")
+
+    # An optimizer slot of the wrong shape (manifest and member agreeing with each other), an unknown spec key.
+    restore()
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(3, np.float32))
+    _rewrite(d, {f"d{block['key']}.opt.m.npy": buf.getvalue()},
+             lambda m: m["blocks"][0]["opt"]["m"].__setitem__("shape", [3]))
+    _refused(tmp_path, env, "manifest.json: block 0 ('w'): slot m is <f4(3,), adam keeps <f4(8,); refusing it")
+    restore()
+    _edit_manifest(d, lambda m: m["tables"][0]["spec"]["current"].__setitem__("bogus", 1))
+    _refused(tmp_path, env, "manifest.json: table 0 ('emb') optimizer: unknown optimizer keys ['bogus']")
+
+    # NaN in a value, Inf in an optimizer state: refused naming the member and its parameter.
+    for member, owner in ((f"d{block['key']}.param", "block w[0:8]"), (f"s{table['key']}.slot.v", "table 'emb'")):
+        restore()
+        with zipfile.ZipFile(os.path.join(d, SHARD)) as z:
+            a = np.load(io.BytesIO(z.read(member + ".npy")))
+        a.reshape(-1)[1] = np.nan if member.endswith("param") else np.inf
+        buf = io.BytesIO()
+        np.save(buf, a)
+        _rewrite(d, {member + ".npy": buf.getvalue()})
+        _refused(tmp_path, env, f"{d}: shard.npz member {member}.npy ({owner}) holds NaN or Inf; refusing it")

@@ -138,7 +138,7 @@ class _Recorder:
 def test_wrong_secret_cannot_connect_and_unauthenticated_frames_are_ignored(served):
     env, pr, server, ps = served
     before = ps.pull()["w"].copy()
-    bad = dataclasses.replace(env, secret="not-the-secret-but-long-enough-to-try")
+    bad = dataclasses.replace(env, secret="0e7d1c4b9a2f5e8d3c6b1a4f7e0d9c2b5a")
     with pytest.raises(AuthError, match="refused our answer"):
         connect(mode="sync", env=trainer_env(bad, 0), connect_timeout=5)
     # Skipping authentication: a pull gets nothing back, a well-formed push changes nothing.

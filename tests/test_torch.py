@@ -57,7 +57,7 @@ def test_two_trainers_equal_plain_torch_on_the_whole_batch(tmp_path, case):
     _close(r0["final"], J.reference(case, r0["start"], 5))
     assert (r0["final"]["fc1.weight"] - r0["start"]["fc1.weight"]).abs().max() > 1e-3  # it trained
     plain = J.Net(torch.nn.Embedding(J.V, J.DIM) if J.CASES[case][2] else None)
-    plain.load_state_dict(torch.load(str(tmp_path / f"{case}-0.pt.model")))  # plain torch loads the saved model
+    plain.load_state_dict(torch.load(str(tmp_path / f"{case}-0.pt.model"), weights_only=True))  # docs/pytorch.md
     _close(plain.state_dict(), r0["final"])
     assert not (tmp_path / f"{case}-1.pt.model").exists()  # trainer 0 alone writes it
 

@@ -233,10 +233,31 @@ def resolve_trainers(env: JobEnv, deadline: float) -> JobEnv:
     return dataclasses.replace(env, trainer_endpoints=tuple(resolved))
 
 
+MAX_SECRET_FILE = 4096  # bytes: a secret is 64 hex digits
+
+
+def read_secret(path: str) -> str:
+    """The job secret from the Secret mounted at ``path`` (read once: it is kept in this process's memory, never
+    in its environment, where ``/proc/1/environ`` would show it to every process of the pod's user)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(MAX_SECRET_FILE + 1)
+    except OSError as e:
+        raise PodError(f"cannot read the job secret from {path} (the job's Secret, mounted): {e.strerror or e}; "
+                       "was the pod rendered by paddle-cluster render k8s?") from None
+    if len(text) > MAX_SECRET_FILE:
+        raise PodError(f"the job secret file {path} holds more than {MAX_SECRET_FILE} bytes; not a job secret")
+    return text.decode("utf-8", "replace").strip()
+
+
 def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
-           trainer_names: str = "", pack: str = "", first_trainer_timeout: Optional[float] = None) -> int:
-    """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code."""
+           trainer_names: str = "", pack: str = "", first_trainer_timeout: Optional[float] = None,
+           secret_file: str = "") -> int:
+    """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code.
+    ``secret_file``: where the job secret is (it is then not in the environment)."""
     base: Dict[str, str] = dict(os.environ if environ is None else environ)
+    if secret_file:
+        base[SECRET_VAR] = read_secret(secret_file)
     env = JobEnv.from_environ(base)
     if env is None:
         raise PodError("no pserver endpoints in the environment (PADDLE_PSERVER_ENDPOINTS): the pod was not "
@@ -476,6 +497,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="pserver: seconds to wait for a first trainer name to resolve (default: the start timeout; "
                     "0: for ever, the trainers being admitted with this pod)")
     ap.add_argument("--unpack", default="", help="a gzipped tar of the workspace to unpack into it first")
+    ap.add_argument("--secret-file", default="", help="the job secret's file (the mounted Secret), read once")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -484,7 +506,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         say(f"{IMAGE}{image_check()}")
         return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack,
-                      first_trainer_timeout=a.first_trainer_timeout)
+                      first_trainer_timeout=a.first_trainer_timeout, secret_file=a.secret_file)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
         return EXIT_NOT_READY

@@ -9,20 +9,24 @@ back is ``resume``'s; ``complete_steps`` and ``survey`` tell the launcher what a
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import atomic
-from .errors import CheckpointUnreadable
+from .errors import CheckpointError, CheckpointUnreadable
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 SHARD = "shard.npz"
+MAX_MANIFEST = 16 << 20  # bytes of a manifest.json read at most (one says about 1.5 KiB per block or table)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 
@@ -92,49 +96,131 @@ def unreadable(path: str, e: OSError) -> CheckpointUnreadable:
                                 "storage, or move it away to start without it (refusing to start over it)")
 
 
-def file_problem(d: str, fname: str, info: Mapping[str, Any]) -> Optional[str]:
-    """Why file ``fname`` of the shard in ``d`` does not match its manifest entry (None: it does); raises
-    CheckpointUnreadable when it is there but cannot be read."""
-    path = os.path.join(d, fname)
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_file(d: str, name: str, max_bytes: Optional[int] = None) -> BinaryIO:
+    """File ``name`` of the shard directory ``d``, opened as input: a plain name (one path component, never a
+    location), a regular file in ``d`` itself -- never followed through a symbolic link, never a device, FIFO or
+    socket: looked at with ``lstat``, opened with ``O_NOFOLLOW | O_NONBLOCK`` and looked at again with ``fstat``
+    (the same file) -- of at most ``max_bytes``. ``CheckpointError`` names the file and what it is instead;
+    ``FileNotFoundError`` when it is absent; ``CheckpointUnreadable`` when it is there but cannot be read."""
+    if not valid_name(name):
+        raise CheckpointError(f"checkpoint {d}: the manifest names a file {name[:80]!r}, not a plain file name of "
+                              "the shard's directory; refusing it")
+    path = os.path.join(d, name)
     try:
-        actual = atomic.file_digest(path)
+        before = os.lstat(path)
     except FileNotFoundError:
-        return f"{fname} missing"
+        raise
     except OSError as e:
         raise unreadable(path, e) from None
+    _regular(path, before, max_bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {path}: is a symbolic link, not a regular file; refusing it") from None
+        raise unreadable(path, e) from None
+    try:
+        now = os.fstat(fd)
+        _regular(path, now, max_bytes)
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino):
+            raise CheckpointError(f"checkpoint {path}: replaced while it was opened; refusing it")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _regular(path: str, st: os.stat_result, max_bytes: Optional[int]) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"checkpoint {path}: is {_kind(st.st_mode)}, not a regular file; refusing it")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise CheckpointError(f"checkpoint {path}: {st.st_size} bytes, more than the {max_bytes} it may hold; "
+                              "refusing it")
+
+
+def file_digest(f: BinaryIO) -> str:
+    """The sha256 of the open file ``f`` (from ``open_file``), read 1 MiB at a time up to its size when opened."""
+    h = hashlib.sha256()
+    left = os.fstat(f.fileno()).st_size
+    while left > 0:
+        chunk = f.read(min(left, 1 << 20))
+        if not chunk:
+            break
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
+
+
+def files_problem(files: Any) -> Optional[str]:
+    """Why a manifest's ``files`` is not what a save writes (``{"shard.npz": {"sha256": ..., "bytes": ...}}``)."""
+    if not isinstance(files, dict) or set(files) != {SHARD} or not isinstance(files[SHARD], dict):
+        names = sorted(map(str, files))[:3] if isinstance(files, dict) else type(files).__name__
+        return f"manifest's files are {str(names)[:200]}, a save writes exactly {SHARD}"
+    return None
+
+
+def digest_problem(d: str, f: BinaryIO, info: Mapping[str, Any]) -> Optional[str]:
+    """Why the open shard file ``f`` of ``d`` does not match its manifest entry ``info`` (None: it does)."""
+    try:
+        actual = file_digest(f)
+    except OSError as e:
+        raise unreadable(os.path.join(d, SHARD), e) from None
     if actual != info.get("sha256"):
-        return (f"{fname} checksum mismatch (sha256 {actual[:12]}..., manifest says "
+        return (f"{SHARD} checksum mismatch (sha256 {actual[:12]}..., manifest says "
                 f"{str(info.get('sha256'))[:12]}...)")
     return None
 
 
-def read_manifest(d: str) -> Optional[bytes]:
-    """The manifest of the shard in ``d``; None when there is none (the save did not finish)."""
-    path = os.path.join(d, MANIFEST)
+def file_problem(d: str, fname: str, info: Mapping[str, Any]) -> Optional[str]:
+    """Why file ``fname`` of the shard in ``d`` does not match its manifest entry (None: it does); raises
+    CheckpointUnreadable when it is there but cannot be read, CheckpointError when it is no regular file of
+    ``d``."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        with open_file(d, fname) as f:
+            return digest_problem(d, f, info)
+    except FileNotFoundError:
+        return f"{fname} missing"
+
+
+def read_manifest(d: str, max_bytes: int = MAX_MANIFEST) -> Optional[bytes]:
+    """The manifest of the shard in ``d`` (a regular file of at most ``max_bytes``: ``open_file``); None when
+    there is none (the save did not finish)."""
+    try:
+        with open_file(d, MANIFEST, max_bytes) as f:
+            return f.read(max_bytes + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise unreadable(path, e) from None
+        raise unreadable(os.path.join(d, MANIFEST), e) from None
 
 
 def shard_problem(d: str) -> Optional[str]:
     """Why the shard in directory ``d`` is incomplete or corrupt (None: its manifest is there and every
     checksum matches); raises CheckpointUnreadable when a part of it exists but cannot be read."""
-    body = read_manifest(d)
-    if body is None:
-        return f"{MANIFEST} missing (save did not finish)"
     try:
+        body = read_manifest(d)
+        if body is None:
+            return f"{MANIFEST} missing (save did not finish)"
         files = json.loads(body.decode("utf-8"))["files"]
-        for fname, info in files.items():
-            why = file_problem(d, fname, info)
-            if why is not None:
-                return why
+        why = files_problem(files)
+        return why if why is not None else file_problem(d, SHARD, files[SHARD])
+    except CheckpointUnreadable:
+        raise
+    except CheckpointError as e:
+        return str(e)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"corrupt manifest ({e})"
-    return None
 
 
 def _arr_meta(a: np.ndarray) -> Dict[str, Any]:

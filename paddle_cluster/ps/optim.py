@@ -318,9 +318,11 @@ class SparseOptimizer:
         return idx, grad
 
     def apply(self, table: np.ndarray, state: Dict[str, np.ndarray], idx: np.ndarray, grad: np.ndarray,
-              check: Optional[Callable[[np.ndarray], None]] = None) -> None:
+              check: Optional[Callable[[np.ndarray], None]] = None,
+              check_state: Optional[Callable[[Dict[str, np.ndarray]], None]] = None) -> None:
         """Update ``table[idx]`` and its state rows; ``idx`` must be unique, in-range row positions. ``check``
-        sees the updated rows before anything is written back, and may refuse them by raising."""
+        sees the updated rows, ``check_state`` their updated state slots, before anything is written back; either
+        may refuse them by raising."""
         idx, grad = self._check(table, idx, grad)
         if len(idx) == 0:
             return
@@ -334,6 +336,8 @@ class SparseOptimizer:
         self._update(self.spec, rows, g, st, np.empty_like(rows), t)
         if check is not None:
             check(rows)
+        if check_state is not None:
+            check_state(st)
         table[idx] = rows
         for k, a in st.items():
             state[k][idx] = a

@@ -132,12 +132,15 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def init_rows(ids: np.ndarray, width: int, scale: float, seed: int, dtype: object = np.float32) -> np.ndarray:
-    """Deterministic initial rows: uniform(-scale, scale), a pure function of (seed, id, column)."""
+def init_rows(ids: np.ndarray, width: int, scale: float, seed: int, dtype: object = np.float32,
+              columns: Optional[Tuple[int, int]] = None) -> np.ndarray:
+    """Deterministic initial rows: uniform(-scale, scale), a pure function of (seed, id, column). ``columns``
+    (``(lo, hi)``): only those columns, as the whole rows hold them (a row wider than memory allows at once)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    lo, hi = columns if columns is not None else (0, width)
     with np.errstate(over="ignore"):
         base = _mix(ids.view(np.uint64) * _GOLDEN + _mix(np.array([seed], dtype=np.int64).view(np.uint64)))
-        cols = np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN
+        cols = np.arange(lo + 1, hi + 1, dtype=np.uint64) * _GOLDEN
         x = _mix(base[:, None] ^ cols[None, :])
     u = (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return ((2.0 * u - 1.0) * scale).astype(dtype)

@@ -370,6 +370,19 @@ class Cluster:
                 # its storage lets it: not on one listed as ignoring it (cluster.json "claims", as NFS does).
                 if fs_group is not None and self.cfg.get("claims", {}).get(claim, {}).get("fsGroup", True):
                     _give_to_group(d, fs_group)
+            elif "secret" in v:  # the Secret's keys as files (all, or its items), defaultMode, the group fsGroup
+                sec = objs.get(_key("Secret", ns, v["secret"]["secretName"]))
+                if sec is None:
+                    return self._waiting(pod, "CreateContainerConfigError",
+                                         f'secret "{v["secret"]["secretName"]}" not found')
+                data = sec.get("data") or {}
+                for item in v["secret"].get("items") or [{"key": k, "path": k} for k in data]:
+                    (d / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+                for f in d.iterdir():
+                    os.chmod(f, v["secret"].get("defaultMode", 0o644))
+                os.chmod(d, 0o755)
+                if fs_group is not None:
+                    _give_to_group(d, fs_group, write=False)
             elif "configMap" in v:
                 cm = objs.get(_key("ConfigMap", ns, v["configMap"]["name"]))
                 if cm is None:

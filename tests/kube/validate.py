@@ -149,6 +149,12 @@ def _fit(docs: List[Dict[str, Any]]) -> List[str]:
                 if ref and ref["key"] not in secrets.get((ns, ref["name"]), set()):
                     out.append(f"Job {name}: env {e['name']} refers to {ref['name']}/{ref['key']}, which no Secret "
                                "of these manifests holds")
+            for v in pod["spec"].get("volumes") or []:
+                ref = v.get("secret")
+                keys = [i["key"] for i in (ref or {}).get("items") or []]
+                if ref and not set(keys) <= secrets.get((ns, ref["secretName"]), set()):
+                    out.append(f"Job {name}: volume {v['name']} refers to {ref['secretName']} {keys}, which no "
+                               "Secret of these manifests holds")
             for m in c.get("volumeMounts") or []:
                 if m["name"] not in volumes:
                     out.append(f"Job {name}: volumeMount {m['name']} names no volume of the pod")

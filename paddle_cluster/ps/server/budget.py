@@ -6,6 +6,17 @@ The default is a share of the node's memory: ``DEFAULT_FRACTION`` of the smaller
 cgroup's limit, divided among the job's pservers on that node. The rest is left for the trainers, the
 transient copy a checkpoint makes and the interpreter itself. What is charged and what is not, row by row:
 docs/reliability.md, *What is bounded, by what figure*.
+
+Temporaries a request makes the pserver allocate while it is served are charged too, or made in bounded pieces:
+
+* charged while the request holds them: a sparse request's ids and rows (``table.TableShard.pull``/``push``), its
+  lookup's positions (8 bytes per id) and scratch (``ID_SCRATCH`` per id of a ``LOOKUP_IDS`` chunk), the id
+  index's copy while new ids are inserted (``INSERT_SCRATCH`` per row), a table's old and new arrays while it
+  grows, a page of ``ROWS_SPARSE``, a JSON body (``declare.JSON_HELD`` per byte), a ``STATUS`` reply;
+* in bounded pieces, not charged: new rows initialised ``INIT_CHUNK`` elements at a time (columns of one row at
+  a time for a wider row); a sync sparse step's mean merged and applied ``APPLY_BYTES`` of rows at a time, and
+  any sparse update applied so (the optimizer's copies of the rows, their state and its scratch); dense sync
+  SGD folded in 1 MiB segments (``dense.POOL_BYTES`` of them); a refused payload read 16 KiB at a time.
 """
 
 from __future__ import annotations

@@ -202,7 +202,18 @@ class DenseBlock(Shard):
             if n > 1:
                 g /= self.dtype.type(n)
             self.opt.apply(self.param, g)
+            self.check_state(by, self.step.n)
         self.check_update(self.param, by, self.step.n)
+
+    def check_state(self, by: str, step: int) -> None:
+        """(Holding ``cv``.) After an update of ``step`` from ``by``'s gradients: refuse one that made the optimizer's
+        state NaN or Inf (``NonFinite``), as ``check_update`` refuses values -- the block serves nothing more."""
+        slot = finite.bad_state(self.opt.state) if self.finite else None
+        if slot is not None:
+            e = finite.state_refused(self.label(), slot, self.spec.name, by, step)
+            self.error = str(e)
+            self.wake()
+            raise e
 
     def check_update(self, values: np.ndarray, by: Union[str, AbstractSet[int]], step: int) -> None:
         """(Holding ``cv``.) After an update of step ``step`` from ``by``'s gradients ("trainer 1", or the set of

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -54,3 +54,20 @@ def push_refused(what: str, trainer: int, step: int) -> NonFinite:
     return NonFinite(f"trainer {trainer} pushed a gradient of {what} holding NaN or Inf at step {step}; refused "
                      "so it cannot reach the other trainers' parameters (look for a diverging loss or bad input "
                      "in that trainer; PADDLE_ALLOW_NONFINITE=1 accepts such gradients)")
+
+
+def bad_state(state: Mapping[str, np.ndarray]) -> Optional[str]:
+    """The first optimizer state slot (Adam's ``m``/``v``, Adagrad's accumulator, momentum's ``v``) holding NaN
+    or Inf; None when all are finite."""
+    for k, a in state.items():
+        if not all_finite(a):
+            return k
+    return None
+
+
+def state_refused(what: str, slot: str, optimizer: str, by: str, step: int) -> NonFinite:
+    """An update of ``what`` that would make its optimizer state ``slot`` NaN or Inf: its parameter would then
+    never move again (Adam's ``v`` at Inf makes every step 0), silently, and checkpoints would hold it."""
+    return NonFinite(f"the update of {what} at step {step} from {by}'s gradient would make its {optimizer} state "
+                     f"{slot!r} hold NaN or Inf (finite gradients overflowed it: clip the gradients, lower their "
+                     "scale); refused (PADDLE_ALLOW_NONFINITE=1 accepts it)")

@@ -134,7 +134,8 @@ def serve(env: JobEnv, proc: ProcessEnv = ProcessEnv()) -> int:
                         format=f"%(asctime)s pserver[{k}] %(levelname)s %(message)s")
     root = env.checkpoint_dir or ckpt.default_root(env.job_dir)
     try:
-        shard = resolve_resume(env.resume, root, k, len(env.pservers), make_budget(env, k, proc.pserver_memory).limit)
+        shard = resolve_resume(env.resume, root, k, len(env.pservers), make_budget(env, k, proc.pserver_memory).limit,
+                               not proc.allow_nonfinite)
     except (CheckpointError, ValueError) as e:
         log.error("cannot resume (%s): %s", env.resume, e)
         return 3

@@ -18,12 +18,14 @@ import numpy as np
 
 from ..checkpoint import (
     FORMAT,
+    MAX_MANIFEST,
     SHARD,
     BlockState,
     ShardState,
     TableState,
-    file_problem,
+    digest_problem,
     list_steps,
+    open_file,
     read_manifest,
     shard_dir,
     shard_problem,
@@ -32,7 +34,9 @@ from ..checkpoint import (
 )
 from ..errors import CheckpointError, CheckpointUnreadable
 from ..optim import OptimizerSpec
+from . import manifest
 from .budget import Budget, human
+from .declare import JSON_HELD
 from .dense import DenseBlock, DenseShared, dense_bytes
 from .table import TableShard
 
@@ -50,39 +54,49 @@ def _require(path: str, missing: str) -> None:
         raise unreadable(path, e) from None
 
 
-def load_shard(step_path: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None) -> ShardState:
+def load_shard(step_path: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None,
+               finite: bool = True) -> ShardState:
     """Load and verify this pserver's shard of the checkpoint in ``step_path``; its arrays may hold at most
-    ``limit`` bytes (the pserver's memory budget), checked from their headers before any is read."""
+    ``limit`` bytes (the pserver's memory budget), checked from their headers before any is read, and (``finite``)
+    no NaN or Inf. Everything is input: only regular files of the shard's directory are read (``open_file``), the
+    manifest at most ``limit / JSON_HELD`` bytes, every field of it checked (``manifest.check``)."""
     d = shard_dir(step_path, pserver_id)
     _require(d, f"checkpoint {step_path}: no shard directory for pserver {pserver_id} ({d})")
-    body = read_manifest(d)
+    body = read_manifest(d, MAX_MANIFEST if limit is None else max(1, min(MAX_MANIFEST, limit // JSON_HELD)))
     if body is None:
         raise CheckpointError(f"checkpoint {d}: manifest.json missing (the save did not finish); refusing it")
     try:
         m = json.loads(body.decode("utf-8"))
+        del body
+        manifest.check(m, d)
         files = m["files"]
         step = int(m["step"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {d}: corrupt manifest ({e}); refusing it") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {d}: corrupt manifest ({str(e)[:300]}); refusing it") from None
     if m.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {d}: format {m.get('format')!r}, this runtime reads {FORMAT}")
     if m.get("pserver_id") != pserver_id or m.get("n_pservers") != n_pservers:
         raise CheckpointError(
             f"checkpoint {d}: written by pserver {m.get('pserver_id')} of {m.get('n_pservers')}, "
             f"but this is pserver {pserver_id} of {n_pservers}")
-    for fname, info in files.items():
-        why = file_problem(d, fname, info)
-        if why is not None:
-            corrupt = "" if why.endswith("missing") else ": corrupt"
-            raise CheckpointError(f"checkpoint {d}: {why}{corrupt}; refusing it")
     try:
-        arrays = read_shard(os.path.join(d, SHARD), _expected(m), limit)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint {d}: cannot read {SHARD}: {e}") from None
-    except OSError as e:
-        raise unreadable(os.path.join(d, SHARD), e) from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {d}: manifest does not describe the shard ({e!r})") from None
+        f = open_file(d, SHARD)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {d}: {SHARD} missing; refusing it") from None
+    with f:
+        why = digest_problem(d, f, files[SHARD])
+        if why is not None:
+            raise CheckpointError(f"checkpoint {d}: {why}: corrupt; refusing it")
+        try:
+            f.seek(0)
+            arrays = read_shard(f, _expected(m), limit, os.path.join(d, SHARD))
+        except OSError as e:
+            raise unreadable(os.path.join(d, SHARD), e) from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {d}: manifest does not describe the shard ({e!r})") from None
+    why = manifest.nonfinite(m, arrays) if finite else None
+    if why is not None:
+        raise CheckpointError(f"checkpoint {d}: {why}; refusing it (PADDLE_ALLOW_NONFINITE=1 accepts it)")
 
     def get(name: str, meta: Mapping[str, Any]) -> np.ndarray:
         a = arrays.get(name)
@@ -140,16 +154,18 @@ def _expected(m: Mapping[str, Any]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
     return out
 
 
-def read_shard(path: str, expect: Mapping[str, Tuple[Tuple[int, ...], str]], limit: Optional[int]
-               ) -> Dict[str, np.ndarray]:
-    """The arrays of ``shard.npz`` at ``path``, treated as input: every member is one the manifest describes
-    (``expect``), its ``.npy`` header says the manifest's shape and dtype and its size in the archive is the
-    header's plus exactly that many bytes, and all of them fit ``limit`` -- all checked before any array is
-    allocated, so nothing is decompressed past a declared size. ``CheckpointError`` names the member."""
+def read_shard(source: Any, expect: Mapping[str, Tuple[Tuple[int, ...], str]], limit: Optional[int],
+               path: str = "") -> Dict[str, np.ndarray]:
+    """The arrays of ``shard.npz`` (``source``: its path, or the file opened at ``path``), treated as input: every
+    member is one the manifest describes (``expect``), its ``.npy`` header says the manifest's shape and dtype and
+    its size in the archive is the header's plus exactly that many bytes, and all of them fit ``limit`` -- all
+    checked before any array is allocated, so nothing is decompressed past a declared size. ``CheckpointError``
+    names the member."""
+    path = path or source
     where = os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path)
     sizes: Dict[str, int] = {}
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(source) as z:
             for info in z.infolist():
                 name = info.filename[:-4] if info.filename.endswith(".npy") else None
                 bad = _member_problem(z, info, expect.get(name)) if name is not None else "not an array"
@@ -230,7 +246,8 @@ def _siblings_complete(step_path: str, pserver_id: int) -> Optional[str]:
     return None
 
 
-def load_latest(root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None) -> Optional[ShardState]:
+def load_latest(root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None, finite: bool = True
+                ) -> Optional[ShardState]:
     """The newest complete, verified checkpoint under ``root``; None if there is none at all.
 
     Incomplete or corrupt ones are skipped with a log line; if checkpoints exist but none is usable,
@@ -240,7 +257,7 @@ def load_latest(root: str, pserver_id: int, n_pservers: int, limit: Optional[int
     reasons = []
     for sp in steps:
         try:
-            shard = load_shard(sp, pserver_id, n_pservers, limit)
+            shard = load_shard(sp, pserver_id, n_pservers, limit, finite)
             why = _siblings_complete(sp, pserver_id)
             if why is None:
                 return shard
@@ -255,18 +272,18 @@ def load_latest(root: str, pserver_id: int, n_pservers: int, limit: Optional[int
     return None
 
 
-def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None
-                   ) -> Optional[ShardState]:
-    """``resume`` is "" (fresh start), "latest", a step number, or a step directory path; ``limit``: see
-    ``load_shard``."""
+def resolve_resume(resume: str, root: str, pserver_id: int, n_pservers: int, limit: Optional[int] = None,
+                   finite: bool = True) -> Optional[ShardState]:
+    """``resume`` is "" (fresh start), "latest", a step number, or a step directory path; ``limit`` and
+    ``finite``: see ``load_shard``."""
     resume = resume.strip()
     if not resume:
         return None
     if resume == "latest":
-        return load_latest(root, pserver_id, n_pservers, limit)
+        return load_latest(root, pserver_id, n_pservers, limit, finite)
     path = step_dir(root, int(resume)) if resume.isdigit() else resume
     _require(path, f"checkpoint {path} does not exist")
-    shard = load_shard(path, pserver_id, n_pservers, limit)
+    shard = load_shard(path, pserver_id, n_pservers, limit, finite)
     why = _siblings_complete(path, pserver_id)
     if why is not None:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt ({why}); refusing it")

@@ -5,7 +5,7 @@ them -- through its step (``shard.Step``)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -21,6 +21,10 @@ from .shard import Shard
 from .sync import Sync
 
 INIT_CHUNK = 1 << 18  # elements of new rows initialised at once: a bounded scratch, whatever a request asks
+APPLY_BYTES = 1 << 20  # bytes of row gradients folded and applied at once: the optimizer's scratch is a few of these
+ID_SCRATCH = 64  # bytes a lookup holds per id asked (positions, masks, the new ids), charged while it works
+LOOKUP_IDS = 1 << 16  # ids a request's lookup handles at once: its scratch is bounded whatever the request asks
+INSERT_SCRATCH = 24  # bytes per row of the id index while new ids are inserted (its new arrays and mask)
 ROWS_PAGE_BYTES = 16 << 20  # the most a ROWS_SPARSE reply carries: a table of any size is read page by page
 
 
@@ -134,16 +138,45 @@ class TableShard(Shard):
         except LimitExceeded as e:
             raise LimitExceeded(f"{e}; the first new id is {int(new[0])}") from None
         new_pos = np.arange(self.n, self.n + len(new), dtype=np.int64)
-        step = max(1, INIT_CHUNK // self.width)  # init_rows holds ~28 bytes per element while it works
+        self._init(new)
+        self.n += len(new)
+        held = INSERT_SCRATCH * (self.n + len(new))
+        self.budget.charge(held, f"{self.label()}: inserting {len(new)} ids into its index of {self.n} rows")
+        try:
+            ins = np.searchsorted(self.keys, new)
+            self.keys = np.insert(self.keys, ins, new)
+            self.pos = np.insert(self.pos, ins, new_pos)
+        finally:
+            self.budget.release(held)
+        return self.pos[np.searchsorted(self.keys, ids)]
+
+    def _init(self, new: np.ndarray) -> None:
+        """Write the initial values of the rows of ``new`` (ids) at ``self.n`` on, ``INIT_CHUNK`` elements at a time
+        (``init_rows`` holds ~28 bytes per element while it works): rows at a time, or, for a row wider than that,
+        columns of one row at a time."""
+        step = max(1, INIT_CHUNK // self.width)
         for lo in range(0, len(new), step):
             part = new[lo:lo + step]
-            self.table[self.n + lo: self.n + lo + len(part)] = init_rows(part, self.width, self.init_scale, self.seed,
-                                                                         self.dtype)
-        self.n += len(new)
-        ins = np.searchsorted(self.keys, new)
-        self.keys = np.insert(self.keys, ins, new)
-        self.pos = np.insert(self.pos, ins, new_pos)
-        return self.pos[np.searchsorted(self.keys, ids)]
+            at = self.n + lo
+            for c in range(0, self.width, INIT_CHUNK if step == 1 else self.width):
+                hi = min(self.width, c + INIT_CHUNK) if step == 1 else self.width
+                self.table[at: at + len(part), c:hi] = init_rows(part, self.width, self.init_scale, self.seed,
+                                                                 self.dtype, (c, hi))
+
+    def charged_lookup(self, ids: np.ndarray, trainer: int) -> np.ndarray:
+        """``lookup`` for trainer ``trainer``'s request, ``LOOKUP_IDS`` ids at a time: its scratch (``ID_SCRATCH``
+        per id of a chunk) and the positions it returns (8 bytes per id) charged to the budget while it works."""
+        held = 8 * len(ids) + ID_SCRATCH * min(len(ids), LOOKUP_IDS)
+        self.budget.charge(held, f"{self.label()}: looking up trainer {trainer}'s {len(ids)} ids")
+        try:
+            if len(ids) <= LOOKUP_IDS:
+                return self.lookup(ids)
+            pos = np.empty(len(ids), dtype=np.int64)
+            for lo in range(0, len(ids), LOOKUP_IDS):
+                pos[lo:lo + LOOKUP_IDS] = self.lookup(ids[lo:lo + LOOKUP_IDS])
+            return pos
+        finally:
+            self.budget.release(held)
 
     def check_ids(self, ids: np.ndarray) -> None:
         if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
@@ -160,22 +193,53 @@ class TableShard(Shard):
             if pos is None:
                 pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
             check = None if by is None else (lambda rows: finite.updated(rows, self.label(), by, self.step.n))
-            self.opt.apply(self.table, self.state, pos, grads, check)
+            state_check = None if by is None else self._state_check(by)
+            step = self._chunk_rows()  # the optimizer holds a few copies of what it updates at once
+            for lo in range(0, len(ids), step):
+                self.opt.apply(self.table, self.state, pos[lo:lo + step], grads[lo:lo + step], check, state_check)
 
-    def pending_mean(self) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-        """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order: (sorted
-        unique ids, row grads, their rows if known)."""
+    def _chunk_rows(self, contributors: int = 1) -> int:
+        """Rows of gradient folded and applied at once: ``APPLY_BYTES`` in all, at least one row."""
+        return max(1, APPLY_BYTES // (contributors * self.width * self.dtype.itemsize))
+
+    def _state_check(self, by: str) -> Callable[[Dict[str, np.ndarray]], None]:
+        """What refuses updated optimizer state rows holding NaN or Inf (``NonFinite`` naming the table, the slot
+        and ``by``), before they are written back: the table and its state are left as they were."""
+        def check(state: Dict[str, np.ndarray]) -> None:
+            slot = finite.bad_state(state)
+            if slot is not None:
+                raise finite.state_refused(self.label(), slot, self.spec.name, by, self.step.n)
+        return check
+
+    def pending_means(self) -> Iterator[Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+        """The mean of the pending contributions (``(ids, grads, rows)`` each), summed in trainer order, as
+        (sorted unique ids, row grads, their rows if known), a chunk at a time: each contributor's ids are sorted,
+        so the chunks merge them by id, at most ``APPLY_BYTES`` of gradients in each -- the fold's scratch is
+        bounded whatever the pushes hold. Each row's sum is ``0 + g0 + g1 + ...`` in trainer order, then divided."""
         pending = self.step.pending
-        contributors = sorted(pending)
-        if len(contributors) == 1:
-            return pending[contributors[0]]
-        all_ids = np.concatenate([pending[c][0] for c in contributors])
-        all_g = np.concatenate([pending[c][1] for c in contributors])
-        ids, inv = np.unique(all_ids, return_inverse=True)
-        g = np.zeros((len(ids), self.width), dtype=self.dtype)
-        np.add.at(g, inv, all_g)
-        g /= self.dtype.type(len(contributors))
-        return ids, g, None
+        parts = [pending[c] for c in sorted(pending)]
+        if len(parts) == 1:
+            yield parts[0]
+            return
+        per, at, n = self._chunk_rows(len(parts)), [0] * len(parts), self.dtype.type(len(parts))
+        while True:
+            live = [k for k, (ids, _, _) in enumerate(parts) if at[k] < len(ids)]
+            if not live:
+                return
+            # The largest id every contributor's next ``per`` ids reach: each adds at most ``per`` rows below it.
+            bound = min(parts[k][0][min(at[k] + per, len(parts[k][0])) - 1] for k in live)
+            spans = []
+            for k, (ids, _, _) in enumerate(parts):
+                end = at[k] + int(np.searchsorted(ids[at[k]:at[k] + per], bound, side="right"))
+                spans.append((at[k], end))
+                at[k] = end
+            u = np.unique(np.concatenate([parts[k][0][a:b] for k, (a, b) in enumerate(spans)]))
+            g = np.zeros((len(u), self.width), dtype=self.dtype)
+            for k, (a, b) in enumerate(spans):
+                if b > a:
+                    g[np.searchsorted(u, parts[k][0][a:b])] += parts[k][1][a:b]  # unique positions: no lost add
+            g /= n
+            yield u, g, None
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -203,7 +267,7 @@ class TableShard(Shard):
             with self.cv:
                 self.step.wait(h.step, "pull")
                 with self.sync.rw.shared():
-                    pos = self.lookup(ids)  # may grow (reallocate) the table: look up before reading self.table
+                    pos = self.charged_lookup(ids, conn.trainer)  # may grow the table: before reading self.table
                     rows = self.table[pos]
                 step = self.step.n
             header = P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), key=h.key, step=step, length=rows.nbytes,
@@ -241,7 +305,7 @@ class TableShard(Shard):
                 with self.cv, self.sync.rw.shared():
                     # Rows are made now (the values a pull would make), so the row budget refuses this trainer's
                     # push, never the apply that another trainer's push completes.
-                    pos = self.lookup(ids)
+                    pos = self.charged_lookup(ids, t)
             except BaseException:
                 self.budget.release(held)
                 raise
@@ -302,12 +366,12 @@ class TableShard(Shard):
         at = self.step
         if not at.full():
             return
-        ids, g, pos = self.pending_mean()
         by = finite.trainers(at.pending) if self.finite else None
         held = sum(i.nbytes + r.nbytes for i, r, _ in at.pending.values())  # what the pushes held (``push``)
         try:
             with at.advancing(at.n):
-                self.apply_rows(ids, g, pos, by)
+                for ids, g, pos in self.pending_means():
+                    self.apply_rows(ids, g, pos, by)
         finally:
             self.budget.release(held)
         self.wake()

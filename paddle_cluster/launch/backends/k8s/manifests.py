@@ -37,6 +37,7 @@ JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 JOBSET_RESOURCE = "jobsets.jobset.x-k8s.io"
 LABEL_ID = "paddle-cluster/job-id"  # unique per run: what cleanup selects, so it never touches another job
 SECRET_KEY = "job-secret"
+SECRET_DIR = "/var/run/paddle-cluster/secret"  # the Secret, mounted: node/pod.py reads it once
 DEFAULT_NAMESPACE = "default"
 DEFAULT_WORKSPACE = "/workspace"
 PACK_DIR = "/var/run/paddle-cluster/workspace"  # where a pod sees the ConfigMap holding a dispatched workspace
@@ -296,11 +297,17 @@ def _service(job: K8sJob) -> Dict[str, Any]:
 
 
 def _env(job: K8sJob, role: str) -> List[Dict[str, Any]]:
-    """The container's environment: the job-wide contract and the role; the secret only by reference."""
+    """The container's environment: the job-wide contract and the role, never the secret. It comes from the
+    Secret mounted as a file (``_secret_volume``), which the entry point reads once: in the environment it would
+    stay readable in PID 1's ``/proc/1/environ`` by every process of the pod's user, a trainer's too."""
     contract = dataclasses.replace(job.env, role=role).to_environ()
-    env: List[Dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(contract.items()) if k != SECRET_VAR]
-    env.append({"name": SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": f"{job.name}-secret", "key": SECRET_KEY}}})
-    return env
+    return [{"name": k, "value": v} for k, v in sorted(contract.items()) if k != SECRET_VAR]
+
+
+def _secret_volume(job: K8sJob) -> Dict[str, Any]:
+    """The Secret as a read-only file of the pod's group (fsGroup), 0440."""
+    return {"name": "job-secret", "secret": {"secretName": f"{job.name}-secret", "defaultMode": 0o440,
+                                             "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}}
 
 
 def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
@@ -317,14 +324,16 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
                     # A JobSet's pods are admitted together and fail together (its failurePolicy): a pserver
                     # waits for its trainers however long they take to appear.
                     *(["--first-trainer-timeout", "0"] if role == PSERVER and job.jobset else []),
-                    *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []), "--"],
+                    *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []),
+                    "--secret-file", f"{SECRET_DIR}/{SECRET_KEY}", "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
         "resources": (job.pods.pserver if role == PSERVER else job.pods.trainer).spec(),
         "securityContext": job.pods.container_security(),
         "volumeMounts": [{"name": "job-dir", "mountPath": job.env.job_dir}] + (
             [{"name": "workspace", "mountPath": PACK_DIR, "readOnly": True}] if job.workspace_pack else []) + (
-            [{"name": "checkpoints", "mountPath": CHECKPOINTS}] if keeps_checkpoints else []),
+            [{"name": "checkpoints", "mountPath": CHECKPOINTS}] if keeps_checkpoints else []) + [
+            {"name": "job-secret", "mountPath": SECRET_DIR, "readOnly": True}],
     }
     if role == PSERVER:
         container["ports"] = [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in _ports(job)]
@@ -339,7 +348,7 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "volumes": [{"name": "job-dir", "emptyDir": {}}] + (
             [{"name": "workspace", "configMap": {"name": f"{job.name}-workspace"}}] if job.workspace_pack else []) + (
             [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.pods.checkpoint_pvc}}]
-            if keeps_checkpoints else []),
+            if keeps_checkpoints else []) + [_secret_volume(job)],
         **job.pods.pod_spec(),
     }
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(job, job.job_name(role), role),
