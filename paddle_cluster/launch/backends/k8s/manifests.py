@@ -194,7 +194,10 @@ def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOpt
         raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
     cmds = {p.role: tuple(shlex.split(p.cmd)) for n in plan.nodes for p in n.procs}
     cfg = plan.spec.cfg
-    return K8sJob(name, namespace, image, plan.env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
+    # The config's PADDLE_NIC is an interface of its HOSTS (the built-in local cluster's is lo): a pod binds its own
+    # address unless --pod-nic names one of the pods' interfaces (ENV may still set the variables).
+    env = dataclasses.replace(plan.env, nic=pods.nic)
+    return K8sJob(name, namespace, image, env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
                   cfg.kill_grace, workspace_pack, jobset or bool(pods.queue))
 
 
