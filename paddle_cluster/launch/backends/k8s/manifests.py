@@ -184,7 +184,9 @@ def topology(cfg: ClusterConfig, *, job_name: str, namespace: str = DEFAULT_NAME
     # node/pod.py), so each process is the first of its node and takes that one's ports.
     places = [Place(pod_host(name, namespace, PSERVER, i, jobset), 1, 0, POD_PYTHON) for i in range(n_ps)]
     places += [Place(pod_host(name, namespace, TRAINER, j, jobset), 0, 1, POD_PYTHON) for j in range(n_tr)]
-    return name, Topology(tuple(places), f"{root}/{name}", workspace, ckpt)
+    # The config's PADDLE_NIC is an interface of its HOSTS (the built-in local cluster's is lo): a pod binds its own
+    # address unless --pod-nic names one of the pods' interfaces (ENV may still set the variables).
+    return name, Topology(tuple(places), f"{root}/{name}", workspace, ckpt, nic=pods.nic)
 
 
 def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOptions = PodOptions(),
@@ -194,10 +196,7 @@ def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOpt
         raise ConfigError("--image", image, "give the image holding the workspace, e.g. registry.example/ml/job:1")
     cmds = {p.role: tuple(shlex.split(p.cmd)) for n in plan.nodes for p in n.procs}
     cfg = plan.spec.cfg
-    # The config's PADDLE_NIC is an interface of its HOSTS (the built-in local cluster's is lo): a pod binds its own
-    # address unless --pod-nic names one of the pods' interfaces (ENV may still set the variables).
-    env = dataclasses.replace(plan.env, nic=pods.nic)
-    return K8sJob(name, namespace, image, env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
+    return K8sJob(name, namespace, image, plan.env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
                   cfg.kill_grace, workspace_pack, jobset or bool(pods.queue))
 
 
@@ -317,9 +316,6 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
                     # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
                     *(["--trainer-names", trainer_names(job)] if role == PSERVER else []),
-                    # A JobSet's pods are admitted together and fail together (its failurePolicy): a pserver
-                    # waits for its trainers however long they take to appear.
-                    *(["--first-trainer-timeout", "0"] if role == PSERVER and job.jobset else []),
                     *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []), "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),
         "env": _env(job, role),
