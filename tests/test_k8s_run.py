@@ -485,7 +485,7 @@ def test_a_deadline_always_ends_as_deadline_exceeded(fresh_kube: StandIn, job_di
     assert res.returncode == 1, res.stdout + res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert "failed: DeadlineExceeded: Job was active longer than specified deadline" in line, res.stderr
-    assert "143" not in res.stderr, res.stderr
+    assert "exited with code 143" not in res.stderr and "exited 143" not in res.stderr, res.stderr
     assert fresh_kube.objects() == {}
 
 
@@ -803,7 +803,7 @@ def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, jo
     assert launcher.returncode == 1, out + err
     (line,) = [ln for ln in err.splitlines() if "error:" in ln]
     assert "Kueue evicted the job (workload.kueue.x-k8s.io/jobset-fit-" in line and "Preempted: Preempted to " \
-        "accommodate a workload" in line and "143" not in err, err
+        "accommodate a workload" in line and "exited with code 143" not in err, err
     assert fresh_kube.objects() == {}
 
 

@@ -43,6 +43,7 @@ class JobWatch:
         self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
         self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
         self.failed: set = set()
+        self.pulls_said: set = set()  # the images whose pull was said (once for the job)
         self.warned: set = set()  # (reason, message) of the warnings said, whichever object they were about
         self.place = 0  # the job's place in its Kueue queue, as last said (1: next)
         self.unschedulable: Dict[str, str] = {}  # pod uid -> the scheduler's message
@@ -179,7 +180,8 @@ class JobWatch:
         if reason == "Pulling":
             image = (_IMAGE.search(message) or [None, "?"])[1]
             now = time.monotonic()
-            said = any(i == image for i, _, _ in self.pulling.values())  # by another pod: said once
+            said = image in self.pulls_said  # by another pod: said once
+            self.pulls_said.add(image)
             self.pulling[uid] = (image, now, now)
             self._waits(f"{what}: pulling image {image}")
             return [] if said else [m.Note(node, f"{what}: pulling image {image}; the start timeout waits meanwhile")]
