@@ -24,7 +24,7 @@ from paddle_cluster.launch import preflight
 from paddle_cluster.launch.backends.base import JobRefused, NodeLost
 from paddle_cluster.launch.backends.k8s import jobwatch
 from paddle_cluster.launch.backends.k8s import manifests as k8s
-from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch
+from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, log_events
 from paddle_cluster.launch.backends.k8s.jobwatch import JobWatch
 from paddle_cluster.launch.backends.k8s.kubectl import (
     INDEX_ANNOTATION,
@@ -32,7 +32,6 @@ from paddle_cluster.launch.backends.k8s.kubectl import (
     KILLED_ANNOTATION,
     Kubectl,
     PodState,
-    log_events,
     pod_states,
     pod_summary,
     states_of,

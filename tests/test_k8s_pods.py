@@ -29,7 +29,7 @@ from kube.validate import env_of, problems
 from rt_helpers import free_port_range
 
 from paddle_cluster.launch.backends.k8s import manifests as k8s
-from paddle_cluster.launch.backends.k8s.kubectl import log_events
+from paddle_cluster.launch.backends.k8s.backend import log_events
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.node import messages as m
 

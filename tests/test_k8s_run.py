@@ -807,51 +807,6 @@ def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, jo
     assert fresh_kube.objects() == {}
 
 
-def test_the_pods_logs_are_followed_by_a_few_kubectl_processes_not_one_a_pod(fresh_kube: StandIn,
-                                                                              job_dir: Path) -> None:
-    """Five pods, whose Jobs start them together: their logs come through one kubectl a role (a set-based selector
-    on their completion indexes), every pod's lines shown and saved."""
-    ws = job_dir / "patient"
-    ws.mkdir()
-    (ws / "train.py").write_text(PATIENT)
-    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
-    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
-    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "run", "--backend", "k8s", "--image", IMAGE,
-                                 "--pservers", "1", "--trainers", "4", "--job_name", "fit", "--job_dispatch_package",
-                                 "patient", "--", "6"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def followers() -> List[str]:
-        out = []
-        for proc in Path("/proc").iterdir():
-            try:
-                if proc.name.isdigit() and (proc / "stat").read_text().split(")")[1].split()[1] == str(launcher.pid):
-                    argv = (proc / "cmdline").read_bytes().split(b"\0")
-                    if b"logs" in argv:
-                        out.append(b" ".join(argv).decode())
-            except (OSError, IndexError):
-                pass
-        return out
-
-    try:
-        fresh_kube.wait(lambda: sum("connected" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
-            "fit-trainer-*.log")) == 4, 90, "the 4 trainers connected")
-        seen = followers()
-        out, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 0, out + err
-    assert 1 <= len(seen) <= 3 and all("--prefix" in a for a in seen), seen  # a role at a time, not 5 processes
-    assert any("batch.kubernetes.io/job-completion-index in (0,1,2,3)" in a for a in seen), seen
-    for t in range(4):
-        assert f"[trainer.{t}@fit-trainer-{t}] done w0=" in out, out
-        assert "done w0=" in (job_dir / f"root/fit/log/trainer.{t}.log").read_text()
-    assert "paddle-cluster pod: end" not in out + (job_dir / "root/fit/log/trainer.0.log").read_text()
-    assert fresh_kube.objects() == {}
-
-
 def test_a_watch_the_api_server_expires_is_listed_again(fresh_kube: StandIn, job_dir: Path) -> None:
     """The API server ends every watch with 410 Expired (its history compacted) while the job runs: run lists
     again and watches on, says nothing of it, and follows the job to its end."""

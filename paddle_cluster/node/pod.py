@@ -50,8 +50,7 @@ ERROR = PREFIX + "error: "
 IMAGE = PREFIX + "image: "
 METRICS = PREFIX + "metrics "  # + "trainer<N> " + one JSON record of log/metrics.trainer<N>.jsonl
 FIGURES = PREFIX + "figures "  # + one JSON object: the process's figures for ``top``, every FIGURES_S
-END = PREFIX + "end "  # + the exit code: the pod's last line (a follower of many pods knows it read all of one)
-QUIET = (METRICS, FIGURES, END)  # the entry point's lines that are not the process's output (``logs`` leaves them out)
+QUIET = (METRICS, FIGURES)  # the entry point's lines that are not the process's output (``logs`` leaves them out)
 FIGURES_S = 2.0  # a line of ~400 bytes: ~17 MB of pod log a day
 POLL_S = 0.2
 STARTING = b"paddle-cluster pod: starting\n"  # a pserver pod's port, before its pserver listens there
@@ -432,15 +431,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("give the command to run after --")
-    code = EXIT_NOT_READY
     try:
         say(f"{IMAGE}{image_check()}")
-        code = become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
+        return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
-    except SystemExit as e:  # a signal before the process started
-        code = e.code if isinstance(e.code, int) else 1
-        raise
-    finally:
-        say(f"{END}{code}")
-    return code
+        return EXIT_NOT_READY

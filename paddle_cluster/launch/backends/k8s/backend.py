@@ -2,10 +2,9 @@
 what kubectl shows into the events every backend yields, and deletes the job's objects by label at the end.
 
 Each pod is a node of the plan with one process (pserver *i* is node *i*, trainer *j* node *pservers + j*).
-Events come from kubectl: ``get pods --watch -o json`` (a container started, waits
-for a reason, or ended with an exit code), of the Jobs and Events, and ``logs --follow --prefix`` per batch of pods
-that started together (``logstreams.py``: their output lines, and the entry point's "ready"/"error" lines:
-``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
+Events come from two kubectl commands: ``get pods --watch -o json`` (a container started, waits
+for a reason, or ended with an exit code) and ``logs --follow`` per pod (its output lines, and the entry
+point's "ready"/"error" lines: ``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
 launcher (they finish the job on their own) and ``kill`` deletes them by label.
 """
 
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import queue
 import re
 import shlex
@@ -35,8 +35,7 @@ from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, pods, rights
 from .jobwatch import JobWatch
-from .kubectl import Kubectl, PodWatch, owners, pod_states, states_of, watch_events
-from .logstreams import LogStreams
+from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, states_of, watch_events
 from .pod_options import PodOptions
 from .pods import save_results
 
@@ -319,12 +318,12 @@ class K8sLiveJob(LiveJob):
         self.jobwatch = JobWatch({name: [n for (r, _), n in nodes.items() if r == role]
                                   for role, name in prepared.job_names.items()},
                                  lambda p: nodes.get((p.role, p.index)), job.pods.queue, pending_timeout)
-        self.roles = {node: ri for ri, node in nodes.items()}  # node -> (role, completion index)
-        self.readied: set = set()  # nodes whose entry point said ready or not
-        self.logs = LogStreams(self.kubectl, self.job_dir, self._put, self.readied.add)
+        self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
+        self._lock = threading.Lock()
         self._state = threading.Lock()
         self._polling: Optional[threading.Event] = None
         self._watchers: List[subprocess.Popen] = []
+        self.readied: set = set()  # nodes whose entry point said ready or not
 
     def start(self, detached: bool) -> None:
         request, job = self.k8s_request, self.job
@@ -465,16 +464,46 @@ class K8sLiveJob(LiveJob):
 
     def _handle(self, events: List[Event]) -> None:
         for ev in events:
-            if isinstance(ev, (m.Started, m.Exited)):
-                role, index = self.roles[ev.node]
-                self.logs.follow(ev.node, self.watch.started[ev.node], ev.proc, k8s.role_word(role), index)
+            if isinstance(ev, m.Started):
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
             if isinstance(ev, m.Exited):
-                self.logs.wait_read(ev.node, 10)  # its last lines first: the failure report quotes them
+                # Its last lines first: the failure report quotes them.
+                self._follow(ev.node, self.watch.started[ev.node], ev.proc)
+                self.followers[ev.node][1].join(timeout=10)
                 if ev.node not in self.readied:  # ended before the entry point said ready or not
                     self._put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
                                                         "before its process started"
                                                         + (f" ({ev.error})" if ev.error else "")))
             self._put(ev)
+
+    def _follow(self, node: int, pod: str, proc: str) -> None:
+        with self._lock:
+            if node in self.followers:
+                return
+            p = subprocess.Popen(self.kubectl.logs(pod), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, errors="replace")
+            t = threading.Thread(target=self._read_logs, args=(node, proc, pod, p), daemon=True, name=f"logs-{pod}")
+            self.followers[node] = (p, t)
+            t.start()
+
+    def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
+        assert p.stdout is not None and p.stderr is not None
+        os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
+        with open(pods.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
+            for n, raw in enumerate(p.stdout):
+                copy.write(raw if raw.endswith("\n") else raw + "\n")
+                copy.flush()
+                if n == 0 and pods.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
+                    self.readied.add(node)
+                    self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before "
+                                           "it was followed"))
+                for ev in log_events(node, proc, raw.rstrip("\n")):
+                    if isinstance(ev, (m.Ready, m.NotReady)):
+                        self.readied.add(node)
+                    self._put(ev)
+        err = p.stderr.read().strip()
+        if p.wait() != 0 and err:
+            self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
 
     def _put(self, ev: Event) -> None:
         while True:
@@ -544,4 +573,13 @@ class K8sLiveJob(LiveJob):
             if w.poll() is None:
                 w.terminate()
                 w.wait(timeout=5)
-        self.logs.close()
+        with self._lock:
+            for p, _ in self.followers.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p, t in self.followers.values():
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                t.join(timeout=2)

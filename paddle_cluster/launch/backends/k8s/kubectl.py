@@ -95,14 +95,6 @@ class Kubectl:
         return self._ns("logs", f"pod/{pod}", *(["--follow"] if follow else []),
                         *([f"--tail={tail}"] if tail is not None else []))
 
-    def logs_of(self, role: str, indexes: List[int]) -> List[str]:
-        """Follow the logs of the job's pods of ``role`` (``pserver``, ``trainer``) with these completion indexes
-        in one kubectl, each line prefixed ``[pod/NAME/CONTAINER]`` (the index label: Kubernetes 1.28 and
-        later)."""
-        chosen = f"{self.selector},{LABEL_ROLE}={role},{INDEX_ANNOTATION} in ({','.join(map(str, sorted(indexes)))})"
-        return self._ns("logs", "--follow", "--prefix", "--ignore-errors", f"--max-log-requests={max(1, len(indexes))}",
-                        "--selector", chosen)
-
     def delete(self, wait: bool) -> List[str]:
         """Delete the job's objects; foreground: a Job is gone only once its pods are (with their grace)."""
         return self._ns("delete", self.kinds, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",

@@ -112,11 +112,6 @@ def job_name(name: str, role: str, jobset: bool = False) -> str:
     return f"{name}-{_ROLE_WORD[role]}" + ("-0" if jobset else "")
 
 
-def role_word(role: str) -> str:
-    """The value of ``LABEL_ROLE`` on the pods of ``role``."""
-    return _ROLE_WORD[role]
-
-
 def selector(name: str) -> str:
     return f"{LABEL_JOB}={name}"
 

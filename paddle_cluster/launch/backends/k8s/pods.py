@@ -97,7 +97,7 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
         for line in whole_log(text.splitlines(), kept):
             if line.startswith(METRICS):
                 metrics.append(line[len(METRICS):].partition(" ")[2])
-            elif not line.startswith(QUIET):
+            elif not line.startswith(FIGURES):
                 lines.append(line)
         _write(os.path.join(log_dir, f"{proc_name(p)}.log"), lines)
         if metrics:
