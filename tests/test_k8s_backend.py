@@ -34,6 +34,7 @@ from paddle_cluster.launch.backends.k8s.kubectl import (
     PodState,
     pod_states,
     pod_summary,
+    states_of,
     watch_events,
 )
 from paddle_cluster.launch.backends.k8s.pods import pod_row
@@ -312,13 +313,17 @@ def test_check_k8s_names_each_missing_permission_and_fails(kube_cluster, tmp_pat
 
 
 def test_check_k8s_with_a_queue_asks_for_the_jobset_rights_too(kube_cluster, tmp_path: Path) -> None:
-    """--queue (or --jobset) makes the job one JobSet: check then asks for what run and kill do to JobSets."""
+    """--queue (or --jobset) makes the job one JobSet: check then asks for what run and kill do to JobSets, and
+    --queue for what run reads of Kueue's verdict (the Workload)."""
     res = _check(kube_cluster, tmp_path, "--queue", "q", deny="delete jobsets.jobset.x-k8s.io")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
-    assert "paddle-cluster: error: 1 of 32 permission(s) failed the check:" in res.stderr, res.stderr
+    assert "paddle-cluster: error: 1 of 33 permission(s) failed the check:" in res.stderr, res.stderr
     assert "may not delete jobsets.jobset.x-k8s.io in namespace ml ('kubectl --namespace ml auth can-i delete " \
            "jobsets.jobset.x-k8s.io' says no; run and kill delete the job's JobSet)" in res.stderr, res.stderr
+    rows = json.loads(_check(kube_cluster, tmp_path, "--queue", "q", "--json").stdout)
+    assert [r["verb"] for r in rows if r["resource"] == "workloads.kueue.x-k8s.io"] == ["list"], rows  # its verdict
     rows = json.loads(_check(kube_cluster, tmp_path, "--jobset", "--json").stdout)
+    assert not [r for r in rows if "kueue" in r["resource"]], rows
     assert {(r["verb"], r["resource"]) for r in rows if "jobset" in r["resource"]} == {
         (v, "jobsets.jobset.x-k8s.io") for v in ("create", "get", "list", "delete")}, rows
     assert all(r["ok"] for r in rows), rows
@@ -448,3 +453,37 @@ def test_an_image_pull_holds_the_start_timeout_and_is_said_again_while_it_lasts(
     assert w.events([event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Pulled", pulled)]) == [
         m.Note(2, f"pod/fit-trainer-1-x7k2p: {pulled}")]
     assert not w.holding()
+
+
+def test_an_unschedulable_pod_holds_the_start_timeout_and_a_pending_timeout_names_why(monkeypatch) -> None:
+    nodes = {(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2}
+    w = JobWatch({"fit-pserver": [0], "fit-trainer": [1, 2]}, lambda p: nodes.get((p.role, p.index)),
+                 pending_timeout=300)
+    why = "0/4 nodes are available: 4 node(s) didn't match Pod's node affinity/selector."
+    p = pod("trainer", 1, "Pending", conditions=[{"type": "PodScheduled", "status": "False",
+                                                   "reason": "Unschedulable", "message": why}])
+    p["metadata"]["uid"] = "uid-pod"
+    w.pods([p])
+    assert w.holding() and w.due() == []  # the autoscaler may add a node: the start timeout waits
+    clock = time.monotonic() + 301
+    monkeypatch.setattr(jobwatch.time, "monotonic", lambda: clock)
+    assert w.due() == [JobRefused(f"the cluster held the job for 300 s (--pending-timeout): "
+                                  f"pod/fit-trainer-1-x7k2p: Unschedulable: {why}")]
+    assert w.due() == []  # once
+    placed = pod("trainer", 1, "Pending", {"waiting": {"reason": "ContainerCreating"}})
+    placed["metadata"]["uid"] = "uid-pod"
+    w.pods([placed])
+    assert not w.holding()
+
+
+def test_pods_waiting_for_the_same_reason_say_it_once_and_the_error_names_them_all() -> None:
+    watch = PodWatch({(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2})
+    pull = {"reason": "ErrImagePull", "message": 'rpc error: code = NotFound desc = "reg/typo:1": not found'}
+    backoff = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "reg/typo:1"'}
+    said = []
+    for state in (pull, backoff, pull, backoff):  # a kubelet's retries
+        said += watch.update(states_of([pod(r, i, "Pending", {"waiting": state}) for r, i in
+                                        (("pserver", 0), ("trainer", 0), ("trainer", 1))]))
+    assert said == [m.Note(0, f"pod fit-pserver-0-x7k2p: ErrImagePull: {pull['message']}")]
+    assert watch.why_waiting() == (f"ErrImagePull: {pull['message']} (pods fit-pserver-0-x7k2p, fit-trainer-0-x7k2p, "
+                                   "fit-trainer-1-x7k2p)")

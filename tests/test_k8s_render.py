@@ -232,6 +232,21 @@ def test_a_collective_job_is_the_trainer_job_alone(tmp_path: Path) -> None:
     assert [rj["name"] for rj in js[1]["spec"]["replicatedJobs"]] == ["trainer"] and jobset_problems(js[1]) == []
 
 
+def test_collective_pods_bind_their_own_address_unless_told_an_interface(tmp_path: Path) -> None:
+    """gloo and NCCL in a pod bind the address of its hostname (its own) unless --pod-nic names an interface of
+    the pods: neither the built-in local cluster's lo nor a conf.py's PADDLE_NIC (an interface of its HOSTS)."""
+    for conf in ("", THREE_HOSTS + 'PADDLE_NIC = "ens5"\n'):
+        (tmp_path / "conf.py").unlink(missing_ok=True)
+        k = by_kind(render(tmp_path, "--image", "img:1", "--collective", conf=conf))
+        env = env_of(container(k["trainer"]))
+        assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(env), env
+        proc = JobEnv.from_environ(env).for_process("TRAINER", 1, "10.0.0.7").to_environ()
+        assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} & set(proc), proc  # what node/pod.py gives it
+    k = by_kind(render(tmp_path, "--image", "img:1", "--collective", "--pod-nic", "net1"))
+    env = env_of(container(k["trainer"]))
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "net1"
+
+
 @pytest.mark.parametrize("args,named", [
     (["--collective", "--pservers", "2"], "--pservers"),
     (["--collective", "--pserver", "builtin"], "--pserver"),
@@ -333,6 +348,7 @@ def test_the_restricted_checks_catch_what_they_claim_to(what: str) -> None:
     (["--image-pull-secret", "Reg Cred"], "--image-pull-secret"),
     (["--run-as-user", "0"], "--run-as-user"),
     (["--ttl", "-5"], "--ttl"),
+    (["--pod-nic", "eth 0"], "--pod-nic"),
 ])
 def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], named: str) -> None:
     res = cli("render", "k8s", "--image", "img:1", *args, cwd=tmp_path)

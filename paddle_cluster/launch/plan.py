@@ -100,6 +100,9 @@ class Topology:
     # With --resume_from, the checkpoint step every pserver resumes from, once ``prepare`` found it complete for
     # each (``launch/resume.py``); None: the pservers look for it themselves (and refuse to start without one).
     resume_step: Optional[int] = None
+    # The interface gloo and NCCL bind to (SOCKET_IFNAME_VARS): None, the config's PADDLE_NIC (an interface of its
+    # hosts); "" none, each process binding its host name's address (a pod's own).
+    nic: Optional[str] = None
 
     @classmethod
     def hosts(cls, cfg: ClusterConfig, addresses: Sequence[str], pythons: Sequence[str] = (),
@@ -186,7 +189,8 @@ def build_plan(spec: JobSpec, topology: Topology, job_id: Optional[str] = None,
                  spec.job_dir, barrier_timeout=cfg.barrier_timeout, resume="latest" if spec.resume_from else "",
                  checkpoint_dir=topology.checkpoint_dir or spec.resume_root, init=dict(spec.init), extra=dict(cfg.env),
                  integrity=cfg.integrity, trainer_endpoints=tuple(trainers), master_port=trainer_ports[0],
-                 local_world_size=max(n.trainers for n in topology.nodes), nic=cfg.paddle_nic)
+                 local_world_size=max(n.trainers for n in topology.nodes),
+                 nic=cfg.paddle_nic if topology.nic is None else topology.nic)
     plan = JobPlan(spec, env, topology, _node_plans(spec, env, topology))
     return plan.resumed(topology.resume_step) if topology.resume_step is not None else plan
 

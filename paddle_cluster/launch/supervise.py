@@ -222,7 +222,9 @@ class Attempt:
         n_nodes = len(self.plan.nodes)
         start_timeout = self.plan.spec.cfg.start_timeout
         if not self.pump(lambda: len(self.ready) == n_nodes or any(self.ready.values()), timeout=start_timeout + 30):
-            raise JobFailed(f"pservers not ready within START_TIMEOUT={start_timeout:.0f} s")
+            why = self.job.why_waiting()
+            raise JobFailed(f"pservers not ready within START_TIMEOUT={start_timeout:.0f} s"
+                            + (f": {why}" if why else ""))
         bad = {i: why for i, why in self.ready.items() if why}
         if bad:
             # A trainer that failed already is the cause, not a node it took down: on Kubernetes a failed trainer

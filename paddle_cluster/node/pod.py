@@ -15,12 +15,10 @@ passed on to it. What the job's processes leave in the pod's job-dir volume goes
 metrics records are also printed to the log once it exits (``METRICS`` lines: the launcher keeps them).
 
 The whole job ends on the cluster itself, without a launcher watching: a pserver pod given the trainers' names
-(``--trainer-names``) stops its pserver and fails once the cluster DNS says, for ``TRAINERS_GONE_GRACE_S``
-without a break, that none of them exists (NXDOMAIN): every trainer pod has ended (the headless Service
-publishes a pod's name only until it ends) without the pserver having finished -- a trainer failed, its Job
-failed and the Job controller ended the other trainers. A resolver that fails or does not answer (a CoreDNS
-restart: EAI_AGAIN, a timeout) says nothing about the trainers: it is logged and asked again, never counted.
-When the trainers finish, the pserver ends on its own (every trainer closed). Standard library only.
+(``--trainer-names``) stops its pserver and fails once its trainers are gone without the pserver having finished
+(``trainerwatch.py``: from their connections to its ports, and the cluster DNS while none is connected; trainers
+not scheduled yet are never counted). When the trainers finish, the pserver ends on its own (every trainer
+closed). Standard library only.
 """
 
 from __future__ import annotations
@@ -39,11 +37,12 @@ import tarfile
 import tempfile
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional
 
 from paddle_cluster.contract import PSERVER, SECRET_VAR, ContractError, Endpoint, JobEnv, node_defaults
 
 from .podlog import LOG, not_dumpable
+from .trainerwatch import CHECK_S, TrainersGone, lookup
 
 INDEX_VAR = "JOB_COMPLETION_INDEX"  # Kubernetes' own, set in every pod of an Indexed Job
 # This entry point's own lines in the pod's log; the k8s backend reads "ready"/"error" ones as events.
@@ -59,16 +58,7 @@ POLL_S = 0.2
 STARTING = b"paddle-cluster pod: starting\n"  # a pserver pod's port, before its pserver listens there
 STARTING_MIN_S = 1.0  # how long at least it says so: a trainer polling every POLL_S sees it
 PROBE_S = 0.3  # how long a trainer waits for STARTING from a port that accepted
-TRAINERS_CHECK_S = 1.0
 STOP_GRACE_S = 10.0  # as a launcher's KILL_GRACE: SIGTERM, then SIGKILL
-# NXDOMAIN for every trainer name this long: the trainers are gone. A trainer pod's name resolves until the pod
-# ends (publishNotReadyAddresses; no pod comes back: restartPolicy Never, backoffLimit 0), so the only NXDOMAIN
-# while one runs is a stale negative answer, cached at most 5 s (CoreDNS's kubernetes TTL) by each of at most two
-# caches (NodeLocal DNSCache in front of CoreDNS). The built-in pserver has ended before any name goes: it exits
-# on its trainers' last close, which comes before their pods end.
-TRAINERS_GONE_GRACE_S = 10.0
-NXDOMAIN = "NXDOMAIN"  # the resolver's authoritative "no such name" (EAI_NONAME, EAI_NODATA)
-_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 EXIT_NOT_READY = 3  # like a pserver that cannot use its checkpoint: nothing ran, nothing to retry here
 EXIT_TRAINERS_GONE = 5  # a pserver stopped because its trainers ended without finishing
 
@@ -83,17 +73,6 @@ def completion_index(environ: Mapping[str, str]) -> int:
         raise PodError(f"{INDEX_VAR}={text!r}: expected the pod's completion index; this entry point runs in "
                        "the pods of an Indexed Job (completionMode: Indexed)")
     return int(text)
-
-
-def lookup(host: str) -> Tuple[List[str], str]:
-    """(``host``'s addresses, "") or ([], why not): ``NXDOMAIN`` when the resolver answered that no such name
-    exists, else its error (a temporary failure, a timeout), which says nothing about the name."""
-    try:
-        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}), ""
-    except socket.gaierror as e:
-        return [], NXDOMAIN if e.errno in _NO_SUCH_NAME else (e.strerror or str(e))
-    except (OSError, UnicodeError) as e:
-        return [], str(e)
 
 
 def _addresses(host: str) -> List[str]:
@@ -251,8 +230,7 @@ def read_secret(path: str) -> str:
 
 
 def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, str]] = None,
-           trainer_names: str = "", pack: str = "", first_trainer_timeout: Optional[float] = None,
-           secret_file: str = "") -> int:
+           trainer_names: str = "", pack: str = "", secret_file: str = "") -> int:
     """Wait as this pod's role requires, then run ``cmd`` with the process's contract; its exit code.
     ``secret_file``: where the job secret is (it is then not in the environment)."""
     base: Dict[str, str] = dict(os.environ if environ is None else environ)
@@ -321,8 +299,11 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     figures = threading.Event()
     threading.Thread(target=report_figures, args=(child.pid, f"{env.role.lower()}.{index}", env.job_dir, figures),
                      daemon=True, name="figures").start()
-    names = [trainer_names.format(j) for j in range(env.trainers)] if env.role == PSERVER and trainer_names else []
-    code = _wait(child, names, start_timeout if first_trainer_timeout is None else first_trainer_timeout)
+    watch = None
+    if env.role == PSERVER and trainer_names:
+        watch = TrainersGone([trainer_names.format(j) for j in range(env.trainers)], env.all_ports(index),
+                             lambda line: say(PREFIX + line))
+    code = _wait(child, watch)
     figures.set()
     LOG.drain()
     if env.role != PSERVER and env.job_dir:
@@ -355,43 +336,21 @@ def _end_waiting(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _wait(child: subprocess.Popen, trainer_names: List[str], first_timeout: float) -> int:
-    """``child``'s exit code; with ``trainer_names``, stop it (and fail) once the trainers are gone: every name
-    answered NXDOMAIN for ``TRAINERS_GONE_GRACE_S``, after one resolved or, unless ``first_timeout`` is 0 (their
-    pods are admitted with this one: a JobSet), after ``first_timeout`` s (trainers that ended before a first
-    look). A resolver error is neither an address nor NXDOMAIN: said once, asked again."""
-    seen, since = False, time.monotonic()
-    gone_since: Optional[float] = None  # when every name first answered NXDOMAIN, none resolving since
-    failing: Optional[Tuple[float, str]] = None  # since when, and why, the resolver has not answered
+def _wait(child: subprocess.Popen, watch: Optional[TrainersGone]) -> int:
+    """``child``'s exit code; with ``watch`` (a pserver's trainers), stop it (and fail) once they are gone."""
     while True:
-        if trainer_names:
-            answers = [lookup(n) for n in trainer_names]
-            now = time.monotonic()
-            errors = sorted({why for addrs, why in answers if not addrs and why != NXDOMAIN})
-            if errors and failing is None:
-                failing = (now, errors[0])
-                say(f"{PREFIX}cannot resolve the trainers' names ({errors[0]}): asking again; a resolver "
-                    "failure does not count as the trainers being gone")
-            elif not errors and failing is not None:
-                say(f"{PREFIX}the resolver answers again after {now - failing[0]:.0f} s")
-                failing = None
-            if any(addrs for addrs, _ in answers):
-                seen, gone_since = True, None
-            elif all(why == NXDOMAIN for _, why in answers):
-                gone_since = now if gone_since is None else gone_since
-                waited = seen or (first_timeout > 0 and now - since > first_timeout)
-                if waited and now - gone_since >= TRAINERS_GONE_GRACE_S:
-                    return _stop_pserver(child)
+        why = watch.check() if watch is not None else ""
+        if why:
+            return _stop_pserver(child, why)
         try:
-            return child.wait(timeout=TRAINERS_CHECK_S)
+            return child.wait(timeout=CHECK_S)
         except subprocess.TimeoutExpired:
             pass
 
 
-def _stop_pserver(child: subprocess.Popen) -> int:
-    say(f"{ERROR}no trainer pod is left (the cluster DNS has answered NXDOMAIN for every trainer's name for "
-        f"{TRAINERS_GONE_GRACE_S:g} s) and not every trainer closed its connection (a trainer failed, or its Job was "
-        "stopped): stopping this pserver")
+def _stop_pserver(child: subprocess.Popen, why: str) -> int:
+    say(f"{ERROR}no trainer pod is left ({why}) and not every trainer closed its connection (a trainer failed, or "
+        "its Job was stopped): stopping this pserver")
     child.terminate()
     try:
         child.wait(timeout=STOP_GRACE_S)
@@ -494,8 +453,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=60.0)
     ap.add_argument("--trainer-names", default="", help="pserver: the trainers' DNS names, {} for the index")
     ap.add_argument("--first-trainer-timeout", type=float, default=None,
-                    help="pserver: seconds to wait for a first trainer name to resolve (default: the start timeout; "
-                    "0: for ever, the trainers being admitted with this pod)")
+                    help="ignored (manifests of earlier versions): trainers not seen yet are waited for without bound")
     ap.add_argument("--unpack", default="", help="a gzipped tar of the workspace to unpack into it first")
     ap.add_argument("--secret-file", default="", help="the job secret's file (the mounted Secret), read once")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
@@ -506,7 +464,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         say(f"{IMAGE}{image_check()}")
         return become(cmd, a.start_timeout, trainer_names=a.trainer_names, pack=a.unpack,
-                      first_trainer_timeout=a.first_trainer_timeout, secret_file=a.secret_file)
+                      secret_file=a.secret_file)
     except (PodError, ContractError) as e:
         say(f"{ERROR}{e}")
         return EXIT_NOT_READY

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
-from .store import QUEUE, TICK, Store, _key, matches, now, touch
+from . import apivalidation as check
+from .store import QUEUE, TICK, Store, _key, now, touch
 from .workloads import pending_workloads
 
 VISIBILITY = "visibility.kueue.x-k8s.io"  # Kueue's visibility API: its LocalQueues' pending workloads, in line
@@ -48,10 +49,13 @@ RESOURCES: Dict[Tuple[str, str, str], Tuple[str, bool, str, List[str]]] = {
     ("batch", "v1", "jobs"): ("Job", True, "job", []),
     ("scheduling.k8s.io", "v1", "priorityclasses"): ("PriorityClass", False, "priorityclass", ["pc"]),
     ("jobset.x-k8s.io", "v1alpha2", "jobsets"): ("JobSet", True, "jobset", []),
+    ("kueue.x-k8s.io", "v1beta1", "workloads"): ("Workload", True, "workload", ["wl"]),
     ("authorization.k8s.io", "v1", "selfsubjectaccessreviews"): ("SelfSubjectAccessReview", False,
                                                                   "selfsubjectaccessreview", []),
 }
 VERBS = ["create", "delete", "get", "list", "patch", "watch"]
+NAMESPACES = ["default", "kube-system", "kube-public"]  # those a cluster starts with
+STATUS_SUBRESOURCE = ("Pod", "Job", "JobSet", "Workload", "ResourceQuota", "Service")
 
 
 def _gv(group: str, version: str) -> str:
@@ -338,12 +342,21 @@ class Handler(BaseHTTPRequestHandler):
         gv = _gv(g, v)
         if sub == "log":
             return self.log(ns, name, q)
+        if self.refuse(check.selector_refusal(q.get("labelSelector", "")) or
+                       check.field_refusal(kind, q.get("fieldSelector", ""))):
+            return
         if method == "POST":
-            return self.create(gv, kind, f"{plural}{'.' + g if g else ''}", ns, self.body())
+            obj = self.body()
+            if self.refuse(check.namespace_refusal(ns, self.api.cfg.get("namespaces") or NAMESPACES) or
+                           check.object_refusal(kind, g, obj)):
+                return
+            if q.get("dryRun") == "All":  # validated, defaulted, answered: not stored
+                return self.reply(201, {**obj, "apiVersion": obj.get("apiVersion", gv), "kind": kind})
+            return self.create(gv, kind, f"{plural}{'.' + g if g else ''}", ns, obj)
         if method == "DELETE":
             return self.delete(kind, plural, g, ns, name, self.body())
         if method == "PATCH":
-            return self.patch(kind, plural, g, ns, name, self.body())
+            return self.patch(kind, plural, g, ns, name, self.body(), sub)
         if verb == "watch":
             return self.watch(kind, ns, name, q)
         doc = self.api.store.read()
@@ -363,8 +376,13 @@ class Handler(BaseHTTPRequestHandler):
 
     @staticmethod
     def selected(obj: Dict[str, Any], q: Dict[str, str]) -> bool:
-        return matches(obj["metadata"].get("labels") or {}, q.get("labelSelector", "")) and \
+        return check.label_match(obj["metadata"].get("labels") or {}, q.get("labelSelector", "")) and \
             _fields_match(obj, q.get("fieldSelector", ""))
+
+    def refuse(self, refusal: Optional[check.Refusal]) -> bool:
+        if refusal is not None:
+            self.fail(refusal.code, refusal.reason, refusal.message)
+        return refusal is not None
 
     def create(self, gv: str, kind: str, plural: str, ns: str, obj: Dict[str, Any]) -> None:
         meta = obj.setdefault("metadata", {})
@@ -390,17 +408,22 @@ class Handler(BaseHTTPRequestHandler):
             if kind in ("Job", "JobSet"):
                 obj["status"] = {}
                 labels = meta.setdefault("labels", {})
-                if labels.get(QUEUE) in (self.api.cfg.get("queues") or {}):
-                    obj["spec"]["suspend"] = True  # Kueue's webhook: a queued workload runs once admitted
+                if labels.get(QUEUE) and not meta.get("ownerReferences"):
+                    # Kueue's webhook: a queued workload runs once admitted (its queue existing or not)
+                    obj["spec"]["suspend"] = True
             doc["objects"][key] = obj
             touch(doc, obj, "ADDED")
         self.reply(201, obj)
 
-    def patch(self, kind: str, plural: str, g: str, ns: str, name: str, change: Dict[str, Any]) -> None:
+    def patch(self, kind: str, plural: str, g: str, ns: str, name: str, change: Dict[str, Any], sub: str = "") -> None:
         with self.api.store.edit() as doc:
             obj = doc["objects"].get(_key(kind, ns, name))
             if obj is None:
                 return self.not_found(plural, g, name)
+            if kind in STATUS_SUBRESOURCE:
+                # status is a subresource: a patch of the object leaves it, one of .../status changes it alone
+                change = {"status": change.get("status")} if sub == "status" else \
+                    {k: v for k, v in change.items() if k != "status"}
             new = merge(obj, change)
             obj.clear()
             obj.update(new)
@@ -510,6 +533,7 @@ def _rotated(path: Path, f) -> bool:
 
 
 def serve(root: Path, port_file: Path) -> None:
+    check.preload()
     api = APIServer(root)
     handler = type("BoundHandler", (Handler,), {"api": api})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -23,6 +23,7 @@ from .store import INDEX, TICK, Store, _key, matches, now, touch
 from .workloads import jobset, kueue
 
 TERMINAL = ("Succeeded", "Failed")
+PULL_BACKOFF_S = 1.0  # a kubelet's first image pull back-off is 10 s; shorter here, the same pattern
 LOG_MAX = 10 * 2 ** 20  # the kubelet's containerLogMaxSize (10Mi by default)
 LOG_FILES = 5  # containerLogMaxFiles: the current file and 4 rotated ones
 
@@ -311,6 +312,26 @@ class Cluster:
                                                "restartCount": 0,
                                                "state": {"waiting": {"reason": reason, "message": message}}}]
 
+    def _pull_fails(self, doc: Dict[str, Any], pod: Dict[str, Any], image: str) -> None:
+        """An image no registry has, as a kubelet retries it: a pull (ErrImagePull), then a back-off
+        (ImagePullBackOff) doubling from PULL_BACKOFF_S, each with the kubelet's Events, over and over."""
+        meta = pod["metadata"]
+        tries, last = meta.get("_pull_tries", 0), meta.get("_pull_at", 0.0)
+        if tries and time.time() - last < min(PULL_BACKOFF_S * 2 ** (tries // 2), 8 * PULL_BACKOFF_S):
+            return
+        meta.update(_pull_tries=tries + 1, _pull_at=time.time())
+        if tries % 2 == 0:
+            why = (f'rpc error: code = NotFound desc = failed to pull and unpack image "{image}": failed to resolve '
+                   f'reference "{image}": {image}: not found')
+            self.event(doc, pod, "Normal", "Pulling", f'Pulling image "{image}"')
+            self.event(doc, pod, "Warning", "Failed", f'Failed to pull image "{image}": {why}')
+            self.event(doc, pod, "Warning", "Failed", "Error: ErrImagePull")
+            self._waiting(pod, "ErrImagePull", why)
+        else:
+            self.event(doc, pod, "Normal", "BackOff", f'Back-off pulling image "{image}"')
+            self.event(doc, pod, "Warning", "Failed", "Error: ImagePullBackOff")
+            self._waiting(pod, "ImagePullBackOff", f'Back-off pulling image "{image}"')
+
     def _start(self, doc: Dict[str, Any], key: str, pod: Dict[str, Any]) -> None:
         objs = doc["objects"]
         meta, spec = pod["metadata"], pod["spec"]
@@ -318,7 +339,7 @@ class Cluster:
         (c,) = spec["containers"]
         image = self.cfg["images"].get(c["image"])
         if image is None:
-            return self._waiting(pod, "ErrImagePull", f'failed to pull image "{c["image"]}": not found')
+            return self._pull_fails(doc, pod, c["image"])
         pull = (spec["nodeName"], c["image"])
         pull_s = image.get("pull_s", 0)  # seconds, or {node: seconds}
         pull_s = pull_s.get(spec["nodeName"], 0) if isinstance(pull_s, dict) else pull_s

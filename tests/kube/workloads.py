@@ -3,13 +3,19 @@
 JobSet (jobset.x-k8s.io/v1alpha2): a JobSet makes its headless Service (``network.enableDNSHostnames``: named
 after it, selecting its pods) and one Job ``<JobSet>-<replicated Job>-<i>`` per replica, whose pods are in the
 JobSet's subdomain; its ``spec.suspend`` is its Jobs'; it is ``Completed`` once every Job of
-``successPolicy.targetReplicatedJobs`` is, and ``Failed`` (its Jobs deleted, ``failurePolicy.maxRestarts`` 0)
-once any Job failed; ``ttlSecondsAfterFinished`` deletes it, and the garbage collector its Jobs and Service.
+``successPolicy.targetReplicatedJobs`` is (its Jobs still active then deleted), and ``Failed`` (its Jobs
+deleted, ``failurePolicy.maxRestarts`` 0) once any Job failed; ``ttlSecondsAfterFinished`` deletes it, and the
+garbage collector its Jobs and Service.
 
-Kueue: the cluster's queues (``cluster.json`` ``queues``: name -> CPUs) admit the workloads labelled
-``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one workload) in the order they came
-(StrictFIFO), each once the CPUs its pods request fit beside those of the workloads admitted and not finished;
-its webhook created them suspended (apiserver.py), admission resumes them.
+Kueue: the cluster's queues (``cluster.json`` ``queues``: LocalQueue name -> the CPUs of its ClusterQueue's one
+flavor) admit the workloads labelled ``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one
+workload) in the order they came (StrictFIFO), each once the CPUs its pods request fit beside those of the
+workloads admitted and not finished; its webhook created them suspended (apiserver.py), admission resumes them.
+Each has its ``Workload`` (kueue.x-k8s.io/v1beta1, owned by it) with Kueue's conditions: ``QuotaReserved`` False
+``Inadmissible`` for a LocalQueue that does not exist, False ``Pending`` with the flavor assigner's message while
+it waits (``insufficient unused quota``) or can never fit (``request > maximum capacity``), then
+``QuotaReserved`` and ``Admitted`` True; ``preempt`` evicts an admitted one (``Evicted`` True ``Preempted``,
+``Requeued``, its Job suspended again, which stops its pods) until it is admitted again.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import copy
 import secrets
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from .admission import pod_usage, qty
 from .store import QUEUE, _key, now, touch
@@ -101,6 +107,9 @@ def jobset(cluster, doc: Dict[str, Any], key: str) -> None:
                                 for c in (j.get("status") or {}).get("conditions") or []) for j in wanted):
             conds.append({"type": "Completed", "status": "True", "reason": "AllJobsCompleted",
                           "lastTransitionTime": now(), "message": "jobset completed successfully"})
+            for j in jobs:  # as the JobSet controller does once it finished: its Jobs still active are deleted
+                if not _done(j):
+                    _delete(doc, j)
     if _done(js):
         st.setdefault("_done", time.time())
         ttl = spec.get("ttlSecondsAfterFinished")
@@ -154,18 +163,119 @@ def pending_workloads(objs: Dict[str, Any], ns: str, queue: str) -> Dict[str, An
             "metadata": {"creationTimestamp": None}, "items": items}
 
 
+CLUSTER_QUEUE = "cluster-queue"
+FLAVOR = "default-flavor"
+WORKLOAD_API = "kueue.x-k8s.io/v1beta1"
+PREEMPTOR_S = 30  # how long the higher-priority workload that preempted another holds the quota
+
+
+def workload_of(objs: Dict[str, Any], owner: Dict[str, Any]) -> Dict[str, Any]:
+    """The Workload Kueue keeps for a queued JobSet or Job, made on first sight (owned by it: it goes with it)."""
+    meta = owner["metadata"]
+    name = f"{owner['kind'].lower()}-{meta['name']}-{meta['uid'][:5]}"
+    key = _key("Workload", meta["namespace"], name)
+    if key not in objs:
+        objs[key] = {"apiVersion": WORKLOAD_API, "kind": "Workload",
+                     "metadata": {"name": name, "namespace": meta["namespace"], "uid": secrets.token_hex(8),
+                                  "creationTimestamp": now(), "labels": {"kueue.x-k8s.io/job-uid": meta["uid"]},
+                                  "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                                       "name": meta["name"], "uid": meta["uid"],
+                                                       "controller": True}]},
+                     "spec": {"queueName": (meta.get("labels") or {}).get(QUEUE, ""), "active": True},
+                     "status": {"conditions": []}}
+    return objs[key]
+
+
+def set_conditions(doc: Dict[str, Any], wl: Dict[str, Any], *conds: Tuple[str, str, str, str]) -> None:
+    """(type, status, reason, message) onto the Workload, each replacing its type's; touched if any changed."""
+    have = wl["status"]["conditions"]
+    changed = False
+    for type_, status, reason, message in conds:
+        old = next((c for c in have if c["type"] == type_), None)
+        if old is not None and (old["status"], old["reason"], old["message"]) == (status, reason, message):
+            continue
+        have[:] = [c for c in have if c["type"] != type_] + [{
+            "type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": now()}]
+        changed = True
+    if changed:
+        touch(doc, wl, "MODIFIED" if wl["metadata"].get("resourceVersion") else "ADDED")
+
+
+def _admitted(wl: Dict[str, Any]) -> bool:
+    return any(c["type"] == "Admitted" and c["status"] == "True" for c in wl["status"]["conditions"])
+
+
+def _pod_set(w: Dict[str, Any]) -> str:
+    return w["spec"]["replicatedJobs"][0]["name"] if w["kind"] == "JobSet" else "main"
+
+
 def kueue(cluster, doc: Dict[str, Any]) -> None:
     objs = doc["objects"]
     queues = cluster.cfg.get("queues") or {}
-    for queue, cpus in queues.items():
+    named = {(o["metadata"].get("labels") or {}).get(QUEUE) for k, o in objs.items()
+             if k.startswith(("JobSet/", "Job/"))} - {None, ""}
+    for queue in sorted(named | set(queues)):
         workloads_ = workloads(objs, queue)
+        if queue not in queues:
+            for w in workloads_:
+                set_conditions(doc, workload_of(objs, w), ("QuotaReserved", "False", "Inadmissible",
+                                                           f"LocalQueue {queue} doesn't exist"))
+            continue
+        cap = qty(queues[queue])
         used = sum(_cpus(w) for w in workloads_ if not w["spec"].get("suspend"))
+        head_waits = False
         for w in workloads_:
+            wl = workload_of(objs, w)
             if not w["spec"].get("suspend"):
+                if not _admitted(wl):  # (admitted before the stand-in kept Workloads)
+                    _admit(cluster, doc, w, wl)
                 continue
-            if used + _cpus(w) > qty(cpus):
-                break  # StrictFIFO: the head waits, and those behind it
-            used += _cpus(w)
+            need = _cpus(w)
+            if time.time() < wl["status"].get("_preempted_until", 0):
+                continue  # the workload that preempted it holds the quota meanwhile
+            if need > cap:
+                set_conditions(doc, wl, ("QuotaReserved", "False", "Pending",
+                                         f"couldn't assign flavors to pod set {_pod_set(w)}: insufficient quota for "
+                                         f"cpu in flavor {FLAVOR}, request > maximum capacity ({need:g} > {cap:g})"))
+                continue  # never fits: it does not hold the line
+            if head_waits or used + need > cap:
+                head_waits = True  # StrictFIFO: the head waits, and those behind it
+                set_conditions(doc, wl, ("QuotaReserved", "False", "Pending",
+                                         f"couldn't assign flavors to pod set {_pod_set(w)}: insufficient unused "
+                                         f"quota for cpu in flavor {FLAVOR}, {used + need - cap:g} more needed"))
+                continue
+            used += need
             w["spec"]["suspend"] = False
             touch(doc, w)
-            cluster.event(doc, w, "Normal", "Started", f"Admitted by clusterQueue {queue}")
+            _admit(cluster, doc, w, wl)
+
+
+def _admit(cluster, doc: Dict[str, Any], w: Dict[str, Any], wl: Dict[str, Any]) -> None:
+    conds = [("QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {CLUSTER_QUEUE}"),
+             ("Admitted", "True", "Admitted", "The workload is admitted")]
+    if any(c["type"] == "Evicted" and c["status"] == "True" for c in wl["status"]["conditions"]):
+        conds.append(("Evicted", "False", "QuotaReserved", "Previously: Preempted to accommodate a workload"))
+    set_conditions(doc, wl, *conds)
+    cluster.event(doc, w, "Normal", "Started", f"Admitted by clusterQueue {CLUSTER_QUEUE}")
+
+
+def preempt(doc: Dict[str, Any], ns: str, owner_name: str) -> None:
+    """Kueue preempting the admitted workload of ``owner_name`` (a higher-priority one needs its quota): evicted,
+    its Job(Set) suspended again -- the Job controller stops its pods -- and requeued."""
+    objs = doc["objects"]
+    for k, w in list(objs.items()):
+        if k.startswith(("JobSet/", "Job/")) and w["metadata"]["name"] == owner_name and \
+                w["metadata"]["namespace"] == ns:
+            wl = workload_of(objs, w)
+            set_conditions(doc, wl,
+                           ("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: "
+                            f"{secrets.token_hex(4)}) due to prioritization in the ClusterQueue"),
+                           ("QuotaReserved", "False", "Pending", "Preempted to accommodate a higher priority "
+                            "workload"),
+                           ("Admitted", "False", "NoReservation", "The workload has no reservation"),
+                           ("Requeued", "True", "Preempted", "Preempted to accommodate a workload due to "
+                            "prioritization in the ClusterQueue"))
+            wl["status"]["_preempted_until"] = time.time() + PREEMPTOR_S
+            w["spec"]["suspend"] = True
+            touch(doc, w)
+            # (readmitted by ``kueue`` once it fits again, at the back of the line it came first in)

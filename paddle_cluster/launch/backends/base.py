@@ -267,6 +267,11 @@ class LiveJob(ABC):
         """The cluster holds the job back (queued for admission, pulling its image): the start timeout waits."""
         return False
 
+    def why_waiting(self) -> str:
+        """What the cluster last said of the processes not started yet (an image it cannot pull, ...), for the
+        start timeout's error; "" when it said nothing."""
+        return ""
+
     @abstractmethod
     def request_stop(self, grace: float) -> None:
         """Ask every node to stop its processes now; returns at once (safe from a signal handler)."""

@@ -159,6 +159,10 @@ class K8sBackend(Backend):
         BackendOption("--jobset", "jobset", "One JobSet (jobset.x-k8s.io/v1alpha2: its controller must be "
                       "installed) instead of a Service and two Jobs: one success and failure policy, one Kueue "
                       "workload (--queue implies it; check: its rights).", bool, check=True),
+        BackendOption("--pending-timeout", "pending_timeout", "run: fail the job once the cluster has held it this "
+                      "long for a known reason (a pod it cannot schedule yet, no room in the quota, a Kueue queue, "
+                      "an image being pulled), naming that reason (default: wait as long as the cluster says it "
+                      "makes progress).", int, "S", 1),
     )
 
     @classmethod
@@ -166,6 +170,7 @@ class K8sBackend(Backend):
         be = cls(cfg, K8sOptions.from_config(cfg, opts.get("image"), opts.get("namespace"), opts.get("pservers"),
                                              opts.get("trainers"), pod_options.pod_flags(opts)))
         be.detached, be.jobset = detach, bool(opts.get("jobset"))
+        be.pending_timeout = opts.get("pending_timeout")
         return be
 
     def preview(self, spec: JobSpec, say: Callable[[str], None]) -> K8sPrepared:
@@ -208,7 +213,8 @@ class K8sBackend(Backend):
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
         return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
-                            if opts.get("namespace") else cfg, jobset=bool(opts.get("jobset") or opts.get("queue")))
+                            if opts.get("namespace") else cfg, jobset=bool(opts.get("jobset")),
+                            queue=bool(opts.get("queue")))
 
     @classmethod
     def figures(cls, job: JobRef) -> CallSource:
@@ -242,6 +248,7 @@ class K8sBackend(Backend):
         self.binary = binary
         self.detached = False  # run --detach: create the objects, follow nothing
         self.jobset = False  # render k8s --jobset
+        self.pending_timeout: Optional[int] = None  # run --pending-timeout
 
     # -- preparing ------------------------------------------------------------------------------------
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> K8sPrepared:
@@ -290,7 +297,8 @@ class K8sBackend(Backend):
         """Create the request's objects (``kubectl create`` of its manifests) and follow them; detached, return
         once created: the pods end the job on their own (fail-fast, the pservers once the trainers are gone), and
         ``status``/``logs``/``kill`` find it by its id."""
-        job = K8sLiveJob(cast(K8sRequest, request), self.cfg, self.binary, say)  # rendered by this backend
+        job = K8sLiveJob(cast(K8sRequest, request), self.cfg, self.binary, say,  # rendered by this backend
+                         self.pending_timeout)
         try:
             job.start(self.detached)
         except BaseException:
@@ -304,7 +312,8 @@ class K8sLiveJob(LiveJob):
     """One job's objects, created and followed: a watch of its pods, Jobs and events, and a ``kubectl logs`` of each
     pod that ran, turned into the events every backend yields."""
 
-    def __init__(self, request: K8sRequest, cfg: ClusterConfig, binary: str, say: Callable[[str], None]) -> None:
+    def __init__(self, request: K8sRequest, cfg: ClusterConfig, binary: str, say: Callable[[str], None],
+                 pending_timeout: Optional[float] = None) -> None:
         super().__init__(request)
         prepared = cast(K8sPrepared, request.prepared)
         self.k8s_request, self.cfg, self.say = request, cfg, say
@@ -318,7 +327,7 @@ class K8sLiveJob(LiveJob):
         self.watch = PodWatch(nodes)
         self.jobwatch = JobWatch({name: [n for (r, _), n in nodes.items() if r == role]
                                   for role, name in prepared.job_names.items()},
-                                 lambda p: nodes.get((p.role, p.index)), job.pods.queue)
+                                 lambda p: nodes.get((p.role, p.index)), job.pods.queue, pending_timeout)
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
         self._lock = threading.Lock()
         self._state = threading.Lock()
@@ -360,7 +369,27 @@ class K8sLiveJob(LiveJob):
                 f"'{shlex.join(self.kubectl.get())}'")
 
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
-        return self.watch.update(states_of(docs)) + self.jobwatch.pods(docs)
+        states = states_of(docs)
+        events = self.watch.update(states)
+        if any(isinstance(e, m.Exited) and e.code for e in events) and any(p.deleting for p in states):
+            # Pods deleted by their Job's controller (past --deadline, its Job failed, Kueue evicted it): the Job's
+            # or Kueue's reason, not the exit code of a pod it stopped, is why the job ended -- whichever watch
+            # speaks first.
+            events = self._why_stopped_now() + events
+        return events + self.jobwatch.pods(docs)
+
+    def _why_stopped_now(self) -> List[Event]:
+        out: List[Event] = []
+        kinds = [("jobs.batch", True)] + ([(rights.WORKLOADS, False)] if self.job.pods.queue else [])
+        for kind, selected in kinds:
+            try:
+                docs = kc.items_of(json.loads(self.kubectl.run(self.kubectl.list_of(kind, selected), timeout=30)
+                                              or "{}"))
+            except (ClusterError, ValueError):
+                continue
+            out += (self.jobwatch.jobs(docs) if kind == "jobs.batch" else
+                    self.jobwatch.workloads(docs, [self.job.name, *self.jobwatch.job_nodes]))
+        return out
 
     def _watch(self, done: threading.Event, kind: str, selected: bool,
                update: Callable[[List[Dict[str, Any]]], List[Event]]) -> None:
@@ -406,20 +435,34 @@ class K8sLiveJob(LiveJob):
             done.wait(RETRY_S)
 
     def _watch_queue(self, done: threading.Event) -> None:
-        """While Kueue holds the job, its place in line, from Kueue's visibility API every ``QUEUE_ASK_S``; a
-        cluster without that API (before Kueue 0.9, or not installed) is said once, then not asked again."""
+        """Kueue's verdict on the job (its Workload's conditions) and, while Kueue holds it, its place in line from
+        Kueue's visibility API, every ``QUEUE_ASK_S``; a cluster without that API (before Kueue 0.9, or not
+        installed) is said once, then not asked again."""
         owners = [self.job.name, *self.jobwatch.job_nodes]  # the JobSet, or a Job
+        visible, readable = True, True
         while not done.wait(QUEUE_ASK_S):
+            if readable:
+                try:
+                    docs = kc.items_of(json.loads(self.kubectl.run(self.kubectl.list_of(rights.WORKLOADS, False),
+                                                                   timeout=30) or "{}"))
+                    with self._state:
+                        events = self.jobwatch.workloads(docs, owners)
+                    self._handle(events)
+                except (ClusterError, ValueError) as e:
+                    readable = False
+                    self._put(m.Note(0, f"cannot read Kueue's Workloads ({e}): a queue that cannot admit the job "
+                                        "is not said; waiting without it"))
             with self._state:
                 queue = self.jobwatch.queued_for()
-            if not queue:
+            if not queue or not visible:
                 continue
             try:
                 summary = json.loads(self.kubectl.run(self.kubectl.pending_workloads(queue), timeout=30) or "{}")
             except (ClusterError, ValueError) as e:
+                visible = False
                 self._put(m.Note(0, f"Kueue's visibility API does not say the job's place in queue {queue} ({e}); "
                                     "waiting without it"))
-                return
+                continue
             with self._state:
                 events = self.jobwatch.in_line(summary, owners)
             self._handle(events)
@@ -494,6 +537,10 @@ class K8sLiveJob(LiveJob):
     def holding(self) -> bool:
         with self._state:
             return self.jobwatch.holding()
+
+    def why_waiting(self) -> str:
+        with self._state:
+            return self.watch.why_waiting()
 
     def request_stop(self, grace: float) -> None:
         if self._polling is None:

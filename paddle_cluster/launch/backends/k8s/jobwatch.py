@@ -1,7 +1,9 @@
 """What the cluster says about a job beyond its pods' states: its Jobs' conditions (suspended, failed with a
 reason) and the namespace's Events about its objects (pods refused by admission, images being pulled, warnings),
-turned into events each once, and whether the cluster holds the job back (suspended or queued for quota room,
-pulling an image), during which the start timeout waits. Pure: the backend feeds it what kubectl prints."""
+turned into events each once, and whether the cluster holds the job back for a known reason (suspended or queued
+for quota room, a pod the scheduler cannot place yet, pulling an image), during which the start timeout waits;
+``--pending-timeout`` bounds such a wait, failing the job with the cluster's last word. Pure: the backend feeds
+it what kubectl prints."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def _ordinal(n: int) -> str:
 
 class JobWatch:
     def __init__(self, job_nodes: Dict[str, List[int]], pod_node: Callable[[PodState], Optional[int]],
-                 queue: str = "") -> None:
+                 queue: str = "", pending_timeout: Optional[float] = None) -> None:
         self.job_nodes = job_nodes  # the name of each Job of the job -> its nodes
         self.pod_node = pod_node
         self.queue = queue  # --queue: Kueue's LocalQueue
@@ -41,17 +43,33 @@ class JobWatch:
         self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
         self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
         self.failed: set = set()
+        self.pulls_said: set = set()  # the images whose pull was said (once for the job)
+        self.warned: set = set()  # (reason, message) of the warnings said, whichever object they were about
         self.place = 0  # the job's place in its Kueue queue, as last said (1: next)
+        self.unschedulable: Dict[str, str] = {}  # pod uid -> the scheduler's message
+        self.pending_timeout = pending_timeout
+        self.held_since: Optional[float] = None  # since when the cluster holds the job, without a break
+        self.last_wait = ""  # the cluster's last word on why it holds the job
 
     def holding(self) -> bool:
-        return bool(self.suspended or self.queued or self.pulling)
+        return bool(self.suspended or self.queued or self.pulling or self.unschedulable)
+
+    def _waits(self, why: str) -> str:
+        self.last_wait = why
+        return why
 
     def pods(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
         for d in docs:
             (p,) = states_of([d]) or [None]
             node = None if p is None else self.pod_node(p)
-            if node is not None:
-                self.objects[d["metadata"].get("uid", "")] = (f"pod/{p.name}", node)
+            if node is None or p is None:
+                continue
+            uid = d["metadata"].get("uid", "")
+            self.objects[uid] = (f"pod/{p.name}", node)
+            if p.phase == "Pending" and not p.state and p.reason.startswith("Unschedulable") and not p.deleting:
+                self.unschedulable[uid] = self._waits(f"pod/{p.name}: {p.reason}")
+            else:
+                self.unschedulable.pop(uid, None)
         return self._catch_up()
 
     def jobs(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
@@ -70,6 +88,7 @@ class JobWatch:
                 queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or self.queue
                 self.suspended[uid] = why = (f"waiting for Kueue queue {queue} to admit it" if queue else
                                              "spec.suspend is true: it runs once resumed")
+                self._waits(f"{what} is suspended ({why})")
                 out.append(m.Note(nodes[0], f"{what} is suspended ({why}); the start timeout waits meanwhile"))
             elif "Suspended" not in conds and uid in self.suspended:
                 del self.suspended[uid]
@@ -98,9 +117,44 @@ class JobWatch:
                 if place == self.place:
                     return []
                 self.place = place
+                self._waits(f"waiting for Kueue queue {self.queue}: {_ordinal(place)} in line")
                 node = next(iter(self.job_nodes.values()))[0]
                 return [m.Note(node, f"waiting for Kueue queue {self.queue}: {_ordinal(place)} in line")]
         return []
+
+    def workloads(self, docs: Iterable[Dict[str, Any]], owners: Iterable[str]) -> List[Event]:
+        """Kueue's verdict on the job, from the conditions of its Workload (the one ``owners`` own): a queue that
+        does not exist (``Inadmissible``) or a request no flavor can ever fit (``request > maximum capacity``) fail
+        the job in one line; waiting for unused quota is said once and waited for; an eviction (preemption) ends
+        the job with Kueue's reason: its pods were stopped, and a run does not follow a workload readmitted."""
+        names, out = set(owners), []
+        node = next(iter(self.job_nodes.values()))[0]
+        for w in docs:
+            meta = w.get("metadata") or {}
+            if not any(r.get("name") in names for r in meta.get("ownerReferences") or []):
+                continue
+            what = f"workload.kueue.x-k8s.io/{meta.get('name', '')}"
+            conds = {c.get("type"): c for c in (w.get("status") or {}).get("conditions") or []}
+            reserved, evicted = conds.get("QuotaReserved") or {}, conds.get("Evicted") or {}
+            queue = (w.get("spec") or {}).get("queueName") or self.queue
+            said = (meta.get("uid"), reserved.get("reason"), evicted.get("status"))
+            if evicted.get("status") == "True" and said not in self.said:
+                self.said.add(said)
+                out.append(JobRefused(f"Kueue evicted the job ({what}): {evicted.get('reason', '')}: "
+                                      f"{evicted.get('message', '')}; its pods were stopped: run it again (with "
+                                      "--checkpoint-pvc and --resume_from it goes on from its last checkpoint)"))
+            elif reserved.get("status") == "False":
+                message = reserved.get("message", "")
+                never = reserved.get("reason") == "Inadmissible" or "maximum capacity" in message
+                if never and said not in self.said:
+                    self.said.add(said)
+                    out.append(JobRefused(f"Kueue cannot admit the job to queue {queue} ({what}): {message}"))
+                elif not never:
+                    self._waits(f"Kueue queue {queue}: {message}")
+                    if said not in self.said:
+                        self.said.add(said)
+                        out.append(m.Note(node, f"Kueue queue {queue}: {message}"))
+        return out
 
     def events(self, docs: Iterable[Dict[str, Any]]) -> List[Event]:
         out: List[Event] = []
@@ -126,8 +180,11 @@ class JobWatch:
         if reason == "Pulling":
             image = (_IMAGE.search(message) or [None, "?"])[1]
             now = time.monotonic()
+            said = image in self.pulls_said  # by another pod: said once
+            self.pulls_said.add(image)
             self.pulling[uid] = (image, now, now)
-            return [m.Note(node, f"{what}: pulling image {image}; the start timeout waits meanwhile")]
+            self._waits(f"{what}: pulling image {image}")
+            return [] if said else [m.Note(node, f"{what}: pulling image {image}; the start timeout waits meanwhile")]
         if reason in ("Pulled", "Failed", "ErrImagePull", "BackOff") and uid in self.pulling:
             image, since, _ = self.pulling.pop(uid)
             if reason == "Pulled":  # the kubelet's "Successfully pulled image ... in 2m3.5s ..."
@@ -139,16 +196,31 @@ class JobWatch:
             why = message.removeprefix("Error creating: ")
             if "exceeded quota" in why:  # room may come: the Job controller retries
                 self.queued[uid] = why
+                self._waits(f"{what} waits for room in the namespace's quota: {why}")
                 return [m.Note(node, f"{what} waits for room in the namespace's quota: {why}")]
             return [JobRefused(f"{what} cannot create its pods: {why}")]
         if e.get("type") == "Warning" and reason != "FailedScheduling":  # (the pod's state says that one)
+            # A pod's waiting state says its reason (ErrImagePull with the registry's word, ImagePullBackOff, a
+            # CreateContainerConfigError): the kubelet's echoes of it, and a warning said of another pod, are not
+            # said again.
+            if message.startswith(("Error: ", "Failed to pull image")) or (reason, message) in self.warned:
+                return []
+            self.warned.add((reason, message))
             return [m.Note(node, f"{what}: {reason}: {message}")]
         return []
 
     def due(self) -> List[Event]:
-        """A pull still going on, said again every ``PULL_NOTE_S``: ``pulling image ... for 2m``."""
+        """A pull still going on, said again every ``PULL_NOTE_S``: ``pulling image ... for 2m``; the job failed
+        once the cluster has held it for ``pending_timeout`` s without a break."""
         out: List[Event] = []
         now = time.monotonic()
+        if not self.holding():
+            self.held_since = None
+        elif self.held_since is None:
+            self.held_since = now
+        elif self.pending_timeout is not None and now - self.held_since > self.pending_timeout:
+            limit, self.pending_timeout = self.pending_timeout, None  # said once
+            out.append(JobRefused(f"the cluster held the job for {limit:g} s (--pending-timeout): {self.last_wait}"))
         for uid, (image, since, said) in list(self.pulling.items()):
             if now - said >= PULL_NOTE_S:
                 self.pulling[uid] = (image, since, now)

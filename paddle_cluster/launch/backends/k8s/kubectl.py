@@ -320,6 +320,16 @@ class PodWatch:
         self.started: Dict[int, str] = {}  # node -> pod name, once its container ran
         self.exited: Dict[int, int] = {}
         self.killed = False  # a pod was marked by ``kill``: reported once
+        self.waiting: Dict[int, Tuple[str, str]] = {}  # node -> (pod, why) while its container waits to start
+        self.said: set = set()  # the waiting reasons said (each once for the whole job)
+
+    def why_waiting(self) -> str:
+        """Why the pods not started yet wait, one clause per distinct reason naming its pods ("" if none)."""
+        pods: Dict[str, List[str]] = {}
+        for name, why in self.waiting.values():
+            pods.setdefault(why, []).append(name)
+        return "; ".join(f"{why} (pod{'s' if len(names) > 1 else ''} {', '.join(sorted(names))})"
+                         for why, names in pods.items())
 
     def update(self, pods: List[PodState]) -> List[Event]:
         out: List[Event] = []
@@ -342,9 +352,18 @@ class PodWatch:
                 out.append(m.Exited(node, proc, self.exited[node], None, error))
             elif p.state in ("waiting", "") and p.reason and self.last.get(node) != (p.state, p.reason):
                 self.last[node] = (p.state, p.reason)
+                if p.reason.startswith("ImagePullBackOff") and self.waiting.get(node, ("", ""))[1].startswith(
+                        "ErrImagePull"):
+                    continue  # the kubelet waits before pulling again: the pull's own error says why
+                self.waiting[node] = (p.name, p.reason)
                 why = f"pod {p.name}: {p.reason}"
-                fatal = p.reason.split(":")[0] in FATAL_WAITING
-                out.append(m.NotReady(node, why) if fatal else m.Note(node, why))
+                if p.reason.split(":")[0] in FATAL_WAITING:
+                    out.append(m.NotReady(node, why))
+                elif p.reason not in self.said:  # one line per distinct reason, not per pod nor per back-off
+                    self.said.add(p.reason)
+                    out.append(m.Note(node, why))
+            if p.state in ("running", "terminated"):
+                self.waiting.pop(node, None)
         for node, name in self.started.items():
             if node not in seen and node not in self.exited:
                 self.exited[node] = -1

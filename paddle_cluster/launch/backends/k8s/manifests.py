@@ -185,7 +185,9 @@ def topology(cfg: ClusterConfig, *, job_name: str, namespace: str = DEFAULT_NAME
     # node/pod.py), so each process is the first of its node and takes that one's ports.
     places = [Place(pod_host(name, namespace, PSERVER, i, jobset), 1, 0, POD_PYTHON) for i in range(n_ps)]
     places += [Place(pod_host(name, namespace, TRAINER, j, jobset), 0, 1, POD_PYTHON) for j in range(n_tr)]
-    return name, Topology(tuple(places), f"{root}/{name}", workspace, ckpt)
+    # The config's PADDLE_NIC is an interface of its HOSTS (the built-in local cluster's is lo): a pod binds its own
+    # address unless --pod-nic names one of the pods' interfaces (ENV may still set the variables).
+    return name, Topology(tuple(places), f"{root}/{name}", workspace, ckpt, nic=pods.nic)
 
 
 def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOptions = PodOptions(),
@@ -321,9 +323,6 @@ def _indexed_job(job: K8sJob, role: str) -> Dict[str, Any]:
         "command": [POD_PYTHON, "-m", "paddle_cluster.node", "pod", "--start-timeout", f"{job.start_timeout:g}",
                     # A pserver ends once every trainer pod has ended, launcher or not (node/pod.py).
                     *(["--trainer-names", trainer_names(job)] if role == PSERVER else []),
-                    # A JobSet's pods are admitted together and fail together (its failurePolicy): a pserver
-                    # waits for its trainers however long they take to appear.
-                    *(["--first-trainer-timeout", "0"] if role == PSERVER and job.jobset else []),
                     *(["--unpack", f"{PACK_DIR}/{PACK_KEY}"] if job.workspace_pack else []),
                     "--secret-file", f"{SECRET_DIR}/{SECRET_KEY}", "--"],
         "args": list(job.pserver_cmd if role == PSERVER else job.trainer_cmd),

@@ -102,13 +102,16 @@ class PodOptions:
     deadline: Optional[int] = None  # activeDeadlineSeconds
     queue: str = ""  # Kueue's LocalQueue
     checkpoint_pvc: str = ""  # a PersistentVolumeClaim the pservers keep their checkpoints on
+    # The interface gloo and NCCL bind to in a pod (GLOO_/NCCL_SOCKET_IFNAME); none by default: each binds the
+    # address of the pod's hostname, its own. PADDLE_NIC names an interface of the HOSTS, never of a pod.
+    nic: str = ""
 
     @classmethod
     def parse(cls, *, pserver_requests: str = "", trainer_requests: str = "", pserver_limits: str = "",
               trainer_limits: str = "", gpus: Optional[int] = None, node_selector: str = "",
               tolerations: Tuple[str, ...] = (), priority_class: str = "", service_account: str = "",
               image_pull_secrets: Tuple[str, ...] = (), run_as_user: Optional[int] = None, ttl: Optional[int] = None,
-              deadline: Optional[int] = None, queue: str = "", checkpoint_pvc: str = "",
+              deadline: Optional[int] = None, queue: str = "", checkpoint_pvc: str = "", pod_nic: str = "",
               keys: Tuple[str, str] = ("--pserver-requests", "--trainer-requests")) -> PodOptions:
         """From the flags' texts; ``keys`` name where the requests came from (a flag or a config key)."""
         tr_requests = resources(trainer_requests, keys[1], DEFAULT_REQUESTS)
@@ -124,6 +127,8 @@ class PodOptions:
             if name and (not _NAME.fullmatch(name) or len(name) > 253):
                 raise ConfigError(flag, name, "must be the name of an object of the cluster (lower-case letters, "
                                   "digits, '-' and '.')")
+        if pod_nic and not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", pod_nic):
+            raise ConfigError("--pod-nic", pod_nic, "must be an interface name of the pods, such as eth0 or net1")
         if ttl is not None and ttl < -1:
             raise ConfigError("--ttl", ttl, "give seconds (0 or more), or -1 to keep the finished Jobs")
         if run_as_user is not None and run_as_user < 1:
@@ -134,7 +139,7 @@ class PodOptions:
                    tuple(Toleration.parse(t) for t in tolerations), priority_class, service_account,
                    tuple(image_pull_secrets), DEFAULT_USER if run_as_user is None else run_as_user,
                    DEFAULT_TTL if ttl is None else (ttl if ttl >= 0 else None), deadline, queue or "",
-                   checkpoint_pvc or "")
+                   checkpoint_pvc or "", pod_nic or "")
 
     def pod_spec(self) -> Dict[str, Any]:
         """What these options add to a pod's spec."""
@@ -194,6 +199,9 @@ OPTIONS = (
                   "check: also the JobSet rights).", metavar="NAME", check=True),
     BackendOption("--checkpoint-pvc", "checkpoint_pvc", "A PersistentVolumeClaim (shared by the pserver pods) "
                   "holding the checkpoints, so --resume_from works.", metavar="CLAIM"),
+    BackendOption("--pod-nic", "pod_nic", "The pods' interface for gloo and NCCL (GLOO_SOCKET_IFNAME, "
+                  "NCCL_SOCKET_IFNAME; default: none, each binds its pod's own address; PADDLE_NIC is the HOSTS'"
+                  ").", metavar="IFACE"),
 )
 
 

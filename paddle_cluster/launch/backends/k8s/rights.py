@@ -13,6 +13,7 @@ from ...errors import ClusterError
 from . import manifests
 from .kubectl import Kubectl, KubectlMissing
 
+WORKLOADS = "workloads.kueue.x-k8s.io"
 LISTED = "run and kill delete the job's objects by label"
 OWNED = (("get", "run looks for objects of the job's names before it creates them"), ("list", LISTED),
          ("patch", "run gives them to the Jobs (ownerReferences), so Kubernetes deletes them with the Jobs"),
@@ -56,6 +57,11 @@ JOBSET_NEEDS: Tuple[Need, ...] = (
     Need("get", manifests.JOBSET_RESOURCE, "run looks for objects of the job's names before it creates them"),
     Need("list", manifests.JOBSET_RESOURCE, LISTED),
     Need("delete", manifests.JOBSET_RESOURCE, "run and kill delete the job's JobSet"),
+)
+# A job in a Kueue queue (--queue): Kueue's verdict on it, its Workload's conditions.
+QUEUE_NEEDS: Tuple[Need, ...] = (
+    Need("list", WORKLOADS, "run --queue reads Kueue's verdict on the job (its Workload: admitted, inadmissible "
+         "and why, evicted)"),
 )
 
 
@@ -102,10 +108,11 @@ def first_answer(k: Kubectl, who: str) -> bool:
                            "uses)") from None
 
 
-def check(cfg: ClusterConfig, jobset: bool = False) -> List[PermissionRow]:
-    """Every need of ``NEEDS`` (and ``JOBSET_NEEDS`` for a job as a JobSet) asked of the API server in
-    K8S_NAMESPACE (the first alone: a context that does not answer is one error, not one per permission)."""
-    needs = NEEDS + (JOBSET_NEEDS if jobset else ())
+def check(cfg: ClusterConfig, jobset: bool = False, queue: bool = False) -> List[PermissionRow]:
+    """Every need of ``NEEDS`` (and ``JOBSET_NEEDS`` for a job as a JobSet, ``QUEUE_NEEDS`` in a Kueue queue) asked
+    of the API server in K8S_NAMESPACE (the first alone: a context that does not answer is one error, not one per
+    permission)."""
+    needs = NEEDS + (JOBSET_NEEDS if jobset or queue else ()) + (QUEUE_NEEDS if queue else ())
     if not manifests.namespace_ok(cfg.k8s_namespace):
         raise cfg.error("k8s_namespace", manifests.NAMESPACE_FIX)
     k = Kubectl(cfg.k8s_namespace, "")
