@@ -244,6 +244,7 @@ def _fold_steps(size: int, trainers: int, steps: int, warmup: int, max_block: in
             for b in blocks:
                 with b.cv:
                     b.step.wait(step, "push")
+                    b.graded_at = step  # as DenseBlock.push marks a push that carries a gradient
                 b.push_segments(t, step, chunks_of(grads[t]))
 
     def run(first: int, last: int) -> None:

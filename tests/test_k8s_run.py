@@ -424,8 +424,9 @@ def test_trainers_waiting_for_quota_past_the_start_timeout_end_nothing(fresh_kub
         fresh_kube.wait(lambda: any("waiting for 1 pserver" in p.read_text() or "PSERVER_READY" in p.read_text()
                                     for p in (fresh_kube.root / "logs" / "default").glob("fit-pserver-0-*.log")), 60,
                         "the pserver running")
-        time.sleep(3 + TRAINERS_GONE_GRACE_S + 3)  # past START_TIMEOUT and the grace, trainers still refused
-        assert launcher.poll() is None and all("trainer" not in p["metadata"]["name"] for p in fresh_kube.pods())
+        with pytest.raises(subprocess.TimeoutExpired):  # the run goes on past START_TIMEOUT and the grace...
+            launcher.wait(timeout=3 + TRAINERS_GONE_GRACE_S + 3)
+        assert all("trainer" not in p["metadata"]["name"] for p in fresh_kube.pods())
         room = fresh_kube.kubectl("patch", "resourcequota", "compute", "--type", "merge", "--patch",
                                   '{"spec": {"hard": {"requests.cpu": "4"}}}')
         assert room.returncode == 0, room.stderr
@@ -444,14 +445,12 @@ def test_a_pending_timeout_ends_a_job_the_cluster_cannot_place_with_the_schedule
                                                                                       job_dir: Path) -> None:
     """An unschedulable pod pauses the start timeout (the autoscaler may add a node); --pending-timeout bounds that
     wait and names the scheduler's reason."""
-    t0 = time.monotonic()
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--node-selector", "pool=tpu",
-                                             "--pending-timeout", "4", "--", "--passes", "1"), timeout=90)
+                                             "--pending-timeout", "4", "--", "--passes", "1"), timeout=40)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert "the cluster held the job for 4 s (--pending-timeout): pod/fit-" in line, line
     assert "Unschedulable: 0/4 nodes are available" in line and "node affinity/selector" in line, line
-    assert time.monotonic() - t0 < 40, res.stderr
     # One line per distinct reason, not one per pod: the 3 pods wait for the same.
     assert len([ln for ln in res.stdout.splitlines() if "Unschedulable" in ln]) == 1, res.stdout
     assert fresh_kube.objects() == {}
@@ -772,14 +771,13 @@ def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, jo
     """Kueue's Workload conditions: a LocalQueue that does not exist and a job no flavor can ever fit (6 CPUs, the
     ClusterQueue has 4) fail at once in one line with Kueue's message; a job Kueue preempts ends saying so, not
     as pods that exited 143."""
-    t0 = time.monotonic()
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--queue", "nosuch", "--", "--passes",
-                                             "1"), timeout=90)
+                                             "1"), timeout=30)  # at once: a deadline on the run
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert line.endswith("Kueue cannot admit the job to queue nosuch (workload.kueue.x-k8s.io/jobset-fit-"
                          f"{line.split('jobset-fit-')[1][:5]}): LocalQueue nosuch doesn't exist"), line
-    assert time.monotonic() - t0 < 30 and fresh_kube.objects() == {}, fresh_kube.objects()
+    assert fresh_kube.objects() == {}, fresh_kube.objects()
     res = cli(fresh_kube, job_dir, "run", "--backend", "k8s", "--image", IMAGE, "--pservers", "1", "--trainers", "5",
               "--job_workspace", str(job_dir / "ws"), "--job_name", "big", "--queue", QUEUE, timeout=90)
     assert res.returncode == 1, res.stdout + res.stderr

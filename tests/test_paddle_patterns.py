@@ -179,7 +179,7 @@ def test_the_patterns_together_on_the_ssh_hosts(cluster, tmp_path):
               "res-{rank}.pkl", str(STEPS), timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     no_traceback(res)
-    found = {i: list(cluster.root_dir(i).rglob(f"res-{i}.pkl")) for i in range(3)}
+    found = {i: list((cluster.root_dir(i) / "paddlepatterns").rglob(f"res-{i}.pkl")) for i in range(3)}
     assert all(len(f) == 1 for f in found.values()), found
     r = [pickle.loads(found[i][0].read_bytes()) for i in range(3)]
     for i in (1, 2):
