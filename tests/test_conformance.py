@@ -115,8 +115,9 @@ def normalise(e: dict, backend: str, job: str) -> dict:
     for k, v in sorted(e.items()):
         if (backend, k) in EXTRA_VARS:
             continue
-        if k in SOCKET_IFNAME_VARS:  # PADDLE_NIC of the engine's conf.py
-            v = "NIC"
+        if k in SOCKET_IFNAME_VARS:  # the engine's network: its conf.py's PADDLE_NIC, a pod's own on Kubernetes
+            assert backend != "k8s", f"{k}={v} in a pod: pods bind their own address unless --pod-nic"
+            continue
         v = re.sub(rf"\b{job}-[0-9a-f]+\b", "JOB-ID", v.replace(f"/{job}", "/JOB"))
         for h in sorted(hosts - {""}, key=len, reverse=True):
             v = v.replace(h, "HOST")
