@@ -184,7 +184,7 @@ def test_paddle_cluster_run_on_the_ssh_hosts_equals_plain_paddle(cluster, tmp_pa
               "res-{rank}.pkl", "4", timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     no_traceback(res)
-    found = {i: list(cluster.root_dir(i).rglob(f"res-{i}.pkl")) for i in range(3)}
+    found = {i: list((cluster.root_dir(i) / "paddlejob").rglob(f"res-{i}.pkl")) for i in range(3)}
     assert all(len(f) == 1 for f in found.values()), found
     r0 = _load(found[0][0])
     assert (r0["rank"], r0["size"]) == (0, 3)
