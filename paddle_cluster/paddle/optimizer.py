@@ -3,8 +3,7 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import paddle
@@ -260,14 +259,10 @@ class DistributedOptimizer:
                 p.grad.set_value(a)
         self._synced = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
+    def skip_synchronize(self) -> ContextManager[None]:
         """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
         (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
-        if not self._synced:
-            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
-                               "first; without it, step() averages the trainers' gradients itself")
-        yield
+        return bridge.skipping_synchronize(self._synced)
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         self._synced = False

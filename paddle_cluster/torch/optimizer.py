@@ -3,8 +3,7 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -203,14 +202,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = None if a is None else torch.from_numpy(a).to(device=p.device, dtype=p.dtype)
         self._synced = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
+    def skip_synchronize(self) -> ContextManager[None]:
         """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
         (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
-        if not self._synced:
-            raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
-                               "first; without it, step() averages the trainers' gradients itself")
-        yield
+        return bridge.skipping_synchronize(self._synced)
 
     def _check_frozen(self) -> None:
         """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""

@@ -36,12 +36,13 @@ Errors are one line: an id outside a table's id space (``ValueError``), a struct
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -295,6 +296,16 @@ class Bridge:
 
     def close(self) -> None:
         self.ps.close()
+
+
+@contextlib.contextmanager
+def skipping_synchronize(synced: bool) -> Iterator[None]:
+    """Both frontends' ``skip_synchronize()``: the ``step()`` inside applies what ``synchronize()`` left in
+    ``p.grad``; refused in one line when ``synchronize()`` was not called since the gradients were cleared."""
+    if not synced:
+        raise RuntimeError("DistributedOptimizer.skip_synchronize(): call opt.synchronize() after backward() "
+                           "first; without it, step() averages the trainers' gradients itself")
+    yield
 
 
 def refuse_empty_batch(dense_grads: Mapping[str, Optional[np.ndarray]],
