@@ -271,13 +271,15 @@ class K8sBackend(Backend):
         for need in rights.NEEDS[1:]:  # the others run needs at once (check asks for them all)
             if need.at_run and not kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(kubectl, need)}")
-        roles = [(PSERVER, i) for i in range(topology.pservers)] + [(TRAINER, j) for j in range(topology.trainers)]
+        # Each pod's node, as the plan numbers them (a pod per node: one process each).
+        nodes = {(role, k): node for role, numbering in ((PSERVER, topology.pserver_ids()),
+                                                         (TRAINER, topology.trainer_ids()))
+                 for node, ids in enumerate(numbering) for k in ids}
         job_names = {r: k8s.job_name(k8s_name, r, jobset) for r in (PSERVER, TRAINER)}
-        names = tuple(f"{job_names[r]}-{i}" for r, i in roles)
+        names = tuple(f"{job_names[r]}-{i}" for r, i in sorted(nodes, key=nodes.__getitem__))
         say(f"job {k8s_name}: {topology.pservers} pserver pod(s), {topology.trainers} trainer pod(s) of "
             f"{opts.image} in namespace {opts.namespace}")
-        return K8sPrepared(topology, names, tuple(f"pod {n}" for n in names),
-                           {ri: node for node, ri in enumerate(roles)}, job_names)
+        return K8sPrepared(topology, names, tuple(f"pod {n}" for n in names), nodes, job_names)
 
     def _need_jobsets(self, kubectl: Kubectl) -> None:
         """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""
