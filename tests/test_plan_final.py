@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,11 @@ def _rendered(tmp: Path, backend: str):
 
 @pytest.mark.parametrize("backend", list(REGISTRY))
 def test_every_backend_renders_the_plan_build_plan_returns(tmp_path, backend):
+    """``render`` leaves the plan as it was, and every node's share declares what its node fills in: what the
+    backend's topology says only the nodes learn, and nothing else."""
     plan, request = _rendered(tmp_path, backend)
-    assert all(not n.pending for n in plan.nodes) or backend == "slurm"
+    assert all(n.pending == plan.topology.pending for n in plan.nodes)
+    assert all(p in request.text() for p in plan.topology.pending)  # the dry run shows them as they are
 
 
 def test_ssh_and_mpi_nodes_read_the_plan_as_is(tmp_path):
@@ -105,3 +110,16 @@ def test_each_pod_runs_its_nodes_share_of_the_plan(tmp_path):
         extra = set(got) - set(want) - {INDEX_VAR}
         assert extra <= set(node_defaults(want)), (node.procs[0].name, extra)
         assert {k: got.get(k) for k in want} == want, node.procs[0].name
+
+
+def test_an_agent_refuses_a_plan_still_holding_a_placeholder(tmp_path):
+    """Run as it is, a placeholder would be dialled as an address: the agent stops, naming it, and makes nothing."""
+    pending = m.address_placeholder(0)
+    plan = m.NodePlan(node=0, address=pending, job_dir=str(tmp_path / "job"), cwd=str(tmp_path), environ={},
+                      procs=(), endpoints=(), start_timeout=5.0, pending=(pending,))
+    res = subprocess.run([sys.executable, "-m", "paddle_cluster.node", "supervise", "--grace", "1"],
+                         input=m.encode(m.Start(plan)) + "\n", capture_output=True, text=True, timeout=60)
+    stopped = m.decode(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 1 and isinstance(stopped, m.Stopped), res.stdout + res.stderr
+    assert stopped.reason.startswith(f"the plan still holds {pending}"), stopped
+    assert not (tmp_path / "job").exists()
