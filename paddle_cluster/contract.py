@@ -388,15 +388,6 @@ def current_ip_of(environ: Mapping[str, str]) -> str:
     return environ.get("PADDLE_CURRENT_IP", "")
 
 
-def with_node_job_dir(environ: Mapping[str, str], job_dir: str, checkpoint_dir: str) -> Dict[str, str]:
-    """``environ`` for processes whose job directory is their node's own ``job_dir`` (nodes on one shared
-    filesystem keep their agent state, logs and nodefile apart), the job's checkpoints still in the shared
-    ``checkpoint_dir`` unless ``environ`` already names where they are."""
-    env = {**environ, "PADDLE_JOB_DIR": job_dir}
-    env.setdefault("PADDLE_CHECKPOINT_DIR", checkpoint_dir)
-    return env
-
-
 def figures_path(job_dir: str, name: str) -> str:
     """Where process ``name`` of a job (its record's name: ``trainer.0``, ``pserver.1``) writes its own figures
     for ``paddle-cluster top`` (``ps.counters``) and the node's ``top`` reads them."""

@@ -4,6 +4,7 @@ and env contract as the ssh backend's agents, and an agent that ends with its pr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import textwrap
@@ -16,7 +17,6 @@ from paddle_cluster.launch.backends.slurm.backend import RANKS as SLURM_RANKS
 from paddle_cluster.launch.config import parse_config
 from paddle_cluster.launch.plan import JobSpec, Topology, build_plan
 from paddle_cluster.node import messages as m
-from paddle_cluster.node.bootstrap import placeholder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,11 +51,12 @@ TRAIN_PY = textwrap.dedent('''
 ''')
 
 
-def _plan_file(tmp: Path, ws: Path, root: str, addresses, name: str) -> Path:
+def _plan_file(tmp: Path, ws: Path, root: str, addresses, name: str, pending=()) -> Path:
     cfg = parse_config({"HOSTS": [f"h{i}" for i in range(len(addresses))], "ROOT_DIR": root, "PADDLE_NIC": "eth0",
                         "PSERVER_COMMAND": "{python} ps.py", "PYTHON": os.sys.executable, "PADDLE_PORT": 7164,
                         "START_TIMEOUT": 30.0}, "test")
-    plan = build_plan(JobSpec(cfg, name, workspace=str(ws)), Topology.hosts(cfg, addresses))
+    topology = dataclasses.replace(Topology.hosts(cfg, addresses), pending=tuple(pending))
+    plan = build_plan(JobSpec(cfg, name, workspace=str(ws)), topology)
     path = tmp / "plan.jsonl"
     path.write_text("".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes))
     return path
@@ -109,7 +110,8 @@ def test_bootstrap_under_srun_completes_the_plan_with_published_addresses(slurm_
     shared = Path(slurm.shared_dir) / "boot"
     shared.mkdir()
     ws = small_workspace(shared, TRAIN_PY, PS_PY)
-    plan = _plan_file(shared, ws, "/home/paddle", [placeholder(i) for i in range(3)], "srunboot")
+    placeholders = [m.address_placeholder(i) for i in range(3)]
+    plan = _plan_file(shared, ws, "/home/paddle", placeholders, "srunboot", placeholders)
     events = shared / "events.{node}.jsonl"
     res = slurm.run(["srun", "-N3", "--ntasks-per-node=1", "--export=ALL,PYTHONPATH=" + str(REPO),
                      *_bootstrap("--ranks", SLURM_RANKS.text(), "--plan", str(plan), "--events", str(events),

@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 
 import pytest
 import yaml
+from k8s_job import k8s_job
 from kube.validate import env_of, problems
 from rt_helpers import free_port_range
 
@@ -113,7 +114,7 @@ def rendered(tmp: Path, port: int) -> List[Dict[str, Any]]:
     shutil.copytree(EXAMPLE, workspace, ignore=shutil.ignore_patterns("log", "output", "__pycache__"))
     cfg = parse_config({"HOSTS": ["a", "b"], "ROOT_DIR": str(tmp / "root"), "PADDLE_PORT": port,
                         "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 1, "START_TIMEOUT": 60}, "test")
-    job = k8s.build(cfg, job_name="fit", image="registry.example/fit:1", namespace="ml", workspace=str(workspace),
+    job = k8s_job(cfg, job_name="fit", image="registry.example/fit:1", namespace="ml", workspace=str(workspace),
                     trainer_args=("--passes", "5"))
     docs = list(yaml.safe_load_all(k8s.render(job)))
     assert problems(docs) == []
@@ -190,7 +191,7 @@ def test_fit_a_line_in_pods_2x2(pods_cluster, tmp_path: Path) -> None:
 def _pod_env(role: str, index: str, port: int) -> Dict[str, str]:
     cfg = parse_config({"HOSTS": ["a"], "PADDLE_PORT": port, "PADDLE_PORTS_NUM": 1, "PADDLE_PORTS_NUM_FOR_SPARSE": 0},
                        "test")
-    docs = k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", namespace="nowhere-ns"))
+    docs = k8s.manifests(k8s_job(cfg, job_name="fit", image="img:1", namespace="nowhere-ns"))
     (c,) = docs[2 if role == "pserver" else 3]["spec"]["template"]["spec"]["containers"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
     env.update(env_of(c), PYTHONPATH=str(REPO))

@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import yaml
 from click.testing import CliRunner, Result
+from k8s_job import k8s_job
 from kube.validate import env_of, jobset_problems, problems, restricted_problems
 from kubernetes.client import models as M
 
@@ -146,7 +147,7 @@ def test_every_object_carries_the_job_label(tmp_path: Path) -> None:
 
 def _docs() -> List[Dict[str, Any]]:
     cfg = parse_config({"HOSTS": ["a", "b"]}, "test")
-    return k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1"))
+    return k8s.manifests(k8s_job(cfg, job_name="fit", image="img:1"))
 
 
 def _job(docs, role="trainer"):
@@ -258,7 +259,7 @@ def test_a_collective_job_refuses_pserver_options(tmp_path: Path, args: List[str
 
 
 def test_build_from_the_builtin_default_uses_a_pod_path_not_this_machines() -> None:
-    job = k8s.build(builtin_default(), job_name="fit", image="img:1")
+    job = k8s_job(builtin_default(), job_name="fit", image="img:1")
     assert job.env.job_dir == "/home/paddle/fit" and (job.pservers, job.trainers) == (2, 2)
 
 
@@ -358,7 +359,7 @@ def test_bad_pod_options_are_one_clear_line(tmp_path: Path, args: List[str], nam
 
 def test_a_dispatched_workspace_is_a_configmap_the_pods_mount() -> None:
     cfg = parse_config({"HOSTS": ["a", "b"], "ROOT_DIR": "/data"}, "test")
-    docs = k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", workspace_pack=b"\x1f\x8b packed"))
+    docs = k8s.manifests(k8s_job(cfg, job_name="fit", image="img:1", workspace_pack=b"\x1f\x8b packed"))
     assert [d["kind"] for d in docs] == ["Secret", "Service", "ConfigMap", "Job", "Job"]
     assert problems(docs) == [] and restricted_problems(docs) == []
     assert docs[2]["binaryData"] == {"workspace.tar.gz": "H4sgcGFja2Vk"}
@@ -411,7 +412,7 @@ JOBSET_MUTATIONS = {
 @pytest.mark.parametrize("what", sorted(JOBSET_MUTATIONS))
 def test_the_jobset_checks_catch_what_they_claim_to(what: str) -> None:
     cfg = parse_config({"HOSTS": ["a", "b"]}, "test")
-    js = copy.deepcopy(k8s.manifests(k8s.build(cfg, job_name="fit", image="img:1", jobset=True))[-1])
+    js = copy.deepcopy(k8s.manifests(k8s_job(cfg, job_name="fit", image="img:1", jobset=True))[-1])
     assert jobset_problems(js) == []
     mutate, named = JOBSET_MUTATIONS[what]
     mutate(js["spec"])

@@ -1,8 +1,12 @@
 """What a job is, decided once: ``JobSpec`` (what the user asked for) and ``JobPlan`` (which process runs on
 which node, with which command and environment, and which ports the trainers wait for).
 
-Pure: a plan is built from a spec and the nodes' addresses, with no host in sight, and every backend runs
-the same plan. Node-major ids, pservers before trainers: pserver ``i * PSERVERS_PER_NODE + k`` and trainer
+``build_plan`` makes the plan from a spec and the backend's ``Topology`` (the nodes' addresses, paths and the
+values only the nodes learn, as data), with no host in sight, and returns each node's final share: backends
+render and submit it as it is, and the node runs it as it is (filling in only the placeholders the topology
+declared: ``node.messages.resolve``). Nothing here touches a host; the one thing not decided by its inputs is the
+job id and secret, minted here once per job unless given (a restart keeps them). Node-major ids, pservers before
+trainers (``Topology.pserver_ids``, the one numbering): pserver ``i * PSERVERS_PER_NODE + k`` and trainer
 ``i * TRAINERS_PER_NODE + j`` run on node ``i``.
 """
 
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import itertools
 import secrets
 import shlex
 from dataclasses import dataclass
@@ -67,11 +72,6 @@ class JobSpec:
             return ""
         return r if r.startswith("/") else f"{self.cfg.job_dir(r)}/checkpoints"
 
-    def node_pservers(self, node: int) -> Tuple[int, ...]:
-        """The ids of the pservers node ``node`` runs (node-major, as ``_node_plans`` numbers them)."""
-        per = self.cfg.pservers_per_node
-        return tuple(range(node * per, (node + 1) * per))
-
     @property
     def checkpoint_root(self) -> str:
         """Where this job's pservers read and write checkpoints."""
@@ -86,12 +86,16 @@ class Place:
     pservers: int
     trainers: int
     python: str = ""  # its interpreter, an absolute path (preflight's); "": PYTHON
+    # Its own job directory, PADDLE_JOB_DIR of its processes ("": the job's): nodes sharing one filesystem keep
+    # their agent state, logs and nodefile apart (Slurm's ``node<i>/``); with --job_workspace it is their cwd.
+    job_dir: str = ""
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Where a job's processes run, as its backend supplies it: the nodes, and where the job's files are on
-    them ("": the spec's ``job_dir``, its workspace, its resume root). Ids are node-major, pservers first."""
+    """Where a job's processes run, as its backend supplies it (data: ``build_plan`` takes from it all it needs of
+    the backend): the nodes, and where the job's files are on them ("": the spec's ``job_dir``, its workspace, its
+    resume root; a workspace named here is where the processes run). Ids are node-major, pservers first."""
 
     nodes: Tuple[Place, ...]
     job_dir: str = ""
@@ -103,14 +107,30 @@ class Topology:
     # The interface gloo and NCCL bind to (SOCKET_IFNAME_VARS): None, the config's PADDLE_NIC (an interface of its
     # hosts); "" none, each process binding its host name's address (a pod's own).
     nic: Optional[str] = None
+    # The placeholders among the addresses, standing for values only the nodes learn at run time (Slurm's
+    # allocation: ``node.messages.address_placeholder``); every node's plan lists them, and the node fills them in
+    # before running it (``node.messages.resolve``).
+    pending: Tuple[str, ...] = ()
 
     @classmethod
     def hosts(cls, cfg: ClusterConfig, addresses: Sequence[str], pythons: Sequence[str] = (),
-              resume_step: Optional[int] = None) -> Topology:
+              resume_step: Optional[int] = None, job_dirs: Sequence[str] = ()) -> Topology:
         """PSERVERS_PER_NODE pservers and TRAINERS_PER_NODE trainers on each of these nodes (node ``i`` is
-        ``HOSTS[i]``, or allocation node ``i``); ``pythons``: each node's interpreter as its preflight resolved it."""
-        return cls(tuple(Place(a, cfg.pservers_per_node, cfg.trainers_per_node, pythons[i] if i < len(pythons)
-                               else "") for i, a in enumerate(addresses)), resume_step=resume_step)
+        ``HOSTS[i]``, or allocation node ``i``); ``pythons``: each node's interpreter as its preflight resolved it;
+        ``job_dirs``: each node's own job directory (none: the job's)."""
+        def at(seq: Sequence[str], i: int) -> str:
+            return seq[i] if i < len(seq) else ""
+
+        return cls(tuple(Place(a, cfg.pservers_per_node, cfg.trainers_per_node, at(pythons, i), at(job_dirs, i))
+                         for i, a in enumerate(addresses)), resume_step=resume_step)
+
+    def pserver_ids(self) -> Tuple[Tuple[int, ...], ...]:
+        """Each node's pserver ids: the job's one numbering of pservers (node-major)."""
+        return _numbered([n.pservers for n in self.nodes])
+
+    def trainer_ids(self) -> Tuple[Tuple[int, ...], ...]:
+        """Each node's trainer ids (node-major)."""
+        return _numbered([n.trainers for n in self.nodes])
 
     @property
     def pservers(self) -> int:
@@ -195,6 +215,10 @@ def build_plan(spec: JobSpec, topology: Topology, job_id: Optional[str] = None,
     return plan.resumed(topology.resume_step) if topology.resume_step is not None else plan
 
 
+def _numbered(counts: Sequence[int]) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(range(first, first + c)) for first, c in zip(itertools.accumulate(counts, initial=0), counts))
+
+
 def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
     try:
         ip = ipaddress.ip_address(addr)
@@ -205,26 +229,27 @@ def _loopback(addr: str) -> Optional[ipaddress.IPv4Address]:
 
 def _node_plans(spec: JobSpec, env: JobEnv, topology: Topology) -> Tuple[NodePlan, ...]:
     cfg = spec.cfg
-    common = env.to_environ()
     # The arguments after the workspace reach every process running the entry script, pservers too when they
     # run it (as paddle.py passed them to every process); the built-in pserver takes none.
     args = " " + shlex.join(spec.trainer_args) if spec.trainer_args else ""
     endpoints = tuple(Endpoint(e.host, port) for k, e in enumerate(env.pservers) for port in env.all_ports(k))
     nodes = []
-    ps = tr = 0  # the first pserver and trainer id of the node
-    for i, n in enumerate(topology.nodes):
+    for i, (n, ps, tr) in enumerate(zip(topology.nodes, topology.pserver_ids(), topology.trainer_ids())):
+        here = env if not n.job_dir else dataclasses.replace(env, job_dir=n.job_dir)
+        common = here.to_environ()
         # The absolute interpreter preflight checked there: a PATH lookup of "python3" differs under mpirun,
         # which puts its own prefix's bin first (docs/backends.md).
         pserver_cmd, trainer_cmd = cfg.commands(n.python or None)
         pserver_cmd += args if cfg.pserver_runs_entry else ""
 
-        procs = [_proc(env, common, PSERVER, ps + k, n.pservers, pserver_cmd, env.pservers[ps + k].host)
-                 for k in range(n.pservers)]
-        procs += [_proc(env, common, TRAINER, tr + j, n.trainers, trainer_cmd + args, n.address)
-                  for j in range(n.trainers)]
-        ps, tr = ps + n.pservers, tr + n.trainers
-        nodes.append(NodePlan(i, n.address, env.job_dir, env.job_dir, common, tuple(procs), endpoints,
-                              cfg.start_timeout, cfg.ld_library_path, spec.workspace or ""))
+        procs = [_proc(here, common, PSERVER, k, n.pservers, pserver_cmd, env.pservers[k].host) for k in ps]
+        procs += [_proc(here, common, TRAINER, j, n.trainers, trainer_cmd + args, n.address) for j in tr]
+        # Processes run in a workspace the topology names (a pod's, in its image); else in a dispatched workspace,
+        # the job's directory (shared by nodes that share a filesystem), or in the node's own directory, where
+        # --job_workspace is linked (node/layout.py).
+        cwd = topology.workspace or (here.job_dir if spec.workspace else env.job_dir)
+        nodes.append(NodePlan(i, n.address, here.job_dir, cwd, common, tuple(procs), endpoints, cfg.start_timeout,
+                              cfg.ld_library_path, spec.workspace or "", topology.pending))
     return tuple(nodes)
 
 

@@ -9,8 +9,9 @@ SSH backend: same processes, same environment contract, same events (JSON lines 
 finished (exit 0), or when one fails (exit 1, the engine then ends the other nodes).
 
 With ``--rendezvous DIR`` (Slurm: the launcher cannot know the nodes' addresses before the allocation runs),
-the plan names node ``i``'s address as ``placeholder(i)``; each node writes its address on ``--nic`` to
-``DIR/address.<i>`` on the shared filesystem, waits for every node's, and completes the plan with them.
+the plan names node ``i``'s address by a placeholder it declares (``messages.address_placeholder``); each node
+writes its address on ``--nic`` to ``DIR/address.<i>`` on the shared filesystem, waits for every node's, and
+gives the placeholders their values (``messages.resolve``). Nothing else of the plan changes.
 """
 
 from __future__ import annotations
@@ -87,11 +88,6 @@ def rank_of(ranks: RankVars, environ: Mapping[str, str]) -> Rank:
     return Rank(ranks.engine, node, nodes, host or os.uname().nodename)
 
 
-def placeholder(node: int) -> str:
-    """How a plan names node ``node``'s address until the node itself fills it in (``--rendezvous``)."""
-    return f"node{node}.address.pending"
-
-
 def rendezvous(directory: str, where: Rank, nic: str, timeout: float) -> Dict[int, str]:
     """Publish this node's address on ``nic`` and wait for every node's; {node: address}. A node that
     cannot find its address publishes why, so every node fails with that reason instead of a timeout."""
@@ -126,20 +122,18 @@ def rendezvous(directory: str, where: Rank, nic: str, timeout: float) -> Dict[in
 
 
 def read_plan(path: str, node: int, addresses: Optional[Dict[int, str]] = None) -> m.NodePlan:
-    """Node ``node``'s plan in ``path``, with the placeholders replaced by ``addresses``."""
+    """Node ``node``'s plan in ``path``, its address placeholders given ``addresses`` ({node: address})."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise BootstrapError(f"cannot read the plan {path}: {e.strerror or e}") from None
-    for i, addr in sorted((addresses or {}).items(), reverse=True):
-        text = text.replace(placeholder(i), addr)
     plans = [msg.plan for msg in map(m.decode, filter(str.strip, text.splitlines())) if isinstance(msg, m.Start)]
     found = [p for p in plans if p.node == node]
     if len(found) != 1:
         raise BootstrapError(f"{path} holds {len(plans)} node plan(s), none for node {node}: the engine started "
                              "more processes than the job has nodes")
-    return found[0]
+    return m.resolve(found[0], {m.address_placeholder(i): a for i, a in (addresses or {}).items()})
 
 
 def shielded(argv: List[str]) -> int:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Type, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, Union
 
 from paddle_cluster.contract import PSERVER, TRAINER, Endpoint
 
@@ -51,6 +51,9 @@ class NodePlan:
     start_timeout: float
     ld_library_path: str = ""
     workspace: str = ""  # --job_workspace: its entries are linked into job_dir, the cwd (node/layout.py)
+    # The placeholders this plan holds for values only the nodes learn at run time (``address_placeholder``):
+    # the node gives each its value with ``resolve`` before running the plan; none: the plan is run as it is.
+    pending: Tuple[str, ...] = ()
 
     @property
     def pservers(self) -> Tuple[ProcPlan, ...]:
@@ -59,6 +62,35 @@ class NodePlan:
     @property
     def trainers(self) -> Tuple[ProcPlan, ...]:
         return tuple(p for p in self.procs if p.role == TRAINER)
+
+
+def address_placeholder(node: int) -> str:
+    """How a plan names node ``node``'s address where only the nodes learn it, once they run (Slurm's allocation:
+    each publishes its own, node/bootstrap.py ``rendezvous``)."""
+    return f"node{node}.address.pending"
+
+
+def resolve(plan: NodePlan, values: Mapping[str, str]) -> NodePlan:
+    """``plan`` with each of its ``pending`` placeholders given its value in ``values``, wherever the plan holds
+    it (address, environment, endpoints): the one way a node completes its plan. ``MessageError`` names a
+    placeholder left without a value."""
+    missing = [p for p in plan.pending if p not in values]
+    if missing:
+        raise MessageError(f"node {plan.node}'s plan leaves {missing[0]} to be filled in, and no value was found "
+                           "for it")
+
+    def fill(text: str) -> str:
+        for p in plan.pending:
+            text = text.replace(p, values[p])
+        return text
+
+    def env(d: Dict[str, str]) -> Dict[str, str]:
+        return {k: fill(v) for k, v in d.items()}
+
+    return dataclasses.replace(
+        plan, address=fill(plan.address), environ=env(plan.environ),
+        procs=tuple(dataclasses.replace(p, env=env(p.env)) for p in plan.procs),
+        endpoints=tuple(Endpoint(fill(e.host), e.port) for e in plan.endpoints), pending=())
 
 
 # -- launcher -> agent --------------------------------------------------------------------------------

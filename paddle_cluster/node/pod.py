@@ -275,10 +275,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
             f"{env.trainer_endpoints[0].host if env.trainer_endpoints else '-'}; starting {' '.join(cmd)}")
         # The pod's address: its hostname resolves to it (the kubelet's /etc/hosts entry).
         current = (_addresses(socket.gethostname()) or [socket.gethostname()])[0]
-    proc_env = {**base, **env.for_process(env.role, index, current).to_environ()}
-    proc_env.update(node_defaults(proc_env))
-    if env.role != PSERVER:
-        proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
+    proc_env = process_environ(base, env, index, current)
     if env.job_dir:
         os.makedirs(os.path.join(env.job_dir, "log"), exist_ok=True)
     if starting is not None:
@@ -309,6 +306,18 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
+
+
+def process_environ(base: Mapping[str, str], env: JobEnv, index: int, current: str) -> Dict[str, str]:
+    """The environment of the pod's process: the container's (``base``: the plan's job-wide part for the role, the
+    secret read from its file) with the process's own part of the plan, which one template cannot hold for every
+    index: the same ``JobEnv.for_process`` as ``build_plan``'s, for the pod's index and ``current`` address (a
+    trainer's is its pod's own, known once it runs; ``env`` may carry the trainers' addresses for their names)."""
+    proc_env = {**base, **env.for_process(env.role or "", index, current).to_environ()}
+    proc_env.update(node_defaults(proc_env))
+    if env.role != PSERVER:
+        proc_env.pop(SECRET_VAR, None)  # a trainer gets its own key (PADDLE_TRAINER_KEY), never the job secret
+    return proc_env
 
 
 def report_figures(pid: int, name: str, job_dir: str, stop: threading.Event, period: float = FIGURES_S) -> None:

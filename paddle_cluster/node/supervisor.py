@@ -234,6 +234,10 @@ class Supervisor:
             raise Stop("every process of this node finished")
 
     def _prepare(self, plan: m.NodePlan) -> None:
+        if plan.pending:  # run as it is, a placeholder would be dialled as an address
+            self.failed = True
+            raise Stop(f"the plan still holds {', '.join(plan.pending)}: values only the nodes learn, which its "
+                       "engine's bootstrap fills in (node bootstrap --rendezvous)")
         # The launcher checked the name; a plan from a file or another launcher is checked again here.
         try:
             contract.check_job_name(os.path.basename(plan.job_dir))

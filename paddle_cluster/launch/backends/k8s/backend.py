@@ -119,8 +119,10 @@ def pod_of_role(node: str, role: str) -> None:
 
 @dataclass(frozen=True)
 class K8sPrepared(Prepared):
-    """What ``prepare`` named: each pod's node (``(role, index) -> node``) and each role's Kubernetes Job."""
+    """What ``prepare`` named: the job's Kubernetes name (``preview`` too), each pod's node (``(role, index) ->
+    node``) and each role's Kubernetes Job."""
 
+    name: str = ""
     nodes: Dict[Tuple[str, int], int] = field(default_factory=dict)
     job_names: Dict[str, str] = field(default_factory=dict)  # role -> its Job's name
 
@@ -174,18 +176,16 @@ class K8sBackend(Backend):
         return be
 
     def preview(self, spec: JobSpec, say: Callable[[str], None]) -> K8sPrepared:
-        _, topology = self.opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
+        name, topology = self.opts.topology(spec, bool(spec.dispatch_dir), self.jobset)
         if self.cfg.is_builtin_default and None in (self.opts.pservers, self.opts.trainers):
             say(f"no conf.py or cluster.yaml found: {topology.pservers} pserver(s) and {topology.trainers} trainer(s), "
                 "the built-in default's counts (--pservers/--trainers set them)")
-        return K8sPrepared(topology, (), ())
+        return K8sPrepared(topology, (), (), name)
 
     def render(self, plan: JobPlan, prepared: Prepared) -> K8sRequest:
         spec = plan.spec
         pack = packed_workspace(spec.dispatch_dir) if spec.dispatch_dir else b""
-        jobset = self.jobset or bool(self.opts.pods.queue)
-        name = k8s.k8s_name(spec.name, plan.env.trainers, len(plan.env.pservers), jobset)
-        job = self.opts.job(plan, name, pack, self.jobset)
+        job = self.opts.job(plan, cast(K8sPrepared, prepared).name, pack, self.jobset)  # prepared by this backend
         text = k8s.render(job)
         return K8sRequest(plan, (("", text),),  # its own comments say what it is
                           {"backend": self.name, "namespace": job.namespace, "job_id": job.env.job_id,
@@ -271,13 +271,15 @@ class K8sBackend(Backend):
         for need in rights.NEEDS[1:]:  # the others run needs at once (check asks for them all)
             if need.at_run and not kubectl.may(need.verb, need.resource):
                 raise ClusterError(f"kubectl says you {rights.refusal(kubectl, need)}")
-        roles = [(PSERVER, i) for i in range(topology.pservers)] + [(TRAINER, j) for j in range(topology.trainers)]
+        # Each pod's node, as the plan numbers them (a pod per node: one process each).
+        nodes = {(role, k): node for role, numbering in ((PSERVER, topology.pserver_ids()),
+                                                         (TRAINER, topology.trainer_ids()))
+                 for node, ids in enumerate(numbering) for k in ids}
         job_names = {r: k8s.job_name(k8s_name, r, jobset) for r in (PSERVER, TRAINER)}
-        names = tuple(f"{job_names[r]}-{i}" for r, i in roles)
+        names = tuple(f"{job_names[r]}-{i}" for r, i in sorted(nodes, key=nodes.__getitem__))
         say(f"job {k8s_name}: {topology.pservers} pserver pod(s), {topology.trainers} trainer pod(s) of "
             f"{opts.image} in namespace {opts.namespace}")
-        return K8sPrepared(topology, names, tuple(f"pod {n}" for n in names),
-                           {ri: node for node, ri in enumerate(roles)}, job_names)
+        return K8sPrepared(topology, names, tuple(f"pod {n}" for n in names), k8s_name, nodes, job_names)
 
     def _need_jobsets(self, kubectl: Kubectl) -> None:
         """The JobSet form needs JobSet's API (its controller) in the cluster, and the right to create JobSets."""

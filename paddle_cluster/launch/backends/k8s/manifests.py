@@ -1,8 +1,9 @@
 """Kubernetes manifests for a job: ``paddle-cluster render k8s`` and ``run --backend k8s``.
 
-Pure: a ``K8sJob`` is decided once from the config and the flags, and ``manifests`` turns it into four
-documents -- a Secret (the job secret, and nothing else holds it), a headless Service (stable DNS names), and
-the pservers and trainers as ``batch/v1`` Indexed Jobs whose completion index is the pserver/trainer id.
+Pure: ``topology`` places the job's pods, ``job_of`` takes what the manifests say from the plan ``build_plan``
+made of it, and ``manifests`` turns that ``K8sJob`` into four documents -- a Secret (the job secret, and nothing
+else holds it), a headless Service (stable DNS names), and the pservers and trainers as ``batch/v1`` Indexed Jobs
+whose completion index is the pserver/trainer id.
 
 Pod ``<job>-pserver-<i>`` gets the hostname ``<job>-pserver-<i>`` (an Indexed Job's pods are named
 ``<Job name>-<index>``) and, through ``subdomain``, the DNS name ``<job>-pserver-<i>.<job>.<namespace>.svc``:
@@ -27,7 +28,7 @@ from paddle_cluster.contract import PSERVER, SECRET_VAR, TRAINER, JobEnv
 
 from ...config import ClusterConfig
 from ...errors import ConfigError
-from ...plan import JobPlan, JobSpec, Place, Topology, build_plan
+from ...plan import JobPlan, Place, Topology
 from .pod_options import PodOptions
 
 LABEL_JOB = "paddle-cluster/job"
@@ -159,8 +160,9 @@ def topology(cfg: ClusterConfig, *, job_name: str, namespace: str = DEFAULT_NAME
     if cfg.collective and pservers:
         raise ConfigError("--pservers", pservers, "this job has no pservers (PSERVERS_PER_NODE = 0, run --collective): "
                           "drop --pservers, or give the job pservers")
-    n_ps = max(1, len(cfg.hosts)) * cfg.pservers_per_node if pservers is None else pservers
-    n_tr = max(1, len(cfg.hosts)) * cfg.trainers_per_node if trainers is None else trainers
+    hosts = Topology.hosts(cfg, [""] * max(1, len(cfg.hosts)))  # what the config places on its hosts
+    n_ps = hosts.pservers if pservers is None else pservers
+    n_tr = hosts.trainers if trainers is None else trainers
     if (n_ps < 1 and not cfg.collective) or n_tr < 1:
         raise ConfigError("--pservers/--trainers", f"{n_ps}/{n_tr}", "a job needs at least one of each")
     if not namespace_ok(namespace):
@@ -199,21 +201,6 @@ def job_of(plan: JobPlan, *, name: str, namespace: str, image: str, pods: PodOpt
     cfg = plan.spec.cfg
     return K8sJob(name, namespace, image, plan.env, cmds.get(PSERVER, ()), cmds[TRAINER], pods, cfg.start_timeout,
                   cfg.kill_grace, workspace_pack, jobset or bool(pods.queue))
-
-
-def build(cfg: ClusterConfig, *, job_name: str, image: str, namespace: str = DEFAULT_NAMESPACE,
-          pservers: Optional[int] = None, trainers: Optional[int] = None, workspace: str = DEFAULT_WORKSPACE,
-          trainer_args: Tuple[str, ...] = (), pods: PodOptions = PodOptions(),
-          secret: Optional[str] = None, workspace_pack: bytes = b"", jobset: bool = False,
-          resume_from: str = "") -> K8sJob:
-    """The job ``cfg`` and the flags describe: ``topology``, the plan every backend makes of one, ``job_of``."""
-    name, topo = topology(cfg, job_name=job_name, namespace=namespace, pservers=pservers, trainers=trainers,
-                          workspace=workspace, pods=pods, packed=bool(workspace_pack), jobset=jobset,
-                          resume_from=resume_from)
-    plan = build_plan(JobSpec(cfg, job_name, trainer_args=trainer_args, resume_from=resume_from or None), topo,
-                      secret=secret)
-    return job_of(plan, name=name, namespace=namespace, image=image, pods=pods, workspace_pack=workspace_pack,
-                  jobset=jobset)
 
 
 def manifests(job: K8sJob) -> List[Dict[str, Any]]:

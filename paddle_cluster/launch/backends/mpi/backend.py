@@ -305,6 +305,12 @@ class MPIBackend(Backend):
         return job
 
 
+def plan_file(plan: JobPlan) -> str:
+    """The plan file every host gets: each node's share as ``build_plan`` made it, a ``Start`` line each (the
+    rank's bootstrap reads its own: ``node.bootstrap.read_plan``)."""
+    return "".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes)
+
+
 class MPILiveJob(LiveJob):
     """One start under mpirun: the plan on every host, mpirun itself and the events on its output."""
 
@@ -320,7 +326,7 @@ class MPILiveJob(LiveJob):
     def start(self) -> None:
         request, plan, lib = self.mpi_request, self.plan, self.hosts.lib
         self.plan_path = plan_path = request.plan_path
-        text = "".join(m.encode(m.Start(n)) + "\n" for n in plan.nodes)
+        text = plan_file(plan)
 
         def put(n: Node) -> None:
             # It holds the job secret: written by the node itself, 0600 from its first byte in a directory it

@@ -5,9 +5,9 @@ library and the workspace there, writes the plan (node ``i``'s address is a plac
 and submits it with ``sbatch`` (inside an allocation, ``SLURM_JOB_ID`` set, it runs the ``srun`` itself: the job
 is then that step, ``JOB.STEP``, for status, logs and kill). The script's ``srun`` starts one ``node bootstrap``
 per node: each takes its index from ``SLURM_NODEID``, publishes its ``PADDLE_NIC`` address in the job directory,
-completes the plan with every node's, and runs its share. Its events are appended to a file per node, which the
-launcher follows; ``scancel`` stops everything (Slurm's proctrack kills every process of the job, ``setsid`` ones
-included) and removes a pending job.
+gives the plan's address placeholders every node's (``node.messages.resolve``), and runs its share. Its events
+are appended to a file per node, which the launcher follows; ``scancel`` stops everything (Slurm's proctrack
+kills every process of the job, ``setsid`` ones included) and removes a pending job.
 
 Layout: ``ROOT_DIR/<job>/`` the workspace and ``checkpoints/``; ``node<i>/`` node i's agent state, logs,
 metrics and ``nodefile`` (``PADDLE_JOB_DIR`` of its processes); ``.paddle_cluster/`` the Slurm job id and,
@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, cast
 
-from paddle_cluster.contract import with_node_job_dir
 from paddle_cluster.node import messages as m
 from paddle_cluster.node import private
-from paddle_cluster.node.bootstrap import RankVars, placeholder
+from paddle_cluster.node.bootstrap import RankVars
 
 from ... import dispatch, nodecmd, resume
 from ...access import probe_nodes
@@ -57,16 +56,14 @@ PLAN = "plan.{node}.jsonl"  # in a start's directory: node {node}'s share, which
 LEASE = "launcher.lease"  # rewritten every second by the launcher that follows the job (see node bootstrap)
 
 
-def per_node(plan: JobPlan) -> List[m.NodePlan]:
-    """The plan's node shares with a directory each (a shared job directory would mix their agent state,
-    logs and nodefile); checkpoints stay shared under the job directory."""
-    out = []
-    for n in plan.nodes:
-        here = node_dir(plan.spec.job_dir, n.node)
-        environ = with_node_job_dir(n.environ, here, plan.spec.checkpoint_root)
-        # A dispatched workspace is the shared job directory; --job_workspace is linked into each node's.
-        out.append(dataclasses.replace(n, job_dir=here, environ=environ, cwd=here if n.workspace else n.cwd))
-    return out
+def topology(cfg: ClusterConfig, spec: JobSpec, nodes: int, pythons: Tuple[str, ...] = (),
+             resume_step: Optional[int] = None) -> Topology:
+    """The allocation's ``nodes`` nodes as the plan sees them: each address a placeholder its node fills in once
+    it runs (``--rendezvous``), each node a directory of its own (a shared job directory would mix their agent
+    state, logs and nodefile), the checkpoints shared under the job directory."""
+    addresses = [m.address_placeholder(i) for i in range(nodes)]
+    hosts = Topology.hosts(cfg, addresses, pythons, resume_step, [node_dir(spec.job_dir, i) for i in range(nodes)])
+    return dataclasses.replace(hosts, checkpoint_dir=spec.checkpoint_root, pending=tuple(addresses))
 
 
 @dataclass(frozen=True)
@@ -79,14 +76,13 @@ class SlurmPrepared(Prepared):
 @dataclass(frozen=True)
 class SlurmRequest(Request):
     """A start of the job as Slurm gets it, in its directory ``adir`` (``attempt-<k>``): the batch script and the
-    ``sbatch`` command line submitting it (inside an allocation: its ``srun`` step alone), and each node's share
-    of the plan, which the node reads from ``adir``."""
+    ``sbatch`` command line submitting it (inside an allocation: its ``srun`` step alone); each node reads its
+    share of the plan, as ``build_plan`` made it, from ``adir``."""
 
     adir: str
     script: str
     sbatch: Tuple[str, ...]
     srun: Tuple[str, ...]
-    shares: Tuple[m.NodePlan, ...]
 
 
 class SlurmBackend(Backend):
@@ -143,18 +139,17 @@ class SlurmBackend(Backend):
                               "slurm it must be on the filesystem the nodes share")
         step = None
         if spec.resume_from:  # the checkpoints are on the shared filesystem: looked at here, before anything
-            step = resume.common_step(spec, [("the shared filesystem", _survey(
-                spec.resume_root, [k for i in range(self.opts.nodes) for k in spec.node_pservers(i)]))], say)
+            ids = [k for node in topology(self.cfg, spec, self.opts.nodes).pserver_ids() for k in node]
+            step = resume.common_step(spec, [("the shared filesystem", _survey(spec.resume_root, ids))], say)
         os.makedirs(spec.job_dir, mode=0o700, exist_ok=True)
         os.chmod(spec.job_dir, 0o700)
         lib, res = probe_nodes([self.local], self.cfg)  # the node library under the shared ROOT_DIR
         (doc,) = res.ok("installing paddle_cluster under ROOT_DIR")
         self.local.close()
-        pythons = [self.interpreter(doc)] * self.opts.nodes  # every node's: this machine's PYTHON, resolved
+        pythons = (self.interpreter(doc),) * self.opts.nodes  # every node's: this machine's PYTHON, resolved
         if spec.dispatch_dir:
             dispatch.deliver_workspace([self.local], lib, spec, say)
-        return SlurmPrepared(Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)], pythons, step),
-                             self.names, self.labels, lib)
+        return SlurmPrepared(topology(self.cfg, spec, self.opts.nodes, pythons, step), self.names, self.labels, lib)
 
     def interpreter(self, doc: Dict[str, Any]) -> str:
         """PYTHON resolved to an absolute path on this machine (``doc``: its probe), numpy checked: srun runs the
@@ -165,13 +160,11 @@ class SlurmBackend(Backend):
         return doc.get("python_path") or self.cfg.python
 
     def preview(self, spec: JobSpec, say: Callable[[str], None]) -> SlurmPrepared:
-        return SlurmPrepared(Topology.hosts(self.cfg, [placeholder(i) for i in range(self.opts.nodes)]), self.names,
-                             self.labels)
+        return SlurmPrepared(topology(self.cfg, spec, self.opts.nodes), self.names, self.labels)
 
     def render(self, plan: JobPlan, prepared: Prepared) -> SlurmRequest:
         spec, lib = plan.spec, cast(SlurmPrepared, prepared).lib  # rendered by this backend
         adir = f"{spec.job_dir}/.paddle_cluster/attempt-{plan.start}"
-        shares = tuple(per_node(plan))
         srun = self.srun_argv(plan, lib, adir)
         script = batch_script(spec.name, plan.start, [
             f"--nodes={self.opts.nodes}", "--ntasks-per-node=1", f"--job-name={spec.name}",
@@ -184,8 +177,8 @@ class SlurmBackend(Backend):
             (f"Slurm batch script of job {spec.name}, to {adir}/job.sh. Nothing was submitted or written.", script),
             ("submitted with:", shlex.join(sbatch)),
             ("each node's share of the plan (its address: the node's on PADDLE_NIC, published when it starts):",
-             plan_text(dataclasses.replace(plan, nodes=shares), prepared.labels))),
-            {"backend": self.name}, prepared, adir, script, sbatch, tuple(srun), shares)
+             plan_text(plan, prepared.labels))),
+            {"backend": self.name}, prepared, adir, script, sbatch, tuple(srun))
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -272,6 +265,14 @@ class SlurmBackend(Backend):
         return job
 
 
+def write_plans(adir: str, plan: JobPlan) -> None:
+    """Each node's share of ``plan``, as ``build_plan`` made it, into its file in the start's directory ``adir``
+    (the node's bootstrap reads it: ``node.bootstrap.read_plan``). Each holds the secret: 0600, and its node
+    removes it once read."""
+    for n in plan.nodes:
+        private.write_private(f"{adir}/{PLAN}".replace("{node}", str(n.node)), m.encode(m.Start(n)).encode())
+
+
 class SlurmLiveJob(LiveJob):
     """One start on Slurm: the Slurm job (or, inside an allocation, the ``srun`` step), followed through the nodes'
     events files in the start's directory while the launcher's lease there shows it follows."""
@@ -288,8 +289,7 @@ class SlurmLiveJob(LiveJob):
 
     def start(self) -> None:
         request, spec, opts, adir = self.slurm_request, self.plan.spec, self.opts, self.adir
-        for n in request.shares:  # each node's share holds the secret: 0600, and its node removes it once read
-            private.write_private(f"{adir}/{PLAN}".replace("{node}", str(n.node)), m.encode(m.Start(n)).encode())
+        write_plans(adir, self.plan)
         srun = list(request.srun)
         if os.environ.get("SLURM_JOB_ID") and not opts.detach:
             self.say(f"inside Slurm allocation {os.environ['SLURM_JOB_ID']}: running srun")

@@ -179,10 +179,12 @@ class SSHBackend(Backend):
                                    stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
 
         needs = preflight.frameworks_needed(preflight.entry_source(spec)) if spec is not None else ()
+        # Each node's pserver ids, numbered as the plan numbers them (its addresses are not known yet).
+        pserver_ids = Topology.hosts(cfg, [n.spec.host for n in self.nodes]).pserver_ids()
 
         def open_one(n: Node) -> Optional[dict]:
             try:
-                mine = req if not req.checkpoints else dataclasses.replace(req, pservers=spec.node_pservers(n.index))
+                mine = req if not req.checkpoints else dataclasses.replace(req, pservers=pserver_ids[n.index])
                 s = sessions[n.index] = NodeSession(n, lib, lib_data, mine)
                 doc = s.open()
                 self._check_probe(n, doc, needs)
@@ -218,7 +220,7 @@ class SSHBackend(Backend):
             machines.refuse_same_machines(self.labels, docs, cfg.source)
             if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
                 resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
-                                                        zip(self.nodes, docs) if spec.node_pservers(n.index)], say)
+                                                        zip(self.nodes, docs) if pserver_ids[n.index]], say)
             if pkg is not None:
                 each_node(self.nodes, place).ok("preparing the nodes")
             done = time.perf_counter()
