@@ -19,6 +19,7 @@ from .launch.backends import (
     backend_class,
     backend_for,
     backend_of,
+    declared_conf_keys,
     find_job,
     foreign_options,
     option_owners,
@@ -83,7 +84,7 @@ def _debug_trace(e: ClusterError) -> None:
 
 def _config(ctx: click.Context, announce: bool = False) -> ClusterConfig:
     """The config of the command line; with ``announce``, the first line says which (a command about a job)."""
-    cfg = load_config(ctx.obj["conf"])
+    cfg = load_config(ctx.obj["conf"], keys=declared_conf_keys())
     if announce:
         _say(origin_line(cfg))
     if ctx.obj["accept_new_host_keys"]:

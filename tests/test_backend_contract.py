@@ -322,6 +322,7 @@ from paddle_cluster.launch.plan import Topology
 from paddle_cluster.node.bootstrap import RankVars
 
 RANKS = RankVars("pbsdsh", "PBS_NODENUM", "PBS_NUM_NODES", "PBS_VNODENUM")
+QUEUE = ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name")
 
 
 class QsubBackend(Backend):
@@ -330,12 +331,12 @@ class QsubBackend(Backend):
     renders = "the qsub script"
     needs_hosts = False
     options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
-    conf_keys = (ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name"),)
+    conf_keys = (QUEUE,)
 
     @classmethod
     def create(cls, cfg, opts, detach=False):
         be = cls()
-        be.cfg, be.queue = cfg, opts.get("queue") or cfg.qsub_queue
+        be.cfg, be.queue = cfg, opts.get("queue") or QUEUE.of(cfg)
         return be
 
     def preview(self, spec, say):
