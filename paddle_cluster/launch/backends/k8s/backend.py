@@ -30,7 +30,18 @@ from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, LiveJob, Prepared, Request
+from ..base import (
+    EVENTS_MAX,
+    Backend,
+    BackendHelp,
+    BackendOption,
+    Description,
+    Event,
+    JobRef,
+    LiveJob,
+    Prepared,
+    Request,
+)
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, pods, rights, settings
@@ -137,11 +148,10 @@ class K8sRequest(Request):
 
 class K8sBackend(Backend):
     name = "k8s"
-    summary = "Kubernetes Jobs"
-    renders = "the Kubernetes manifests"
-    node_hint = "a pod: fit-trainer-0 or trainer.0"
-    checks = "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth can-i)"
-    render_hint = "Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"
+    help = BackendHelp("Kubernetes Jobs", "the Kubernetes manifests",
+                       "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth "
+                       "can-i)", render_hint="Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -",
+                       node_hint="a pod: fit-trainer-0 or trainer.0")
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""

@@ -38,7 +38,8 @@ from ...errors import ClusterError, HostError
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec
 from ...preflight import CheckLine, EngineRow
-from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..base import Backend, BackendHelp, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..on_hosts import OnHosts
 from ..ssh.backend import SSHBackend, SSHPrepared, hosts_complete_steps
 
 # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
@@ -153,12 +154,11 @@ class MPIRequest(Request):
     plan_path: str
 
 
-class MPIBackend(Backend):
+class MPIBackend(OnHosts, Backend):
     name = "mpi"
-    summary = "mpirun or mpiexec over HOSTS"
-    renders = "the mpirun or mpiexec command"
-    checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
-              "mpiexec.hydra, by MPI_IMPL) and its version")
+    help = BackendHelp("mpirun or mpiexec over HOSTS", "the mpirun or mpiexec command",
+                       "the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
+                       "mpiexec.hydra, by MPI_IMPL) and its version")
     conf_keys = (IMPL,)
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend

@@ -28,7 +28,8 @@ from ...errors import HostConfigError, HostError
 from ...hosts import CommandStream, Node
 from ...plan import JobPlan, JobSpec, Topology
 from ...session import NodeSession
-from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..base import Backend, BackendHelp, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..on_hosts import CHECKS, OnHosts
 from . import jobs
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
@@ -61,10 +62,9 @@ class SSHPrepared(Prepared):
         each_node(self.nodes, lambda n: n.close())
 
 
-class SSHBackend(Backend):
+class SSHBackend(OnHosts, Backend):
     name = "ssh"
-    summary = "HOSTS over SSH; localhost as a subprocess"
-    renders = "the plan each node is given"
+    help = BackendHelp("HOSTS over SSH; localhost as a subprocess", "the plan each node is given", CHECKS)
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
