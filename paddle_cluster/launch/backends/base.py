@@ -2,9 +2,9 @@
 
 A ``Backend`` is the scheduler: ``prepare(spec)`` makes the nodes ready and returns what it made (a ``Prepared``:
 where the processes run, its ``Topology``, and what submitting needs; ``preview(spec)`` says the same with
-nothing touched, for a dry run), ``plan.build_plan`` makes the job of the topology (the same for every backend),
-``render(plan, prepared)`` makes the native ``Request`` with no side effect, and ``submit(request)`` submits
-exactly that request and returns the live job (a ``LiveJob``). ``run --dry-run`` and ``render`` print the
+nothing touched, for a dry run), ``plan.build_plan`` makes the job of the topology, ``render(plan, prepared)``
+makes the native ``Request`` with no side effect, and ``submit(request)`` submits exactly that request and
+returns the live job (a ``LiveJob``). ``run --dry-run`` and ``render`` print the
 ``Request`` that ``submit`` would be given.
 
 A ``LiveJob`` owns that one submission: its events (``node.messages`` events, plus ``NodeLost``) read with
@@ -189,8 +189,7 @@ class Backend(ABC):
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Prepared:
         """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
-        (``plan.build_plan`` makes the job of its topology, as for every backend) and what submitting needs. On
-        failure it releases what it made."""
+        and what submitting needs. On failure it releases what it made."""
 
     @abstractmethod
     def render(self, plan: JobPlan, prepared: Prepared) -> Request:
