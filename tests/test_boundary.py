@@ -145,7 +145,7 @@ def test_the_launcher_has_no_import_circle():
     configuration is handed the backends' keys; it does not import the backends to learn them.)"""
     graph = _import_graph(PACKAGE / "launch")
     assert "paddle_cluster.launch.backends.base" in graph["paddle_cluster.launch.backends.ssh.backend"]  # it reads
-    assert "paddle_cluster.launch.dispatch" in graph["paddle_cluster.launch.backends.ssh.backend"]  # from ... import
+    assert "paddle_cluster.launch.dispatch" in graph["paddle_cluster.launch.backends.ssh.prepare"]  # from ... import
     assert not _circles(graph), _circles(graph)
 
 

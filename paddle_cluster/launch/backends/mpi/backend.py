@@ -40,7 +40,8 @@ from ...plan import JobPlan, JobSpec
 from ...preflight import CheckLine, EngineRow
 from ..base import Backend, BackendHelp, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
 from ..on_hosts import OnHosts
-from ..ssh.backend import SSHBackend, SSHPrepared, hosts_complete_steps
+from ..ssh.backend import SSHBackend, hosts_complete_steps
+from ..ssh.prepare import SSHPrepared
 
 # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
 RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZE|PMI_SIZE",

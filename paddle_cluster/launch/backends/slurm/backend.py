@@ -55,7 +55,7 @@ from ..base import (
     Request,
     plan_text,
 )
-from ..ssh.backend import NO_LIBRARY
+from ..ssh.prepare import NO_LIBRARY
 from . import jobs
 from .jobs import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
