@@ -19,6 +19,7 @@ from .launch.backends import (
     backend_class,
     backend_for,
     backend_of,
+    declared_conf_keys,
     find_job,
     foreign_options,
     option_owners,
@@ -83,7 +84,7 @@ def _debug_trace(e: ClusterError) -> None:
 
 def _config(ctx: click.Context, announce: bool = False) -> ClusterConfig:
     """The config of the command line; with ``announce``, the first line says which (a command about a job)."""
-    cfg = load_config(ctx.obj["conf"])
+    cfg = load_config(ctx.obj["conf"], keys=declared_conf_keys())
     if announce:
         _say(origin_line(cfg))
     if ctx.obj["accept_new_host_keys"]:
@@ -246,13 +247,13 @@ def main(ctx: click.Context, conf: Optional[str], accept_new_host_keys: bool, de
               "up to N times (default: MAX_RESTARTS of the config, 0).")
 @click.option("--elastic", is_flag=True, help="Async mode: a trainer that dies is reported and the others go on.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="Where the job runs: " + ", ".join(
-              f"{b} ({backend_class(b).summary})" for b in REGISTRY) + f"; default: BACKEND of the config, {DEFAULT}. "
-              "See docs/backends.md.")
+              f"{b} ({backend_class(b).help.summary})" for b in REGISTRY) + f"; default: BACKEND of the config, "
+              f"{DEFAULT}. See docs/backends.md.")
 @click.option("--detach", is_flag=True, help="Submit and return (backends " + ", ".join(
               b for b in REGISTRY if not backend_class(b).detach) + "): the job runs on its own, status, logs and "
               "kill find it later.")
 @click.option("--dry-run", is_flag=True, help="Print what the backend would be given (" +
-              _each_backend(lambda c: c.renders) + ") and start nothing.")
+              _each_backend(lambda c: c.help.renders) + ") and start nothing.")
 @_backend_options()
 @click.option("--entry", "entry_script", metavar="SCRIPT", help="The script trainers run, in the workspace "
               "(default: ENTRY of the config, train.py).")
@@ -328,7 +329,7 @@ def kill(ctx: click.Context, job_name: Optional[str]) -> None:
 
 
 @main.command(help="Show a node's logs; NODE is node0, 0, or a host from HOSTS (" +
-              _each_backend(lambda c: c.node_hint, "; ") + ").")
+              _each_backend(lambda c: c.help.node_hint, "; ") + ").")
 @click.argument("node")
 @click.option("--role", type=click.Choice(["trainer", "pserver", "all"]), default="all", show_default=True,
               help="Whose logs: the trainers', the pservers' or both.")
@@ -393,7 +394,7 @@ def fetch_cmd(ctx: click.Context, job_name: Optional[str], dest: Optional[str], 
 
 
 @main.command(help="Preflight what a job would run on; each backend checks its own: " +
-              _each_backend(lambda c: c.checks, "; ") + ".")
+              _each_backend(lambda c: c.help.checks, "; ") + ".")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--backend", type=click.Choice(list(REGISTRY)), help="The backend to check for (default: BACKEND of the "
               f"config, {DEFAULT}): each checks what its jobs run on (docs/backends.md).")
@@ -442,16 +443,16 @@ def secret() -> None:
     _out(generate())
 
 
-@main.group(help="Print what a backend is given to run a job (" + _each_backend(lambda c: c.renders) + "), starting "
-            "nothing: `run --dry-run` with one backend's options.")
+@main.group(help="Print what a backend is given to run a job (" + _each_backend(lambda c: c.help.renders) +
+            "), starting nothing: `run --dry-run` with one backend's options.")
 def render() -> None:
     pass
 
 
 def _render_command(backend: str) -> None:
     @render.command(backend, cls=_ScriptArgsCommand,
-                    help=f"What --backend {backend} ({backend_class(backend).summary}) is given for a job, on "
-                    f"stdout. {backend_class(backend).render_hint} The entry script's arguments go after --.")
+                    help=f"What --backend {backend} ({backend_class(backend).help.summary}) is given for a job, on "
+                    f"stdout. {backend_class(backend).help.render_hint} The entry script's arguments go after --.")
     @click.option("--job_name", metavar="NAME", callback=_checked_name,
                   help="Job name (default JOB<yyyymmddHHMMSS>).")
     @click.option("--job_dispatch_package", "dispatch_dir", metavar="DIR", help="Local workspace to copy to every "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from engines import DRY_RUN_OPTIONS, NATIVE, NO_HOSTS_OPTIONS
+from engines import DRY_RUN, DRY_RUN_OPTIONS, NATIVE, NO_HOSTS_NATIVE, NO_HOSTS_OPTIONS, PRINTS_SECRETS
 from helpers import HOLD_PY, checkout_env, cli, local_conf, start_cli, wait_for, write_settings
 
 from paddle_cluster.cli import main
@@ -23,6 +24,7 @@ from paddle_cluster.launch import journal
 from paddle_cluster.launch.backends import REGISTRY, backend_class, declared_options, foreign_options, run_options
 from paddle_cluster.launch.backends.base import BackendOption
 from paddle_cluster.launch.config import load_config
+from paddle_cluster.launch.registry import DEFAULT
 
 
 def _user_conf(tmp: Path) -> Path:
@@ -34,12 +36,6 @@ def _user_conf(tmp: Path) -> Path:
 def _isolated(tmp: Path) -> dict:
     return dict(os.environ, HOME=str(tmp / "home"), XDG_STATE_HOME=str(tmp / "state"),
                 XDG_CACHE_HOME=str(tmp / "cache"), TMPDIR=str(tmp / "scratch"))
-
-
-def test_every_backend_has_its_engine_in_the_suite():
-    """Each backend of the launcher's registry has its module under tests/engines/ (its line in MODULES there):
-    its dry run's markers, and its engines of the conformance suite."""
-    assert sorted(NATIVE) == sorted(REGISTRY), "tests/engines/ and the launcher's REGISTRY list other backends"
 
 
 @pytest.mark.parametrize("backend", list(REGISTRY))
@@ -63,7 +59,7 @@ def test_dry_run_prints_the_native_request_and_starts_nothing(tmp_path, backend,
     assert not (tmp_path / "root").exists()
     assert not (tmp_path / "state").exists() and not (tmp_path / "cache").exists()
     assert list((tmp_path / "scratch").iterdir()) == []
-    if backend != "k8s":  # a dry run prints no credential (the manifests' Secret is what k8s applies)
+    if backend not in PRINTS_SECRETS:  # a dry run prints no credential
         assert "PADDLE_JOB_SECRET=<set>" in res.stdout and "PADDLE_TRAINER_KEY=<set>" in res.stdout
 
 
@@ -92,16 +88,14 @@ def test_hosts_is_required_by_the_backends_whose_nodes_it_lists_only(tmp_path, b
             other = cli(conf, *args, env=env)
             assert other.returncode == 2, other.stderr
             assert f"is not set in {conf}: backend {backend} ({chosen})" in other.stderr, other.stderr
-        if backend == "ssh":  # the default backend: a job of this config is looked for on it
+        if backend == DEFAULT:  # a job of this config is looked for on it
             st = cli(conf, "status", "--job_name", "dry", env=env)
-            assert st.returncode == 2 and f"backend ssh (the default; {conf} sets no BACKEND)" in st.stderr, \
+            assert st.returncode == 2 and f"backend {backend} (the default; {conf} sets no BACKEND)" in st.stderr, \
                 st.stderr
     else:
         assert res.returncode == 0, res.stderr
-        for marker in NATIVE[backend][:2]:
+        for marker in NO_HOSTS_NATIVE[backend]:
             assert marker in res.stdout, (marker, res.stdout)
-        if backend == "k8s":  # one pserver and one trainer pod: PSERVERS_PER_NODE and TRAINERS_PER_NODE
-            assert "1 pserver(s), 1 trainer(s)" in res.stdout, res.stdout
     assert not (tmp_path / "root").exists() and list((tmp_path / "scratch").iterdir()) == []
 
 
@@ -267,7 +261,7 @@ def test_render_leaves_its_backend_as_it_was(tmp_path, backend):
 
     cfg = load_config(str(_user_conf(tmp_path)))
     cfg = cfg.__class__(**{**cfg.__dict__, "backend": backend})
-    be = backend_for(cfg, {"image": "registry.example/fit:1"} if backend == "k8s" else {})
+    be = backend_for(cfg, DRY_RUN[backend])
     spec = JobSpec(cfg, "dry", workspace="/ws")
     before = {k: repr(v) for k, v in vars(be).items()}
     preview = be.preview(spec, lambda _s: None)
@@ -313,29 +307,30 @@ def test_run_submits_the_request_it_rendered_and_the_dry_run_prints_it(tmp_path,
 
 
 QSUB = '''"""A throwaway PBS backend, written as docs/backends.md "Adding a backend" says, to show what a new engine
-touches: this package and one registry line."""
+touches: this package, one registry line and one test module."""
 
-from paddle_cluster.launch.backends.base import Backend, BackendOption, Description, Prepared, Request
+from paddle_cluster.launch.backends.base import (Backend, BackendHelp, BackendOption, Description, Prepared, Request,
+                                                 plan_text)
 from paddle_cluster.launch.config import ConfKey
 from paddle_cluster.launch.errors import ClusterError
 from paddle_cluster.launch.plan import Topology
 from paddle_cluster.node.bootstrap import RankVars
 
 RANKS = RankVars("pbsdsh", "PBS_NODENUM", "PBS_NUM_NODES", "PBS_VNODENUM")
+QUEUE = ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name")
 
 
 class QsubBackend(Backend):
     name = "qsub"
-    summary = "PBS jobs"
-    renders = "the qsub script"
+    help = BackendHelp("PBS jobs", "the qsub script")
     needs_hosts = False
     options = (BackendOption("--queue", "queue", "The PBS queue (qsub -q).", metavar="Q"),)
-    conf_keys = (ConfKey("QSUB_QUEUE", "batch", check=lambda q: "" if q.isidentifier() else "a queue's name"),)
+    conf_keys = (QUEUE,)
 
     @classmethod
     def create(cls, cfg, opts, detach=False):
         be = cls()
-        be.cfg, be.queue = cfg, opts.get("queue") or cfg.qsub_queue
+        be.cfg, be.queue = cfg, opts.get("queue") or QUEUE.of(cfg)
         return be
 
     def preview(self, spec, say):
@@ -347,7 +342,8 @@ class QsubBackend(Backend):
     def render(self, plan, prepared):
         argv = ["pbsdsh", "python3", "-m", "paddle_cluster.node", "bootstrap", "--ranks", RANKS.text()]
         script = f"#PBS -q {self.queue}\\n#PBS -l nodes={len(plan.nodes)}\\n" + " ".join(argv)
-        return Request(plan, ((f"qsub script of job {plan.name}, job id {plan.env.job_id}", script),),
+        return Request(plan, ((f"qsub script of job {plan.name}, job id {plan.env.job_id}", script),
+                              ("each node runs its share of the plan:", plan_text(plan, prepared.labels))),
                        {"backend": self.name}, prepared)
 
     def submit(self, request, say):
@@ -366,28 +362,40 @@ class QsubBackend(Backend):
         return []
 '''
 
+# Its line in launch/registry.py, made in every interpreter of the test (the CLI's, the suite's) before anything
+# reads the registry, as the edit of that file would be.
+REGISTRY_LINE = '''from paddle_cluster.launch.registry import REGISTRY
+REGISTRY["qsub"] = "qsubbackend:QsubBackend"
+'''
 
-def test_a_new_backend_is_its_package_and_one_registry_line(tmp_path):
-    """docs/backends.md's "Adding a backend", done: a throwaway PBS backend's package and its line in REGISTRY (made
-    before the CLI loads, as an edit of launch/registry.py would) give ``run --help`` its options, a conf.py its
-    key (a misspelt one refused with the fix), ``run --dry-run`` and ``render qsub`` its request of the plan every
-    backend gets, and ``run`` its error; nothing else was edited."""
+# Its module under tests/engines/: what its dry run prints, and the option it is given.
+QSUB_ENGINE = '''"""The throwaway PBS backend: its dry run's markers; no engine of the conformance suite."""
+
+NATIVE = ["#PBS -l nodes=2", "--ranks pbsdsh:PBS_NODENUM", "#PBS -q long"]
+DRY_RUN = {"queue": "long"}
+ENGINES = ()
+'''
+
+
+def test_a_new_backend_is_its_package_one_registry_line_and_one_test_module(tmp_path):
+    """docs/backends.md's "Adding a backend", done: a throwaway PBS backend's package and its line in REGISTRY give
+    ``run --help`` its options, a conf.py its key (a misspelt one refused with the fix), ``run --dry-run`` and
+    ``render qsub`` its request of the plan every backend gets, and ``run`` its error; and with its one module
+    under tests/engines/ the suite's backend tests run on it too (on a copy of tests/ holding that module): nothing
+    else was edited."""
     (tmp_path / "pkgs" / "qsubbackend").mkdir(parents=True)
     (tmp_path / "pkgs" / "qsubbackend" / "__init__.py").write_text(QSUB)
+    (tmp_path / "pkgs" / "sitecustomize.py").write_text(REGISTRY_LINE)
     conf = write_settings(tmp_path / "conf.py", {"ROOT_DIR": str(tmp_path / "root"), "QSUB_QUEUE": "long",
                                                  "PADDLE_PORT": 7164})
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "train.py").write_text("print('hi')\n")
-    env = checkout_env(_isolated(tmp_path))
-    env["PYTHONPATH"] = f"{tmp_path / 'pkgs'}:{env.get('PYTHONPATH', '')}"
-    line = 'REGISTRY["qsub"] = "qsubbackend:QsubBackend"'
+    env = _isolated(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "pkgs")
 
     def cli_with_qsub(*args: str) -> subprocess.CompletedProcess:
-        code = (f"import sys; from paddle_cluster.launch.registry import REGISTRY; {line}; "
-                "from paddle_cluster.cli import main; sys.argv[0] = 'paddle-cluster'; main()")
-        return subprocess.run([sys.executable, "-c", code, "--conf", str(conf), *args], capture_output=True,
-                              text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+        return cli(conf, *args, env=env)
 
     helped = cli_with_qsub("run", "--help")
     assert helped.returncode == 0 and "Options of --backend qsub" in helped.stdout and "qsub -q" in helped.stdout
@@ -403,3 +411,20 @@ def test_a_new_backend_is_its_package_and_one_registry_line(tmp_path):
     conf.write_text(conf.read_text().replace("QSUB_QUEUE", "QSUB_QUEU"))
     bad = cli_with_qsub("run", "--backend", "qsub", "--dry-run", "--job_workspace", "/w")
     assert bad.returncode == 2 and "did you mean QSUB_QUEUE?" in bad.stderr, bad.stderr
+
+    # The suite: this checkout with a copy of tests/ that holds tests/engines/qsub.py, and the backend tests of this
+    # file that take their backends from REGISTRY, run on qsub (the in-process one and two through the CLI).
+    here = Path(__file__).resolve().parent
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for entry in here.parent.iterdir():
+        if entry.name != "tests":
+            (repo / entry.name).symlink_to(entry)
+    shutil.copytree(here, repo / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "tests" / "engines" / "qsub.py").write_text(QSUB_ENGINE)
+    items = ["test_render_leaves_its_backend_as_it_was[qsub]", "test_hosts_is_required_by_the_backends_whose_nodes_"
+             "it_lists_only[qsub]", "test_dry_run_prints_the_native_request_and_starts_nothing[named-render-qsub]"]
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *(f"tests/{Path(__file__).name}::{i}" for i in items)], cwd=repo, capture_output=True,
+                           text=True, timeout=300, env=checkout_env(env), stdin=subprocess.DEVNULL)
+    assert suite.returncode == 0 and f"{len(items)} passed" in suite.stdout, suite.stdout[-3000:] + suite.stderr

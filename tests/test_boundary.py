@@ -1,11 +1,15 @@
-"""The node side (everything of paddle_cluster but the launcher) imports none of the launcher's libraries:
-nodes have Python and numpy, not click, Fabric or matplotlib."""
+"""The layers: the node side (everything of paddle_cluster but the launcher) imports none of the launcher's
+libraries (nodes have Python and numpy, not click, Fabric or matplotlib), and no module of the launcher imports
+one that imports it back."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Dict, List, Set
 
 from helpers import checkout_env
 
@@ -78,3 +82,76 @@ def test_a_node_session_does_not_import_numpy():
                          env=checkout_env(), stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "paddle_cluster"
+
+
+def _import_graph(folder: Path) -> Dict[str, Set[str]]:
+    """Each module under ``folder`` -> the modules under it that it imports: every import statement, one inside a
+    function or under ``TYPE_CHECKING`` included (a lazy import is still a dependency)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name(p): p for p in folder.rglob("*.py")}
+    graph: Dict[str, Set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        targets: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+                source = ".".join(p for p in (base, node.module or "") if p)
+                targets.update(f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names)
+        graph[mod] = {t for t in targets if t in files}
+    return graph
+
+
+def _circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module, or of one importing itself (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    out: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+            if len(part) > 1 or v in graph[v]:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_launcher_has_no_import_circle():
+    """No module of ``launch/`` imports (lazily, or for types only, included) one that imports it back, so its
+    modules stand in layers, each importing only those below it: with no circle no import runs back up. (The
+    configuration is handed the backends' keys; it does not import the backends to learn them.)"""
+    graph = _import_graph(PACKAGE / "launch")
+    assert "paddle_cluster.launch.backends.base" in graph["paddle_cluster.launch.backends.ssh.backend"]  # it reads
+    assert "paddle_cluster.launch.dispatch" in graph["paddle_cluster.launch.backends.ssh.prepare"]  # from ... import
+    assert not _circles(graph), _circles(graph)
+
+
+def test_the_circle_finder_finds_a_lazy_import_back():
+    """The check above can fail: a function-level import back up (as config once imported the backends) is a
+    circle."""
+    graph = _import_graph(PACKAGE / "launch")
+    graph["paddle_cluster.launch.config"].add("paddle_cluster.launch.backends")
+    assert any("paddle_cluster.launch.config" in c and "paddle_cluster.launch.backends" in c for c in _circles(graph))

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 from helpers import checkout_env, free_port_range
 
-from paddle_cluster.launch.backends import REGISTRY, backend_of
+from paddle_cluster.launch.backends import REGISTRY, backend_of, declared_conf_keys
 from paddle_cluster.launch.config import (
     BUILTIN_SOURCE,
     KEYS,
     ClusterConfig,
     HostSpec,
-    all_keys,
     load_config,
     parse_config,
 )
@@ -28,6 +27,13 @@ from paddle_cluster.launch.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS_LINE = 'HOSTS = ["root@192.168.100.17", "root@192.168.100.18"]\n'
+BACKEND_KEYS = declared_conf_keys()  # MPI_IMPL, K8S_NAMESPACE...: the CLI hands them to the configuration
+ALL_KEYS = KEYS + tuple(k.name for k in BACKEND_KEYS)
+
+
+def load(path: str) -> ClusterConfig:
+    """``path`` read as the CLI reads it: the backends' keys known too."""
+    return load_config(path, environ={}, keys=BACKEND_KEYS)
 
 
 def cli(*args: str, cwd=None, env=None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -146,7 +152,7 @@ BY_BACKEND = {"missing-hosts"}
 def test_bad_conf_load_config(tmp_path, body, needles):
     path = write(tmp_path, body)
     with pytest.raises(ConfigError) as ei:
-        load_config(str(path), environ={})
+        load(str(path))
     msg = str(ei.value)
     for n in needles:
         assert n in msg, (n, msg)
@@ -191,14 +197,14 @@ def test_bad_conf_cli_run_starts_nothing(tmp_path, case):
 def test_non_utf8_conf(tmp_path):
     path = write(tmp_path, b'HOSTS = ["\xff\xfe"]\n')
     with pytest.raises(ConfigError, match="UTF-8"):
-        load_config(str(path), environ={})
+        load(str(path))
     assert_clean_config_error(cli("--conf", str(path), "check"), "conf.py", "UTF-8")
 
 
 def test_nul_byte_conf(tmp_path):
     path = write(tmp_path, b'HOSTS = ["a"]\x00\n')
     with pytest.raises(ConfigError, match="syntax error"):
-        load_config(str(path), environ={})
+        load(str(path))
     assert_clean_config_error(cli("--conf", str(path), "check"), "conf.py", "null bytes")
 
 
@@ -292,11 +298,13 @@ def same(a: ClusterConfig, b: ClusterConfig) -> bool:
 
 
 def test_full_conf_sets_every_key(tmp_path, home):
-    cfg = load_config(str(write(tmp_path, FULL_PY)), environ={})
+    cfg = load(str(write(tmp_path, FULL_PY)))
     default = ClusterConfig(hosts=())
-    for key in all_keys():  # ClusterConfig's and the backends' (MPI_IMPL, K8S_NAMESPACE...)
-        assert getattr(cfg, key.lower()) != getattr(default, key.lower()), key  # the file set every key
-    assert cfg.file_keys == set(all_keys()) and cfg.options == ()
+    for key in KEYS:  # the file set every key: ClusterConfig's and the backends' (MPI_IMPL, K8S_NAMESPACE...)
+        assert getattr(cfg, key.lower()) != getattr(default, key.lower()), key
+    for conf_key in BACKEND_KEYS:
+        assert conf_key.of(cfg) != conf_key.default, conf_key.name
+    assert cfg.file_keys == set(ALL_KEYS) and cfg.options == ()
     assert cfg.hosts == (HostSpec("root@192.168.100.17", "192.168.100.17", "root", None),
                          HostSpec("paddle@node2:2222", "node2", "paddle", 2222),
                          HostSpec("gpu-box", "gpu-box", None, None))
@@ -311,8 +319,8 @@ def test_full_conf_sets_every_key(tmp_path, home):
 
 @pytest.mark.parametrize("name", ["cluster.yaml", "cluster.yml"])
 def test_yaml_equals_conf_py(tmp_path, home, name):
-    py = load_config(str(write(tmp_path, FULL_PY)), environ={})
-    ym = load_config(str(write(tmp_path, FULL_YAML, name)), environ={})
+    py = load(str(write(tmp_path, FULL_PY)))
+    ym = load(str(write(tmp_path, FULL_YAML, name)))
     assert same(py, ym)
     assert ym.source.endswith(name)
 
@@ -335,14 +343,14 @@ BAD_YAML = [
 def test_bad_yaml(tmp_path, body, needles):
     path = write(tmp_path, body, "cluster.yaml")
     with pytest.raises(ConfigError) as ei:
-        backend_of(load_config(str(path), environ={}))  # (HOSTS is required by the backend: ssh here)
+        backend_of(load(str(path)))  # (HOSTS is required by the backend: ssh here)
     for n in needles:
         assert n in str(ei.value), (n, str(ei.value))
     assert_clean_config_error(cli("--conf", str(path), "check"), *needles)
 
 
 def test_yaml_digit_string_is_a_number(tmp_path):
-    cfg = load_config(str(write(tmp_path, "HOSTS: [a]\nPADDLE_PORT: '9000'\n", "cluster.yaml")), environ={})
+    cfg = load(str(write(tmp_path, "HOSTS: [a]\nPADDLE_PORT: '9000'\n", "cluster.yaml")))
     assert cfg.paddle_port == 9000
 
 
@@ -351,24 +359,24 @@ def test_misspelt_key_is_refused_with_closest_key(tmp_path):
     path = write(tmp_path, HOSTS_LINE + "PADDLE_PROT = 7850\n")
     with pytest.raises(ConfigError, match=r"PADDLE_PROT = 7850 in .*conf\.py: not a paddle-cluster key; "
                                           r"did you mean PADDLE_PORT\?"):
-        load_config(str(path), environ={})
+        load(str(path))
 
 
 def test_lower_case_key_in_conf_py_is_refused_with_its_upper_case_name(tmp_path):
     with pytest.raises(ConfigError, match="did you mean ROOT_DIR"):
-        load_config(str(write(tmp_path, HOSTS_LINE + "root_dir = '/srv'\n")), environ={})
+        load(str(write(tmp_path, HOSTS_LINE + "root_dir = '/srv'\n")))
 
 
 def test_unknown_key_without_close_match_lists_known_keys(tmp_path):
     path = write(tmp_path, HOSTS_LINE + "ZZZZ = 1\n")
     with pytest.raises(ConfigError, match="known keys: HOSTS, ROOT_DIR.*start its name with _"):
-        load_config(str(path), environ={})
+        load(str(path))
 
 
 def test_conf_py_helpers_are_not_keys(tmp_path):
     body = "import os\nfrom os.path import join\n_base = '10.0.0.'\nclass X: pass\n" \
            "HOSTS = [_base + str(i) for i in (1, 2)]\nROOT_DIR = join('/srv', 'paddle')\n"
-    cfg = load_config(str(write(tmp_path, body)), environ={})
+    cfg = load(str(write(tmp_path, body)))
     assert [h.host for h in cfg.hosts] == ["10.0.0.1", "10.0.0.2"] and cfg.root_dir == "/srv/paddle"
 
 
@@ -509,14 +517,14 @@ def test_localhost_is_local():
 # -- the examples and the docs ------------------------------------------------------------------------
 def test_conf_py_example_loads_and_sets_every_key(tmp_path):
     path = shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")
-    cfg = load_config(str(path), environ={})  # an unknown or misspelt key in the example would raise
+    cfg = load(str(path))  # an unknown or misspelt key in the example would raise
     text = (REPO / "conf.py.example").read_text()
-    for key in all_keys():
+    for key in ALL_KEYS:
         assert f"\n{key} = " in text, key
     # the seed's keys come first, in the seed's order
     seed = ["HOSTS", "ROOT_DIR", "PADDLE_NIC", "PADDLE_PORT", "PADDLE_PORTS_NUM", "PADDLE_PORTS_NUM_FOR_SPARSE",
             "LD_LIBRARY_PATH"]
-    positions = [text.index(f"\n{k} = ") for k in all_keys()]
+    positions = [text.index(f"\n{k} = ") for k in ALL_KEYS]
     assert positions[:len(seed)] == sorted(positions[:len(seed)])
     assert max(positions[:len(seed)]) < min(positions[len(seed):])
     assert [h.text for h in cfg.hosts] == ["root@192.168.100.17", "root@192.168.100.18"]
@@ -528,8 +536,8 @@ def test_conf_py_example_loads_and_sets_every_key(tmp_path):
 
 
 def test_cluster_yaml_example_equals_conf_py_example(tmp_path):
-    py = load_config(str(shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")), environ={})
-    ym = load_config(str(shutil.copy(REPO / "cluster.yaml.example", tmp_path / "cluster.yaml")), environ={})
+    py = load(str(shutil.copy(REPO / "conf.py.example", tmp_path / "conf.py")))
+    ym = load(str(shutil.copy(REPO / "cluster.yaml.example", tmp_path / "cluster.yaml")))
     assert same(py, ym)
     text = (REPO / "cluster.yaml.example").read_text()
     for key in KEYS:

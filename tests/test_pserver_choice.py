@@ -109,7 +109,8 @@ def test_k8s_pods_run_the_pserver_the_launcher_chose(tmp_path, monkeypatch):
     # The cluster's permission answers only (no API server here); what is under test is the pods' commands.
     monkeypatch.setattr(k8s_backend.Kubectl, "may", lambda self, verb, resource: True)
     ws = _ws(tmp_path, TRAINER_ONLY)
-    cfg = parse_config({"HOSTS": ["a"], "BACKEND": "k8s", "K8S_IMAGE": "img:1"}, "conf.py")
+    cfg = parse_config({"HOSTS": ["a"], "BACKEND": "k8s", "K8S_IMAGE": "img:1"}, "conf.py",
+                       k8s_backend.K8sBackend.conf_keys)
     for option, want in ((None, ["python3", "-m", "paddle_cluster.ps"]), ("entry", ["python3", "train.py", "--x"])):
         settled = entry.settle(cfg, None, str(ws), ["--x"], pserver=option)
         be = k8s_backend.K8sBackend(cfg, k8s_backend.K8sOptions.from_config(cfg))  # made before settling, as run

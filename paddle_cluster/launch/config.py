@@ -15,7 +15,7 @@ import stat
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -97,7 +97,7 @@ class ClusterConfig:
     # Kubernetes namespace); docs/backends.md.
     backend: str = DEFAULT
     # The keys the backends declare (``ConfKey``: MPI_IMPL, K8S_NAMESPACE...) that the file or an option set, as
-    # (field name, value) in name order; read as attributes (``cfg.mpi_impl``), their default where not set.
+    # (field name, value) in name order; each backend reads its own (``ConfKey.of``) into its typed settings.
     backend_keys: Tuple[Tuple[str, Any], ...] = ()
     # Frames between trainers and pservers carry MACs; False only on an isolated fabric (docs/reliability.md).
     integrity: bool = True
@@ -107,15 +107,6 @@ class ClusterConfig:
     file_keys: FrozenSet[str] = frozenset()
     options: Tuple[Tuple[str, str], ...] = ()
 
-    def __getattr__(self, name: str) -> Any:
-        """A key a backend declares (``declared_keys``): its value, or its default."""
-        if name.startswith("_") or name == "backend_keys":
-            raise AttributeError(name)
-        key = declared_keys().get(name.upper())
-        if key is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return dict(self.backend_keys).get(name, key.default)
-
     @property
     def is_builtin_default(self) -> bool:
         return self.source == BUILTIN_SOURCE
@@ -124,7 +115,8 @@ class ClusterConfig:
         """The ``ConfigError`` for setting ``name`` (a field name), naming where its value came from: the option
         that gave it, the file that set it, or the default (and that the file does not set it)."""
         key = name.upper()
-        value = getattr(self, name) if value is None else value
+        if value is None:  # a backend's key (``ConfKey.error``) gives its value
+            value = getattr(self, name) if key in KEYS else dict(self.backend_keys).get(name)
         option = dict(self.options).get(key)
         if option:
             return ConfigError(option, value, fix)
@@ -187,24 +179,27 @@ KEYS = tuple(f.name.upper() for f in dataclasses.fields(ClusterConfig) if f.name
 class ConfKey:
     """A key of conf.py (or cluster.yaml) that a backend declares (``Backend.conf_keys``) rather than
     ``ClusterConfig``: its name, its default (whose type the value must have, None: a string or nothing), the values
-    it may take (none: any) and its own check (the fix for a wrong value, "" for a right one)."""
+    it may take (none: any) and its own check (the fix for a wrong value, "" for a right one). The configuration
+    knows the keys it is handed (``load_config(keys=...)``), not the backends."""
 
     name: str  # "MPI_IMPL"
     default: Any
     choices: Tuple[str, ...] = ()
     check: Optional[Callable[[Any], str]] = None
 
+    def of(self, cfg: ClusterConfig) -> Any:
+        """Its value in ``cfg``: the one the file or an option gave, else its default."""
+        return dict(cfg.backend_keys).get(self.name.lower(), self.default)
 
-def declared_keys() -> Dict[str, ConfKey]:
-    """Every key the backends declare, by name (loaded with the backends: the registry names them)."""
-    from .backends import declared_conf_keys  # the backends import this module: loaded when first asked
+    def error(self, cfg: ClusterConfig, fix: str) -> ConfigError:
+        """``cfg.error`` for this key: naming the option, the file or the default that gave its value."""
+        return cfg.error(self.name.lower(), fix, self.of(cfg))
 
-    return declared_conf_keys()
-
-
-def all_keys() -> Tuple[str, ...]:
-    """Every key a config may set: ``ClusterConfig``'s and the backends'."""
-    return KEYS + tuple(declared_keys())
+    def fix(self, value: Any) -> str:
+        """What is wrong with ``value`` by its own rules (``choices``, ``check``); "" when nothing."""
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        return self.check(value) if self.check else ""
 
 
 def builtin_default() -> ClusterConfig:
@@ -247,12 +242,15 @@ def find_config_file(explicit: Optional[str], environ: Mapping[str, str] = os.en
     return None
 
 
-def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> ClusterConfig:
+def load_config(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ,
+                keys: Sequence[ConfKey] = ()) -> ClusterConfig:
+    """The config the documented order finds, with ``keys`` (the backends' declared keys, which the caller hands
+    over: ``backends.declared_conf_keys``) known beside ``ClusterConfig``'s."""
     path = find_config_file(explicit, environ)
     if path is None:
         return builtin_default()
     raw = _read_yaml(path) if path.suffix in (".yaml", ".yml") else _read_python(path)
-    return parse_config(raw, os.path.abspath(path))  # errors name the file wherever the command ran
+    return parse_config(raw, os.path.abspath(path), keys)  # errors name the file wherever the command ran
 
 
 def _file_error(path: Path, fix: str) -> ConfigError:
@@ -327,9 +325,11 @@ def _read_yaml(path: Path) -> Dict[str, Any]:
     return {str(k).upper(): v for k, v in data.items()}
 
 
-def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
-    """Validate ``raw`` (upper-case keys) into a ``ClusterConfig``; wrong values raise ``ConfigError``."""
-    known, declared = all_keys(), declared_keys()
+def parse_config(raw: Mapping[str, Any], source: str, keys: Sequence[ConfKey] = ()) -> ClusterConfig:
+    """Validate ``raw`` (upper-case keys; ``keys``: the backends' declared keys it may set too) into a
+    ``ClusterConfig``; wrong values raise ``ConfigError``."""
+    declared = {k.name: k for k in keys}
+    known = KEYS + tuple(declared)
     for key in raw:
         if key not in known:
             # A misspelt key must not leave its setting at the default unnoticed (PADDLE_PROT = 7850 ran on 7164).
@@ -352,21 +352,21 @@ def parse_config(raw: Mapping[str, Any], source: str) -> ClusterConfig:
         if values.get(name):  # files on this machine: "~" is ours, expanded here once for the SSH layer
             values[name] = os.path.expanduser(values[name])
     cfg = ClusterConfig(**values)
-    validate(cfg)
+    validate(cfg, keys)
     return cfg
 
 
-def override(cfg: ClusterConfig, given: Mapping[str, Tuple[str, Any]]) -> ClusterConfig:
-    """``cfg`` with the settings of ``given`` (field name -> (the command-line option, its value)), validated
-    together: an error names the option, not the file."""
+def override(cfg: ClusterConfig, given: Mapping[str, Tuple[str, Any]], keys: Sequence[ConfKey] = ()) -> ClusterConfig:
+    """``cfg`` with the settings of ``given`` (field name -> (the command-line option, its value); ``keys``: the
+    declarations of the backend keys among them), validated together: an error names the option, not the file."""
     options = dict(cfg.options)
     options.update({name.upper(): option for name, (option, _) in given.items()})
-    declared = declared_keys()
-    keys = dict(cfg.backend_keys)
-    keys.update({name: v for name, (_, v) in given.items() if name.upper() in declared})
-    new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items() if name.upper() not in declared},
-                              options=tuple(options.items()), backend_keys=tuple(sorted(keys.items())))
-    validate(new)
+    declared = {k.name.lower() for k in keys}
+    values = dict(cfg.backend_keys)
+    values.update({name: v for name, (_, v) in given.items() if name in declared})
+    new = dataclasses.replace(cfg, **{name: v for name, (_, v) in given.items() if name not in declared},
+                              options=tuple(options.items()), backend_keys=tuple(sorted(values.items())))
+    validate(new, [k for k in keys if k.name.lower() in given])
     return new
 
 
@@ -443,12 +443,13 @@ def refuse_line_break(option: str, value: Optional[str]) -> None:
         raise ConfigError(option, value, f"contains {line_break(value)}: {NO_BREAKS}")
 
 
-def validate(cfg: ClusterConfig) -> None:
-    """Each setting alone and together; an error names where the wrong value came from (``ClusterConfig.error``)."""
-    for name in [f.name for f in dataclasses.fields(cfg) if f.name not in _ORIGIN] + [n for n, _ in cfg.backend_keys]:
-        value = getattr(cfg, name)
+def validate(cfg: ClusterConfig, keys: Sequence[ConfKey] = ()) -> None:
+    """Each setting alone and together (``keys``: the backends' declared keys, each by its own rules); an error
+    names where the wrong value came from (``ClusterConfig.error``)."""
+    values = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _ORIGIN]
+    for name, value in values + list(cfg.backend_keys):
         if isinstance(value, str) and line_break(value):
-            raise cfg.error(name, f"contains {line_break(value)}: {NO_BREAKS}")
+            raise cfg.error(name, f"contains {line_break(value)}: {NO_BREAKS}", value)
     if not os.path.isabs(cfg.root_dir):
         raise cfg.error("root_dir", "must be an absolute path on every host, e.g. /home/paddle")
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,15}", cfg.paddle_nic):
@@ -464,12 +465,9 @@ def validate(cfg: ClusterConfig) -> None:
         raise cfg.error("max_restarts", "must be 0 (fail fast) or more")
     if cfg.backend not in REGISTRY:
         raise cfg.error("backend", f"must be one of {', '.join(REGISTRY)}")
-    for key in declared_keys().values():  # each backend's keys, by its own rules
-        value = getattr(cfg, key.name.lower())
-        fix = f"must be one of {', '.join(key.choices)}" if key.choices and value not in key.choices else \
-            key.check(value) if key.check else ""
-        if fix:
-            raise cfg.error(key.name.lower(), fix)
+    for key in keys:  # each backend's keys, by its own rules
+        if key.fix(key.of(cfg)):
+            raise key.error(cfg, key.fix(key.of(cfg)))
     nodes = max(1, len(cfg.hosts))  # without HOSTS the engine gives the nodes (Slurm's --nodes, k8s: the pods)
     if cfg.trainers_per_node * nodes < 1:
         raise cfg.error("trainers_per_node", "the job needs at least one trainer")

@@ -29,6 +29,7 @@ from .each_node import each_node
 from .errors import ClusterError, HostConfigError, HostError
 from .hosts import Node
 from .nodecmd import agent_json
+from .package import Package
 from .plan import JobSpec
 from .progress import upload_progress
 
@@ -36,14 +37,6 @@ SKIP_ANYWHERE = {".git", "__pycache__", ".hypothesis", ".pytest_cache"}
 SKIP_TOP = {"log", "output"}
 # The parts of paddle_cluster a node needs; the launcher (launch/, cli.py) stays behind.
 NODE_SIDE = ("__init__.py", "contract.py", "jobsecret.py", "node", "ps", "train", "compat", "torch", "paddle")
-
-
-@dataclass(frozen=True)
-class Package:
-    path: str
-    sha256: str
-    size: int
-    files: int
 
 
 def _walk(root: Path, top_skip: set) -> Iterator[Tuple[Path, str]]:

@@ -3,14 +3,12 @@ over that node's connection: its command line, and its one-line JSON answer."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List
 
 from paddle_cluster.node import MAIN
 
 from .hosts import Node
-
-if TYPE_CHECKING:  # dispatch imports this module (a workspace is unpacked by a node sub-command)
-    from .dispatch import Package
+from .package import Package
 
 
 def agent_argv(node: Node, lib: Package, *args: str) -> List[str]:

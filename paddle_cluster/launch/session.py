@@ -12,9 +12,9 @@ from typing import Any, Deque, Dict
 from paddle_cluster.node import messages as m
 from paddle_cluster.node.session import REPLY, SessionRequest
 
-from .dispatch import Package
 from .errors import HostConfigError, HostError
 from .hosts import CommandStream, Node
+from .package import Package
 
 # Runs on the node with nothing but Python: the library of this hash is installed (sent on stdin, after a
 # 16-digit length, when the node says it lacks it), then the session runs from it.

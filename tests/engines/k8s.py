@@ -11,10 +11,11 @@ from helpers import free_port_range, wait_for
 from sshcluster import SSHCluster
 from userengine import Engine, EngineSpec, job_processes, readme_conf, user_env
 
-BACKEND = "k8s"
 NATIVE = ["kind: Secret", "kind: Job", "image: registry.example/fit:1"]
-DRY_RUN_OPTIONS = ["--image", "registry.example/fit:1"]
-NO_HOSTS_OPTIONS = ["--image", "registry.example/fit:1"]
+DRY_RUN = NO_HOSTS = {"image": "registry.example/fit:1"}
+# One pserver and one trainer pod without HOSTS: PSERVERS_PER_NODE and TRAINERS_PER_NODE.
+NO_HOSTS_NATIVE = [*NATIVE[:2], "1 pserver(s), 1 trainer(s)"]
+PRINTS_SECRETS = True  # the manifests' Secret is what kubectl applies
 HOST_FIXTURES = ("kube_cluster",)
 
 

@@ -11,7 +11,6 @@ from userengine import Engine, EngineSpec
 
 from engines.ssh import hosts_engine
 
-BACKEND = "mpi"
 NATIVE = ["mpirun --hostfile", "10.9.0.3 slots=1", "Host 10.9.0.2", "bootstrap"]
 HOST_FIXTURES = ("mpi_env",)
 

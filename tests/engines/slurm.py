@@ -10,11 +10,10 @@ from enginecluster import SlurmCluster, slurm_unavailable_reason
 from sshcluster import SSHCluster
 from userengine import Engine, EngineSpec, readme_conf, user_env
 
-BACKEND = "slurm"
 NATIVE = ["#!/bin/sh", "#SBATCH --nodes=2", "#SBATCH --no-requeue", "#SBATCH --partition=gpu", "#SBATCH --gres=gpu:1",
           "exec srun --nodes=2", "sbatch --parsable"]
-DRY_RUN_OPTIONS = ["--partition", "gpu", "--gres", "gpu:1"]
-NO_HOSTS_OPTIONS = ["--nodes", "2"]
+DRY_RUN = {"partition": "gpu", "gres": "gpu:1"}
+NO_HOSTS = {"nodes": 2}
 HOST_FIXTURES = ("slurm_cluster",)
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from helpers import free_port_range, rc_python, wait_for
 from userengine import Engine, EngineSpec, readme_conf, user_env
 
-BACKEND = "ssh"
 NATIVE = ["ssh plan of job dry", "pserver.0: ", "trainer.1: python3 train.py --num_passes 2"]
 
 

@@ -35,16 +35,16 @@ def declared_options() -> List[Tuple[str, BackendOption]]:
     return out
 
 
-def declared_conf_keys() -> Dict[str, ConfKey]:
-    """Every backend's conf keys (``Backend.conf_keys``), by name; a name two backends declare differently, or
-    ``ClusterConfig`` has, is refused."""
+def declared_conf_keys() -> Tuple[ConfKey, ...]:
+    """Every backend's conf keys (``Backend.conf_keys``), which the CLI hands to the configuration
+    (``config.load_config``); a name two backends declare differently, or ``ClusterConfig`` has, is refused."""
     out: Dict[str, ConfKey] = {}
     for name in REGISTRY:
         for key in backend_class(name).conf_keys:
             if key.name in KEYS or out.setdefault(key.name, key) != key:
                 raise TypeError(f"backend {name} declares conf key {key.name}, which another backend or ClusterConfig "
                                 "has: one key, one meaning")
-    return out
+    return tuple(out.values())
 
 
 def option_owners() -> Dict[str, List[str]]:

@@ -2,9 +2,9 @@
 
 A ``Backend`` is the scheduler: ``prepare(spec)`` makes the nodes ready and returns what it made (a ``Prepared``:
 where the processes run, its ``Topology``, and what submitting needs; ``preview(spec)`` says the same with
-nothing touched, for a dry run), ``plan.build_plan`` makes the job of the topology (the same for every backend),
-``render(plan, prepared)`` makes the native ``Request`` with no side effect, and ``submit(request)`` submits
-exactly that request and returns the live job (a ``LiveJob``). ``run --dry-run`` and ``render`` print the
+nothing touched, for a dry run), ``plan.build_plan`` makes the job of the topology, ``render(plan, prepared)``
+makes the native ``Request`` with no side effect, and ``submit(request)`` submits exactly that request and
+returns the live job (a ``LiveJob``). ``run --dry-run`` and ``render`` print the
 ``Request`` that ``submit`` would be given.
 
 A ``LiveJob`` owns that one submission: its events (``node.messages`` events, plus ``NodeLost``) read with
@@ -49,6 +49,17 @@ class BackendOption:
     minimum: Optional[int] = None
     multiple: bool = False  # may be given more than once: a tuple of values
     check: bool = False  # ``check`` takes it too (its ``check`` gets it)
+
+
+@dataclass(frozen=True)
+class BackendHelp:
+    """What ``--help`` says of a backend, beside its options."""
+
+    summary: str  # where its jobs run: "HOSTS over SSH"
+    renders: str  # what ``render`` prints: "the sbatch script"
+    checks: str = ""  # what ``check`` looks at ("": it has no check of its own)
+    render_hint: str = ""  # what to do with ``render``'s output, for ``render <name> --help``
+    node_hint: str = ""  # what else ``logs NODE`` takes: "a pod, fit-trainer-0"
 
 
 @dataclass(frozen=True)
@@ -153,16 +164,12 @@ Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stoppin
 
 
 class Backend(ABC):
-    """The scheduler of one engine: prepares the nodes, renders and submits a plan's request, finds its jobs."""
+    """The scheduler of one engine: prepares the nodes, renders and submits a plan's request, finds its jobs. What
+    every engine provides; ``check``, ``metrics``, ``figures`` and ``outputs`` refuse unless it offers them (the
+    engines on the machines of HOSTS share theirs: ``hosts.OnHosts``)."""
 
     name: ClassVar[str]  # as BACKEND and --backend say it
-    summary: ClassVar[str]  # where its jobs run, for --help: "HOSTS over SSH"
-    render_hint: ClassVar[str] = ""  # what to do with ``render``'s output, for ``render <name> --help``
-    renders: ClassVar[str]  # what ``render`` prints, for --help: "the sbatch script"
-    node_hint: ClassVar[str] = ""  # what else ``logs NODE`` takes, for --help: "a pod, fit-trainer-0"
-    checks: ClassVar[str] = ("every host of HOSTS: SSH without prompts, the interpreter every process will run "
-                             "(PYTHON as the login shell finds it, as an absolute path) and its numpy, PADDLE_NIC, "
-                             "ports, ROOT_DIR, disk")  # what ``check`` looks at, for --help
+    help: ClassVar[BackendHelp]
     options: ClassVar[Tuple[BackendOption, ...]] = ()
     conf_keys: ClassVar[Tuple[ConfKey, ...]] = ()  # its keys of conf.py, beside ClusterConfig's (``cfg.<key>``)
     needs_workspace: ClassVar[bool] = True  # --job_dispatch_package or --job_workspace (k8s: in the image)
@@ -182,8 +189,7 @@ class Backend(ABC):
     @abstractmethod
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> Prepared:
         """Make every node ready to run ``spec`` (node library, preflight, workspace); where its processes run
-        (``plan.build_plan`` makes the job of its topology, as for every backend) and what submitting needs. On
-        failure it releases what it made."""
+        and what submitting needs. On failure it releases what it made."""
 
     @abstractmethod
     def render(self, plan: JobPlan, prepared: Prepared) -> Request:
@@ -207,26 +213,18 @@ class Backend(ABC):
 
     @classmethod
     def metrics(cls, job: JobRef) -> Dict[str, List[dict]]:
-        """Each trainer's metrics records, for ``plot``: from the job directory on the hosts of HOSTS."""
-        from .. import plot
-
-        return plot.collect(job.cfg, job.name)
+        """Each trainer's metrics records, for ``plot``."""
+        raise ClusterError(f"plot: backend {cls.name} keeps no metrics of its jobs where plot can read them")
 
     @classmethod
     def figures(cls, job: JobRef) -> Source:
-        """Where ``top`` reads the job's figures each frame: by default ``node top`` on the hosts of HOSTS."""
-        from ..top import HostsSource
-
-        return HostsSource(job.cfg, job.name)
+        """Where ``top`` reads the job's figures each frame."""
+        raise ClusterError(f"top: backend {cls.name} has no figures of its jobs to show")
 
     @classmethod
     def outputs(cls, job: JobRef) -> Outputs:
-        """Where ``fetch`` copies the job's files from: by default each host of HOSTS over its connection."""
-        from ..access import nodes_with_lib
-        from ..fetch import AgentFiles, Outputs
-
-        nodes, lib, _ = nodes_with_lib(job.cfg)
-        return Outputs([AgentFiles(n, lib, job.cfg.job_dir(job.name)) for n in nodes], nodes)
+        """Where ``fetch`` copies the job's files from."""
+        raise ClusterError(f"fetch: backend {cls.name} has no files of its jobs to copy here")
 
     @classmethod
     def outputs_at(cls, cfg: ClusterConfig, name: str) -> str:
@@ -235,14 +233,10 @@ class Backend(ABC):
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
-        """``paddle-cluster check``: whether what its jobs run on is ready (``checks``), a row per thing checked,
-        with the declared options marked ``check`` given (absent ones None)."""
-        from ..preflight import check_cluster
-
-        if not cfg.hosts:  # a backend whose engine gives the nodes checks them its own way
-            raise ClusterError(f"check --backend {cls.name}: nothing to check here (no HOSTS, and backend "
-                               f"{cls.name} has no check of its own)")
-        return check_cluster(cfg)
+        """``paddle-cluster check``: whether what its jobs run on is ready (``help.checks``), a row per thing
+        checked, with the declared options marked ``check`` given (absent ones None)."""
+        raise ClusterError(f"check --backend {cls.name}: nothing to check here (backend {cls.name} has no check of "
+                           "its own)")
 
     @classmethod
     @abstractmethod

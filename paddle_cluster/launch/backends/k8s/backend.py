@@ -26,18 +26,30 @@ from paddle_cluster.contract import PSERVER, TRAINER
 from paddle_cluster.node import messages as m
 
 from ... import dispatch
-from ...config import ClusterConfig, ConfKey, override
+from ...config import ClusterConfig, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, LiveJob, Prepared, Request
+from ..base import (
+    EVENTS_MAX,
+    Backend,
+    BackendHelp,
+    BackendOption,
+    Description,
+    Event,
+    JobRef,
+    LiveJob,
+    Prepared,
+    Request,
+)
 from . import kubectl as kc
 from . import manifests as k8s
-from . import pod_options, pods, rights
+from . import pod_options, pods, rights, settings
 from .jobwatch import JobWatch
 from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, states_of, watch_events
 from .pod_options import PodOptions
 from .pods import save_results
+from .settings import K8sSettings
 
 RETRY_S = 2.0  # between a watch that ended and the next
 QUEUE_ASK_S = 2.0  # between two questions for the job's place in its Kueue queue
@@ -64,25 +76,26 @@ class K8sOptions:
             ("k8s_image", "--image", image), ("k8s_namespace", "--namespace", namespace),
             ("k8s_pserver_requests", "--pserver-requests", pod.get("pserver_requests")),
             ("k8s_trainer_requests", "--trainer-requests", pod.get("trainer_requests"))) if v}
-        cfg = override(cfg, given) if given else cfg
-        if not cfg.k8s_image:
+        cfg = override(cfg, given, settings.KEYS) if given else cfg
+        mine = K8sSettings.of(cfg)
+        if not mine.image:
             raise ConfigError("--image", None, "give the image holding the workspace (--image IMAGE or K8S_IMAGE "
                               "in the config; docs/backends.md says how to build it)")
-        if any(c.isspace() for c in cfg.k8s_image):
-            raise cfg.error("k8s_image", "give the image holding the workspace, e.g. registry.example/ml/job:1")
-        if not k8s.namespace_ok(cfg.k8s_namespace):
-            raise cfg.error("k8s_namespace", k8s.NAMESPACE_FIX)
+        if any(c.isspace() for c in mine.image):
+            raise settings.IMAGE.error(cfg, "give the image holding the workspace, e.g. registry.example/ml/job:1")
+        if not k8s.namespace_ok(mine.namespace):
+            raise settings.NAMESPACE.error(cfg, k8s.NAMESPACE_FIX)
         keys = ("--pserver-requests" if pod.get("pserver_requests") else "K8S_PSERVER_REQUESTS",
                 "--trainer-requests" if pod.get("trainer_requests") else "K8S_TRAINER_REQUESTS")
-        pod["pserver_requests"] = cfg.k8s_pserver_requests or ""
-        pod["trainer_requests"] = cfg.k8s_trainer_requests or ""
+        pod["pserver_requests"] = mine.pserver_requests or ""
+        pod["trainer_requests"] = mine.trainer_requests or ""
         try:
             pods = PodOptions.parse(**pod, keys=keys)
         except ConfigError as e:
             if e.key in keys[:2] and not e.key.startswith("-"):  # a K8S_* key: name its file too
                 raise cfg.error(e.key.lower(), e.fix) from None
             raise
-        return cls(cfg.k8s_image, cfg.k8s_namespace, pservers, trainers, pods)
+        return cls(mine.image, mine.namespace, pservers, trainers, pods)
 
     def topology(self, spec: JobSpec, packed: bool, jobset: bool) -> Tuple[str, Topology]:
         """``spec``'s Kubernetes name and topology with these options (``k8s.topology``)."""
@@ -137,17 +150,14 @@ class K8sRequest(Request):
 
 class K8sBackend(Backend):
     name = "k8s"
-    summary = "Kubernetes Jobs"
-    renders = "the Kubernetes manifests"
-    node_hint = "a pod: fit-trainer-0 or trainer.0"
-    checks = "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth can-i)"
-    render_hint = "Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -"
+    help = BackendHelp("Kubernetes Jobs", "the Kubernetes manifests",
+                       "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth "
+                       "can-i)", render_hint="Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -",
+                       node_hint="a pod: fit-trainer-0 or trainer.0")
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""
-    conf_keys = (ConfKey("K8S_IMAGE", None), ConfKey("K8S_NAMESPACE", k8s.DEFAULT_NAMESPACE),
-                 ConfKey("K8S_PSERVER_REQUESTS", ""),  # "cpu=2,memory=4Gi"; default cpu=1,memory=1Gi
-                 ConfKey("K8S_TRAINER_REQUESTS", ""))
+    conf_keys = settings.KEYS
     options = (
         BackendOption("--image", "image", "The image holding Python 3, numpy, paddle-cluster and the workspace "
                       "(docs/backends.md; default: K8S_IMAGE).", metavar="IMAGE"),
@@ -193,8 +203,8 @@ class K8sBackend(Backend):
 
     @classmethod
     def _kubectl(cls, job: JobRef) -> Kubectl:
-        return kc.for_job(job.handle.get("namespace") or job.cfg.k8s_namespace, job.name, job.handle.get("job_id", ""),
-                          bool(job.handle.get("jobset")))
+        namespace = job.handle.get("namespace") or K8sSettings.of(job.cfg).namespace
+        return kc.for_job(namespace, job.name, job.handle.get("job_id", ""), bool(job.handle.get("jobset")))
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:
@@ -212,7 +222,7 @@ class K8sBackend(Backend):
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> List[rights.PermissionRow]:
-        return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])})
+        return rights.check(override(cfg, {"k8s_namespace": ("--namespace", opts["namespace"])}, settings.KEYS)
                             if opts.get("namespace") else cfg, jobset=bool(opts.get("jobset")),
                             queue=bool(opts.get("queue")))
 

@@ -12,6 +12,7 @@ from ...config import ClusterConfig
 from ...errors import ClusterError
 from . import manifests
 from .kubectl import Kubectl, KubectlMissing
+from .settings import NAMESPACE, K8sSettings
 
 WORKLOADS = "workloads.kueue.x-k8s.io"
 LISTED = "run and kill delete the job's objects by label"
@@ -113,9 +114,10 @@ def check(cfg: ClusterConfig, jobset: bool = False, queue: bool = False) -> List
     of the API server in K8S_NAMESPACE (the first alone: a context that does not answer is one error, not one per
     permission)."""
     needs = NEEDS + (JOBSET_NEEDS if jobset or queue else ()) + (QUEUE_NEEDS if queue else ())
-    if not manifests.namespace_ok(cfg.k8s_namespace):
-        raise cfg.error("k8s_namespace", manifests.NAMESPACE_FIX)
-    k = Kubectl(cfg.k8s_namespace, "")
+    namespace = K8sSettings.of(cfg).namespace
+    if not manifests.namespace_ok(namespace):
+        raise NAMESPACE.error(cfg, manifests.NAMESPACE_FIX)
+    k = Kubectl(namespace, "")
     answers = [first_answer(k, "check --backend k8s")]
     with ThreadPoolExecutor(8) as pool:  # each answer is a round trip to the API server
         answers += pool.map(lambda n: k.may(n.verb, n.resource), needs[1:])

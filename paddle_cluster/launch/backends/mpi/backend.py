@@ -38,8 +38,10 @@ from ...errors import ClusterError, HostError
 from ...hosts import Node
 from ...plan import JobPlan, JobSpec
 from ...preflight import CheckLine, EngineRow
-from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
-from ..ssh.backend import SSHBackend, SSHPrepared, hosts_complete_steps
+from ..base import Backend, BackendHelp, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..on_hosts import OnHosts
+from ..ssh.backend import SSHBackend, hosts_complete_steps
+from ..ssh.prepare import SSHPrepared
 
 # Open MPI's names, else the PMI ones of MPICH's Hydra (and Intel MPI, MVAPICH, Cray MPICH)
 RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZE|PMI_SIZE",
@@ -47,6 +49,20 @@ RANKS = RankVars("mpirun", "OMPI_COMM_WORLD_RANK|PMI_RANK", "OMPI_COMM_WORLD_SIZ
 INSTALL_HINT = "install Open MPI on this machine and every host (Debian/Ubuntu: apt-get install openmpi-bin)"
 MPICH_HINT = "install MPICH on this machine and every host (Debian/Ubuntu: apt-get install mpich)"
 HINTS = {"openmpi": INSTALL_HINT, "mpich": MPICH_HINT}  # by implementation
+# Which MPI it runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or "auto":
+# what `mpirun --version` says, else whichever is installed.
+IMPL = ConfKey("MPI_IMPL", "auto", ("auto", "openmpi", "mpich"))
+
+
+@dataclass(frozen=True)
+class MPISettings:
+    """What a config's ``MPI_IMPL`` says (its default where it sets none)."""
+
+    impl: str
+
+    @classmethod
+    def of(cls, cfg: ClusterConfig) -> MPISettings:
+        return cls(IMPL.of(cfg))
 
 
 def mpi_launcher(choice: str) -> Tuple[str, str]:
@@ -139,23 +155,20 @@ class MPIRequest(Request):
     plan_path: str
 
 
-class MPIBackend(Backend):
+class MPIBackend(OnHosts, Backend):
     name = "mpi"
-    summary = "mpirun or mpiexec over HOSTS"
-    renders = "the mpirun or mpiexec command"
-    checks = ("the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
-              "mpiexec.hydra, by MPI_IMPL) and its version")
-    # Which MPI it runs with: "openmpi" (mpirun), "mpich" (Hydra's mpiexec: MPICH, Intel MPI, MVAPICH), or "auto":
-    # what `mpirun --version` says, else whichever is installed.
-    conf_keys = (ConfKey("MPI_IMPL", "auto", ("auto", "openmpi", "mpich")),)
+    help = BackendHelp("mpirun or mpiexec over HOSTS", "the mpirun or mpiexec command",
+                       "the hosts of HOSTS as ssh does, then on this machine the launcher run uses (mpirun or "
+                       "mpiexec.hydra, by MPI_IMPL) and its version")
+    conf_keys = (IMPL,)
 
     def __init__(self, cfg) -> None:  # noqa: ANN001 - ClusterConfig, as SSHBackend
-        self.cfg = cfg
+        self.cfg, self.settings = cfg, MPISettings.of(cfg)
         self.ssh = SSHBackend(cfg)  # the hosts and their preparation (library, probe, workspace)
         self.nodes = self.ssh.nodes
 
     def prepare(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
-        impl, launcher = mpi_launcher(self.cfg.mpi_impl)  # refused here, before anything, when it is missing
+        impl, launcher = mpi_launcher(self.settings.impl)  # refused here, before anything, when it is missing
         tmp = tempfile.mkdtemp(prefix="paddle-cluster-mpi-")  # this job's hostfile and ssh config
         try:
             hosts = self.ssh.prepare_nodes(spec, say)  # mpirun starts the agents
@@ -167,7 +180,7 @@ class MPIBackend(Backend):
 
     def preview(self, spec: JobSpec, say: Callable[[str], None]) -> MPIPrepared:
         try:
-            mpi_launcher(self.cfg.mpi_impl)
+            mpi_launcher(self.settings.impl)
         except ClusterError as e:  # what this machine lacks: said, and the command shown for Open MPI
             say(f"{e}; shown for Open MPI's mpirun")
         hosts = self.ssh.preview(spec, say)
@@ -176,7 +189,7 @@ class MPIBackend(Backend):
     def render(self, plan: JobPlan, prepared: Prepared) -> MPIRequest:
         mine = cast(MPIPrepared, prepared)  # prepared by this backend
         try:
-            impl, launcher = mpi_launcher(self.cfg.mpi_impl)
+            impl, launcher = mpi_launcher(self.settings.impl)
         except ClusterError:  # a dry run on a machine without it (``preview`` said so); ``prepare`` refuses it
             impl, launcher = "openmpi", "mpirun"
         where = mine.tmp or "<job-tmp>"
@@ -192,7 +205,7 @@ class MPIBackend(Backend):
 
     @classmethod
     def check(cls, cfg: ClusterConfig, opts: Mapping[str, Any]) -> Sequence[CheckLine]:
-        return [*super().check(cfg, opts), launcher_row(cfg.mpi_impl)]
+        return [*super().check(cfg, opts), launcher_row(MPISettings.of(cfg).impl)]
 
     @classmethod
     def describe(cls, job: JobRef) -> Description:

@@ -41,8 +41,20 @@ from ...top import DirsSource
 
 if TYPE_CHECKING:
     from ...fetch import Outputs
-from ..base import Backend, BackendOption, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
-from ..ssh.backend import NO_LIBRARY
+from ..base import (
+    Backend,
+    BackendHelp,
+    BackendOption,
+    Description,
+    Event,
+    EventQueue,
+    JobRef,
+    LiveJob,
+    Prepared,
+    Request,
+    plan_text,
+)
+from ..ssh.prepare import NO_LIBRARY
 from . import jobs
 from .jobs import cancel_job, job_info, node_dir, slurm
 from .options import SlurmOptions, batch_script
@@ -87,11 +99,10 @@ class SlurmRequest(Request):
 
 class SlurmBackend(Backend):
     name = "slurm"
-    summary = "an allocation of --nodes"
-    renders = "the sbatch script"
-    checks = ("this machine, whose environment srun gives the nodes: the interpreter and its numpy, ROOT_DIR (the "
-              "nodes are not known before the allocation); Slurm's client commands (sbatch, srun, squeue, scancel, "
-              "scontrol) and that the controller answers (scontrol ping)")
+    help = BackendHelp("an allocation of --nodes", "the sbatch script",
+                       "this machine, whose environment srun gives the nodes: the interpreter and its numpy, ROOT_DIR "
+                       "(the nodes are not known before the allocation); Slurm's client commands (sbatch, srun, "
+                       "squeue, scancel, scontrol) and that the controller answers (scontrol ping)")
     detach = ""
     needs_hosts = False  # the allocation gives the nodes (--nodes; default: as many as HOSTS lists)
     options = (

@@ -8,63 +8,31 @@ lost node; a silent launcher makes every agent stop on its own.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import secrets
-import tempfile
 import threading
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, cast
 
 from paddle_cluster.node import messages as m
-from paddle_cluster.node.session import SessionRequest
 
-from ... import dispatch, machines, nodecmd, preflight, progress, relay, resume
+from ... import nodecmd
 from ...access import make_nodes
 from ...config import ClusterConfig
 from ...each_node import each_node
-from ...errors import HostConfigError, HostError
+from ...errors import HostError
 from ...hosts import CommandStream, Node
 from ...plan import JobPlan, JobSpec, Topology
-from ...session import NodeSession
-from ..base import Backend, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..base import Backend, BackendHelp, Description, Event, EventQueue, JobRef, LiveJob, Prepared, Request, plan_text
+from ..on_hosts import CHECKS, OnHosts
 from . import jobs
+from .prepare import PING_S, Preparation, SSHPrepared
 
 NOTE_MAX = 4096  # characters of a line that is not an event shown to the user
-
-PING_S = 2.0
 SECOND_STOP_S = 2.0  # after a second interrupt, how long the stop still waits for the nodes' confirmations
 LOOPBACK_NIC, LOOPBACK = "lo", "127.0.0.1"  # Linux's loopback interface and the address its probe finds
-NO_LIBRARY = dispatch.Package("", "<node library sha256>", 0, 0)  # a dry run's: nothing installed
 
 
-@dataclass(frozen=True)
-class SSHPrepared(Prepared):
-    """The hosts made ready: their connections, the node library on each, each one's network and, after
-    ``prepare``, each one's session waiting to become the agent of the job's first start (``waiting``, which that
-    start takes, with what the nodes printed meanwhile)."""
-
-    nodes: Tuple[Node, ...] = ()
-    lib: dispatch.Package = NO_LIBRARY
-    networks: Tuple[Optional[str], ...] = ()  # each node's PADDLE_NIC network (CIDR), from the probe
-    waiting: Dict[int, CommandStream] = field(default_factory=dict)
-    early: Dict[int, Tuple[str, ...]] = field(default_factory=dict)
-    # The workspace step: what it took after the last node was up, and from the first byte sent
-    workspace_seconds: float = 0.0
-    sending_seconds: float = 0.0
-
-    def close(self) -> None:
-        for s in self.waiting.values():  # prepared, never started: their agents end with their stdin
-            s.close()
-        self.waiting.clear()
-        each_node(self.nodes, lambda n: n.close())
-
-
-class SSHBackend(Backend):
+class SSHBackend(OnHosts, Backend):
     name = "ssh"
-    summary = "HOSTS over SSH; localhost as a subprocess"
-    renders = "the plan each node is given"
+    help = BackendHelp("HOSTS over SSH; localhost as a subprocess", "the plan each node is given", CHECKS)
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -124,165 +92,12 @@ class SSHBackend(Backend):
 
     def _prepare(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
                  agent: bool = False) -> SSHPrepared:
-        """One session per node, all at once: library, probe, workspace (and with ``agent``, the agent that
-        waits for its ``Start``): see ``launch/session.py``. Failing, it closes the nodes' connections."""
+        """One session per node, all at once (``prepare.Preparation``). Failing, it closes the nodes' connections."""
         try:
-            return self._sessions(spec, say, check_ports, agent)
+            return Preparation(self.cfg, self.nodes, spec, say, check_ports, agent).run()
         except BaseException:
             self.close()
             raise
-
-    def _sessions(self, spec: Optional[JobSpec], say: Callable[[str], None], check_ports: bool,
-                  agent: bool) -> SSHPrepared:
-        cfg = self.cfg
-        with dispatch.library_archive() as lib, open(lib.path, "rb") as f:
-            lib_data = f.read()
-        # What this preparation holds: the cached workspace archive (no concurrent launch evicts it meanwhile),
-        # the progress bars, where deltas are made.
-        stack = contextlib.ExitStack()
-        pkg = None
-        try:
-            if spec is not None and spec.dispatch_dir:
-                # A new workspace is packed while it is sent (its hash comes last); an unchanged one is cached.
-                pkg = dispatch.workspace_archive(spec.dispatch_dir, dispatch.workspace_cache_dir(), hold=stack)
-                if isinstance(pkg, dispatch.Packing):
-                    stack.callback(pkg.close)
-                say(f"workspace {spec.dispatch_dir}: {pkg.files} files, {pkg.size / 1e6:.1f} MB, "
-                    + (f"sha256 {pkg.sha256[:12]}" if isinstance(pkg, dispatch.Package) else "new: packed as sent"))
-            req = SessionRequest(cfg.paddle_nic, cfg.root_dir, tuple(cfg.node_ports()) if check_ports else (),
-                          workspace_new=isinstance(pkg, dispatch.Packing),
-                          workspace_sha=pkg.sha256 if isinstance(pkg, dispatch.Package) else "",
-                          job_dir=spec.job_dir if spec else "",
-                          max_members=pkg.files if pkg else 0, workspace_size=pkg.size if pkg else 0,
-                          workspace_dir=(spec.workspace or "") if spec else "",
-                          workspace_script=(preflight.trainer_script(spec.cfg.commands()[1]) or "") if spec else "",
-                          agent=agent, orphan_timeout=cfg.orphan_timeout, grace=cfg.kill_grace,
-                          checkpoints=spec.resume_root if spec is not None and spec.resume_from else "")
-        except BaseException:
-            stack.close()
-            raise
-        sessions: Dict[int, NodeSession] = {}
-        sent_to: Dict[int, bool] = {}
-        token = secrets.token_hex(32)  # authenticates this dispatch's node-to-node links
-        damaged: List[str] = []  # nodes whose cached tree of this workspace a job wrote into
-        waiting: Dict[int, CommandStream] = {}  # agents that wait for the others' preparation (a slow upload)
-        prepared = threading.Event()
-        threading.Thread(target=_keep_alive, args=(waiting, prepared), daemon=True, name="keepalive").start()
-        probed: List[float] = []  # when each probe came in (time.perf_counter)
-        resume_step: Optional[int] = None  # with --resume_from: the step every node holds complete
-        held: Dict[int, CommandStream] = {}
-        early: Dict[int, Tuple[str, ...]] = {}  # lines of the prepared sessions that were not their answers
-        chain = None
-        if pkg is not None and spec is not None and spec.dispatch_dir:
-            chain = relay.Dispatch(pkg, spec.dispatch_dir, req.job_dir, len(self.nodes),
-                                   stack.enter_context(progress.upload_progress()),
-                                   stack.enter_context(tempfile.TemporaryDirectory(prefix="paddle-cluster-delta-")))
-
-        needs = preflight.frameworks_needed(preflight.entry_source(spec)) if spec is not None else ()
-        # Each node's pserver ids, numbered as the plan numbers them (its addresses are not known yet).
-        pserver_ids = Topology.hosts(cfg, [n.spec.host for n in self.nodes]).pserver_ids()
-
-        def open_one(n: Node) -> Optional[dict]:
-            try:
-                mine = req if not req.checkpoints else dataclasses.replace(req, pservers=pserver_ids[n.index])
-                s = sessions[n.index] = NodeSession(n, lib, lib_data, mine)
-                doc = s.open()
-                self._check_probe(n, doc, needs)
-                probed.append(time.perf_counter())
-                if req.wants_workspace:
-                    self._workspace(n, s, doc, spec, pkg, token, chain, sent_to, damaged)
-                elif agent:  # the session is the agent now
-                    waiting[n.index] = s.stream
-                return doc
-            except relay.Aborted:
-                return None  # another node failed: that one's error is the one to say
-            except BaseException as e:
-                if chain is not None:
-                    chain.abort(f"{n.name} failed: {e}")
-                raise
-
-        def place(n: Node) -> None:
-            ws = sessions[n.index].place()
-            if not ws.get("ok"):
-                raise HostError(n.label, f"unpacking the workspace into {req.job_dir} refused: {ws.get('error')}")
-            if agent:
-                waiting[n.index] = sessions[n.index].stream
-
-        ok = False
-        try:
-            # Each node says what it holds of the workspace as soon as it is up, and the nodes that lack it get it
-            # down a chain that starts with the first; nothing is written before every node's probe is in and
-            # agrees (no machine twice) and every node has the workspace (``place``).
-            res = each_node(self.nodes, open_one)
-            if isinstance(pkg, dispatch.Packing) and pkg.failed() is not None:
-                raise pkg.failed()  # the workspace changed while it was sent: that, not the nodes' aborts
-            docs = res.ok("preparing the nodes")
-            machines.refuse_same_machines(self.labels, docs, cfg.source)
-            if req.checkpoints and spec is not None:  # before anything is written: a refusal leaves no job directory
-                resume_step = resume.common_step(spec, [(n.label, d.get("checkpoints")) for n, d in
-                                                        zip(self.nodes, docs) if pserver_ids[n.index]], say)
-            if pkg is not None:
-                each_node(self.nodes, place).ok("preparing the nodes")
-            done = time.perf_counter()
-            workspace_seconds = done - max(probed) if req.wants_workspace else 0.0
-            sending_seconds = done - chain.started if chain is not None and chain.started else 0.0
-            ok = True
-        finally:
-            prepared.set()
-            stack.close()
-            if ok and agent:
-                held = {i: s.stream for i, s in sessions.items()}
-                early = {i: tuple(s.other) for i, s in sessions.items() if s.other}
-            else:
-                for s in sessions.values():
-                    s.close()
-        told = chain.lines() if chain is not None else []
-        # The interpreter each probe ran as (the login shell's PYTHON, resolved to an absolute path): every process
-        # on that node runs it, whoever starts them (mpirun puts its own prefix first on PATH).
-        pythons = [d.get("python_path") or cfg.python for d in docs]
-        addresses = [d["address"] for d in docs]
-        say(f"{len(self.nodes)} node(s): " + ", ".join(f"{n.name}={a}" for n, a in zip(self.nodes, addresses)))
-        for line in told:
-            say(line)
-        skipped = [self.nodes[i].name for i, s in sorted(sent_to.items()) if not s]
-        if pkg is not None and skipped:
-            say(f"{', '.join(skipped)} already held this package: not sent again")
-        if damaged:
-            say(f"{', '.join(sorted(damaged))}: a job wrote into its cached copy of this workspace in place (the "
-                "workspace is read-only input; write outputs to new files): dropped and sent again")
-        return SSHPrepared(Topology.hosts(cfg, addresses, pythons, resume_step), self.names, self.labels,
-                           tuple(self.nodes), lib, tuple(d.get("network") for d in docs), held, early,
-                           workspace_seconds, sending_seconds)
-
-    def _workspace(self, n: Node, s: NodeSession, doc: dict, spec: Optional[JobSpec],
-                   pkg: Union[dispatch.Package, dispatch.Packing, None], token: str, chain: Optional[relay.Dispatch],
-                   sent_to: Dict[int, bool], damaged: List[str]) -> None:
-        """What node ``n`` holds of the workspace; the archive sent to it down the chain when it lacks it."""
-        ws = s.go(token)
-        if spec is not None and spec.workspace and not ws.get("exists"):
-            raise HostConfigError(n.label, f"--job_workspace {spec.workspace}: no such directory there; copy the "
-                                  "workspace to every node first, or use --job_dispatch_package")
-        if spec is not None:
-            preflight.check_node(n.label, spec, {**doc, "workspace": ws}, pkg.size if pkg else 0)
-        if pkg is None:
-            return
-        if ws.get("damaged"):
-            damaged.append(n.name)
-        if chain is not None and "need" in ws:
-            sent_to[n.index] = True
-            chain.join(relay.Recipient(s, ws["need"], f"{doc['address']}:{ws['port']}", str(ws.get("base") or "")))
-            return
-        if not ws.get("held"):
-            raise HostError(n.label, f"unpacking the workspace into {spec.job_dir if spec else ''} refused: "
-                            f"{ws.get('error')}")
-        sent_to[n.index] = False
-        if chain is not None:
-            chain.settled()
-
-    def _check_probe(self, n: Node, doc: dict, needs: Sequence[str] = ()) -> None:
-        problems = preflight.probe_problems(self.cfg, doc) + preflight.framework_problems(self.cfg, doc, needs)
-        if problems:
-            raise HostError(n.label, "; ".join(problems))
 
     # -- running --------------------------------------------------------------------------------------
     def submit(self, request: Request, say: Callable[[str], None]) -> SSHLiveJob:
@@ -386,17 +201,6 @@ def hosts_complete_steps(prepared: SSHPrepared, root: str, pservers: Dict[int, L
         return doc["steps"]
 
     return each_node([n for n in prepared.nodes if n.index in pservers], steps).ok("looking for the latest checkpoint")
-
-
-def _keep_alive(waiting: Dict[int, CommandStream], done: threading.Event) -> None:
-    """Ping the agents that are ready while others are still being prepared: an agent that hears nothing for
-    ORPHAN_TIMEOUT stops, and uploading a large workspace to one node can take longer than that."""
-    while not done.wait(PING_S):
-        for s in list(waiting.values()):
-            try:
-                s.write_line(m.encode(m.Ping()))
-            except Exception:  # noqa: BLE001 - a dead stream is reported when the job starts
-                pass
 
 
 def _read(i: int, stream: CommandStream, events: EventQueue) -> None:
