@@ -3,14 +3,15 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..ps.optim import OptimizerSpec
-from ..train import bridge
-from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from ..train import bridge, frontend
+from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from ..train.frontend import Frontend, param_names
 from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
 
@@ -62,7 +63,7 @@ def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optimize
         raise ValueError(f"DistributedOptimizer: torch.optim.{kind} {spec}: {e}") from None
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(Frontend, torch.optim.Optimizer):
     """Wraps a ``torch.optim`` optimizer (SGD, Adagrad, Adam, AdamW): ``zero_grad()``, ``loss.backward()``,
     ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
     values into the parameters in place; the pservers apply the wrapped optimizer's rule with each parameter
@@ -75,6 +76,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     forward, as DDP), "average" or None (each trainer its own), for ``model`` (default: the module
     ``named_parameters`` came from). One per trainer process."""
 
+    FROZEN = "requires_grad=False"
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
@@ -85,7 +88,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "each forward, as DDP), 'average' or None (each trainer its own)")
         model = model if model is not None else model_of(named_parameters)
         specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
-        names = self._names(optimizer, named_parameters)
+        # positional names by default: the same on every trainer that builds the same optimizer
+        names = param_names([(p, f"group{i}.param{j}") for i, g in enumerate(optimizer.param_groups)
+                             for j, p in enumerate(g["params"])], named_parameters)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state  # one set: a scheduler on either
         self.optimizer = optimizer
@@ -94,54 +99,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.embeddings: List[Embedding] = []
         # requires_grad=False when wrapped: never sent, never registered (torch leaves them as they are).
         self.frozen: List[Tuple[str, torch.nn.Parameter]] = []
-        groups, tables = [], []
+        groups: List[Group] = []
+        tables: List[TableDef] = []
         for spec, g in zip(specs, optimizer.param_groups):
-            group = Group(spec)
+            groups.append(Group(spec))
             for p in g["params"]:
-                if not p.requires_grad:
-                    self.frozen.append((names[p], p))
-                    continue
-                emb = getattr(p, "_paddle_cluster_table", None)
-                if emb is not None:
-                    name = names[p][:-len(".weight")] if names[p].endswith(".weight") else names[p]
-                    tables.append(emb.table(name))
-                    group.tables.append(emb.name)
-                    self.embeddings.append(emb)
+                if p.requires_grad:
+                    self._place(groups[-1], names[id(p)], p, tables)
                 else:
-                    group.names.append(names[p])
-                    self.dense.append((names[p], p))
-            groups.append(group)
-        self.bridge = bridge.Bridge(mode, **connect_kw)
-        try:
-            start = self.bridge.define({n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
-        except BaseException:
-            self.bridge.close()
-            raise
-        bridge.hold(self)
-        self._load(start)
-        for emb in self.embeddings:
-            emb._bridge = self.bridge
-        self.start_step = self.bridge.start_step
-        self._synced = False  # p.grad holds this step's average (synchronize())
+                    self.frozen.append((names[id(p)], p))
+        self._connect(mode, connect_kw, {n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
         # DDP's buffers: sync mode only (async trainers do not step together); alone there is no one to match.
         self.buffers = BufferSync(model, self.bridge, buffers) \
             if model is not None and buffers and mode == "sync" and self.bridge.size > 1 else None
-
-    @staticmethod
-    def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
-               ) -> Dict[torch.nn.Parameter, str]:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if named is None:  # positional names: the same on every trainer that builds the same optimizer
-            return {p: f"group{i}.param{j}" for i, g in enumerate(optimizer.param_groups)
-                    for j, p in enumerate(g["params"])}
-        by_param: Dict[torch.nn.Parameter, str] = {}
-        for name, p in named:
-            by_param.setdefault(p, name)
-        missing = [i for i, p in enumerate(params) if p not in by_param]
-        if missing:
-            raise ValueError(f"DistributedOptimizer: {len(missing)} of the optimizer's parameters are not in "
-                             "named_parameters: pass the named_parameters() of the model the optimizer trains")
-        return by_param
 
     def _load(self, values: Dict[str, np.ndarray]) -> None:
         with torch.no_grad():
@@ -166,25 +136,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self._grads()
-        rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
-            raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
-                               "loss.backward() first")
+        rows = self._row_grads(grads)
         if len(self.param_groups) != len(self.specs):  # add_param_group on the wrapped optimizer
             raise ValueError(_NO_NEW_GROUP)
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
         hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
         averaged, self._synced = self._synced, False
-        values = self.bridge.step(grads, rows, hypers, averaged=averaged)
-        self._load(values)
-        for emb in self.embeddings:
-            emb.end_step()
+        self._end_step(self.bridge.step(grads, rows, hypers, averaged=averaged))
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
 
     def _grads(self) -> Dict[str, Optional[np.ndarray]]:
         """Each dense parameter's gradient now (None: it has none)."""
-        self._check_frozen()
+        self._refuse_thawed([n for n, p in self.frozen if p.grad is not None])
         return {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
                 .numpy() for n, p in self.dense}
 
@@ -202,24 +166,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = None if a is None else torch.from_numpy(a).to(device=p.device, dtype=p.dtype)
         self._synced = True
 
-    def skip_synchronize(self) -> ContextManager[None]:
-        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
-        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
-        return bridge.skipping_synchronize(self._synced)
-
-    def _check_frozen(self) -> None:
-        """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""
-        thawed = [n for n, p in self.frozen if p.grad is not None]
-        if thawed:
-            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had requires_grad=False when the optimizer "
-                               "was wrapped, so they are not on the pservers; set requires_grad before wrapping")
-
-    def save_checkpoint(self, name: Optional[str] = None) -> Any:
-        """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
-        the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
-        trainers: nothing (None)."""
-        return self.bridge.save_checkpoint(name)
-
 
 def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
@@ -227,22 +173,8 @@ def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float =
     ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
     that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
     0 first waits (``final_wait`` s at most) for the other trainers to finish."""
-    ctx = bridge.held("state_dict(model)")
-    values, final = ctx.bridge.final(tables, final_wait)
-    ctx._load(values)
-    out = model.state_dict()
-    for prefix, m in model.named_modules():
-        if isinstance(m, Embedding):
-            key = f"{prefix}.weight" if prefix else "weight"
-            if not isinstance(final[m.name], tuple):
-                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
-                    final[m.name][m.padding_idx] = 0
-                out[key] = torch.from_numpy(final[m.name])
-            else:
-                del out[key]
-                ids, rows = final[m.name]
-                out[f"{key}.ids"], out[f"{key}.rows"] = torch.from_numpy(ids), torch.from_numpy(rows)
-    return out
+    tables_of = [(n, m) for n, m in model.named_modules() if isinstance(m, Embedding)]
+    return frontend.model_state(model.state_dict, tables_of, tables, final_wait, torch.from_numpy)
 
 
 def save(model: torch.nn.Module, path: str, tables: str = "auto") -> Optional[str]:
