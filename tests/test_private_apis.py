@@ -48,7 +48,13 @@ def test_the_frontends_use_no_private_name_the_list_lacks():
 
 def test_torch_private_apis_are_where_they_were():
     torch = pytest.importorskip("torch")
-    assert {a.name for a in APIS if a.owner.startswith("torch")} == {"_opt_called"}
+    assert {a.name for a in APIS if a.owner.startswith("torch")} == {"_opt_called", "_version"}
+    # _version: each in-place change of a tensor (an accumulated gradient, a clip) counts once.
+    t = torch.zeros(3)
+    v = t._version
+    t.add_(1)
+    t.mul_(0.5)
+    assert t._version == v + 2
     # _opt_called: a scheduler made on an optimizer whose step() it did not see warns unless the flag is set.
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -98,6 +104,12 @@ def test_paddle_private_apis_are_where_they_were():
     assert g.is_selected_rows() and sorted(g.rows()) == [1, 1, 3]
     assert g._get_tensor_from_selected_rows().numpy().shape == (3, 3)
     checked.add("_get_tensor_from_selected_rows")
+    seen = []
+    layer.bias._register_backward_hook(lambda *_: seen.append(float(layer.bias.grad.numpy().sum())))
+    for _ in range(2):  # run after each pass, the gradient accumulated so far in place
+        layer(paddle.ones([4, 2])).sum().backward()
+    assert seen == [8.0, 16.0], seen
+    checked.add("_register_backward_hook")
     w = layer.weight
     w.clear_gradient(False)
     w._set_grad_ivar(paddle.to_tensor(np.full((2, 2), 3.0, dtype=np.float32)))

@@ -13,6 +13,7 @@ from ..ps.optim import OptimizerSpec
 from ..train import bridge, frontend
 from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as paddle users call it)
 from ..train.frontend import Frontend, param_names
+from ..train.overlap import Overlap
 from .embedding import Embedding
 
 # paddle.optimizer class -> the server rule.
@@ -128,7 +129,7 @@ class DistributedOptimizer(Frontend):
 
     def __init__(self, optimizer: paddle.optimizer.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, mode: str = "sync",
-                 **connect_kw: Any) -> None:
+                 overlap: bool = True, **connect_kw: Any) -> None:
         bridge.vacant()
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
@@ -152,6 +153,16 @@ class DistributedOptimizer(Frontend):
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
         self._connect(mode, connect_kw, {n: p.numpy() for n, p in self.dense}, tables, self.groups)
+        # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py);
+        # a grad_clip needs the averaged gradient first (synchronize), so its gradients go at step().
+        self._params = dict(self.dense)
+        self.overlap = Overlap({n: int(np.prod(p.shape)) * (4 if p.dtype == paddle.float32 else 8)
+                                for n, p in self.dense}, self._grad_of, self._mark, self._hypers,
+                               self.bridge.send_early) \
+            if overlap and mode == "sync" and self.dense and not self.clips else None
+        if self.overlap is not None:
+            for n, p in self.dense:  # runs once backward has accumulated p's gradient (train/private.py)
+                p._register_backward_hook(lambda *_, n=n: self.overlap.ready(n))  # type: ignore[union-attr]
 
     @staticmethod
     def _clips(optimizer: Any, entries: List[Tuple[Any, Any]], names: Dict[int, str]
@@ -183,11 +194,19 @@ class DistributedOptimizer(Frontend):
         """Send this step's gradients, load the values after it into the parameters."""
         grads = self._grads()
         rows = self._row_grads(grads)
-        lr = float(self.optimizer.get_lr())
+        hypers = self._hypers()
+        if self.overlap is not None:
+            self.overlap.before_step(hypers)
         averaged, self._synced = self._synced or bool(self.clips), False
         if self.clips:  # clipping needs the whole step's gradient: averaged first, applied once as it is
             grads = self._clipped(grads)
-        self._end_step(self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=averaged))
+        self._end_step(self.bridge.step(grads, rows, hypers, averaged=averaged))
+        if self.overlap is not None:
+            self.overlap.after_step()
+
+    def _hypers(self) -> List[Dict[str, float]]:
+        lr = float(self.optimizer.get_lr())
+        return [{"lr": lr * m} for m in self.mults]
 
     def minimize(self, loss: Any, startup_program: Any = None, parameters: Any = None, no_grad_set: Any = None
                  ) -> Tuple[List[Any], List[Tuple[Any, Any]]]:
@@ -202,6 +221,14 @@ class DistributedOptimizer(Frontend):
         self._refuse_thawed([p.name for p in self.frozen if p.grad is not None])
         return {n: _dense_grad(p) for n, p in self.dense}
 
+    def _grad_of(self, name: str) -> Optional[np.ndarray]:
+        return _dense_grad(self._params[name])
+
+    def _mark(self, name: str) -> Optional[Tuple[int, int]]:
+        """What changes when ``name``'s gradient does: its storage and in-place version (overlap.py)."""
+        g = self._params[name].grad
+        return None if g is None else (g.data_ptr(), g.inplace_version)
+
     def synchronize(self) -> None:
         """As ``paddle_cluster.torch``'s (Horovod's): every ``p.grad`` becomes the gradient this step applies, all
         trainers' averaged (None where no trainer has one), nothing applied yet: clip or inspect it (e.g.
@@ -210,6 +237,8 @@ class DistributedOptimizer(Frontend):
         if self.clips:
             raise RuntimeError("DistributedOptimizer.synchronize(): the optimizer has a grad_clip, which step() "
                                "applies to the averaged gradient itself; drop grad_clip or the synchronize() call")
+        if self.overlap is not None:
+            self.overlap.before_sync()
         avg = self.bridge.synchronize(self._grads())
         for n, p in self.dense:
             a = avg[n]
@@ -222,6 +251,8 @@ class DistributedOptimizer(Frontend):
         self._synced = True
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
+        if self.overlap is not None:
+            self.overlap.before_zero_grad()
         self._synced = False
         self.optimizer.clear_grad(set_to_zero)
         for emb in self.embeddings:

@@ -12,6 +12,7 @@ from ..ps.optim import OptimizerSpec
 from ..train import bridge, frontend
 from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
 from ..train.frontend import Frontend, param_names
+from ..train.overlap import Overlap
 from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
 
@@ -81,7 +82,7 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
-                 buffers: Optional[str] = "broadcast", **connect_kw: Any) -> None:
+                 buffers: Optional[str] = "broadcast", overlap: bool = True, **connect_kw: Any) -> None:
         bridge.vacant()
         if buffers not in HOW:
             raise ValueError(f"DistributedOptimizer(buffers={buffers!r}): expected 'broadcast' (trainer 0's before "
@@ -109,6 +110,15 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
                 else:
                     self.frozen.append((names[id(p)], p))
         self._connect(mode, connect_kw, {n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
+        # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py).
+        self.overlap = Overlap({n: p.numel() * p.element_size() for n, p in self.dense}, self._grad_of, self._mark,
+                               self._hypers, self.bridge.send_early) if overlap and mode == "sync" and self.dense \
+            else None
+        self._params = dict(self.dense)
+        self.bridge.ps.defer_split = True  # _load_step reads a parameter split over lanes there
+        if self.overlap is not None:
+            for n, p in self.dense:
+                p.register_post_accumulate_grad_hook(lambda _p, n=n: self.overlap.ready(n))  # type: ignore[union-attr]
         # DDP's buffers: sync mode only (async trainers do not step together); alone there is no one to match.
         self.buffers = BufferSync(model, self.bridge, buffers) \
             if model is not None and buffers and mode == "sync" and self.bridge.size > 1 else None
@@ -118,12 +128,29 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
             for name, p in self.dense:
                 p.copy_(torch.from_numpy(values[name]))
 
+    def _load_step(self, values: Dict[str, np.ndarray]) -> None:
+        """Each parameter's part copied from where the client holds it: a parameter split over same-host lanes
+        straight from them (``PSClient.defer_split``), one copy a step, not two."""
+        ps = self.bridge.ps
+        with torch.no_grad():
+            for name, p in self.dense:
+                parts = ps.value_parts(name)
+                if len(parts) == 1 or not p.is_contiguous():
+                    whole = parts[0][2] if len(parts) == 1 else np.concatenate([v for _, _, v in parts])
+                    p.copy_(torch.from_numpy(whole).reshape(p.shape))
+                    continue
+                flat = p.view(-1)
+                for lo, hi, v in parts:
+                    flat[lo:hi].copy_(torch.from_numpy(v))
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "bridge", None) is not None:  # torch.optim.Optimizer.__init__ adds the wrapped groups
             raise ValueError(_NO_NEW_GROUP)
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if getattr(self, "overlap", None) is not None:
+            self.overlap.before_zero_grad()
         self._synced = False
         super().zero_grad(set_to_none)
         for emb in self.embeddings:
@@ -140,17 +167,32 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
         if len(self.param_groups) != len(self.specs):  # add_param_group on the wrapped optimizer
             raise ValueError(_NO_NEW_GROUP)
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
-        hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
+        hypers = self._hypers()
+        if self.overlap is not None:
+            self.overlap.before_step(hypers)
         averaged, self._synced = self._synced, False
         self._end_step(self.bridge.step(grads, rows, hypers, averaged=averaged))
+        if self.overlap is not None:
+            self.overlap.after_step()
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
+
+    def _hypers(self) -> List[Dict[str, Any]]:
+        return [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
 
     def _grads(self) -> Dict[str, Optional[np.ndarray]]:
         """Each dense parameter's gradient now (None: it has none)."""
         self._refuse_thawed([n for n, p in self.frozen if p.grad is not None])
-        return {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
-                .numpy() for n, p in self.dense}
+        return {n: self._grad_of(n) for n, _ in self.dense}
+
+    def _grad_of(self, name: str) -> Optional[np.ndarray]:
+        g = self._params[name].grad
+        return None if g is None else (g.to_dense() if g.is_sparse else g).detach().cpu().numpy()
+
+    def _mark(self, name: str) -> Optional[Tuple[int, int, int]]:
+        """What changes when ``name``'s gradient does: its tensor, storage, and in-place version (overlap.py)."""
+        g = self._params[name].grad
+        return None if g is None else (id(g), g.data_ptr(), g._version)
 
     def synchronize(self) -> None:
         """Horovod's: leave in every ``p.grad`` the gradient this step applies, all trainers' averaged (None where
@@ -159,6 +201,8 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
         more round trip: the gradients go to the pservers and their average comes back, then the step sends the
         final gradient (trainer 0; the others send zeros) as a step without it would. Embedding tables' row
         gradients are not in it: they go at ``step()`` as always."""
+        if self.overlap is not None:
+            self.overlap.before_sync()
         avg = self.bridge.synchronize(self._grads())
         with torch.no_grad():
             for n, p in self.dense:

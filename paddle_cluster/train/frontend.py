@@ -69,6 +69,10 @@ class Frontend:
     def _load(self, values: Dict[str, np.ndarray]) -> None:
         raise NotImplementedError
 
+    def _load_step(self, values: Dict[str, np.ndarray]) -> None:
+        """A step's values into the parameters (a frontend may read them where the client holds them instead)."""
+        self._load(values)
+
     def _refuse_thawed(self, thawed: Sequence[str]) -> None:
         """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""
         if thawed:
@@ -85,7 +89,7 @@ class Frontend:
         return rows
 
     def _end_step(self, values: Dict[str, np.ndarray]) -> None:
-        self._load(values)
+        self._load_step(values)
         for emb in self.embeddings:
             emb.end_step()
 

@@ -26,6 +26,9 @@ APIS = (
     PrivateAPI("torch.optim.Optimizer", "_opt_called",
                "set after each step(): an LR scheduler made on the wrapped optimizer then sees it stepped (its "
                "LRScheduler.step() warns without it, as its step() wrapper would have set it)", TORCH),
+    PrivateAPI("torch.Tensor", "_version",
+               "a tensor's in-place version counter: tells that a gradient changed between backward() and step() "
+               "after it was sent during backward (train/overlap.py)", TORCH),
     PrivateAPI("threading", "_register_atexit",
                "shutdown() at exit runs before the client's thread pools stop (threading's exit hooks run before "
                "atexit's), so a script that just ends still tells the pservers it is done", PYTHON),
@@ -44,6 +47,9 @@ APIS = (
     PrivateAPI("paddle.optimizer.Adam", "_amsgrad", "Adam's and AdamW's amsgrad flag", PADDLE),
     PrivateAPI("paddle.Tensor", "_get_tensor_from_selected_rows",
                "the rows of a SelectedRows gradient (paddle.nn.Embedding(sparse=True)) as a dense tensor", PADDLE),
+    PrivateAPI("paddle.Tensor", "_register_backward_hook",
+               "a hook run once backward has accumulated a parameter's gradient (Paddle's own sharding overlaps "
+               "with it): the gradient leaves during backward (train/overlap.py)", PADDLE),
     PrivateAPI("paddle.Tensor", "_set_grad_ivar",
                "synchronize() gives a parameter a gradient where it had none (or a SelectedRows one)", PADDLE),
 )
