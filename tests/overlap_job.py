@@ -67,7 +67,7 @@ def main(out: str, compression: str = "none") -> None:
     torch.manual_seed(pct.rank() + 7)  # every trainer its own init: trainer 0's wins
     net = Net()
     opt = pct.DistributedOptimizer(optimizer(net), named_parameters=net.named_parameters(),
-                                   **({} if compression == "none" else {"compression": compression}))
+                                   compression=pct.Compression.fp16 if compression == "fp16" else None)
     start = {k: v.clone() for k, v in net.state_dict().items()}
     for step in range(STEPS):
         opt.zero_grad()

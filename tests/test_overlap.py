@@ -4,6 +4,7 @@ oracle."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -18,8 +19,8 @@ import rt_helpers as H  # noqa: E402
 from paddle_cluster.contract import TRAINER  # noqa: E402
 
 
-def _run(tmp: Path, *args: str, n: int = 2):
-    env = H.make_env(2, n, tmp, ports_num=1, sparse_ports=1)
+def _run(tmp: Path, *args: str, n: int = 2, lane: bool = True):
+    env = dataclasses.replace(H.make_env(2, n, tmp, ports_num=1, sparse_ports=1), lane=lane)
     out = str(tmp / "res-{rank}.pt")
     with H.procs(tmp) as pr:
         servers = [pr.pserver(env, k) for k in range(2)]
@@ -46,6 +47,22 @@ def test_gradients_sent_during_backward_equal_plain_torch(tmp_path):
     # steps 1, 2, 3 and 5 overlap (step 0 learns, step 4 has fewer passes), some in more than one bucket
     assert r0["buckets"] > 4 and r1["buckets"] > 4, (r0["buckets"], r1["buckets"])
     assert r0["lanes"] and r1["lanes"]
+
+
+@pytest.mark.timeout(120)
+def test_fp16_compression_over_tcp_is_plain_torch_within_fp16_rounding(tmp_path):
+    """``compression=pct.Compression.fp16`` (Horovod's), the lane off (PADDLE_LANE=0: every byte on TCP, where
+    compression halves them): the same patterns end within float16's rounding of plain torch on the whole batch
+    (the pservers update in float32), and not exactly on it (the gradients did travel as float16)."""
+    r0, r1 = _run(tmp_path, "fp16", lane=False)
+    ref = J.reference(r0["start"])
+    worst = 0.0
+    for r in (r0, r1):
+        for k, v in ref.items():
+            torch.testing.assert_close(r["final"][k], v, rtol=2e-3, atol=2e-4, msg=lambda m, k=k: f"{k}: {m}")
+            worst = max(worst, float((r["final"][k] - v).abs().max()))
+    assert worst > 0, "bit-identical to plain torch: the gradients did not travel as float16"
+    assert not r0["lanes"] and r0["buckets"] > 4
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from paddle.regularizer import L2Decay
 from ..ps.optim import OptimizerSpec
 from ..train import bridge, frontend
 from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as paddle users call it)
-from ..train.frontend import Frontend, param_names
+from ..train.frontend import Compression, Frontend, compression_of, param_names  # noqa: F401
 from ..train.overlap import Overlap
 from .embedding import Embedding
 
@@ -129,8 +129,10 @@ class DistributedOptimizer(Frontend):
 
     def __init__(self, optimizer: paddle.optimizer.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, mode: str = "sync",
-                 overlap: bool = True, **connect_kw: Any) -> None:
+                 overlap: bool = True, compression: Any = None,
+                 **connect_kw: Any) -> None:
         bridge.vacant()
+        compression = compression_of(compression)
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
             else [(None, p) for p in groups]
@@ -152,7 +154,7 @@ class DistributedOptimizer(Frontend):
             raise _refuse(f"grad_clip with mode={mode!r}", "clipping needs the step's averaged gradient: mode='sync'")
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
-        self._connect(mode, connect_kw, {n: p.numpy() for n, p in self.dense}, tables, self.groups)
+        self._connect(mode, connect_kw, {n: p.numpy() for n, p in self.dense}, tables, self.groups, compression)
         # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py);
         # a grad_clip needs the averaged gradient first (synchronize), so its gradients go at step().
         self._params = dict(self.dense)

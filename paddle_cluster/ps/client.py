@@ -250,6 +250,14 @@ class PSClient:
         self.wait()
         return dict(self._dense.values)
 
+    def compress(self, kind: Optional[str]) -> None:
+        """Gradient compression for the dense pushes from now on: ``"fp16"`` sends each float32 gradient as
+        float16 over TCP (half the bytes; the pservers widen it and update in float32), None sends it as it is.
+        ``synchronize()``'s exchange and an averaged step's gradient go uncompressed."""
+        if kind not in (None, "fp16"):
+            raise ValueError(f"compression {kind!r}: expected None or 'fp16'")
+        self._dense.fp16 = kind == "fp16"
+
     def value_parts(self, name: str) -> List[Tuple[int, int, np.ndarray]]:
         """Where dense parameter ``name``'s values of the last pull or ``push_pull`` are, flat: ``(lo, hi,
         values)`` places to copy from. With ``defer_split`` a parameter split over same-host lanes is read from

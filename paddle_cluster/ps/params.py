@@ -34,6 +34,9 @@ class DenseParams:
         self._lanes_on: Dict[Channel, int] = {}  # lanes each channel holds (at most ``L.MAX_LANES``)
         self._lane_refused: Set[Channel] = set()  # channels a lane was refused on: they stay on TCP
         self._lane_said = False
+        # Gradient compression (a frontend's compression="fp16"): a float32 block's step gradient goes as float16
+        # over TCP (half the bytes; the pserver widens it back and updates in float32). Not in a lane: no wire.
+        self.fp16 = False
         self.conns_per_pserver = conns_per_pserver
         self.max_block_bytes = max_block_bytes
         self.values: Dict[str, np.ndarray] = {}
@@ -268,8 +271,11 @@ class DenseParams:
             ch.stream.tally[0] += b.nbytes  # what ``top`` shows as sent: the lane's bytes too
             return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG | flags, key=b.key, step=step,
                                   aux=self.versions.get(b.key, 0)), ())
-        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), flags, key=b.key, step=step, length=b.nbytes,
-                              aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
+        g = send[b.name][b.lo:b.hi]
+        if self.fp16 and g.dtype == np.float32 and not flags & P.AVERAGED_FLAG:  # an averaged one goes exact
+            g = g.astype(np.float16)
+        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(g.dtype), flags, key=b.key, step=step, length=g.nbytes,
+                              aux=self.versions.get(b.key, 0)), (g,))
 
     def _pull_frame(self, b: Block, step: int) -> Frame:
         flag = P.LANE_FLAG if b.key in self.lane_at else 0

@@ -11,7 +11,7 @@ import torch
 from ..ps.optim import OptimizerSpec
 from ..train import bridge, frontend
 from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
-from ..train.frontend import Frontend, param_names
+from ..train.frontend import Compression, Frontend, compression_of, param_names  # noqa: F401
 from ..train.overlap import Overlap
 from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
@@ -82,8 +82,10 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
-                 buffers: Optional[str] = "broadcast", overlap: bool = True, **connect_kw: Any) -> None:
+                 buffers: Optional[str] = "broadcast", overlap: bool = True,
+                 compression: Any = None, **connect_kw: Any) -> None:
         bridge.vacant()
+        compression = compression_of(compression)
         if buffers not in HOW:
             raise ValueError(f"DistributedOptimizer(buffers={buffers!r}): expected 'broadcast' (trainer 0's before "
                              "each forward, as DDP), 'average' or None (each trainer its own)")
@@ -109,11 +111,12 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
                     self._place(groups[-1], names[id(p)], p, tables)
                 else:
                     self.frozen.append((names[id(p)], p))
-        self._connect(mode, connect_kw, {n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
+        self._connect(mode, connect_kw, {n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups,
+                      compression)
         # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py).
         self.overlap = Overlap({n: p.numel() * p.element_size() for n, p in self.dense}, self._grad_of, self._mark,
-                               self._hypers, self.bridge.send_early) if overlap and mode == "sync" and self.dense \
-            else None
+                               self._hypers_or_none, self.bridge.send_early) \
+            if overlap and mode == "sync" and self.dense else None
         self._params = dict(self.dense)
         self.bridge.ps.defer_split = True  # _load_step reads a parameter split over lanes there
         if self.overlap is not None:
@@ -179,6 +182,16 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
 
     def _hypers(self) -> List[Dict[str, Any]]:
         return [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
+
+    def _hypers_or_none(self) -> Optional[List[Dict[str, Any]]]:
+        """(During backward.) The groups' hyper-parameters, None for what ``step()`` refuses (a group added, an
+        option not supported): those gradients wait for ``step()``, which says why in one line."""
+        if len(self.param_groups) != len(self.specs):
+            return None
+        try:
+            return self._hypers()
+        except ValueError:
+            return None
 
     def _grads(self) -> Dict[str, Optional[np.ndarray]]:
         """Each dense parameter's gradient now (None: it has none)."""

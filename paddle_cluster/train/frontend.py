@@ -28,6 +28,22 @@ def param_names(params: Sequence[Tuple[Any, str]], named: Optional[Iterable[Tupl
     return by_param
 
 
+class Compression:
+    """Horovod's names for ``DistributedOptimizer(compression=...)``: ``none`` (the default) and ``fp16`` (each
+    float32 gradient crosses the network as float16: half the bytes; the pservers update in float32)."""
+
+    none = None
+    fp16 = "fp16"
+
+
+def compression_of(value: Any) -> Optional[str]:
+    """``compression`` checked (ValueError in one line naming the choices)."""
+    if value not in (None, "none", "fp16"):
+        raise ValueError(f"DistributedOptimizer(compression={value!r}): expected None or 'fp16' "
+                         "(Compression.none, Compression.fp16)")
+    return None if value in (None, "none") else value
+
+
 class Frontend:
     """What both ``DistributedOptimizer``s do alike. A subclass sets ``FROZEN`` (how its framework spells a
     parameter left out of training) and defines ``_load`` (copy values into its parameters)."""
@@ -51,9 +67,11 @@ class Frontend:
         self.embeddings.append(emb)
 
     def _connect(self, mode: str, connect_kw: Mapping[str, Any], dense: Mapping[str, np.ndarray],
-                 tables: Sequence[TableDef], groups: Sequence[Group]) -> None:
-        """Connect, define the model on the pservers, become the process's one, and start from their values."""
+                 tables: Sequence[TableDef], groups: Sequence[Group], compression: Optional[str] = None) -> None:
+        """Connect, define the model on the pservers, become the process's one, and start from their values;
+        the dense gradients go compressed (``Compression``) from the first step on."""
         self.bridge = Bridge(mode, **connect_kw)
+        self.bridge.ps.compress(compression)
         try:
             start = self.bridge.define(dense, tables, groups)
         except BaseException:

@@ -29,8 +29,8 @@ _FIX = ("pass overlap=False to DistributedOptimizer for a script whose number of
 class Overlap:
     """One trainer's sending of its dense gradients during backward. ``grad(name)``: the parameter's gradient now
     as a numpy array (None: it has none); ``mark(name)``: what tells whether the gradient changed since (a
-    tensor's identity and in-place version); ``hypers()``: the groups' hyper-parameters now; ``send(grads,
-    hypers)``: hand a bucket to the sending threads (``Bridge.send_early``)."""
+    tensor's identity and in-place version); ``hypers()``: the groups' hyper-parameters now (None: ``step()``
+    will refuse them); ``send(grads, hypers)``: hand a bucket to the sending threads (``Bridge.send_early``)."""
 
     def __init__(self, nbytes: Mapping[str, int], grad: Callable[[str], Optional[np.ndarray]],
                  mark: Callable[[str], Any], hypers: Callable[[], Any],
@@ -65,7 +65,9 @@ class Overlap:
         self.marks[name] = self.mark(name)
         if self.at_backward is None:
             self.at_backward = self.hypers()
-        if not self.active:
+            if self.at_backward is None:  # what the step will refuse (a parameter group added behind its back)
+                self.plain = False
+        if not self.active or not self.plain and not self.sent:
             return
         if n > self.passes:  # type: ignore[operator]
             if name in self.sent:
