@@ -123,7 +123,10 @@ class DistributedOptimizer(Frontend):
     one (as paddle.optimizer skips it; ``clear_grad()`` sets gradients to zero, which are applied, as Paddle does).
     Parameters are named by their Paddle names (the same on every trainer that builds the same model), or by
     ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
-    trainers' gradients) or "async". One per trainer process."""
+    trainers' gradients) or "async". ``overlap`` (sync mode): gradients leave
+    during backward once a step showed when they are final (``train/overlap.py``); ``compression``:
+    ``Compression.fp16`` sends them as float16 over TCP (the pservers update in float32). One per trainer
+    process."""
 
     FROZEN = "stop_gradient=True"
 

@@ -75,7 +75,10 @@ class DistributedOptimizer(Frontend, torch.optim.Optimizer):
     checkpoint's: ``start_step`` is then the step it continues from). ``mode``: "sync" (every step averages all
     trainers' gradients) or "async". ``buffers`` (sync mode): "broadcast" (trainer 0's before each training
     forward, as DDP), "average" or None (each trainer its own), for ``model`` (default: the module
-    ``named_parameters`` came from). One per trainer process."""
+    ``named_parameters`` came from). ``overlap`` (sync mode): gradients leave
+    during backward once a step showed when they are final (``train/overlap.py``); ``compression``:
+    ``Compression.fp16`` sends them as float16 over TCP (the pservers update in float32). One per trainer
+    process."""
 
     FROZEN = "requires_grad=False"
 
