@@ -2,9 +2,10 @@
 it must equal. ``python overlap_job.py OUT [compression]`` trains 6 steps, each trainer on its 1/size() of the
 global batch, in the patterns overlap must follow: two backward passes per step (gradient accumulation), a
 branch no trainer uses in step 3 (its parameters get no gradient: flagged at step()), one backward pass in step 4
-(fewer than the steps before: the rest goes at step()). Writes ``{"start", "final", "buckets"}`` to OUT
-(``{rank}`` in it), and whether the trainer mapped a same-host lane. The model is big enough that a step's
-gradients leave in several buckets, and its fc2.weight (4.6 MiB) is split over both pservers' lanes."""
+(fewer than the steps before: the rest goes at step()). Writes ``{"start", "final", "buckets", "sent"}`` to OUT
+(``{rank}`` in it: the bytes it sent), and whether the trainer mapped a same-host lane. The model is big enough
+that a step's gradients leave in several buckets, and its fc2.weight (4.6 MiB) is split over both pservers'
+lanes."""
 
 from __future__ import annotations
 
@@ -73,9 +74,13 @@ def main(out: str, compression: str = "none") -> None:
         opt.zero_grad()
         passes(net, step, *batch(step, pct.rank(), pct.size()))
         opt.step()
+    from paddle_cluster.ps.counters import PROCESS
+
+    sent = PROCESS.interval()["sent"]  # bytes this trainer sent to the pservers over TCP (what `top` shows)
     with open("/proc/self/maps") as f:
         lanes = "memfd:paddle-cluster-lane" in f.read()
-    torch.save({"start": start, "final": pct.state_dict(net), "buckets": opt.overlap.buckets, "lanes": lanes},
+    torch.save({"start": start, "final": pct.state_dict(net), "buckets": opt.overlap.buckets, "lanes": lanes,
+                "sent": sent, "model_bytes": sum(p.numel() * 4 for p in net.parameters())},
                out.replace("{rank}", str(pct.rank())))
     pct.shutdown()
 
