@@ -339,7 +339,8 @@ class Suite:
                     self.m[("torch", model, where, n, key)] = ratio
                     self.add(Row("torch", name, 1e3 * ps.step.median, "ms", ps.step.spread(), check=chk,
                                  extra={**ps.step.to_dict(), "losses": ps.losses, "ends": ps.ends},
-                                 note=f"{ratio:.2f}x DDP's step{self._target(model, ps, ddp)}"), ps.cpu)
+                                 note=f"{ratio:.2f}x DDP's step, {ps.cpu.per_step / ddp.cpu.per_step:.2f}x its CPU"
+                                      f"{self._target(model, ps, ddp)}"), ps.cpu)
 
     @staticmethod
     def _target(model: str, side, ddp=None) -> str:
