@@ -177,8 +177,9 @@ def worker(a: Dict[str, Any]) -> Dict[str, Any]:
     ends: List[float] = []
     losses: List[float] = []
     cpu: List[Dict[str, float]] = []
-    for step in range(a["warmup"] + a["reps"] + a["steps"]):
-        x, y = _batch(a, step)
+    total = a["warmup"] + a["reps"] + a["steps"]
+    batches = [_batch(a, step) for step in range(total)]  # made first: their CPU (a 1M randperm) is not the step's
+    for step, (x, y) in enumerate(batches):
         if step == a["warmup"]:
             cpu.append(snapshot(watch))
         t0 = time.perf_counter()
