@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 import paddle
 
-from ..train.bridge import Bridge, TableDef
-from ..train.embedding_args import padding_index, refuse
+from ..train.embedding_args import refuse
+from ..train.frontend import TableRows
 
 
-class Embedding(paddle.nn.Layer):
+class Embedding(TableRows, paddle.nn.Layer):
     """A table of ``num_embeddings`` rows of ``embedding_dim`` on the pservers: ``forward(ids)`` (any integer
     shape) returns ``ids.shape + [embedding_dim]`` with autograd; the row gradients go out at the wrapped
     optimizer's ``step()``. A row is created the first time its id is used (uniform in ``(-init_scale,
@@ -27,44 +27,28 @@ class Embedding(paddle.nn.Layer):
     ``max_norm``, ``scale_grad_by_freq``, ``_weight``, ``_freeze`` and ``weight_attr`` are refused in one line.
     """
 
+    FRONTEND = ("paddle_cluster.paddle", "opt = ppc.DistributedOptimizer(paddle.optimizer.Adam("
+                "parameters=model.parameters()))")
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, *, scale_grad_by_freq: bool = False,
                  sparse: bool = False, _weight: Any = None, _freeze: bool = False, device: Any = None,
                  dtype: Optional[str] = None, weight_attr: Any = None, name: Optional[str] = None,
                  init_scale: float = 0.01, seed: int = 0) -> None:
         super().__init__()
-        for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        self._setup_rows(num_embeddings, embedding_dim, padding_idx, name, init_scale, seed)
         # sparse: the rows always travel as rows; norm_type only matters with max_norm; device: rows are fetched
         # to the CPU.
         refuse("Embedding", max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, _weight=_weight,
                _freeze=_freeze, weight_attr=weight_attr)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = padding_index("Embedding", num_embeddings, padding_idx)
-        self.name, self.init_scale, self.seed = name, float(init_scale), int(seed)
         self.weight = self.create_parameter([0, embedding_dim], dtype=dtype or "float32")
         self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
-        self._bridge: Optional[Bridge] = None
-        self._lookups: List[Tuple[np.ndarray, paddle.Tensor]] = []  # this step's (unique ids, rows leaf tensor)
 
-    def table(self, name: str) -> TableDef:
-        """(DistributedOptimizer.) Its definition, named ``name`` unless it was given one."""
-        self.name = self.name or name
-        return TableDef(self.name, self.num_embeddings, self.embedding_dim, self.init_scale, self.seed,
-                        np.dtype(self.weight.numpy().dtype))
+    def _np_dtype(self) -> np.dtype:
+        return np.dtype(self.weight.numpy().dtype)
 
     def forward(self, ids: Any) -> paddle.Tensor:
-        if self._bridge is None:
-            what = (f"Embedding {self.name!r}" if self.name else
-                    f"Embedding({self.num_embeddings}, {self.embedding_dim})")  # unnamed until the optimizer names it
-            raise RuntimeError(f"{what}: forward before its table is on the pservers (its rows live there); wrap "
-                               "the optimizer holding the model's parameters in "
-                               "paddle_cluster.paddle.DistributedOptimizer "
-                               "before the first forward: opt = ppc.DistributedOptimizer(paddle.optimizer.Adam("
-                               "parameters=model.parameters()))")
-        lk = self._bridge.lookup(self.name, ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids),
-                                 self.padding_idx)
+        lk = self._lookup(ids.numpy() if isinstance(ids, paddle.Tensor) else np.asarray(ids))
         grad = paddle.is_grad_enabled()
         rows = paddle.to_tensor(lk.rows, stop_gradient=not grad)
         if grad:
@@ -73,17 +57,6 @@ class Embedding(paddle.nn.Layer):
             rows = paddle.concat([rows, paddle.zeros([1, self.embedding_dim], dtype=rows.dtype)])
         return paddle.gather(rows, paddle.to_tensor(lk.inverse)).reshape([*lk.shape, self.embedding_dim])
 
-    def row_grads(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """(DistributedOptimizer.) This step's row gradients, one ``(unique ids, grads)`` per lookup used."""
-        return [(ids, rows.grad.numpy()) for ids, rows in self._lookups if rows.grad is not None]
-
     def clear_rows(self) -> None:
         """(clear_grad.) Forget the lookups whose gradients were computed: what a later backward adds is new."""
         self._lookups = [(ids, rows) for ids, rows in self._lookups if rows.grad is None]
-
-    def end_step(self) -> None:
-        self._lookups = []
-
-    def extra_repr(self) -> str:
-        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, name={self.name!r} (rows on the pservers)"

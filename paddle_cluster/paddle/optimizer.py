@@ -3,15 +3,17 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import paddle
 from paddle.regularizer import L2Decay
 
 from ..ps.optim import OptimizerSpec
-from ..train import bridge
-from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as paddle users call it)
+from ..train import bridge, frontend
+from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as paddle users call it)
+from ..train.frontend import Compression, Frontend, compression_of, param_names  # noqa: F401
+from ..train.overlap import Overlap
 from .embedding import Embedding
 
 # paddle.optimizer class -> the server rule.
@@ -108,7 +110,7 @@ def _dense_grad(p: Any) -> Optional[np.ndarray]:
     return dense
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(Frontend):
     """Wraps a ``paddle.optimizer`` optimizer (SGD, Momentum, Adagrad, Adam, AdamW) and trains its parameters on the
     pservers: ``loss.backward()``, ``step()``, ``clear_grad()`` is the whole loop. ``step()`` sends the gradients
     (dense and embedding rows) and loads the new values into the parameters in place; the pservers apply the wrapped
@@ -123,64 +125,46 @@ class DistributedOptimizer:
     ``named_parameters`` (``model.named_parameters()``) if given. ``mode``: "sync" (every step averages all
     trainers' gradients) or "async". One per trainer process."""
 
+    FROZEN = "stop_gradient=True"
+
     def __init__(self, optimizer: paddle.optimizer.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, mode: str = "sync",
+                 overlap: bool = True, compression: Any = None,
                  **connect_kw: Any) -> None:
         bridge.vacant()
+        compression = compression_of(compression)
         groups = optimizer._param_groups or []
         entries = [(g, p) for g in groups for p in g["params"]] if groups and isinstance(groups[0], dict) \
             else [(None, p) for p in groups]
         # stop_gradient=True when wrapped: never sent, never registered (paddle.optimizer skips them).
         self.frozen = [p for _, p in entries if p.stop_gradient]
         entries = [(g, p) for g, p in entries if not p.stop_gradient]
-        names = self._names(entries, named_parameters)
+        names = param_names([(p, p.name) for _, p in entries], named_parameters)
         by_rule: Dict[Tuple[Any, ...], Tuple[Group, float]] = {}
         self.dense: List[Tuple[str, Any]] = []
         self.embeddings: List[Embedding] = []
-        tables = []
+        tables: List[TableDef] = []
         for g, p in entries:
             spec, mult = spec_of(optimizer, g, p)
             group, _ = by_rule.setdefault((tuple(sorted(spec.to_dict().items())), mult), (Group(spec), mult))
-            emb = getattr(p, "_paddle_cluster_table", None)
-            if emb is not None:
-                name = names[id(p)]
-                tables.append(emb.table(name[:-len(".weight")] if name.endswith(".weight") else name))
-                group.tables.append(emb.name)
-                self.embeddings.append(emb)
-            else:
-                group.names.append(names[id(p)])
-                self.dense.append((names[id(p)], p))
+            self._place(group, names[id(p)], p, tables)
         self.optimizer = optimizer
         self.clips = self._clips(optimizer, entries, names)
         if self.clips and mode != "sync":
             raise _refuse(f"grad_clip with mode={mode!r}", "clipping needs the step's averaged gradient: mode='sync'")
         self.groups = [g for g, _ in by_rule.values()]
         self.mults = [m for _, m in by_rule.values()]
-        self.bridge = bridge.Bridge(mode, **connect_kw)
-        try:
-            start = self.bridge.define({n: p.numpy() for n, p in self.dense}, tables, self.groups)
-        except BaseException:
-            self.bridge.close()
-            raise
-        bridge.hold(self)
-        self._load(start)
-        for emb in self.embeddings:
-            emb._bridge = self.bridge
-        self.start_step = self.bridge.start_step
-        self._synced = False  # p.grad holds this step's average (synchronize())
-
-    @staticmethod
-    def _names(entries: List[Tuple[Any, Any]], named: Optional[Iterable[Tuple[str, Any]]]) -> Dict[int, str]:
-        if named is None:
-            return {id(p): p.name for _, p in entries}
-        by_param: Dict[int, str] = {}
-        for name, p in named:
-            by_param.setdefault(id(p), name)
-        missing = [p.name for _, p in entries if id(p) not in by_param]
-        if missing:
-            raise ValueError(f"DistributedOptimizer: the optimizer's parameters {missing} are not in "
-                             "named_parameters: pass the named_parameters() of the model the optimizer trains")
-        return by_param
+        self._connect(mode, connect_kw, {n: p.numpy() for n, p in self.dense}, tables, self.groups, compression)
+        # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py);
+        # a grad_clip needs the averaged gradient first (synchronize), so its gradients go at step().
+        self._params = dict(self.dense)
+        self.overlap = Overlap({n: int(np.prod(p.shape)) * (4 if p.dtype == paddle.float32 else 8)
+                                for n, p in self.dense}, self._grad_of, self._mark, self._hypers,
+                               self.bridge.send_early) \
+            if overlap and mode == "sync" and self.dense and not self.clips else None
+        if self.overlap is not None:
+            for n, p in self.dense:  # runs once backward has accumulated p's gradient (train/private.py)
+                p._register_backward_hook(lambda *_, n=n: self.overlap.ready(n))  # type: ignore[union-attr]
 
     @staticmethod
     def _clips(optimizer: Any, entries: List[Tuple[Any, Any]], names: Dict[int, str]
@@ -211,18 +195,20 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Send this step's gradients, load the values after it into the parameters."""
         grads = self._grads()
-        rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
-            raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
-                               "loss.backward() first")
-        lr = float(self.optimizer.get_lr())
+        rows = self._row_grads(grads)
+        hypers = self._hypers()
+        if self.overlap is not None:
+            self.overlap.before_step(hypers)
         averaged, self._synced = self._synced or bool(self.clips), False
         if self.clips:  # clipping needs the whole step's gradient: averaged first, applied once as it is
             grads = self._clipped(grads)
-        values = self.bridge.step(grads, rows, [{"lr": lr * m} for m in self.mults], averaged=averaged)
-        self._load(values)
-        for emb in self.embeddings:
-            emb.end_step()
+        self._end_step(self.bridge.step(grads, rows, hypers, averaged=averaged))
+        if self.overlap is not None:
+            self.overlap.after_step()
+
+    def _hypers(self) -> List[Dict[str, float]]:
+        lr = float(self.optimizer.get_lr())
+        return [{"lr": lr * m} for m in self.mults]
 
     def minimize(self, loss: Any, startup_program: Any = None, parameters: Any = None, no_grad_set: Any = None
                  ) -> Tuple[List[Any], List[Tuple[Any, Any]]]:
@@ -234,11 +220,16 @@ class DistributedOptimizer:
 
     def _grads(self) -> Dict[str, Optional[np.ndarray]]:
         """Each dense parameter's gradient now (None: it has none)."""
-        thawed = [p.name for p in self.frozen if p.grad is not None]
-        if thawed:
-            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had stop_gradient=True when the optimizer "
-                               "was wrapped, so they are not on the pservers; set stop_gradient before wrapping")
+        self._refuse_thawed([p.name for p in self.frozen if p.grad is not None])
         return {n: _dense_grad(p) for n, p in self.dense}
+
+    def _grad_of(self, name: str) -> Optional[np.ndarray]:
+        return _dense_grad(self._params[name])
+
+    def _mark(self, name: str) -> Optional[Tuple[int, int]]:
+        """What changes when ``name``'s gradient does: its storage and in-place version (overlap.py)."""
+        g = self._params[name].grad
+        return None if g is None else (g.data_ptr(), g.inplace_version)
 
     def synchronize(self) -> None:
         """As ``paddle_cluster.torch``'s (Horovod's): every ``p.grad`` becomes the gradient this step applies, all
@@ -248,6 +239,8 @@ class DistributedOptimizer:
         if self.clips:
             raise RuntimeError("DistributedOptimizer.synchronize(): the optimizer has a grad_clip, which step() "
                                "applies to the averaged gradient itself; drop grad_clip or the synchronize() call")
+        if self.overlap is not None:
+            self.overlap.before_sync()
         avg = self.bridge.synchronize(self._grads())
         for n, p in self.dense:
             a = avg[n]
@@ -259,12 +252,9 @@ class DistributedOptimizer:
                 p.grad.set_value(a)
         self._synced = True
 
-    def skip_synchronize(self) -> ContextManager[None]:
-        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
-        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
-        return bridge.skipping_synchronize(self._synced)
-
     def clear_grad(self, set_to_zero: bool = True) -> None:
+        if self.overlap is not None:
+            self.overlap.before_zero_grad()
         self._synced = False
         self.optimizer.clear_grad(set_to_zero)
         for emb in self.embeddings:
@@ -278,12 +268,6 @@ class DistributedOptimizer:
     def set_lr(self, value: float) -> None:
         self.optimizer.set_lr(value)
 
-    def save_checkpoint(self, name: Optional[str] = None) -> Any:
-        """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
-        the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
-        trainers: nothing (None)."""
-        return self.bridge.save_checkpoint(name)
-
 
 def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, paddle.Tensor]:
     """``model.state_dict()`` with the values the pservers hold now. ``tables="whole"``: each ``Embedding``'s
@@ -291,22 +275,8 @@ def state_dict(model: paddle.nn.Layer, tables: str = "auto", final_wait: float =
     ``paddle.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
     that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
     0 first waits (``final_wait`` s at most) for the other trainers to finish."""
-    ctx = bridge.held("state_dict(model)")
-    values, final = ctx.bridge.final(tables, final_wait)
-    ctx._load(values)
-    out = model.state_dict()
-    for prefix, m in model.named_sublayers(include_self=True):
-        if isinstance(m, Embedding):
-            key = f"{prefix}.weight" if prefix else "weight"
-            if not isinstance(final[m.name], tuple):
-                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
-                    final[m.name][m.padding_idx] = 0
-                out[key] = paddle.to_tensor(final[m.name])
-            else:
-                del out[key]
-                ids, rows = final[m.name]
-                out[f"{key}.ids"], out[f"{key}.rows"] = paddle.to_tensor(ids), paddle.to_tensor(rows)
-    return out
+    tables_of = [(n, m) for n, m in model.named_sublayers(include_self=True) if isinstance(m, Embedding)]
+    return frontend.model_state(model.state_dict, tables_of, tables, final_wait, paddle.to_tensor)
 
 
 def save(model: paddle.nn.Layer, path: str, tables: str = "auto") -> Optional[str]:

@@ -100,6 +100,10 @@ class PSClient:
         self._brought: Optional[Tuple[int, Dict[str, np.ndarray]]] = None  # (step, values) finish_step brought
         self._in_call, self.ps_seconds = False, 0.0  # ``_timed``
         self._reduce_seq = 0  # ``sum_over_trainers`` calls made (each trainer makes the same ones)
+        self._early: set = set()  # dense parameters whose gradient ``push_pull_part`` sent this step
+        # ``push_pull`` leaves a parameter split over lanes there (``value_parts``): for a caller that copies
+        # each part into its own parameter anyway (a frontend), one copy of it a step less.
+        self.defer_split = False
         # A reply takes at most a barrier wait plus the work itself; a pserver silent for longer is hung
         # (SIGSTOP, a dead link) and the trainer must fail with ConnectionLost, not wait forever.
         io_timeout = reply_timeout(env.barrier_timeout)
@@ -232,14 +236,55 @@ class PSClient:
         ``push`` and ``pull`` apart when something is computed between them.
         """
         self._check_open()
-        send = self._dense.gradients(dict(grads or {}))
+        early, self._early = self._early, set()
+        rest = {n: g for n, g in (grads or {}).items() if n not in early}
+        send = self._dense.gradients(rest, whole=not early)
+        missing = sorted(set(self._dense.values) - early - set(send)) if early else []
+        if missing:
+            raise KeyError(f"push needs gradients for every registered dense parameter: missing {missing}")
         step = self.step
         futures = self._sparse.end_step(step, sync=self.mode == "sync")
         self.step += 1  # before the exchange, part of which runs on this thread: the step has begun
-        futures += self._dense.push_pull(send, step, flags)
+        futures += self._dense.push_pull(send, step, flags, copy_split=not self.defer_split)
         self._track(PushHandle(step, futures))
         self.wait()
         return dict(self._dense.values)
+
+    def compress(self, kind: Optional[str]) -> None:
+        """Gradient compression for the dense pushes from now on: ``"fp16"`` sends each float32 gradient as
+        float16 over TCP (half the bytes; the pservers widen it and update in float32), None sends it as it is.
+        ``synchronize()``'s exchange and an averaged step's gradient go uncompressed."""
+        if kind not in (None, "fp16"):
+            raise ValueError(f"compression {kind!r}: expected None or 'fp16'")
+        self._dense.fp16 = kind == "fp16"
+
+    def value_parts(self, name: str) -> List[Tuple[int, int, np.ndarray]]:
+        """Where dense parameter ``name``'s values of the last pull or ``push_pull`` are, flat: ``(lo, hi,
+        values)`` places to copy from. With ``defer_split`` a parameter split over same-host lanes is read from
+        them here rather than copied into the array ``push_pull`` returns (which is then stale for it)."""
+        return self._dense.parts(name)
+
+    def push_pull_part(self, grads: Mapping[str, np.ndarray], flags: Optional[Mapping[str, int]] = None) -> None:
+        """Sync mode, while the rest of the step's gradients are still being computed: send these parameters'
+        gradients for this step now, on the channels' threads, and have their values for the next step come back
+        into the receive buffers meanwhile. The step's ``push_pull`` then sends the rest (what it is given again
+        of these is not sent twice) and waits for all. The arrays are sent without copying. ``flags``: as
+        ``push``'s."""
+        self._check_open()
+        if self.mode != "sync":
+            raise RuntimeError("push_pull_part: sync mode only (an async push is applied as it lands)")
+        send = self._dense.gradients(grads, whole=False)
+        again = sorted(self._early.intersection(send))
+        if again:
+            raise ValueError(f"the gradients of {again} were already sent this step")
+        self._early.update(send)
+        self._track(PushHandle(self.step, self._dense.push_pull(send, self.step, flags, here=False,
+                                                                copy_split=not self.defer_split)))
+
+    @property
+    def sent_early(self) -> bool:
+        """Some dense gradients of this step went with ``push_pull_part`` already."""
+        return bool(self._early)
 
     @_timed
     def reduce(self, grads: Mapping[str, np.ndarray], flags: Optional[Mapping[str, int]] = None
@@ -251,6 +296,8 @@ class PSClient:
         self._check_open()
         if self.mode != "sync":
             raise RuntimeError("synchronize(): async mode has no step average to wait for; use mode='sync'")
+        if self._early:
+            raise RuntimeError("synchronize(): this step's gradients were sent already (push_pull_part)")
         self.wait()
         futures, out, none = self._dense.reduce(self._dense.gradients(dict(grads)), self.step, flags or {})
         gather(futures)

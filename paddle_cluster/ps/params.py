@@ -34,6 +34,9 @@ class DenseParams:
         self._lanes_on: Dict[Channel, int] = {}  # lanes each channel holds (at most ``L.MAX_LANES``)
         self._lane_refused: Set[Channel] = set()  # channels a lane was refused on: they stay on TCP
         self._lane_said = False
+        # Gradient compression (a frontend's compression="fp16"): a float32 block's step gradient goes as float16
+        # over TCP (half the bytes; the pserver widens it back and updates in float32). Not in a lane: no wire.
+        self.fp16 = False
         self.conns_per_pserver = conns_per_pserver
         self.max_block_bytes = max_block_bytes
         self.values: Dict[str, np.ndarray] = {}
@@ -184,22 +187,27 @@ class DenseParams:
 
         return [ch.submit(push_blocks, bl) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
 
-    def push_pull(self, send: Mapping[str, np.ndarray], step: int, flags: Optional[Mapping[str, int]] = None
-                  ) -> List[Future]:
-        """Push ``send`` (from ``gradients``) for ``step`` and pull every value for ``step + 1``, block by
-        block: on each channel a block's pull follows its push, so the pserver answers it as soon as that
-        block's step is applied while later blocks' gradients are still on their way. ``flags``: as ``push``'s."""
+    def push_pull(self, send: Mapping[str, np.ndarray], step: int, flags: Optional[Mapping[str, int]] = None,
+                  here: bool = True, copy_split: bool = True) -> List[Future]:
+        """Push ``send`` (from ``gradients``) for ``step`` and pull its parameters' values for ``step + 1``, block
+        by block: on each channel a block's pull follows its push, so the pserver answers it as soon as that
+        block's step is applied while later blocks' gradients are still on their way. ``flags``: as ``push``'s.
+        ``here``: one channel's share runs on the calling thread (which waits anyway); else every share goes to
+        its channel's thread and the caller goes on (a bucket sent while backward runs). ``copy_split`` False: a
+        parameter split over lanes keeps its values there (``parts`` reads them) rather than copied into its
+        receive buffer, for a caller that copies each part into its own place anyway."""
         flags = flags or {}
 
         def blocks_both_ways(ch: Channel, blocks: List[Block]) -> None:
             frames, replies = [], []
             for b in blocks:
                 frames += [self._push_frame(ch, b, send, step, flags.get(b.name, 0)), self._pull_frame(b, step + 1)]
-                replies += [expect_ok, self._into(b)]
+                replies += [expect_ok, self._into(b, copy_split)]
             exchange(ch, frames, replies, sum(b.nbytes for b in blocks))
 
+        jobs = [(ch, blocks_both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
         # The caller waits for them all (``PSClient.push_pull``): one channel's share runs on its thread.
-        return fan_out([(ch, blocks_both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()])
+        return fan_out(jobs) if here else [ch.submit(fn, *args) for ch, fn, args in jobs]
 
     def reduce(self, send: Mapping[str, np.ndarray], step: int, flags: Mapping[str, int]
                ) -> Tuple[List[Future], Dict[str, np.ndarray], Set[str]]:
@@ -233,9 +241,10 @@ class DenseParams:
         jobs = [(ch, both_ways, (bl,)) for ch, bl in self._by_channel(self._blocks_of(send)).items()]
         return fan_out(jobs), out, none
 
-    def gradients(self, grads: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-        """``grads`` checked against the registered parameters, as contiguous arrays of their dtypes."""
-        missing = sorted(set(self.values) - set(grads))
+    def gradients(self, grads: Mapping[str, Any], whole: bool = True) -> Dict[str, np.ndarray]:
+        """``grads`` checked against the registered parameters (``whole``: every one of them), as contiguous
+        arrays of their dtypes."""
+        missing = sorted(set(self.values) - set(grads)) if whole else []
         extra = sorted(set(grads) - set(self.values))
         if missing or extra:
             raise KeyError(f"push needs gradients for exactly the registered dense parameters: "
@@ -262,21 +271,40 @@ class DenseParams:
             ch.stream.tally[0] += b.nbytes  # what ``top`` shows as sent: the lane's bytes too
             return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), P.LANE_FLAG | flags, key=b.key, step=step,
                                   aux=self.versions.get(b.key, 0)), ())
-        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), flags, key=b.key, step=step, length=b.nbytes,
-                              aux=self.versions.get(b.key, 0)), (send[b.name][b.lo:b.hi],))
+        g = send[b.name][b.lo:b.hi]
+        if self.fp16 and g.dtype == np.float32 and not flags & P.AVERAGED_FLAG:  # an averaged one goes exact
+            g = g.astype(np.float16)
+        return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(g.dtype), flags, key=b.key, step=step, length=g.nbytes,
+                              aux=self.versions.get(b.key, 0)), (g,))
 
     def _pull_frame(self, b: Block, step: int) -> Frame:
         flag = P.LANE_FLAG if b.key in self.lane_at else 0
         return P.pack_header(P.Op.PULL_DENSE, P.dtype_code(b.dtype), flag, key=b.key, step=step), ()
 
-    def _into(self, b: Block) -> Callable[[Channel, P.Header], None]:
+    def parts(self, name: str) -> List[Tuple[int, int, np.ndarray]]:
+        """Where ``name``'s values of the last pull are, flat: ``(lo, hi, values)`` places, the lane's value area
+        for a block in a lane (a parameter split over lanes, pulled with ``copy_split`` False), else its receive
+        buffer."""
+        v = self.values[name]
+        whole = v.reshape(-1)
+        if name in self._in_lane or v.ndim == 0 or not any(b.key in self.lane_at for b in self.blocks[name]):
+            return [(0, whole.size, whole)]
+        per = whole.size // v.shape[0] if v.shape[0] else 0  # elements per row: blocks are row ranges
+        out = []
+        for b in self.blocks[name]:
+            lo, hi = b.lo * per, b.hi * per
+            at = self.lane_at.get(b.key)
+            out.append((lo, hi, at[1] if at is not None else whole[lo:hi]))
+        return out
+
+    def _into(self, b: Block, copy_split: bool = True) -> Callable[[Channel, P.Header], None]:
         """Reads a pull's reply into ``b``'s place in the receive buffers."""
         def cb(ch: Channel, h: P.Header) -> None:
             lane = h.status & P.LANE_FLAG and b.key in self.lane_at
             if h.op != P.Op.DATA or h.key != b.key or h.length != (0 if lane else b.nbytes):
                 raise ConnectionLost(f"bad reply to pull of key {b.key}: {h}")
             if lane:  # the pserver copied the values into the lane before it sent the header
-                if b.name not in self._in_lane:  # else they are in the receive buffer already
+                if b.name not in self._in_lane and copy_split:  # else in the receive buffer already, or read there
                     np.copyto(self.values[b.name][b.lo:b.hi].reshape(-1), self.lane_at[b.key][1])
                 ch.stream.tally[1] += b.nbytes
             else:

@@ -28,8 +28,8 @@ except ImportError:
                       "it") from None
 
 from .embedding import Embedding
-from .optimizer import SUPPORTED, DistributedOptimizer, rank, save, shutdown, size, state_dict
+from .optimizer import SUPPORTED, Compression, DistributedOptimizer, rank, save, shutdown, size, state_dict
 from .report import average, report
 
-__all__ = ["SUPPORTED", "DistributedOptimizer", "Embedding", "average", "rank", "report", "save", "shutdown", "size",
-           "state_dict"]
+__all__ = ["SUPPORTED", "Compression", "DistributedOptimizer", "Embedding", "average", "rank", "report", "save",
+           "shutdown", "size", "state_dict"]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ..train.bridge import Bridge, TableDef
-from ..train.embedding_args import padding_index, refuse
+from ..train.embedding_args import refuse
+from ..train.frontend import TableRows
 
 
-class Embedding(torch.nn.Module):
+class Embedding(TableRows, torch.nn.Module):
     """A table of ``num_embeddings`` rows of ``embedding_dim`` on the pservers: ``forward(ids)`` (any integer
     shape) returns ``ids.shape + (embedding_dim,)`` with autograd; the row gradients go out at the wrapped
     optimizer's ``step()``. A row is created the first time its id is used (uniform in ``(-init_scale,
@@ -28,45 +28,30 @@ class Embedding(torch.nn.Module):
     ``seed`` are keyword-only.
     """
 
+    FRONTEND = ("paddle_cluster.torch", "opt = pct.DistributedOptimizer(torch.optim.Adam(model.parameters()), "
+                "named_parameters=model.named_parameters())")
+
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False,
                  device: Any = None, dtype: Optional[torch.dtype] = None, *, name: Optional[str] = None,
                  init_scale: float = 0.01, seed: int = 0) -> None:
         super().__init__()
-        for what, v in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Embedding: {what}={v!r}: expected a positive integer")
+        self._setup_rows(num_embeddings, embedding_dim, padding_idx, name, init_scale, seed)
         # sparse: the rows always travel as rows; norm_type only matters with max_norm; device: rows are fetched
         # to the CPU and the output follows the ids' device.
         refuse("Embedding", max_norm=max_norm, scale_grad_by_freq=scale_grad_by_freq, _weight=_weight,
                _freeze=_freeze)
-        dtype = torch.float32 if dtype is None else dtype
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = padding_index("Embedding", num_embeddings, padding_idx)
-        self.name, self.init_scale, self.seed, self.dtype = name, float(init_scale), int(seed), dtype
-        self.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+        self.dtype = torch.float32 if dtype is None else dtype
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=self.dtype))
         self.weight._paddle_cluster_table = self  # how DistributedOptimizer tells the table from a dense parameter
-        self._bridge: Optional[Bridge] = None
-        self._lookups: List[Tuple[np.ndarray, torch.Tensor]] = []  # this step's (unique ids, rows leaf tensor)
 
-    def table(self, name: str) -> TableDef:
-        """(DistributedOptimizer.) Its definition, named ``name`` unless it was given one."""
-        self.name = self.name or name
-        return TableDef(self.name, self.num_embeddings, self.embedding_dim, self.init_scale, self.seed,
-                        torch.empty(0, dtype=self.dtype).numpy().dtype)
+    def _np_dtype(self) -> np.dtype:
+        return torch.empty(0, dtype=self.dtype).numpy().dtype
 
     def forward(self, ids: Any) -> torch.Tensor:
-        if self._bridge is None:
-            what = (f"Embedding {self.name!r}" if self.name else
-                    f"Embedding({self.num_embeddings}, {self.embedding_dim})")  # unnamed until the optimizer names it
-            raise RuntimeError(f"{what}: forward before its table is on the pservers (its rows live there); wrap "
-                               "the optimizer holding the model's parameters in "
-                               "paddle_cluster.torch.DistributedOptimizer before the first forward: "
-                               "opt = pct.DistributedOptimizer(torch.optim.Adam(model.parameters()), "
-                               "named_parameters=model.named_parameters())")
         ids = torch.as_tensor(ids)
-        lk = self._bridge.lookup(self.name, ids.detach().cpu().numpy(), self.padding_idx)
+        lk = self._lookup(ids.detach().cpu().numpy())
         rows = torch.from_numpy(lk.rows)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -76,17 +61,6 @@ class Embedding(torch.nn.Module):
         out = rows[torch.from_numpy(lk.inverse)].reshape(*lk.shape, self.embedding_dim)
         return out.to(ids.device) if ids.device.type != "cpu" else out
 
-    def row_grads(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        """(DistributedOptimizer.) This step's row gradients, one ``(unique ids, grads)`` per lookup used."""
-        return [(ids, rows.grad.numpy()) for ids, rows in self._lookups if rows.grad is not None]
-
     def zero_grad_rows(self) -> None:
         for _, rows in self._lookups:
             rows.grad = None
-
-    def end_step(self) -> None:
-        self._lookups = []
-
-    def extra_repr(self) -> str:
-        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}, name={self.name!r} (rows on the pservers)"

@@ -3,14 +3,16 @@ and the final model (``state_dict``, ``save``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..ps.optim import OptimizerSpec
-from ..train import bridge
-from ..train.bridge import Group, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from ..train import bridge, frontend
+from ..train.bridge import Group, TableDef, rank, shutdown, size  # noqa: F401  (this module's API, as torch users call it)
+from ..train.frontend import Compression, Frontend, compression_of, param_names  # noqa: F401
+from ..train.overlap import Overlap
 from .buffers import HOW, BufferSync, model_of
 from .embedding import Embedding
 
@@ -62,7 +64,7 @@ def spec_of(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optimize
         raise ValueError(f"DistributedOptimizer: torch.optim.{kind} {spec}: {e}") from None
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(Frontend, torch.optim.Optimizer):
     """Wraps a ``torch.optim`` optimizer (SGD, Adagrad, Adam, AdamW): ``zero_grad()``, ``loss.backward()``,
     ``step()`` is the whole loop. ``step()`` sends the gradients (dense and embedding rows) and loads the new
     values into the parameters in place; the pservers apply the wrapped optimizer's rule with each parameter
@@ -75,17 +77,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     forward, as DDP), "average" or None (each trainer its own), for ``model`` (default: the module
     ``named_parameters`` came from). One per trainer process."""
 
+    FROZEN = "requires_grad=False"
+
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                  mode: str = "sync", *, model: Optional[torch.nn.Module] = None,
-                 buffers: Optional[str] = "broadcast", **connect_kw: Any) -> None:
+                 buffers: Optional[str] = "broadcast", overlap: bool = True,
+                 compression: Any = None, **connect_kw: Any) -> None:
         bridge.vacant()
+        compression = compression_of(compression)
         if buffers not in HOW:
             raise ValueError(f"DistributedOptimizer(buffers={buffers!r}): expected 'broadcast' (trainer 0's before "
                              "each forward, as DDP), 'average' or None (each trainer its own)")
         model = model if model is not None else model_of(named_parameters)
         specs = [spec_of(optimizer, g) for g in optimizer.param_groups]
-        names = self._names(optimizer, named_parameters)
+        # positional names by default: the same on every trainer that builds the same optimizer
+        names = param_names([(p, f"group{i}.param{j}") for i, g in enumerate(optimizer.param_groups)
+                             for j, p in enumerate(g["params"])], named_parameters)
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups, self.state = optimizer.param_groups, optimizer.state  # one set: a scheduler on either
         self.optimizer = optimizer
@@ -94,59 +102,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.embeddings: List[Embedding] = []
         # requires_grad=False when wrapped: never sent, never registered (torch leaves them as they are).
         self.frozen: List[Tuple[str, torch.nn.Parameter]] = []
-        groups, tables = [], []
+        groups: List[Group] = []
+        tables: List[TableDef] = []
         for spec, g in zip(specs, optimizer.param_groups):
-            group = Group(spec)
+            groups.append(Group(spec))
             for p in g["params"]:
-                if not p.requires_grad:
-                    self.frozen.append((names[p], p))
-                    continue
-                emb = getattr(p, "_paddle_cluster_table", None)
-                if emb is not None:
-                    name = names[p][:-len(".weight")] if names[p].endswith(".weight") else names[p]
-                    tables.append(emb.table(name))
-                    group.tables.append(emb.name)
-                    self.embeddings.append(emb)
+                if p.requires_grad:
+                    self._place(groups[-1], names[id(p)], p, tables)
                 else:
-                    group.names.append(names[p])
-                    self.dense.append((names[p], p))
-            groups.append(group)
-        self.bridge = bridge.Bridge(mode, **connect_kw)
-        try:
-            start = self.bridge.define({n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups)
-        except BaseException:
-            self.bridge.close()
-            raise
-        bridge.hold(self)
-        self._load(start)
-        for emb in self.embeddings:
-            emb._bridge = self.bridge
-        self.start_step = self.bridge.start_step
-        self._synced = False  # p.grad holds this step's average (synchronize())
+                    self.frozen.append((names[id(p)], p))
+        self._connect(mode, connect_kw, {n: p.detach().cpu().numpy() for n, p in self.dense}, tables, groups,
+                      compression)
+        # Sync mode: each gradient leaves as backward produces it, once a step showed when that is (overlap.py).
+        self.overlap = Overlap({n: p.numel() * p.element_size() for n, p in self.dense}, self._grad_of, self._mark,
+                               self._hypers_or_none, self.bridge.send_early) \
+            if overlap and mode == "sync" and self.dense else None
+        self._params = dict(self.dense)
+        self.bridge.ps.defer_split = True  # _load_step reads a parameter split over lanes there
+        if self.overlap is not None:
+            for n, p in self.dense:
+                p.register_post_accumulate_grad_hook(lambda _p, n=n: self.overlap.ready(n))  # type: ignore[union-attr]
         # DDP's buffers: sync mode only (async trainers do not step together); alone there is no one to match.
         self.buffers = BufferSync(model, self.bridge, buffers) \
             if model is not None and buffers and mode == "sync" and self.bridge.size > 1 else None
-
-    @staticmethod
-    def _names(optimizer: torch.optim.Optimizer, named: Optional[Iterable[Tuple[str, torch.nn.Parameter]]]
-               ) -> Dict[torch.nn.Parameter, str]:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if named is None:  # positional names: the same on every trainer that builds the same optimizer
-            return {p: f"group{i}.param{j}" for i, g in enumerate(optimizer.param_groups)
-                    for j, p in enumerate(g["params"])}
-        by_param: Dict[torch.nn.Parameter, str] = {}
-        for name, p in named:
-            by_param.setdefault(p, name)
-        missing = [i for i, p in enumerate(params) if p not in by_param]
-        if missing:
-            raise ValueError(f"DistributedOptimizer: {len(missing)} of the optimizer's parameters are not in "
-                             "named_parameters: pass the named_parameters() of the model the optimizer trains")
-        return by_param
 
     def _load(self, values: Dict[str, np.ndarray]) -> None:
         with torch.no_grad():
             for name, p in self.dense:
                 p.copy_(torch.from_numpy(values[name]))
+
+    def _load_step(self, values: Dict[str, np.ndarray]) -> None:
+        """Each parameter's part copied from where the client holds it: a parameter split over same-host lanes
+        straight from them (``PSClient.defer_split``), one copy a step, not two."""
+        ps = self.bridge.ps
+        with torch.no_grad():
+            for name, p in self.dense:
+                parts = ps.value_parts(name)
+                if len(parts) == 1 or not p.is_contiguous():
+                    whole = parts[0][2] if len(parts) == 1 else np.concatenate([v for _, _, v in parts])
+                    p.copy_(torch.from_numpy(whole).reshape(p.shape))
+                    continue
+                flat = p.view(-1)
+                for lo, hi, v in parts:
+                    flat[lo:hi].copy_(torch.from_numpy(v))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "bridge", None) is not None:  # torch.optim.Optimizer.__init__ adds the wrapped groups
@@ -154,6 +152,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if getattr(self, "overlap", None) is not None:
+            self.overlap.before_zero_grad()
         self._synced = False
         super().zero_grad(set_to_none)
         for emb in self.embeddings:
@@ -166,27 +166,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = self._grads()
-        rows = {emb.name: emb.row_grads() for emb in self.embeddings}
-        if all(g is None for g in grads.values()) and not any(rows.values()) and not self._synced:
-            raise RuntimeError("DistributedOptimizer.step() before backward(): no parameter has a gradient; call "
-                               "loss.backward() first")
+        rows = self._row_grads(grads)
         if len(self.param_groups) != len(self.specs):  # add_param_group on the wrapped optimizer
             raise ValueError(_NO_NEW_GROUP)
         # The groups' options now (an LR scheduler may have changed them): the bridge sends what changed.
-        hypers = [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
+        hypers = self._hypers()
+        if self.overlap is not None:
+            self.overlap.before_step(hypers)
         averaged, self._synced = self._synced, False
-        values = self.bridge.step(grads, rows, hypers, averaged=averaged)
-        self._load(values)
-        for emb in self.embeddings:
-            emb.end_step()
+        self._end_step(self.bridge.step(grads, rows, hypers, averaged=averaged))
+        if self.overlap is not None:
+            self.overlap.after_step()
         self.optimizer._opt_called = True  # an LR scheduler made on the wrapped optimizer sees it stepped
         return loss
 
+    def _hypers(self) -> List[Dict[str, Any]]:
+        return [spec_of(self.optimizer, g).to_dict() for g in self.param_groups]
+
+    def _hypers_or_none(self) -> Optional[List[Dict[str, Any]]]:
+        """(During backward.) The groups' hyper-parameters, None for what ``step()`` refuses (a group added, an
+        option not supported): those gradients wait for ``step()``, which says why in one line."""
+        if len(self.param_groups) != len(self.specs):
+            return None
+        try:
+            return self._hypers()
+        except ValueError:
+            return None
+
     def _grads(self) -> Dict[str, Optional[np.ndarray]]:
         """Each dense parameter's gradient now (None: it has none)."""
-        self._check_frozen()
-        return {n: None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().cpu()
-                .numpy() for n, p in self.dense}
+        self._refuse_thawed([n for n, p in self.frozen if p.grad is not None])
+        return {n: self._grad_of(n) for n, _ in self.dense}
+
+    def _grad_of(self, name: str) -> Optional[np.ndarray]:
+        g = self._params[name].grad
+        return None if g is None else (g.to_dense() if g.is_sparse else g).detach().cpu().numpy()
+
+    def _mark(self, name: str) -> Optional[Tuple[int, int, int]]:
+        """What changes when ``name``'s gradient does: its tensor, storage, and in-place version (overlap.py)."""
+        g = self._params[name].grad
+        return None if g is None else (id(g), g.data_ptr(), g._version)
 
     def synchronize(self) -> None:
         """Horovod's: leave in every ``p.grad`` the gradient this step applies, all trainers' averaged (None where
@@ -195,30 +214,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         more round trip: the gradients go to the pservers and their average comes back, then the step sends the
         final gradient (trainer 0; the others send zeros) as a step without it would. Embedding tables' row
         gradients are not in it: they go at ``step()`` as always."""
+        if self.overlap is not None:
+            self.overlap.before_sync()
         avg = self.bridge.synchronize(self._grads())
         with torch.no_grad():
             for n, p in self.dense:
                 a = avg[n]
                 p.grad = None if a is None else torch.from_numpy(a).to(device=p.device, dtype=p.dtype)
         self._synced = True
-
-    def skip_synchronize(self) -> ContextManager[None]:
-        """``with opt.skip_synchronize(): opt.step()`` applies the gradients ``synchronize()`` left in ``p.grad``
-        (Horovod's spelling; ``step()`` right after ``synchronize()`` does the same)."""
-        return bridge.skipping_synchronize(self._synced)
-
-    def _check_frozen(self) -> None:
-        """A parameter frozen when wrapped is not on the pservers: a gradient for it now is refused in one line."""
-        thawed = [n for n, p in self.frozen if p.grad is not None]
-        if thawed:
-            raise RuntimeError(f"DistributedOptimizer: {', '.join(thawed)} had requires_grad=False when the optimizer "
-                               "was wrapped, so they are not on the pservers; set requires_grad before wrapping")
-
-    def save_checkpoint(self, name: Optional[str] = None) -> Any:
-        """Trainer 0: the pservers save the parameters, embedding rows and optimizer state of this step (under
-        the job's checkpoint directory; ``paddle-cluster run --resume_from`` continues from it). Other
-        trainers: nothing (None)."""
-        return self.bridge.save_checkpoint(name)
 
 
 def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float = 600.0) -> Dict[str, torch.Tensor]:
@@ -227,22 +230,8 @@ def state_dict(model: torch.nn.Module, tables: str = "auto", final_wait: float =
     ``torch.nn.Embedding`` of the same size loads; ``"rows"``: ``<weight>.ids`` and ``<weight>.rows``, the rows
     that exist; ``"auto"`` (the default): whole up to 1 GiB, rows above (said once on stderr). Async mode: trainer
     0 first waits (``final_wait`` s at most) for the other trainers to finish."""
-    ctx = bridge.held("state_dict(model)")
-    values, final = ctx.bridge.final(tables, final_wait)
-    ctx._load(values)
-    out = model.state_dict()
-    for prefix, m in model.named_modules():
-        if isinstance(m, Embedding):
-            key = f"{prefix}.weight" if prefix else "weight"
-            if not isinstance(final[m.name], tuple):
-                if m.padding_idx is not None:  # never created on the pservers: zeros, as the framework's row
-                    final[m.name][m.padding_idx] = 0
-                out[key] = torch.from_numpy(final[m.name])
-            else:
-                del out[key]
-                ids, rows = final[m.name]
-                out[f"{key}.ids"], out[f"{key}.rows"] = torch.from_numpy(ids), torch.from_numpy(rows)
-    return out
+    tables_of = [(n, m) for n, m in model.named_modules() if isinstance(m, Embedding)]
+    return frontend.model_state(model.state_dict, tables_of, tables, final_wait, torch.from_numpy)
 
 
 def save(model: torch.nn.Module, path: str, tables: str = "auto") -> Optional[str]:

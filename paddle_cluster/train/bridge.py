@@ -195,6 +195,14 @@ class Bridge:
         self.ps.push(grads, flags)
         return self.ps.pull()
 
+    def send_early(self, dense_grads: Mapping[str, np.ndarray], hypers: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Sync mode, during backward: send these dense gradients of this step now (a bucket whose gradients are
+        final; ``train/overlap.py``), their values for the next step coming back meanwhile; ``step`` then sends
+        the rest. ``hypers`` (as ``step``'s) go first, before the step's first bucket."""
+        if not self.ps.sent_early:
+            self._send_hypers(hypers)
+        self.ps.push_pull_part({n: np.ascontiguousarray(g, dtype=self._shapes[n][1]) for n, g in dense_grads.items()})
+
     def synchronize(self, dense_grads: Mapping[str, Optional[np.ndarray]]) -> Dict[str, Optional[np.ndarray]]:
         """Sync mode: this step's dense gradients averaged over every trainer (as the step would apply them),
         nothing applied; None for a parameter no trainer had a gradient for. The step then goes with
@@ -315,8 +323,8 @@ def refuse_empty_batch(dense_grads: Mapping[str, Optional[np.ndarray]],
     DDP does that, this runtime refuses it (a trainer that ended leaves the average instead)."""
     if any(len(i) for parts in row_grads.values() for i, _ in parts):
         return
-    given = [g for g in dense_grads.values() if g is not None]
-    if given and not any(np.any(g) for g in given):
+    given = sorted((g for g in dense_grads.values() if g is not None), key=np.size)
+    if given and not any(np.any(g) for g in given):  # smallest first: a bias decides it in microseconds
         raise ValueError("DistributedOptimizer.step(): this trainer's batch is empty (every gradient is exactly zero "
                          "and no embedding row was looked up): averaged with the other trainers' gradients, its zeros "
                          "would shrink the step silently; give every trainer at least one sample of every batch (or "

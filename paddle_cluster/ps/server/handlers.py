@@ -80,6 +80,19 @@ def _in_lane(conn: Conn, h: P.Header) -> Optional[tuple]:
     return at
 
 
+def _widened(st: State, conn: Conn, h: P.Header) -> Optional[tuple]:
+    """A float32 block's gradient sent as float16 (a frontend's ``compression="fp16"``: half the bytes on the
+    wire): the block and the gradient read whole and widened to float32, which the step then folds as any
+    push; None for any other push."""
+    b = st.blocks.get(h.key)
+    if b is None or h.dtype != P.dtype_code(np.float16) or np.dtype(b.dtype) != np.float32:
+        return None
+    P.expect_length(h, b.nbytes // 2, b.label())
+    half = np.empty(b.nbytes // 4, np.float16)
+    conn.stream.recv_into(half)
+    return b, Payload(half.astype(np.float32))
+
+
 def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
     if h.op == P.Op.PUSH_DENSE and h.status & P.REDUCE_FLAG:
@@ -89,10 +102,12 @@ def push(st: State, conn: Conn, h: P.Header) -> None:
         return
     if h.op == P.Op.PUSH_DENSE:
         at = _in_lane(conn, h)
-        s = _block(st, h, payload=at is None)
+        wide = None if at is not None else _widened(st, conn, h)
+        s = _block(st, h, payload=at is None) if wide is None else wide[0]
         if at is not None:
             conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
-        kept = s.push(conn, h, st.staleness, None if at is None else Payload(at[0]))
+        src = Payload(at[0]) if at is not None else None if wide is None else wide[1]
+        kept = s.push(conn, h, st.staleness, src)
     else:
         s = _table(st, h)
         kept = s.push(conn, h, st.staleness)
