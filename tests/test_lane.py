@@ -284,8 +284,9 @@ def test_a_squatter_of_this_user_without_the_secret_gets_no_memory_and_the_job_i
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
     """Trainers (threads, one client each) on two pserver processes of two dense ports each: 2 steps of push_pull,
     one of push then pull, on a 3 MiB parameter (four blocks of 768 KiB, an equal share on each pserver, one on
-    each of the four connections: one memfd offered to each) and a small one beside one of them, then a bias registered apart with its own rate (two optimizer
-    groups: a second memfd, on a connection that holds one already); the final values."""
+    each of the four connections: one memfd offered to each) and a small one beside one of them, then a bias
+    registered apart with its own rate (two optimizer groups: a second memfd, on a connection that holds one
+    already); the final values."""
     env = H.make_env(2, trainers, tmp_path / f"{lane}", ports_num=2)
     big = np.linspace(-1, 1, 3 << 18, dtype=np.float32)
     out = [None] * trainers
