@@ -83,6 +83,10 @@ def test_a_backward_pass_more_than_any_step_had_fails_in_one_line(alone):
     already sent) fails in one line naming overlap=False."""
     pct = alone
     net = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError) as e:  # bad input first: one line naming the choices
+        pct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), compression="bf16")
+    assert str(e.value) == ("DistributedOptimizer(compression='bf16'): expected None or 'fp16' (Compression.none, "
+                            "Compression.fp16)")
     opt = pct.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
     x = torch.ones(3, 4)
     for _ in range(3):  # plain steps: from the second on, the gradients leave during backward

@@ -16,7 +16,7 @@ exact any more and fails in one line naming ``overlap=False``. Nothing here impo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class Overlap:
         self.pending: List[str] = []  # final for this step, not sent yet
         self.pending_bytes = 0
         self.final = 0  # parameters of ``expected`` whose gradient is final (sent or pending)
-        self.sent: List[str] = []
+        self.sent: Set[str] = set()
         self.plain = True
         self.at_backward: Any = None  # the hyper-parameters when this step's first gradient was ready
 
@@ -97,7 +97,7 @@ class Overlap:
         if bucket:
             self.send(bucket, self.at_backward)
             self.buckets += 1
-            self.sent.extend(bucket)
+            self.sent.update(bucket)
 
     def before_sync(self) -> None:
         """``synchronize()``: the step's gradients go averaged; refused once some left already."""
