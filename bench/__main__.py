@@ -1,10 +1,10 @@
 """``python -m bench``: the paddle-cluster benchmark suite. See docs/benchmarks.md.
 
 Prints a table and the issue's targets, writes ``bench/results/latest.json`` (and the block-size plot).
-Sections: raw, dense, sparse, peers, torch, shaped, launcher, dispatch (the launcher's dispatch rows alone)
-(``--only a,b``); ``--quick`` for small sizes,
-``--smoke`` for tiny ones (the test suite's check that the suite runs). ``shaped`` and ``launcher`` need
-root and are skipped with a note otherwise.
+Sections: raw, dense, sparse, peers, torch, torchnet (the torch rows across 3 shaped hosts), shaped,
+launcher, dispatch (the launcher's dispatch rows alone) (``--only a,b``); ``--quick`` for small sizes,
+``--smoke`` for tiny ones (the test suite's check that the suite runs). ``torchnet``, ``shaped`` and
+``launcher`` need root and are skipped with a note otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from . import targets as goals
 from .common import MB, REPO, Row, loadavg
 from .cpu import Cpu
 
-SECTIONS = ("raw", "dense", "sparse", "peers", "torch", "shaped", "launcher", "dispatch")
+SECTIONS = ("raw", "dense", "sparse", "peers", "torch", "torchnet", "shaped", "launcher", "dispatch")
+COMPRESSION = "fp16"  # the pservers' rows with gradient compression use pct.Compression.<this>
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     "full": {"size": 64 * MB, "warmup": 2, "reps": 7, "raw_reps": 5,
@@ -282,25 +283,79 @@ class Suite:
             self.m["gloo"] = self.m["ps_vs_ring"][("gloo", 2)]
 
     def torch(self) -> None:
-        """A PyTorch model on the pservers against DDP with gloo: an MLP at 2 and 4 trainers, and an embedding
-        table of which 1 % is touched per step (bench/frameworks.py)."""
+        """PyTorch models on the pservers against DDP with gloo on one machine (bench/frameworks.py): the MLP and
+        the embedding table at 2 and 4 trainers, each with the defaults a user gets (the same-host lane), over
+        TCP and with gradient compression."""
+        from . import frameworks
+
+        self._frameworks("one machine", lambda n, **kw: frameworks.Setup(n, **kw), transports=True)
+
+    def torchnet(self) -> None:
+        """The same across 3 hosts on 1 Gbit/s links (the shaped network namespaces): a pserver per node,
+        trainer ``i`` on node ``i % 3``, DDP's rank ``i`` likewise."""
+        from . import frameworks, shaped
+
+        if self._no_cluster("torchnet"):
+            return
+        with shaped.shaped_cluster(3) as cl:
+            self._frameworks("3 hosts, 1 Gbit/s", lambda n, **kw: frameworks.Setup(n, cluster=cl, **kw),
+                             transports=False)
+
+    def _frameworks(self, where: str, setup, transports: bool) -> None:
+        """One DDP row per model and trainer count, then the pservers' rows against it: with the defaults
+        (the lane on), over TCP where ``transports``, and with compression (the MLP); ``m`` keeps every
+        ratio under ``("torch", model, where, trainers, variant)``."""
         from . import frameworks
 
         c = self.cfg
-        size, rows, dim = c["torch_size"], c["torch_rows"], 32
-        runs = [("dense", n, f"torch_ps{n}", f"torch_ddp{n}") for n in (2, 4)] + [("embedding", 2, "emb_ps", "emb_ddp")]
-        for model, n, ps_key, ddp_key in runs:
-            what = frameworks.describe(model, size, rows, dim)
-            ps, ddp, chk = frameworks.measure(model, size, c["warmup"], c["torch_reps"], n, rows=rows, dim=dim)
-            if ps is None:
-                self.skipped["torch"] = chk
-                self.add(Row("torch", f"{what}, {n} trainers", None, "ms", note=f"skipped: {chk}", check="-"))
-                return
-            self.m[ps_key], self.m[ddp_key] = ps.median, ddp.median
-            self.add(Row("torch", f"DDP gloo: {what}, {n} trainers", 1e3 * ddp.median, "ms", ddp.spread(),
-                         check=chk, extra=ddp.to_dict(), note=f"global batch {frameworks.GLOBAL_BATCH}"))
-            self.add(Row("torch", f"pservers (2, integrity off): {what}, {n} trainers", 1e3 * ps.median, "ms",
-                         ps.spread(), check=chk, extra=ps.to_dict(), note=f"{ps.median / ddp.median:.2f}x DDP's step"))
+        why = frameworks._missing()
+        if why:
+            self.skipped["torch"] = why
+            self.add(Row("torch", f"PyTorch models, {where}", None, "ms", note=f"skipped: {why}", check="-"))
+            return
+        rows, dim = c["torch_rows"], 32
+        zip_ = frameworks.no_compression(COMPRESSION)
+        for model in ("dense", "embedding"):
+            what = frameworks.describe(model, c["torch_size"], rows, dim)
+            args = frameworks.args_for(model, c["torch_size"], c["warmup"], c["torch_reps"], rows, dim)
+            for n in (2, 4):
+                ddp = frameworks.ddp(args, setup(n))
+                self.m[("torch", model, where, n, "ddp")] = ddp.step.median
+                self.add(Row("torch", f"DDP gloo: {what}, {n} trainers, {where}", 1e3 * ddp.step.median, "ms",
+                             ddp.step.spread(), check="-", extra=ddp.step.to_dict(),
+                             note=f"global batch {frameworks.GLOBAL_BATCH}{self._target(model, ddp)}"), ddp.cpu)
+                variants = [("defaults", "defaults (lane on)", {})]
+                if transports:
+                    variants.append(("tcp", "over TCP", {"lane": False}))
+                if model == "dense":
+                    variants.append(("fp16", f"defaults, {COMPRESSION} compression", {"compression": COMPRESSION}))
+                for key, label, kw in variants:
+                    name = f"pservers, {label}: {what}, {n} trainers, {where}"
+                    if kw.get("compression") and zip_:
+                        self.add(Row("torch", name, None, "ms", note=f"skipped: {zip_}", check="-"))
+                        continue
+                    ps, chk = frameworks.pservers(args, setup(n, **kw), ddp)
+                    ratio = ps.step.median / ddp.step.median
+                    self.m[("torch", model, where, n, key)] = ratio
+                    self.add(Row("torch", name, 1e3 * ps.step.median, "ms", ps.step.spread(), check=chk,
+                                 extra={**ps.step.to_dict(), "losses": ps.losses, "ends": ps.ends},
+                                 note=f"{ratio:.2f}x DDP's step, {ps.cpu.per_step / ddp.cpu.per_step:.2f}x its CPU"
+                                      f"{self._target(model, ps, ddp)}"), ps.cpu)
+
+    @staticmethod
+    def _target(model: str, side, ddp=None) -> str:
+        """The MLP's time to the target loss (``frameworks.TARGET`` of its first step's), against DDP's."""
+        from . import frameworks
+
+        if model != "dense":
+            return ""
+        first = (ddp or side).losses[0]
+        got = side.to_target(frameworks.TARGET * first)
+        if got is None:
+            return f"; loss never at {frameworks.TARGET} of its first in {len(side.losses)} steps"
+        out = f"; to loss <= {frameworks.TARGET} x first: {got[1]:.2f} s ({got[0]} steps)"
+        theirs = ddp.to_target(frameworks.TARGET * first) if ddp is not None else None
+        return out + (f", {got[1] / theirs[1]:.2f}x DDP's" if theirs else "")
 
     def _ps_vs_ring(self, section: str, where: str, size: int, warmup: int, reps: int, gloo, ps,
                     workers=(2, 4), pservers=(2, 4)) -> Dict[Any, float]:
@@ -332,7 +387,9 @@ class Suite:
                 st, chk, cpu = ps(size, warmup, reps, n, p)
                 out[("ps", n, p)] = st.median
                 vs = f", {st.median / out[('gloo', n)]:.2f}x gloo" if ("gloo", n) in out else ""
-                self.add(Row(section, f"our sync PS push+pull {size // MB} MB, {n} workers, {p} pservers, {where}",
+                default = ", default placement" if not loop and p == n * goals.DEFAULT_PER_NODE else ""
+                self.add(Row(section, f"our sync PS push+pull {size // MB} MB, {n} workers, {p} pservers{default}, "
+                                      f"{where}",
                              1e3 * st.median, "ms", st.spread(), check=chk, extra=st.to_dict(),
                              note=f"per worker {size / MB:.0f} MB out + in, all {2 * n * size / MB:.0f} MB{vs}"),
                          cpu if loop else None, f"ps{n}_{p}")

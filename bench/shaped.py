@@ -7,8 +7,9 @@ one push+pull step moves ``2 * size`` bytes over it, one direction after the oth
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from . import dense, rawtcp
 from .common import sshcluster_module
@@ -18,6 +19,16 @@ LINE_RATE = 1e9 / 8  # bytes/s of a 1 Gbit/s link
 
 def unavailable() -> Optional[str]:
     return sshcluster_module().unavailable_reason()
+
+
+@contextlib.contextmanager
+def shaped_cluster(n: int, rate: str = "1gbit") -> Iterator[Any]:
+    """``n`` hosts of the test cluster, every link shaped to ``rate`` both ways; torn down on leaving."""
+    sc = sshcluster_module()
+    with sc.SSHCluster(n, tempfile.mkdtemp(prefix="bench-cluster-")) as cl:
+        for i in range(cl.n):
+            cl.shape(i, rate)
+        yield cl
 
 
 def run(size: int, warmup: int, reps: int, raw_reps: int, node_counts=(2, 3), peer_size: int = 0,

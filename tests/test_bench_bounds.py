@@ -88,3 +88,30 @@ def test_frames_tell_the_pattern_from_ours():
     assert "the same frames with the same SGD 95 ms (1.19x the least; ours 1.05x them)" in t.detail
     m["cpu"]["frames1_2"] = _cpu(0.080, 0.9)  # the pattern costs no more than the least: the rest is ours
     assert _goal(m, "dense push+pull / raw TCP").verdict.endswith("ours spends 1.25x its least CPU: ours to fix)")
+
+
+def test_framework_and_placement_goals_read_their_rows():
+    # The torch rows' ratios (pservers / DDP step) and the numpy rows across nodes with the default placement:
+    # a pserver per worker's node, whatever step the other pserver counts took.
+    m = {"size": 64 * MB, "cpu": {},
+         ("torch", "dense", "one machine", 2, "defaults"): 0.9, ("torch", "dense", "one machine", 4, "tcp"): 1.3,
+         ("torch", "dense", "3 hosts, 1 Gbit/s", 4, "defaults"): 1.12,
+         ("torch", "embedding", "one machine", 2, "defaults"): 0.08,
+         "ps_vs_ring_shaped": {("gloo", 4): 1.0, ("ps", 4, 2): 2.0, ("ps", 4, 4): 1.14}}
+    assert _goal(m, "PyTorch MLP on the pservers (defaults) / DDP gloo, step, 2 trainers, one machine").met
+    assert not _goal(m, "PyTorch MLP on the pservers (over TCP) / DDP gloo, step, 4 trainers, one machine").met
+    hosts = _goal(m, "PyTorch MLP on the pservers (defaults) / DDP gloo, step, 4 trainers, 3 hosts")
+    assert hosts.value == 1.12 and hosts.goal == "<= 1.1" and not hosts.met
+    emb = _goal(m, "embedding 1 % touched: DDP gloo / pservers (defaults), step, 2 trainers, one machine")
+    assert emb.value == pytest.approx(12.5) and emb.met
+    placed = _goal(m, "sync PS step, default placement (4 pservers) / gloo, 4 workers")
+    assert placed.value == pytest.approx(1.14) and placed.goal == "<= 1.15" and placed.met
+
+
+def test_time_to_target_is_the_first_step_at_the_target():
+    from bench.common import Stats
+    from bench.frameworks import Side
+
+    side = Side(Stats([0.1]), _cpu(0.1, 0.5), {}, [10.0, 8.0, 7.4, 7.6, 7.0], [0.2, 0.35, 0.5, 0.6, 0.7])
+    assert side.to_target(7.5) == (3, 0.5)
+    assert side.to_target(1.0) is None

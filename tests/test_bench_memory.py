@@ -26,8 +26,8 @@ def test_holds_follow_the_placement_and_the_runtime_constants():
         assert [h.params for h in one] == [size // 2] * 2 and [h.held for h in two] == [size // 2] * 2
         assert all(h.pool == 0 and h.scratch == SEGMENT for h in one)  # one trainer: applied from its scratch
         assert all(h.pool == pool and h.scratch == 2 * SEGMENT for h in two)
-    small = dense.holds(2 * MB, 2)  # one block: pserver 1 holds nothing, so no pool or scratch either
-    assert small[0] == dense.Holds(2 * MB, 0, pool, 2 * SEGMENT) and small[1] == dense.Holds(0, 0, 0, 0)
+    small = dense.holds(32 << 10, 2)  # too small to split: pserver 1 holds nothing, so no pool or scratch either
+    assert small[0] == dense.Holds(32 << 10, 0, pool, 2 * SEGMENT) and small[1] == dense.Holds(0, 0, 0, 0)
     assert dense.holds(16 * MB, 2, mode="async")[0].pool == 0
     assert dense.holds(16 * MB, 1, optimizer="adam")[0].state == 2 * 8 * MB  # m and v
 

@@ -283,9 +283,10 @@ def test_a_squatter_of_this_user_without_the_secret_gets_no_memory_and_the_job_i
 
 def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarray:
     """Trainers (threads, one client each) on two pserver processes of two dense ports each: 2 steps of push_pull,
-    one of push then pull, on a 3 MiB parameter (1 MiB blocks over both pservers and all four connections: one
-    memfd offered to each) and a small one, then a bias registered apart with its own rate (two optimizer
-    groups: a second memfd, on a connection that holds one already); the final values."""
+    one of push then pull, on a 3 MiB parameter (four blocks of 768 KiB, an equal share on each pserver, one on
+    each of the four connections: one memfd offered to each) and a small one beside one of them, then a bias
+    registered apart with its own rate (two optimizer groups: a second memfd, on a connection that holds one
+    already); the final values."""
     env = H.make_env(2, trainers, tmp_path / f"{lane}", ports_num=2)
     big = np.linspace(-1, 1, 3 << 18, dtype=np.float32)
     out = [None] * trainers
@@ -296,11 +297,11 @@ def _train(tmp_path, lane: bool, mode: str, opt: str, trainers: int) -> np.ndarr
         try:
             vals = ps.register_dense({"big": big, "w": W})
             vals.update(ps.register_dense({"b": np.arange(100, dtype=np.float32)}, OptimizerSpec(opt, lr=0.05)))
-            assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 3
+            assert len({(b.pserver, b.conn) for b in ps._dense.blocks["big"]}) == 4
             assert len(ps._dense.lane_at) == (sum(len(bl) for bl in ps._dense.blocks.values()) if lane else 0)
             assert sorted(ps._dense._lanes_on.values()) == ([1, 1, 1, 2] if lane else [])
             # Through lanes, the receive buffers of parameters in one lane are its value area: no copy out of it
-            # (big's blocks are in three lanes, one per connection: copied out of them).
+            # (big's blocks are in four lanes, one per connection: copied out of them).
             assert ps._dense._in_lane == ({"w", "b"} if lane else set())
             for step in range(3):
                 rng = np.random.default_rng(100 * i + step)

@@ -262,6 +262,19 @@ def test_placement_is_deterministic_and_balanced_by_bytes():
         assert blocks[0].lo == 0 and blocks[-1].hi == params[name][0][0]
 
 
+def test_placement_gives_every_pserver_its_share():
+    # One pserver per node: a node's link carries its pserver's share, so shares must be equal, not within a
+    # block (a 64 MB parameter in 4 MB blocks on 3 pservers was 6 + 5 + 5 blocks: one node 12 % over its share).
+    params = {"w1": ((2896, 2896), np.float32), "w2": ((2896, 2896), np.float32), "b": ((2896,), np.float32)}
+    for n, conns in ((3, 1), (4, 1), (3, 2), (5, 1)):
+        p = place_dense(params, n, conns)
+        row = 2896 * 4
+        assert max(p.loads) - min(p.loads) <= 4 * row, (n, conns, p.loads)
+        assert all(b.nbytes <= 4 << 20 for b in p.blocks)
+    assert len(split_rows((16 << 20,), np.float32, 4 << 20, parts=3)) == 18
+    assert split_rows((10, 10), np.float32, parts=3) == [(0, 10)]  # too small to share: one block
+
+
 def test_sparse_rows_are_deterministic_whatever_the_order_or_shard():
     ids = np.array([5, 17, 3, 1 << 40, -7], dtype=np.int64)
     a = init_rows(ids, 8, 0.05, seed=9)

@@ -39,9 +39,10 @@ class Block:
 
 
 def split_rows(shape: Sequence[int], dtype: object, max_block_bytes: int = DEFAULT_MAX_BLOCK_BYTES,
-               min_block_elems: int = MIN_BLOCK_ELEMS) -> List[Tuple[int, int]]:
+               min_block_elems: int = MIN_BLOCK_ELEMS, parts: int = 1) -> List[Tuple[int, int]]:
     """Row ranges of the blocks of a parameter: each at most ``max_block_bytes`` (unless one row is
-    bigger) and at least ``min_block_elems`` elements (unless the whole parameter is smaller)."""
+    bigger) and at least ``min_block_elems`` elements (unless the whole parameter is smaller); their number a
+    multiple of ``parts`` where those limits allow, so that ``parts`` pservers can hold equal shares of it."""
     if len(shape) == 0:
         return [(0, 1)]
     rows = int(shape[0])
@@ -52,6 +53,7 @@ def split_rows(shape: Sequence[int], dtype: object, max_block_bytes: int = DEFAU
     max_rows = max(1, max_block_bytes // row_bytes)
     n = math.ceil(rows / max_rows)
     min_rows = max(1, math.ceil(min_block_elems / max(1, row_elems)))
+    n = -(-n // parts) * parts  # equal shares: a 64 MB parameter on 3 pservers is 18 blocks, not 6 + 5 + 5
     n = max(1, min(n, rows // min_rows))
     return [(i * rows // n, (i + 1) * rows // n) for i in range(n)]
 
@@ -75,8 +77,11 @@ def place_dense(params: Mapping[str, Tuple[Sequence[int], object]], n_pservers: 
                 loads: Optional[Sequence[int]] = None) -> Placement:
     """Split ``{name: (shape, dtype)}`` into blocks and place them greedily by bytes.
 
-    Largest block first onto the least-loaded pserver (ties: lower pserver index), then likewise over
-    that pserver's dense connections. Keys are numbered from ``first_key`` in (sorted name, row) order.
+    Each parameter is split into a multiple of ``n_pservers`` blocks of equal rows where it is big enough
+    (``split_rows``), then largest block first onto the least-loaded pserver (ties: lower pserver index), and
+    likewise over that pserver's dense connections: every pserver holds its share to within a few rows, so
+    with one pserver per node no node's link carries more than its share (docs/benchmarks.md). Keys are
+    numbered from ``first_key`` in (sorted name, row) order.
     """
     if n_pservers < 1 or conns_per_pserver < 1:
         raise ValueError("need at least one pserver and one connection per pserver")
@@ -86,7 +91,7 @@ def place_dense(params: Mapping[str, Tuple[Sequence[int], object]], n_pservers: 
         shape, dtype = params[name]
         shape = tuple(int(s) for s in shape)
         dt = np.dtype(dtype)
-        for lo, hi in split_rows(shape, dt, max_block_bytes):
+        for lo, hi in split_rows(shape, dt, max_block_bytes, parts=n_pservers):
             bshape = (hi - lo,) + shape[1:] if shape else ()
             nbytes = math.prod(bshape) * dt.itemsize
             pieces.append((key, name, lo, hi, bshape, dt.str, nbytes))
