@@ -91,7 +91,7 @@ class DenseBlock(Shard):
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
                  step: int, shared: DenseShared) -> None:
         super().__init__(key, meta["name"], spec, declared, step, shared.sync)
-        self.pool, self.applier, self.finite = shared.pool, shared.applier, shared.finite
+        self.pool, self.applier, self.finite, self.budget = shared.pool, shared.applier, shared.finite, shared.budget
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.shape = tuple(meta["shape"])
@@ -108,7 +108,7 @@ class DenseBlock(Shard):
         # gradient came averaged already (``AVERAGED_FLAG``): per step number, so nothing is reset between steps.
         self.graded_at = -1
         self.averaged_at = -1
-        self.average = Average(self, self.shape, self.dtype, shared.budget)  # its synchronize()
+        self.average: Optional[Average] = None  # its synchronize(), made on the first one (most never have one)
         self._start_segments(self.lock)
 
     def label(self) -> str:
@@ -191,6 +191,12 @@ class DenseBlock(Shard):
             raise ProtocolError(f"block {h.key} is not in this connection's lane")
         return at
 
+    def _average(self) -> Average:
+        with self.cv:
+            if self.average is None:
+                self.average = Average(self, self.shape, self.dtype, self.budget)
+            return self.average
+
     def init(self, conn: Conn, h: P.Header) -> None:
         """Trainer 0's initial value: the first one received counts, a repeat is read and dropped; one holding
         NaN or Inf is refused (unless the pserver accepts them: not ``finite``)."""
@@ -228,7 +234,7 @@ class DenseBlock(Shard):
         are there."""
         self._frame(h, payload=False)
         if h.status & P.REDUCE_FLAG:
-            self.average.pull(conn, h)
+            self._average().pull(conn, h)
             return
         lane, sync = self._lane(conn, h), self.sync
         if lane is not None:
@@ -273,7 +279,7 @@ class DenseBlock(Shard):
         lane = self._lane(conn, h)
         self._frame(h, payload=lane is None)
         if h.status & P.REDUCE_FLAG:
-            self.average.push(conn, h, self._checker(conn.trainer, h.step))
+            self._average().push(conn, h, self._checker(conn.trainer, h.step))
             return True
         if lane is not None:
             conn.stream.tally[1] += self.nbytes  # what ``top`` shows as received: the lane's bytes too
@@ -331,7 +337,8 @@ class DenseBlock(Shard):
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
         whose update was refused: its values are lost)."""
-        self.average.trainer_closed()
+        if self.average is not None:
+            self.average.trainer_closed()
         if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
