@@ -101,7 +101,7 @@ def _define(st: State, conn: Conn, h: P.Header, shards: Dict[int, S], kind: str,
                                      "without defining it (do all trainers register the same parameters?)")
         elif shard is None:
             shard = make()
-            sync.hyper.start(shard, st.shards())
+            shard.start_hyper(st.shards())
             shards[h.key] = shard
         mine = {k: v for k, v in shard.meta.items() if shard.confirmed or k in _RESTORED}
         if {k: v for k, v in meta.items() if k in mine} != mine:
@@ -149,16 +149,16 @@ def _declare(st: State, conn: Conn, body: Dict[str, Any]) -> None:
     sync = st.sync
     with sync.lock:
         if conn.trainer == 0 and sync.mode is None:
-            sync.mode, st.optimizer, st.staleness = mode, opt, staleness
+            sync.mode, st.optimizer, sync.staleness = mode, opt, staleness
             sync.lock.notify_all()
         sync.wait(sync.lock, lambda: sync.mode is not None, st.base_step, "waiting for trainer 0 to declare",
                   lambda: {0})
         if mode != sync.mode:
             raise ConfigMismatch(f"trainer {conn.trainer} asks for mode {mode!r} but the job runs in "
                                  f"{sync.mode!r} mode (declared by trainer 0)")
-        if staleness != st.staleness:
+        if staleness != sync.staleness:
             raise ConfigMismatch(f"trainer {conn.trainer} asks for staleness bound {staleness} but trainer 0 "
-                                 f"declared {st.staleness}")
+                                 f"declared {sync.staleness}")
         if opt != st.optimizer:
             raise ConfigMismatch(f"trainer {conn.trainer} declares optimizer {opt} but trainer 0 declared "
                                  f"{st.optimizer}")
@@ -271,5 +271,5 @@ def _set_hyper(st: State, conn: Conn, body: Dict[str, Any]) -> None:
         raise ConfigMismatch(f"bad hyper-parameters {values}: {e}") from None
     with st.sync.lock:
         st.sync.hyper.add(from_step, values, None if names is None else frozenset(names),
-                          st.shards(), st.budget)
+                          [s.hyper_seen for s in st.shards()], st.budget)
     conn.reply_ok()

@@ -1,9 +1,10 @@
 """A dense block (``DenseBlock``): its value and optimizer, and everything a request does to it -- its initial
-value, receiving a gradient and folding it into this step's sum, applying the step, and answering pulls.
+value, receiving a gradient and folding it into this step's sum, applying the step, and answering pulls (its
+``synchronize()`` average is ``average.Average``'s).
 
 Sync mode sums the trainers' gradients of a step in trainer order (the first two in either order: float
 addition commutes), so the result never depends on arrival order. SGD folds a push a segment at a time into
-slots of the pserver's ``AccPool`` (below); another optimizer sums whole gradients into one buffer per block and
+slots of the pserver's ``pool.AccPool``; another optimizer sums whole gradients into one buffer per block and
 applies the step on the apply threads. Async mode applies each gradient as it lands.
 
 A push arrives as verified segments of ``stream.SEGMENT`` bytes (``Stream.chunks``). A segment's first
@@ -32,10 +33,13 @@ from .. import optim
 from ..errors import ConnectionLost, NonFinite, ProtocolError, PSError, RemoteError
 from ..optim import OptimizerSpec
 from ..wire import protocol as P
+from ..wire.lane import Payload
 from ..wire.stream import SEGMENT
 from . import finite
-from .budget import SHARD_OVERHEAD
+from .average import Average
+from .budget import SHARD_OVERHEAD, Budget
 from .net import Conn
+from .pool import AccPool
 from .shard import Shard
 from .sync import Sync
 
@@ -52,66 +56,7 @@ class Segment:
     who: Set[int] = field(default_factory=set)
 
 
-class AccPool:
-    """Accumulator slots of one segment each, at most ``POOL_BYTES`` of them."""
-
-    def __init__(self, nbytes: Optional[int] = None) -> None:
-        self.cv = threading.Condition()
-        self.free: List[np.ndarray] = []
-        self.left = max(1, (POOL_BYTES if nbytes is None else nbytes) // SEGMENT)  # slots that may still be allocated
-        self.waiting = 0  # threads in ``take``: give and poke wake no one when there are none
-
-    def take(self, sync: Sync, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
-        """A free slot; None as soon as ``unless()`` (the slot is no longer needed: another trainer started
-        the segment, or the step completed)."""
-        with self.cv:
-            self.waiting += 1
-            try:
-                sync.wait(self.cv, lambda: bool(self.free) or self.left > 0 or unless(), step,
-                          f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
-            finally:
-                self.waiting -= 1
-            return None if unless() else self._pop()
-
-    def try_take(self) -> Optional[np.ndarray]:
-        """A free slot if there is one now, else None (never waits)."""
-        with self.cv:
-            return self._pop()
-
-    def _pop(self) -> Optional[np.ndarray]:
-        if self.free:
-            return self.free.pop()
-        if self.left > 0:
-            self.left -= 1
-            return np.empty(SEGMENT, dtype=np.uint8)
-        return None
-
-    def give(self, slot: np.ndarray) -> None:
-        with self.cv:
-            self.free.append(slot)
-            if self.waiting:
-                self.cv.notify_all()
-
-    def poke(self) -> None:
-        """A segment was started or a step completed: a waiting ``take`` may no longer need its slot."""
-        if self.waiting:  # read unlocked: a take that starts waiting after this checks ``unless`` first
-            with self.cv:
-                self.cv.notify_all()
-
-
 _NOBODY: FrozenSet[int] = frozenset()
-
-
-@dataclass
-class Reduce:
-    """A block's ``synchronize()`` of step ``step``: the trainers' gradients summed in trainer order (``who``: each
-    one in the sum, and whether it had a gradient), their average once ``done``."""
-
-    sum: np.ndarray
-    step: int = -1
-    who: Dict[int, bool] = field(default_factory=dict)
-    receiving: Set[int] = field(default_factory=set)
-    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,13 +67,14 @@ class DenseShared:
     sync: Sync
     pool: AccPool
     applier: ThreadPoolExecutor
-    finite: bool = True  # refuse an update that would make a value NaN or Inf (not PADDLE_ALLOW_NONFINITE)
+    finite: bool = True  # refuse a value, gradient or update holding NaN or Inf (not PADDLE_ALLOW_NONFINITE)
+    budget: Optional[Budget] = None  # what ``synchronize()``'s averages are charged to
 
     @classmethod
-    def make(cls, sync: Sync, finite: bool = True) -> DenseShared:
+    def make(cls, sync: Sync, finite: bool = True, budget: Optional[Budget] = None) -> DenseShared:
         return cls(sync, AccPool(POOL_BYTES),
                    ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                      thread_name_prefix=f"pserver{sync.pserver_id}-apply"), finite)
+                                      thread_name_prefix=f"pserver{sync.pserver_id}-apply"), finite, budget)
 
 
 def dense_bytes(meta: Dict[str, Any], spec: OptimizerSpec, trainers: int) -> int:
@@ -145,7 +91,7 @@ class DenseBlock(Shard):
     def __init__(self, key: int, meta: Dict[str, Any], spec: OptimizerSpec, declared: Dict[str, Any],
                  step: int, shared: DenseShared) -> None:
         super().__init__(key, meta["name"], spec, declared, step, shared.sync)
-        self.pool, self.applier, self.finite = shared.pool, shared.applier, shared.finite
+        self.pool, self.applier, self.finite, self.budget = shared.pool, shared.applier, shared.finite, shared.budget
         self.meta = meta
         self.dtype = np.dtype(meta["dtype"])
         self.shape = tuple(meta["shape"])
@@ -162,7 +108,7 @@ class DenseBlock(Shard):
         # gradient came averaged already (``AVERAGED_FLAG``): per step number, so nothing is reset between steps.
         self.graded_at = -1
         self.averaged_at = -1
-        self.reduce: Optional[Reduce] = None  # synchronize()'s average, made on the first one
+        self.average: Optional[Average] = None  # its synchronize(), made on the first one (most never have one)
         self._start_segments(self.lock)
 
     def label(self) -> str:
@@ -228,9 +174,44 @@ class DenseBlock(Shard):
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def init(self, conn: Conn, allow_nonfinite: bool = False) -> None:
+    def _frame(self, h: P.Header, payload: bool) -> None:
+        """Refuse a frame not of the block's dtype, or whose payload is not the block's bytes (``payload``) or
+        not empty."""
+        if h.dtype != P.dtype_code(self.dtype):
+            raise ProtocolError(f"{self.label()} is {self.dtype}, frame says dtype code {h.dtype}")
+        P.expect_length(h, self.nbytes if payload else 0, self.label())
+
+    def _lane(self, conn: Conn, h: P.Header) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """The block's (gradient, values) place in the connection's same-host lane, if the frame says it is there
+        (a ``synchronize()`` frame never is)."""
+        if not h.status & P.LANE_FLAG or h.status & P.REDUCE_FLAG:
+            return None
+        at = conn.lane_at.get(h.key)
+        if at is None:
+            raise ProtocolError(f"block {h.key} is not in this connection's lane")
+        return at
+
+    def _widened(self, conn: Conn, h: P.Header) -> Optional[Payload]:
+        """A float32 block's gradient sent as float16 (a frontend's ``compression="fp16"``: half the bytes on the
+        wire), read whole and widened to float32, which the step then folds as any push; None for any other
+        frame (``synchronize()``'s are never compressed)."""
+        if h.dtype != P.dtype_code(np.float16) or np.dtype(self.dtype) != np.float32 or h.status & P.REDUCE_FLAG:
+            return None
+        P.expect_length(h, self.nbytes // 2, self.label())
+        half = np.empty(self.nbytes // 4, np.float16)
+        conn.stream.recv_into(half)
+        return Payload(half.astype(np.float32))
+
+    def _average(self) -> Average:
+        with self.cv:
+            if self.average is None:
+                self.average = Average(self, self.shape, self.dtype, self.budget)
+            return self.average
+
+    def init(self, conn: Conn, h: P.Header) -> None:
         """Trainer 0's initial value: the first one received counts, a repeat is read and dropped; one holding
-        NaN or Inf is refused (unless ``allow_nonfinite``)."""
+        NaN or Inf is refused (unless the pserver accepts them: not ``finite``)."""
+        self._frame(h, payload=True)
         with self.cv:
             mine = not (self.initialized or self.initializing)
             self.initializing = self.initializing or mine
@@ -239,7 +220,7 @@ class DenseBlock(Shard):
             return
         try:
             conn.stream.recv_into(self.param)
-            if not allow_nonfinite and not finite.all_finite(self.param):
+            if self.finite and not finite.all_finite(self.param):
                 self.param[...] = 0
                 raise NonFinite(f"trainer {conn.trainer}'s initial value of {self.label()} holds NaN or Inf; "
                                 "refused (PADDLE_ALLOW_NONFINITE=1 accepts it)")
@@ -252,16 +233,23 @@ class DenseBlock(Shard):
             self.initialized, self.initializing = True, False
             self.wake()
 
-    def pull(self, conn: Conn, h: P.Header, into: Optional[np.ndarray] = None) -> None:
-        """Reply with the value for ``h.step``. In sync mode one not applied yet is waited for here: the
+    def pull(self, conn: Conn, h: P.Header) -> None:
+        """Reply with the value for ``h.step`` (``REDUCE_FLAG``: the average of a ``synchronize()`` step instead,
+        ``Average.pull``). In sync mode one not applied yet is waited for here: the
         trainer's requests behind it (its next gradients) wait in the socket's buffer, where the kernel keeps
         taking them in; a writer thread to read them meanwhile cost more CPU than it saved
         (docs/benchmarks.md). Where the step is folded segment by segment, the reply is sent segment by segment
         as they are applied, so a block's values flow back while its later segments' gradients still arrive
-        (the same frame: only when its bytes are written changes). ``into``: the block's place in the connection's
-        same-host lane, where the values are copied (segment by segment likewise) before a header without payload
-        says they are there."""
-        sync = self.sync
+        (the same frame: only when its bytes are written changes). A block in the connection's same-host lane
+        has its values copied there (segment by segment likewise) before a header without payload says they
+        are there."""
+        self._frame(h, payload=False)
+        if h.status & P.REDUCE_FLAG:
+            self._average().pull(conn, h)
+            return
+        lane, sync = self._lane(conn, h), self.sync
+        if lane is not None:
+            conn.stream.tally[0] += self.nbytes  # what ``top`` shows as sent: the lane's bytes too
         with self.cv:
             streams = self.folds() and self.initialized and not self.error and self.step.n < h.step
             if not streams:
@@ -270,8 +258,8 @@ class DenseBlock(Shard):
         # Sent outside the lock: in sync mode nothing can update this block (segment) until this trainer
         # pushes again (after it has read this reply), and a stalled reader must never block the other
         # trainers. Async pulls may see a concurrent update.
-        if into is not None:
-            self._pull_into(into, step, (lambda end: self.wait_segment(step, end, lambda: conn.gone)) if streams
+        if lane is not None:
+            self._pull_into(lane[1], step, (lambda end: self.wait_segment(step, end, lambda: conn.gone)) if streams
                             else None)
             conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), P.LANE_FLAG, key=h.key, step=step))
             return
@@ -289,16 +277,27 @@ class DenseBlock(Shard):
                 ready(hi)
             np.copyto(dst[lo:hi], src[lo:hi])
 
-    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None, src: Any = None) -> bool:
+    def push(self, conn: Conn, h: P.Header) -> bool:
         """Receive trainer ``conn.trainer``'s gradient for step ``h.step`` and fold it in; False when async mode
-        dropped it as staler than ``staleness`` (``h.aux``: the block version it was computed on). A repeat of
-        a push already counted is read and dropped.
+        dropped it as staler than the declared bound (``h.aux``: the block version it was computed on). A repeat
+        of a push already counted is read and dropped. ``REDUCE_FLAG``: a ``synchronize()`` gradient, summed
+        and not applied (``Average.push``).
 
         Sync SGD folds the push segment by segment as it arrives (``push_segments``); another sync optimizer
         receives it whole and adds it to the block's sum (``_push_sum``); async mode applies it as it lands.
-        Received whole, a frame cut short changes nothing. ``src``: where the payload is read from (the connection's
-        stream, or its same-host lane's ``lane.Payload``)."""
-        src = conn.stream if src is None else src
+        Received whole, a frame cut short changes nothing. The payload is read from the connection's stream, or
+        from its same-host lane (``lane.Payload``) when the frame says the block is there, or widened from the
+        float16 a frontend's ``compression="fp16"`` sent (``_widened``)."""
+        lane = self._lane(conn, h)
+        wide = None if lane is not None else self._widened(conn, h)
+        if wide is None:
+            self._frame(h, payload=lane is None)
+        if h.status & P.REDUCE_FLAG:
+            self._average().push(conn, h, self._checker(conn.trainer, h.step))
+            return True
+        if lane is not None:
+            conn.stream.tally[1] += self.nbytes  # what ``top`` shows as received: the lane's bytes too
+        src = wide if wide is not None else conn.stream if lane is None else Payload(lane[0])
         t, at = conn.trainer, self.step
         with self.cv:
             new = at.begin(t, h.step)
@@ -314,8 +313,7 @@ class DenseBlock(Shard):
             if self.folds():
                 self.push_segments(t, h.step, src.chunks, check)
                 with self.cv:
-                    if at.n == h.step:
-                        at.pending[t] = True
+                    at.take(t, h.step)
             elif self.sync.mode == "sync":
                 self._push_sum(conn, src, t, h.step, check)
             else:
@@ -324,7 +322,8 @@ class DenseBlock(Shard):
                 if check is not None:
                     check(g)  # before it is applied: refused, it changes nothing
                 with self.cv:
-                    if staleness is not None and at.n - h.aux > staleness:
+                    bound = self.sync.staleness
+                    if bound is not None and at.n - h.aux > bound:
                         return False  # computed on values older than allowed
                     if h.status & P.NOGRAD_FLAG:
                         return True  # no gradient: nothing to apply (torch's rule)
@@ -352,82 +351,14 @@ class DenseBlock(Shard):
     def trainer_closed(self) -> None:
         """(Holding ``cv``.) A trainer closed: a step that was waiting only for it completes now (not in a block
         whose update was refused: its values are lost)."""
-        if self.reduce is not None:
-            self._reduce_done()
+        if self.average is not None:
+            self.average.trainer_closed()
         if self.sync.mode == "sync" and not self.error:
             if self.folds():
                 self._close_segments()
             else:
                 self._complete()
         self.wake()
-
-    # -- synchronize(): the step's averaged gradient, sent back instead of applied ----------------------------
-
-    def reduce_push(self, conn: Conn, h: P.Header, budget: Any) -> None:
-        """Trainer ``conn.trainer``'s gradient for sync step ``h.step`` (``NOGRAD_FLAG``: it has none), summed in
-        trainer order into the block's average of that step; nothing is applied. The average's buffer is charged
-        to ``budget`` when first made. A repeat of a push already counted is read and dropped."""
-        t, sync = conn.trainer, self.sync
-        with self.cv:
-            self.step.wait(h.step, "synchronize")  # every earlier step applied: its average is no longer read
-            if self.reduce is None:
-                budget.charge(self.nbytes, f"the averaged gradient of {self.label()} (synchronize())")
-                self.reduce = Reduce(np.empty(self.shape, dtype=self.dtype))
-            r = self.reduce
-            if r.step != h.step:
-                r.step, r.who, r.done = h.step, {}, False
-            repeat = t in r.who or t in r.receiving
-            r.receiving.add(t)
-        if repeat:
-            conn.stream.discard()
-            return
-        try:
-            g = conn.buffer(self.shape, self.dtype)
-            conn.stream.recv_into(g)
-            check = self._checker(t, h.step)
-            if check is not None:
-                check(g)
-            with self.cv:
-                def turn() -> bool:
-                    return sync.in_order(t, r.who.keys())
-                if not turn():
-                    sync.wait(self.cv, turn, h.step, f"synchronize {self.label()}: summing in trainer order",
-                              lambda: {u for u in sync.active if u < t} - set(r.who))
-                if r.who:
-                    np.add(r.sum, g, out=r.sum)
-                else:
-                    np.copyto(r.sum, g)
-                r.who[t] = not h.status & P.NOGRAD_FLAG
-                self._reduce_done()
-        finally:
-            with self.cv:
-                r.receiving.discard(t)
-                self.cv.notify_all()
-
-    def _reduce_done(self) -> None:
-        """(Holding ``cv``.) Once every active trainer is in the sum, it becomes their average."""
-        r = self.reduce
-        if r is None or r.done or not r.who or not self.sync.active <= r.who.keys():
-            return
-        if len(r.who) > 1:
-            r.sum /= self.dtype.type(len(r.who))
-        r.done = True
-        self.cv.notify_all()
-
-    def reduce_pull(self, conn: Conn, h: P.Header) -> None:
-        """Reply with the average of sync step ``h.step`` once every active trainer is in it; with
-        ``NOGRAD_FLAG`` when no trainer had a gradient."""
-        with self.cv:
-            r = self.reduce
-            if r is None or r.step != h.step:
-                raise ProtocolError(f"{self.label()}: trainer {conn.trainer} pulls the average of step {h.step}, "
-                                    "which it did not push (synchronize())")
-            self.sync.wait(self.cv, lambda: r.done or r.step != h.step, h.step, f"synchronize {self.label()}",
-                           lambda: set(self.sync.active) - set(r.who), lambda: conn.gone)
-            flag = 0 if any(r.who.values()) else P.NOGRAD_FLAG
-        # Sent outside the lock: nothing changes it until this trainer pushes again, after reading it.
-        conn.stream.send(P.pack_header(P.Op.DATA, P.dtype_code(self.dtype), flag, key=h.key, step=h.step,
-                                       length=self.nbytes), r.sum)
 
     # -- sync SGD: a push folded segment by segment -------------------------------------------------------------
 
@@ -525,7 +456,7 @@ class DenseBlock(Shard):
                     return
                 p = pflat[off // item:off // item + len(g)]
                 with sync.rw.shared():
-                    sync.apply_hyper(self, step)
+                    self.apply_hyper(step)
                     if s is None:  # the only active trainer: straight from the receive buffer
                         if self.touched(step):
                             _sgd(self, p, g, None, 1)
@@ -599,7 +530,7 @@ class DenseBlock(Shard):
                 lo = i * SEGMENT // self.dtype.itemsize
                 p = self.param.reshape(-1)[lo:lo + len(s.acc)]
                 with sync.rw.shared():
-                    sync.apply_hyper(self, self.step.n)
+                    self.apply_hyper(self.step.n)
                     if self.touched(self.step.n):
                         _sgd(self, p, s.acc, None, self.divisor(len(s.who), self.step.n))
                 self.check_update(p, s.who, self.step.n)
@@ -614,7 +545,7 @@ class DenseBlock(Shard):
         connection's buffer. ``check`` sees it before it is added to anything."""
         at, sync = self.step, self.sync
         with self.cv:
-            direct = not at.pending and not self.acc_busy and t in sync.active and sync.first_two(t)
+            direct = not at.started() and not self.acc_busy and t in sync.active and sync.first_two(t)
             self.acc_busy = self.acc_busy or direct
         try:
             g = self.acc if direct else conn.buffer(self.shape, self.dtype)
@@ -624,16 +555,15 @@ class DenseBlock(Shard):
             with self.cv:
                 if direct:
                     self.acc_busy = False
-                    if at.n == step:
-                        at.pending[t] = True
+                    if at.take(t, step):
                         self._complete()
                     return
                 def turn() -> bool:
                     return at.n != step or self._may_add(t)
                 if not turn():  # checked first: the wait's message is built only when it waits
                     sync.wait(self.cv, turn, step, f"push {self.label()}: summing in trainer order",
-                              lambda: {u for u in sync.active if u < t} - set(at.pending))
-                if at.n == step:
+                              lambda: {u for u in sync.active if u < t} - set(at.contributors()))
+                if at.take(t, step):
                     self._add(t, g)
         except BaseException:
             if direct:
@@ -643,15 +573,13 @@ class DenseBlock(Shard):
 
     def _may_add(self, t: int) -> bool:
         """(Holding ``cv``.) May trainer ``t`` add its gradient to the block's sum now?"""
-        if self.acc_busy or self.step.busy:
-            return False
-        return self.sync.in_order(t, self.step.pending.keys())
+        return not self.acc_busy and self.step.in_turn(t)
 
     def _add(self, t: int, g: np.ndarray) -> None:
-        """(Holding ``cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer) to the current step."""
+        """(Holding ``cv``.) Add trainer ``t``'s gradient ``g`` (a connection buffer, counted in the step) to its
+        sum."""
         at = self.step
-        first = not at.pending
-        at.pending[t] = True
+        first = len(at.contributors()) == 1
         last = at.full()
         if first and last:  # the only contributor: apply straight from the receive buffer
             with at.advancing(at.n):
@@ -666,8 +594,8 @@ class DenseBlock(Shard):
             self._complete()
             return
         # Last of several with plain SGD: add, average and apply in one pass per cache-sized chunk.
-        n = self.divisor(len(at.pending), at.n)
-        by = finite.trainers(at.pending)
+        n = self.divisor(len(at.contributors()), at.n)
+        by = finite.trainers(at.contributors())
         with at.advancing(at.n):
             optim.sgd(self.param, self.acc, self.spec.lr, plus=g, n=n)
             self.check_update(self.param, by, at.n)
@@ -677,27 +605,24 @@ class DenseBlock(Shard):
 
         The apply runs on the apply threads, not on the connection thread, so the connection can already
         receive the next block while this one is being updated (the pull for the next step waits for it)."""
-        if self.step.busy or not self.step.full():
-            return
-        self.step.busy = True
-        self.applier.submit(self._apply)
+        if self.step.hand_off():
+            self.applier.submit(self._apply)
 
     def _apply(self) -> None:
         at = self.step
         with self.cv:
             try:
                 # acc holds the contributors' gradients, summed in trainer order by _add.
-                n, touched = self.divisor(len(at.pending), at.n), self.touched(at.n)
                 with at.advancing(at.n):
-                    if touched:
-                        self.apply_mean(self.acc, n, finite.trainers(at.pending))
+                    if self.touched(at.n):
+                        who = at.contributors()
+                        self.apply_mean(self.acc, self.divisor(len(who), at.n), finite.trainers(who))
             except NonFinite as e:  # check_update set ``error``: the waiting pulls report it
                 log.warning("pserver %d: %s", self.sync.pserver_id, e)
             except Exception as e:  # keep serving; the waiting pulls report it
                 log.exception("pserver %d: optimizer failed on %s", self.sync.pserver_id, self.label())
                 self.error = f"optimizer failed on {self.label()} at step {at.n}: {e!r}"
             finally:
-                at.busy = False
                 self.wake()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -31,108 +31,61 @@ from ..errors import (
 )
 from ..wire import lane as lane_util
 from ..wire import protocol as P
-from ..wire.lane import MAX_LANES, NONCE_SIZE, LaneRefused, Payload
+from ..wire.lane import MAX_LANES, NONCE_SIZE, LaneRefused
 from .declare import declare, def_dense, def_sparse, json_body, set_hyper
-from .dense import DenseBlock
 from .net import Conn
 from .reduce import reduce_op
+from .shard import Shard
 from .state import State
-from .table import TableShard
 
 log = logging.getLogger("paddle_cluster.ps")
 STATUS_CHUNK = 64 << 10  # the STATUS reply is charged to the budget in steps of this many bytes
 
 
-# -- data: what a request does to a block or a table is the shard's (``dense.DenseBlock``, ``table.TableShard``) ---
+# -- data: what a request does to a block or a table is the shard's (``shard.Shard``), its frame checks too ---------
+
+S = TypeVar("S", bound=Shard)
+# The shards a data op names (its key is a block's or a table's), and what they are called when none has it.
+SHARDS: Dict[int, Tuple[str, str]] = {
+    **dict.fromkeys((P.Op.PUSH_DENSE, P.Op.PULL_DENSE), ("blocks", "dense block")),
+    **dict.fromkeys((P.Op.PUSH_SPARSE, P.Op.PULL_SPARSE), ("tables", "sparse table")),
+}
 
 
-def _block(st: State, h: P.Header, payload: bool) -> DenseBlock:
-    """The block a request names; ``payload``: the request carries the block's bytes."""
-    b = st.blocks.get(h.key)
-    if b is None:
-        raise UnknownKey(f"no dense block with key {h.key}")
-    if h.dtype != P.dtype_code(b.dtype):
-        raise ProtocolError(f"{b.label()} is {b.dtype}, frame says dtype code {h.dtype}")
-    P.expect_length(h, b.nbytes if payload else 0, b.label())
-    return b
+def _find(shards: Mapping[int, S], h: P.Header, kind: str) -> S:
+    s = shards.get(h.key)
+    if s is None:
+        raise UnknownKey(f"no {kind} with key {h.key}")
+    return s
 
 
-def _table(st: State, h: P.Header) -> TableShard:
-    t = st.tables.get(h.key)
-    if t is None:
-        raise UnknownKey(f"no sparse table with key {h.key}")
-    return t
+def _shard(st: State, h: P.Header) -> Shard:
+    """The block or table shard a PUSH or PULL names."""
+    field, kind = SHARDS[h.op]
+    return _find(getattr(st, field), h, kind)
 
 
 def init_dense(st: State, conn: Conn, h: P.Header) -> None:
-    b = _block(st, h, payload=True)
-    b.init(conn, st.allow_nonfinite)
+    b = _find(st.blocks, h, "dense block")
+    b.init(conn, h)
     conn.reply_ok(key=h.key, step=b.step.n)
-
-
-def _in_lane(conn: Conn, h: P.Header) -> Optional[tuple]:
-    """A dense request's (gradient, values) place in the connection's lane, if its header says it is there."""
-    if not h.status & P.LANE_FLAG:
-        return None
-    at = conn.lane_at.get(h.key)
-    if at is None:
-        raise ProtocolError(f"block {h.key} is not in this connection's lane")
-    return at
-
-
-def _widened(st: State, conn: Conn, h: P.Header) -> Optional[tuple]:
-    """A float32 block's gradient sent as float16 (a frontend's ``compression="fp16"``: half the bytes on the
-    wire): the block and the gradient read whole and widened to float32, which the step then folds as any
-    push; None for any other push."""
-    b = st.blocks.get(h.key)
-    if b is None or h.dtype != P.dtype_code(np.float16) or np.dtype(b.dtype) != np.float32:
-        return None
-    P.expect_length(h, b.nbytes // 2, b.label())
-    half = np.empty(b.nbytes // 4, np.float16)
-    conn.stream.recv_into(half)
-    return b, Payload(half.astype(np.float32))
 
 
 def push(st: State, conn: Conn, h: P.Header) -> None:
     """PUSH_DENSE and PUSH_SPARSE: the shard takes the push through its step; the reply names the step it is at."""
-    if h.op == P.Op.PUSH_DENSE and h.status & P.REDUCE_FLAG:
-        b = _block(st, h, payload=True)
-        b.reduce_push(conn, h, st.budget)
-        conn.reply_ok(key=h.key, step=b.step.n)
-        return
-    if h.op == P.Op.PUSH_DENSE:
-        at = _in_lane(conn, h)
-        wide = None if at is not None else _widened(st, conn, h)
-        s = _block(st, h, payload=at is None) if wide is None else wide[0]
-        if at is not None:
-            conn.stream.tally[1] += s.nbytes  # what ``top`` shows as received: the lane's bytes too
-        src = Payload(at[0]) if at is not None else None if wide is None else wide[1]
-        kept = s.push(conn, h, st.staleness, src)
-    else:
-        s = _table(st, h)
-        kept = s.push(conn, h, st.staleness)
-    if not kept:
+    s = _shard(st, h)
+    if not s.push(conn, h):
         st.dropped_stale += 1  # async: computed on values older than the staleness bound allows
     conn.reply_ok(key=h.key, step=s.step.n)
 
 
 def pull(st: State, conn: Conn, h: P.Header) -> None:
     """PULL_DENSE and PULL_SPARSE: the shard replies once its step is there."""
-    if h.op == P.Op.PULL_DENSE and h.status & P.REDUCE_FLAG:
-        _block(st, h, payload=False).reduce_pull(conn, h)
-        return
-    if h.op == P.Op.PULL_DENSE:
-        at = _in_lane(conn, h)
-        b = _block(st, h, payload=False)
-        if at is not None:
-            conn.stream.tally[0] += b.nbytes
-        b.pull(conn, h, None if at is None else at[1])
-    else:
-        _table(st, h).pull(conn, h)
+    _shard(st, h).pull(conn, h)
 
 
 def rows_sparse(st: State, conn: Conn, h: P.Header) -> None:
-    _table(st, h).rows(conn, h)
+    _find(st.tables, h, "sparse table").rows(conn, h)
 
 
 # -- control ---------------------------------------------------------------------------------------------------
@@ -177,7 +130,7 @@ def status(st: State, conn: Conn, h: P.Header) -> None:
         with sync.lock:
             head = {
                 "pserver_id": st.pserver_id, "mode": sync.mode, "base_step": st.base_step,
-                "staleness": st.staleness, "dropped_stale": st.dropped_stale,
+                "staleness": sync.staleness, "dropped_stale": st.dropped_stale,
                 "hyper_pending": len(sync.hyper.changes), "active": sorted(sync.active),
                 "closed": sorted(sync.closed), "resumed_from": st.resumed_from,
             }

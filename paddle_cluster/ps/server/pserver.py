@@ -57,7 +57,7 @@ class PServer:
         self.sync = Sync(pserver_id, env.trainers, env.barrier_timeout, self.done)
         self.state = st = State(pserver_id, len(env.pservers), env.trainers, int(max_frame),
                                 checkpoint_root or ckpt.default_root(env.job_dir), budget, allow_nonfinite,
-                                self.sync, DenseShared.make(self.sync, not allow_nonfinite), self.done)
+                                self.sync, DenseShared.make(self.sync, not allow_nonfinite, budget), self.done)
         if resume is not None:
             self.sync.mode, st.optimizer, st.base_step = resume.mode, resume.optimizer, resume.step
             st.resumed_from = resume.path

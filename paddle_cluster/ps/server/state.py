@@ -31,9 +31,8 @@ class State:
     sync: Sync
     dense: DenseShared
     done: threading.Event
-    # What trainer 0 declared (the mode is the barriers' business: ``sync.mode``).
+    # What trainer 0 declared (the mode and staleness bound are the barriers' business: ``sync``).
     optimizer: Optional[Dict[str, Any]] = None
-    staleness: Optional[int] = None  # async: drop dense gradients computed on values this old
     dropped_stale: int = 0
     base_step: int = 0
     resumed_from: Optional[str] = None
@@ -49,14 +48,13 @@ class State:
 
     def snapshot(self, step: int) -> ckpt.ShardState:
         """A consistent copy of everything this pserver holds (no optimizer apply runs meanwhile)."""
-        spec_at = self.sync.spec_at
         with self.sync.rw.exclusive():
             blocks = [ckpt.BlockState(b.key, b.name, b.meta["lo"], b.meta["hi"], b.dtype.name,
-                                      {"declared": b.declared, "current": spec_at(b, step)}, b.step.n, b.param.copy(),
+                                      {"declared": b.declared, "current": b.spec_at(step)}, b.step.n, b.param.copy(),
                                       {k: v.copy() for k, v in b.opt.state.items()})
                       for b in self.blocks.values()]
             tables = [ckpt.TableState(t.key, t.name, t.width, t.dtype.name, t.init_scale, t.seed,
-                                      {"declared": t.declared, "current": spec_at(t, step)}, t.step.n, t.keys.copy(),
+                                      {"declared": t.declared, "current": t.spec_at(step)}, t.step.n, t.keys.copy(),
                                       t.table[t.pos], {k: v[t.pos] for k, v in t.state.items()})
                       for t in self.tables.values()]
         return ckpt.ShardState(step, self.pserver_id, self.n_pservers, self.sync.mode, self.optimizer, blocks, tables)

@@ -1,11 +1,10 @@
-"""Who trains and in what order on one pserver (``Sync``): the active and closed trainers, the order a step's
-sum follows, bounded waits, and the hyper-parameter history.
+"""Who trains and in what order on one pserver (``Sync``): the mode and staleness bound trainer 0 declared, the
+active and closed trainers, the order a step's sum follows, bounded waits, and the hyper-parameter history.
+What a step is and who is in it is each shard's (``shard.Step``); it asks here.
 
-Sync mode: a shard completes step ``t`` once every active trainer has contributed to it (its ``shard.Step``;
-the shard decides what a contribution is: ``dense.DenseBlock``, ``table.TableShard``), and wakes the pulls
-for ``t + 1``. Waits are bounded by ``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers
-that never arrived (and when the pserver last heard from each). A closed trainer stops counting, so a barrier
-waiting only for it completes.
+Waits are bounded by ``barrier_timeout`` and fail with a ``BarrierTimeout`` naming the trainers that never
+arrived (and when the pserver last heard from each). A closed trainer stops counting, so a barrier waiting only
+for it completes.
 """
 
 from __future__ import annotations
@@ -15,12 +14,9 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from ..errors import BarrierTimeout, ConfigMismatch, ConnectionLost, MissingTrainer, RemoteError
-
-if TYPE_CHECKING:
-    from .shard import Shard
 
 log = logging.getLogger("paddle_cluster.ps")
 MAX_PENDING_HYPER = 1024  # changes not yet applied by every shard
@@ -48,7 +44,8 @@ def hyper_bytes(names: Optional[Iterable[str]]) -> int:
 
 class HyperHistory:
     """The hyper-parameter changes in order, bounded: a change every shard has applied is folded into
-    ``base`` (what a shard defined later starts from), and at most ``MAX_PENDING_HYPER`` may wait."""
+    ``base`` (what a shard defined later starts from), and at most ``MAX_PENDING_HYPER`` may wait. A shard
+    is known here by its cursor: the last change it applied (``Shard.hyper_seen``)."""
 
     def __init__(self) -> None:
         self.changes: List[HyperChange] = []  # replaced, never changed in place: readers hold no lock
@@ -58,10 +55,11 @@ class HyperHistory:
         self._release: Callable[[int], None] = lambda n: None  # the budget a waiting change is charged to
 
     def add(self, from_step: int, values: Dict[str, float], names: Optional[frozenset],
-            shards: Iterable[Shard], budget: Any = None) -> None:
-        """(Holding ``Sync.lock``.) Record a change, charged to ``budget`` until every shard has applied it;
-        ConfigMismatch when too many are waiting, LimitExceeded when the budget has no room for it."""
-        self._compact(shards)
+            seen: Iterable[int], budget: Any = None) -> None:
+        """(Holding ``Sync.lock``.) Record a change, charged to ``budget`` until every shard (``seen``: their
+        cursors) has applied it; ConfigMismatch when too many are waiting, LimitExceeded when the budget has no
+        room for it."""
+        self._compact(seen)
         if len(self.changes) >= MAX_PENDING_HYPER:
             raise ConfigMismatch(f"{len(self.changes)} hyper-parameter changes are waiting for a step that has not "
                                  "been reached; set them once per step at most")
@@ -75,8 +73,8 @@ class HyperHistory:
         self.changes = [*self.changes, HyperChange(self.next_seq, from_step, values, names, held)]
         self.next_seq += 1
 
-    def _compact(self, shards: Iterable[Shard]) -> None:
-        done = min((s.hyper_seen for s in shards), default=self.next_seq - 1)
+    def _compact(self, seen: Iterable[int]) -> None:
+        done = min(seen, default=self.next_seq - 1)
         for c in self.changes:
             if c.seq <= done:
                 for who in [None] if c.names is None else sorted(c.names):
@@ -85,21 +83,20 @@ class HyperHistory:
         self.changes = [c for c in self.changes if c.seq > done]
         self.base_seq = max(self.base_seq, done)
 
-    def start(self, shard: Shard, shards: Iterable[Shard]) -> None:
-        """(Holding ``Sync.lock``.) A shard defined now, besides ``shards``, starts from the changes they all
-        applied; later ones reach it as they reach every shard."""
-        self._compact(shards)
+    def start(self, name: str, seen: Iterable[int]) -> Tuple[Dict[str, float], int]:
+        """(Holding ``Sync.lock``.) Where shard ``name``, defined now besides the shards at ``seen``, starts:
+        the values of the changes they all applied, and its cursor (``Shard.start_hyper``)."""
+        self._compact(seen)
         latest: Dict[str, Tuple[int, float]] = {}
-        for who in (None, shard.name):
+        for who in (None, name):
             for k, (seq, v) in self.base.get(who, {}).items():
                 if k not in latest or seq > latest[k][0]:
                     latest[k] = (seq, v)
-        for k, (_, v) in latest.items():
-            setattr(shard.spec, k, v)
-        shard.hyper_seen = self.base_seq
+        return {k: v for k, (_, v) in latest.items()}, self.base_seq
 
-    def pending(self, shard: Shard) -> List[HyperChange]:
-        return [c for c in self.changes if c.seq > shard.hyper_seen]
+    def pending(self, seen: int) -> List[HyperChange]:
+        """The changes a shard at cursor ``seen`` has not applied."""
+        return [c for c in self.changes if c.seq > seen]
 
 
 class RWLock:
@@ -148,7 +145,8 @@ class RWLock:
 
 class Sync:
     """Who is active, who closed and when each trainer was last heard from; the order a step's sum follows;
-    the hyper-parameter history; bounded waits (a shard's step waits through ``wait``)."""
+    the mode and staleness bound trainer 0 declared; the hyper-parameter history; bounded waits (a shard's step
+    waits through ``wait``)."""
 
     def __init__(self, pserver_id: int, trainers: int, barrier_timeout: float, done: threading.Event) -> None:
         self.pserver_id = pserver_id
@@ -157,6 +155,7 @@ class Sync:
         self.done = done
         self.lock = threading.Condition()
         self.mode: Optional[str] = None
+        self.staleness: Optional[int] = None  # async: drop dense gradients computed on values this old
         self._set_active(range(trainers))
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
@@ -238,28 +237,3 @@ class Sync:
                     f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for {waiting} "
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
             cv.wait(min(left, POLL))
-
-    # -- hyper-parameters ----------------------------------------------------------------------------------
-
-    def apply_hyper(self, shard: Shard, step: Optional[int]) -> None:
-        """Catch ``shard.spec`` up with the hyper-parameter changes effective at ``step`` (None: all)."""
-        changes = self.hyper.changes
-        if not changes or changes[-1].seq <= shard.hyper_seen:  # the common case, once per segment applied
-            return
-        for c in self.hyper.pending(shard):
-            if step is not None and c.from_step > step:
-                break
-            if c.names is None or shard.name in c.names:
-                for k, v in c.values.items():
-                    setattr(shard.spec, k, v)
-            shard.hyper_seen = c.seq
-
-    def spec_at(self, shard: Shard, step: int) -> Dict[str, Any]:
-        """The spec the update of ``step`` will use: includes hyper-parameter changes not yet applied."""
-        spec = shard.spec.to_dict()
-        for c in self.hyper.pending(shard):
-            if self.mode == "sync" and c.from_step > step:
-                break
-            if c.names is None or shard.name in c.names:
-                spec.update(c.values)
-        return spec

@@ -216,8 +216,7 @@ class TableShard(Shard):
         (sorted unique ids, row grads, their rows if known), a chunk at a time: each contributor's ids are sorted,
         so the chunks merge them by id, at most ``APPLY_BYTES`` of gradients in each -- the fold's scratch is
         bounded whatever the pushes hold. Each row's sum is ``0 + g0 + g1 + ...`` in trainer order, then divided."""
-        pending = self.step.pending
-        parts = [pending[c] for c in sorted(pending)]
+        parts = self.step.contributions()
         if len(parts) == 1:
             yield parts[0]
             return
@@ -276,11 +275,11 @@ class TableShard(Shard):
         finally:
             self.budget.release(held)
 
-    def push(self, conn: Conn, h: P.Header, staleness: Optional[int] = None) -> bool:
+    def push(self, conn: Conn, h: P.Header) -> bool:
         """Receive trainer ``conn.trainer``'s gradients of ``h.aux`` rows for step ``h.step``: async mode applies
         them now; sync mode holds them (charged to the budget) until every active trainer's are in, then applies
         their mean. A repeat of a push already counted is read and dropped. True: a table drops no push as stale
-        (``staleness`` is the dense blocks' rule)."""
+        (the staleness bound is the dense blocks' rule)."""
         n, t, at = h.aux, conn.trainer, self.step
         if h.dtype != P.dtype_code(self.dtype):
             raise ProtocolError(f"{self.label()} is {self.dtype}, frame says dtype code {h.dtype}")
@@ -319,8 +318,7 @@ class TableShard(Shard):
                         self.apply_rows(ids, grads, pos, f"trainer {t}" if self.finite else None)
                 finally:
                     self.budget.release(held)
-            elif at.n == h.step:
-                at.pending[t] = (ids, grads, pos)
+            elif at.take(t, h.step, (ids, grads, pos)):
                 self._complete()
             else:
                 self.budget.release(held)
@@ -366,8 +364,8 @@ class TableShard(Shard):
         at = self.step
         if not at.full():
             return
-        by = finite.trainers(at.pending) if self.finite else None
-        held = sum(i.nbytes + r.nbytes for i, r, _ in at.pending.values())  # what the pushes held (``push``)
+        by = finite.trainers(at.contributors()) if self.finite else None
+        held = sum(i.nbytes + r.nbytes for i, r, _ in at.contributions())  # what the pushes held (``push``)
         try:
             with at.advancing(at.n):
                 for ids, g, pos in self.pending_means():
