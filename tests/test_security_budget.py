@@ -211,7 +211,7 @@ def test_definitions_waiting_for_trainer_0_are_bounded_and_charged(tmp_path):
     padded to 16 KiB with empty lists (what it holds while it waits): at most 64 wait (charged), the others are
     refused naming the count; a 1 MB body is refused from its header; the waiting ones end in a barrier timeout
     naming trainer 0."""
-    env = H.make_env(1, 2, tmp_path, barrier_timeout=3.0)
+    env = H.make_env(1, 2, tmp_path, barrier_timeout=5.0)
     with H.procs(tmp_path) as pr:
         server = pr.pserver(env, 0, MEMORY)
         chief, raws = Raw(env, 0), []
@@ -226,9 +226,12 @@ def test_definitions_waiting_for_trainer_0_are_bounded_and_charged(tmp_path):
             body = {**_dense("w", 4), "junk": [[]] * 5300}
             assert len(P.encode_json(body)) <= 16 << 10
             base = _hwm(server.pid)
-            for _ in range(80):
-                r = Raw(env, 1)
-                raws.append(r)
+            # Every connection is open (handshake done) before the first definition is sent, so the 80 arrive
+            # within the barrier timeout even on a loaded machine: a first one that timed out before the last
+            # arrived would free its place for a 65th.
+            more = [Raw(env, 1) for _ in range(80)]
+            raws.extend(more)
+            for r in more:
                 r.send_json(P.Op.DEF_DENSE, body, key=7)
             got = [r.reply()[1] for r in raws[1:]]
             waited = [e for e in got if isinstance(e, BarrierTimeout)]
