@@ -769,8 +769,7 @@ def test_a_queued_job_says_its_place_in_line_and_when_it_moves_up(fresh_kube: St
 
 def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, job_dir: Path) -> None:
     """Kueue's Workload conditions: a LocalQueue that does not exist and a job no flavor can ever fit (6 CPUs, the
-    ClusterQueue has 4) fail at once in one line with Kueue's message; a job Kueue preempts ends saying so, not
-    as pods that exited 143."""
+    ClusterQueue has 4) fail at once in one line with Kueue's message."""
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--queue", "nosuch", "--", "--passes",
                                              "1"), timeout=30)  # at once: a deadline on the run
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
@@ -784,24 +783,92 @@ def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, jo
     assert "couldn't assign flavors to pod set pserver: insufficient quota for cpu in flavor default-flavor, " \
            "request > maximum capacity (6 > 4)" in res.stderr, res.stderr
     assert fresh_kube.objects() == {}
+
+
+# Trainer 0 steps to N (argv[1]) with a gradient that depends on w under momentum (so a resume that lost the
+# optimizer's state would show), checkpointing every step; at step 3 it waits while the file argv[2] (if given)
+# exists. It continues from ps.step, as docs/checkpoints.md asks of a script that may be resumed.
+PREEMPTIBLE = r'''
+import os, sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+steps, hold = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""
+ps = connect(mode="sync", optimizer=OptimizerSpec("momentum", lr=0.1, momentum=0.9))
+target = np.linspace(-1, 1, 1000).astype(np.float32)
+w = ps.register_dense({"w": np.zeros(1000, np.float32)})["w"]
+print(f"start step={ps.step}", flush=True)
+while ps.step < steps:
+    ps.push({"w": w - target})
+    w = ps.pull()["w"]
+    ps.save_checkpoint()
+    while ps.step == 3 and hold and os.path.exists(hold):
+        print("holding at step 3", flush=True)
+        time.sleep(0.1)
+print(f"end step={ps.step} w={float(np.abs(w).sum()):.9g}", flush=True)
+ps.close()
+'''
+
+PRIORITIES = """apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: low}
+value: 10
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: high}
+value: 1000
+"""
+
+
+def test_a_preempted_job_waits_to_be_admitted_again_and_resumes(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Kueue preempts a low-priority job for a higher-priority one in the same ClusterQueue (3 CPUs each, 4 in
+    the queue): the low job says so once with Kueue's reason, waits (its pods' exits 143 are not its end), is
+    admitted again once the high one finished, its pservers resume from the newest checkpoint complete for both,
+    and it ends with the result of the high job, which ran the same script without a preemption."""
+    fresh_kube.setup(PRIORITIES)
+    ws = job_dir / "preemptible"
+    ws.mkdir()
+    (ws / "train.py").write_text(PREEMPTIBLE)
+    hold = job_dir / "hold"
+    hold.touch()
+
+    def args(name: str, priority: str) -> List[str]:
+        return ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers", "1", "--job_name", name,
+                "--job_dispatch_package", "preemptible", "--queue", QUEUE, "--priority-class", priority]
+
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
-    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
-        job_dir, "--job_name", "fit", "--queue", QUEUE, "--", "--passes", "100000")], cwd=job_dir, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *args("low", "low"), "--checkpoint-pvc",
+                                 "ckpt", "--pending-timeout", "120", "--", "8", str(hold)], cwd=job_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        fresh_kube.wait(lambda: any("Pass 0" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
-            "fit-trainer-0-0-*.log")), 120, "trainer 0 training")
-        fresh_kube.preempt("fit")
+        fresh_kube.wait(lambda: any("holding at step 3" in p.read_text() for p in (
+            fresh_kube.root / "logs" / "default").glob("low-trainer-0-0-*.log")), 90, "the low job at step 3")
+        high = cli(fresh_kube, job_dir, *args("high", "high"), "--", "8", timeout=120)
+        hold.unlink()
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert launcher.returncode == 1, out + err
-    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
-    assert "Kueue evicted the job (workload.kueue.x-k8s.io/jobset-fit-" in line and "Preempted: Preempted to " \
-        "accommodate a workload" in line and "exited with code 143" not in err, err
+    assert high.returncode == 0, high.stdout + high.stderr
+    assert launcher.returncode == 0, out + err
+    (evicted,) = [ln for ln in out.splitlines() if "Kueue evicted" in ln]
+    assert "Kueue evicted the job (workload.kueue.x-k8s.io/jobset-low-" in evicted and "): Preempted: Preempted " \
+        "to accommodate a workload (UID: " in evicted and evicted.endswith("due to prioritization in the "
+                                                                            "ClusterQueue; its pods are stopped, and "
+                                                                            "it waits to be admitted again to queue q")
+    assert out.count("Kueue admitted the job again (workload.kueue.x-k8s.io/jobset-low-") == 1, out
+    assert out.index("Kueue evicted") < out.index("Kueue admitted the job again"), out
+    assert "exited with code 143" not in out + err and "is suspended" not in out.split("Kueue evicted")[1], out
+    for i in (0, 1):  # every pserver from the newest step complete for both: the trainer held at step 3
+        assert f"[pserver.{i}@low-pserver-0-{i}] paddle-cluster pod: pserver {i} started before in this run (the " \
+            "job was evicted): resuming from step 3, the newest checkpoint in /checkpoints/low complete for all 2 " \
+            "pserver(s)" in out, out
+    starts = re.findall(r"\[trainer\.0@low-trainer-0-0\] start step=(\d+)", out)
+    assert starts == ["0", "3"], out
+    (reference,) = re.findall(r"\[trainer\.0@high-trainer-0-0\] (end step=8 w=\S+)", high.stdout)
+    assert re.findall(r"\[trainer\.0@low-trainer-0-0\] (end step=\d+ w=\S+)", out) == [reference], out
     assert fresh_kube.objects() == {}
 
 

@@ -30,7 +30,19 @@ from ...config import ClusterConfig, ConfKey, override
 from ...errors import ClusterError, ConfigError
 from ...plan import JobPlan, JobSpec, Topology
 from ...top import CallSource
-from ..base import EVENTS_MAX, Backend, BackendOption, Description, Event, JobRef, LiveJob, Prepared, Request
+from ..base import (
+    EVENTS_MAX,
+    Backend,
+    BackendOption,
+    Description,
+    Event,
+    JobRef,
+    LiveJob,
+    NodeLost,
+    Prepared,
+    Request,
+    Requeued,
+)
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, pods, rights
@@ -329,6 +341,7 @@ class K8sLiveJob(LiveJob):
                                   for role, name in prepared.job_names.items()},
                                  lambda p: nodes.get((p.role, p.index)), job.pods.queue, pending_timeout)
         self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
+        self.stale_followers: List[Tuple[subprocess.Popen, threading.Thread]] = []  # of pods Kueue's eviction stopped
         self._lock = threading.Lock()
         self._state = threading.Lock()
         self._polling: Optional[threading.Event] = None
@@ -371,12 +384,28 @@ class K8sLiveJob(LiveJob):
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         states = states_of(docs)
         events = self.watch.update(states)
-        if any(isinstance(e, m.Exited) and e.code for e in events) and any(p.deleting for p in states):
+        if any(isinstance(e, NodeLost) or (isinstance(e, m.Exited) and e.code and any(p.deleting for p in states))
+               for e in events):
             # Pods deleted by their Job's controller (past --deadline, its Job failed, Kueue evicted it): the Job's
             # or Kueue's reason, not the exit code of a pod it stopped, is why the job ended -- whichever watch
-            # speaks first.
-            events = self._why_stopped_now() + events
+            # speaks first. Kueue's eviction does not end it: those pods are forgotten, the next ones followed.
+            why = self._why_stopped_now()
+            if self._requeued(why):
+                events = self.watch.update(states)
+            events = why + events
         return events + self.jobwatch.pods(docs)
+
+    def _requeued(self, events: List[Event]) -> bool:
+        """(Holding ``_state``.) Whether ``events`` say the cluster took the job back (``Requeued``): then the pods
+        seen so far, and their log followers, are forgotten."""
+        if not any(isinstance(e, Requeued) for e in events):
+            return False
+        self.watch.forget()
+        self.readied.clear()
+        with self._lock:
+            self.stale_followers += self.followers.values()
+            self.followers.clear()
+        return True
 
     def _why_stopped_now(self) -> List[Event]:
         out: List[Event] = []
@@ -447,6 +476,7 @@ class K8sLiveJob(LiveJob):
                                                                    timeout=30) or "{}"))
                     with self._state:
                         events = self.jobwatch.workloads(docs, owners)
+                        self._requeued(events)
                     self._handle(events)
                 except (ClusterError, ValueError) as e:
                     readable = False
@@ -509,6 +539,8 @@ class K8sLiveJob(LiveJob):
                                            "it was followed"))
                 for ev in log_events(node, proc, raw.rstrip("\n")):
                     if isinstance(ev, (m.Ready, m.NotReady)):
+                        if self.followers.get(node, (None,))[0] is not p:
+                            continue  # a pod Kueue's eviction stopped: the node's next pod says its own
                         self.readied.add(node)
                     self._put(ev)
         err = p.stderr.read().strip()
@@ -584,10 +616,11 @@ class K8sLiveJob(LiveJob):
                 w.terminate()
                 w.wait(timeout=5)
         with self._lock:
-            for p, _ in self.followers.values():
+            followers = [*self.followers.values(), *self.stale_followers]
+            for p, _ in followers:
                 if p.poll() is None:
                     p.terminate()
-            for p, t in self.followers.values():
+            for p, t in followers:
                 try:
                     p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
