@@ -407,6 +407,67 @@ spec:
 """
 
 
+# Each trainer prints LINES numbered lines as fast as it can and ends (it needs no pserver).
+LINES = 2000
+SPEAKER = f"""import os
+me = os.environ["PADDLE_TRAINER_ID"]
+for i in range({LINES}):
+    print(f"trainer {{me}} says {{i:05d}}", flush=i % 100 == 0)
+"""
+
+
+def test_every_line_of_many_pods_arrives_with_one_log_follower_process(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Ten trainers print 2000 lines each and end, half of them only once the quota has room, so they start while
+    the run follows the others and some end before run has seen them run: every line of every pod is shown, in
+    its order, and saved; the logs came through one kubectl proxy, not a kubectl process per pod."""
+    (job_dir / "ws" / "speaker.py").write_text(SPEAKER)
+    fresh_kube.setup(ROOM_FOR_ONE % 6)  # the pserver and 5 trainers at a time
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "many", "--trainers", "10", "--entry", "speaker.py", "--pserver", "builtin")],
+        cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kubectls, output = set(), []
+    reader = threading.Thread(target=lambda: output.append(launcher.communicate(timeout=300)), daemon=True)
+    reader.start()
+    try:
+        while launcher.poll() is None:  # the kubectl processes the run has
+            kubectls |= {(c, " ".join(_cmdline(c))) for c in _children(launcher.pid) if
+                         "kubectl" in " ".join(_cmdline(c)[:1])}
+            time.sleep(0.2)
+        reader.join(timeout=60)
+        ((out, err),) = output
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    for t in range(10):
+        shown = re.findall(rf"^\[trainer\.{t}@many-trainer-{t}\] trainer {t} says (\d+)$", out, re.M)
+        assert [int(i) for i in shown] == list(range(LINES)), (t, len(shown))
+        saved = (job_dir / f"root/many/log/trainer.{t}.log").read_text().splitlines()
+        assert [ln for ln in saved if ln.startswith("trainer ")] == [f"trainer {t} says {i:05d}" for i in
+                                                                    range(LINES)], t
+    assert "waits for room in the namespace's quota" in out, out[-3000:]
+    assert not [c for c in kubectls if " logs " in c[1] and "--follow" in c[1]], kubectls
+    assert [c for c in kubectls if " proxy --port=0 " in c[1]], kubectls
+
+
+def _children(pid: int) -> List[int]:
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _cmdline(pid: int) -> List[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
+
+
 def test_trainers_waiting_for_quota_past_the_start_timeout_end_nothing(fresh_kube: StandIn, job_dir: Path) -> None:
     """The quota has room for the pserver pod alone: the trainers wait for room well past START_TIMEOUT (and past
     a pserver's NXDOMAIN grace) -- the launcher's start timeout paused, the pserver never counting trainers it has
