@@ -455,6 +455,17 @@ def test_an_image_pull_holds_the_start_timeout_and_is_said_again_while_it_lasts(
     assert not w.holding()
 
 
+def test_a_pull_that_failed_is_no_progress_whatever_order_its_events_come_in() -> None:
+    w = _jobwatch()
+    p = pod("trainer", 1, "Pending", {"waiting": {"reason": "ErrImagePull", "message": "not found"}})
+    p["metadata"]["uid"] = "uid-pod"
+    w.pods([p])
+    # A listing gives the Events by name: the kubelet's retry's Pulling after the Failed that ended the pull.
+    w.events([event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Failed", "Error: ErrImagePull", "Warning"),
+              event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Pulling", 'Pulling image "img:1"')])
+    assert not w.holding()  # the start timeout runs: the error names the pull
+
+
 def test_an_unschedulable_pod_holds_the_start_timeout_and_a_pending_timeout_names_why(monkeypatch) -> None:
     nodes = {(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2}
     w = JobWatch({"fit-pserver": [0], "fit-trainer": [1, 2]}, lambda p: nodes.get((p.role, p.index)),

@@ -42,6 +42,7 @@ class JobWatch:
         self.suspended: Dict[str, str] = {}  # Job uid -> what it waits for
         self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
         self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
+        self.pull_failed: set = set()  # pod uids whose pull failed: the kubelet's retries are not progress
         self.failed: set = set()
         self.pulls_said: set = set()  # the images whose pull was said (once for the job)
         self.warned: set = set()  # (reason, message) of the warnings said, whichever object they were about
@@ -69,6 +70,11 @@ class JobWatch:
                 continue
             uid = d["metadata"].get("uid", "")
             self.objects[uid] = (f"pod/{p.name}", node)
+            if p.reason.startswith(("ErrImagePull", "ImagePullBackOff")):
+                # A pull that fails is no progress, whatever order the Events were read in (a listing gives them
+                # by name: its Pulling may come after the Failed that ended it).
+                self.pull_failed.add(uid)
+                self.pulling.pop(uid, None)
             if p.phase == "Pending" and not p.state and p.reason.startswith("Unschedulable") and not p.deleting:
                 self.unschedulable[uid] = self._waits(f"pod/{p.name}: {p.reason}")
             else:
@@ -193,6 +199,8 @@ class JobWatch:
         if key in self.said:
             return []
         self.said.add(key)
+        if reason == "Pulling" and uid in self.pull_failed:
+            return []
         if reason == "Pulling":
             image = (_IMAGE.search(message) or [None, "?"])[1]
             now = time.monotonic()
