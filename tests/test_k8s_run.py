@@ -983,13 +983,14 @@ def test_a_waiting_pod_ends_at_once_when_deleted(fresh_kube: StandIn, job_dir: P
 def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(fresh_kube: StandIn, tmp_path: Path) -> None:
     """scripts/k8s-scenarios, which docs/backends.md gives users to check the backend on their own cluster (a
     kubeconfig and an image), passes here with every cluster feature it can ask for: its scenarios are the user's
-    commands, its checks kubectl's. (The stand-in does not enforce Pod Security admission: the restricted
-    scenario's pods pass it by construction, test_k8s_render checks that.)"""
+    commands, its checks kubectl's; four at once (the quota scenario alone after them), as a cluster with room for
+    them runs them. (The stand-in does not enforce Pod Security admission: the restricted scenario's pods pass it by
+    construction, test_k8s_render checks that.)"""
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path))
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s-scenarios"), "--image", IMAGE, "--jobset",
-                          "--queue", QUEUE, "--quota", "--restricted-namespace", "kube-public"], env=env,
-                         capture_output=True, text=True, timeout=900)
+                          "--queue", QUEUE, "--quota", "--restricted-namespace", "kube-public", "--parallel", "4"],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "12 passed, 0 failed" in res.stdout, res.stdout + res.stderr
     assert fresh_kube.objects() == {}
 
