@@ -10,8 +10,10 @@ server's follow goes on across the kubelet's rotations of the log file, as ``kub
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+import signal
 import subprocess
 import urllib.error
 import urllib.parse
@@ -29,7 +31,8 @@ class LogProxy:
     def __init__(self, binary: str) -> None:
         self.proc = subprocess.Popen([binary, "proxy", "--port=0", "--address=127.0.0.1",
                                       "--accept-hosts=^127\\.0\\.0\\.1$"], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=_dies_with_launcher)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         line = self.proc.stdout.readline()
         found = _SERVING.search(line)
@@ -68,6 +71,15 @@ class LogProxy:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _dies_with_launcher() -> None:
+    """Pre-exec: SIGTERM to the proxy once the launcher thread that started it ends, even by SIGKILL (a proxy
+    serves for ever, where a log follower ended with its pod)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _message(e: urllib.error.HTTPError) -> str:
