@@ -21,7 +21,7 @@ from rt_helpers import free_port_range
 
 from paddle_cluster.contract import PSERVER, TRAINER, JobEnv
 from paddle_cluster.launch import preflight
-from paddle_cluster.launch.backends.base import JobRefused, NodeLost
+from paddle_cluster.launch.backends.base import JobRefused, NodeLost, Requeued
 from paddle_cluster.launch.backends.k8s import jobwatch
 from paddle_cluster.launch.backends.k8s import manifests as k8s
 from paddle_cluster.launch.backends.k8s.backend import K8sOptions, PodWatch, log_events
@@ -455,6 +455,17 @@ def test_an_image_pull_holds_the_start_timeout_and_is_said_again_while_it_lasts(
     assert not w.holding()
 
 
+def test_a_pull_that_failed_is_no_progress_whatever_order_its_events_come_in() -> None:
+    w = _jobwatch()
+    p = pod("trainer", 1, "Pending", {"waiting": {"reason": "ErrImagePull", "message": "not found"}})
+    p["metadata"]["uid"] = "uid-pod"
+    w.pods([p])
+    # A listing gives the Events by name: the kubelet's retry's Pulling after the Failed that ended the pull.
+    w.events([event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Failed", "Error: ErrImagePull", "Warning"),
+              event_doc("Pod", "fit-trainer-1-x7k2p", "uid-pod", "Pulling", 'Pulling image "img:1"')])
+    assert not w.holding()  # the start timeout runs: the error names the pull
+
+
 def test_an_unschedulable_pod_holds_the_start_timeout_and_a_pending_timeout_names_why(monkeypatch) -> None:
     nodes = {(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2}
     w = JobWatch({"fit-pserver": [0], "fit-trainer": [1, 2]}, lambda p: nodes.get((p.role, p.index)),
@@ -474,6 +485,59 @@ def test_an_unschedulable_pod_holds_the_start_timeout_and_a_pending_timeout_name
     placed["metadata"]["uid"] = "uid-pod"
     w.pods([placed])
     assert not w.holding()
+
+
+def workload_doc(*conditions: Dict[str, Any]) -> Dict[str, Any]:
+    """The job's Workload as Kueue keeps it (kueue.x-k8s.io/v1beta1: no official model here)."""
+    return {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+            "metadata": {"name": "jobset-fit-1a2b3", "namespace": "ml", "uid": "uid-wl",
+                         "ownerReferences": [{"kind": "JobSet", "name": "fit", "uid": "uid-js"}]},
+            "spec": {"queueName": "q"}, "status": {"conditions": list(conditions)}}
+
+
+def test_an_eviction_takes_the_job_back_once_and_a_pending_timeout_bounds_the_wait_for_admission(
+        monkeypatch) -> None:
+    nodes = {(PSERVER, 0): 0, (TRAINER, 0): 1, (TRAINER, 1): 2}
+    w = JobWatch({"fit-pserver": [0], "fit-trainer": [1, 2]}, lambda p: nodes.get((p.role, p.index)), "q",
+                 pending_timeout=300)
+    why = "Preempted to accommodate a workload (UID: u1, JobUID: u2) due to prioritization in the ClusterQueue"
+    admitted = [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "reserved"},
+                {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "admitted"}]
+    assert w.workloads([workload_doc(*admitted)], ["fit"]) == [] and not w.holding()
+    assert w.jobs([job_doc("trainer")]) == []  # it ran
+    evicted = [{"type": "Evicted", "status": "True", "reason": "Preempted", "message": why},
+               {"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": why},
+               {"type": "Admitted", "status": "False", "reason": "NoReservation", "message": "none"}]
+    assert w.workloads([workload_doc(*evicted)], ["fit"]) == [
+        m.Note(0, f"Kueue evicted the job (workload.kueue.x-k8s.io/jobset-fit-1a2b3): Preempted: {why}; its pods are "
+                  "stopped, and it waits to be admitted again to queue q"), Requeued(f"Preempted: {why}")]
+    assert w.workloads([workload_doc(*evicted)], ["fit"]) == [] and w.holding()  # once
+    suspended = {"type": "Suspended", "reason": "JobSuspended", "message": "Job suspended"}
+    assert w.jobs([job_doc("trainer", suspended, queue="q")]) == []  # the eviction's line says it
+    clock = time.monotonic() + 301
+    assert w.due() == []
+    monkeypatch.setattr(jobwatch.time, "monotonic", lambda: clock)
+    (refused,) = w.due()
+    assert refused == JobRefused("the cluster held the job for 300 s (--pending-timeout): Kueue evicted the job "
+                                 f"(workload.kueue.x-k8s.io/jobset-fit-1a2b3) and has not admitted it again: {why}")
+    again = [*admitted, {"type": "Evicted", "status": "False", "reason": "QuotaReserved",
+                         "message": f"Previously: {why}"}]
+    assert w.workloads([workload_doc(*again)], ["fit"]) == [
+        m.Note(0, "Kueue admitted the job again (workload.kueue.x-k8s.io/jobset-fit-1a2b3): its pods are created")]
+    assert w.jobs([job_doc("trainer")]) == [] and not w.holding()
+
+
+def test_pods_an_eviction_stopped_are_forgotten_and_the_next_ones_followed() -> None:
+    w = _watch()
+    running = [pod("pserver", 0, "Running", {"running": {}}), pod("trainer", 0, "Running", {"running": {}})]
+    assert len(w.update(pod_states(listing(*running)))) == 2
+    w.forget()
+    stopped = [pod("pserver", 0, "Failed", {"terminated": {"exitCode": 143, "reason": "Error"}})]
+    assert w.update(pod_states(listing(*stopped))) == []  # neither its exit nor the trainer's pod gone
+    again = pod("pserver", 0, "Running", {"running": {}})
+    again["metadata"]["name"] = "fit-pserver-0-b9d4q"
+    assert w.update(pod_states(listing(again))) == [m.Started(0, "pserver.0", 0)]
+    assert w.started == {0: "fit-pserver-0-b9d4q"}
 
 
 def test_pods_waiting_for_the_same_reason_say_it_once_and_the_error_names_them_all() -> None:

@@ -407,6 +407,67 @@ spec:
 """
 
 
+# Each trainer prints LINES numbered lines as fast as it can and ends (it needs no pserver).
+LINES = 2000
+SPEAKER = f"""import os
+me = os.environ["PADDLE_TRAINER_ID"]
+for i in range({LINES}):
+    print(f"trainer {{me}} says {{i:05d}}", flush=i % 100 == 0)
+"""
+
+
+def test_every_line_of_many_pods_arrives_with_one_log_follower_process(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Ten trainers print 2000 lines each and end, half of them only once the quota has room, so they start while
+    the run follows the others and some end before run has seen them run: every line of every pod is shown, in
+    its order, and saved; the logs came through one kubectl proxy, not a kubectl process per pod."""
+    (job_dir / "ws" / "speaker.py").write_text(SPEAKER)
+    fresh_kube.setup(ROOM_FOR_ONE % 6)  # the pserver and 5 trainers at a time
+    env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
+    env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
+        job_dir, "--job_name", "many", "--trainers", "10", "--entry", "speaker.py", "--pserver", "builtin")],
+        cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kubectls, output = set(), []
+    reader = threading.Thread(target=lambda: output.append(launcher.communicate(timeout=300)), daemon=True)
+    reader.start()
+    try:
+        while launcher.poll() is None:  # the kubectl processes the run has
+            kubectls |= {(c, " ".join(_cmdline(c))) for c in _children(launcher.pid) if
+                         "kubectl" in " ".join(_cmdline(c)[:1])}
+            time.sleep(0.2)
+        reader.join(timeout=60)
+        ((out, err),) = output
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    for t in range(10):
+        shown = re.findall(rf"^\[trainer\.{t}@many-trainer-{t}\] trainer {t} says (\d+)$", out, re.M)
+        assert [int(i) for i in shown] == list(range(LINES)), (t, len(shown))
+        saved = (job_dir / f"root/many/log/trainer.{t}.log").read_text().splitlines()
+        assert [ln for ln in saved if ln.startswith("trainer ")] == [f"trainer {t} says {i:05d}" for i in
+                                                                    range(LINES)], t
+    assert "waits for room in the namespace's quota" in out, out[-3000:]
+    assert not [c for c in kubectls if " logs " in c[1] and "--follow" in c[1]], kubectls
+    assert [c for c in kubectls if " proxy --port=0 " in c[1]], kubectls
+
+
+def _children(pid: int) -> List[int]:
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _cmdline(pid: int) -> List[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
+
+
 def test_trainers_waiting_for_quota_past_the_start_timeout_end_nothing(fresh_kube: StandIn, job_dir: Path) -> None:
     """The quota has room for the pserver pod alone: the trainers wait for room well past START_TIMEOUT (and past
     a pserver's NXDOMAIN grace) -- the launcher's start timeout paused, the pserver never counting trainers it has
@@ -769,8 +830,7 @@ def test_a_queued_job_says_its_place_in_line_and_when_it_moves_up(fresh_kube: St
 
 def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, job_dir: Path) -> None:
     """Kueue's Workload conditions: a LocalQueue that does not exist and a job no flavor can ever fit (6 CPUs, the
-    ClusterQueue has 4) fail at once in one line with Kueue's message; a job Kueue preempts ends saying so, not
-    as pods that exited 143."""
+    ClusterQueue has 4) fail at once in one line with Kueue's message."""
     res = cli(fresh_kube, job_dir, *run_args(job_dir, "--job_name", "fit", "--queue", "nosuch", "--", "--passes",
                                              "1"), timeout=30)  # at once: a deadline on the run
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
@@ -784,24 +844,92 @@ def test_kueues_verdicts_are_read_from_the_jobs_workload(fresh_kube: StandIn, jo
     assert "couldn't assign flavors to pod set pserver: insufficient quota for cpu in flavor default-flavor, " \
            "request > maximum capacity (6 > 4)" in res.stderr, res.stderr
     assert fresh_kube.objects() == {}
+
+
+# Trainer 0 steps to N (argv[1]) with a gradient that depends on w under momentum (so a resume that lost the
+# optimizer's state would show), checkpointing every step; at step 3 it waits while the file argv[2] (if given)
+# exists. It continues from ps.step, as docs/checkpoints.md asks of a script that may be resumed.
+PREEMPTIBLE = r'''
+import os, sys, time
+import numpy as np
+from paddle_cluster.ps import OptimizerSpec, connect
+steps, hold = int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""
+ps = connect(mode="sync", optimizer=OptimizerSpec("momentum", lr=0.1, momentum=0.9))
+target = np.linspace(-1, 1, 1000).astype(np.float32)
+w = ps.register_dense({"w": np.zeros(1000, np.float32)})["w"]
+print(f"start step={ps.step}", flush=True)
+while ps.step < steps:
+    ps.push({"w": w - target})
+    w = ps.pull()["w"]
+    ps.save_checkpoint()
+    while ps.step == 3 and hold and os.path.exists(hold):
+        print("holding at step 3", flush=True)
+        time.sleep(0.1)
+print(f"end step={ps.step} w={float(np.abs(w).sum()):.9g}", flush=True)
+ps.close()
+'''
+
+PRIORITIES = """apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: low}
+value: 10
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: high}
+value: 1000
+"""
+
+
+def test_a_preempted_job_waits_to_be_admitted_again_and_resumes(fresh_kube: StandIn, job_dir: Path) -> None:
+    """Kueue preempts a low-priority job for a higher-priority one in the same ClusterQueue (3 CPUs each, 4 in
+    the queue): the low job says so once with Kueue's reason, waits (its pods' exits 143 are not its end), is
+    admitted again once the high one finished, its pservers resume from the newest checkpoint complete for both,
+    and it ends with the result of the high job, which ran the same script without a preemption."""
+    fresh_kube.setup(PRIORITIES)
+    ws = job_dir / "preemptible"
+    ws.mkdir()
+    (ws / "train.py").write_text(PREEMPTIBLE)
+    hold = job_dir / "hold"
+    hold.touch()
+
+    def args(name: str, priority: str) -> List[str]:
+        return ["run", "--backend", "k8s", "--image", IMAGE, "--pservers", "2", "--trainers", "1", "--job_name", name,
+                "--job_dispatch_package", "preemptible", "--queue", QUEUE, "--priority-class", priority]
+
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
-    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
-        job_dir, "--job_name", "fit", "--queue", QUEUE, "--", "--passes", "100000")], cwd=job_dir, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *args("low", "low"), "--checkpoint-pvc",
+                                 "ckpt", "--pending-timeout", "120", "--", "8", str(hold)], cwd=job_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        fresh_kube.wait(lambda: any("Pass 0" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
-            "fit-trainer-0-0-*.log")), 120, "trainer 0 training")
-        fresh_kube.preempt("fit")
+        fresh_kube.wait(lambda: any("holding at step 3" in p.read_text() for p in (
+            fresh_kube.root / "logs" / "default").glob("low-trainer-0-0-*.log")), 90, "the low job at step 3")
+        high = cli(fresh_kube, job_dir, *args("high", "high"), "--", "8", timeout=120)
+        hold.unlink()
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert launcher.returncode == 1, out + err
-    (line,) = [ln for ln in err.splitlines() if "error:" in ln]
-    assert "Kueue evicted the job (workload.kueue.x-k8s.io/jobset-fit-" in line and "Preempted: Preempted to " \
-        "accommodate a workload" in line and "exited with code 143" not in err, err
+    assert high.returncode == 0, high.stdout + high.stderr
+    assert launcher.returncode == 0, out + err
+    (evicted,) = [ln for ln in out.splitlines() if "Kueue evicted" in ln]
+    assert "Kueue evicted the job (workload.kueue.x-k8s.io/jobset-low-" in evicted and "): Preempted: Preempted " \
+        "to accommodate a workload (UID: " in evicted and evicted.endswith("due to prioritization in the "
+                                                                            "ClusterQueue; its pods are stopped, and "
+                                                                            "it waits to be admitted again to queue q")
+    assert out.count("Kueue admitted the job again (workload.kueue.x-k8s.io/jobset-low-") == 1, out
+    assert out.index("Kueue evicted") < out.index("Kueue admitted the job again"), out
+    assert "exited with code 143" not in out + err and "is suspended" not in out.split("Kueue evicted")[1], out
+    for i in (0, 1):  # every pserver from the newest step complete for both: the trainer held at step 3
+        assert f"[pserver.{i}@low-pserver-0-{i}] paddle-cluster pod: pserver {i} started before in this run (the " \
+            "job was evicted): resuming from step 3, the newest checkpoint in /checkpoints/low complete for all 2 " \
+            "pserver(s)" in out, out
+    starts = re.findall(r"\[trainer\.0@low-trainer-0-0\] start step=(\d+)", out)
+    assert starts == ["0", "3"], out
+    (reference,) = re.findall(r"\[trainer\.0@high-trainer-0-0\] (end step=8 w=\S+)", high.stdout)
+    assert re.findall(r"\[trainer\.0@low-trainer-0-0\] (end step=\d+ w=\S+)", out) == [reference], out
     assert fresh_kube.objects() == {}
 
 
@@ -855,13 +983,14 @@ def test_a_waiting_pod_ends_at_once_when_deleted(fresh_kube: StandIn, job_dir: P
 def test_the_scenarios_for_a_real_cluster_pass_on_the_stand_in(fresh_kube: StandIn, tmp_path: Path) -> None:
     """scripts/k8s-scenarios, which docs/backends.md gives users to check the backend on their own cluster (a
     kubeconfig and an image), passes here with every cluster feature it can ask for: its scenarios are the user's
-    commands, its checks kubectl's. (The stand-in does not enforce Pod Security admission: the restricted
-    scenario's pods pass it by construction, test_k8s_render checks that.)"""
+    commands, its checks kubectl's; four at once (the quota scenario alone after them), as a cluster with room for
+    them runs them. (The stand-in does not enforce Pod Security admission: the restricted scenario's pods pass it by
+    construction, test_k8s_render checks that.)"""
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
     env.update(PYTHONPATH=str(REPO), HOME=str(tmp_path))
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "k8s-scenarios"), "--image", IMAGE, "--jobset",
-                          "--queue", QUEUE, "--quota", "--restricted-namespace", "kube-public"], env=env,
-                         capture_output=True, text=True, timeout=900)
+                          "--queue", QUEUE, "--quota", "--restricted-namespace", "kube-public", "--parallel", "4"],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0 and "12 passed, 0 failed" in res.stdout, res.stdout + res.stderr
     assert fresh_kube.objects() == {}
 

@@ -15,7 +15,7 @@ from paddle_cluster.node import messages as m
 from paddle_cluster.node.messages import ProcPlan
 
 from . import resume
-from .backends.base import Backend, Event, JobRefused, LiveJob, NodeLost, Request
+from .backends.base import Backend, Event, JobRefused, LiveJob, NodeLost, Request, Requeued
 from .config import BUILTIN_PSERVER
 from .entry import refused_arguments
 from .errors import OUTCOMES, ClusterError, JobFailed, LostContact, StoppedByKill
@@ -133,6 +133,10 @@ class Attempt:
             self.out(f"[agent@{self.job.names[ev.node]}] {ev.line}")
         elif isinstance(ev, JobRefused) and not self.stopping:
             raise JobFailed(ev.why)
+        elif isinstance(ev, Requeued):  # its processes were stopped, new ones start later: wait for those
+            for p in self.procs.values():
+                p.pid = p.exit_code = p.signal = None
+            self.ready.clear()
         elif isinstance(ev, NodeLost):
             raise LostContact(f"lost contact with {self.job.labels[ev.node]}: {ev.why}; the job was stopped")
         elif isinstance(ev, (m.Stopping, m.Stopped)) and not self.stopping:

@@ -18,7 +18,9 @@ The whole job ends on the cluster itself, without a launcher watching: a pserver
 (``--trainer-names``) stops its pserver and fails once its trainers are gone without the pserver having finished
 (``trainerwatch.py``: from their connections to its ports, and the cluster DNS while none is connected; trainers
 not scheduled yet are never counted). When the trainers finish, the pserver ends on its own (every trainer
-closed). Standard library only.
+closed). A pserver pod of a run whose pservers started before (Kueue evicted the job and admitted it again: its
+mark in the checkpoint directory) resumes from the newest checkpoint complete for every pserver
+(``resume_after_eviction``). Standard library only, but for that checkpoint survey (the pserver's own module).
 """
 
 from __future__ import annotations
@@ -251,6 +253,7 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         writable_dir(env.job_dir, "the job directory (PADDLE_JOB_DIR)")
     if env.role == PSERVER and env.checkpoint_dir:
         writable_dir(env.checkpoint_dir, "the checkpoint directory (PADDLE_CHECKPOINT_DIR)")
+        env = resume_after_eviction(env, index)
     if pack:
         unpack_workspace(pack, env.workspace)
     env.for_process(env.role, index, "")  # an index beyond the job's count fails now, not after waiting
@@ -291,8 +294,14 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
         os.close(err[1])
     LOG.relay(out[0], 1)  # its output into the pod's log, with our prefix made inert: our lines are ours alone
     LOG.relay(err[0], 2)
+    stopped: List[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        child.send_signal(signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _f: child.send_signal(signum))
+        signal.signal(sig, stop)
     figures = threading.Event()
     threading.Thread(target=report_figures, args=(child.pid, f"{env.role.lower()}.{index}", env.job_dir, figures),
                      daemon=True, name="figures").start()
@@ -303,6 +312,11 @@ def become(cmd: List[str], start_timeout: float, environ: Optional[Mapping[str, 
     code = _wait(child, watch)
     figures.set()
     LOG.drain()
+    if stopped and code == 0:
+        # Stopped (a pserver ends cleanly on SIGTERM), not finished: a pod that exits 0 completes its index, which a
+        # Job suspended by Kueue's eviction would then not run again when it is admitted again.
+        say(f"{PREFIX}stopped by signal {stopped[0]}: exiting {128 + stopped[0]}, as a process it ends")
+        code = 128 + stopped[0]
     if env.role != PSERVER and env.job_dir:
         print_metrics(os.path.join(env.job_dir, "log", f"metrics.trainer{index}.jsonl"), f"trainer{index}")
     return code
@@ -368,6 +382,29 @@ def _stop_pserver(child: subprocess.Popen, why: str) -> int:
         child.kill()
         child.wait()
     return EXIT_TRAINERS_GONE
+
+
+def resume_after_eviction(env: JobEnv, index: int) -> JobEnv:
+    """``env`` for pserver ``index``: the first start of this run's pserver marks the checkpoint directory (its
+    job id, its index); a later start of the same run is the job admitted again after Kueue evicted it, whose
+    pods have the same command, so it resumes from the newest step complete for every pserver there (none
+    saved yet: as first asked, fresh or ``--resume_from``'s)."""
+    mark = os.path.join(env.checkpoint_dir, f".started-{env.job_id}-pserver-{index}")
+    if not os.path.exists(mark):
+        with open(mark, "w") as f:
+            f.write("this run's pserver started; a start of it again resumes from the newest complete checkpoint\n")
+        return env
+    from paddle_cluster.ps.checkpoint import complete_steps
+
+    steps = complete_steps(env.checkpoint_dir, range(len(env.pservers)))
+    if not steps:
+        say(f"{PREFIX}pserver {index} started before in this run (the job was evicted), and no checkpoint in "
+            f"{env.checkpoint_dir} is complete for all {len(env.pservers)} pserver(s): starting "
+            + (f"as first asked (resume {env.resume})" if env.resume else "fresh"))
+        return env
+    say(f"{PREFIX}pserver {index} started before in this run (the job was evicted): resuming from step {steps[-1]}, "
+        f"the newest checkpoint in {env.checkpoint_dir} complete for all {len(env.pservers)} pserver(s)")
+    return dataclasses.replace(env, resume=str(steps[-1]))
 
 
 def writable_dir(path: str, what: str) -> None:

@@ -159,10 +159,11 @@ class Cluster:
         conds = st.setdefault("conditions", [])
         done = next((c["type"] for c in conds if c["type"] in ("Complete", "Failed") and c["status"] == "True"), None)
         n = spec.get("completions", 1)
-        phases = [p["status"].get("phase") for p in pods.values()]
         succeeded = {int(p["metadata"]["annotations"][INDEX]) for p in pods.values()
                      if p["status"].get("phase") == "Succeeded"}
-        failed = phases.count("Failed") + st.get("_failed_gone", 0)
+        # (Pods its suspension stopped are not failures: Kueue's eviction does not fail the Job.)
+        failed = sum(p["status"].get("phase") == "Failed" and not p["metadata"].get("_suspended")
+                     for p in pods.values()) + st.get("_failed_gone", 0)
         active = [p for p in pods.values() if p["status"].get("phase") not in TERMINAL
                   and not p["metadata"].get("deletionTimestamp")]
         st.update(active=len(active), succeeded=len(succeeded), failed=failed)
@@ -194,6 +195,7 @@ class Cluster:
         suspended = next((c for c in conds if c["type"] == "Suspended"), None)
         if spec.get("suspend"):  # no pods (those running are stopped) until it is resumed
             for p in active:
+                p["metadata"]["_suspended"] = True
                 self._delete(doc, p)
             if suspended is None or suspended["status"] != "True":
                 conds[:] = [c for c in conds if c["type"] != "Suspended"] + [{

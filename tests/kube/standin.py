@@ -153,13 +153,6 @@ class StandIn:
 
         fault(self.root, mode, seconds)
 
-    def preempt(self, name: str, ns: str = "default") -> None:
-        """Kueue preempts the admitted workload of JobSet (or Job) ``name``, as for a higher-priority one."""
-        from .workloads import preempt
-
-        with self.store.edit() as doc:
-            preempt(doc, ns, name)
-
     def expire_watches(self) -> None:
         """The API server ends every watch open now with 410 Expired, as after compacting its history."""
         from .apiserver import expire_watches

@@ -9,13 +9,17 @@ garbage collector its Jobs and Service.
 
 Kueue: the cluster's queues (``cluster.json`` ``queues``: LocalQueue name -> the CPUs of its ClusterQueue's one
 flavor) admit the workloads labelled ``kueue.x-k8s.io/queue-name`` (a JobSet, or a Job of no JobSet: each is one
-workload) in the order they came (StrictFIFO), each once the CPUs its pods request fit beside those of the
-workloads admitted and not finished; its webhook created them suspended (apiserver.py), admission resumes them.
-Each has its ``Workload`` (kueue.x-k8s.io/v1beta1, owned by it) with Kueue's conditions: ``QuotaReserved`` False
-``Inadmissible`` for a LocalQueue that does not exist, False ``Pending`` with the flavor assigner's message while
-it waits (``insufficient unused quota``) or can never fit (``request > maximum capacity``), then
-``QuotaReserved`` and ``Admitted`` True; ``preempt`` evicts an admitted one (``Evicted`` True ``Preempted``,
-``Requeued``, its Job suspended again, which stops its pods) until it is admitted again.
+workload) in StrictFIFO order (higher priority first -- the value of the first pod set's PriorityClass --, then the
+order they came), each once the CPUs its pods request fit beside those of the workloads admitted and not finished;
+its webhook created them suspended (apiserver.py), admission resumes them. Each has its ``Workload``
+(kueue.x-k8s.io/v1beta1, owned by it) with Kueue's conditions: ``QuotaReserved`` False ``Inadmissible`` for a
+LocalQueue that does not exist, False ``Pending`` with the flavor assigner's message while it waits (``insufficient
+unused quota``) or can never fit (``request > maximum capacity``), then ``QuotaReserved`` and ``Admitted`` True.
+Preemption within the ClusterQueue (``withinClusterQueue: LowerPriority``): a workload that does not fit evicts
+admitted ones of lower priority (the lowest first, the latest admitted first among equals) until it would:
+``Evicted`` True ``Preempted``, ``Preempted`` True ``InClusterQueue``, ``Requeued`` True, its Job(Set) suspended
+again (the Job controller deletes its pods). An evicted workload holds its quota until its pods are gone; it is
+back in line and admitted again once it fits (``Evicted`` then False, "Previously: ...").
 """
 
 from __future__ import annotations
@@ -135,13 +139,25 @@ def _cpus(workload: Dict[str, Any]) -> float:
                for s, n in templates)
 
 
+def _pod_spec(w: Dict[str, Any]) -> Dict[str, Any]:
+    """The pod template's spec of a workload's first pod set."""
+    job = w["spec"] if w["kind"] == "Job" else w["spec"]["replicatedJobs"][0]["template"]["spec"]
+    return job["template"]["spec"]
+
+
+def priority(objs: Dict[str, Any], w: Dict[str, Any]) -> int:
+    """Kueue's priority of a workload: the value of its first pod set's PriorityClass (0 without one)."""
+    pc = _pod_spec(w).get("priorityClassName")
+    return int((objs.get(f"PriorityClass//{pc}") or {}).get("value", 0)) if pc else 0
+
+
 def workloads(objs: Dict[str, Any], queue: str) -> List[Dict[str, Any]]:
-    """The workloads of ``queue`` not finished, in the order they came."""
+    """The workloads of ``queue`` not finished, in StrictFIFO order: higher priority first, then as they came."""
     return sorted((o for k, o in objs.items() if k.startswith(("JobSet/", "Job/"))
                    and (o["metadata"].get("labels") or {}).get(QUEUE) == queue
                    and not o["metadata"].get("ownerReferences") and not o["metadata"].get("deletionTimestamp")
-                   and not _done(o)), key=lambda o: (o["metadata"]["creationTimestamp"],
-                                                                int(o["metadata"]["resourceVersion"])))
+                   and not _done(o)), key=lambda o: (-priority(objs, o), o["metadata"]["creationTimestamp"],
+                                                     int(o["metadata"]["resourceVersion"])))
 
 
 def pending_workloads(objs: Dict[str, Any], ns: str, queue: str) -> Dict[str, Any]:
@@ -157,7 +173,7 @@ def pending_workloads(objs: Dict[str, Any], ns: str, queue: str) -> Dict[str, An
                                    "namespace": ns, "creationTimestamp": meta["creationTimestamp"],
                                    "ownerReferences": [{"apiVersion": w["apiVersion"], "kind": w["kind"],
                                                         "name": meta["name"], "uid": meta["uid"]}]},
-                      "priority": 0, "localQueueName": queue, "positionInClusterQueue": i,
+                      "priority": priority(objs, w), "localQueueName": queue, "positionInClusterQueue": i,
                       "positionInLocalQueue": len(items)})
     return {"kind": "PendingWorkloadsSummary", "apiVersion": "visibility.kueue.x-k8s.io/v1beta1",
             "metadata": {"creationTimestamp": None}, "items": items}
@@ -166,7 +182,6 @@ def pending_workloads(objs: Dict[str, Any], ns: str, queue: str) -> Dict[str, An
 CLUSTER_QUEUE = "cluster-queue"
 FLAVOR = "default-flavor"
 WORKLOAD_API = "kueue.x-k8s.io/v1beta1"
-PREEMPTOR_S = 30  # how long the higher-priority workload that preempted another holds the quota
 
 
 def workload_of(objs: Dict[str, Any], owner: Dict[str, Any]) -> Dict[str, Any]:
@@ -209,6 +224,22 @@ def _pod_set(w: Dict[str, Any]) -> str:
     return w["spec"]["replicatedJobs"][0]["name"] if w["kind"] == "JobSet" else "main"
 
 
+def _evicted(wl: Dict[str, Any]) -> bool:
+    return any(c["type"] == "Evicted" and c["status"] == "True" for c in wl["status"]["conditions"])
+
+
+def _has_pods(objs: Dict[str, Any], w: Dict[str, Any]) -> bool:
+    label = JOBSET_NAME if w["kind"] == "JobSet" else "job-name"
+    ns, name = w["metadata"]["namespace"], w["metadata"]["name"]
+    return any(k.startswith(f"Pod/{ns}/") and (p["metadata"].get("labels") or {}).get(label) == name
+               for k, p in objs.items())
+
+
+def _holds_quota(objs: Dict[str, Any], w: Dict[str, Any]) -> bool:
+    """Admitted, or evicted with pods still stopping: Kueue releases an evicted workload's quota once they are gone."""
+    return not w["spec"].get("suspend") or (_evicted(workload_of(objs, w)) and _has_pods(objs, w))
+
+
 def kueue(cluster, doc: Dict[str, Any]) -> None:
     objs = doc["objects"]
     queues = cluster.cfg.get("queues") or {}
@@ -222,7 +253,7 @@ def kueue(cluster, doc: Dict[str, Any]) -> None:
                                                            f"LocalQueue {queue} doesn't exist"))
             continue
         cap = qty(queues[queue])
-        used = sum(_cpus(w) for w in workloads_ if not w["spec"].get("suspend"))
+        used = sum(_cpus(w) for w in workloads_ if _holds_quota(objs, w))
         head_waits = False
         for w in workloads_:
             wl = workload_of(objs, w)
@@ -231,13 +262,13 @@ def kueue(cluster, doc: Dict[str, Any]) -> None:
                     _admit(cluster, doc, w, wl)
                 continue
             need = _cpus(w)
-            if time.time() < wl["status"].get("_preempted_until", 0):
-                continue  # the workload that preempted it holds the quota meanwhile
             if need > cap:
                 set_conditions(doc, wl, ("QuotaReserved", "False", "Pending",
                                          f"couldn't assign flavors to pod set {_pod_set(w)}: insufficient quota for "
                                          f"cpu in flavor {FLAVOR}, request > maximum capacity ({need:g} > {cap:g})"))
                 continue  # never fits: it does not hold the line
+            if not head_waits and used + need > cap:
+                _preempt_for(cluster, doc, w, workloads_, used + need - cap)
             if head_waits or used + need > cap:
                 head_waits = True  # StrictFIFO: the head waits, and those behind it
                 set_conditions(doc, wl, ("QuotaReserved", "False", "Pending",
@@ -253,29 +284,42 @@ def kueue(cluster, doc: Dict[str, Any]) -> None:
 def _admit(cluster, doc: Dict[str, Any], w: Dict[str, Any], wl: Dict[str, Any]) -> None:
     conds = [("QuotaReserved", "True", "QuotaReserved", f"Quota reserved in ClusterQueue {CLUSTER_QUEUE}"),
              ("Admitted", "True", "Admitted", "The workload is admitted")]
-    if any(c["type"] == "Evicted" and c["status"] == "True" for c in wl["status"]["conditions"]):
-        conds.append(("Evicted", "False", "QuotaReserved", "Previously: Preempted to accommodate a workload"))
+    evicted = next((c for c in wl["status"]["conditions"] if c["type"] == "Evicted" and c["status"] == "True"), None)
+    if evicted is not None:
+        conds.append(("Evicted", "False", "QuotaReserved", f"Previously: {evicted['message']}"))
     set_conditions(doc, wl, *conds)
     cluster.event(doc, w, "Normal", "Started", f"Admitted by clusterQueue {CLUSTER_QUEUE}")
 
 
-def preempt(doc: Dict[str, Any], ns: str, owner_name: str) -> None:
-    """Kueue preempting the admitted workload of ``owner_name`` (a higher-priority one needs its quota): evicted,
-    its Job(Set) suspended again -- the Job controller stops its pods -- and requeued."""
+def _preempt_for(cluster, doc: Dict[str, Any], w: Dict[str, Any], queued: List[Dict[str, Any]],
+                 short: float) -> None:
+    """Kueue's preemption within the ClusterQueue (LowerPriority): evict admitted workloads of lower priority than
+    ``w``, the lowest first and the latest admitted among equals, if freeing ``short`` CPUs that way is possible
+    (else none); ``w`` is admitted on a later pass, once their pods are gone."""
     objs = doc["objects"]
-    for k, w in list(objs.items()):
-        if k.startswith(("JobSet/", "Job/")) and w["metadata"]["name"] == owner_name and \
-                w["metadata"]["namespace"] == ns:
-            wl = workload_of(objs, w)
-            set_conditions(doc, wl,
-                           ("Evicted", "True", "Preempted", "Preempted to accommodate a workload (UID: "
-                            f"{secrets.token_hex(4)}) due to prioritization in the ClusterQueue"),
-                           ("QuotaReserved", "False", "Pending", "Preempted to accommodate a higher priority "
-                            "workload"),
-                           ("Admitted", "False", "NoReservation", "The workload has no reservation"),
-                           ("Requeued", "True", "Preempted", "Preempted to accommodate a workload due to "
-                            "prioritization in the ClusterQueue"))
-            wl["status"]["_preempted_until"] = time.time() + PREEMPTOR_S
-            w["spec"]["suspend"] = True
-            touch(doc, w)
-            # (readmitted by ``kueue`` once it fits again, at the back of the line it came first in)
+    mine = priority(objs, w)
+    admitted = [v for v in queued if not v["spec"].get("suspend") and priority(objs, v) < mine]
+    admitted.sort(key=lambda v: v["metadata"]["creationTimestamp"], reverse=True)
+    admitted.sort(key=lambda v: priority(objs, v))  # (stable: the latest first among equals)
+    # Quota that evicted workloads release once their pods are gone is not taken twice.
+    short -= sum(_cpus(v) for v in queued if v["spec"].get("suspend") and _holds_quota(objs, v))
+    victims, freed = [], 0.0
+    for v in admitted:
+        if freed >= short:
+            break
+        victims.append(v)
+        freed += _cpus(v)
+    if not victims or freed < short:
+        return
+    uid = w["metadata"]["uid"]
+    why = f"Preempted to accommodate a workload (UID: {workload_of(objs, w)['metadata']['uid']}, JobUID: {uid}) " \
+          "due to prioritization in the ClusterQueue"
+    for v in victims:
+        set_conditions(doc, workload_of(objs, v), ("Evicted", "True", "Preempted", why),
+                       ("Preempted", "True", "InClusterQueue", why),
+                       ("QuotaReserved", "False", "Pending", why),
+                       ("Admitted", "False", "NoReservation", "The workload has no reservation"),
+                       ("Requeued", "True", "Preempted", why))
+        v["spec"]["suspend"] = True  # the Job controller deletes its pods
+        touch(doc, v)
+        cluster.event(doc, v, "Normal", "Preempted", why)

@@ -160,7 +160,16 @@ class JobRefused:
     why: str
 
 
-Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopping, m.Stopped, NodeLost, JobRefused]
+@dataclass(frozen=True)
+class Requeued:
+    """The cluster took the whole job back to start it again later (Kueue preempted it): every process it stopped
+    is forgotten, and the job is followed anew once its new processes start. ``why``: the cluster's reason."""
+
+    why: str
+
+
+Event = Union[m.Log, m.Started, m.Exited, m.Ready, m.NotReady, m.Note, m.Stopping, m.Stopped, NodeLost, JobRefused,
+              Requeued]
 
 
 class Backend(ABC):

@@ -2,10 +2,11 @@
 what kubectl shows into the events every backend yields, and deletes the job's objects by label at the end.
 
 Each pod is a node of the plan with one process (pserver *i* is node *i*, trainer *j* node *pservers + j*).
-Events come from two kubectl commands: ``get pods --watch -o json`` (a container started, waits
-for a reason, or ended with an exit code) and ``logs --follow`` per pod (its output lines, and the entry
-point's "ready"/"error" lines: ``Ready``/``NotReady``). Nothing here runs inside the cluster; the pods need no
-launcher (they finish the job on their own) and ``kill`` deletes them by label.
+Events come from kubectl: ``get pods --watch -o json`` (a container started, waits for a reason, or ended
+with an exit code), of the Jobs and Events, and the pods' logs followed through one ``kubectl proxy``
+(``logfollow.py``: their output lines, and the entry point's "ready"/"error" lines: ``Ready``/``NotReady``).
+Nothing here runs inside the cluster; the pods need no launcher (they finish the job on their own) and ``kill``
+deletes them by label.
 """
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ from ..base import (
     Event,
     JobRef,
     LiveJob,
+    NodeLost,
     Prepared,
     Request,
+    Requeued,
 )
 from . import kubectl as kc
 from . import manifests as k8s
 from . import pod_options, pods, rights, settings
 from .jobwatch import JobWatch
 from .kubectl import Kubectl, PodWatch, log_events, owners, pod_states, states_of, watch_events
+from .logfollow import LogProxy
 from .pod_options import PodOptions
 from .pods import save_results
 from .settings import K8sSettings
@@ -340,7 +344,9 @@ class K8sLiveJob(LiveJob):
         self.jobwatch = JobWatch({name: [n for (r, _), n in nodes.items() if r == role]
                                   for role, name in prepared.job_names.items()},
                                  lambda p: nodes.get((p.role, p.index)), job.pods.queue, pending_timeout)
-        self.followers: Dict[int, Tuple[subprocess.Popen, threading.Thread]] = {}
+        self.followers: Dict[int, threading.Thread] = {}  # node -> the thread reading its pod's log
+        self.stale_followers: List[threading.Thread] = []  # of pods Kueue's eviction stopped
+        self.proxy: Optional[LogProxy] = None
         self._lock = threading.Lock()
         self._state = threading.Lock()
         self._polling: Optional[threading.Event] = None
@@ -366,6 +372,7 @@ class K8sLiveJob(LiveJob):
             self.say(f"job {request.plan.name} created in namespace {job.namespace} (id {job.env.job_id})"
                      + (f"; Kubernetes deletes it {ttl} s after it ends" if ttl is not None else ""))
             return
+        self.proxy = LogProxy(self.kubectl.binary)  # the pods' logs: one process for the whole job
         for kind, selected, update in (("pods", True, self._pods), ("jobs.batch", True, self.jobwatch.jobs),
                                        ("events", False, self.jobwatch.events)):
             threading.Thread(target=self._watch, args=(done, kind, selected, update), daemon=True,
@@ -383,12 +390,28 @@ class K8sLiveJob(LiveJob):
     def _pods(self, docs: List[Dict[str, Any]]) -> List[Event]:
         states = states_of(docs)
         events = self.watch.update(states)
-        if any(isinstance(e, m.Exited) and e.code for e in events) and any(p.deleting for p in states):
+        if any(isinstance(e, NodeLost) or (isinstance(e, m.Exited) and e.code and any(p.deleting for p in states))
+               for e in events):
             # Pods deleted by their Job's controller (past --deadline, its Job failed, Kueue evicted it): the Job's
             # or Kueue's reason, not the exit code of a pod it stopped, is why the job ended -- whichever watch
-            # speaks first.
-            events = self._why_stopped_now() + events
+            # speaks first. Kueue's eviction does not end it: those pods are forgotten, the next ones followed.
+            why = self._why_stopped_now()
+            if self._requeued(why):
+                events = self.watch.update(states)
+            events = why + events
         return events + self.jobwatch.pods(docs)
+
+    def _requeued(self, events: List[Event]) -> bool:
+        """(Holding ``_state``.) Whether ``events`` say the cluster took the job back (``Requeued``): then the pods
+        seen so far, and their log followers, are forgotten."""
+        if not any(isinstance(e, Requeued) for e in events):
+            return False
+        self.watch.forget()
+        self.readied.clear()
+        with self._lock:
+            self.stale_followers += self.followers.values()
+            self.followers.clear()
+        return True
 
     def _why_stopped_now(self) -> List[Event]:
         out: List[Event] = []
@@ -459,6 +482,7 @@ class K8sLiveJob(LiveJob):
                                                                    timeout=30) or "{}"))
                     with self._state:
                         events = self.jobwatch.workloads(docs, owners)
+                        self._requeued(events)
                     self._handle(events)
                 except (ClusterError, ValueError) as e:
                     readable = False
@@ -491,7 +515,7 @@ class K8sLiveJob(LiveJob):
             if isinstance(ev, m.Exited):
                 # Its last lines first: the failure report quotes them.
                 self._follow(ev.node, self.watch.started[ev.node], ev.proc)
-                self.followers[ev.node][1].join(timeout=10)
+                self.followers[ev.node].join(timeout=10)
                 if ev.node not in self.readied:  # ended before the entry point said ready or not
                     self._put(m.NotReady(ev.node, f"pod {self.watch.started[ev.node]} exited {ev.code} "
                                                         "before its process started"
@@ -502,30 +526,34 @@ class K8sLiveJob(LiveJob):
         with self._lock:
             if node in self.followers:
                 return
-            p = subprocess.Popen(self.kubectl.logs(pod), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, errors="replace")
-            t = threading.Thread(target=self._read_logs, args=(node, proc, pod, p), daemon=True, name=f"logs-{pod}")
-            self.followers[node] = (p, t)
+            t = threading.Thread(target=self._read_logs, args=(node, proc, pod), daemon=True, name=f"logs-{pod}")
+            self.followers[node] = t
             t.start()
 
-    def _read_logs(self, node: int, proc: str, pod: str, p: subprocess.Popen) -> None:
-        assert p.stdout is not None and p.stderr is not None
+    def _read_logs(self, node: int, proc: str, pod: str) -> None:
+        assert self.proxy is not None
         os.makedirs(os.path.join(self.job_dir, "log"), exist_ok=True)
         with open(pods.followed_copy(self.job_dir, pod), "a", encoding="utf-8") as copy:  # saved with the results
-            for n, raw in enumerate(p.stdout):
-                copy.write(raw if raw.endswith("\n") else raw + "\n")
-                copy.flush()
-                if n == 0 and pods.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
+            try:
+                self._copy_log(node, proc, pod, copy)
+            except ClusterError as e:
+                self._put(m.Note(node, f"the log of pod/{pod}: {e}"))
+
+    def _copy_log(self, node: int, proc: str, pod: str, copy: Any) -> None:
+        assert self.proxy is not None
+        for n, raw in enumerate(self.proxy.follow(self.kubectl.namespace, pod)):
+            copy.write(raw if raw.endswith("\n") else raw + "\n")
+            copy.flush()
+            if n == 0 and pods.began_rotated([raw]):  # followed late: its process ran, the kubelet rotated
+                self.readied.add(node)
+                self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before it "
+                                       "was followed"))
+            for ev in log_events(node, proc, raw.rstrip("\n")):
+                if isinstance(ev, (m.Ready, m.NotReady)):
+                    if self.followers.get(node) is not threading.current_thread():
+                        continue  # a pod Kueue's eviction stopped: the node's next pod says its own
                     self.readied.add(node)
-                    self._put(m.Note(node, f"pod/{pod}: the beginning of its log was rotated away on its node before "
-                                           "it was followed"))
-                for ev in log_events(node, proc, raw.rstrip("\n")):
-                    if isinstance(ev, (m.Ready, m.NotReady)):
-                        self.readied.add(node)
-                    self._put(ev)
-        err = p.stderr.read().strip()
-        if p.wait() != 0 and err:
-            self._put(m.Note(node, f"kubectl logs pod/{pod}: {err.splitlines()[-1]}"))
+                self._put(ev)
 
     def _put(self, ev: Event) -> None:
         while True:
@@ -595,13 +623,8 @@ class K8sLiveJob(LiveJob):
             if w.poll() is None:
                 w.terminate()
                 w.wait(timeout=5)
+        if self.proxy is not None:
+            self.proxy.close()  # which ends every log stream
         with self._lock:
-            for p, _ in self.followers.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p, t in self.followers.values():
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            for t in [*self.followers.values(), *self.stale_followers]:
                 t.join(timeout=2)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from paddle_cluster.node import messages as m
 
-from ..base import Event, JobRefused
+from ..base import Event, JobRefused, Requeued
 from .kubectl import PodState, states_of
 from .manifests import QUEUE_LABEL
 
@@ -42,6 +42,7 @@ class JobWatch:
         self.suspended: Dict[str, str] = {}  # Job uid -> what it waits for
         self.queued: Dict[str, str] = {}  # Job uid -> the quota's refusal (its pods are retried)
         self.pulling: Dict[str, Tuple[str, float, float]] = {}  # pod uid -> (image, since, last said)
+        self.pull_failed: set = set()  # pod uids whose pull failed: the kubelet's retries are not progress
         self.failed: set = set()
         self.pulls_said: set = set()  # the images whose pull was said (once for the job)
         self.warned: set = set()  # (reason, message) of the warnings said, whichever object they were about
@@ -50,9 +51,12 @@ class JobWatch:
         self.pending_timeout = pending_timeout
         self.held_since: Optional[float] = None  # since when the cluster holds the job, without a break
         self.last_wait = ""  # the cluster's last word on why it holds the job
+        self.evicted = False  # Kueue evicted the job and has not admitted it again yet
+        self.evictions = 0
+        self.ran: set = set()  # the uids of the Jobs seen not suspended
 
     def holding(self) -> bool:
-        return bool(self.suspended or self.queued or self.pulling or self.unschedulable)
+        return bool(self.suspended or self.queued or self.pulling or self.unschedulable or self.evicted)
 
     def _waits(self, why: str) -> str:
         self.last_wait = why
@@ -66,6 +70,11 @@ class JobWatch:
                 continue
             uid = d["metadata"].get("uid", "")
             self.objects[uid] = (f"pod/{p.name}", node)
+            if p.reason.startswith(("ErrImagePull", "ImagePullBackOff")):
+                # A pull that fails is no progress, whatever order the Events were read in (a listing gives them
+                # by name: its Pulling may come after the Failed that ended it).
+                self.pull_failed.add(uid)
+                self.pulling.pop(uid, None)
             if p.phase == "Pending" and not p.state and p.reason.startswith("Unschedulable") and not p.deleting:
                 self.unschedulable[uid] = self._waits(f"pod/{p.name}: {p.reason}")
             else:
@@ -84,15 +93,20 @@ class JobWatch:
             self.objects[uid] = (what, nodes[0])
             conds = {c.get("type"): c for c in (d.get("status") or {}).get("conditions") or []
                      if c.get("status") == "True"}
+            # Suspended again after it ran: Kueue evicted the job, which its Workload's line says for the whole job.
             if "Suspended" in conds and uid not in self.suspended:
                 queue = (meta.get("labels") or {}).get(QUEUE_LABEL) or self.queue
                 self.suspended[uid] = why = (f"waiting for Kueue queue {queue} to admit it" if queue else
                                              "spec.suspend is true: it runs once resumed")
-                self._waits(f"{what} is suspended ({why})")
-                out.append(m.Note(nodes[0], f"{what} is suspended ({why}); the start timeout waits meanwhile"))
-            elif "Suspended" not in conds and uid in self.suspended:
-                del self.suspended[uid]
-                out.append(m.Note(nodes[0], f"{what} was admitted (resumed): its pods are created"))
+                if uid not in self.ran:
+                    self._waits(f"{what} is suspended ({why})")
+                    out.append(m.Note(nodes[0], f"{what} is suspended ({why}); the start timeout waits meanwhile"))
+            elif "Suspended" not in conds:
+                self.ran.add(uid)
+                if uid in self.suspended:
+                    del self.suspended[uid]
+                    if not self.evictions:
+                        out.append(m.Note(nodes[0], f"{what} was admitted (resumed): its pods are created"))
             for kind in ("FailureTarget", "Failed"):
                 c = conds.get(kind)
                 if c is None or uid in self.failed:
@@ -125,8 +139,9 @@ class JobWatch:
     def workloads(self, docs: Iterable[Dict[str, Any]], owners: Iterable[str]) -> List[Event]:
         """Kueue's verdict on the job, from the conditions of its Workload (the one ``owners`` own): a queue that
         does not exist (``Inadmissible``) or a request no flavor can ever fit (``request > maximum capacity``) fail
-        the job in one line; waiting for unused quota is said once and waited for; an eviction (preemption) ends
-        the job with Kueue's reason: its pods were stopped, and a run does not follow a workload readmitted."""
+        the job in one line; waiting for unused quota is said once and waited for; an eviction (preemption) is said
+        once with Kueue's reason and takes the job back (``Requeued``: its pods were stopped), and its admission
+        again once."""
         names, out = set(owners), []
         node = next(iter(self.job_nodes.values()))[0]
         for w in docs:
@@ -138,11 +153,18 @@ class JobWatch:
             reserved, evicted = conds.get("QuotaReserved") or {}, conds.get("Evicted") or {}
             queue = (w.get("spec") or {}).get("queueName") or self.queue
             said = (meta.get("uid"), reserved.get("reason"), evicted.get("status"))
-            if evicted.get("status") == "True" and said not in self.said:
-                self.said.add(said)
-                out.append(JobRefused(f"Kueue evicted the job ({what}): {evicted.get('reason', '')}: "
-                                      f"{evicted.get('message', '')}; its pods were stopped: run it again (with "
-                                      "--checkpoint-pvc and --resume_from it goes on from its last checkpoint)"))
+            admitted = (conds.get("Admitted") or {}).get("status") == "True"
+            if evicted.get("status") == "True" and not admitted:
+                if not self.evicted:
+                    self.evicted, self.evictions = True, self.evictions + 1
+                    why = f"{evicted.get('reason', '')}: {evicted.get('message', '')}"
+                    out += [m.Note(node, f"Kueue evicted the job ({what}): {why}; its pods are stopped, and it "
+                                         f"waits to be admitted again to queue {queue}"), Requeued(why)]
+                self._waits(f"Kueue evicted the job ({what}) and has not admitted it again: "
+                            f"{reserved.get('message') or evicted.get('message', '')}")
+            elif self.evicted and admitted:
+                self.evicted = False
+                out.append(m.Note(node, f"Kueue admitted the job again ({what}): its pods are created"))
             elif reserved.get("status") == "False":
                 message = reserved.get("message", "")
                 never = reserved.get("reason") == "Inadmissible" or "maximum capacity" in message
@@ -177,6 +199,8 @@ class JobWatch:
         if key in self.said:
             return []
         self.said.add(key)
+        if reason == "Pulling" and uid in self.pull_failed:
+            return []
         if reason == "Pulling":
             image = (_IMAGE.search(message) or [None, "?"])[1]
             now = time.monotonic()

@@ -322,6 +322,15 @@ class PodWatch:
         self.killed = False  # a pod was marked by ``kill``: reported once
         self.waiting: Dict[int, Tuple[str, str]] = {}  # node -> (pod, why) while its container waits to start
         self.said: set = set()  # the waiting reasons said (each once for the whole job)
+        self.seen: set = set()  # the names of the pods seen
+        self.gone: set = set()  # pods forgotten: stopped when the cluster took the job back (``forget``)
+
+    def forget(self) -> None:
+        """The cluster took the job back (Kueue evicted it): the pods seen so far are stopped, their ends are not
+        the job's; follow the pods that come next as if nothing had started."""
+        self.gone |= self.seen
+        for d in (self.last, self.started, self.exited, self.waiting):
+            d.clear()
 
     def why_waiting(self) -> str:
         """Why the pods not started yet wait, one clause per distinct reason naming its pods ("" if none)."""
@@ -336,9 +345,10 @@ class PodWatch:
         seen = set()
         for p in pods:
             node = self.nodes.get((p.role, p.index))
-            if node is None:
+            if node is None or p.name in self.gone:
                 continue
             seen.add(node)
+            self.seen.add(p.name)
             proc = f"{'pserver' if p.role == PSERVER else 'trainer'}.{p.index}"
             if p.killed and not self.killed:  # before its exit: the outcome is the kill, whatever the exit code
                 self.killed = True
