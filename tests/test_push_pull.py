@@ -108,11 +108,11 @@ def test_two_trainers_async_push_pull_with_large_blocks(tmp_path):
 
 
 @contextlib.contextmanager
-def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
-    """Trainer 0 in a push_pull of two parameters of ``n`` floats that waits for trainer 1 (connected, never
-    pushing): yields (server, clients, the thread, what it raised). However the test or this set-up ends,
-    the clients are closed and the pserver stopped."""
-    env = H.make_env(1, 2, tmp_path, ports_num=2, sparse_ports=0, barrier_timeout=barrier_timeout)
+def _stuck_exchange(tmp_path, barrier_timeout: float, n: int, ports_num: int = 2, names: str = "ab"):
+    """Trainer 0 in a push_pull of one parameter of ``n`` floats per letter of ``names`` over ``ports_num``
+    connections that waits for trainer 1 (connected, never pushing): yields (server, clients, the thread, what
+    it raised). However the test or this set-up ends, the clients are closed and the pserver stopped."""
+    env = H.make_env(1, 2, tmp_path, ports_num=ports_num, sparse_ports=0, barrier_timeout=barrier_timeout)
     with H.procs(str(tmp_path)) as pr:
         server = pr.pserver(env, 0)
         opt = OptimizerSpec("sgd", lr=0.5)
@@ -121,12 +121,12 @@ def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
             for i in range(2):
                 clients.append(connect(mode="sync", optimizer=opt, env=trainer_env(env, i), max_block_bytes=8 << 20))
             for c in clients:
-                c.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
+                c.register_dense({k: np.zeros(n, np.float32) for k in names})
             raised = []
 
             def step() -> None:
                 try:
-                    clients[0].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
+                    clients[0].push_pull({k: np.ones(n, np.float32) for k in names})
                 except BaseException as e:  # noqa: B036 - the test asserts on it
                     raised.append(e)
 
@@ -152,6 +152,27 @@ def test_push_pull_raises_barrier_timeout_naming_the_missing_trainer(tmp_path):
         out = clients[1].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
         assert np.all(out["a"] == np.float32(-0.5))
         assert np.all(clients[0].pull()["b"] == np.float32(-0.5))
+
+
+@pytest.mark.timeout(60)
+def test_barrier_timeout_with_several_blocks_per_connection_is_said_once_not_per_block(tmp_path):
+    """PADDLE_PORTS_NUM=1 and 8 blocks, more than the pserver's pool lets trainer 0 run ahead by: the blocks
+    behind the first one on the connection fail at once for the trainer already waited for, so trainer 0
+    hears within about one barrier timeout (not 8), and trainer 1, coming late, is still connected and hears
+    a barrier timeout too (the pushes it would have summed with were refused), never a broken pipe."""
+    n, names = 64 << 10, "abcdefgh"
+    with _stuck_exchange(tmp_path, barrier_timeout=2.0, n=n, ports_num=1, names=names) as (
+            server, clients, t, raised):
+        t.join(5.0)  # a deadline between 1 barrier timeout and the 8 it took when each block waited its own
+        assert not t.is_alive(), "push_pull still waiting: each block on the connection waits a barrier timeout"
+        assert len(raised) == 1 and isinstance(raised[0], BarrierTimeout), raised
+        e = raised[0]
+        assert e.missing_trainers == [1] and e.step == 1, e
+        assert str(e).startswith("barrier timeout at step 1 on pserver 0 (pull block a[0:65536] segment 0): "
+                                 "waiting for trainer 1 (last seen"), e
+        with pytest.raises(BarrierTimeout) as late:
+            clients[1].push_pull({k: np.ones(n, np.float32) for k in names})
+        assert late.value.missing_trainers == [0] and "\n" not in str(late.value), late.value
 
 
 @pytest.mark.timeout(60)

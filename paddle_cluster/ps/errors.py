@@ -101,8 +101,9 @@ class BarrierTimeout(PSError, code=9):
     """A sync-mode barrier waited longer than ``barrier_timeout``; names the trainers it waited for."""
 
     def __init__(self, message: str, step: int = -1, pserver_id: int = -1,
-                 missing: Optional[List[MissingTrainer]] = None) -> None:
+                 missing: Optional[List[MissingTrainer]] = None, again: bool = False) -> None:
         super().__init__(message)
+        self.again = again  # the same trainers' timeout as an earlier barrier's (logged once, by that one)
         self.step = step
         self.pserver_id = pserver_id
         self.missing = list(missing or [])

@@ -438,7 +438,7 @@ class DenseBlock(Shard):
                               lambda: {u for u in sync.active if u < t} - self._who(i))
                 s = self.segs.get(i)
                 if s is None and self.step.n == step and not sync.active <= {t}:
-                    slot = mine if mine is not None else self._take(step, what,
+                    slot = mine if mine is not None else self._take(t, step, what,
                                                                     lambda: i in self.segs or self.step.n != step)
                     s = self.segs.get(i)  # another trainer may have started the segment meanwhile
                     if s is None and self.step.n == step and slot is not None:
@@ -478,11 +478,12 @@ class DenseBlock(Shard):
             if mine is not None and not kept:  # its bytes were added (or not needed): the slot goes back
                 pool.give(mine)
 
-    def _take(self, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
-        """(Holding ``cv``.) A pool slot, waited for without holding ``cv`` (others fold and free meanwhile)."""
+    def _take(self, t: int, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
+        """(Holding ``cv``.) A pool slot for trainer ``t``, waited for without holding ``cv`` (others fold and free
+        meanwhile)."""
         self.cv.release()
         try:
-            return self.pool.take(self.sync, step, what, unless)
+            return self.pool.take(self.sync, t, step, what, unless)
         finally:
             self.cv.acquire()
 
