@@ -202,6 +202,19 @@ class DenseBlock(Shard):
         conn.stream.recv_into(half)
         return Payload(half.astype(np.float32))
 
+    def _empty(self, h: P.Header) -> Optional[Payload]:
+        """The zeros a step's push without gradient stands for when it carries no payload (``EMPTY_FLAG``); None
+        for any other frame. Only with ``NOGRAD_FLAG`` (an empty push is no gradient), never a ``synchronize()``
+        or lane frame, in the block's dtype. Fresh zeros (calloc'd: no memory until written), as the push path
+        may use a received gradient as scratch."""
+        if not h.status & P.EMPTY_FLAG:
+            return None
+        if h.status & (P.REDUCE_FLAG | P.LANE_FLAG) or not h.status & P.NOGRAD_FLAG:
+            raise ProtocolError(f"push {self.label()}: EMPTY_FLAG goes with NOGRAD_FLAG only, on a step's push over "
+                                f"TCP (status {h.status})")
+        self._frame(h, payload=False)
+        return Payload(np.zeros(self.shape, self.dtype))
+
     def _average(self) -> Average:
         with self.cv:
             if self.average is None:
@@ -288,8 +301,9 @@ class DenseBlock(Shard):
         Received whole, a frame cut short changes nothing. The payload is read from the connection's stream, or
         from its same-host lane (``lane.Payload``) when the frame says the block is there, or widened from the
         float16 a frontend's ``compression="fp16"`` sent (``_widened``)."""
-        lane = self._lane(conn, h)
-        wide = None if lane is not None else self._widened(conn, h)
+        empty = self._empty(h)
+        lane = None if empty is not None else self._lane(conn, h)
+        wide = empty if empty is not None or lane is not None else self._widened(conn, h)
         if wide is None:
             self._frame(h, payload=lane is None)
         if h.status & P.REDUCE_FLAG:
