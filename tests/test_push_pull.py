@@ -18,7 +18,8 @@ from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import BarrierTimeout, ConnectionLost, OptimizerSpec, connect
-from paddle_cluster.ps.channel import INLINE_REPLY_BYTES
+from paddle_cluster.ps.channel import INLINE_REPLY_BYTES, exchange, expect_ok
+from paddle_cluster.ps.errors import ProtocolError
 from paddle_cluster.ps.wire import protocol as P
 from paddle_cluster.ps.wire.stream import SEGMENT
 
@@ -173,6 +174,37 @@ def test_barrier_timeout_with_several_blocks_per_connection_is_said_once_not_per
         with pytest.raises(BarrierTimeout) as late:
             clients[1].push_pull({k: np.ones(n, np.float32) for k in names})
         assert late.value.missing_trainers == [0] and "\n" not in str(late.value), late.value
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status,length,says", [
+    (P.EMPTY_FLAG, 0, "EMPTY_FLAG goes with NOGRAD_FLAG only"),  # an empty push is no gradient
+    (P.EMPTY_FLAG | P.NOGRAD_FLAG | P.REDUCE_FLAG, 0, "EMPTY_FLAG goes with NOGRAD_FLAG only"),
+    (P.EMPTY_FLAG | P.NOGRAD_FLAG, 4 << 10, "EMPTY_FLAG with a payload of 4096 bytes"),
+])
+def test_a_misflagged_empty_push_is_refused_naming_it_while_the_next_block_is_sent(tmp_path, status, length, says):
+    """A push flagged as carrying no payload (``EMPTY_FLAG``) where that is not allowed, followed on the same
+    connection by another block's 40 MB push: the trainer gets the pserver's one-line refusal naming the flag
+    or the length (the pserver drops the connection after saying it), not the broken pipe its send meets."""
+    env = H.make_env(1, 1, tmp_path, ports_num=1, sparse_ports=0)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0), max_block_bytes=BIG)
+        try:
+            n = BIG // 4
+            ps.register_dense({"a": np.zeros(1024, np.float32), "b": np.zeros(n, np.float32)})
+            (a,), (b,) = ps._dense.blocks["a"], ps._dense.blocks["b"]
+            ch = ps._dense_ch[0][0]
+            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), status, key=a.key, step=0,
+                                     length=length), (np.zeros(length, np.uint8),) if length else ()),
+                      (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=b.key, step=0, length=4 * n),
+                       (np.ones(n, np.float32),))]
+            with pytest.raises(ProtocolError) as e:
+                ch._guard(exchange, frames, [expect_ok, expect_ok], 0)
+            assert says in str(e.value) and "block a[0:1024]" in str(e.value) and "\n" not in str(e.value), e.value
+        finally:
+            with contextlib.suppress(Exception):  # the connection was dropped: close says so in a warning
+                ps.close()
 
 
 @pytest.mark.timeout(60)

@@ -212,6 +212,8 @@ class DenseBlock(Shard):
         if h.status & (P.REDUCE_FLAG | P.LANE_FLAG) or not h.status & P.NOGRAD_FLAG:
             raise ProtocolError(f"push {self.label()}: EMPTY_FLAG goes with NOGRAD_FLAG only, on a step's push over "
                                 f"TCP (status {h.status})")
+        if h.length:
+            raise ProtocolError(f"push {self.label()}: EMPTY_FLAG with a payload of {h.length} bytes")
         self._frame(h, payload=False)
         return Payload(np.zeros(self.shape, self.dtype))
 
