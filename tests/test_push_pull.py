@@ -208,6 +208,26 @@ def test_a_misflagged_empty_push_is_refused_naming_it_while_the_next_block_is_se
 
 
 @pytest.mark.timeout(60)
+def test_a_trainer_dropped_as_idle_hears_why_at_its_next_push(tmp_path):
+    """A trainer silent on every connection for 3 x BARRIER_TIMEOUT (hung, its peers' barriers long failed) is
+    dropped; its next push_pull raises the pserver's one line saying so, not the broken pipe its send meets."""
+    env = H.make_env(1, 1, tmp_path, ports_num=1, sparse_ports=0, barrier_timeout=1.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(1 << 18, np.float32)})
+            wait_for(lambda: "nothing from this trainer on any connection" in pr.log(server), 15, "the idle drop")
+            with pytest.raises(ConnectionLost) as e:
+                ps.push_pull({"w": np.ones(1 << 18, np.float32)})
+            assert str(e.value).startswith("pserver 0 closed trainer 0's connection: nothing from this trainer on "
+                                           "any connection for 3 s (3 x BARRIER_TIMEOUT)"), e.value
+        finally:
+            with contextlib.suppress(Exception):  # dropped: close warns that the pserver did not answer
+                ps.close()
+
+
+@pytest.mark.timeout(60)
 def test_pserver_killed_mid_push_pull_raises_connection_lost(tmp_path):
     # 16 MB each in 8 MB blocks over both channels: killed while gradients and pulls are in flight
     with _stuck_exchange(tmp_path, barrier_timeout=60.0, n=4 << 20) as (server, clients, t, raised):

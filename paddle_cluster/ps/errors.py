@@ -18,6 +18,7 @@ class PSError(Exception):
     (``class UnknownKey(PSError, code=5)``); a kind without one travels as its parent."""
 
     code = 1
+    said = False  # the pserver said it (an ERROR frame, ``from_wire``): its reason beats what a send then met
 
     def __init_subclass__(cls, code: Optional[int] = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -125,7 +126,11 @@ def from_wire(code: int, body: Dict[str, Any]) -> PSError:
     """Rebuild the exception a pserver reported."""
     cls = _BY_CODE.get(code, RemoteError)
     message = str(body.get("message", "pserver error"))
+    e: PSError
     if cls is BarrierTimeout:
         missing = [MissingTrainer(int(t), None if s is None else float(s)) for t, s in body.get("missing", [])]
-        return BarrierTimeout(message, int(body.get("step", -1)), int(body.get("pserver_id", -1)), missing)
-    return cls(message)
+        e = BarrierTimeout(message, int(body.get("step", -1)), int(body.get("pserver_id", -1)), missing)
+    else:
+        e = cls(message)
+    e.said = True
+    return e
