@@ -5,7 +5,7 @@ branch no trainer uses in step 3 (its parameters get no gradient: flagged at ste
 (fewer than the steps before: the rest goes at step()). Writes ``{"start", "final", "buckets", "sent"}`` to OUT
 (``{rank}`` in it: the bytes it sent), and whether the trainer mapped a same-host lane. The model is big enough
 that a step's gradients leave in several buckets, and its fc2.weight (4.6 MiB) is split over both pservers'
-lanes."""
+lanes. ``clip`` instead of a compression: each step's gradient clipped after ``synchronize()``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 import torch
 
 FEATURES, HIDDEN, OUT, GLOBAL_BATCH, STEPS = 256, 1100, 8, 16, 6
+CLIP = 0.05  # below the whole batch's gradient norm at every step: the clipping does change each step
 
 
 class Net(torch.nn.Module):
@@ -50,14 +51,16 @@ def optimizer(net: Net) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
-def reference(start: dict) -> dict:
-    """Plain torch on the whole batch."""
+def reference(start: dict, clip: bool = False) -> dict:
+    """Plain torch on the whole batch (``clip``: its gradient's norm clipped to ``CLIP``)."""
     net = Net()
     net.load_state_dict(start)
     opt = optimizer(net)
     for step in range(STEPS):
         opt.zero_grad()
         passes(net, step, *batch(step))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         opt.step()
     return {k: v.clone() for k, v in net.state_dict().items()}
 
@@ -73,7 +76,13 @@ def main(out: str, compression: str = "none") -> None:
     for step in range(STEPS):
         opt.zero_grad()
         passes(net, step, *batch(step, pct.rank(), pct.size()))
-        opt.step()
+        if compression == "clip":  # Horovod's pattern: the whole batch's gradient, clipped, then applied
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
     from paddle_cluster.ps.counters import PROCESS
 
     sent = PROCESS.interval()["sent"]  # bytes this trainer sent to the pservers over TCP (what `top` shows)

@@ -70,6 +70,21 @@ def test_fp16_compression_over_tcp_is_plain_torch_within_fp16_rounding(tmp_path)
     assert 0.45 * whole < r1["sent"] < 0.6 * whole, (r1["sent"], whole)
 
 
+@pytest.mark.timeout(120)
+def test_clipping_after_synchronize_is_plain_torch_and_trainer_1_sends_its_gradients_once(tmp_path):
+    """``synchronize()``, ``clip_grad_norm_``, ``with opt.skip_synchronize(): opt.step()`` over TCP (lane off:
+    every byte counted): plain torch clipping the whole batch's gradient, and trainer 1, whose step after
+    ``synchronize()`` applies nothing of its own, sends its gradients once per step (the average's push), the
+    step's push being headers only, where a payload of zeros made it twice."""
+    r0, r1 = _run(tmp_path, "clip", lane=False)
+    ref = J.reference(r0["start"], clip=True)
+    for r in (r0, r1):
+        for k, v in ref.items():
+            torch.testing.assert_close(r["final"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    whole = J.STEPS * r1["model_bytes"]
+    assert whole < r1["sent"] < 1.1 * whole, (r1["sent"], whole)
+
+
 @pytest.fixture
 def alone(tmp_path, monkeypatch):
     """This process as a script run alone: no launcher's variables (its in-process pserver), in ``tmp_path``."""

@@ -18,7 +18,8 @@ from helpers import wait_for
 from rt_helpers import trainer_env
 
 from paddle_cluster.ps import BarrierTimeout, ConnectionLost, OptimizerSpec, connect
-from paddle_cluster.ps.channel import INLINE_REPLY_BYTES
+from paddle_cluster.ps.channel import INLINE_REPLY_BYTES, exchange, expect_ok
+from paddle_cluster.ps.errors import ProtocolError
 from paddle_cluster.ps.wire import protocol as P
 from paddle_cluster.ps.wire.stream import SEGMENT
 
@@ -108,11 +109,11 @@ def test_two_trainers_async_push_pull_with_large_blocks(tmp_path):
 
 
 @contextlib.contextmanager
-def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
-    """Trainer 0 in a push_pull of two parameters of ``n`` floats that waits for trainer 1 (connected, never
-    pushing): yields (server, clients, the thread, what it raised). However the test or this set-up ends,
-    the clients are closed and the pserver stopped."""
-    env = H.make_env(1, 2, tmp_path, ports_num=2, sparse_ports=0, barrier_timeout=barrier_timeout)
+def _stuck_exchange(tmp_path, barrier_timeout: float, n: int, ports_num: int = 2, names: str = "ab"):
+    """Trainer 0 in a push_pull of one parameter of ``n`` floats per letter of ``names`` over ``ports_num``
+    connections that waits for trainer 1 (connected, never pushing): yields (server, clients, the thread, what
+    it raised). However the test or this set-up ends, the clients are closed and the pserver stopped."""
+    env = H.make_env(1, 2, tmp_path, ports_num=ports_num, sparse_ports=0, barrier_timeout=barrier_timeout)
     with H.procs(str(tmp_path)) as pr:
         server = pr.pserver(env, 0)
         opt = OptimizerSpec("sgd", lr=0.5)
@@ -121,12 +122,12 @@ def _stuck_exchange(tmp_path, barrier_timeout: float, n: int):
             for i in range(2):
                 clients.append(connect(mode="sync", optimizer=opt, env=trainer_env(env, i), max_block_bytes=8 << 20))
             for c in clients:
-                c.register_dense({"a": np.zeros(n, np.float32), "b": np.zeros(n, np.float32)})
+                c.register_dense({k: np.zeros(n, np.float32) for k in names})
             raised = []
 
             def step() -> None:
                 try:
-                    clients[0].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
+                    clients[0].push_pull({k: np.ones(n, np.float32) for k in names})
                 except BaseException as e:  # noqa: B036 - the test asserts on it
                     raised.append(e)
 
@@ -152,6 +153,78 @@ def test_push_pull_raises_barrier_timeout_naming_the_missing_trainer(tmp_path):
         out = clients[1].push_pull({"a": np.ones(n, np.float32), "b": np.ones(n, np.float32)})
         assert np.all(out["a"] == np.float32(-0.5))
         assert np.all(clients[0].pull()["b"] == np.float32(-0.5))
+
+
+@pytest.mark.timeout(60)
+def test_barrier_timeout_with_several_blocks_per_connection_is_said_once_not_per_block(tmp_path):
+    """PADDLE_PORTS_NUM=1 and 8 blocks, more than the pserver's pool lets trainer 0 run ahead by: the blocks
+    behind the first one on the connection fail at once for the trainer already waited for, so trainer 0
+    hears within about one barrier timeout (not 8), and trainer 1, coming late, is still connected and hears
+    a barrier timeout too (the pushes it would have summed with were refused), never a broken pipe."""
+    n, names = 64 << 10, "abcdefgh"
+    with _stuck_exchange(tmp_path, barrier_timeout=2.0, n=n, ports_num=1, names=names) as (
+            server, clients, t, raised):
+        t.join(5.0)  # a deadline between 1 barrier timeout and the 8 it took when each block waited its own
+        assert not t.is_alive(), "push_pull still waiting: each block on the connection waits a barrier timeout"
+        assert len(raised) == 1 and isinstance(raised[0], BarrierTimeout), raised
+        e = raised[0]
+        assert e.missing_trainers == [1] and e.step == 1, e
+        assert str(e).startswith("barrier timeout at step 1 on pserver 0 (pull block a[0:65536] segment 0): "
+                                 "waiting for trainer 1 (last seen"), e
+        with pytest.raises(BarrierTimeout) as late:
+            clients[1].push_pull({k: np.ones(n, np.float32) for k in names})
+        assert late.value.missing_trainers == [0] and "\n" not in str(late.value), late.value
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status,length,says", [
+    (P.EMPTY_FLAG, 0, "EMPTY_FLAG goes with NOGRAD_FLAG only"),  # an empty push is no gradient
+    (P.EMPTY_FLAG | P.NOGRAD_FLAG | P.REDUCE_FLAG, 0, "EMPTY_FLAG goes with NOGRAD_FLAG only"),
+    (P.EMPTY_FLAG | P.NOGRAD_FLAG, 4 << 10, "EMPTY_FLAG with a payload of 4096 bytes"),
+])
+def test_a_misflagged_empty_push_is_refused_naming_it_while_the_next_block_is_sent(tmp_path, status, length, says):
+    """A push flagged as carrying no payload (``EMPTY_FLAG``) where that is not allowed, followed on the same
+    connection by another block's 40 MB push: the trainer gets the pserver's one-line refusal naming the flag
+    or the length (the pserver drops the connection after saying it), not the broken pipe its send meets."""
+    env = H.make_env(1, 1, tmp_path, ports_num=1, sparse_ports=0)
+    with H.procs(tmp_path) as pr:
+        pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0), max_block_bytes=BIG)
+        try:
+            n = BIG // 4
+            ps.register_dense({"a": np.zeros(1024, np.float32), "b": np.zeros(n, np.float32)})
+            (a,), (b,) = ps._dense.blocks["a"], ps._dense.blocks["b"]
+            ch = ps._dense_ch[0][0]
+            frames = [(P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), status, key=a.key, step=0,
+                                     length=length), (np.zeros(length, np.uint8),) if length else ()),
+                      (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(np.float32), key=b.key, step=0, length=4 * n),
+                       (np.ones(n, np.float32),))]
+            with pytest.raises(ProtocolError) as e:
+                ch._guard(exchange, frames, [expect_ok, expect_ok], 0)
+            assert says in str(e.value) and "block a[0:1024]" in str(e.value) and "\n" not in str(e.value), e.value
+        finally:
+            with contextlib.suppress(Exception):  # the connection was dropped: close says so in a warning
+                ps.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_dropped_as_idle_hears_why_at_its_next_push(tmp_path):
+    """A trainer silent on every connection for 3 x BARRIER_TIMEOUT (hung, its peers' barriers long failed) is
+    dropped; its next push_pull raises the pserver's one line saying so, not the broken pipe its send meets."""
+    env = H.make_env(1, 1, tmp_path, ports_num=1, sparse_ports=0, barrier_timeout=1.0)
+    with H.procs(tmp_path) as pr:
+        server = pr.pserver(env, 0)
+        ps = connect(mode="sync", optimizer=OptimizerSpec("sgd", lr=0.5), env=trainer_env(env, 0))
+        try:
+            ps.register_dense({"w": np.zeros(1 << 18, np.float32)})
+            wait_for(lambda: "nothing from this trainer on any connection" in pr.log(server), 15, "the idle drop")
+            with pytest.raises(ConnectionLost) as e:
+                ps.push_pull({"w": np.ones(1 << 18, np.float32)})
+            assert str(e.value).startswith("pserver 0 closed trainer 0's connection: nothing from this trainer on "
+                                           "any connection for 3 s (3 x BARRIER_TIMEOUT)"), e.value
+        finally:
+            with contextlib.suppress(Exception):  # dropped: close warns that the pserver did not answer
+                ps.close()
 
 
 @pytest.mark.timeout(60)

@@ -121,6 +121,8 @@ class Channel:
             raise ConnectionLost(f"{self.where}: {self.broken}") from None
         except (ConnectionLost, OSError) as e:
             self.broken = str(e)
+            if isinstance(e, ConnectionLost) and e.said:  # the pserver's own line names it already
+                raise
             raise ConnectionLost(f"{self.where}: {e}") from None
 
     def send(self, header: bytes, *payload: Any) -> None:
@@ -245,7 +247,7 @@ def exchange(ch: Channel, frames: Sequence[Frame], on_reply: Sequence[OnReply], 
     try:
         reading.result()
     except PSError as e:
-        raise (first if isinstance(e, ConnectionLost) and first is not None else e) from None
+        raise (first if isinstance(e, ConnectionLost) and not e.said and first is not None else e) from None
     if first is not None:
         raise first
 
@@ -268,8 +270,9 @@ def _read_replies(ch: Channel, on_reply: Sequence[OnReply], first: Optional[Base
         try:
             cb(ch, ch.reply())
         except PSError as e:
-            if first is None or isinstance(first, ConnectionLost) and not isinstance(e, ConnectionLost):
-                first = e
+            if first is None or isinstance(first, ConnectionLost) and not first.said and (
+                    e.said or not isinstance(e, ConnectionLost)):
+                first = e  # what the pserver said beats a broken connection
             if isinstance(e, ConnectionLost):
                 break
         except BaseException:

@@ -216,8 +216,8 @@ class PSClient:
         Every registered dense parameter needs a gradient. Tables not pushed this step get an empty
         push (sync barriers count every trainer on every step). The gradient arrays are sent without
         copying: do not modify them until the push is waited for (``wait``, or the next ``pull``). ``flags``: a
-        parameter's push status (``protocol.NOGRAD_FLAG``: no gradient this step, its array is zeros;
-        ``AVERAGED_FLAG``: the step's averaged gradient already), by name.
+        parameter's push status (``protocol.NOGRAD_FLAG``: no gradient this step, its array is zeros and only a
+        header goes; ``AVERAGED_FLAG``: the step's averaged gradient already), by name.
         """
         self._check_open()
         step = self.step

@@ -18,6 +18,7 @@ class PSError(Exception):
     (``class UnknownKey(PSError, code=5)``); a kind without one travels as its parent."""
 
     code = 1
+    said = False  # the pserver said it (an ERROR frame, ``from_wire``): its reason beats what a send then met
 
     def __init_subclass__(cls, code: Optional[int] = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -101,8 +102,9 @@ class BarrierTimeout(PSError, code=9):
     """A sync-mode barrier waited longer than ``barrier_timeout``; names the trainers it waited for."""
 
     def __init__(self, message: str, step: int = -1, pserver_id: int = -1,
-                 missing: Optional[List[MissingTrainer]] = None) -> None:
+                 missing: Optional[List[MissingTrainer]] = None, again: bool = False) -> None:
         super().__init__(message)
+        self.again = again  # the same trainers' timeout as an earlier barrier's (logged once, by that one)
         self.step = step
         self.pserver_id = pserver_id
         self.missing = list(missing or [])
@@ -124,7 +126,11 @@ def from_wire(code: int, body: Dict[str, Any]) -> PSError:
     """Rebuild the exception a pserver reported."""
     cls = _BY_CODE.get(code, RemoteError)
     message = str(body.get("message", "pserver error"))
+    e: PSError
     if cls is BarrierTimeout:
         missing = [MissingTrainer(int(t), None if s is None else float(s)) for t, s in body.get("missing", [])]
-        return BarrierTimeout(message, int(body.get("step", -1)), int(body.get("pserver_id", -1)), missing)
-    return cls(message)
+        e = BarrierTimeout(message, int(body.get("step", -1)), int(body.get("pserver_id", -1)), missing)
+    else:
+        e = cls(message)
+    e.said = True
+    return e

@@ -265,6 +265,9 @@ class DenseParams:
                     ) -> Frame:
         """A push's frame; a block in a lane is copied there now (on the channel's thread: every earlier push on
         the channel is answered, so the pserver no longer reads the place) and its frame is a header."""
+        if flags & P.NOGRAD_FLAG:  # zeros: the pserver has them, a header says so
+            return (P.pack_header(P.Op.PUSH_DENSE, P.dtype_code(b.dtype), flags | P.EMPTY_FLAG, key=b.key, step=step,
+                                  aux=self.versions.get(b.key, 0)), ())
         at = self.lane_at.get(b.key)
         if at is not None:
             np.copyto(at[0], send[b.name][b.lo:b.hi].reshape(-1))

@@ -214,7 +214,7 @@ class Bridge:
         grads, flags = {}, {}
         for name in self.names:
             g = dense_grads.get(name)
-            if g is None:  # zeros on the wire, flagged: counted as zero, and no update where no trainer has one
+            if g is None:  # flagged, no payload on the wire: counted as zero, and no update where no trainer has one
                 grads[name], flags[name] = self._zeros(name), P.NOGRAD_FLAG
             else:
                 grads[name] = np.ascontiguousarray(g, dtype=self._shapes[name][1])

@@ -202,6 +202,21 @@ class DenseBlock(Shard):
         conn.stream.recv_into(half)
         return Payload(half.astype(np.float32))
 
+    def _empty(self, h: P.Header) -> Optional[Payload]:
+        """The zeros a step's push without gradient stands for when it carries no payload (``EMPTY_FLAG``); None
+        for any other frame. Only with ``NOGRAD_FLAG`` (an empty push is no gradient), never a ``synchronize()``
+        or lane frame, in the block's dtype. Fresh zeros (calloc'd: no memory until written), as the push path
+        may use a received gradient as scratch."""
+        if not h.status & P.EMPTY_FLAG:
+            return None
+        if h.status & (P.REDUCE_FLAG | P.LANE_FLAG) or not h.status & P.NOGRAD_FLAG:
+            raise ProtocolError(f"push {self.label()}: EMPTY_FLAG goes with NOGRAD_FLAG only, on a step's push over "
+                                f"TCP (status {h.status})")
+        if h.length:
+            raise ProtocolError(f"push {self.label()}: EMPTY_FLAG with a payload of {h.length} bytes")
+        self._frame(h, payload=False)
+        return Payload(np.zeros(self.shape, self.dtype))
+
     def _average(self) -> Average:
         with self.cv:
             if self.average is None:
@@ -288,8 +303,9 @@ class DenseBlock(Shard):
         Received whole, a frame cut short changes nothing. The payload is read from the connection's stream, or
         from its same-host lane (``lane.Payload``) when the frame says the block is there, or widened from the
         float16 a frontend's ``compression="fp16"`` sent (``_widened``)."""
-        lane = self._lane(conn, h)
-        wide = None if lane is not None else self._widened(conn, h)
+        empty = self._empty(h)
+        lane = None if empty is not None else self._lane(conn, h)
+        wide = empty if empty is not None or lane is not None else self._widened(conn, h)
         if wide is None:
             self._frame(h, payload=lane is None)
         if h.status & P.REDUCE_FLAG:
@@ -438,7 +454,7 @@ class DenseBlock(Shard):
                               lambda: {u for u in sync.active if u < t} - self._who(i))
                 s = self.segs.get(i)
                 if s is None and self.step.n == step and not sync.active <= {t}:
-                    slot = mine if mine is not None else self._take(step, what,
+                    slot = mine if mine is not None else self._take(t, step, what,
                                                                     lambda: i in self.segs or self.step.n != step)
                     s = self.segs.get(i)  # another trainer may have started the segment meanwhile
                     if s is None and self.step.n == step and slot is not None:
@@ -478,11 +494,12 @@ class DenseBlock(Shard):
             if mine is not None and not kept:  # its bytes were added (or not needed): the slot goes back
                 pool.give(mine)
 
-    def _take(self, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
-        """(Holding ``cv``.) A pool slot, waited for without holding ``cv`` (others fold and free meanwhile)."""
+    def _take(self, t: int, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
+        """(Holding ``cv``.) A pool slot for trainer ``t``, waited for without holding ``cv`` (others fold and free
+        meanwhile)."""
         self.cv.release()
         try:
-            return self.pool.take(self.sync, step, what, unless)
+            return self.pool.take(self.sync, t, step, what, unless)
         finally:
             self.cv.acquire()
 

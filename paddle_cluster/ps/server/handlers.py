@@ -272,7 +272,7 @@ def route(st: State, conn: Conn, h: P.Header) -> bool:
         return False
     except PSError as e:
         # A request-level failure (barrier timeout, mismatch): report it and keep the connection.
-        if isinstance(e, BarrierTimeout):
+        if isinstance(e, BarrierTimeout) and not e.again:
             log.warning("%s", e)
         if conn.stream.left:  # the payload not read yet
             conn.stream.discard()

@@ -319,9 +319,11 @@ class Listener:
         while not self.done.is_set():
             left = self.idle_after - self._silent(conn.trainer)
             if left <= 0:
-                log.warning("pserver %d: closed connection from %s (trainer %d, port %d): nothing from this trainer "
-                            "on any connection for %.0f s (%d x BARRIER_TIMEOUT)", self.pserver_id, conn.peer,
-                            conn.trainer, conn.port, self._silent(conn.trainer), IDLE_BARRIERS)
+                why = (f"nothing from this trainer on any connection for {self._silent(conn.trainer):.0f} s "
+                       f"({IDLE_BARRIERS} x BARRIER_TIMEOUT)")
+                # Said to the trainer too: its next request then fails with this line, not a bare broken pipe.
+                conn.drop(why, ConnectionLost(f"pserver {self.pserver_id} closed trainer {conn.trainer}'s connection: "
+                                              f"{why}; the other trainers' barriers gave up on it"))
                 return False
             if poller.poll(min(left, 0.5) * 1000):
                 return True

@@ -22,14 +22,14 @@ class AccPool:
         self.left = max(1, nbytes // SEGMENT)  # slots that may still be allocated
         self.waiting = 0  # threads in ``take``: give and poke wake no one when there are none
 
-    def take(self, sync: Sync, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
-        """A free slot; None as soon as ``unless()`` (the slot is no longer needed: another trainer started
-        the segment, or the step completed)."""
+    def take(self, sync: Sync, t: int, step: int, what: str, unless: Callable[[], bool]) -> Optional[np.ndarray]:
+        """A free slot for trainer ``t``; None as soon as ``unless()`` (the slot is no longer needed: another
+        trainer started the segment, or the step completed)."""
         with self.cv:
             self.waiting += 1
             try:
                 sync.wait(self.cv, lambda: bool(self.free) or self.left > 0 or unless(), step,
-                          f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active))
+                          f"{what}: waiting for the other trainers to catch up", lambda: set(sync.active) - {t})
             finally:
                 self.waiting -= 1
             return None if unless() else self._pop()

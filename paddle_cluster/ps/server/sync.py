@@ -10,6 +10,7 @@ for it completes.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -159,6 +160,9 @@ class Sync:
         self._set_active(range(trainers))
         self.closed: Set[int] = set()
         self.last_seen: Dict[int, float] = {}
+        # trainer -> when a barrier here last timed out waiting for it: a later wait for it alone, with nothing
+        # heard from it since, fails at once (``wait``)
+        self.given_up: Dict[int, float] = {}
         self.hyper = HyperHistory()
         self.rw = RWLock()
 
@@ -223,6 +227,7 @@ class Sync:
         ``gone()``: the trainer waiting has gone (ConnectionLost)."""
         if ready():
             return
+        self._fail_if_given_up(step, what, missing)
         deadline = time.monotonic() + self.barrier_timeout
         while not ready():
             if self.done.is_set():
@@ -232,8 +237,27 @@ class Sync:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing_now = self._missing(missing())
+                now = time.monotonic()
+                self.given_up.update((m.trainer_id, now) for m in missing_now)
                 waiting = ", ".join(m.label() for m in missing_now) or "no trainer (it should have completed)"
                 raise BarrierTimeout(
                     f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for {waiting} "
                     f"for more than {self.barrier_timeout:g} s", step, self.pserver_id, missing_now)
             cv.wait(min(left, POLL))
+
+    def _fail_if_given_up(self, step: int, what: str, missing: Callable[[], Any]) -> None:
+        """Raise the BarrierTimeout at once when a trainer this wait is for was given up on by an earlier barrier
+        of this pserver and has sent nothing since: the wait cannot end sooner than that trainer comes, and the
+        requests behind the first one on a connection would otherwise each wait a barrier timeout more for it
+        (N blocks: N times the timeout before the waiting trainer hears, by when the missing one may have been
+        dropped as idle and meet a broken connection instead of this error)."""
+        if not self.given_up:
+            return
+        who = set(missing())
+        if not any(self.last_seen.get(t, -1.0) <= self.given_up.get(t, -math.inf) for t in who):
+            return
+        gone = self._missing(who)
+        waiting = ", ".join(m.label() for m in gone)
+        raise BarrierTimeout(f"barrier timeout at step {step} on pserver {self.pserver_id} ({what}): waiting for "
+                             f"{waiting} for more than {self.barrier_timeout:g} s (nothing heard from it since an "
+                             "earlier barrier timed out)", step, self.pserver_id, gone, again=True)

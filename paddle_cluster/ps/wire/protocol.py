@@ -42,11 +42,14 @@ LANE_FLAG = 1  # status of PUSH_DENSE, PULL_DENSE and its DATA reply: the array 
 NOGRAD_FLAG = 2
 # Status of PUSH_DENSE: the payload is the step's whole gradient, averaged over the trainers already (the step
 # after a synchronize()): the step applies it as it is, not divided by the trainer count; the other trainers
-# push NOGRAD_FLAG zeros.
+# push NOGRAD_FLAG without payload (EMPTY_FLAG).
 AVERAGED_FLAG = 4
 # Status of PUSH_DENSE: a gradient to average over the trainers, not to apply (``synchronize()``); of PULL_DENSE:
 # reply with that average for ``step`` (its DATA reply has NOGRAD_FLAG when no trainer had a gradient).
 REDUCE_FLAG = 8
+# Status of a step's PUSH_DENSE with NOGRAD_FLAG: no payload at all (length 0), the zeros it stands for are the
+# pserver's: a trainer without a gradient (every trainer but 0 after a synchronize()) sends a header only.
+EMPTY_FLAG = 16
 
 
 class Op(enum.IntEnum):
