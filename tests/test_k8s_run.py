@@ -191,6 +191,9 @@ def test_detach_then_status_logs_kill_and_the_results_survive(fresh_kube: StandI
         "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
     logs = cli(fresh_kube, job_dir, "logs", "trainer.0")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    logs = cli(fresh_kube, job_dir, "logs", "all", "--role", "trainer", "-n", "1")  # each trainer's last line
+    assert logs.returncode == 0 and [ln.split("] ")[0] for ln in logs.stdout.splitlines()] == [
+        "[trainer.0@fit-trainer-0", "[trainer.1@fit-trainer-1"] and "] final test_mse=" in logs.stdout, logs
     logs = cli(fresh_kube, job_dir, "logs", "trainer.0", "--role", "pserver")  # a pod runs one process: not ignored
     assert logs.returncode == 1 and "trainer.0 is a trainer's pod" in logs.stderr and not logs.stdout, logs
     kill = cli(fresh_kube, job_dir, "kill")
