@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 from enginecluster import kubectl_unavailable_reason
@@ -435,21 +435,25 @@ def test_every_line_of_many_pods_arrives_with_one_log_follower_process(fresh_kub
     kubectls, output, followed = set(), [], []
     reader = threading.Thread(target=lambda: output.append(launcher.communicate(timeout=300)), daemon=True)
     reader.start()
-    follower = None
+    follower: Optional[subprocess.Popen] = None
+    tailer = threading.Thread()
     try:
         while launcher.poll() is None:  # the kubectl processes the run (and logs -f) have
             if follower is None and any(p["status"].get("phase") == "Running" for p in fresh_kube.pods()):
                 follower = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "logs", "all", "-f", "-n",
                                              "100000"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                threading.Thread(target=lambda f=follower: followed.append(f.communicate(timeout=300)),
-                                 daemon=True).start()
+                tailer = threading.Thread(target=lambda f=follower: followed.append(f.communicate(timeout=300)),
+                                          daemon=True)
+                tailer.start()
             kubectls |= {(c, " ".join(_cmdline(c))) for c in [*_children(launcher.pid), *(
                 _children(follower.pid) if follower else [])] if "kubectl" in " ".join(_cmdline(c)[:1])}
             time.sleep(0.2)
         reader.join(timeout=60)
         ((out, err),) = output
-        assert follower is not None and follower.wait(timeout=60) == 0, followed
+        assert follower is not None, "no pod ran"
+        tailer.join(timeout=60)
+        assert follower.returncode == 0, followed
     finally:
         for p in (launcher, follower):
             if p is not None and p.poll() is None:

@@ -266,18 +266,20 @@ def stream_logs(k: Kubectl, text: str, role: str, lines: int, follow: bool, out:
 
 def _follow_pods(k: Kubectl, proxy: LogProxy, wanted: Callable[[PodState], bool], lines: int,
                  show: Callable[[PodState, str], None], whole_job: bool) -> None:
-    """Each wanted pod's log from its last ``lines`` lines on, a thread each through ``proxy``; the job's pods (and,
-    ``whole_job``, its Jobs) listed through it every ``FOLLOW_ASK_S`` for pods that start and for the end: the
-    wanted pods ended (``whole_job``: the Jobs finished or deleted) and their logs read out."""
+    """Each wanted pod's log from its last ``lines`` lines on (one that starts later: from its start), a thread each
+    through ``proxy``; the job's pods (and, ``whole_job``, its Jobs) listed through it every ``FOLLOW_ASK_S`` for
+    pods that start and for the end: the wanted pods ended (``whole_job``: the Jobs finished or deleted) and their
+    logs read out."""
     followers: Dict[str, threading.Thread] = {}
     problems: List[str] = []
 
-    def read(p: PodState) -> None:
+    def read(p: PodState, tail: Optional[int]) -> None:
         try:
-            for raw in proxy.follow(k.namespace, p.name, tail=lines if lines >= 0 else None):
+            for raw in proxy.follow(k.namespace, p.name, tail=tail):
                 show(p, raw)
         except ClusterError as e:
             problems.append(f"pod/{p.name}: {e}")
+    tail: Optional[int] = lines if lines >= 0 else None  # then None: every line of a pod started since
     while True:
         # The Jobs before the pods: a pod the last listing of a finished job lacks was never followed.
         done = not whole_job or all(_finished(j) for j in proxy.items(k.namespace, "apis/batch/v1", "jobs",
@@ -285,8 +287,10 @@ def _follow_pods(k: Kubectl, proxy: LogProxy, wanted: Callable[[PodState], bool]
         mine = [p for p in states_of(proxy.items(k.namespace, "api/v1", "pods", k.selector)) if wanted(p)]
         for p in mine:
             if p.state in ("running", "terminated") and p.name not in followers:
-                followers[p.name] = t = threading.Thread(target=read, args=(p,), daemon=True, name=f"logs-{p.name}")
+                followers[p.name] = t = threading.Thread(target=read, args=(p, tail), daemon=True,
+                                                         name=f"logs-{p.name}")
                 t.start()
+        tail = None
         if (done if whole_job else all(p.state == "terminated" for p in mine)) and not any(
                 t.is_alive() for t in followers.values()):
             break
