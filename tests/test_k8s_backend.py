@@ -56,8 +56,6 @@ def test_every_command_names_the_namespace_and_only_this_jobs_objects() -> None:
     assert k.get_pods() == [*ns, "get", "pods", *sel, "--output", "json"]
     assert k.get() == [*ns, "get", "jobs.batch,pods", *sel, "--output", "wide"]
     assert k.watch_pods() == [*ns, "get", "pods", *sel, "--watch", "--output-watch-events", "--output", "json"]
-    assert k.logs("fit-trainer-0-x7k2p") == [*ns, "logs", "pod/fit-trainer-0-x7k2p", "--follow"]
-    assert k.logs("p", follow=False, tail=5) == [*ns, "logs", "pod/p", "--tail=5"]
     assert k.delete(wait=True) == [*ns, "delete", "jobs.batch,services,secrets,configmaps", *sel, "--ignore-not-found",
                                    "--cascade=foreground", "--wait=true"]
     assert k.kill_pods() == [*ns, "delete", "pods", *sel, "--ignore-not-found", "--grace-period=0", "--force",

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 from enginecluster import kubectl_unavailable_reason
@@ -191,6 +191,9 @@ def test_detach_then_status_logs_kill_and_the_results_survive(fresh_kube: StandI
         "Job/default/fit-trainer"]["status"].get("conditions", [])), 120, "the trainers done")
     logs = cli(fresh_kube, job_dir, "logs", "trainer.0")
     assert logs.returncode == 0 and "final test_mse=" in logs.stdout, logs
+    logs = cli(fresh_kube, job_dir, "logs", "all", "--role", "trainer", "-n", "1")  # each trainer's last line
+    assert logs.returncode == 0 and [ln.split("] ")[0] for ln in logs.stdout.splitlines()] == [
+        "[trainer.0@fit-trainer-0", "[trainer.1@fit-trainer-1"] and "] final test_mse=" in logs.stdout, logs
     logs = cli(fresh_kube, job_dir, "logs", "trainer.0", "--role", "pserver")  # a pod runs one process: not ignored
     assert logs.returncode == 1 and "trainer.0 is a trainer's pod" in logs.stderr and not logs.stdout, logs
     kill = cli(fresh_kube, job_dir, "kill")
@@ -419,7 +422,9 @@ for i in range({LINES}):
 def test_every_line_of_many_pods_arrives_with_one_log_follower_process(fresh_kube: StandIn, job_dir: Path) -> None:
     """Ten trainers print 2000 lines each and end, half of them only once the quota has room, so they start while
     the run follows the others and some end before run has seen them run: every line of every pod is shown, in
-    its order, and saved; the logs came through one kubectl proxy, not a kubectl process per pod."""
+    its order, and saved; ``logs all -f`` from another terminal, started once the first pods run, shows every
+    pod's lines too (those that ended before it started included) and ends with the job; the logs came through
+    one kubectl proxy per command, not a kubectl process per pod."""
     (job_dir / "ws" / "speaker.py").write_text(SPEAKER)
     fresh_kube.setup(ROOM_FOR_ONE % 6)  # the pserver and 5 trainers at a time
     env = {k: v for k, v in fresh_kube.env.items() if not k.startswith("PADDLE_")}
@@ -427,30 +432,48 @@ def test_every_line_of_many_pods_arrives_with_one_log_follower_process(fresh_kub
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
         job_dir, "--job_name", "many", "--trainers", "10", "--entry", "speaker.py", "--pserver", "builtin")],
         cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    kubectls, output = set(), []
+    kubectls, output, followed = set(), [], []
     reader = threading.Thread(target=lambda: output.append(launcher.communicate(timeout=300)), daemon=True)
     reader.start()
+    follower: Optional[subprocess.Popen] = None
+    tailer = threading.Thread()
     try:
-        while launcher.poll() is None:  # the kubectl processes the run has
-            kubectls |= {(c, " ".join(_cmdline(c))) for c in _children(launcher.pid) if
-                         "kubectl" in " ".join(_cmdline(c)[:1])}
+        while launcher.poll() is None:  # the kubectl processes the run (and logs -f) have
+            if follower is None and any(p["status"].get("phase") == "Running" for p in fresh_kube.pods()):
+                follower = subprocess.Popen([sys.executable, "-m", "paddle_cluster", "logs", "all", "-f", "-n",
+                                             "100000"], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                tailer = threading.Thread(target=lambda f=follower: followed.append(f.communicate(timeout=300)),
+                                          daemon=True)
+                tailer.start()
+            kubectls |= {(c, " ".join(_cmdline(c))) for c in [*_children(launcher.pid), *(
+                _children(follower.pid) if follower else [])] if "kubectl" in " ".join(_cmdline(c)[:1])}
             time.sleep(0.2)
         reader.join(timeout=60)
         ((out, err),) = output
+        assert follower is not None, "no pod ran"
+        tailer.join(timeout=60)
+        assert follower.returncode == 0, followed
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        for p in (launcher, follower):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    ((tail, tail_err),) = followed
     for t in range(10):
         shown = re.findall(rf"^\[trainer\.{t}@many-trainer-{t}\] trainer {t} says (\d+)$", out, re.M)
         assert [int(i) for i in shown] == list(range(LINES)), (t, len(shown))
+        shown = re.findall(rf"^\[trainer\.{t}@many-trainer-{t}\] trainer {t} says (\d+)$", tail, re.M)
+        assert [int(i) for i in shown] == list(range(LINES)), (t, len(shown), tail_err[-2000:])
         saved = (job_dir / f"root/many/log/trainer.{t}.log").read_text().splitlines()
         assert [ln for ln in saved if ln.startswith("trainer ")] == [f"trainer {t} says {i:05d}" for i in
                                                                     range(LINES)], t
     assert "waits for room in the namespace's quota" in out, out[-3000:]
-    assert not [c for c in kubectls if " logs " in c[1] and "--follow" in c[1]], kubectls
-    assert [c for c in kubectls if " proxy --port=0 " in c[1]], kubectls
+    assert not [c for c in kubectls if " logs " in c[1]], kubectls  # (run's saving of the logs included)
+    assert len([c for c in kubectls if " proxy --port=0 " in c[1]]) == 2, kubectls  # run's, and logs -f's
+    last = cli(fresh_kube, job_dir, "logs", "all", "--role", "trainer", "-n", "1")  # the saved logs, pods gone
+    assert last.stdout.splitlines() == [f"[trainer.{t}] trainer {t} says {LINES - 1:05d}" for t in range(10)], last
 
 
 def _children(pid: int) -> List[int]:
@@ -703,11 +726,11 @@ def test_ctrl_c_stops_every_pod_and_keeps_the_logs(fresh_kube: StandIn, job_dir:
     env.update(PYTHONPATH=str(REPO), HOME=str(job_dir), XDG_STATE_HOME=str(job_dir / "state"))
     launcher = subprocess.Popen([sys.executable, "-m", "paddle_cluster", *run_args(
         job_dir, "--job_name", "fit", "--", "--passes", "100000")], cwd=job_dir, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         fresh_kube.wait(lambda: any("Pass 1:" in p.read_text() for p in (fresh_kube.root / "logs" / "default").glob(
             "fit-trainer-0-*.log")), 120, "trainer 0 in its second pass")
-        launcher.send_signal(signal.SIGINT)
+        os.killpg(launcher.pid, signal.SIGINT)  # as a terminal's Ctrl+C: to the launcher and its kubectls
         out, err = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:

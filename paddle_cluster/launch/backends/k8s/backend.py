@@ -157,7 +157,7 @@ class K8sBackend(Backend):
     help = BackendHelp("Kubernetes Jobs", "the Kubernetes manifests",
                        "whether kubectl may do in the namespace all that run, status, logs and kill do (kubectl auth "
                        "can-i)", render_hint="Apply with: paddle-cluster render k8s --image IMAGE | kubectl apply -f -",
-                       node_hint="a pod: fit-trainer-0 or trainer.0")
+                       node_hint="a pod: fit-trainer-0 or trainer.0, or all: every pod of --role")
     needs_workspace = False  # it is in the image
     needs_hosts = False  # one pod per process: HOSTS only multiplies the per-node counts
     detach = ""
@@ -217,7 +217,7 @@ class K8sBackend(Backend):
     @classmethod
     def logs(cls, job: JobRef, node: str, role: str, lines: int, follow: bool, out: Callable[[str], None]) -> None:
         pod_of_role(node, role)
-        pods.stream_logs(cls._kubectl(job), node, lines, follow, out, job.cfg.job_dir(job.name))
+        pods.stream_logs(cls._kubectl(job), node, role, lines, follow, out, job.cfg.job_dir(job.name))
 
     @classmethod
     def cancel(cls, job: JobRef, say: Callable[[str], None]) -> List[str]:
@@ -325,8 +325,8 @@ class K8sBackend(Backend):
 
 
 class K8sLiveJob(LiveJob):
-    """One job's objects, created and followed: a watch of its pods, Jobs and events, and a ``kubectl logs`` of each
-    pod that ran, turned into the events every backend yields."""
+    """One job's objects, created and followed: a watch of its pods, Jobs and events, and the log of each pod that
+    ran (through one ``kubectl proxy``), turned into the events every backend yields."""
 
     def __init__(self, request: K8sRequest, cfg: ClusterConfig, binary: str, say: Callable[[str], None],
                  pending_timeout: Optional[float] = None) -> None:
@@ -336,7 +336,7 @@ class K8sLiveJob(LiveJob):
         self.job = job = request.job
         self.job_dir = request.plan.spec.job_dir
         self.kubectl = Kubectl(job.namespace, job.selector, binary, kc.kinds(job.jobset))
-        # Bounded: a pod printing faster than the launcher shows it waits (its kubectl logs pipe fills).
+        # Bounded: a pod printing faster than the launcher shows it waits (its log stream is not read on).
         self.events: queue.Queue[Event] = queue.Queue(maxsize=EVENTS_MAX)
         self._closing = False  # stopping: an event that does not fit is dropped, never waited for
         nodes = prepared.nodes
@@ -602,8 +602,12 @@ class K8sLiveJob(LiveJob):
             self.request_stop(0)
         try:
             if grace:  # the logs and metrics first: they go with the pods
-                saved = save_results(self.kubectl, pod_states(self.kubectl.run(self.kubectl.get_pods())),
-                                     self.job_dir)
+                states = pod_states(self.kubectl.run(self.kubectl.get_pods()))
+                if self.proxy is not None:  # the one following the pods
+                    saved = save_results(self.kubectl, self.proxy, states, self.job_dir)
+                else:
+                    with LogProxy(self.kubectl.binary) as proxy:
+                        saved = save_results(self.kubectl, proxy, states, self.job_dir)
                 if saved:
                     self.say(f"logs and metrics of {len(saved)} pod(s) saved in {self.job_dir}/log")
             self.kubectl.run(self.kubectl.delete(wait=True), timeout=self.cfg.kill_grace + 120)

@@ -91,10 +91,6 @@ class Kubectl:
         """The job's Jobs and pods, as a table for people."""
         return self._ns("get", "jobs.batch,pods", "--selector", self.selector, "--output", "wide")
 
-    def logs(self, pod: str, follow: bool = True, tail: Optional[int] = None) -> List[str]:
-        return self._ns("logs", f"pod/{pod}", *(["--follow"] if follow else []),
-                        *([f"--tail={tail}"] if tail is not None else []))
-
     def delete(self, wait: bool) -> List[str]:
         """Delete the job's objects; foreground: a Job is gone only once its pods are (with their grace)."""
         return self._ns("delete", self.kinds, "--selector", self.selector, "--ignore-not-found", "--cascade=foreground",

@@ -1,16 +1,17 @@
 """What the launcher reads of a job's pods besides their states: each one's log (followed, joined across the
 kubelet's rotation, saved with the job's results, streamed by ``logs``), ``status``'s rows, ``top``'s figures; and
-``kill``, which marks the pods and deletes the job's objects.
+``kill``, which marks the pods and deletes the job's objects. Every log is read through one ``kubectl proxy`` per
+command (``logfollow.py``), never a ``kubectl logs`` per pod.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from paddle_cluster.contract import PSERVER
 from paddle_cluster.node import pod as pod_entry
@@ -21,7 +22,22 @@ from ...errors import ClusterError
 from ...interrupt import stoppable
 from ...top import NodeDoc
 from ..base import ProcRow
-from .kubectl import KILLED, KILLED_ANNOTATION, ROLES, Kubectl, PodState, find_pod, pod_states, pod_summary, proc_name
+from .kubectl import (
+    KILLED,
+    KILLED_ANNOTATION,
+    ROLES,
+    Kubectl,
+    PodState,
+    find_pod,
+    pod_states,
+    pod_summary,
+    proc_name,
+    states_of,
+)
+from .logfollow import LogProxy
+
+ALL = "all"  # ``logs all``: every pod of the job (of ``--role``)
+FOLLOW_ASK_S = 1.0  # ``logs -f``: how often the job's pods are listed for new ones and for its end
 
 
 def kill_job(k: Kubectl, job_dir: str) -> List[str]:
@@ -34,7 +50,8 @@ def kill_job(k: Kubectl, job_dir: str) -> List[str]:
             k.run(k.patch([f"pod/{p.name}" for p in pods], {"metadata": {"annotations": {KILLED_ANNOTATION: KILLED}}}))
     except ClusterError:  # a pod gone meanwhile, or no right to patch pods: the objects are deleted all the same
         pass
-    saved = save_results(k, pods, job_dir)
+    with LogProxy(k.binary) as proxy:
+        saved = save_results(k, proxy, pods, job_dir)
     lines = k.run(k.delete(wait=True), timeout=600).splitlines()
     return ([f"logs and metrics of {len(saved)} pod(s) saved in {job_dir}/log"] if saved else []) + lines
 
@@ -46,7 +63,7 @@ def followed_copy(job_dir: str, pod: str) -> str:
 
 
 def whole_log(current: List[str], copy: List[str]) -> List[str]:
-    """A pod's whole log from ``kubectl logs`` (``current``: the kubelet's current file, which past its size
+    """A pod's whole log as the API server serves it (``current``: the kubelet's current file, which past its size
     limit, 10 MiB by default, it rotates away) and the ``copy`` a follower kept, joined where they overlap; a log
     that still lacks its beginning says so in its first line."""
     if not began_rotated(current):
@@ -70,7 +87,7 @@ ROTATED = ("[paddle-cluster: the beginning of this log was rotated away on its n
            "10 MiB by default: containerLogMaxSize); a run that follows the job keeps every line]")
 
 
-def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
+def save_results(k: Kubectl, proxy: LogProxy, pods: List[PodState], job_dir: str) -> List[str]:
     """Each pod's whole log into ``job_dir/log/<process>.log`` (with the copy a follower kept: ``whole_log``)
     and a trainer's metrics records (its log's ``METRICS`` lines) into ``log/metrics.trainer<N>.jsonl``, as the
     other backends leave them, so ``logs`` and ``plot`` work once the pods are gone. Each file is written whole,
@@ -82,10 +99,10 @@ def save_results(k: Kubectl, pods: List[PodState], job_dir: str) -> List[str]:
         if not p.state:  # never ran: no log
             return None
         try:
-            return k.run(k.logs(p.name, follow=False), timeout=120)
+            return proxy.read(k.namespace, p.name)
         except ClusterError:
             return None
-    with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, at once: every run's end and kill wait for them
+    with ThreadPoolExecutor(max_workers=8) as ex:  # a request each, at once: every run's end and kill wait for them
         texts = list(ex.map(log_of, pods))
     for p, text in zip(pods, texts):
         if text is None:
@@ -146,10 +163,11 @@ def pod_row(p: PodState, last_line: str) -> ProcRow:
 def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:
     """One row per pod, with the last line of its log; once the pods are gone, one per log saved."""
     states = sorted(pod_states(k.run(k.get_pods())), key=lambda p: (p.role != PSERVER, p.index))
-    # A kubectl or two per pod, at once: one pod after another, ``status`` of 5 pods took 1.3-1.6 s here, 0.5-0.7 s
-    # so, and a user's job of dozens of pods waited seconds more.
-    with ThreadPoolExecutor(max_workers=8) as ex:
-        lasts = list(ex.map(lambda p: last_output(k, p.name) if p.state else "", states))
+    # A request or two per pod, at once: one pod after another, a user's job of dozens of pods waited seconds.
+    lasts: List[str] = []
+    if states:
+        with LogProxy(k.binary) as proxy, ThreadPoolExecutor(max_workers=8) as ex:
+            lasts = list(ex.map(lambda p: last_output(k, proxy, p.name) if p.state else "", states))
     rows = [pod_row(p, last) for p, last in zip(states, lasts)] or saved_rows(job_dir)
     if not rows:
         raise ClusterError(f"no pods with {k.selector} in namespace {k.namespace} and no saved logs in {job_dir}/log "
@@ -157,12 +175,12 @@ def job_status(k: Kubectl, job_dir: str) -> List[ProcRow]:
     return rows
 
 
-def last_output(k: Kubectl, pod: str) -> str:
+def last_output(k: Kubectl, proxy: LogProxy, pod: str) -> str:
     """The last line the pod's process printed: the log's last, or, when that is the entry point's figures line
     (every FIGURES_S), the last other one of a longer tail; "" when there is none or kubectl cannot say."""
     for tail in (1, 1000):
         try:
-            lines = [ln for ln in k.run(k.logs(pod, follow=False, tail=tail), timeout=30).splitlines()
+            lines = [ln for ln in proxy.read(k.namespace, pod, tail, timeout=30).splitlines()
                      if ln.strip() and not ln.startswith(QUIET)]
         except ClusterError:
             return ""
@@ -186,7 +204,7 @@ def figures(k: Kubectl) -> List[NodeDoc]:
         now, said = time.time(), {}
         try:
             ran = p.state in ("running", "terminated")  # a waiting container has no log yet
-            text = k.run(k.logs(p.name, follow=False, tail=FIGURES_TAIL), timeout=30) if ran else ""
+            text = proxy.read(k.namespace, p.name, FIGURES_TAIL, timeout=30) if ran else ""
         except ClusterError as e:
             return NodeDoc(p.hostname, p.node_name, {}, str(e))
         for line in reversed(text.splitlines()):
@@ -205,39 +223,99 @@ def figures(k: Kubectl) -> List[NodeDoc]:
             row.update(cpu=said.get("cpu"), rss=said.get("rss"),
                        age=node_top.age(own if isinstance(own, dict) else {}, at))
         return NodeDoc(p.hostname, p.node_name, {"time": now, "procs": [row]})
-    with ThreadPoolExecutor(max_workers=8) as ex:  # a kubectl each, as ``status`` runs them
+    with LogProxy(k.binary) as proxy, ThreadPoolExecutor(max_workers=8) as ex:  # a request each, as ``status``
         return list(ex.map(one, pods))
 
 
-def stream_logs(k: Kubectl, text: str, lines: int, follow: bool, out: Callable[[str], None],
+def stream_logs(k: Kubectl, text: str, role: str, lines: int, follow: bool, out: Callable[[str], None],
                 job_dir: str = "") -> None:
+    """``logs``: the last ``lines`` lines of one pod's output (``text``: ``find_pod``'s names) or, ``text`` being
+    ``all``, of each pod of ``role``, each line headed ``[trainer.0@fit-trainer-0] `` as ``run`` shows it; with
+    ``follow``, their new lines until the pod ended (``all``: until the job's Jobs ended, pods that start meanwhile
+    included); the saved logs once the job's pods are gone."""
     pods = pod_states(k.run(k.get_pods()))
     if not pods and job_dir:  # the job's objects are deleted: its saved logs
-        rows = saved_rows(job_dir)
-        row = next((r for r in rows if text == r.name or text.replace("-", ".").endswith("." + r.name)), None)
-        if row is None:
-            raise ClusterError(f"no pods of this job left and no saved log of {text!r} in {job_dir}/log; saved: "
-                               f"{', '.join(r.name for r in rows) or 'none'}")
+        _saved_logs(job_dir, text, role, lines, out)
+        return
+    if text == ALL:
+        wanted: Callable[[PodState], bool] = lambda p: role == ALL or p.role == ROLES[role]  # noqa: E731
+    else:
+        name = find_pod(pods, text).name
+        wanted = lambda p: p.name == name  # noqa: E731
+    head = (lambda p: f"[{proc_name(p)}@{p.hostname}] ") if text == ALL else (lambda p: "")
+    lock = threading.Lock()
+
+    def show(p: PodState, raw: str) -> None:
+        if not raw.startswith(QUIET):  # a trainer's METRICS records at its end, and top's figures, are not output
+            with lock:
+                out(head(p) + raw.rstrip("\n"))
+    with LogProxy(k.binary) as proxy:
+        if not follow:
+            for p in sorted(filter(wanted, pods), key=lambda p: (p.role != PSERVER, p.index)):
+                if p.state:  # (a pod whose container never ran has no log)
+                    shown = [ln for ln in proxy.read(k.namespace, p.name).splitlines() if not ln.startswith(QUIET)]
+                    for line in shown[-lines:] if lines > 0 else []:
+                        show(p, line)
+            return
+        with stoppable():
+            try:
+                _follow_pods(k, proxy, wanted, lines, show, text == ALL)
+            except KeyboardInterrupt:
+                pass
+
+
+def _follow_pods(k: Kubectl, proxy: LogProxy, wanted: Callable[[PodState], bool], lines: int,
+                 show: Callable[[PodState, str], None], whole_job: bool) -> None:
+    """Each wanted pod's log from its last ``lines`` lines on (one that starts later: from its start), a thread each
+    through ``proxy``; the job's pods (and, ``whole_job``, its Jobs) listed through it every ``FOLLOW_ASK_S`` for
+    pods that start and for the end: the wanted pods ended (``whole_job``: the Jobs finished or deleted) and their
+    logs read out."""
+    followers: Dict[str, threading.Thread] = {}
+    problems: List[str] = []
+
+    def read(p: PodState, tail: Optional[int]) -> None:
+        try:
+            for raw in proxy.follow(k.namespace, p.name, tail=tail):
+                show(p, raw)
+        except ClusterError as e:
+            problems.append(f"pod/{p.name}: {e}")
+    tail: Optional[int] = lines if lines >= 0 else None  # then None: every line of a pod started since
+    while True:
+        # The Jobs before the pods: a pod the last listing of a finished job lacks was never followed.
+        done = not whole_job or all(_finished(j) for j in proxy.items(k.namespace, "apis/batch/v1", "jobs",
+                                                                       k.selector))
+        mine = [p for p in states_of(proxy.items(k.namespace, "api/v1", "pods", k.selector)) if wanted(p)]
+        for p in mine:
+            if p.state in ("running", "terminated") and p.name not in followers:
+                followers[p.name] = t = threading.Thread(target=read, args=(p, tail), daemon=True,
+                                                         name=f"logs-{p.name}")
+                t.start()
+        tail = None
+        if (done if whole_job else all(p.state == "terminated" for p in mine)) and not any(
+                t.is_alive() for t in followers.values()):
+            break
+        time.sleep(FOLLOW_ASK_S)
+    if problems:
+        raise ClusterError("; ".join(problems))
+
+
+def _finished(job: Dict[str, Any]) -> bool:
+    """Whether a Job's controller says it ended (Complete or Failed): none of its pods starts again."""
+    conds = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in conds)
+
+
+def _saved_logs(job_dir: str, text: str, role: str, lines: int, out: Callable[[str], None]) -> None:
+    rows = saved_rows(job_dir)
+    if text == ALL:
+        chosen = [r for r in rows if role == ALL or r.role == ROLES[role]]
+    else:
+        chosen = [r for r in rows if text == r.name or text.replace("-", ".").endswith("." + r.name)][:1]
+    if not chosen:
+        raise ClusterError(f"no pods of this job left and no saved log of {text!r} in {job_dir}/log; saved: "
+                           f"{', '.join(r.name for r in rows) or 'none'}")
+    for row in chosen:
         with open(os.path.join(job_dir, "log", f"{row.name}.log"), encoding="utf-8", errors="replace") as f:
             for line in f.read().splitlines()[-lines:] if lines > 0 else []:
-                out(line)
-        return
-    pod = find_pod(pods, text)
-    if not follow:  # the last lines of output: a trainer's METRICS records at its end are not output
-        shown = [ln for ln in k.run(k.logs(pod.name, follow=False)).splitlines() if not ln.startswith(QUIET)]
-        for line in shown[-lines:] if lines > 0 else []:
-            out(line)
-        return
-    argv = k.logs(pod.name, follow=follow, tail=lines)
-    with stoppable(), subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, errors="replace") as p:
-        assert p.stdout is not None and p.stderr is not None
-        try:
-            for line in p.stdout:
-                if not line.startswith(QUIET):
-                    out(line.rstrip("\n"))
-        except KeyboardInterrupt:
-            p.terminate()
-        err = p.stderr.read().strip()
-    if p.returncode not in (0, -15) and err:
-        raise ClusterError(f"kubectl logs pod/{pod.name}: {err.splitlines()[-1]}")
+                out((f"[{row.name}] " if text == ALL else "") + line)
+
