@@ -9,6 +9,7 @@ from each other.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable, List, Tuple
+from typing import Any, Iterable, Iterator, List, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "/home/paddle"  # ROOT_DIR on the SSH cluster's nodes (each has its own, see sshcluster.py)
@@ -542,3 +543,16 @@ def secret_holders(tops: Iterable[Path], needles: Iterable[str], skip: Iterable[
         os.waitpid(pid, 0)
         os.close(top_fd)
     return held, readable
+
+
+def run_alone(monkeypatch, tmp_path: Path, frontend: str = "") -> Iterator[Any]:
+    """The body of a test file's ``alone`` fixture: this process as a trainer run alone (no launcher's PADDLE_
+    variables, so a frontend starts its in-process pserver), in ``tmp_path``; with ``frontend`` ("torch",
+    "paddle") it yields ``paddle_cluster.<frontend>`` and shuts it down after the test."""
+    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    mod = importlib.import_module(f"paddle_cluster.{frontend}") if frontend else None
+    yield mod
+    if mod is not None:
+        mod.shutdown()

@@ -14,7 +14,7 @@ import numpy as np
 import patterns_job as J
 import pytest
 import rt_helpers as H
-from helpers import checkout_env, cli, free_port_range, local_conf
+from helpers import checkout_env, cli, free_port_range, local_conf, run_alone
 
 from paddle_cluster.contract import TRAINER
 from paddle_cluster.train.metrics import read_metrics
@@ -124,9 +124,7 @@ def test_top_and_plot_show_a_torch_script_s_reports(tmp_path):
 @pytest.fixture
 def alone(tmp_path, monkeypatch):
     """This process as a script run alone: no launcher's variables (its in-process pserver), in ``tmp_path``."""
-    for k in [k for k in __import__("os").environ if k.startswith("PADDLE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
+    yield from run_alone(monkeypatch, tmp_path)
 
 
 IDS = [[[0, 3], [2, 0]], [[3, 3], [1, 0]], [[0, 0], [2, 1]]]  # each step's ids; 0 is the padding id

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import overlap_job as J  # noqa: E402
 import rt_helpers as H  # noqa: E402
+from helpers import run_alone  # noqa: E402
 
 from paddle_cluster.contract import TRAINER  # noqa: E402
 
@@ -88,13 +89,7 @@ def test_clipping_after_synchronize_is_plain_torch_and_trainer_1_sends_its_gradi
 @pytest.fixture
 def alone(tmp_path, monkeypatch):
     """This process as a script run alone: no launcher's variables (its in-process pserver), in ``tmp_path``."""
-    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    import paddle_cluster.torch as pct
-
-    yield pct
-    pct.shutdown()
+    yield from run_alone(monkeypatch, tmp_path, "torch")
 
 
 @pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ pytest.importorskip("paddle")
 import paddle  # noqa: E402
 import paddle_job as J  # noqa: E402  (imports paddle, without its ccache warning)
 import rt_helpers as H  # noqa: E402
-from helpers import OMIT, assert_nothing_left, checkout_env, cli, local_conf, no_traceback, write_conf  # noqa: E402
+from helpers import OMIT, assert_nothing_left, checkout_env, cli, local_conf, no_traceback, run_alone, write_conf  # noqa: E402
 
 from paddle_cluster.contract import TRAINER  # noqa: E402
 
@@ -41,13 +41,7 @@ def _load(path: Path) -> dict:
 @pytest.fixture
 def alone(monkeypatch, tmp_path):
     """This process as a trainer with no launcher: no contract in the environment, an in-process pserver."""
-    import paddle_cluster.paddle as ppc
-
-    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    yield ppc
-    ppc.shutdown()
+    yield from run_alone(monkeypatch, tmp_path, "paddle")
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,6 @@ gradient, ``grad_clip`` on the whole batch's gradient, and every paddle.optimize
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("paddle")
 import paddle  # noqa: E402
 import paddle_patterns as J  # noqa: E402  (imports paddle, without its ccache warning)
 import rt_helpers as H  # noqa: E402
-from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf  # noqa: E402
+from helpers import OMIT, assert_nothing_left, cli, no_traceback, run_alone, write_conf  # noqa: E402
 
 from paddle_cluster.contract import TRAINER  # noqa: E402
 
@@ -61,13 +60,7 @@ def test_two_trainers_equal_plain_paddle_on_the_whole_batch(tmp_path, case):
 @pytest.fixture
 def alone(monkeypatch, tmp_path):
     """This process as a trainer with no launcher: an in-process pserver."""
-    import paddle_cluster.paddle as ppc
-
-    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    yield ppc
-    ppc.shutdown()
+    yield from run_alone(monkeypatch, tmp_path, "paddle")
 
 
 def _schedulers() -> dict:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 import rt_helpers as H  # noqa: E402
 import torch_patterns as J  # noqa: E402
-from helpers import OMIT, assert_nothing_left, cli, no_traceback, write_conf  # noqa: E402
+from helpers import OMIT, assert_nothing_left, cli, no_traceback, run_alone, write_conf  # noqa: E402
 
 from paddle_cluster.contract import TRAINER  # noqa: E402
 
@@ -126,13 +126,7 @@ def test_every_torch_scheduler_alone_equals_plain_torch(alone):
 @pytest.fixture
 def alone(monkeypatch, tmp_path):
     """This process as a trainer with no launcher: an in-process pserver."""
-    import paddle_cluster.torch as pct
-
-    for k in [k for k in os.environ if k.startswith("PADDLE_")]:
-        monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    yield pct
-    pct.shutdown()
+    yield from run_alone(monkeypatch, tmp_path, "torch")
 
 
 def test_refusals_are_one_line(alone):
